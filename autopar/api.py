@@ -1,0 +1,108 @@
+"""The Python API: plan a model, list its candidates, evaluate any assignment of them.
+
+>>> import autopar
+>>> plan = autopar.plan("models/resnet50.onnx", devices=8)          # doctest: +SKIP
+>>> plan.strategies["conv1"]                                          # doctest: +SKIP
+((8, 1, 1, 1), (1, 1, 1, 1))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import onnx
+
+from autopar.cost import PRECISIONS, CostModel, HardwareProfile, load_profile
+from autopar.errors import AutoparError, StrategyError
+from autopar.graph import Graph, load_model
+from autopar.layout import is_power_of_two
+from autopar.plan import Plan
+from autopar.search.driver import ALGORITHMS, MODES, run_search
+from autopar.search.problem import SearchProblem, build_problem
+
+ModelLike = str | Path | onnx.ModelProto | Graph
+
+
+def _check_devices(devices: int) -> None:
+    if isinstance(devices, bool) or not isinstance(devices, int) or not is_power_of_two(devices):
+        raise AutoparError(f"The device count must be a power of two (1, 2, 4, 8, ...), got {devices!r}.")
+    if devices > 1 << 30:
+        raise AutoparError(f"The device count {devices} is too large (at most 2^30).")
+
+
+def _graph(model: ModelLike, batch: int | None, dims: Mapping[str, int] | None) -> Graph:
+    if isinstance(model, Graph):
+        return model
+    return load_model(model, batch=batch, dims=dict(dims or {}))
+
+
+def _cost_model(cost_model: str | Path | HardwareProfile, precision: str) -> CostModel:
+    if precision not in PRECISIONS:
+        raise AutoparError(f"Unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}.")
+    profile = cost_model if isinstance(cost_model, HardwareProfile) else load_profile(cost_model)
+    return CostModel(profile, precision)  # type: ignore[arg-type]
+
+
+def build(model: ModelLike, devices: int = 8, cost_model: str | Path | HardwareProfile = "ascend910",
+          batch: int | None = None, dims: Mapping[str, int] | None = None,
+          precision: str = "mixed") -> SearchProblem:
+    """The search problem for a model on a device count (costs of every candidate and edge)."""
+    _check_devices(devices)
+    graph = _graph(model, batch, dims)
+    return build_problem(graph, _cost_model(cost_model, precision), devices)
+
+
+def plan(model: ModelLike, devices: int = 8, cost_model: str | Path | HardwareProfile = "ascend910",
+         batch: int | None = None, mode: str = "auto_parallel", *, dims: Mapping[str, int] | None = None,
+         precision: str = "mixed", search: str = "dp") -> Plan:
+    """Search the best sharding plan for ``model`` on ``devices`` devices.
+
+    ``mode`` is MindSpore's parallel mode: ``auto_parallel`` (search), ``data_parallel``
+    (split the batch everywhere) or ``stand_alone`` (every operator whole on every device).
+    """
+    if mode not in MODES:
+        raise AutoparError(f"Unknown mode {mode!r}; choose one of: {', '.join(MODES)}.")
+    if search not in ALGORITHMS:
+        raise AutoparError(f"Unknown search algorithm {search!r}; choose one of: {', '.join(ALGORITHMS)}.")
+    problem = build(model, devices, cost_model, batch, dims, precision)
+    result = run_search(problem, mode, search)
+    name = problem.graph.name
+    profile_name = problem.cost.profile.name
+    return Plan(problem, result.choice, result, name, mode, profile_name, precision)
+
+
+def candidates(model: ModelLike, devices: int = 8, batch: int | None = None,
+               dims: Mapping[str, int] | None = None) -> dict[str, list[tuple[tuple[int, ...], ...]]]:
+    """Every operator's candidate strategies (data parallel first)."""
+    _check_devices(devices)
+    graph = _graph(model, batch, dims)
+    from autopar.strategy import OpRule
+
+    mesh_bits = devices.bit_length() - 1
+    rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
+    return {rule.op.name: [rule.in_strategy(exps) for exps in rule.candidates] for rule in rules}
+
+
+def choice_for(problem: SearchProblem, strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[int]:
+    """Candidate indices for a full assignment of strategies; StrategyError on anything invalid."""
+    names = {rule.op.name for rule in problem.rules}
+    unknown = sorted(set(strategies) - names)
+    if unknown:
+        raise StrategyError(f"Strategies name operators the model does not have: {', '.join(unknown[:5])}.")
+    missing = [rule.op.name for rule in problem.rules if rule.op.name not in strategies]
+    if missing:
+        raise StrategyError(f"No strategy given for {len(missing)} operator(s), e.g. {missing[0]!r}.")
+    choice = []
+    for rule in problem.rules:
+        exps = rule.parse(strategies[rule.op.name])
+        choice.append(rule.candidates.index(exps))
+    return choice
+
+
+def evaluate(model: ModelLike, devices: int, strategies: Mapping[str, Sequence[Sequence[int]]],
+             cost_model: str | Path | HardwareProfile = "ascend910", batch: int | None = None,
+             dims: Mapping[str, int] | None = None, precision: str = "mixed") -> float:
+    """Predicted step time (the searched objective) of a full assignment of strategies."""
+    problem = build(model, devices, cost_model, batch, dims, precision)
+    return problem.objective(choice_for(problem, strategies))

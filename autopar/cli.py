@@ -1,0 +1,151 @@
+"""The `autopar` command line: plan and inspect (reads the core; the core never prints)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from pathlib import Path
+from typing import Sequence
+
+from autopar.errors import AutoparError
+
+MODES = ("auto_parallel", "data_parallel", "stand_alone")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one sentence instead of a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"autopar: error: {message} (see '{self.prog} --help').\n")
+
+
+def _dim_binding(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--dim expects name=value, got {text!r}")
+    try:
+        return name, int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--dim {name}: {value!r} is not an integer") from None
+
+
+def _devices(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--devices must be an integer, got {text!r}") from None
+    if value < 1 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"--devices must be a power of two (1, 2, 4, 8, ...), got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="ONNX model file")
+    parser.add_argument("--batch", type=_positive, help="override the leading dimension of the data inputs")
+    parser.add_argument("--dim", type=_dim_binding, action="append", default=[], metavar="NAME=VALUE",
+                        help="bind a symbolic input dimension (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="autopar", description="Auto-parallel strategy search for ONNX models.")
+    parser.add_argument("--version", action="version", version=f"autopar {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    plan = commands.add_parser("plan", help="search a sharding plan")
+    _add_model_arguments(plan)
+    plan.add_argument("--devices", type=_devices, default=8, help="number of devices, a power of two (default 8)")
+    plan.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
+    plan.add_argument("--mode", choices=MODES, default="auto_parallel")
+    plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    plan.add_argument("--search", choices=("dp",), default="dp", help="search algorithm")
+    plan.add_argument("--format", choices=("table", "json"), default="table")
+    plan.add_argument("--out", help="write the output to this file instead of stdout")
+
+    inspect = commands.add_parser("inspect", help="summarise a model: operators, parameters, FLOPs")
+    _add_model_arguments(inspect)
+    inspect.add_argument("--format", choices=("table", "json"), default="table")
+    return parser
+
+
+def _version() -> str:
+    from autopar import __version__
+
+    return __version__
+
+
+def _emit(text: str, out: str | None) -> None:
+    if out:
+        try:
+            Path(out).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise AutoparError(f"Cannot write {out!r}: {exc.strerror}.") from None
+    else:
+        sys.stdout.write(text)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.render import plan_table
+
+    result = autopar.plan(args.model, devices=args.devices, cost_model=args.cost_model, batch=args.batch,
+                          mode=args.mode, dims=dict(args.dim), precision=args.precision, search=args.search)
+    if result.fallback_ops:
+        print(f"autopar: warning: {len(result.fallback_ops)} operator(s) have no strategy rule and are kept"
+              f" replicated: {', '.join(result.fallback_ops[:5])}", file=sys.stderr)
+    text = result.to_json() + "\n" if args.format == "json" else plan_table(result)
+    _emit(text, args.out)
+    return 0
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from autopar.graph import load_model
+    from autopar.render import inspect_summary, inspect_table
+
+    graph = load_model(args.model, batch=args.batch, dims=dict(args.dim))
+    summary = inspect_summary(graph)
+    text = json.dumps(summary, indent=2) + "\n" if args.format == "json" else inspect_table(summary)
+    sys.stdout.write(text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _run_plan(args)
+        return _run_inspect(args)
+    except AutoparError as exc:
+        print(f"autopar: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # a bug in autopar, not in the input: say so plainly
+        if os.environ.get("AUTOPAR_DEBUG"):
+            raise
+        print(f"autopar: internal error: {type(exc).__name__}: {exc} (set AUTOPAR_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+

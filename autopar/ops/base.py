@@ -1,0 +1,131 @@
+"""Operator strategy rules, written as einsum-like index specs.
+
+Each rule names the *labels* (loop indices) of an operator: which tensor dimensions carry
+which label. A strategy assigns a power-of-two split factor to every label; that one choice
+fixes the split of every input and output dimension. A label present in the inputs but not
+in the outputs is reduced over, so splitting it leaves the outputs *partial*. Dimensions
+labelled ``None`` cannot be split by this rule (for instance convolution windows).
+
+The device matrix follows MindSpore: the repeated-calculation factor first, then the labels
+in order of first appearance, the last label on the lowest (fastest) rank bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from autopar.graph import Graph, OpNode
+
+Labels = tuple[str | None, ...]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """How an operator's tensors are indexed, and how its work is classed for costing.
+
+    ``inputs``/``outputs`` hold a label tuple per tensor (None for an absent optional input).
+    ``strategy_labels`` is what the in_strategy tuple spells for each input; it defaults to
+    the input labels (OneHot overrides it, as MindSpore's OneHot strategy describes the output).
+    ``local_once_inputs`` are inputs a rank adds only when it holds the first shard of every
+    reduced label (a bias under a split contraction must be added exactly once).
+    """
+
+    inputs: tuple[Labels | None, ...]
+    outputs: tuple[Labels, ...]
+    reduce_op: str = "sum"
+    op_class: str = "vector"  # "cube" (matrix unit), "vector" or "free" (metadata only)
+    strategy_labels: tuple[Labels | None, ...] | None = None
+    local_once_inputs: tuple[int, ...] = ()
+    differentiable: bool = True
+    fallback: bool = False
+    label_order: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.label_order:
+            order: list[str] = []
+            for labels in list(self.inputs) + list(self.outputs):
+                for label in labels or ():
+                    if label is not None and label not in order:
+                        order.append(label)
+            object.__setattr__(self, "label_order", tuple(order))
+        if self.strategy_labels is None:
+            object.__setattr__(self, "strategy_labels", self.inputs)
+
+    @property
+    def reduced_labels(self) -> tuple[str, ...]:
+        out = {label for labels in self.outputs for label in labels if label is not None}
+        return tuple(label for label in self.label_order if label not in out)
+
+
+RuleFn = Callable[[OpNode, Graph], OpSpec]
+_RULES: dict[str, RuleFn] = {}
+
+
+def rule(*op_types: str) -> Callable[[RuleFn], RuleFn]:
+    """Register a strategy rule for one or more ONNX operator types."""
+
+    def register(fn: RuleFn) -> RuleFn:
+        for op_type in op_types:
+            _RULES[op_type] = fn
+        return fn
+
+    return register
+
+
+def registered_op_types() -> list[str]:
+    return sorted(_RULES)
+
+
+def has_rule(op: OpNode) -> bool:
+    return op.op_type in _RULES and op.domain in ("", "ai.onnx")
+
+
+def spec_for(op: OpNode, graph: Graph) -> OpSpec:
+    """The rule's spec for this operator, or a replicated fallback when no rule applies."""
+    if has_rule(op):
+        return _RULES[op.op_type](op, graph)
+    return fallback_spec(op, graph)
+
+
+def fallback_spec(op: OpNode, graph: Graph) -> OpSpec:
+    """Keep an unknown operator whole on every device: inputs gathered, outputs replicated."""
+    inputs = tuple(tuple(None for _ in graph.tensor(name).shape) if name else None for name in op.inputs)
+    outputs = tuple(tuple(None for _ in graph.tensor(name).shape) if name else () for name in op.outputs)
+    return OpSpec(inputs=inputs, outputs=outputs, fallback=True)
+
+
+# --- helpers shared by the rule modules -----------------------------------------------------
+
+
+def shape(graph: Graph, name: str) -> tuple[int, ...]:
+    return graph.tensor(name).shape
+
+
+def dim_labels(rank: int, prefix: str = "d") -> Labels:
+    return tuple(f"{prefix}{i}" for i in range(rank))
+
+
+def broadcast_labels(input_shape: Sequence[int], output_shape: Sequence[int], prefix: str = "d") -> Labels:
+    """Numpy broadcasting: align from the right; a size-1 dimension that broadcasts gets no label."""
+    offset = len(output_shape) - len(input_shape)
+    labels = []
+    for i, size in enumerate(input_shape):
+        out_size = output_shape[offset + i]
+        labels.append(None if size == 1 and out_size != 1 else f"{prefix}{offset + i}")
+    return tuple(labels)
+
+
+def no_split(rank: int) -> Labels:
+    return tuple(None for _ in range(rank))
+
+
+def normalize_axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def constant_value(graph: Graph, name: str):
+    """The value of a constant input (axes, shapes), or None when it is computed at run time."""
+    if not name or name not in graph.tensors:
+        return None
+    return graph.tensor(name).value

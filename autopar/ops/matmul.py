@@ -1,0 +1,52 @@
+"""Gemm and MatMul: split rows (i), the contraction (k, partial output) and columns (j).
+
+MatMul also splits its (broadcast) batch dimensions. Under a split contraction, Gemm's bias
+is added by one rank of each partial group only, so the reduced sum counts it once.
+"""
+
+from __future__ import annotations
+
+from autopar.graph import Graph, OpNode
+from autopar.ops.base import OpSpec, broadcast_labels, rule, shape
+
+
+@rule("Gemm")
+def gemm(op: OpNode, graph: Graph) -> OpSpec:
+    a = ("k", "i") if int(op.attrs.get("transA", 0)) else ("i", "k")
+    b = ("j", "k") if int(op.attrs.get("transB", 0)) else ("k", "j")
+    out_shape = shape(graph, op.outputs[0])
+    inputs: list = [a, b]
+    if len(op.inputs) > 2 and op.inputs[2]:
+        c_labels = broadcast_labels(shape(graph, op.inputs[2]), out_shape, prefix="d")
+        inputs.append(tuple({"d0": "i", "d1": "j"}.get(label, None) if label else None for label in c_labels))
+    return OpSpec(inputs=tuple(inputs), outputs=(("i", "j"),), op_class="cube", local_once_inputs=(2,),
+                  label_order=("i", "k", "j"))
+
+
+@rule("MatMul")
+def matmul(op: OpNode, graph: Graph) -> OpSpec:
+    a_shape = shape(graph, op.inputs[0])
+    b_shape = shape(graph, op.inputs[1])
+    out_shape = shape(graph, op.outputs[0])
+    batch_rank = len(out_shape) - (2 if len(a_shape) > 1 and len(b_shape) > 1 else 1)
+    batch_out = out_shape[:batch_rank]
+
+    def batch_labels(operand_batch: tuple[int, ...]) -> tuple:
+        labels = broadcast_labels(operand_batch, batch_out, prefix="b")
+        return labels
+
+    if len(a_shape) == 1:
+        a: tuple = ("k",)
+    else:
+        a = batch_labels(a_shape[:-2]) + ("i", "k")
+    if len(b_shape) == 1:
+        b: tuple = ("k",)
+    else:
+        b = batch_labels(b_shape[:-2]) + ("k", "j")
+    out = tuple(f"b{i}" for i in range(batch_rank))
+    if len(a_shape) > 1:
+        out += ("i",)
+    if len(b_shape) > 1:
+        out += ("j",)
+    order = tuple(f"b{i}" for i in range(batch_rank)) + ("i", "k", "j")
+    return OpSpec(inputs=(a, b), outputs=(out,), op_class="cube", label_order=order)

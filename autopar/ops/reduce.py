@@ -1,0 +1,47 @@
+"""Reductions: any dimension may be split; splitting a reduced one leaves a partial result.
+
+ReduceMax/ReduceMin partials combine with max/min; ReduceSum/ReduceMean partials with a sum
+(a rank's ReduceMean divides its local sum by the *global* count).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.graph import Graph, OpNode
+from autopar.ops.base import OpSpec, constant_value, dim_labels, normalize_axis, rule, shape
+
+_REDUCE_OP = {"ReduceMax": "max", "ReduceMin": "min", "ReduceSum": "sum", "ReduceMean": "sum"}
+
+
+def reduced_axes(op: OpNode, graph: Graph, rank: int) -> list[int] | None:
+    """The reduced axes, or None when they are not known at planning time."""
+    if "axes" in op.attrs:
+        axes = list(op.attrs["axes"])
+    elif len(op.inputs) > 1 and op.inputs[1]:
+        value = constant_value(graph, op.inputs[1])
+        if value is None:
+            return None
+        axes = [int(a) for a in np.asarray(value).reshape(-1)]
+    else:
+        axes = []
+    if not axes:
+        return [] if int(op.attrs.get("noop_with_empty_axes", 0)) else list(range(rank))
+    return sorted(normalize_axis(int(a), rank) for a in axes)
+
+
+@rule(*_REDUCE_OP)
+def reduce(op: OpNode, graph: Graph) -> OpSpec:
+    rank = len(shape(graph, op.inputs[0]))
+    axes = reduced_axes(op, graph, rank)
+    labels = dim_labels(rank)
+    if axes is None:
+        axes = list(range(rank))
+        labels = tuple(None for _ in range(rank))
+    keepdims = int(op.attrs.get("keepdims", 1))
+    if keepdims:
+        out = tuple(None if i in axes else label for i, label in enumerate(labels))
+    else:
+        out = tuple(label for i, label in enumerate(labels) if i not in axes)
+    inputs = (labels,) + tuple(None for _ in op.inputs[1:])
+    return OpSpec(inputs=inputs, outputs=(out,), reduce_op=_REDUCE_OP[op.op_type])

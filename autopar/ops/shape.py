@@ -1,0 +1,51 @@
+"""Reshape-like operators (Reshape, Flatten, Squeeze, Unsqueeze).
+
+A split survives a reshape when it cuts the leading dimension of a block of dimensions that
+maps onto a block of the output: the shard stays one contiguous run of memory on both sides.
+Any other split must be gathered first (the rule gives those dimensions no label).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from autopar.graph import Graph, OpNode
+from autopar.ops.base import Labels, OpSpec, rule, shape
+
+
+def reshape_labels(in_shape: Sequence[int], out_shape: Sequence[int]) -> tuple[Labels, Labels]:
+    """Group dimensions into blocks of equal size; the leading dims of a block share a label."""
+    in_labels: list[str | None] = [None] * len(in_shape)
+    out_labels: list[str | None] = [None] * len(out_shape)
+    i = j = 0
+    block = 0
+    while i < len(in_shape) and j < len(out_shape):
+        in_dims, out_dims = [i], [j]
+        in_size, out_size = in_shape[i], out_shape[j]
+        i += 1
+        j += 1
+        while in_size != out_size:
+            if in_size < out_size and i < len(in_shape):
+                in_size *= in_shape[i]
+                in_dims.append(i)
+                i += 1
+            elif j < len(out_shape):
+                out_size *= out_shape[j]
+                out_dims.append(j)
+                j += 1
+            else:
+                return tuple(in_labels), tuple(out_labels)
+        lead_in = next((d for d in in_dims if in_shape[d] > 1), None)
+        lead_out = next((d for d in out_dims if out_shape[d] > 1), None)
+        if lead_in is not None and lead_out is not None:
+            in_labels[lead_in] = f"r{block}"
+            out_labels[lead_out] = f"r{block}"
+        block += 1
+    return tuple(in_labels), tuple(out_labels)
+
+
+@rule("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def reshape(op: OpNode, graph: Graph) -> OpSpec:
+    in_labels, out_labels = reshape_labels(shape(graph, op.inputs[0]), shape(graph, op.outputs[0]))
+    inputs = (in_labels,) + tuple(None for _ in op.inputs[1:])
+    return OpSpec(inputs=inputs, outputs=(out_labels,), op_class="free")

@@ -1,0 +1,113 @@
+"""Plain-text views for the CLI: the plan table and the model summary (deterministic, fixed width)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autopar.graph import Graph
+    from autopar.plan import Plan
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _bytes(count: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{int(count)} B"
+
+
+def _strategy(entry: list[list[int]]) -> str:
+    return "(" + ",".join("(" + ",".join(str(f) for f in s) + ("," if len(s) == 1 else "") + ")" for s in entry) + ")"
+
+
+def _step_text(step: dict[str, Any]) -> str:
+    bits = "".join(f"b{b}" for b in step["bits"])
+    return f"{step['collective']}[{step['group_size']} over {bits}, {_bytes(step['bytes'])}]"
+
+
+def plan_table(plan: "Plan") -> str:
+    data = plan.to_dict()
+    lines = [f"autopar plan: {data['model']} on {data['devices']} devices"
+             f" ({data['cost_model']}, {data['precision']} precision, {data['mode']})", ""]
+    incoming: dict[str, list[str]] = {}
+    for red in data["redistributions"]:
+        target = red["consumer"] if red["consumer"] != "<graph output>" else red["producer"]
+        incoming.setdefault(target, []).extend(_step_text(s) for s in red["steps"] if s["collective"] != "Slice")
+    name_width = max(12, min(40, max(len(op["name"]) for op in data["ops"])))
+    strategies = [_strategy(op["strategy"]) for op in data["ops"]]
+    strategy_width = max(10, min(44, max(len(s) for s in strategies)))
+    header = (f"{'operator':<{name_width}}  {'type':<18}  {'strategy':<{strategy_width}}  {'compute ms':>10}"
+              f"  {'comm ms':>9}  collectives before this op")
+    lines += [header, "-" * len(header)]
+    for op, strategy in zip(data["ops"], strategies):
+        lines.append(f"{op['name'][:name_width]:<{name_width}}  {op['op_type'][:18]:<18}  {strategy:<{strategy_width}}"
+                     f"  {_ms(op['cost']['compute_s']):>10}  {_ms(op['cost']['communication_s']):>9}"
+                     f"  {' '.join(incoming.get(op['name'], [])) or '-'}")
+    lines.append("")
+    kinds = Counter(s["collective"] for red in data["redistributions"] for s in red["steps"])
+    red_seconds = sum(red["seconds"] for red in data["redistributions"])
+    lines.append(f"redistributions: {len(data['redistributions'])} tensors, "
+                 + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
+                 + f"; {_ms(red_seconds)} ms forward+backward")
+    synced = [g for g in data["gradient_sync"] if g["collective"]]
+    lines.append(f"gradient sync:   {len(synced)} of {len(data['gradient_sync'])} parameters AllReduced,"
+                 f" {_bytes(sum(g['bytes'] for g in synced))}, {_ms(sum(g['seconds'] for g in synced))} ms")
+    if data["fallback_ops"]:
+        lines.append(f"fallback ops:    {len(data['fallback_ops'])} kept replicated: {', '.join(data['fallback_ops'])}")
+    totals = data["totals"]
+    lines += [
+        "",
+        f"step time:        {_ms(totals['step_time_s'])} ms predicted"
+        f"  (compute {_ms(totals['compute_s'])} ms, communication {_ms(totals['communication_s'])} ms)",
+        f"vs data parallel: {_ms(totals['data_parallel_step_time_s'])} ms"
+        f"  -> this plan is x{totals['speedup_vs_data_parallel']:.3f}",
+        f"ideal step time:  {_ms(totals['ideal_step_time_s'])} ms (training FLOPs / (devices x peak))",
+        f"memory/device:    {_bytes(totals['memory_per_device_bytes'])} of {_bytes(totals['memory_capacity_bytes'])}",
+        f"search:           {data['search']['algorithm']} over {data['search']['candidates']} candidates"
+        f" of {data['search']['operators']} operators",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def inspect_summary(graph: "Graph") -> dict[str, Any]:
+    by_type: dict[str, dict[str, float]] = {}
+    for op in graph.ops:
+        entry = by_type.setdefault(op.op_type, {"count": 0, "flops": 0.0})
+        entry["count"] += 1
+        entry["flops"] += op.flops
+    params = graph.parameters
+    return {
+        "model": graph.name,
+        "operators": len(graph.ops),
+        "ops_by_type": dict(sorted(by_type.items(), key=lambda item: (-item[1]["flops"], item[0]))),
+        "inputs": {name: list(graph.tensor(name).shape) for name in graph.inputs},
+        "outputs": {name: list(graph.tensor(name).shape) for name in graph.outputs if name in graph.tensors},
+        "parameters": {
+            "tensors": len(params),
+            "elements": sum(p.numel for p in params),
+            "trainable_elements": sum(p.numel for p in params if p.trainable),
+        },
+        "forward_flops": graph.total_flops,
+    }
+
+
+def inspect_table(summary: dict[str, Any]) -> str:
+    lines = [f"model {summary['model']}: {summary['operators']} operators,"
+             f" {summary['forward_flops'] / 1e9:.2f} GFLOPs forward", ""]
+    for name, shape in summary["inputs"].items():
+        lines.append(f"input   {name}: {shape}")
+    for name, shape in summary["outputs"].items():
+        lines.append(f"output  {name}: {shape}")
+    params = summary["parameters"]
+    lines += ["", f"parameters: {params['tensors']} tensors, {params['elements']:,} elements"
+                  f" ({params['trainable_elements']:,} trainable)", "",
+              f"{'op type':<24}{'count':>7}{'GFLOPs':>12}{'share':>8}"]
+    total = summary["forward_flops"] or 1.0
+    for op_type, entry in summary["ops_by_type"].items():
+        lines.append(f"{op_type:<24}{entry['count']:>7}{entry['flops'] / 1e9:>12.3f}{100 * entry['flops'] / total:>7.1f}%")
+    return "\n".join(lines) + "\n"

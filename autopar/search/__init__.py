@@ -1,0 +1,1 @@
+"""Strategy search: the problem (costs), the elimination DP, and the memory-constrained driver."""

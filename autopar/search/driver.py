@@ -1,0 +1,97 @@
+"""Run a search mode on a problem, with device memory as a constraint.
+
+Memory enters through a Lagrangian weight: if the fastest plan does not fit, the DP is rerun
+with ``time + lambda * memory`` and lambda is bisected to the smallest value whose plan fits.
+That is exact whenever the fastest plan fits (the usual case) and a good feasible plan
+otherwise; when even the leanest plan does not fit, the error names the largest tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.errors import InfeasibleError
+from autopar.search.dp import minimise, tie_break_unary
+from autopar.search.problem import SearchProblem
+
+MODES = ("auto_parallel", "data_parallel", "stand_alone")
+ALGORITHMS = ("dp",)
+_BISECTION_STEPS = 40
+
+
+@dataclass
+class SearchResult:
+    choice: list[int]
+    algorithm: str
+    time_s: float
+    lagrange_multiplier: float = 0.0
+
+
+def data_parallel_choice(problem: SearchProblem) -> list[int]:
+    """Every candidate list starts with the data-parallel strategy."""
+    return [0] * problem.size
+
+
+def stand_alone_choice(problem: SearchProblem) -> list[int]:
+    return [rule.candidates.index(rule.stand_alone) for rule in problem.rules]
+
+
+def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: str = "dp") -> SearchResult:
+    start = time.perf_counter()
+    capacity = problem.cost.capacity
+    if mode == "data_parallel":
+        choice, used, multiplier = data_parallel_choice(problem), "data_parallel", 0.0
+    elif mode == "stand_alone":
+        choice, used, multiplier = stand_alone_choice(problem), "stand_alone", 0.0
+    else:
+        choice, multiplier = _constrained_dp(problem, capacity)
+        used = algorithm
+    memory = problem.memory(choice)
+    if memory > capacity:
+        raise InfeasibleError(_infeasible_message(problem, choice, capacity, mode))
+    return SearchResult(choice, used, time.perf_counter() - start, multiplier)
+
+
+def _constrained_dp(problem: SearchProblem, capacity: float) -> tuple[list[int], float]:
+    base = problem.objective(data_parallel_choice(problem))
+    unary = tie_break_unary(problem, base)
+    choice = minimise(problem, unary)
+    if problem.memory(choice) <= capacity:
+        return choice, 0.0
+    leanest = minimise(problem, [m + 1e-9 * t for m, t in zip(problem.node_memory, problem.node_time)])
+    if problem.memory(leanest) > capacity:
+        raise InfeasibleError(_infeasible_message(problem, leanest, capacity, "auto_parallel"))
+    low, high = 0.0, base / capacity
+    best = leanest
+    while True:
+        trial = minimise(problem, [u + high * m for u, m in zip(unary, problem.node_memory)])
+        if problem.memory(trial) <= capacity:
+            best = trial
+            break
+        low, high = high, high * 4
+        if high > 1e12 * base / capacity:
+            return leanest, float("inf")
+    for _ in range(_BISECTION_STEPS):
+        middle = (low + high) / 2
+        trial = minimise(problem, [u + middle * m for u, m in zip(unary, problem.node_memory)])
+        if problem.memory(trial) <= capacity:
+            best, high = trial, middle
+        else:
+            low = middle
+    return best, high
+
+
+def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: float, mode: str) -> str:
+    need = problem.memory(choice)
+    per_op = sorted(((float(problem.node_memory[i][c]), i) for i, c in enumerate(choice)), reverse=True)[:3]
+    heavy = ", ".join(f"{problem.rules[i].op.name} ({mem / 1e9:.2f} GB)" for mem, i in per_op)
+    what = "the leanest plan" if mode == "auto_parallel" else f"the {mode} plan"
+    return (f"Nothing fits in device memory: {what} needs {need / 1e9:.2f} GB per device but the device has"
+            f" {capacity / 1e9:.2f} GB; the heaviest operators are {heavy}.")
+
+
+def best_assignment_memory(problem: SearchProblem, choice: list[int]) -> np.ndarray:
+    return np.array([problem.node_memory[i][c] for i, c in enumerate(choice)])

@@ -1,0 +1,289 @@
+"""The search problem: a cost vector per operator and a cost matrix per dataflow edge.
+
+The objective (predicted step time) is additive: a node's cost covers its forward and
+backward compute, the gradient AllReduce of the parameters it owns and the reduction of any
+partial graph output; an edge's cost is the redistribution between the producer's output
+layout and the consumer's input layout, forward and (dual) backward. Parameters and data
+inputs are owned by their first consumer, which stores or loads them in the layout it wants;
+every later consumer redistributes from there. Memory per device is additive too and is
+kept beside the time, for the capacity constraint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from autopar.cost import CostModel
+from autopar.graph import Graph, TensorInfo
+from autopar.layout import Layout
+from autopar.redistribute import BACKWARD_DUAL, Step, redistribute, symbolic_steps
+from autopar.strategy import OpRule
+
+NON_DIFFERENTIABLE_TYPES = {"OneHot", "Shape", "ArgMax", "ArgMin", "Equal", "Less", "Greater", "NonZero"}
+
+
+@dataclass(frozen=True)
+class TensorUse:
+    """A consumer reading a tensor from a source layout: a producer's output or an owner's input."""
+
+    tensor: str
+    src_node: int
+    src_slot: int
+    src_is_output: bool
+    dst_node: int
+    dst_slot: int
+
+
+@dataclass
+class SearchProblem:
+    """Everything the solvers need, and everything lowering needs to explain the answer."""
+
+    graph: Graph
+    rules: list[OpRule]
+    cost: CostModel
+    num_devices: int
+    mesh_bits: int
+    node_time: list[np.ndarray] = field(default_factory=list)
+    node_compute: list[np.ndarray] = field(default_factory=list)
+    node_sync: list[np.ndarray] = field(default_factory=list)
+    node_memory: list[np.ndarray] = field(default_factory=list)
+    edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    uses: list[TensorUse] = field(default_factory=list)
+    requires_grad: dict[str, bool] = field(default_factory=dict)
+    owner: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _redistribution_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.rules)
+
+    def candidates(self, node: int) -> list[tuple[int, ...]]:
+        return self.rules[node].candidates
+
+    def objective(self, choice: Sequence[int]) -> float:
+        """Predicted step time of one assignment (candidate index per node)."""
+        total = sum(float(self.node_time[i][c]) for i, c in enumerate(choice))
+        for (i, j), matrix in self.edges.items():
+            total += float(matrix[choice[i], choice[j]])
+        return total
+
+    def memory(self, choice: Sequence[int]) -> float:
+        return sum(float(self.node_memory[i][c]) for i, c in enumerate(choice))
+
+    # --- pieces shared with lowering ---------------------------------------------------------
+
+    def source_layout(self, use: TensorUse, choice_of_src: int) -> Layout:
+        inputs, outputs = self.rules[use.src_node].candidate_layouts(choice_of_src)
+        return (outputs if use.src_is_output else inputs)[use.src_slot]
+
+    def itemsize(self, tensor: TensorInfo) -> int:
+        return self.cost.activation_itemsize(tensor.dtype)
+
+    def redistribution(self, tensor: str, src: Layout, dst: Layout) -> tuple[tuple[Step, ...], float, float]:
+        """Steps and their forward / backward seconds."""
+        info = self.graph.tensor(tensor)
+        steps = redistribute(src, dst, info.shape, self.itemsize(info))
+        forward = sum(self.cost.collective_time(s.kind, s.bits, s.nbytes) for s in steps)
+        backward = 0.0
+        if self.requires_grad.get(tensor, False):
+            for s in steps:
+                dual = BACKWARD_DUAL[s.kind]
+                if dual is not None:
+                    backward += self.cost.collective_time(dual, s.bits, s.nbytes)
+        return steps, forward, backward
+
+    def redistribution_coefficients(self, src: Layout, dst: Layout, with_backward: bool) -> tuple[float, float]:
+        """(latency, seconds per byte of the whole tensor) of a redistribution, forward plus backward.
+
+        Shape-free, so one computation serves every tensor with the same pair of layouts.
+        """
+        key = (src, dst, with_backward)
+        hit = self._redistribution_cache.get(key)
+        if hit is None:
+            latency = per_byte = 0.0
+            for kind, bits, shift, *_ in symbolic_steps(src, dst):
+                kinds = [kind] + ([BACKWARD_DUAL[kind]] if with_backward and BACKWARD_DUAL[kind] else [])
+                for k in kinds:
+                    lat, coef = self.cost.collective_coefficients(k, bits)
+                    latency += lat
+                    per_byte += coef / (1 << shift)
+            hit = (latency, per_byte)
+            self._redistribution_cache[key] = hit
+        return hit
+
+    def gradient_sync_bits(self, node: int, exps: Sequence[int], slot: int) -> tuple[int, ...]:
+        """Bits over which a parameter's gradient is partial: labels of the op the parameter lacks."""
+        rule = self.rules[node]
+        labels = rule.spec.inputs[slot] or ()
+        bits = rule.label_bits(exps)
+        return tuple(sorted((b for label in rule.spec.label_order if label not in labels for b in bits[label]),
+                            reverse=True))
+
+
+def build_problem(graph: Graph, cost: CostModel, num_devices: int) -> SearchProblem:
+    """Cost every candidate of every operator and every edge between them."""
+    mesh_bits = num_devices.bit_length() - 1
+    rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
+    problem = SearchProblem(graph, rules, cost, num_devices, mesh_bits)
+    problem.requires_grad = _requires_grad(graph, rules)
+    _assign_uses(problem)
+    for node in range(len(rules)):
+        compute, sync, memory = _node_costs(problem, node)
+        problem.node_compute.append(compute)
+        problem.node_sync.append(sync)
+        problem.node_time.append(compute + sync)
+        problem.node_memory.append(memory)
+    _edge_costs(problem)
+    return problem
+
+
+def _requires_grad(graph: Graph, rules: list[OpRule]) -> dict[str, bool]:
+    grad = {name: info.kind == "parameter" and info.trainable for name, info in graph.tensors.items()}
+    for rule in rules:
+        op = rule.op
+        needs = rule.spec.differentiable and op.op_type not in NON_DIFFERENTIABLE_TYPES and any(
+            grad.get(name, False) for name in op.inputs if name)
+        for out in op.outputs:
+            if out:
+                grad[out] = needs and graph.tensor(out).is_float
+    return grad
+
+
+def _assign_uses(problem: SearchProblem) -> None:
+    graph = problem.graph
+    node_of = {rule.op.name: i for i, rule in enumerate(problem.rules)}
+    for node, rule in enumerate(problem.rules):
+        for slot, name in enumerate(rule.op.inputs):
+            if not name:
+                continue
+            info = graph.tensor(name)
+            if info.kind == "constant":
+                continue  # every rank holds constants whole and slices them locally
+            if info.kind == "activation":
+                producer = problem.rules[node_of[graph.producer[name]]]
+                src = node_of[producer.op.name]
+                out_slot = producer.op.outputs.index(name)
+                problem.uses.append(TensorUse(name, src, out_slot, True, node, slot))
+            elif name not in problem.owner:
+                problem.owner[name] = (node, slot)
+            else:
+                src, src_slot = problem.owner[name]
+                problem.uses.append(TensorUse(name, src, src_slot, False, node, slot))
+
+
+def _local_bytes(layout: Layout | None, info: TensorInfo, itemsize: int) -> int:
+    if layout is None:
+        return 0
+    return layout.local_numel(info.shape) * itemsize
+
+
+def backward_passes(problem: SearchProblem, node: int) -> int:
+    """Backward work in units of the forward: a matmul/conv pays once per operand needing a gradient."""
+    rule = problem.rules[node]
+    op = rule.op
+    if not rule.spec.differentiable or op.op_type in NON_DIFFERENTIABLE_TYPES:
+        return 0
+    grad_inputs = [slot for slot, name in enumerate(op.inputs) if name and problem.requires_grad.get(name, False)]
+    if rule.spec.op_class == "cube":
+        return len([slot for slot in grad_inputs if slot < 2])
+    return 1 if grad_inputs else 0
+
+
+def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per candidate: compute seconds, communication seconds the node owns, memory bytes."""
+    rule = problem.rules[node]
+    op, graph, cost = rule.op, problem.graph, problem.cost
+    grad = problem.requires_grad
+    op_class = rule.spec.op_class
+    passes = backward_passes(problem, node)
+    outputs_graph = set(graph.outputs)
+    compute = np.zeros(len(rule.candidates))
+    sync = np.zeros(len(rule.candidates))
+    memory = np.zeros(len(rule.candidates))
+    for c, exps in enumerate(rule.candidates):
+        in_layouts, out_layouts = rule.candidate_layouts(c)
+        traffic = 0
+        for name, layout in zip(op.inputs, in_layouts):
+            if name:
+                traffic += _local_bytes(layout, graph.tensor(name), problem.itemsize(graph.tensor(name)))
+        for name, layout in zip(op.outputs, out_layouts):
+            if name:
+                traffic += _local_bytes(layout, graph.tensor(name), problem.itemsize(graph.tensor(name)))
+        forward = cost.compute_time(op_class, op.flops / rule.shards(exps), traffic)
+        compute[c] = forward * (1.0 + cost.backward_factor * passes)
+        seconds = 0.0
+        mem = 0.0
+        for slot, name in enumerate(op.inputs):
+            if not name or problem.owner.get(name) != (node, slot):
+                continue
+            info = graph.tensor(name)
+            numel = in_layouts[slot].local_numel(info.shape)
+            if info.kind == "parameter":
+                mem += numel * cost.parameter_bytes_per_element(info.trainable)
+                if info.trainable:
+                    bits = problem.gradient_sync_bits(node, exps, slot)
+                    seconds += cost.gradient_sync_time(bits, numel * cost.gradient_itemsize())
+            else:
+                mem += numel * problem.itemsize(info)
+        for name, layout in zip(op.outputs, out_layouts):
+            if not name:
+                continue
+            info = graph.tensor(name)
+            if grad.get(name, False):
+                mem += _local_bytes(layout, info, problem.itemsize(info))
+            if name in outputs_graph and layout.partial:
+                _, fwd, _ = problem.redistribution(name, layout, Layout(layout.dims))
+                seconds += fwd
+        sync[c] = seconds
+        memory[c] = mem
+    return compute, sync, memory
+
+
+def _edge_costs(problem: SearchProblem) -> None:
+    layout_ids: dict[Layout, int] = {}
+    layouts_cache: dict[tuple[int, bool, int], tuple[list[Layout], np.ndarray]] = {}
+    coefficient_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def distinct_layouts(node: int, is_output: bool, slot: int) -> tuple[list[Layout], np.ndarray, tuple]:
+        key = (node, is_output, slot)
+        if key not in layouts_cache:
+            rule = problem.rules[node]
+            per_candidate = [rule.candidate_layouts(c)[1 if is_output else 0][slot] for c in range(len(rule.candidates))]
+            index: dict[Layout, int] = {}
+            positions = np.array([index.setdefault(layout, len(index)) for layout in per_candidate], dtype=np.int64)
+            layouts_cache[key] = (list(index), positions)
+        unique, positions = layouts_cache[key]
+        ids = tuple(layout_ids.setdefault(layout, len(layout_ids)) for layout in unique)
+        return unique, positions, ids
+
+    for use in problem.uses:
+        src_unique, src_pos, src_ids = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)
+        dst_unique, dst_pos, dst_ids = distinct_layouts(use.dst_node, False, use.dst_slot)
+        info = problem.graph.tensor(use.tensor)
+        total_bytes = info.numel * problem.itemsize(info)
+        with_backward = problem.requires_grad.get(use.tensor, False)
+        key = (src_ids, dst_ids, with_backward)
+        if key not in coefficient_cache:
+            latency = np.zeros((len(src_unique), len(dst_unique)))
+            per_byte = np.zeros_like(latency)
+            for a, src in enumerate(src_unique):
+                for b, dst in enumerate(dst_unique):
+                    latency[a, b], per_byte[a, b] = problem.redistribution_coefficients(src, dst, with_backward)
+            coefficient_cache[key] = (latency, per_byte)
+        latency, per_byte = coefficient_cache[key]
+        small = latency + per_byte * total_bytes
+        matrix = small[np.ix_(src_pos, dst_pos)]
+        i, j = use.src_node, use.dst_node
+        if i == j:
+            problem.node_time[i] = problem.node_time[i] + np.diagonal(matrix)
+            problem.node_sync[i] = problem.node_sync[i] + np.diagonal(matrix)
+            continue
+        if i > j:
+            i, j, matrix = j, i, matrix.T
+        if (i, j) in problem.edges:
+            problem.edges[(i, j)] = problem.edges[(i, j)] + matrix
+        else:
+            problem.edges[(i, j)] = np.ascontiguousarray(matrix)

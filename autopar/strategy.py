@@ -1,0 +1,221 @@
+"""Strategies: enumerate them in factor space, turn each into exact layouts in bit space.
+
+A strategy is MindSpore's ``in_strategy``: one tuple of power-of-two split factors per input.
+Internally it is one exponent per label of the operator's `OpSpec` (the same information,
+without repetition). The data-parallel strategy comes first in every candidate list; the
+search breaks ties toward earlier candidates, so ties go to data parallel as in MindSpore.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+from autopar.errors import StrategyError
+from autopar.graph import Graph, OpNode
+from autopar.layout import Layout, is_power_of_two
+from autopar.ops import OpSpec, spec_for
+
+InStrategy = tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class OpRule:
+    """An operator bound to its spec and to the mesh: the source of candidates and layouts."""
+
+    op: OpNode
+    spec: OpSpec
+    graph: Graph
+    mesh_bits: int
+
+    @classmethod
+    def build(cls, op: OpNode, graph: Graph, mesh_bits: int) -> "OpRule":
+        return cls(op, spec_for(op, graph), graph, mesh_bits)
+
+    # --- labels ------------------------------------------------------------------------
+
+    @cached_property
+    def label_sizes(self) -> dict[str, set[int]]:
+        sizes: dict[str, set[int]] = {label: set() for label in self.spec.label_order}
+        tensors = [(labels, name) for labels, name in zip(self.spec.inputs, self.op.inputs)]
+        tensors += [(labels, name) for labels, name in zip(self.spec.outputs, self.op.outputs)]
+        for labels, name in tensors:
+            if labels is None or not name:
+                continue
+            for label, size in zip(labels, self.graph.tensor(name).shape):
+                if label is not None:
+                    sizes[label].add(size)
+        return sizes
+
+    def max_exponent(self, label: str) -> int:
+        """Largest e with 2^e dividing every dimension the label names, capped by the mesh."""
+        exponent = self.mesh_bits
+        for size in self.label_sizes[label]:
+            exponent = min(exponent, (size & -size).bit_length() - 1 if size > 0 else 0)
+        return max(exponent, 0)
+
+    @cached_property
+    def batch_label(self) -> str | None:
+        """The label of the leading dimension of the first data (non-weight) input."""
+        for labels, name in zip(self.spec.inputs, self.op.inputs):
+            if labels is None or not name or self.graph.tensor(name).kind in ("parameter", "constant"):
+                continue
+            return labels[0] if labels else None
+        return None
+
+    # --- candidates ----------------------------------------------------------------------
+
+    @cached_property
+    def candidates(self) -> list[tuple[int, ...]]:
+        """All label exponent vectors with total split <= devices, data parallel first."""
+        labels = self.spec.label_order
+        limits = [self.max_exponent(label) for label in labels]
+        found: list[tuple[int, ...]] = []
+
+        def extend(prefix: list[int], budget: int) -> None:
+            if len(prefix) == len(labels):
+                found.append(tuple(prefix))
+                return
+            for e in range(min(limits[len(prefix)], budget) + 1):
+                extend(prefix + [e], budget - e)
+
+        extend([], self.mesh_bits)
+        dp = self.data_parallel
+        batch = labels.index(self.batch_label) if self.batch_label in labels else None
+
+        def order(exps: tuple[int, ...]) -> tuple:
+            others = sum(e for i, e in enumerate(exps) if i != batch)
+            return (exps != dp, others, -(exps[batch] if batch is not None else 0), exps)
+
+        return sorted(found, key=order)
+
+    @cached_property
+    def data_parallel(self) -> tuple[int, ...]:
+        exps = [0] * len(self.spec.label_order)
+        if self.batch_label in self.spec.label_order:
+            i = self.spec.label_order.index(self.batch_label)
+            exps[i] = self.max_exponent(self.batch_label)
+        return tuple(exps)
+
+    @property
+    def stand_alone(self) -> tuple[int, ...]:
+        return tuple(0 for _ in self.spec.label_order)
+
+    # --- strategy <-> exponents ------------------------------------------------------------
+
+    def in_strategy(self, exps: Sequence[int]) -> InStrategy:
+        factor = {label: 1 << e for label, e in zip(self.spec.label_order, exps)}
+        strategy = []
+        for labels, name in zip(self.spec.strategy_labels, self.op.inputs):
+            if not name:
+                strategy.append(())
+            elif labels is None:
+                strategy.append(tuple(1 for _ in self.graph.tensor(name).shape))
+            else:
+                strategy.append(tuple(factor[label] if label is not None else 1 for label in labels))
+        return tuple(strategy)
+
+    def parse(self, strategy: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """Exponents for a user's in_strategy, or a StrategyError saying what is wrong."""
+        name = self.op.name
+        try:
+            strategy = tuple(tuple(int(f) for f in entry) for entry in strategy)
+        except (TypeError, ValueError):
+            raise StrategyError(f"Strategy for {name!r} must be a tuple of integer tuples, got {strategy!r}.") from None
+        expected = self.in_strategy(self.stand_alone)
+        if len(strategy) != len(expected) or any(len(s) != len(e) for s, e in zip(strategy, expected)):
+            shape = tuple(len(e) for e in expected)
+            raise StrategyError(
+                f"Strategy {strategy} for {name!r} ({self.op.op_type}) has the wrong shape: expected one tuple per"
+                f" input with {shape} entries."
+            )
+        exps: dict[str, int] = {}
+        for position, (entry, labels) in enumerate(zip(strategy, self.spec.strategy_labels)):
+            for dim, factor in enumerate(entry):
+                label = labels[dim] if labels is not None else None
+                if factor < 1 or not is_power_of_two(factor):
+                    raise StrategyError(f"Strategy for {name!r}: split factor {factor} of input {position} dim {dim}"
+                                        " is not a power of two.")
+                if label is None:
+                    if factor != 1:
+                        raise StrategyError(f"Strategy for {name!r}: input {position} dim {dim} cannot be split by"
+                                            f" {self.op.op_type} (factor {factor}, must be 1).")
+                    continue
+                e = factor.bit_length() - 1
+                if exps.setdefault(label, e) != e:
+                    raise StrategyError(f"Strategy for {name!r}: inputs disagree on how to split the same axis"
+                                        f" ({1 << exps[label]} vs {factor}).")
+        result = tuple(exps.get(label, 0) for label in self.spec.label_order)
+        if sum(result) > self.mesh_bits:
+            raise StrategyError(f"Strategy for {name!r} splits into {1 << sum(result)} parts, more than the"
+                                f" {1 << self.mesh_bits} devices.")
+        for label, e in zip(self.spec.label_order, result):
+            bad = [size for size in self.label_sizes[label] if size % (1 << e)]
+            if bad:
+                raise StrategyError(f"Strategy for {name!r}: split factor {1 << e} does not divide dimension size"
+                                    f" {bad[0]}.")
+        return result
+
+    # --- layouts -------------------------------------------------------------------------
+
+    def label_bits(self, exps: Sequence[int]) -> dict[str, tuple[int, ...]]:
+        """Bits per label: the last label of the device matrix takes the lowest bits."""
+        bits: dict[str, tuple[int, ...]] = {}
+        next_bit = 0
+        for label, e in reversed(list(zip(self.spec.label_order, exps))):
+            bits[label] = tuple(range(next_bit + e - 1, next_bit - 1, -1))
+            next_bit += e
+        return bits
+
+    def _layout(self, labels, bits: dict[str, tuple[int, ...]]) -> Layout:
+        return Layout(tuple(bits[label] if label is not None else () for label in labels))
+
+    def input_layouts(self, exps: Sequence[int]) -> list[Layout | None]:
+        bits = self.label_bits(exps)
+        layouts: list[Layout | None] = []
+        for labels, name in zip(self.spec.inputs, self.op.inputs):
+            if not name:
+                layouts.append(None)
+            elif labels is None:
+                layouts.append(Layout.replicated(len(self.graph.tensor(name).shape)))
+            else:
+                layouts.append(self._layout(labels, bits))
+        return layouts
+
+    def output_layouts(self, exps: Sequence[int]) -> list[Layout | None]:
+        bits = self.label_bits(exps)
+        partial = tuple(sorted((b for label in self.spec.reduced_labels for b in bits[label]), reverse=True))
+        layouts: list[Layout | None] = []
+        for labels, name in zip(self.spec.outputs, self.op.outputs):
+            if not name:
+                layouts.append(None)
+                continue
+            layout = self._layout(labels, bits)
+            layouts.append(Layout(layout.dims, partial, self.spec.reduce_op) if partial else layout)
+        return layouts
+
+    def candidate_layouts(self, index: int) -> tuple[list[Layout | None], list[Layout | None]]:
+        """(input layouts, output layouts) of candidate ``index``, computed once."""
+        cache = self.__dict__.setdefault("_layout_cache", {})
+        hit = cache.get(index)
+        if hit is None:
+            exps = self.candidates[index]
+            hit = cache[index] = (self.input_layouts(exps), self.output_layouts(exps))
+        return hit
+
+    def shards(self, exps: Sequence[int]) -> int:
+        """How many distinct pieces of work the operator is cut into."""
+        return 1 << sum(exps)
+
+    def describe(self, exps: Sequence[int]) -> str:
+        return str(self.in_strategy(exps)).replace(" ", "")
+
+
+def num_candidates(rules: Sequence[OpRule]) -> int:
+    return sum(len(r.candidates) for r in rules)
+
+
+def search_space_size(rules: Sequence[OpRule]) -> float:
+    return math.prod(float(len(r.candidates)) for r in rules)
