@@ -115,7 +115,12 @@ class SearchProblem:
         return hit
 
     def gradient_sync_bits(self, node: int, exps: Sequence[int], slot: int) -> tuple[int, ...]:
-        """Bits over which a parameter's gradient is partial: labels of the op the parameter lacks."""
+        """Bits over which an input's gradient comes out partial: split labels the input lacks.
+
+        For a parameter this is the gradient AllReduce (MindSpore's mirror operator); for an
+        activation read whole by an operator that splits another axis (a column-split MatMul's
+        input, say) it is the backward AllReduce dual to the forward identity.
+        """
         rule = self.rules[node]
         labels = rule.spec.inputs[slot] or ()
         bits = rule.label_bits(exps)
@@ -217,9 +222,17 @@ def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarr
         seconds = 0.0
         mem = 0.0
         for slot, name in enumerate(op.inputs):
-            if not name or problem.owner.get(name) != (node, slot):
+            if not name:
                 continue
+            owns = problem.owner.get(name) == (node, slot)
             info = graph.tensor(name)
+            if grad.get(name, False) and not (owns and info.kind == "parameter"):
+                bits = problem.gradient_sync_bits(node, exps, slot)
+                if bits:
+                    local = in_layouts[slot].local_numel(info.shape) * cost.gradient_itemsize()
+                    seconds += cost.collective_time("AllReduce", bits, local)
+            if not owns:
+                continue
             numel = in_layouts[slot].local_numel(info.shape)
             if info.kind == "parameter":
                 mem += numel * cost.parameter_bytes_per_element(info.trainable)

@@ -1,0 +1,86 @@
+"""The cost model: profile validation and collective formulas worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.cost import CostModel, HardwareProfile, available_profiles, load_profile
+from autopar.errors import CostModelError
+from tests.conftest import simple_profile_dict
+
+
+def test_bundled_profile_names_a_source_for_every_number():
+    profile = load_profile("ascend910")
+    numbers = list(profile.compute.model_dump().values()) + list(profile.training.model_dump().values())
+    numbers += [v for link in profile.links for v in (link.bandwidth.model_dump(), link.latency.model_dump())]
+    assert numbers and all(len(entry["source"]) > 10 for entry in numbers)
+    assert profile.compute.peak_flops_fp16.value == 256e12
+    assert [link.name for link in profile.links] == ["HCCS", "PCIe", "RoCE"]
+    assert "ascend910" in available_profiles()
+
+
+def test_bits_map_to_ascend_levels():
+    profile = load_profile("ascend910")
+    assert [profile.level_of_bit(b).name for b in range(6)] == ["HCCS", "HCCS", "PCIe", "RoCE", "RoCE", "RoCE"]
+
+
+def test_ring_allreduce_by_hand():
+    cost = CostModel(load_profile("ascend910"))
+    # 4 ranks on HCCS (30 GB/s, 5 us): ReduceScatter + AllGather, each 3 steps of 1/4 of 1 MB
+    expected = 2 * 3 * (5e-6 + 1e6 / 4 / 30e9)
+    assert cost.collective_time("AllReduce", (1, 0), 1e6) == pytest.approx(expected, rel=1e-12)
+
+
+def test_hierarchical_reduce_scatter_by_hand():
+    cost = CostModel(load_profile("ascend910"))
+    # bits 0,1 (HCCS, 4 ranks) then bit 2 (PCIe, 2 ranks, 32 GB/s, 10 us) on a quarter of the payload
+    expected = 3 * (5e-6 + 8e6 / 4 / 30e9) + 1 * (10e-6 + (8e6 / 4) / 2 / 32e9)
+    assert cost.collective_time("ReduceScatter", (2, 1, 0), 8e6) == pytest.approx(expected, rel=1e-12)
+    assert cost.collective_time("Slice", (0,), 8e6) == 0.0
+    assert cost.collective_time("AllGather", (), 8e6) == 0.0
+
+
+def test_all_to_all_by_hand():
+    cost = CostModel(load_profile("ascend910"))
+    expected = 1 * (20e-6 + 1e6 / 2 / 12.5e9)  # bit 3 crosses servers over RoCE
+    assert cost.collective_time("AllToAll", (3,), 1e6) == pytest.approx(expected, rel=1e-12)
+
+
+def test_gradient_fusion_amortises_latency():
+    cost = CostModel(load_profile("ascend910"))
+    small = cost.gradient_sync_time((0,), 64e3)
+    assert small == pytest.approx(2 * (5e-6 * 64e3 / 64e6 + 64e3 / 2 / 30e9), rel=1e-12)
+
+
+def test_roofline_and_precision():
+    mixed = CostModel(load_profile("ascend910"), "mixed")
+    fp32 = CostModel(load_profile("ascend910"), "fp32")
+    assert mixed.activation_itemsize("float32") == 2 and fp32.activation_itemsize("float32") == 4
+    assert mixed.activation_itemsize("int64") == 8
+    flops = 1e12
+    assert mixed.compute_time("cube", flops, 0) == pytest.approx(flops / (256e12 * mixed.profile.compute.cube_efficiency.value))
+    assert fp32.compute_time("cube", flops, 0) > mixed.compute_time("cube", flops, 0)
+    assert mixed.compute_time("vector", 0, 1e9) == pytest.approx(1e9 / (1.2e12 * 0.8))
+    assert mixed.compute_time("free", 1e12, 1e12) == 0.0
+    assert mixed.parameter_bytes_per_element(True) == 12 and fp32.parameter_bytes_per_element(True) == 12
+
+
+def test_profile_errors_are_one_sentence(tmp_path):
+    with pytest.raises(CostModelError, match="Unknown cost model"):
+        load_profile("nosuch")
+    with pytest.raises(CostModelError, match="does not exist"):
+        load_profile(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = 'x'\n[compute]\npeak_flops_fp16 = 3\n")
+    with pytest.raises(CostModelError, match="bad.toml"):
+        load_profile(bad)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("not [valid")
+    with pytest.raises(CostModelError, match="not valid TOML"):
+        load_profile(broken)
+    data = simple_profile_dict()
+    data["compute"]["hbm_capacity"] = {"value": 1.0, "source": ""}
+    with pytest.raises(Exception):
+        HardwareProfile.model_validate(data)
+    with pytest.raises(CostModelError):
+        CostModel(load_profile("ascend910"), "fp8")  # type: ignore[arg-type]

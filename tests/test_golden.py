@@ -1,0 +1,127 @@
+"""Hand-worked costs for Z = (X @ W1) @ W2 on 2 devices (X: 4x8, W1: 8x16, W2: 16x4).
+
+Profile (conftest.simple_profile): 1e12 FLOP/s at full efficiency, HBM fast enough to ignore,
+FP16 activations and gradients (mixed precision), bit 0 a 1 GB/s link with 1 us latency,
+gradient fusion buckets of 1 MB (a gradient AllReduce pays latency x bytes / 1 MB).
+
+Forward FLOPs: mm1 = 2*4*8*16 = 1024, mm2 = 2*4*16*4 = 512, both halved on 2 devices.
+Backward passes: mm1 needs only dW1 (X is data) -> x2; mm2 needs dY and dW2 -> x3.
+An AllReduce over one bit of the 1 GB/s level costs 2*(1e-6*scale + bytes/2/1e9).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from tests.conftest import simple_profile_dict, two_matmul_chain
+from autopar.cost import HardwareProfile
+
+COMPUTE = (1024 / 2 / 1e12) * 2 + (512 / 2 / 1e12) * 3  # 1.024e-9 + 7.68e-10
+
+
+def allreduce_one_bit(nbytes: float, fused: bool) -> float:
+    scale = min(1.0, nbytes / 1e6) if fused else 1.0
+    return 2 * (1e-6 * scale + nbytes / 2 / 1e9)
+
+
+@pytest.fixture
+def profile():
+    return HardwareProfile.model_validate(simple_profile_dict())
+
+
+def test_data_parallel_cost_by_hand(profile):
+    strategies = {"mm1": ((2, 1), (1, 1)), "mm2": ((2, 1), (1, 1))}
+    # W1 (8x16 FP16 = 256 B) and W2 (16x4 = 128 B) gradients AllReduced over bit 0; Y needs no move
+    expected = COMPUTE + allreduce_one_bit(256, True) + allreduce_one_bit(128, True)
+    assert expected == pytest.approx(3.8656e-7, rel=1e-4)
+    got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_megatron_cost_by_hand(profile):
+    # mm1 splits columns (j), mm2 splits the contraction (k): Y stays put, Z ends partial
+    strategies = {"mm1": ((1, 1), (1, 2)), "mm2": ((1, 2), (2, 1))}
+    # no gradient sync (both weights are split); Z (4x4 FP16 = 32 B) is AllReduced once, unfused
+    expected = COMPUTE + allreduce_one_bit(32, False)
+    assert expected == pytest.approx(2.033792e-6, rel=1e-9)
+    got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_row_split_then_gather_cost_by_hand(profile):
+    # mm1 data parallel, mm2 replicated: Y (4x16 FP16 = 128 B) is all-gathered forward and
+    # reduce-scattered backward (Y needs a gradient); only W1's gradient is AllReduced
+    strategies = {"mm1": ((2, 1), (1, 1)), "mm2": ((1, 1), (1, 1))}
+    gather = 1e-6 + 128 / 2 / 1e9  # (g-1) * (alpha + out_bytes / g / bw), g = 2
+    compute = (1024 / 2 / 1e12) * 2 + (512 / 1e12) * 3
+    expected = compute + allreduce_one_bit(256, True) + 2 * gather
+    got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_search_picks_the_cheapest_hand_worked_plan(profile):
+    # on so small a model, keeping both MatMuls whole on every device beats any communication:
+    # compute 2 * (1024 / 1e12) + 3 * (512 / 1e12) and nothing else
+    plan = autopar.plan(two_matmul_chain(), devices=2, cost_model=profile)
+    assert plan.strategies == {"mm1": ((1, 1), (1, 1)), "mm2": ((1, 1), (1, 1))}
+    assert plan.objective == pytest.approx(2 * 1024 / 1e12 + 3 * 512 / 1e12, rel=1e-12)
+
+
+@pytest.fixture
+def slow_profile():
+    """The same profile at 1 GFLOP/s, so that halving the work matters."""
+    data = simple_profile_dict()
+    data["compute"]["peak_flops_fp16"] = {"value": 1e9, "source": "test value"}
+    return HardwareProfile.model_validate(data)
+
+
+DP = {"mm1": ((2, 1), (1, 1)), "mm2": ((2, 1), (1, 1))}
+MEGATRON = {"mm1": ((1, 1), (1, 2)), "mm2": ((1, 2), (2, 1))}
+
+
+def test_megatron_wins_when_weights_dominate(slow_profile):
+    # batch 8, 64 -> 256 -> 64. Both plans halve the compute:
+    compute = (2 * 8 * 64 * 256 / 2 / 1e9) * 2 + (2 * 8 * 256 * 64 / 2 / 1e9) * 3
+    # DP AllReduces the gradients of W1 and W2 (64x256 FP16 = 32 KiB each)
+    dp = compute + 2 * allreduce_one_bit(64 * 256 * 2, True)
+    # Megatron AllReduces Z (8x64 FP16 = 1 KiB) once, forward; X is data, so no backward AllReduce
+    megatron = compute + allreduce_one_bit(8 * 64 * 2, False)
+    model = two_matmul_chain(batch=8, d_in=64, d_hidden=256, d_out=64)
+    assert autopar.evaluate(model, 2, DP, cost_model=slow_profile) == pytest.approx(dp, rel=1e-12)
+    assert autopar.evaluate(model, 2, MEGATRON, cost_model=slow_profile) == pytest.approx(megatron, rel=1e-12)
+    assert megatron < dp
+    plan = autopar.plan(model, devices=2, cost_model=slow_profile)
+    assert plan.strategies == MEGATRON
+    assert plan.objective == pytest.approx(megatron, rel=1e-12)
+
+
+def test_data_parallel_wins_when_activations_dominate(slow_profile):
+    # batch 256, 8 -> 16 -> 4: gradients are tiny (256 B and 128 B), Z is 2 KiB
+    compute = (2 * 256 * 8 * 16 / 2 / 1e9) * 2 + (2 * 256 * 16 * 4 / 2 / 1e9) * 3
+    dp = compute + allreduce_one_bit(8 * 16 * 2, True) + allreduce_one_bit(16 * 4 * 2, True)
+    megatron = compute + allreduce_one_bit(256 * 4 * 2, False)
+    model = two_matmul_chain(batch=256, d_in=8, d_hidden=16, d_out=4)
+    assert autopar.evaluate(model, 2, DP, cost_model=slow_profile) == pytest.approx(dp, rel=1e-12)
+    assert autopar.evaluate(model, 2, MEGATRON, cost_model=slow_profile) == pytest.approx(megatron, rel=1e-12)
+    assert dp < megatron
+    plan = autopar.plan(model, devices=2, cost_model=slow_profile)
+    assert plan.strategies == DP
+    assert plan.objective == pytest.approx(dp, rel=1e-12)
+
+
+def test_column_split_input_pays_a_backward_allreduce(slow_profile):
+    # mm2 splits columns (j) while reading Y whole: its dY comes out partial over bit 0 and is
+    # AllReduced backward (Megatron's "f" operator); mm1 replicated.
+    model = two_matmul_chain(batch=8, d_in=64, d_hidden=256, d_out=64)
+    strategies = {"mm1": ((1, 1), (1, 1)), "mm2": ((1, 1), (1, 2))}
+    compute = (2 * 8 * 64 * 256 / 1e9) * 2 + (2 * 8 * 256 * 64 / 2 / 1e9) * 3
+    expected = compute + allreduce_one_bit(8 * 256 * 2, False)
+    assert autopar.evaluate(model, 2, strategies, cost_model=slow_profile) == pytest.approx(expected, rel=1e-12)
+
+
+def test_memory_by_hand(profile):
+    plan = autopar.plan(two_matmul_chain(), devices=2, cost_model=profile, mode="data_parallel")
+    # X shard 2x8 FP16 = 32 B; W1, W2 whole at 12 B/element (FP32 master 4 + FP16 copy 2 + grad 2 + momentum 4);
+    # activations kept for backward: Y shard 2x16 FP16 = 64 B, Z shard 2x4 FP16 = 16 B
+    assert plan.memory_per_device == 32 + 128 * 12 + 64 + 64 * 12 + 16
