@@ -146,3 +146,37 @@ def _merge(steps: list[tuple]) -> tuple[tuple, ...]:
             continue
         merged.append(step)
     return tuple(merged)
+
+
+def apply_steps(layout: Layout, steps: Sequence[Step]) -> Layout:
+    """The layout a tensor has after ``steps``; ValueError if a step does not fit the layout.
+
+    Used to check a plan (or a plan file someone edited) without touching any data.
+    """
+    dims = [list(bits) for bits in layout.dims]
+    partial = list(layout.partial)
+    for step in steps:
+        bits = list(step.bits)
+        if step.kind == "AllGather":
+            if step.dim is None or dims[step.dim][-len(bits):] != bits:
+                raise ValueError(f"AllGather over {bits} does not match dim bits {dims[step.dim or 0]}")
+            del dims[step.dim][-len(bits):]
+        elif step.kind == "Slice":
+            if any(b in partial or any(b in d for d in dims) for b in bits):
+                raise ValueError(f"Slice over bits {bits} that are already in use")
+            dims[step.dim].extend(bits)
+        elif step.kind == "AllToAll":
+            if step.concat_dim is None or dims[step.concat_dim][-len(bits):] != bits:
+                raise ValueError(f"AllToAll over {bits} does not match dim bits {dims[step.concat_dim or 0]}")
+            del dims[step.concat_dim][-len(bits):]
+            dims[step.dim].extend(bits)
+        elif step.kind in ("ReduceScatter", "AllReduce"):
+            if any(b not in partial for b in bits):
+                raise ValueError(f"{step.kind} over bits {bits} that are not partial")
+            for b in bits:
+                partial.remove(b)
+            if step.kind == "ReduceScatter":
+                dims[step.dim].extend(bits)
+        else:
+            raise ValueError(f"unknown collective {step.kind!r}")
+    return Layout(tuple(tuple(d) for d in dims), tuple(partial), layout.partial_op if partial else "sum")

@@ -1,0 +1,337 @@
+"""The `autopar` command line, run in-process (plus one real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from autopar.cli import main
+from autopar.graph import load_model
+from models.resnet50 import build_resnet50
+
+REPO = Path(__file__).resolve().parents[1]
+RESNET50 = REPO / "models" / "resnet50.onnx"
+ASCEND910 = REPO / "costmodels" / "ascend910.toml"
+TINY = dict(batch=4, num_classes=10, image_size=32, width=8, blocks=(1, 1, 1, 1))
+
+PLAN_KEYS = {"schema", "model", "devices", "cost_model", "ops", "redistributions", "gradient_sync", "fallback_ops",
+             "totals", "search"}
+TOTALS_KEYS = {"step_time_s", "compute_s", "communication_s", "memory_per_device_bytes", "ideal_step_time_s"}
+SEARCH_KEYS = {"algorithm", "time_s", "candidates"}
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "tiny.onnx"
+    onnx.save(build_resnet50(**TINY), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_ops(tiny_path) -> list:
+    return load_model(tiny_path).ops
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``autopar ARGV``; argparse exits count as exit codes."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def plan_json(capsys, *argv) -> dict:
+    code, out, err = run(capsys, "plan", *argv, "--format", "json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def assert_one_line_error(err: str) -> None:
+    assert err.startswith("autopar: error:"), err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+# --- plan output --------------------------------------------------------------------------------
+
+def test_plan_table(capsys, tiny_path, tiny_ops):
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "4")
+    assert code == 0, err
+    assert err == ""
+    assert out.startswith("autopar plan: tiny on 4 devices")
+    for label in ("step time", "vs data parallel", "memory/device"):
+        assert re.search(rf"^{re.escape(label)}:", out, re.MULTILINE), label
+    listed = {line.split()[0] for line in out.splitlines() if line and not line.startswith(" ")}
+    for op in tiny_ops:
+        assert op.name in listed, op.name
+    # the totals agree with the JSON form of the same plan
+    totals = plan_json(capsys, tiny_path, "--devices", "4")["totals"]
+    step_line = next(line for line in out.splitlines() if line.startswith("step time:"))
+    assert f"{totals['step_time_s'] * 1e3:.3f} ms" in step_line
+
+
+def test_plan_json_schema(capsys, tiny_path, tiny_ops):
+    data = plan_json(capsys, tiny_path, "--devices", "4")
+    assert PLAN_KEYS <= set(data)
+    assert data["schema"] == "autopar.plan/1"
+    assert data["model"] == "tiny"
+    assert data["devices"] == 4
+    assert data["cost_model"] == "ascend910"
+    assert TOTALS_KEYS <= set(data["totals"])
+    assert SEARCH_KEYS <= set(data["search"])
+    assert data["search"]["algorithm"] == "dp"
+    assert data["search"]["candidates"] >= len(tiny_ops)
+    assert [op["name"] for op in data["ops"]] == [op.name for op in tiny_ops]
+    assert isinstance(data["redistributions"], list) and isinstance(data["gradient_sync"], list)
+    assert data["fallback_ops"] == []
+    totals = data["totals"]
+    assert totals["step_time_s"] > 0 and totals["memory_per_device_bytes"] > 0
+    assert totals["compute_s"] + totals["communication_s"] == pytest.approx(totals["step_time_s"], rel=1e-9)
+    assert totals["ideal_step_time_s"] <= totals["step_time_s"]
+
+
+def test_out_writes_file_and_nothing_to_stdout(capsys, tiny_path, tmp_path):
+    target = tmp_path / "plan.json"
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "4", "--format", "json", "--out", target)
+    assert code == 0, err
+    assert out == ""
+    data = json.loads(target.read_text(encoding="utf-8"))
+    assert data["schema"] == "autopar.plan/1" and data["devices"] == 4
+
+
+def test_out_table(capsys, tiny_path, tmp_path):
+    target = tmp_path / "plan.txt"
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "2", "--out", target)
+    assert code == 0, err
+    assert out == ""
+    assert "step time:" in target.read_text(encoding="utf-8")
+
+
+def test_out_to_unwritable_place(capsys, tiny_path, tmp_path):
+    code, out, err = run(capsys, "plan", tiny_path, "--out", tmp_path / "no" / "such" / "dir.json")
+    assert code == 1
+    assert out == ""
+    assert_one_line_error(err)
+    assert "Cannot write" in err
+
+
+# --- bad arguments ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, expect", [("6", "power of two"), ("0", "power of two"), ("-4", "power of two"),
+                                           ("abc", "integer")])
+def test_bad_device_counts(capsys, tiny_path, value, expect):
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", value)
+    assert code == 2
+    assert out == ""
+    assert_one_line_error(err)
+    assert expect in err and value in err
+
+
+def test_bad_model_path(capsys, tmp_path):
+    missing = tmp_path / "missing.onnx"
+    code, out, err = run(capsys, "plan", missing)
+    assert code == 1
+    assert out == ""
+    assert_one_line_error(err)
+    assert "missing.onnx" in err
+
+
+def test_foreign_model_file(capsys, tmp_path):
+    text = tmp_path / "readme.txt"
+    text.write_text("hello\nworld\n", encoding="utf-8")
+    code, out, err = run(capsys, "inspect", text)
+    assert code == 1
+    assert out == ""
+    assert_one_line_error(err)
+
+
+def test_unknown_cost_model(capsys, tiny_path):
+    code, out, err = run(capsys, "plan", tiny_path, "--cost-model", "nosuch")
+    assert code == 1
+    assert out == ""
+    assert_one_line_error(err)
+    assert "nosuch" in err and "ascend910" in err  # names the bad one and what is bundled
+
+
+def test_cost_model_file_copy_works(capsys, tiny_path, tmp_path):
+    copy = tmp_path / "copy.toml"
+    copy.write_text(ASCEND910.read_text(encoding="utf-8"), encoding="utf-8")
+    bundled = plan_json(capsys, tiny_path, "--devices", "4")
+    from_file = plan_json(capsys, tiny_path, "--devices", "4", "--cost-model", copy)
+    assert from_file["totals"] == bundled["totals"]
+
+
+def test_cost_model_missing_source(capsys, tiny_path, tmp_path):
+    text = ASCEND910.read_text(encoding="utf-8")
+    broken_text, removed = re.subn(r',\s*source\s*=\s*"[^"]*"', "", text, count=1)
+    assert removed == 1
+    broken = tmp_path / "broken.toml"
+    broken.write_text(broken_text, encoding="utf-8")
+    code, out, err = run(capsys, "plan", tiny_path, "--cost-model", broken)
+    assert code == 1
+    assert out == ""
+    assert_one_line_error(err)
+    assert "broken.toml" in err and "source" in err
+
+
+def test_unknown_subcommand(capsys):
+    code, out, err = run(capsys, "frobnicate", RESNET50)
+    assert code == 2
+    assert out == ""
+    assert_one_line_error(err)
+    assert "frobnicate" in err
+
+
+def test_unknown_flag(capsys, tiny_path):
+    code, out, err = run(capsys, "plan", tiny_path, "--no-such-flag")
+    assert code == 2
+    assert out == ""
+    assert_one_line_error(err)
+    assert "--no-such-flag" in err
+
+
+def test_no_arguments(capsys):
+    code, out, err = run(capsys)
+    assert code == 2
+    assert_one_line_error(err)
+
+
+def test_unbound_symbolic_dim_and_dim_flag(capsys, tmp_path):
+    w = numpy_helper.from_array(np.ones((16, 32), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "sym",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=[w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "sym.onnx"
+    onnx.save(model, str(path))
+    code, out, err = run(capsys, "plan", path, "--devices", "2")
+    assert code == 1
+    assert_one_line_error(err)
+    assert "--dim N=" in err
+    data = plan_json(capsys, path, "--devices", "2", "--dim", "N=8")
+    assert [op["name"] for op in data["ops"]] == ["mm"]
+    code, out, err = run(capsys, "plan", path, "--dim", "N")
+    assert code == 2
+    assert_one_line_error(err)
+
+
+# --- modes and precision ------------------------------------------------------------------------
+
+def test_data_parallel_mode_splits_only_the_batch(capsys, tiny_path):
+    data = plan_json(capsys, tiny_path, "--devices", "4", "--mode", "data_parallel")
+    assert data["mode"] == "data_parallel"
+    convs = [op for op in data["ops"] if op["op_type"] == "Conv"]
+    assert len(convs) == 17
+    for op in convs:
+        activation, weight = op["strategy"]
+        assert activation == [4, 1, 1, 1], op["name"]
+        assert weight == [1, 1, 1, 1], op["name"]
+    # data parallel is what the "vs data parallel" line compares with
+    assert data["totals"]["step_time_s"] == pytest.approx(data["totals"]["data_parallel_step_time_s"], rel=1e-12)
+
+
+def test_stand_alone_mode_is_all_ones(capsys, tiny_path):
+    data = plan_json(capsys, tiny_path, "--devices", "4", "--mode", "stand_alone")
+    assert data["mode"] == "stand_alone"
+    for op in data["ops"]:
+        assert all(f == 1 for entry in op["strategy"] for f in entry), op
+    assert data["redistributions"] == []
+    assert all(g["collective"] is None for g in data["gradient_sync"])
+
+
+def test_fp32_is_slower_than_mixed(capsys, tiny_path):
+    mixed = plan_json(capsys, tiny_path, "--devices", "4")
+    fp32 = plan_json(capsys, tiny_path, "--devices", "4", "--precision", "fp32")
+    assert mixed["precision"] == "mixed" and fp32["precision"] == "fp32"
+    assert fp32["totals"]["step_time_s"] > mixed["totals"]["step_time_s"]
+    assert fp32["totals"]["memory_per_device_bytes"] > mixed["totals"]["memory_per_device_bytes"]
+
+
+def test_unknown_precision_is_a_usage_error(capsys, tiny_path):
+    code, out, err = run(capsys, "plan", tiny_path, "--precision", "fp8")
+    assert code == 2
+    assert_one_line_error(err)
+
+
+# --- inspect ------------------------------------------------------------------------------------
+
+def test_inspect_table(capsys, tiny_path, tiny_ops):
+    code, out, err = run(capsys, "inspect", tiny_path)
+    assert code == 0, err
+    counts = {}
+    for op in tiny_ops:
+        counts[op.op_type] = counts.get(op.op_type, 0) + 1
+    for op_type, count in counts.items():
+        assert re.search(rf"^{op_type}\s+{count}\s", out, re.MULTILINE), op_type
+    assert counts["Conv"] == 17
+    graph = load_model(tiny_path)
+    trainable = sum(p.numel for p in graph.parameters if p.trainable)
+    assert f"({trainable:,} trainable)" in out
+    assert f"{len(tiny_ops)} operators" in out
+
+
+def test_inspect_json(capsys, tiny_path, tiny_ops):
+    code, out, err = run(capsys, "inspect", tiny_path, "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["operators"] == len(tiny_ops)
+    assert sum(entry["count"] for entry in data["ops_by_type"].values()) == len(tiny_ops)
+    assert data["ops_by_type"]["Conv"]["count"] == 17
+    assert data["inputs"] == {"images": [4, 3, 32, 32], "labels": [4]}
+    assert data["outputs"] == {"loss": [], "logits": [4, 10]}
+    graph = load_model(tiny_path)
+    assert data["parameters"]["trainable_elements"] == sum(p.numel for p in graph.parameters if p.trainable)
+    assert data["forward_flops"] == pytest.approx(graph.total_flops)
+
+
+def test_inspect_batch_flag(capsys, tiny_path):
+    code, out, err = run(capsys, "inspect", tiny_path, "--batch", "8", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["outputs"]["logits"] == [8, 10]
+    code, out, err = run(capsys, "inspect", tiny_path, "--batch", "0")
+    assert code == 2
+    assert_one_line_error(err)
+
+
+# --- determinism and the real entry point -------------------------------------------------------
+
+def test_plan_json_is_deterministic(capsys, tiny_path):
+    runs = []
+    for _ in range(2):
+        data = plan_json(capsys, tiny_path, "--devices", "8")
+        assert isinstance(data["search"].pop("time_s"), float)
+        runs.append(json.dumps(data, sort_keys=True))
+    assert runs[0] == runs[1]
+
+
+def test_module_entry_point_subprocess():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("AUTOPAR_DEBUG", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "autopar.cli", "plan", "models/resnet50.onnx", "--devices", "8", "--format", "json"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["schema"] == "autopar.plan/1"
+    assert data["model"] == "resnet50"
+    assert data["devices"] == 8
+    assert len(data["ops"]) == 186
+    totals = data["totals"]
+    assert 0 < totals["step_time_s"] <= totals["data_parallel_step_time_s"]
+    assert math.isfinite(totals["memory_per_device_bytes"])
+    assert totals["memory_per_device_bytes"] <= totals["memory_capacity_bytes"]

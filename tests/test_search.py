@@ -1,0 +1,167 @@
+"""The elimination DP is exact: it equals brute force over `candidates` on random small graphs."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+import autopar
+from autopar.cost import CostModel, HardwareProfile
+from autopar.graph import load_model
+from autopar.search.dp import minimise, tie_break_unary
+from autopar.search.driver import data_parallel_choice, run_search
+from autopar.search.problem import build_problem
+from tests.conftest import make_model, simple_profile_dict, weight
+
+BRUTE_FORCE_LIMIT = 3000
+
+
+def random_model(seed: int):
+    """A random DAG of MatMul/Gemm/Add/Mul/Relu/Exp/ReduceSum/Sub with shared weights and fan-out."""
+    rng = np.random.default_rng(seed)
+    sizes = [2, 4, 8]
+    batch = int(rng.choice([2, 4, 8]))
+    tensors = [("X", (batch, int(rng.choice(sizes))))]
+    nodes, inits = [], []
+    weights: dict[tuple[int, int], str] = {}
+    count = int(rng.integers(2, 7))
+    for k in range(count):
+        name = f"t{k}"
+        src, shape = tensors[int(rng.integers(len(tensors)))]
+        kind = rng.choice(["matmul", "gemm", "add", "mul", "relu", "exp", "reduce_sub", "matmul_act"])
+        if kind in ("matmul", "gemm"):
+            out_dim = int(rng.choice(sizes))
+            key = (shape[1], out_dim)
+            if key not in weights or rng.random() < 0.5:  # sometimes reuse (a shared parameter)
+                weights[key] = f"w{len(inits)}"
+                inits.append(weight(weights[key], [shape[1], out_dim], seed + len(inits)))
+            if kind == "matmul":
+                nodes.append(helper.make_node("MatMul", [src, weights[key]], [name], name=f"op{k}"))
+            else:
+                nodes.append(helper.make_node("Gemm", [src, weights[key]], [name], name=f"op{k}"))
+            tensors.append((name, (shape[0], out_dim)))
+        elif kind in ("add", "mul"):
+            same = [t for t, s in tensors if s == shape]
+            other = same[int(rng.integers(len(same)))]
+            nodes.append(helper.make_node(kind.capitalize(), [src, other], [name], name=f"op{k}"))
+            tensors.append((name, shape))
+        elif kind in ("relu", "exp"):
+            nodes.append(helper.make_node(kind.capitalize(), [src], [name], name=f"op{k}"))
+            tensors.append((name, shape))
+        elif kind == "reduce_sub":
+            axes = f"axes{k}"
+            inits.append(helper.make_tensor(axes, TensorProto.INT64, [1], [1]))
+            nodes.append(helper.make_node("ReduceSum", [src, axes], [f"r{k}"], name=f"op{k}_sum", keepdims=1))
+            nodes.append(helper.make_node("Sub", [src, f"r{k}"], [name], name=f"op{k}_sub"))
+            tensors.append((name, shape))
+        else:  # activation x activation^T-shaped MatMul: both operands carry gradients
+            transposed = [t for t, s in tensors if s[0] == shape[1]]
+            partner, partner_shape = next(((t, s) for t, s in tensors if s[0] == shape[1]), (None, None))
+            if partner is None:
+                nodes.append(helper.make_node("Relu", [src], [name], name=f"op{k}"))
+                tensors.append((name, shape))
+            else:
+                nodes.append(helper.make_node("MatMul", [src, partner], [name], name=f"op{k}"))
+                tensors.append((name, (shape[0], partner_shape[1])))
+            del transposed
+    outputs = [tensors[-1][0]]
+    if len(tensors) > 2 and rng.random() < 0.5:
+        outputs.append(tensors[int(rng.integers(1, len(tensors) - 1))][0])
+    outputs = list(dict.fromkeys(outputs))
+    return make_model(nodes, [("X", TensorProto.FLOAT, list(tensors[0][1]))], outputs, inits)
+
+
+def profile(capacity: float = 1e12, peak: float = 1e9) -> HardwareProfile:
+    data = simple_profile_dict(capacity)
+    data["compute"]["peak_flops_fp16"] = {"value": peak, "source": "test value"}
+    return HardwareProfile.model_validate(data)
+
+
+def brute_force(problem):
+    ranges = [range(len(problem.candidates(i))) for i in range(problem.size)]
+    best, best_choice = float("inf"), None
+    for choice in itertools.product(*ranges):
+        value = problem.objective(choice)
+        if value < best:
+            best, best_choice = value, choice
+    return best, best_choice
+
+
+@settings(max_examples=220, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), devices=st.sampled_from([2, 4]), peak=st.sampled_from([1e6, 1e9, 1e12]))
+def test_dp_equals_brute_force_on_random_graphs(seed, devices, peak):
+    model = random_model(seed)
+    problem = build_problem(load_model(model), CostModel(profile(peak=peak)), devices)
+    space = np.prod([float(len(problem.candidates(i))) for i in range(problem.size)])
+    assume(space <= BRUTE_FORCE_LIMIT)
+    best, _ = brute_force(problem)
+    result = run_search(problem)
+    assert problem.objective(result.choice) == pytest.approx(best, rel=1e-8, abs=1e-18)
+    # and without the tie-break penalty the elimination is exact to rounding
+    exact = minimise(problem, problem.node_time)
+    assert problem.objective(exact) == pytest.approx(best, rel=1e-12, abs=1e-18)
+
+
+def test_dp_matches_public_api_brute_force():
+    """The outside view: enumerate `autopar.candidates` and score with `autopar.evaluate`."""
+    model = random_model(7)
+    prof = profile()
+    cands = autopar.candidates(model, devices=2)
+    plan = autopar.plan(model, devices=2, cost_model=prof)
+    problem = autopar.build(model, 2, prof)
+    names = list(cands)
+    best = min(problem.objective([cands[n].index(s) for n, s in zip(names, combo)])
+               for combo in itertools.product(*(cands[n] for n in names)))
+    assert plan.objective == pytest.approx(best, rel=1e-9)
+    assert plan.objective == pytest.approx(autopar.evaluate(model, 2, plan.strategies, cost_model=prof), rel=1e-12)
+
+
+def test_ties_go_to_data_parallel():
+    # a Relu chain: every split of the same size costs the same; the batch split must win
+    nodes = [helper.make_node("Relu", ["X"], ["a"], name="r1"), helper.make_node("Relu", ["a"], ["b"], name="r2")]
+    model = make_model(nodes, [("X", TensorProto.FLOAT, [8, 8])], ["b"])
+    plan = autopar.plan(model, devices=4, cost_model=profile(peak=1e6))
+    assert plan.strategies == {"r1": ((4, 1),), "r2": ((4, 1),)}
+
+
+def test_memory_capacity_is_respected():
+    model = random_model(3)
+    unconstrained = build_problem(load_model(model), CostModel(profile()), 4)
+    fastest = run_search(unconstrained).choice
+    need = unconstrained.memory(fastest)
+    lean = minimise(unconstrained, unconstrained.node_memory)
+    floor = unconstrained.memory(lean)
+    assume_capacity = (need + floor) / 2
+    if floor >= need:
+        pytest.skip("the fastest plan is already the leanest for this graph")
+    problem = build_problem(load_model(model), CostModel(profile(capacity=assume_capacity)), 4)
+    result = run_search(problem)
+    assert problem.memory(result.choice) <= assume_capacity
+    feasible = [c for c in itertools.product(*(range(len(problem.candidates(i))) for i in range(problem.size)))
+                if problem.memory(c) <= assume_capacity]
+    best_feasible = min(problem.objective(c) for c in feasible)
+    assert problem.objective(result.choice) >= best_feasible - 1e-18
+
+
+def test_infeasible_memory_is_a_clear_error():
+    with pytest.raises(autopar.AutoparError, match="Nothing fits in device memory"):
+        autopar.plan(random_model(3), devices=2, cost_model=profile(capacity=1.0))
+
+
+def test_data_parallel_choice_is_the_first_candidate():
+    problem = build_problem(load_model(random_model(11)), CostModel(profile()), 4)
+    for rule, c in zip(problem.rules, data_parallel_choice(problem)):
+        assert rule.candidates[c] == rule.data_parallel
+
+
+def test_tie_break_never_outweighs_a_real_difference():
+    problem = build_problem(load_model(random_model(5)), CostModel(profile()), 2)
+    base = problem.objective(data_parallel_choice(problem))
+    unary = tie_break_unary(problem, base)
+    total_penalty = sum(float(u[-1] - t[-1]) for u, t in zip(unary, problem.node_time))
+    assert 0 <= total_penalty <= 1e-9 * base * 1.0000001
