@@ -33,6 +33,8 @@ _CONFIG_INPUTS: dict[str, set[int]] = {
     "Pow": {1},
     "Dropout": {1, 2},
 }
+# Operators whose float inputs are layer weights even when they hold a single element.
+_WEIGHT_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul", "BatchNormalization", "LayerNormalization", "PRelu"}
 # Inputs that hold running statistics: stored like parameters but never trained.
 _STATISTICS_INPUTS: dict[str, set[int]] = {"BatchNormalization": {3, 4}}
 _FLOAT_TYPES = {np.dtype(t) for t in ("float16", "float32", "float64")} | {np.dtype("float16")}
@@ -345,13 +347,17 @@ def _build_graph(proto: onnx.ModelProto, name: str) -> Graph:
 
 
 def _rename_duplicates(ops: list[OpNode]) -> None:
-    seen: dict[str, int] = {}
+    """Give every operator a unique name; a generated name never collides with a real one."""
+    taken = {op.name for op in ops}
+    seen: set[str] = set()
     for op in ops:
         if op.name in seen:
-            seen[op.name] += 1
-            op.name = f"{op.name}_{seen[op.name]}"
-        else:
-            seen[op.name] = 0
+            suffix = 1
+            while f"{op.name}_{suffix}" in taken:
+                suffix += 1
+            op.name = f"{op.name}_{suffix}"
+            taken.add(op.name)
+        seen.add(op.name)
 
 
 def _constant_roles(ops: Iterable[OpNode], constants: dict[str, Any]) -> dict[str, tuple[TensorKind, bool]]:
@@ -364,9 +370,11 @@ def _constant_roles(ops: Iterable[OpNode], constants: dict[str, Any]) -> dict[st
     roles: dict[str, tuple[TensorKind, bool]] = {}
     for cname, places in uses.items():
         value = constants[cname]
-        if value.dtype not in _FLOAT_TYPES or value.ndim == 0 or value.size <= 1:
+        if value.dtype not in _FLOAT_TYPES or value.ndim == 0:
             continue
         weight_uses = [(t, p) for t, p in places if p not in _CONFIG_INPUTS.get(t, set())]
+        if value.size <= 1 and not any(t in _WEIGHT_OPS for t, _ in weight_uses):
+            continue  # a one-element scale fed to arithmetic is a constant; a layer's weight is not
         if not weight_uses:
             continue
         statistics = all(p in _STATISTICS_INPUTS.get(t, set()) for t, p in weight_uses)

@@ -32,7 +32,8 @@ def _step_text(step: dict[str, Any]) -> str:
 
 def plan_table(plan: "Plan") -> str:
     data = plan.to_dict()
-    lines = [f"autopar plan: {data['model']} on {data['devices']} devices"
+    devices = f"{data['devices']} device" + ("s" if data["devices"] != 1 else "")
+    lines = [f"autopar plan: {data['model']} on {devices}"
              f" ({data['cost_model']}, {data['precision']} precision, {data['mode']})", ""]
     incoming: dict[str, list[str]] = {}
     for red in data["redistributions"]:

@@ -9,6 +9,7 @@ search breaks ties toward earlier candidates, so ties go to data parallel as in 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
@@ -120,8 +121,13 @@ class OpRule:
     def parse(self, strategy: Sequence[Sequence[int]]) -> tuple[int, ...]:
         """Exponents for a user's in_strategy, or a StrategyError saying what is wrong."""
         name = self.op.name
+        def integer(factor) -> int:
+            if isinstance(factor, bool) or not isinstance(factor, numbers.Integral):
+                raise TypeError(factor)
+            return int(factor)
+
         try:
-            strategy = tuple(tuple(int(f) for f in entry) for entry in strategy)
+            strategy = tuple(tuple(integer(f) for f in entry) for entry in strategy)
         except (TypeError, ValueError):
             raise StrategyError(f"Strategy for {name!r} must be a tuple of integer tuples, got {strategy!r}.") from None
         expected = self.in_strategy(self.stand_alone)

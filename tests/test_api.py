@@ -164,7 +164,7 @@ def tiny_base(tiny):
 @pytest.mark.parametrize("op, strategy, words", [
     ("conv1", ((3, 1, 1, 1), (1, 1, 1, 1)), "power of two"),
     ("conv1", ((4, 2, 1, 1), (1, 2, 1, 1)), "more than"),          # 8 parts on 4 devices
-    ("layer1.0.conv1", ((4, 1, 1, 1), (2, 2, 1, 1)), "more than"),  # 4 x 2 x 2 parts
+    ("layer1.0.conv1", ((4, 2, 1, 1), (2, 2, 1, 1)), "more than"),  # 4 x 2 x 2 parts
     ("conv1", ((1, 2, 1, 1), (1, 2, 1, 1)), "does not divide"),    # 3 input channels
     ("fc", ((1, 1), (4, 1), (4,)), "does not divide"),             # 10 classes
     ("conv1", ((4, 1, 1), (1, 1, 1, 1)), "wrong shape"),
@@ -201,8 +201,6 @@ def test_strategy_errors_are_autopar_errors():
     assert issubclass(StrategyError, AutoparError)
 
 
-@pytest.mark.xfail(reason="strategy.OpRule.parse converts factors with int(), which truncates 2.5 to 2 and"
-                          " accepts it instead of raising StrategyError", strict=True)
 def test_evaluate_rejects_non_integer_factor(tiny, tiny_base):
     strategies = dict(tiny_base)
     strategies["conv1"] = ((2.5, 1, 1, 1), (1, 1, 1, 1))

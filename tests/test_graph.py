@@ -353,8 +353,6 @@ def test_tiny_parameter_count_matches_the_onnx_file(tiny_proto):
 
 # --- operator names -----------------------------------------------------------------------------
 
-@pytest.mark.xfail(reason="graph._rename_duplicates renames a second 'r' to 'r_1' without checking that"
-                          " 'r_1' is already taken, so two operators end up named 'r_1'", strict=True)
 def test_operator_names_are_unique_after_renaming():
     nodes = [helper.make_node("Relu", ["x"], ["a"], name="r"),
              helper.make_node("Relu", ["a"], ["b"], name="r"),

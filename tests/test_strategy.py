@@ -1,0 +1,38 @@
+"""User strategies: every invalid one is refused with a sentence naming the operator."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.errors import StrategyError
+from tests.test_ops import conv_model, rule_for
+
+
+@pytest.mark.parametrize("strategy, message", [
+    (((3, 1, 1, 1), (1, 1, 1, 1), (1,)), "not a power of two"),
+    (((4, 2, 1, 1), (2, 2, 1, 1), (2,)), "more than the 8 devices"),
+    (((2, 2, 1, 1), (2, 4, 1, 1), (2,)), "disagree"),
+    (((2, 1, 1, 1), (1, 1, 1, 1)), "wrong shape"),
+    (((2, 1, 1), (1, 1, 1, 1), (1,)), "wrong shape"),
+    ("nonsense", "must be a tuple"),
+    (((0, 1, 1, 1), (1, 1, 1, 1), (1,)), "not a power of two"),
+])
+def test_invalid_strategies_are_refused(strategy, message):
+    rule = rule_for(conv_model(), "conv")
+    with pytest.raises(StrategyError, match=message) as info:
+        rule.parse(strategy)
+    assert "'conv'" in str(info.value)
+
+
+def test_split_must_divide_the_dimension():
+    rule = rule_for(conv_model(), "conv", devices=64)
+    with pytest.raises(StrategyError, match="does not divide"):
+        rule.parse(((16, 1, 1, 1), (1, 1, 1, 1), (1,)))  # batch is 8
+
+
+def test_repeated_calculation_is_allowed():
+    rule = rule_for(conv_model(), "conv")
+    exps = rule.parse(((2, 1, 1, 1), (1, 1, 1, 1), (1,)))  # 2 of 8 devices' worth of splits: 4x repeated
+    assert rule.shards(exps) == 2
+    bits = rule.label_bits(exps)
+    assert bits["n"] == (0,) and bits["o"] == () and bits["c"] == ()
