@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
     plan.add_argument("--mode", choices=MODES, default="auto_parallel")
     plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
-    plan.add_argument("--search", choices=("dp",), default="dp", help="search algorithm")
+    plan.add_argument("--search", choices=("dp", "ilp"), default="dp",
+                      help="dp (elimination DP, default) or ilp (exact ILP cross-check, needs autopar[ilp])")
     plan.add_argument("--format", choices=("table", "json"), default="table")
     plan.add_argument("--out", help="write the output to this file instead of stdout")
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from autopar.errors import InfeasibleError
 from autopar.search.dp import minimise, tie_break_unary
 from autopar.search.problem import SearchProblem
 
 MODES = ("auto_parallel", "data_parallel", "stand_alone")
-ALGORITHMS = ("dp",)
+ALGORITHMS = ("dp", "ilp")
 _BISECTION_STEPS = 40
 
 
@@ -46,6 +44,10 @@ def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: s
         choice, used, multiplier = data_parallel_choice(problem), "data_parallel", 0.0
     elif mode == "stand_alone":
         choice, used, multiplier = stand_alone_choice(problem), "stand_alone", 0.0
+    elif algorithm == "ilp":
+        from autopar.search.ilp import solve_ilp
+
+        choice, used, multiplier = solve_ilp(problem, capacity), "ilp", 0.0
     else:
         choice, multiplier = _constrained_dp(problem, capacity)
         used = algorithm
@@ -91,7 +93,3 @@ def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: flo
     what = "the leanest plan" if mode == "auto_parallel" else f"the {mode} plan"
     return (f"Nothing fits in device memory: {what} needs {need / 1e9:.2f} GB per device but the device has"
             f" {capacity / 1e9:.2f} GB; the heaviest operators are {heavy}.")
-
-
-def best_assignment_memory(problem: SearchProblem, choice: list[int]) -> np.ndarray:
-    return np.array([problem.node_memory[i][c] for i, c in enumerate(choice)])

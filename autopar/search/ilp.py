@@ -1,0 +1,105 @@
+"""Exact cross-check: the same search problem as an integer linear program, solved by HiGHS.
+
+Alpa's formulation: a one-hot binary choice per operator, and per edge a continuous variable
+per pair of *cost classes* (candidates whose edge-cost rows, or columns, are identical: in
+practice, candidates that produce or need the same layout), tied to the choices by marginal
+constraints. With integral choices the edge variables are forced to the product of the two
+one-hot vectors, so the program is exact. Device memory is one linear budget row, so unlike
+the DP's Lagrangian the ILP is exact under a binding memory limit too.
+
+HiGHS (``highspy``) is an optional extra: ``pip install "autopar[ilp]"``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.errors import AutoparError, InfeasibleError
+from autopar.search.problem import SearchProblem
+
+TIME_SCALE = 1e6  # solve in microseconds: keeps coefficients well inside HiGHS' tolerances
+
+
+def _highs():
+    try:
+        import highspy
+    except ImportError:
+        raise AutoparError("The ILP search needs the optional HiGHS solver: pip install 'autopar[ilp]'.") from None
+    return highspy
+
+
+def _classes(matrix: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct rows (axis 0) or columns (axis 1) of an edge matrix and each candidate's class."""
+    unique, inverse = np.unique(matrix if axis == 0 else matrix.T, axis=0, return_inverse=True)
+    return unique, inverse.reshape(-1)
+
+
+def solve_ilp(problem: SearchProblem, capacity: float | None = None, time_limit: float = 600.0) -> list[int]:
+    """Optimal candidate per operator (minimum step time, memory within ``capacity``)."""
+    highspy = _highs()
+    offsets = np.cumsum([0] + [len(t) for t in problem.node_time])
+    costs = [np.concatenate(problem.node_time) * TIME_SCALE]
+    rows_start, rows_index, rows_value, rows_lower, rows_upper = [], [], [], [], []
+
+    def add_row(index: list[int], value: list[float], lower: float, upper: float) -> None:
+        rows_start.append(sum(len(i) for i in rows_index))
+        rows_index.append(np.asarray(index, dtype=np.int32))
+        rows_value.append(np.asarray(value, dtype=np.float64))
+        rows_lower.append(lower)
+        rows_upper.append(upper)
+
+    for node in range(problem.size):  # one candidate per operator
+        members = list(range(offsets[node], offsets[node + 1]))
+        add_row(members, [1.0] * len(members), 1.0, 1.0)
+
+    next_var = int(offsets[-1])
+    for (i, j), matrix in sorted(problem.edges.items()):
+        if not matrix.any():
+            continue
+        rows, row_of = _classes(matrix, 0)
+        _, col_of = _classes(matrix, 1)
+        n_rows, n_cols = len(rows), int(col_of.max()) + 1
+        class_cost = np.zeros((n_rows, n_cols))
+        class_cost[row_of[:, None], col_of[None, :]] = matrix
+        base = next_var
+        next_var += n_rows * n_cols
+        costs.append(class_cost.reshape(-1) * TIME_SCALE)
+        for r in range(n_rows):  # sum_s y[r, s] = sum of x[i, c] over candidates c in row class r
+            ys = [base + r * n_cols + s for s in range(n_cols)]
+            xs = [int(offsets[i]) + c for c in np.flatnonzero(row_of == r)]
+            add_row(ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0)
+        for s in range(n_cols):
+            ys = [base + r * n_cols + s for r in range(n_rows)]
+            xs = [int(offsets[j]) + c for c in np.flatnonzero(col_of == s)]
+            add_row(ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0)
+
+    if capacity is not None:
+        memory = np.concatenate(problem.node_memory) / capacity  # in units of the capacity
+        add_row(list(range(int(offsets[-1]))), list(memory), -np.inf, 1.0)
+
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("mip_rel_gap", 1e-9)
+    highs.setOptionValue("mip_abs_gap", 1e-12)
+    highs.setOptionValue("time_limit", float(time_limit))
+    highs.setOptionValue("random_seed", 0)
+    highs.setOptionValue("primal_feasibility_tolerance", 1e-9)
+    highs.setOptionValue("mip_feasibility_tolerance", 1e-9)
+    cost = np.concatenate(costs)
+    n_vars = len(cost)
+    n_choice = int(offsets[-1])
+    highs.addVars(n_vars, np.zeros(n_vars), np.concatenate([np.ones(n_choice), np.full(n_vars - n_choice, np.inf)]))
+    highs.changeColsCost(n_vars, np.arange(n_vars, dtype=np.int32), cost)
+    highs.changeColsIntegrality(n_choice, np.arange(n_choice, dtype=np.int32),
+                                np.full(n_choice, highspy.HighsVarType.kInteger, dtype=np.uint8))
+    index = np.concatenate(rows_index)
+    highs.addRows(len(rows_lower), np.asarray(rows_lower), np.asarray(rows_upper), len(index),
+                  np.asarray(rows_start, dtype=np.int32), index, np.concatenate(rows_value))
+    highs.run()
+    status = highs.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        raise InfeasibleError("Nothing fits in device memory: the ILP finds no plan within the capacity.")
+    if status != highspy.HighsModelStatus.kOptimal:
+        raise AutoparError(f"The ILP solver stopped without an optimal plan ({highs.modelStatusToString(status)}).")
+    values = np.asarray(highs.getSolution().col_value[:n_choice])
+    return [int(np.argmax(values[offsets[n]:offsets[n + 1]])) for n in range(problem.size)]

@@ -1,0 +1,51 @@
+"""The ILP cross-check (HiGHS) agrees with the DP, and is exact under a binding memory limit."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar.cost import CostModel
+from autopar.graph import load_model
+from autopar.search.driver import run_search
+from autopar.search.problem import build_problem
+from tests.test_search import profile, random_model
+
+pytest.importorskip("highspy")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), devices=st.sampled_from([2, 4, 8]), peak=st.sampled_from([1e6, 1e9]))
+def test_ilp_equals_dp_on_random_graphs(seed, devices, peak):
+    problem = build_problem(load_model(random_model(seed)), CostModel(profile(peak=peak)), devices)
+    dp = problem.objective(run_search(problem, algorithm="dp").choice)
+    ilp = problem.objective(run_search(problem, algorithm="ilp").choice)
+    assert ilp == pytest.approx(dp, rel=1e-7, abs=1e-15)
+
+
+def test_ilp_is_exact_under_a_binding_memory_limit():
+    model = random_model(3)
+    free = build_problem(load_model(model), CostModel(profile()), 4)
+    fastest = free.memory(run_search(free).choice)
+    ranges = [range(len(free.candidates(i))) for i in range(free.size)]
+    memories = sorted({free.memory(c) for c in itertools.product(*ranges)})
+    tighter = [m for m in memories if m < fastest]
+    if not tighter:
+        pytest.skip("no leaner plan exists for this graph")
+    capacity = tighter[-1]
+    problem = build_problem(load_model(model), CostModel(profile(capacity=capacity)), 4)
+    best = min(problem.objective(c) for c in itertools.product(*ranges) if problem.memory(c) <= capacity)
+    choice = run_search(problem, algorithm="ilp").choice
+    assert problem.memory(choice) <= capacity * (1 + 1e-9)
+    assert problem.objective(choice) == pytest.approx(best, rel=1e-7)
+
+
+def test_ilp_equals_dp_on_resnet50_at_8_devices():
+    dp = autopar.plan("models/resnet50.onnx", devices=8)
+    ilp = autopar.plan("models/resnet50.onnx", devices=8, search="ilp")
+    assert ilp.search.algorithm == "ilp"
+    assert ilp.objective == pytest.approx(dp.objective, rel=1e-9)
