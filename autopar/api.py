@@ -106,3 +106,23 @@ def evaluate(model: ModelLike, devices: int, strategies: Mapping[str, Sequence[S
     """Predicted step time (the searched objective) of a full assignment of strategies."""
     problem = build(model, devices, cost_model, batch, dims, precision)
     return problem.objective(choice_for(problem, strategies))
+
+
+def verify(model: ModelLike, plan_or_strategies=None, devices: int = 8, batch: int | None = None,
+           dims: Mapping[str, int] | None = None, seed: int = 0, cost_model: str | Path | HardwareProfile = "ascend910",
+           precision: str = "mixed"):
+    """Run a plan on ``devices`` virtual devices and compare every output with one device.
+
+    ``plan_or_strategies`` is a `Plan`, a plan dict (as `Plan.to_dict()` or a JSON file gives
+    it), a plain {op: strategy} mapping, or None to verify the plan autopar finds.
+    """
+    from autopar.verify import verify_problem
+
+    if isinstance(plan_or_strategies, Plan):
+        return verify_problem(plan_or_strategies.problem, plan_or_strategies, seed=seed)
+    problem = build(model, devices, cost_model, batch, dims, precision)
+    if plan_or_strategies is None:
+        result = run_search(problem)
+        plan_or_strategies = Plan(problem, result.choice, result, problem.graph.name, "auto_parallel",
+                                  problem.cost.profile.name, precision)
+    return verify_problem(problem, plan_or_strategies, seed=seed)

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--format", choices=("table", "json"), default="table")
     plan.add_argument("--out", help="write the output to this file instead of stdout")
 
+    verify = commands.add_parser("verify", help="run a plan on virtual devices and compare with one device")
+    _add_model_arguments(verify)
+    verify.add_argument("--devices", type=_devices, default=8, help="number of devices, a power of two (default 8)")
+    verify.add_argument("--plan", help="a plan JSON file (from 'autopar plan --format json'); default: search one")
+    verify.add_argument("--seed", type=int, default=0, help="seed for random weights and inputs")
+    verify.add_argument("--format", choices=("table", "json"), default="table")
+
     inspect = commands.add_parser("inspect", help="summarise a model: operators, parameters, FLOPs")
     _add_model_arguments(inspect)
     inspect.add_argument("--format", choices=("table", "json"), default="table")
@@ -122,12 +129,37 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_verify(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.render import verify_table
+
+    plan_data = None
+    if args.plan:
+        try:
+            plan_data = json.loads(Path(args.plan).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise AutoparError(f"Plan file {args.plan!r} does not exist.") from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise AutoparError(f"Plan file {args.plan!r} is not JSON (write one with 'autopar plan --format json').") from None
+        if not isinstance(plan_data, dict) or "ops" not in plan_data:
+            raise AutoparError(f"Plan file {args.plan!r} is not an autopar plan (no 'ops').")
+    report = autopar.verify(args.model, plan_data, devices=args.devices, batch=args.batch, dims=dict(args.dim),
+                            seed=args.seed)
+    text = json.dumps(report.to_dict(), indent=2) + "\n" if args.format == "json" else verify_table(report)
+    sys.stdout.write(text)
+    if not report.ok:
+        print(f"autopar: error: the plan does not verify: {report.problems[0]}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "verify":
+            return _run_verify(args)
         return _run_inspect(args)
     except AutoparError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)

@@ -88,6 +88,7 @@ class OpNode:
     index: int
     flops: float = 0.0
     domain: str = ""
+    proto: onnx.NodeProto | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -303,6 +304,7 @@ def _build_graph(proto: onnx.ModelProto, name: str) -> Graph:
                 attrs=_attributes(node),
                 index=len(ops),
                 domain=node.domain,
+                proto=node,
             )
         )
     _rename_duplicates(ops)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autopar.graph import Graph
     from autopar.plan import Plan
+    from autopar.verify import VerifyReport
 
 
 def _ms(seconds: float) -> str:
@@ -111,4 +112,24 @@ def inspect_table(summary: dict[str, Any]) -> str:
     total = summary["forward_flops"] or 1.0
     for op_type, entry in summary["ops_by_type"].items():
         lines.append(f"{op_type:<24}{entry['count']:>7}{entry['flops'] / 1e9:>12.3f}{100 * entry['flops'] / total:>7.1f}%")
+    return "\n".join(lines) + "\n"
+
+
+def verify_table(report: "VerifyReport") -> str:
+    verdict = "VERIFIED" if report.ok else "FAILED"
+    lines = [f"autopar verify: {verdict} on {report.devices} virtual devices ({report.time_s:.1f} s)", ""]
+    for name, entry in report.outputs.items():
+        lines.append(f"output {name:<16} max abs error {entry['max_abs_error']:.3g}"
+                     f"  max rel error {entry['max_rel_error']:.3g}  {'ok' if entry['ok'] else 'MISMATCH'}")
+    lines.append("")
+    lines.append("collectives executed (plan lists):")
+    for kind in sorted(set(report.executed) | set(report.planned)):
+        done = report.executed.get(kind, {"count": 0, "bytes": 0})
+        listed = report.planned.get(kind, {"count": 0, "bytes": 0})
+        lines.append(f"  {kind:<14} {done['count']:>5} x {_bytes(done['bytes']):>10}"
+                     f"   ({listed['count']} x {_bytes(listed['bytes'])})")
+    if not report.executed and not report.planned:
+        lines.append("  none")
+    for problem in report.problems:
+        lines.append(f"problem: {problem}")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,103 @@
+"""SPMD verification: plans and random candidate assignments run on virtual devices and match one device."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+import autopar
+from autopar.cli import main
+from models.resnet50 import build_resnet50
+from tests.conftest import two_matmul_chain
+from tests.test_search import random_model
+
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def tiny_resnet():
+    return build_resnet50(batch=8, num_classes=16, image_size=32, width=8, blocks=(1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("mode", ["auto_parallel", "data_parallel", "stand_alone"])
+def test_modes_verify(tiny_resnet, mode):
+    plan = autopar.plan(tiny_resnet, devices=8, mode=mode)
+    report = autopar.verify(tiny_resnet, plan)
+    assert report.ok, report.problems
+    assert set(report.outputs) == {"loss", "logits"}
+    assert all(entry["max_abs_error"] <= 1e-4 for entry in report.outputs.values())
+    assert report.executed == report.planned
+
+
+MODELS = {
+    "tiny_resnet": lambda: build_resnet50(batch=8, num_classes=16, image_size=32, width=8, blocks=(1, 1, 1, 1)),
+    "two_matmul_chain": lambda: two_matmul_chain(batch=8, d_in=8, d_hidden=16, d_out=8),
+    "random_graph": lambda: random_model(12345),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_random_candidate_assignments_verify(name):
+    model = MODELS[name]()
+    candidates = autopar.candidates(model, devices=8)
+    rng = random.Random(sum(map(ord, name)))
+    executed_kinds = set()
+    for draw in range(20):
+        strategies = {op: rng.choice(options) for op, options in candidates.items()}
+        report = autopar.verify(model, strategies, devices=8, seed=draw)
+        assert report.ok, (draw, report.problems)
+        assert report.executed == report.planned
+        executed_kinds |= set(report.executed)
+    if name == "tiny_resnet":  # random plans exercise every kind of step
+        assert {"AllGather", "AllToAll", "ReduceScatter", "AllReduce", "Slice"} <= executed_kinds
+
+
+def test_reduced_resnet50_verifies():
+    # all 16 bottleneck blocks, small images and batch, as CI can afford
+    model = build_resnet50(batch=8, num_classes=32, image_size=32, width=8)
+    for mode in ("auto_parallel", "data_parallel"):
+        report = autopar.verify(model, autopar.plan(model, devices=8, mode=mode))
+        assert report.ok, report.problems
+
+
+def _plan_dict(model, strategies) -> dict:
+    from autopar.api import choice_for
+    from autopar.plan import Plan
+    from autopar.search.driver import SearchResult
+
+    problem = autopar.build(model, 8)
+    choice = choice_for(problem, strategies)
+    return Plan(problem, choice, SearchResult(choice, "given", 0.0), "tiny", "given", "ascend910", "mixed").to_dict()
+
+
+def test_broken_plan_file_is_caught(tmp_path, tiny_resnet, capsys):
+    import onnx
+
+    model_path = tmp_path / "tiny.onnx"
+    onnx.save(tiny_resnet, model_path)
+    candidates = autopar.candidates(tiny_resnet, devices=8)
+    rng = random.Random(3)
+    strategies = {op: rng.choice(options) for op, options in candidates.items()}
+    data = _plan_dict(tiny_resnet, strategies)
+    good = tmp_path / "plan.json"
+    good.write_text(json.dumps(data))
+    assert main(["verify", str(model_path), "--devices", "8", "--plan", str(good)]) == 0
+    # remove one real collective from the plan file
+    entry = next(r for r in data["redistributions"] if any(s["collective"] != "Slice" for s in r["steps"]))
+    entry["steps"] = [s for s in entry["steps"] if s["collective"] == "Slice"]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["verify", str(model_path), "--devices", "8", "--plan", str(broken)]) == 1
+    captured = capsys.readouterr()
+    assert "FAILED" in captured.out
+    assert "does not verify" in captured.err and entry["tensor"] in captured.err and "missing" in captured.err
+    assert captured.err.count("\n") == 1
+
+
+def test_plan_for_other_device_count_is_refused(tmp_path, tiny_resnet):
+    data = autopar.plan(tiny_resnet, devices=4).to_dict()
+    with pytest.raises(autopar.AutoparError, match="4 devices"):
+        autopar.verify(tiny_resnet, data, devices=8)
