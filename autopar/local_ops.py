@@ -11,7 +11,6 @@ onnxruntime executes it on the local shapes. The exceptions are spelled out here
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import onnx
@@ -82,7 +81,6 @@ def run_local(ort, problem: SearchProblem, rule: OpRule, choice: int, inputs: li
 
 def _one_hot(rule: OpRule, exps, inputs, rank: int) -> np.ndarray:
     """OneHot on a rank's slice of the class axis: ones where (index - first class) falls in range."""
-    op = rule.op
     indices = np.asarray(inputs[0][rank]).astype(np.int64)
     depth = int(np.asarray(inputs[1][rank]).reshape(-1)[0])
     off_value, on_value = np.asarray(inputs[2][rank]).reshape(-1)[:2]

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from autopar.errors import AutoparError
 from autopar.graph import Graph
