@@ -66,10 +66,7 @@ def plan(model: ModelLike, devices: int = 8, cost_model: str | Path | HardwarePr
     if search not in ALGORITHMS:
         raise AutoparError(f"Unknown search algorithm {search!r}; choose one of: {', '.join(ALGORITHMS)}.")
     problem = build(model, devices, cost_model, batch, dims, precision)
-    result = run_search(problem, mode, search)
-    name = problem.graph.name
-    profile_name = problem.cost.profile.name
-    return Plan(problem, result.choice, result, name, mode, profile_name, precision)
+    return Plan.lower(problem, run_search(problem, mode, search), mode)
 
 
 def candidates(model: ModelLike, devices: int = 8, batch: int | None = None,
@@ -122,7 +119,5 @@ def verify(model: ModelLike, plan_or_strategies=None, devices: int = 8, batch: i
         return verify_problem(plan_or_strategies.problem, plan_or_strategies, seed=seed)
     problem = build(model, devices, cost_model, batch, dims, precision)
     if plan_or_strategies is None:
-        result = run_search(problem)
-        plan_or_strategies = Plan(problem, result.choice, result, problem.graph.name, "auto_parallel",
-                                  problem.cost.profile.name, precision)
+        plan_or_strategies = Plan.lower(problem, run_search(problem), "auto_parallel")
     return verify_problem(problem, plan_or_strategies, seed=seed)

@@ -36,6 +36,12 @@ class Plan:
     cost_model: str
     precision: str
 
+    @classmethod
+    def lower(cls, problem: SearchProblem, result: SearchResult, mode: str) -> "Plan":
+        """The plan of one search result on one problem."""
+        return cls(problem, result.choice, result, problem.graph.name, mode, problem.cost.profile.name,
+                   problem.cost.precision)
+
     @property
     def devices(self) -> int:
         return self.problem.num_devices

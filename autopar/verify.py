@@ -24,6 +24,7 @@ from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.plan import Plan
 from autopar.redistribute import Step, apply_steps
+from autopar.search.driver import SearchResult
 from autopar.search.problem import SearchProblem
 from autopar.spmd import assemble, run_step, shard
 
@@ -145,12 +146,7 @@ def _plan_parts(problem: SearchProblem, plan: Plan | Mapping[str, Any]) -> tuple
         entries = list(plan.get("redistributions", []))
     else:
         choice = choice_for(problem, plan)  # a plain {op: strategy} mapping
-        from autopar.plan import Plan as _Plan
-        from autopar.search.driver import SearchResult
-
-        lowered = _Plan(problem, choice, SearchResult(choice, "given", 0.0), problem.graph.name, "given",
-                        problem.cost.profile.name, problem.cost.precision)
-        entries = lowered.to_dict()["redistributions"]
+        entries = Plan.lower(problem, SearchResult(choice, "given", 0.0), "given").to_dict()["redistributions"]
     by_key = {(e["tensor"], e["producer"], e["consumer"]): e for e in entries}
     return choice, by_key, entries
 
