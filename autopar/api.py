@@ -8,13 +8,14 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import onnx
 
 from autopar.cost import PRECISIONS, CostModel, HardwareProfile, load_profile
-from autopar.errors import AutoparError, StrategyError
+from autopar.errors import AutoparError, FallbackWarning, StrategyError
 from autopar.graph import Graph, load_model
 from autopar.layout import is_power_of_two
 from autopar.plan import Plan
@@ -66,7 +67,10 @@ def plan(model: ModelLike, devices: int = 8, cost_model: str | Path | HardwarePr
     if search not in ALGORITHMS:
         raise AutoparError(f"Unknown search algorithm {search!r}; choose one of: {', '.join(ALGORITHMS)}.")
     problem = build(model, devices, cost_model, batch, dims, precision)
-    return Plan.lower(problem, run_search(problem, mode, search), mode)
+    result = Plan.lower(problem, run_search(problem, mode, search), mode)
+    if result.fallback_ops:
+        warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=2)
+    return result
 
 
 def candidates(model: ModelLike, devices: int = 8, batch: int | None = None,

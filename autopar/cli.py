@@ -6,11 +6,12 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 from pathlib import Path
 from typing import Sequence
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, FallbackWarning
 
 MODES = ("auto_parallel", "data_parallel", "stand_alone")
 
@@ -108,11 +109,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     import autopar
     from autopar.render import plan_table
 
-    result = autopar.plan(args.model, devices=args.devices, cost_model=args.cost_model, batch=args.batch,
-                          mode=args.mode, dims=dict(args.dim), precision=args.precision, search=args.search)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # said once below, in the CLI's own words
+        result = autopar.plan(args.model, devices=args.devices, cost_model=args.cost_model, batch=args.batch,
+                              mode=args.mode, dims=dict(args.dim), precision=args.precision, search=args.search)
     if result.fallback_ops:
-        print(f"autopar: warning: {len(result.fallback_ops)} operator(s) have no strategy rule and are kept"
-              f" replicated: {', '.join(result.fallback_ops[:5])}", file=sys.stderr)
+        print(f"autopar: warning: {result.fallback_summary()}", file=sys.stderr)
     text = result.to_json() + "\n" if args.format == "json" else plan_table(result)
     _emit(text, args.out)
     return 0

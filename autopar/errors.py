@@ -19,3 +19,7 @@ class CostModelError(AutoparError):
 
 class InfeasibleError(AutoparError):
     """No plan fits in device memory."""
+
+
+class FallbackWarning(UserWarning):
+    """Some operators have no strategy rule: they run replicated, their inputs gathered."""

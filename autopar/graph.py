@@ -1,9 +1,14 @@
 """ONNX import: a model file becomes a `Graph` whose every tensor has a known shape and dtype.
 
-The importer binds the batch size and symbolic dimensions, runs ONNX shape inference,
-folds constants (``Constant`` nodes and weight-elided parameters written as
-``ConstantOfShape(shape initializer)``, the pattern the onnx package's own model-zoo test
-files use), tells parameters from constants and data inputs, and counts forward FLOPs.
+The importer binds the batch size and symbolic dimensions (rewriting Reshape targets that
+hard-code the old batch), runs ONNX shape inference, folds constants, tells parameters from
+constants and data inputs, and counts forward FLOPs.
+
+Folding covers ``Constant``, weight-elided parameters written as ``ConstantOfShape(shape
+initializer)`` (the pattern the onnx package's own model-zoo test files use), and every
+shape computation: ``Shape``/``Size`` read the inferred shapes, and any operator whose inputs
+are all known values (Gather on a shape, Concat, Range, Unsqueeze, Cast, ...) is evaluated
+once by onnx's reference evaluator. Folded values are replicated constants: they cost nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ _WEIGHT_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul", "BatchNormalization", 
 # Inputs that hold running statistics: stored like parameters but never trained.
 _STATISTICS_INPUTS: dict[str, set[int]] = {"BatchNormalization": {3, 4}}
 _FLOAT_TYPES = {np.dtype(t) for t in ("float16", "float32", "float64")} | {np.dtype("float16")}
+# Folding evaluates an operator at import time; its output becomes a constant every rank holds.
+_FOLD_MAX_ELEMENTS = 1 << 22
+_NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli",
+               "Dropout"}
 
 
 @dataclass(frozen=True)
@@ -146,8 +155,11 @@ def load_model(
     """Import an ONNX model (a path or a ModelProto) with every shape resolved."""
     proto = _read(model)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
+    if batch is not None:
+        _rebatch_reshapes(proto, batch)
     proto = _bind_dimensions(proto, batch, dims or {})
     proto = _infer_shapes(proto)
+    _check_reshapes(proto)
     return _build_graph(proto, name)
 
 
@@ -206,6 +218,65 @@ def _bind_dimensions(proto: onnx.ModelProto, batch: int | None, dims: dict[str, 
     return proto
 
 
+def _declared_batch(proto: onnx.ModelProto) -> int | None:
+    for vi in _data_inputs(proto):
+        dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
+        if dims and dims[0].HasField("dim_value"):
+            return int(dims[0].dim_value)
+    return None
+
+
+def _rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
+    """Exported CNNs often hard-code the batch in a Reshape target (``[1, 2048]``): rewrite it.
+
+    A target is rewritten when its first entry equals the file's batch and the reshaped
+    tensor's leading dimension is that batch too (so the entry is the batch, not a feature).
+    """
+    old = _declared_batch(proto)
+    if old is None or old == batch:
+        return
+    try:
+        inferred = shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:
+        return  # the strict inference after binding reports the problem
+    infos = _value_infos(inferred)
+    initializers = {init.name: init for init in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type != "Reshape" or node.domain or len(node.input) < 2 or node.input[1] not in initializers:
+            continue
+        target = numpy_helper.to_array(initializers[node.input[1]])
+        vi = infos.get(node.input[0])
+        dims = vi.type.tensor_type.shape.dim if vi is not None and vi.type.HasField("tensor_type") else []
+        if target.ndim != 1 or not target.size or int(target[0]) != old or not dims or dims[0].dim_value != old:
+            continue
+        rewritten = target.copy()
+        rewritten[0] = batch
+        new_name = f"{node.input[1]}__batch{batch}"
+        if new_name not in initializers:
+            initializers[new_name] = numpy_helper.from_array(rewritten, new_name)
+            proto.graph.initializer.append(initializers[new_name])
+        node.input[1] = new_name
+
+
+def _check_reshapes(proto: onnx.ModelProto) -> None:
+    """Shape inference accepts a Reshape that changes the element count; running it would fail."""
+    infos = _value_infos(proto)
+    for node in proto.graph.node:
+        if node.op_type != "Reshape" or node.domain:
+            continue
+        sizes = []
+        for name in (node.input[0], node.output[0]):
+            vi = infos.get(name)
+            dims = vi.type.tensor_type.shape.dim if vi is not None and vi.type.HasField("tensor_type") else None
+            if dims is None or not all(d.HasField("dim_value") for d in dims):
+                break
+            sizes.append(math.prod(int(d.dim_value) for d in dims))
+        if len(sizes) == 2 and sizes[0] != sizes[1]:
+            raise ModelImportError(
+                f"Reshape {node.name or node.output[0]!r} turns {sizes[0]} elements into {sizes[1]}: its target"
+                " shape is hard-coded for another batch size or input shape.")
+
+
 def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     try:
         return shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
@@ -255,7 +326,8 @@ def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
     return attrs
 
 
-def _fold_constant(node: onnx.NodeProto, constants: dict[str, Any]) -> np.ndarray | ElidedValue | None:
+def _fold_constant(node: onnx.NodeProto, constants: dict[str, Any], infos: dict[str, onnx.ValueInfoProto],
+                   proto: onnx.ModelProto) -> np.ndarray | ElidedValue | None:
     """Value of a node computable at import time, or None. Weight-elided parameters come here too."""
     if node.op_type == "Constant" and not node.domain:
         attrs = _attributes(node)
@@ -275,7 +347,42 @@ def _fold_constant(node: onnx.NodeProto, constants: dict[str, Any]) -> np.ndarra
         if fill.dtype in _FLOAT_TYPES and len(shape) > 0 and math.prod(shape) > 1:
             return ElidedValue(shape, fill.dtype)  # a weight-elided parameter: keep its shape only
         return np.full(shape, fill.reshape(-1)[0], dtype=fill.dtype)
-    return None
+    if node.domain or len(node.output) != 1:
+        return None
+    if node.op_type in ("Shape", "Size"):
+        try:
+            in_shape, _ = _shape_of(node.input[0], infos)
+        except ModelImportError:
+            return None
+        if node.op_type == "Size":
+            return np.asarray(math.prod(in_shape), dtype=np.int64)
+        attrs = _attributes(node)
+        start, end = attrs.get("start", 0), attrs.get("end", len(in_shape))
+        return np.asarray(in_shape[slice(start, end)], dtype=np.int64)
+    present = [name for name in node.input if name]
+    if not present or node.op_type in _NEVER_FOLD or not all(isinstance(constants.get(n), np.ndarray) for n in present):
+        return None
+    try:
+        out_shape, _ = _shape_of(node.output[0], infos)
+    except ModelImportError:
+        return None
+    if math.prod(out_shape) > _FOLD_MAX_ELEMENTS:
+        return None
+    return _evaluate(node, constants, proto)
+
+
+def _evaluate(node: onnx.NodeProto, constants: dict[str, Any], proto: onnx.ModelProto) -> np.ndarray | None:
+    """Run one operator on known inputs with onnx's reference evaluator (None if it cannot)."""
+    from onnx.reference import ReferenceEvaluator
+
+    opsets = {entry.domain or "": int(entry.version) for entry in proto.opset_import}
+    try:
+        evaluator = ReferenceEvaluator(node, opsets=opsets)
+        feeds = {name: constants[name] for name in node.input if name}
+        (value,) = evaluator.run(None, feeds)
+    except Exception:
+        return None
+    return np.asarray(value)
 
 
 def _build_graph(proto: onnx.ModelProto, name: str) -> Graph:
@@ -290,8 +397,9 @@ def _build_graph(proto: onnx.ModelProto, name: str) -> Graph:
             constants[init.name] = numpy_helper.to_array(init)
 
     ops: list[OpNode] = []
+    graph_outputs = {o.name for o in proto.graph.output}
     for node in proto.graph.node:
-        folded = _fold_constant(node, constants)
+        folded = None if set(node.output) & graph_outputs else _fold_constant(node, constants, infos, proto)
         if folded is not None:
             constants[node.output[0]] = folded
             continue

@@ -2,11 +2,13 @@
 
 Almost every operator runs unchanged on its shards (that is what a strategy rule promises);
 onnxruntime executes it on the local shapes. The exceptions are spelled out here:
-- Reshape/Flatten targets become the local output shape;
+- Reshape and Expand targets become the local output shape;
 - a bias under a split contraction (Gemm, Conv) is added only by the first rank of each
   partial group, so the reduction counts it once;
-- ReduceMean over a split axis divides by the global count (its partial results then sum);
-- OneHot over a split class axis writes only the classes the rank holds.
+- a mean over a split axis (ReduceMean, a mean loss) divides by the global count (its partial
+  results then sum);
+- OneHot over a split class axis writes only the classes the rank holds;
+- Gather over a split axis looks up only the rows the rank holds and writes zeros elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from autopar.ops.indexing import GATHERED
 from autopar.search.problem import SearchProblem
 from autopar.strategy import OpRule
 
@@ -58,6 +61,8 @@ def run_local(ort, problem: SearchProblem, rule: OpRule, choice: int, inputs: li
                   for name, layout in zip(op.outputs, out_layouts)]
     if op.op_type == "OneHot":
         return [[_one_hot(rule, exps, inputs, rank) for rank in range(ranks)]]
+    if op.op_type == "Gather" and bits.get(GATHERED):
+        return [[_gather_rows(rule, exps, inputs, rank) for rank in range(ranks)]]
     session = None
     results: list[list[np.ndarray]] = [[] for name in op.outputs if name]
     for rank in range(ranks):
@@ -66,17 +71,39 @@ def run_local(ort, problem: SearchProblem, rule: OpRule, choice: int, inputs: li
             if slot < len(local) and local[slot] is not None and reduced and not _is_first_of_partial_group(
                     rank, bits, reduced):
                 local[slot] = np.zeros_like(local[slot])
-        if op.op_type == "Reshape":
+        if op.op_type in ("Reshape", "Expand"):
             local[1] = np.asarray(out_shapes[0], dtype=np.int64)
         if session is None:
             session = _session(ort, _mini_model(rule, graph, local))
         feeds = {_slot_name(slot): x for slot, (name, x) in enumerate(zip(op.inputs, local)) if name}
         outs = session.run(None, feeds)
-        if op.op_type == "ReduceMean" and reduced:
-            outs[0] = outs[0] / (1 << sum(len(bits[label]) for label in reduced))
+        if rule.spec.local_mean and reduced:
+            outs[0] = (outs[0] / (1 << sum(len(bits[label]) for label in reduced))).astype(outs[0].dtype)
         for position, value in enumerate(outs):
             results[position].append(np.asarray(value))
     return results
+
+
+def _shard_of(rank: int, bits: tuple[int, ...]) -> int:
+    """Which shard of a dimension split over ``bits`` (most significant first) a rank holds."""
+    shard = 0
+    for bit in bits:
+        shard = (shard << 1) | ((rank >> bit) & 1)
+    return shard
+
+
+def _gather_rows(rule: OpRule, exps, inputs, rank: int) -> np.ndarray:
+    """Gather from a rank's rows of the gathered axis; indices outside them give zeros."""
+    data = np.asarray(inputs[0][rank])
+    indices = np.asarray(inputs[1][rank]).astype(np.int64)
+    axis = rule.spec.inputs[0].index(GATHERED)
+    full = rule.graph.tensor(rule.op.inputs[0]).shape[axis]
+    local = data.shape[axis]
+    indices = np.where(indices < 0, indices + full, indices) - _shard_of(rank, rule.label_bits(exps)[GATHERED]) * local
+    held = (indices >= 0) & (indices < local)
+    picked = np.take(data, np.where(held, indices, 0), axis=axis)
+    mask = held.reshape((1,) * axis + held.shape + (1,) * (data.ndim - axis - 1))
+    return np.where(mask, picked, np.zeros((), dtype=data.dtype))
 
 
 def _one_hot(rule: OpRule, exps, inputs, rank: int) -> np.ndarray:
@@ -89,10 +116,7 @@ def _one_hot(rule: OpRule, exps, inputs, rank: int) -> np.ndarray:
     bits = rule.label_bits(exps)["cls"]
     split = 1 << len(bits)
     local_depth = depth // split
-    shard = 0
-    for bit in bits:
-        shard = (shard << 1) | ((rank >> bit) & 1)
-    indices = np.where(indices < 0, indices + depth, indices) - shard * local_depth
+    indices = np.where(indices < 0, indices + depth, indices) - _shard_of(rank, bits) * local_depth
     classes = np.arange(local_depth).reshape([-1 if d == axis else 1 for d in range(indices.ndim + 1)])
     hot = np.expand_dims(indices, axis) == classes
     return np.where(hot, on_value, off_value).astype(np.asarray(inputs[2][rank]).dtype)

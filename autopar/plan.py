@@ -64,6 +64,14 @@ class Plan:
     def fallback_ops(self) -> list[str]:
         return [rule.op.name for rule in self.problem.rules if rule.spec.fallback]
 
+    def fallback_summary(self) -> str:
+        """One sentence naming the operators kept replicated for want of a rule."""
+        rules = [rule for rule in self.problem.rules if rule.spec.fallback]
+        named = ", ".join(f"{rule.op.name} ({rule.op.op_type})" for rule in rules[:5])
+        more = f" and {len(rules) - 5} more" if len(rules) > 5 else ""
+        return (f"{len(rules)} operator(s) have no strategy rule and are kept replicated with their inputs gathered:"
+                f" {named}{more}.")
+
     @property
     def data_parallel_objective(self) -> float:
         return self.problem.objective(data_parallel_choice(self.problem))

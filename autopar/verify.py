@@ -87,15 +87,21 @@ def materialise(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def _index_range(graph: Graph, name: str) -> int:
-    """Labels must be valid class indices for the operators that read them."""
-    limit = 2
+    """Integer inputs must be valid indices for the operators that read them (class labels, token ids)."""
+    limits = []
     for consumer in graph.consumers.get(name, []):
         op = graph.op(consumer)
-        if op.op_type == "OneHot":
+        slots = [slot for slot, inp in enumerate(op.inputs) if inp == name]
+        if op.op_type == "OneHot" and 0 in slots:
             depth = graph.tensor(op.inputs[1]).value
             if depth is not None:
-                limit = int(np.asarray(depth).reshape(-1)[0])
-    return limit
+                limits.append(int(np.asarray(depth).reshape(-1)[0]))
+        elif op.op_type in ("Gather", "GatherElements") and 1 in slots:
+            data_shape = graph.tensor(op.inputs[0]).shape
+            limits.append(data_shape[int(op.attrs.get("axis", 0)) % len(data_shape)])
+        elif op.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss") and 1 in slots:
+            limits.append(graph.tensor(op.inputs[0]).shape[1])
+    return max(min(limits), 1) if limits else 2
 
 
 def reference_outputs(graph: Graph, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -174,6 +180,8 @@ class _Runner:
         self.ort = _ort()
 
     def run(self) -> None:
+        last_read = {name: node for node, rule in enumerate(self.problem.rules) for name in rule.op.inputs if name}
+        keep = set(self.problem.graph.outputs)
         for node, rule in enumerate(self.problem.rules):
             inputs = [self._input(node, slot) for slot in range(len(rule.op.inputs))]
             outputs = self._compute(node, inputs)
@@ -181,6 +189,10 @@ class _Runner:
                     self.choice[node])[1], outputs):
                 if name:
                     self.buffers[(name, rule.op.name)] = (layout, per_rank)
+            for name in set(rule.op.inputs):  # free what no later operator reads (large models, big batches)
+                if name and last_read[name] == node and name not in keep:
+                    for key in [key for key in self.buffers if key[0] == name]:
+                        del self.buffers[key]
 
     def _redistribute(self, tensor: str, producer: str, consumer: str, src: Layout, dst: Layout,
                       per_rank: list[np.ndarray]) -> list[np.ndarray]:
@@ -258,15 +270,19 @@ def verify_problem(problem: SearchProblem, plan: Plan | Mapping[str, Any], seed:
         for name, expected in reference.items():
             got = runner.output(name)
             error = np.abs(got.astype(np.float64) - expected.astype(np.float64))
-            scale = np.abs(expected.astype(np.float64))
-            close = bool(np.allclose(got, expected, rtol=rtol, atol=atol))
-            outputs[name] = {"max_abs_error": float(error.max(initial=0.0)),
-                             "max_rel_error": float((error / np.maximum(scale, 1e-30)).max(initial=0.0)),
+            magnitude = float(np.abs(expected.astype(np.float64)).max(initial=0.0))
+            worst_error = float(error.max(initial=0.0))
+            # norm-wise: a sharded sum adds the same terms in another order, and its rounding
+            # error scales with the tensor's magnitude, not with an element that cancels to ~0
+            close = bool(np.isfinite(worst_error)) and worst_error <= atol + rtol * magnitude
+            outputs[name] = {"max_abs_error": worst_error,
+                             "max_rel_error": worst_error / magnitude if magnitude else worst_error,
                              "ok": close}
             if not close:
-                worst = np.unravel_index(int(np.argmax(error - rtol * scale)), error.shape) if error.size else ()
+                worst = np.unravel_index(int(np.argmax(error)), error.shape) if error.size else ()
                 problems.append(f"output {name!r} differs from the single-device reference: max abs error"
-                                f" {outputs[name]['max_abs_error']:.3g} (worst at index {tuple(int(i) for i in worst)})")
+                                f" {worst_error:.3g} against a largest magnitude of {magnitude:.3g}"
+                                f" (worst at index {tuple(int(i) for i in worst)})")
     except _PlanBroken as exc:
         problems.append(str(exc))
     executed = {k: {"count": runner.executed[k], "bytes": runner.executed_bytes[k]} for k in sorted(runner.executed)}

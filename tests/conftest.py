@@ -44,8 +44,8 @@ def simple_cost(simple_profile) -> CostModel:
     return CostModel(simple_profile, "mixed")
 
 
-def make_model(nodes, inputs, outputs, initializers=(), name="tiny") -> onnx.ModelProto:
-    """A checked opset-17 model from helper nodes, (name, elem_type, shape) inputs and output names.
+def make_model(nodes, inputs, outputs, initializers=(), name="tiny", opset: int = 17) -> onnx.ModelProto:
+    """A checked (by default opset-17) model from helper nodes, (name, elem_type, shape) inputs and output names.
 
     Output types and shapes are filled in by ONNX shape inference.
     """
@@ -53,7 +53,8 @@ def make_model(nodes, inputs, outputs, initializers=(), name="tiny") -> onnx.Mod
         list(nodes), name, [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs], [],
         initializer=list(initializers),
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                              ir_version=8 if opset <= 17 else 9)
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
     known = {vi.name: vi for vi in inferred.graph.value_info}
     model.graph.output.extend(known[n] for n in outputs)

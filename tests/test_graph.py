@@ -51,7 +51,6 @@ def _roles_model() -> onnx.ModelProto:
         numpy_helper.from_array(np.array(-1.0, np.float32), "neg_one"),          # scalar: a constant
         numpy_helper.from_array(np.array([0.0, 1.0], np.float32), "on_off"),     # OneHot values: config
         numpy_helper.from_array(np.array(16, np.int64), "depth"),                # int: a constant
-        numpy_helper.from_array(np.arange(8, dtype=np.int64) % 16, "idx"),       # int: a constant
     ]
     nodes = [
         helper.make_node("Mul", ["x", "scale"], ["a"], name="scale_mul"),
@@ -60,7 +59,8 @@ def _roles_model() -> onnx.ModelProto:
         helper.make_node("OneHot", ["idx", "depth", "on_off"], ["oh"], name="onehot", axis=-1),
         helper.make_node("Mul", ["c", "oh"], ["y"], name="pick"),
     ]
-    return _model(nodes, [("x", TensorProto.FLOAT, [8, 16])], [("y", TensorProto.FLOAT, None)], inits)
+    return _model(nodes, [("x", TensorProto.FLOAT, [8, 16]), ("idx", TensorProto.INT64, [8])],
+                  [("y", TensorProto.FLOAT, None)], inits)
 
 
 def _assert_one_sentence(message: str) -> None:
@@ -287,12 +287,12 @@ def test_roles_of_initializers():
     assert graph.tensor("on_off").kind == "constant"  # OneHot's float `values` configure the op
     assert graph.tensor("neg_one").kind == "constant"  # a float scalar is a constant
     assert graph.tensor("depth").kind == "constant"
-    assert graph.tensor("idx").kind == "constant"
+    assert graph.tensor("idx").kind == "input"
     for name in ("scale", "w"):
         assert graph.tensor(name).kind == "parameter" and graph.tensor(name).trainable, name
     assert {p.name for p in graph.parameters} == {"scale", "w"}
     assert graph.tensor("x").kind == "input"
-    assert graph.inputs == ["x"]
+    assert graph.inputs == ["x", "idx"]
     np.testing.assert_array_equal(graph.tensor("on_off").value, [0.0, 1.0])
 
 
@@ -371,3 +371,57 @@ def test_duplicate_and_missing_names_are_made_unique():
     assert len(set(names)) == 3, names
     assert names[0] == "r"
     assert graph.op(names[1]).inputs == ("a",)
+
+
+# --- shape computations and hard-coded batch sizes -------------------------------------------------
+
+def _shape_subgraph_model(batch: int = 4) -> onnx.ModelProto:
+    """x: [B, 6, 8] reshaped to [B, 48] through Shape -> Gather -> Unsqueeze -> Concat; a Range adds 0..47."""
+    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array([48], np.int64), "rest"),
+             numpy_helper.from_array(np.array([0], np.int64), "axes0"),
+             numpy_helper.from_array(np.array(1, np.int64), "one"),
+             numpy_helper.from_array(np.array(48, np.int64), "limit")]
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
+             helper.make_node("Gather", ["s", "zero"], ["b"], name="batch_of", axis=0),
+             helper.make_node("Unsqueeze", ["b", "axes0"], ["b1"], name="as_list"),
+             helper.make_node("Concat", ["b1", "rest"], ["target"], name="target", axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["flat"], name="flatten"),
+             helper.make_node("Range", ["zero", "limit", "one"], ["positions"], name="positions"),
+             helper.make_node("Cast", ["positions"], ["pos_f"], name="pos_float", to=TensorProto.FLOAT),
+             helper.make_node("ReduceSum", ["flat", "axes0"], ["y"], name="total", keepdims=0),
+             helper.make_node("Add", ["y", "pos_f"], ["z"], name="shift")]
+    return _model(nodes, [("x", TensorProto.FLOAT, [batch, 6, 8])], [("z", TensorProto.FLOAT, None)], inits)
+
+
+def test_shape_subgraphs_are_folded_to_constants():
+    model = _shape_subgraph_model()
+    graph = load_model(model)
+    assert [op.op_type for op in graph.ops] == ["Reshape", "ReduceSum", "Add"]
+    np.testing.assert_array_equal(graph.tensor("pos_f").value, np.arange(48, dtype=np.float32))
+    np.testing.assert_array_equal(graph.tensor("target").value, [4, 48])
+    assert graph.tensor("target").kind == "constant"
+    rebound = load_model(model, batch=16)
+    np.testing.assert_array_equal(rebound.tensor("target").value, [16, 48])
+    assert rebound.tensor("flat").shape == (16, 48)
+
+
+def _hard_coded_reshape(batch: int = 1, target=(1, 48)) -> onnx.ModelProto:
+    inits = [numpy_helper.from_array(np.array(target, np.int64), "target")]
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Reshape", ["r", "target"], ["y"], name="flatten")]
+    return _model(nodes, [("x", TensorProto.FLOAT, [batch, 6, 8])], [("y", TensorProto.FLOAT, [batch, 48])], inits)
+
+
+def test_batch_override_rewrites_a_hard_coded_reshape_batch():
+    graph = load_model(_hard_coded_reshape(), batch=32)
+    assert graph.tensor("y").shape == (32, 48)
+    assert graph.tensor("r").shape == (32, 6, 8)
+
+
+def test_reshape_that_changes_the_element_count_is_an_import_error():
+    # a target that names a feature size, not the batch, cannot be rewritten: say so
+    model = _hard_coded_reshape(batch=2, target=(4, 48))
+    with pytest.raises(ModelImportError, match="turns 96 elements into 192") as info:
+        load_model(model)
+    _assert_one_sentence(str(info.value))

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from autopar.graph import Graph, OpNode
 
 Labels = tuple[str | None, ...]
@@ -29,6 +31,8 @@ class OpSpec:
     the input labels (OneHot overrides it, as MindSpore's OneHot strategy describes the output).
     ``local_once_inputs`` are inputs a rank adds only when it holds the first shard of every
     reduced label (a bias under a split contraction must be added exactly once).
+    ``local_mean`` marks an average over the reduced labels (ReduceMean, a mean loss): each rank
+    divides its local mean by the number of shards, so the partial results sum to the global mean.
     """
 
     inputs: tuple[Labels | None, ...]
@@ -39,6 +43,7 @@ class OpSpec:
     local_once_inputs: tuple[int, ...] = ()
     differentiable: bool = True
     fallback: bool = False
+    local_mean: bool = False
     label_order: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +127,29 @@ def no_split(rank: int) -> Labels:
 
 def normalize_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
+
+
+def opset_version(graph: Graph) -> int:
+    """The model's version of the default ONNX domain (operators changed meaning across versions)."""
+    for entry in graph.model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return int(entry.version)
+    return 1
+
+
+def constant_ints(graph: Graph, op: OpNode, slot: int, attr: str) -> list[int] | None:
+    """Integers given as an attribute (older opsets) or a constant input (newer ones).
+
+    None when the input is present but computed at run time; [] when neither is given.
+    """
+    if attr in op.attrs:
+        return [int(v) for v in op.attrs[attr]]
+    if slot < len(op.inputs) and op.inputs[slot]:
+        value = constant_value(graph, op.inputs[slot])
+        if value is None:
+            return None
+        return [int(v) for v in np.asarray(value).reshape(-1)]
+    return []
 
 
 def constant_value(graph: Graph, name: str):

@@ -44,4 +44,5 @@ def reduce(op: OpNode, graph: Graph) -> OpSpec:
     else:
         out = tuple(label for i, label in enumerate(labels) if i not in axes)
     inputs = (labels,) + tuple(None for _ in op.inputs[1:])
-    return OpSpec(inputs=inputs, outputs=(out,), reduce_op=_REDUCE_OP[op.op_type])
+    return OpSpec(inputs=inputs, outputs=(out,), reduce_op=_REDUCE_OP[op.op_type],
+                  local_mean=op.op_type == "ReduceMean")

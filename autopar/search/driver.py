@@ -8,12 +8,13 @@ otherwise; when even the leanest plan does not fit, the error names the largest 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 from autopar.errors import InfeasibleError
 from autopar.search.dp import minimise, tie_break_unary
-from autopar.search.problem import SearchProblem
+from autopar.search.problem import SearchProblem, memory_items
 
 MODES = ("auto_parallel", "data_parallel", "stand_alone")
 ALGORITHMS = ("dp", "ilp")
@@ -87,9 +88,19 @@ def _constrained_dp(problem: SearchProblem, capacity: float) -> tuple[list[int],
 
 
 def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: float, mode: str) -> str:
+    """Say that nothing fits, what dominates, and how many devices the parameters alone need."""
     need = problem.memory(choice)
-    per_op = sorted(((float(problem.node_memory[i][c]), i) for i, c in enumerate(choice)), reverse=True)[:3]
-    heavy = ", ".join(f"{problem.rules[i].op.name} ({mem / 1e9:.2f} GB)" for mem, i in per_op)
+    items = [item for i, c in enumerate(choice) for item in memory_items(problem, i, c)]
+    by_role = {role: sum(nbytes for _, r, nbytes in items if r == role) for role in ("parameter", "activation", "input")}
+    heavy = ", ".join(f"{name} ({nbytes / 1e9:.2f} GB)" for name, _, nbytes in sorted(
+        items, key=lambda item: (-item[2], item[0]))[:3])
     what = "the leanest plan" if mode == "auto_parallel" else f"the {mode} plan"
+    cost = problem.cost
+    state = sum(info.numel * cost.parameter_bytes_per_element(info.trainable) for info in problem.graph.parameters)
+    floor = max(1, math.ceil(state / capacity))
+    devices = 1 << (floor - 1).bit_length()
     return (f"Nothing fits in device memory: {what} needs {need / 1e9:.2f} GB per device but the device has"
-            f" {capacity / 1e9:.2f} GB; the heaviest operators are {heavy}.")
+            f" {capacity / 1e9:.2f} GB (parameters with gradients and optimizer state"
+            f" {by_role['parameter'] / 1e9:.2f} GB, activations kept for backward {by_role['activation'] / 1e9:.2f} GB,"
+            f" inputs {by_role['input'] / 1e9:.2f} GB); the largest tensors are {heavy}; the parameters' training"
+            f" state alone is {state / 1e9:.1f} GB, so at least {devices} devices are needed.")

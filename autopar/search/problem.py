@@ -220,7 +220,6 @@ def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarr
         forward = cost.compute_time(op_class, op.flops / rule.shards(exps), traffic)
         compute[c] = forward * (1.0 + cost.backward_factor * passes)
         seconds = 0.0
-        mem = 0.0
         for slot, name in enumerate(op.inputs):
             if not name:
                 continue
@@ -231,28 +230,43 @@ def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarr
                 if bits:
                     local = in_layouts[slot].local_numel(info.shape) * cost.gradient_itemsize()
                     seconds += cost.collective_time("AllReduce", bits, local)
-            if not owns:
-                continue
-            numel = in_layouts[slot].local_numel(info.shape)
-            if info.kind == "parameter":
-                mem += numel * cost.parameter_bytes_per_element(info.trainable)
-                if info.trainable:
-                    bits = problem.gradient_sync_bits(node, exps, slot)
-                    seconds += cost.gradient_sync_time(bits, numel * cost.gradient_itemsize())
-            else:
-                mem += numel * problem.itemsize(info)
+            if owns and info.kind == "parameter" and info.trainable:
+                numel = in_layouts[slot].local_numel(info.shape)
+                bits = problem.gradient_sync_bits(node, exps, slot)
+                seconds += cost.gradient_sync_time(bits, numel * cost.gradient_itemsize())
         for name, layout in zip(op.outputs, out_layouts):
-            if not name:
-                continue
-            info = graph.tensor(name)
-            if grad.get(name, False):
-                mem += _local_bytes(layout, info, problem.itemsize(info))
-            if name in outputs_graph and layout.partial:
+            if name and name in outputs_graph and layout.partial:
                 _, fwd, _ = problem.redistribution(name, layout, Layout(layout.dims))
                 seconds += fwd
+        memory[c] = sum(nbytes for _, _, nbytes in memory_items(problem, node, c))
         sync[c] = seconds
-        memory[c] = mem
     return compute, sync, memory
+
+
+def memory_items(problem: SearchProblem, node: int, choice: int) -> list[tuple[str, str, float]]:
+    """(tensor, role, bytes per device) an operator's candidate keeps resident.
+
+    Roles: "parameter" (weights with their FP32 master copy, gradient and optimizer state, as the
+    cost model prices them), "input" (data it loads) and "activation" (outputs kept for backward).
+    """
+    rule = problem.rules[node]
+    op, graph, cost = rule.op, problem.graph, problem.cost
+    in_layouts, out_layouts = rule.candidate_layouts(choice)
+    items: list[tuple[str, str, float]] = []
+    for slot, name in enumerate(op.inputs):
+        if not name or problem.owner.get(name) != (node, slot):
+            continue
+        info = graph.tensor(name)
+        numel = in_layouts[slot].local_numel(info.shape)
+        if info.kind == "parameter":
+            items.append((name, "parameter", numel * cost.parameter_bytes_per_element(info.trainable)))
+        else:
+            items.append((name, "input", numel * problem.itemsize(info)))
+    for name, layout in zip(op.outputs, out_layouts):
+        if name and problem.requires_grad.get(name, False):
+            info = graph.tensor(name)
+            items.append((name, "activation", _local_bytes(layout, info, problem.itemsize(info))))
+    return items
 
 
 def _edge_costs(problem: SearchProblem) -> None:

@@ -1,0 +1,29 @@
+"""Loss operators: SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss.
+
+Samples (the batch and any extra spatial/sequence axes) split; the class axis stays whole, as
+the softmax needs every class. With reduction "sum" a rank's loss is a partial sum; with
+"mean" it is a partial mean (the rank divides by the number of shards). A weighted mean or one
+with ``ignore_index`` divides by a count only the whole batch knows, so those keep every axis
+whole, as does a loss whose per-sample ``log_prob`` output is also read.
+"""
+
+from __future__ import annotations
+
+from autopar.graph import Graph, OpNode
+from autopar.ops.base import OpSpec, rule, shape
+
+
+@rule("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+def class_loss(op: OpNode, graph: Graph) -> OpSpec:
+    rank = len(shape(graph, op.inputs[0]))
+    reduction = op.attrs.get("reduction", "mean")
+    weighted = len(op.inputs) > 2 and bool(op.inputs[2])
+    second_output = len(op.outputs) > 1 and bool(op.outputs[1])
+    splittable = reduction == "none" or (
+        not second_output and (reduction == "sum" or not (weighted or "ignore_index" in op.attrs)))
+    samples = tuple(f"d{d}" if splittable else None for d in range(rank) if d != 1)
+    scores = samples[:1] + (None,) + samples[1:]
+    inputs = (scores, samples) + ((None,) if weighted else ())
+    loss = samples if reduction == "none" else ()
+    outputs = (loss,) + ((scores,) if second_output else ())
+    return OpSpec(inputs=inputs, outputs=outputs, local_mean=reduction == "mean")

@@ -1,0 +1,101 @@
+"""Tensor parallelism is discoverable: Megatron's MLP split, worked by hand on 8 devices.
+
+The block is Z = Relu(X @ W1) @ W2 with X: [tokens, h] (tokens = batch x sequence), W1: [h, 4h],
+W2: [4h, h]. Profile: 1 GFLOP/s for every operator class (HBM fast enough to ignore), FP16
+activations and gradients, one flat 1 GB/s level with 1 us latency over all 8 devices, 1 MB
+gradient-fusion buckets.
+
+An AllReduce over g = 8 devices of n bytes is a ReduceScatter then an AllGather:
+2 (g - 1) alpha + 2 (g - 1) / g * n / bw = 14 us + 1.75 n / 1e9 s; a fused gradient AllReduce
+pays the latency in proportion n / 1 MB.
+
+Both plans divide all work by 8. Backward: fc1 needs only dW1 (X is data), Relu one pass,
+fc2 needs dA and dW2, so compute = (fc1 x 2 + relu x 2 + fc2 x 3) / 8 / 1e9.
+- Data parallel: each weight's gradient (2 h 4h bytes) is AllReduced, fused.
+- Megatron: fc1 splits W1's columns, Relu follows, fc2 splits W2's rows: A never moves, no
+  weight gradient is shared, and Z comes out partial: one AllReduce of Z (2 tokens h bytes)
+  forward, unfused. X needs no gradient, so no backward AllReduce on the input side.
+"""
+
+from __future__ import annotations
+
+import pytest
+from onnx import TensorProto, helper
+
+import autopar
+from autopar.cost import HardwareProfile
+from tests.conftest import make_model, simple_profile_dict, weight
+
+DEVICES = 8
+DP = {"fc1": ((8, 1), (1, 1)), "act": ((8, 1),), "fc2": ((8, 1), (1, 1))}
+MEGATRON = {"fc1": ((1, 1), (1, 8)), "act": ((1, 8),), "fc2": ((1, 8), (8, 1))}
+
+
+@pytest.fixture
+def flat_profile() -> HardwareProfile:
+    data = simple_profile_dict()
+    data["compute"]["peak_flops_fp16"] = {"value": 1e9, "source": "test value"}
+    data["links"] = [{"name": "flat", "bits": 40, "bandwidth": {"value": 1e9, "source": "test value"},
+                      "latency": {"value": 1e-6, "source": "test value"}}]
+    return HardwareProfile.model_validate(data)
+
+
+def mlp(tokens: int, hidden: int):
+    nodes = [helper.make_node("MatMul", ["X", "W1"], ["H"], name="fc1"),
+             helper.make_node("Relu", ["H"], ["A"], name="act"),
+             helper.make_node("MatMul", ["A", "W2"], ["Z"], name="fc2")]
+    return make_model(nodes, [("X", TensorProto.FLOAT, [tokens, hidden])], ["Z"],
+                      [weight("W1", [hidden, 4 * hidden], 1), weight("W2", [4 * hidden, hidden], 2)])
+
+
+def compute(tokens: int, hidden: int) -> float:
+    fc = 2 * tokens * hidden * 4 * hidden
+    return (fc * 2 + tokens * 4 * hidden * 2 + fc * 3) / DEVICES / 1e9
+
+
+def allreduce(nbytes: float, fused: bool) -> float:
+    return 14e-6 * (min(1.0, nbytes / 1e6) if fused else 1.0) + 1.75 * nbytes / 1e9
+
+
+def costs(tokens: int, hidden: int) -> tuple[float, float]:
+    weight_bytes = 2 * hidden * 4 * hidden
+    dp = compute(tokens, hidden) + 2 * allreduce(weight_bytes, fused=True)
+    megatron = compute(tokens, hidden) + allreduce(2 * tokens * hidden, fused=False)
+    return dp, megatron
+
+
+def test_megatron_wins_with_large_hidden_and_few_tokens(flat_profile):
+    tokens, hidden = 8, 256
+    dp, megatron = costs(tokens, hidden)
+    # compute (2 x 8 x 256 x 1024 x 5 + 8 x 1024 x 2) / 8 / 1e9 = 2623.5 us;
+    # DP syncs 2 x 512 KiB of gradients: 2 x (7.34 us + 917.5 us) = 1849.7 us;
+    # Megatron AllReduces Z, 4 KiB: 14 us + 7.17 us = 21.2 us
+    assert dp == pytest.approx(4.4732e-3, rel=1e-4)
+    assert megatron == pytest.approx(2.6447e-3, rel=1e-4)
+    model = mlp(tokens, hidden)
+    assert autopar.evaluate(model, DEVICES, DP, cost_model=flat_profile) == pytest.approx(dp, rel=1e-12)
+    assert autopar.evaluate(model, DEVICES, MEGATRON, cost_model=flat_profile) == pytest.approx(megatron, rel=1e-12)
+    plan = autopar.plan(model, devices=DEVICES, cost_model=flat_profile)
+    assert plan.strategies == MEGATRON
+    assert plan.objective == pytest.approx(megatron, rel=1e-12)
+    # A stays where fc1 put it; the one collective is Z's AllReduce
+    moves = [(entry["tensor"], step["collective"]) for entry in plan.to_dict()["redistributions"]
+             for step in entry["steps"]]
+    assert moves == [("Z", "AllReduce")]
+    report = autopar.verify(model, plan)
+    assert report.ok, report.problems
+    assert report.executed == {"AllReduce": {"count": 1, "bytes": 2 * tokens * hidden}}
+
+
+def test_data_parallel_wins_with_small_hidden_and_many_tokens(flat_profile):
+    tokens, hidden = 4096, 16
+    dp, megatron = costs(tokens, hidden)
+    # DP syncs 2 x 2 KiB of gradients: 2 x (0.029 us + 3.58 us); Megatron AllReduces Z, 128 KiB: 243 us
+    assert dp == pytest.approx(compute(tokens, hidden) + 7.226e-6, rel=1e-3)
+    assert megatron == pytest.approx(compute(tokens, hidden) + 2.434e-4, rel=1e-3)
+    model = mlp(tokens, hidden)
+    assert autopar.evaluate(model, DEVICES, DP, cost_model=flat_profile) == pytest.approx(dp, rel=1e-12)
+    assert autopar.evaluate(model, DEVICES, MEGATRON, cost_model=flat_profile) == pytest.approx(megatron, rel=1e-12)
+    plan = autopar.plan(model, devices=DEVICES, cost_model=flat_profile)
+    assert plan.strategies == DP
+    assert plan.objective == pytest.approx(dp, rel=1e-12)
