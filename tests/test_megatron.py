@@ -64,6 +64,16 @@ def costs(tokens: int, hidden: int) -> tuple[float, float]:
     return dp, megatron
 
 
+def check_costs_and_search(model, profile, dp: float, megatron: float, winner: dict):
+    """Both hand-worked costs equal autopar's, and the search returns the cheaper plan at its cost."""
+    assert autopar.evaluate(model, DEVICES, DP, cost_model=profile) == pytest.approx(dp, rel=1e-12)
+    assert autopar.evaluate(model, DEVICES, MEGATRON, cost_model=profile) == pytest.approx(megatron, rel=1e-12)
+    plan = autopar.plan(model, devices=DEVICES, cost_model=profile)
+    assert plan.strategies == winner
+    assert plan.objective == pytest.approx(min(dp, megatron), rel=1e-12)
+    return plan
+
+
 def test_megatron_wins_with_large_hidden_and_few_tokens(flat_profile):
     tokens, hidden = 8, 256
     dp, megatron = costs(tokens, hidden)
@@ -72,12 +82,9 @@ def test_megatron_wins_with_large_hidden_and_few_tokens(flat_profile):
     # Megatron AllReduces Z, 4 KiB: 14 us + 7.17 us = 21.2 us
     assert dp == pytest.approx(4.4732e-3, rel=1e-4)
     assert megatron == pytest.approx(2.6447e-3, rel=1e-4)
+    assert megatron < dp
     model = mlp(tokens, hidden)
-    assert autopar.evaluate(model, DEVICES, DP, cost_model=flat_profile) == pytest.approx(dp, rel=1e-12)
-    assert autopar.evaluate(model, DEVICES, MEGATRON, cost_model=flat_profile) == pytest.approx(megatron, rel=1e-12)
-    plan = autopar.plan(model, devices=DEVICES, cost_model=flat_profile)
-    assert plan.strategies == MEGATRON
-    assert plan.objective == pytest.approx(megatron, rel=1e-12)
+    plan = check_costs_and_search(model, flat_profile, dp, megatron, MEGATRON)
     # A stays where fc1 put it; the one collective is Z's AllReduce
     moves = [(entry["tensor"], step["collective"]) for entry in plan.to_dict()["redistributions"]
              for step in entry["steps"]]
@@ -93,9 +100,5 @@ def test_data_parallel_wins_with_small_hidden_and_many_tokens(flat_profile):
     # DP syncs 2 x 2 KiB of gradients: 2 x (0.029 us + 3.58 us); Megatron AllReduces Z, 128 KiB: 243 us
     assert dp == pytest.approx(compute(tokens, hidden) + 7.226e-6, rel=1e-3)
     assert megatron == pytest.approx(compute(tokens, hidden) + 2.434e-4, rel=1e-3)
-    model = mlp(tokens, hidden)
-    assert autopar.evaluate(model, DEVICES, DP, cost_model=flat_profile) == pytest.approx(dp, rel=1e-12)
-    assert autopar.evaluate(model, DEVICES, MEGATRON, cost_model=flat_profile) == pytest.approx(megatron, rel=1e-12)
-    plan = autopar.plan(model, devices=DEVICES, cost_model=flat_profile)
-    assert plan.strategies == DP
-    assert plan.objective == pytest.approx(dp, rel=1e-12)
+    assert dp < megatron
+    check_costs_and_search(mlp(tokens, hidden), flat_profile, dp, megatron, DP)

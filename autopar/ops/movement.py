@@ -64,19 +64,10 @@ def slice_(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=(labels,) + tuple(None for _ in op.inputs[1:]), outputs=(labels,))
 
 
-@rule("Pad")
-def pad(op: OpNode, graph: Graph) -> OpSpec:
+@rule("Pad", "Tile")
+def resize_axes(op: OpNode, graph: Graph) -> OpSpec:
+    """The axes Pad or Tile change in size stay whole; their pads/repeats inputs are constants."""
     in_shape = shape(graph, op.inputs[0])
     out_shape = shape(graph, op.outputs[0])
-    padded = {d for d in range(len(in_shape)) if in_shape[d] != out_shape[d]}
-    labels = _except_axes(len(in_shape), padded)
+    labels = _except_axes(len(in_shape), {d for d in range(len(in_shape)) if in_shape[d] != out_shape[d]})
     return OpSpec(inputs=(labels,) + tuple(None for _ in op.inputs[1:]), outputs=(labels,))
-
-
-@rule("Tile")
-def tile(op: OpNode, graph: Graph) -> OpSpec:
-    in_shape = shape(graph, op.inputs[0])
-    out_shape = shape(graph, op.outputs[0])
-    tiled = {d for d in range(len(in_shape)) if in_shape[d] != out_shape[d]}
-    labels = _except_axes(len(in_shape), tiled)
-    return OpSpec(inputs=(labels, None), outputs=(labels,))
