@@ -2,16 +2,20 @@
 
 ONNX graph in; a sharding strategy per operator out, scored by a hardware cost model
 (Ascend 910 by default) and found by exact elimination dynamic programming.
+
+The package's face: `plan`, `verify`, `candidates`, `evaluate` and `build` (in `autopar.api`),
+the `Plan` they return, and the report that shows a plan in Jupyter. No module of the package
+is named like these functions, so ``import autopar.<module>`` always finds the module.
 """
 
-from autopar import verify as _verify_module  # noqa: F401  (bind the submodule first; the function wins)
+from autopar import report as _report  # noqa: F401  (registers the Jupyter display of a Plan)
 from autopar.api import build, candidates, evaluate, plan, verify
 from autopar.errors import AutoparError
 from autopar.graph import Graph, load_model
 from autopar.layout import Layout
-from autopar.plan import Plan
+from autopar.lowering import Plan, PlanFile
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoparError", "Graph", "Layout", "Plan", "build", "candidates", "evaluate", "load_model", "plan", "verify",
-           "__version__"]
+__all__ = ["AutoparError", "Graph", "Layout", "Plan", "PlanFile", "build", "candidates", "evaluate", "load_model",
+           "plan", "verify", "__version__"]

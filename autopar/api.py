@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import onnx
 
 from autopar.cost import PRECISIONS, CostModel, HardwareProfile, load_profile
-from autopar.errors import AutoparError, FallbackWarning, StrategyError
+from autopar.errors import AutoparError, FallbackWarning
 from autopar.graph import Graph, load_model
-from autopar.layout import is_power_of_two
-from autopar.plan import Plan
+from autopar.layout import is_power_of_two, mesh_bits_for
+from autopar.lowering import Plan, PlanFile, read_plan_file
 from autopar.search.driver import ALGORITHMS, MODES, run_search
 from autopar.search.problem import SearchProblem, build_problem
+from autopar.spmd import VerifyReport, verify_problem
+from autopar.strategy import OpRule
 
 ModelLike = str | Path | onnx.ModelProto | Graph
 
@@ -42,7 +44,7 @@ def _cost_model(cost_model: str | Path | HardwareProfile, precision: str) -> Cos
     if precision not in PRECISIONS:
         raise AutoparError(f"Unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}.")
     profile = cost_model if isinstance(cost_model, HardwareProfile) else load_profile(cost_model)
-    return CostModel(profile, precision)  # type: ignore[arg-type]
+    return CostModel(profile, "mixed" if precision == "mixed" else "fp32")
 
 
 def build(model: ModelLike, devices: int = 8, cost_model: str | Path | HardwareProfile = "ascend910",
@@ -78,27 +80,14 @@ def candidates(model: ModelLike, devices: int = 8, batch: int | None = None,
     """Every operator's candidate strategies (data parallel first)."""
     _check_devices(devices)
     graph = _graph(model, batch, dims)
-    from autopar.strategy import OpRule
-
-    mesh_bits = devices.bit_length() - 1
+    mesh_bits = mesh_bits_for(devices)
     rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
-    return {rule.op.name: [rule.in_strategy(exps) for exps in rule.candidates] for rule in rules}
+    return {rule.op.name: [rule.in_strategy(exponents) for exponents in rule.candidates] for rule in rules}
 
 
 def choice_for(problem: SearchProblem, strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[int]:
     """Candidate indices for a full assignment of strategies; StrategyError on anything invalid."""
-    names = {rule.op.name for rule in problem.rules}
-    unknown = sorted(set(strategies) - names)
-    if unknown:
-        raise StrategyError(f"Strategies name operators the model does not have: {', '.join(unknown[:5])}.")
-    missing = [rule.op.name for rule in problem.rules if rule.op.name not in strategies]
-    if missing:
-        raise StrategyError(f"No strategy given for {len(missing)} operator(s), e.g. {missing[0]!r}.")
-    choice = []
-    for rule in problem.rules:
-        exps = rule.parse(strategies[rule.op.name])
-        choice.append(rule.candidates.index(exps))
-    return choice
+    return problem.choice_for(strategies)
 
 
 def evaluate(model: ModelLike, devices: int, strategies: Mapping[str, Sequence[Sequence[int]]],
@@ -106,22 +95,23 @@ def evaluate(model: ModelLike, devices: int, strategies: Mapping[str, Sequence[S
              dims: Mapping[str, int] | None = None, precision: str = "mixed") -> float:
     """Predicted step time (the searched objective) of a full assignment of strategies."""
     problem = build(model, devices, cost_model, batch, dims, precision)
-    return problem.objective(choice_for(problem, strategies))
+    return problem.objective(problem.choice_for(strategies))
 
 
-def verify(model: ModelLike, plan_or_strategies=None, devices: int = 8, batch: int | None = None,
-           dims: Mapping[str, int] | None = None, seed: int = 0, cost_model: str | Path | HardwareProfile = "ascend910",
-           precision: str = "mixed"):
+def verify(model: ModelLike, plan_or_strategies: Plan | PlanFile | Mapping[str, Any] | None = None, devices: int = 8,
+           batch: int | None = None, dims: Mapping[str, int] | None = None, seed: int = 0,
+           cost_model: str | Path | HardwareProfile = "ascend910", precision: str = "mixed") -> VerifyReport:
     """Run a plan on ``devices`` virtual devices and compare every output with one device.
 
-    ``plan_or_strategies`` is a `Plan`, a plan dict (as `Plan.to_dict()` or a JSON file gives
-    it), a plain {op: strategy} mapping, or None to verify the plan autopar finds.
+    ``plan_or_strategies`` is a `Plan`, a plan file (a `PlanFile`, or a dict as `Plan.to_dict()`
+    or a JSON file gives it), a plain {op: strategy} mapping, or None to verify the plan
+    autopar finds.
     """
-    from autopar.verify import verify_problem
-
     if isinstance(plan_or_strategies, Plan):
         return verify_problem(plan_or_strategies.problem, plan_or_strategies, seed=seed)
     problem = build(model, devices, cost_model, batch, dims, precision)
     if plan_or_strategies is None:
-        plan_or_strategies = Plan.lower(problem, run_search(problem), "auto_parallel")
+        return verify_problem(problem, Plan.lower(problem, run_search(problem), "auto_parallel"), seed=seed)
+    if isinstance(plan_or_strategies, Mapping) and ("schema" in plan_or_strategies or "ops" in plan_or_strategies):
+        plan_or_strategies = read_plan_file(plan_or_strategies)
     return verify_problem(problem, plan_or_strategies, seed=seed)

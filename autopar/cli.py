@@ -1,4 +1,4 @@
-"""The `autopar` command line: plan and inspect (reads the core; the core never prints)."""
+"""The `autopar` command line: plan, verify, inspect, schema (reads the core; the core never prints)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from autopar.errors import AutoparError, FallbackWarning
-
-MODES = ("auto_parallel", "data_parallel", "stand_alone")
+from autopar.errors import AutoparError, FallbackWarning, UnknownDimensionError, UnknownSymbolError
+from autopar.search.driver import ALGORITHMS, MODES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
     plan.add_argument("--mode", choices=MODES, default="auto_parallel")
     plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
-    plan.add_argument("--search", choices=("dp", "ilp"), default="dp",
+    plan.add_argument("--search", choices=ALGORITHMS, default="dp",
                       help="dp (elimination DP, default) or ilp (exact ILP cross-check, needs autopar[ilp])")
     plan.add_argument("--format", choices=("table", "json"), default="table")
     plan.add_argument("--out", help="write the output to this file instead of stdout")
@@ -86,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="summarise a model: operators, parameters, FLOPs")
     _add_model_arguments(inspect)
     inspect.add_argument("--format", choices=("table", "json"), default="table")
+
+    commands.add_parser("schema", help="print the JSON Schema of plan files")
     return parser
 
 
@@ -107,7 +108,7 @@ def _emit(text: str, out: str | None) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     import autopar
-    from autopar.render import plan_table
+    from autopar.report import plan_table
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # said once below, in the CLI's own words
@@ -122,7 +123,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _run_inspect(args: argparse.Namespace) -> int:
     from autopar.graph import load_model
-    from autopar.render import inspect_summary, inspect_table
+    from autopar.report import inspect_summary, inspect_table
 
     graph = load_model(args.model, batch=args.batch, dims=dict(args.dim))
     summary = inspect_summary(graph)
@@ -133,19 +134,11 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 def _run_verify(args: argparse.Namespace) -> int:
     import autopar
-    from autopar.render import verify_table
+    from autopar.lowering import load_plan_file
+    from autopar.report import verify_table
 
-    plan_data = None
-    if args.plan:
-        try:
-            plan_data = json.loads(Path(args.plan).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise AutoparError(f"Plan file {args.plan!r} does not exist.") from None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise AutoparError(f"Plan file {args.plan!r} is not JSON (write one with 'autopar plan --format json').") from None
-        if not isinstance(plan_data, dict) or "ops" not in plan_data:
-            raise AutoparError(f"Plan file {args.plan!r} is not an autopar plan (no 'ops').")
-    report = autopar.verify(args.model, plan_data, devices=args.devices, batch=args.batch, dims=dict(args.dim),
+    plan_file = load_plan_file(args.plan) if args.plan else None
+    report = autopar.verify(args.model, plan_file, devices=args.devices, batch=args.batch, dims=dict(args.dim),
                             seed=args.seed)
     text = json.dumps(report.to_dict(), indent=2) + "\n" if args.format == "json" else verify_table(report)
     sys.stdout.write(text)
@@ -154,17 +147,36 @@ def _run_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _run_schema(args: argparse.Namespace) -> int:
+    from autopar.lowering import json_schema
+
+    sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+    return 0
+
+
+def _in_flag_words(exc: AutoparError) -> str:
+    """The core's sentence, with the flags a command-line user types instead of Python arguments."""
+    if isinstance(exc, UnknownDimensionError) and exc.dimension is not None:
+        return (f"Tensor {exc.tensor!r} has an unknown dimension {exc.dimension!r}; bind it with"
+                f" --dim {exc.dimension}=VALUE (or --batch for the leading dimension).")
+    if isinstance(exc, UnknownDimensionError):
+        return f"Tensor {exc.tensor!r} has an unknown shape; bind its dimensions with --batch or --dim."
+    if isinstance(exc, UnknownSymbolError):
+        have = f" (they have: {', '.join(exc.known)})." if exc.known else "."
+        return f"--dim names {', '.join(exc.unknown)} but the model's inputs have no such symbolic dimension{have}"
+    return str(exc)
+
+
+COMMANDS = {"plan": _run_plan, "verify": _run_verify, "inspect": _run_inspect, "schema": _run_schema}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "plan":
-            return _run_plan(args)
-        if args.command == "verify":
-            return _run_verify(args)
-        return _run_inspect(args)
+        return COMMANDS[args.command](args)
     except AutoparError as exc:
-        print(f"autopar: error: {exc}", file=sys.stderr)
+        print(f"autopar: error: {_in_flag_words(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)

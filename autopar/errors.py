@@ -1,4 +1,11 @@
-"""Errors a user can cause. The CLI turns each into one sentence and a non-zero exit."""
+"""Errors a user can cause, as values: each carries the facts; the faces word them.
+
+The message of every `AutoparError` is a complete sentence for a Python caller. The command
+line rewords the few that name something the user typed as a flag (an unbound dimension is
+``--dim N=VALUE`` there, ``dims={"N": value}`` in Python).
+"""
+
+from __future__ import annotations
 
 
 class AutoparError(Exception):
@@ -9,8 +16,39 @@ class ModelImportError(AutoparError):
     """The model file is missing, truncated, foreign, or its shapes cannot be resolved."""
 
 
+class UnknownDimensionError(ModelImportError):
+    """A tensor's shape, or one dimension of it, is still unknown after binding and inference.
+
+    ``dimension`` is the symbolic name (``"?"`` when the file gives none), or None when the
+    whole shape is unknown; ``axis`` is its position.
+    """
+
+    def __init__(self, tensor: str, dimension: str | None = None, axis: int | None = None) -> None:
+        self.tensor, self.dimension, self.axis = tensor, dimension, axis
+        if dimension is None:
+            text = f"Tensor {tensor!r} has an unknown shape; bind the model's symbolic input dimensions."
+        else:
+            text = (f"Tensor {tensor!r} has an unknown dimension {dimension!r} (axis {axis}); bind it with"
+                    f" dims={{{dimension!r}: value}} (or batch= for the leading dimension).")
+        super().__init__(text)
+
+
+class UnknownSymbolError(ModelImportError):
+    """A dimension binding names a symbol that no input of the model has."""
+
+    def __init__(self, unknown: list[str], known: list[str]) -> None:
+        self.unknown, self.known = unknown, known
+        have = f" (they have: {', '.join(known)})." if known else "."
+        super().__init__(f"The dimension bindings name {', '.join(unknown)}, but the model's inputs have no such"
+                         f" symbolic dimension{have}")
+
+
 class StrategyError(AutoparError):
     """A user-supplied strategy is not valid for the operator it names."""
+
+
+class PlanFileError(AutoparError):
+    """A plan file is unreadable, malformed, or made for another model or device count."""
 
 
 class CostModelError(AutoparError):

@@ -4,20 +4,56 @@ A rank's k bits are the mesh axes (bit 0 is the fastest link). A `Layout` says, 
 tensor dimension, which rank bits split it (most significant first), and which bits hold
 partial results still to be reduced. Every other bit replicates. Rank ``p`` holds, on a
 dimension split by bits (b1..bm), the shard whose index is the number spelled by p's bits
-b1..bm. That rule is all the verifier and the redistribution planner need.
+b1..bm (`shard_index`). That rule is all the verifier and the redistribution planner need.
+
+Layouts are canonical, as JAX's ``PartitionSpec`` and DTensor's placements are: partial bits
+are stored in one order (highest first) and a layout with no partial bits always says
+``ReduceOp.SUM``, so two layouts that mean the same thing compare equal.
 
 >>> layout = Layout(((2, 1), ()))
 >>> layout.shard_index(rank=5, dim=0)   # rank 5 = 0b101: bit 2 is 1, bit 1 is 0 -> shard 0b10
 2
 >>> layout.local_shape((8, 3))
 (2, 3)
+>>> Layout(((),), partial=(0, 1)) == Layout(((),), partial=(1, 0))
+True
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
+
+
+class ReduceOp(enum.StrEnum):
+    """How partial values combine: a partial sum, or a partial maximum / minimum."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
+def shard_index(rank: int, bits: Sequence[int]) -> int:
+    """The number that ``rank``'s ``bits`` spell, most significant first.
+
+    It is both the shard of a dimension split by ``bits`` that the rank holds and the rank's
+    position in the group of ranks that differ only in ``bits``.
+
+    >>> shard_index(0b110, (2, 0))
+    2
+    """
+    index = 0
+    for bit in bits:
+        index = (index << 1) | ((rank >> bit) & 1)
+    return index
+
+
+def _check_bit(bit: Any) -> int:
+    if isinstance(bit, bool) or not isinstance(bit, int) or bit < 0:
+        raise ValueError(f"a mesh bit must be a non-negative integer, got {bit!r}")
+    return bit
 
 
 @dataclass(frozen=True, order=True)
@@ -26,19 +62,29 @@ class Layout:
 
     dims: tuple[tuple[int, ...], ...]
     partial: tuple[int, ...] = ()
-    partial_op: str = "sum"
+    partial_op: ReduceOp = ReduceOp.SUM
 
     def __post_init__(self) -> None:
-        used = [b for bits in self.dims for b in bits] + list(self.partial)
+        dims = tuple(tuple(_check_bit(b) for b in bits) for bits in self.dims)
+        partial = tuple(sorted((_check_bit(b) for b in self.partial), reverse=True))
+        try:
+            op = ReduceOp(self.partial_op) if partial else ReduceOp.SUM
+        except ValueError:
+            raise ValueError(f"unknown reduce op {self.partial_op!r} (sum, max or min)") from None
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "partial", partial)
+        object.__setattr__(self, "partial_op", op)
+        used = [b for bits in dims for b in bits] + list(partial)
         if len(used) != len(set(used)):
-            raise ValueError(f"a mesh bit is used twice in layout {self}")
+            raise ValueError(f"a mesh bit is used twice in layout {self.describe()}")
 
     @staticmethod
-    def replicated(rank: int) -> "Layout":
-        return Layout(tuple(() for _ in range(rank)))
+    def replicated(ndim: int) -> "Layout":
+        return Layout(tuple(() for _ in range(ndim)))
 
     @property
-    def rank(self) -> int:
+    def ndim(self) -> int:
+        """The tensor's number of dimensions."""
         return len(self.dims)
 
     @property
@@ -67,10 +113,8 @@ class Layout:
         return math.prod(self.local_shape(shape))
 
     def shard_index(self, rank: int, dim: int) -> int:
-        index = 0
-        for bit in self.dims[dim]:
-            index = (index << 1) | ((rank >> bit) & 1)
-        return index
+        """Which shard of dimension ``dim`` device ``rank`` holds."""
+        return shard_index(rank, self.dims[dim])
 
     def local_slices(self, rank: int, shape: Sequence[int]) -> tuple[slice, ...]:
         """The region of the full tensor that ``rank`` holds."""
@@ -82,27 +126,32 @@ class Layout:
         return tuple(slices)
 
     def is_valid_for(self, shape: Sequence[int]) -> bool:
-        return len(shape) == self.rank and all(size % self.split(d) == 0 for d, size in enumerate(shape))
+        return len(shape) == self.ndim and all(size % self.split(d) == 0 for d, size in enumerate(shape))
 
     def describe(self) -> str:
-        """Compact text: ``[b2b1,-]`` splits dim 0 by bits 2 and 1; ``+p0`` marks partial bits."""
+        """Compact text: ``[b2b1,-]`` splits dim 0 by bits 2 and 1; partial bits follow.
+
+        >>> Layout(((2, 1), ()), partial=(0,)).describe()
+        '[b2b1,-] partial(sum) over b0'
+        """
         parts = ["b" + "b".join(str(b) for b in bits) if bits else "-" for bits in self.dims]
         text = "[" + ",".join(parts) + "]"
         if self.partial:
             text += f" partial({self.partial_op}) over b" + "b".join(str(b) for b in self.partial)
         return text
 
-    def to_dict(self) -> dict:
-        out: dict = {"dims": [list(bits) for bits in self.dims]}
+    def to_dict(self) -> dict[str, Any]:
+        """The plan file's form: ``dims``, and ``partial`` / ``partial_op`` only when partial."""
+        out: dict[str, Any] = {"dims": [list(bits) for bits in self.dims]}
         if self.partial:
             out["partial"] = list(self.partial)
-            out["partial_op"] = self.partial_op
+            out["partial_op"] = str(self.partial_op)
         return out
 
     @staticmethod
-    def from_dict(data: dict) -> "Layout":
-        return Layout(tuple(tuple(int(b) for b in bits) for bits in data["dims"]),
-                      tuple(int(b) for b in data.get("partial", ())), data.get("partial_op", "sum"))
+    def from_dict(data: dict[str, Any]) -> "Layout":
+        return Layout(tuple(tuple(bits) for bits in data["dims"]), tuple(data.get("partial", ())),
+                      ReduceOp(data.get("partial_op", "sum")))
 
     def to_mindspore(self, mesh_bits: int) -> tuple[list[int], list[int | tuple[int, ...]]]:
         """MindSpore's (dev_matrix, tensor_map): one device-matrix axis of size 2 per mesh bit.

@@ -14,21 +14,36 @@ the verifier can carry the steps out literally.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
-from autopar.layout import Layout
+from autopar.layout import Layout, ReduceOp
+
+
+class Collective(enum.StrEnum):
+    """The steps a redistribution is made of: four collectives and the local Slice."""
+
+    ALL_GATHER = "AllGather"
+    REDUCE_SCATTER = "ReduceScatter"
+    ALL_TO_ALL = "AllToAll"
+    ALL_REDUCE = "AllReduce"
+    SLICE = "Slice"
+
 
 # Backward of each forward step: the gradient travels the other way with the dual collective.
-BACKWARD_DUAL = {
-    "AllGather": "ReduceScatter",
-    "ReduceScatter": "AllGather",
-    "Slice": "AllGather",
-    "AllToAll": "AllToAll",
-    "AllReduce": None,  # the gradient of a reduced-then-replicated value is already replicated
+BACKWARD_DUAL: dict[Collective, Collective | None] = {
+    Collective.ALL_GATHER: Collective.REDUCE_SCATTER,
+    Collective.REDUCE_SCATTER: Collective.ALL_GATHER,
+    Collective.SLICE: Collective.ALL_GATHER,
+    Collective.ALL_TO_ALL: Collective.ALL_TO_ALL,
+    Collective.ALL_REDUCE: None,  # the gradient of a reduced-then-replicated value is already replicated
 }
+
+# (kind, bits, shift, dim, concat_dim, reduce op): a step before the tensor's size is known
+SymbolicStep = tuple[Collective, tuple[int, ...], int, int | None, int | None, ReduceOp]
 
 
 @dataclass(frozen=True)
@@ -41,50 +56,56 @@ class Step:
     Slice, the local buffer for AllReduce and AllToAll.
     """
 
-    kind: str
+    kind: Collective
     bits: tuple[int, ...]
     nbytes: int
     dim: int | None = None
     concat_dim: int | None = None
-    reduce_op: str = "sum"
+    reduce_op: ReduceOp = ReduceOp.SUM
 
     @property
     def group_size(self) -> int:
         return 1 << len(self.bits)
 
-    def to_dict(self) -> dict:
-        out = {"collective": self.kind, "group_size": self.group_size, "bits": list(self.bits), "bytes": self.nbytes}
+    @property
+    def reduces(self) -> bool:
+        return self.kind in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan file's form: ``dim``, ``concat_dim`` and ``reduce_op`` only where they apply."""
+        out: dict[str, Any] = {"collective": str(self.kind), "group_size": self.group_size, "bits": list(self.bits),
+                               "bytes": self.nbytes}
         if self.dim is not None:
             out["dim"] = self.dim
         if self.concat_dim is not None:
             out["concat_dim"] = self.concat_dim
-        if self.kind in ("AllReduce", "ReduceScatter"):
-            out["reduce_op"] = self.reduce_op
+        if self.reduces:
+            out["reduce_op"] = str(self.reduce_op)
         return out
 
     @staticmethod
-    def from_dict(data: dict) -> "Step":
-        return Step(data["collective"], tuple(data["bits"]), int(data["bytes"]), data.get("dim"),
-                    data.get("concat_dim"), data.get("reduce_op", "sum"))
+    def from_dict(data: dict[str, Any]) -> "Step":
+        return Step(Collective(data["collective"]), tuple(data["bits"]), int(data["bytes"]), data.get("dim"),
+                    data.get("concat_dim"), ReduceOp(data.get("reduce_op", "sum")))
 
 
 def redistribute(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int) -> tuple[Step, ...]:
     """Steps that turn a tensor held in ``src`` into ``dst``; empty when they already agree."""
-    if src.rank != dst.rank or src.rank != len(shape):
-        raise ValueError(f"layout ranks {src.rank}/{dst.rank} do not match shape {tuple(shape)}")
+    if src.ndim != dst.ndim or src.ndim != len(shape):
+        raise ValueError(f"layouts of {src.ndim}/{dst.ndim} dimensions do not match shape {tuple(shape)}")
     total = math.prod(shape) * itemsize
     return tuple(Step(kind, bits, total >> shift, dim, concat_dim, op)
                  for kind, bits, shift, dim, concat_dim, op in symbolic_steps(src, dst))
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def symbolic_steps(src: Layout, dst: Layout) -> tuple[tuple, ...]:
+def symbolic_steps(src: Layout, dst: Layout) -> tuple[SymbolicStep, ...]:
     """Shape-free steps: (kind, bits, shift, dim, concat_dim, reduce_op), payload = total bytes >> shift."""
     if dst.partial:
         raise ValueError("a consumer never asks for a partial layout")
     current = [list(bits) for bits in src.dims]
     partial = list(src.partial)
-    raw: list[tuple] = []
+    raw: list[SymbolicStep] = []
 
     def shift() -> int:
         return sum(len(bits) for bits in current)
@@ -94,51 +115,51 @@ def symbolic_steps(src: Layout, dst: Layout) -> tuple[tuple, ...]:
         have = len(current[dim])
         return tuple(current[dim]) == want[:have] and len(want) > have and want[have] == bit
 
-    rank = len(current)
+    ndim = len(current)
     while True:
         # 1. Drop every bit that sits where the target does not want it, last bit first.
-        wrong = [d for d in range(rank) if tuple(current[d]) != dst.dims[d][: len(current[d])]]
+        wrong = [d for d in range(ndim) if tuple(current[d]) != dst.dims[d][: len(current[d])]]
         if wrong:
             dim = wrong[0]
             bit = current[dim][-1]
-            target = next((e for e in range(rank) if e != dim and is_next_bit(e, bit)), None)
+            target = next((e for e in range(ndim) if e != dim and is_next_bit(e, bit)), None)
             if target is not None:
                 size = shift()
                 current[dim].pop()
                 current[target].append(bit)
-                raw.append(("AllToAll", (bit,), size, target, dim, "sum"))
+                raw.append((Collective.ALL_TO_ALL, (bit,), size, target, dim, ReduceOp.SUM))
             else:
                 current[dim].pop()
-                raw.append(("AllGather", (bit,), shift(), dim, None, "sum"))
+                raw.append((Collective.ALL_GATHER, (bit,), shift(), dim, None, ReduceOp.SUM))
             continue
         # 2. Every dimension now holds a prefix of its target bits: extend them in order.
-        growing = [d for d in range(rank) if len(current[d]) < len(dst.dims[d])]
+        growing = [d for d in range(ndim) if len(current[d]) < len(dst.dims[d])]
         if growing:
             dim = growing[0]
             bit = dst.dims[dim][len(current[dim])]
             size = shift()
             if bit in partial:
                 partial.remove(bit)
-                raw.append(("ReduceScatter", (bit,), size, dim, None, src.partial_op))
+                raw.append((Collective.REDUCE_SCATTER, (bit,), size, dim, None, src.partial_op))
             else:
-                raw.append(("Slice", (bit,), size, dim, None, "sum"))
+                raw.append((Collective.SLICE, (bit,), size, dim, None, ReduceOp.SUM))
             current[dim].append(bit)
             continue
         break
     if partial:
-        raw.append(("AllReduce", tuple(sorted(partial, reverse=True)), shift(), None, None, src.partial_op))
+        raw.append((Collective.ALL_REDUCE, tuple(sorted(partial, reverse=True)), shift(), None, None, src.partial_op))
     return _merge(raw)
 
 
-def _merge(steps: list[tuple]) -> tuple[tuple, ...]:
+def _merge(steps: list[SymbolicStep]) -> tuple[SymbolicStep, ...]:
     """Fuse consecutive steps of one kind on one dimension into a single collective over more bits."""
-    merged: list[tuple] = []
+    merged: list[SymbolicStep] = []
     for step in steps:
         kind, bits, size, dim, concat_dim, op = step
-        if merged and merged[-1][0] == kind and merged[-1][3] == dim and kind in ("AllGather", "Slice",
-                                                                                 "ReduceScatter"):
+        if merged and merged[-1][0] == kind and merged[-1][3] == dim and kind in (
+                Collective.ALL_GATHER, Collective.SLICE, Collective.REDUCE_SCATTER):
             last = merged[-1]
-            if kind == "AllGather":
+            if kind == Collective.ALL_GATHER:
                 # gathered last bit first: the fused group spells the shard index MSB first
                 merged[-1] = (kind, bits + last[1], size, dim, None, op)
             else:
@@ -152,31 +173,45 @@ def apply_steps(layout: Layout, steps: Sequence[Step]) -> Layout:
     """The layout a tensor has after ``steps``; ValueError if a step does not fit the layout.
 
     Used to check a plan (or a plan file someone edited) without touching any data.
+
+    >>> apply_steps(Layout(((1, 0), ())), [Step(Collective.ALL_GATHER, (0,), 64, dim=0)]).describe()
+    '[b1,-]'
     """
     dims = [list(bits) for bits in layout.dims]
     partial = list(layout.partial)
+
+    def dimension(index: int | None, role: str) -> list[int]:
+        if index is None or not 0 <= index < len(dims):
+            raise ValueError(f"{step.kind} names {role} {index}, but the tensor has {len(dims)} dimensions")
+        return dims[index]
+
     for step in steps:
         bits = list(step.bits)
-        if step.kind == "AllGather":
-            if step.dim is None or dims[step.dim][-len(bits):] != bits:
-                raise ValueError(f"AllGather over {bits} does not match dim bits {dims[step.dim or 0]}")
-            del dims[step.dim][-len(bits):]
-        elif step.kind == "Slice":
+        if not bits:
+            raise ValueError(f"{step.kind} over no mesh bits")
+        if step.kind == Collective.ALL_GATHER:
+            held = dimension(step.dim, "dim")
+            if held[-len(bits):] != bits:
+                raise ValueError(f"AllGather over {bits} does not match dim bits {held}")
+            del held[-len(bits):]
+        elif step.kind == Collective.SLICE:
             if any(b in partial or any(b in d for d in dims) for b in bits):
                 raise ValueError(f"Slice over bits {bits} that are already in use")
-            dims[step.dim].extend(bits)
-        elif step.kind == "AllToAll":
-            if step.concat_dim is None or dims[step.concat_dim][-len(bits):] != bits:
-                raise ValueError(f"AllToAll over {bits} does not match dim bits {dims[step.concat_dim or 0]}")
-            del dims[step.concat_dim][-len(bits):]
-            dims[step.dim].extend(bits)
-        elif step.kind in ("ReduceScatter", "AllReduce"):
+            dimension(step.dim, "dim").extend(bits)
+        elif step.kind == Collective.ALL_TO_ALL:
+            source = dimension(step.concat_dim, "concat_dim")
+            target = dimension(step.dim, "dim")
+            if source[-len(bits):] != bits:
+                raise ValueError(f"AllToAll over {bits} does not match dim bits {source}")
+            del source[-len(bits):]
+            target.extend(bits)
+        elif step.reduces:
             if any(b not in partial for b in bits):
                 raise ValueError(f"{step.kind} over bits {bits} that are not partial")
             for b in bits:
                 partial.remove(b)
-            if step.kind == "ReduceScatter":
-                dims[step.dim].extend(bits)
+            if step.kind == Collective.REDUCE_SCATTER:
+                dimension(step.dim, "dim").extend(bits)
         else:
             raise ValueError(f"unknown collective {step.kind!r}")
-    return Layout(tuple(tuple(d) for d in dims), tuple(partial), layout.partial_op if partial else "sum")
+    return Layout(tuple(tuple(d) for d in dims), tuple(partial), layout.partial_op)

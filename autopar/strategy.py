@@ -17,7 +17,7 @@ from typing import Sequence
 from autopar.errors import StrategyError
 from autopar.graph import Graph, OpNode
 from autopar.layout import Layout, is_power_of_two
-from autopar.ops import OpSpec, spec_for
+from autopar.ops import OpDef, OpSpec, definition_for, spec_for
 
 InStrategy = tuple[tuple[int, ...], ...]
 
@@ -30,10 +30,16 @@ class OpRule:
     spec: OpSpec
     graph: Graph
     mesh_bits: int
+    definition: OpDef | None = None
 
     @classmethod
     def build(cls, op: OpNode, graph: Graph, mesh_bits: int) -> "OpRule":
-        return cls(op, spec_for(op, graph), graph, mesh_bits)
+        return cls(op, spec_for(op, graph), graph, mesh_bits, definition_for(op, graph))
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether gradients flow through the operator (unknown operators are assumed to pass them)."""
+        return self.definition is None or self.definition.differentiable
 
     # --- labels ------------------------------------------------------------------------
 
@@ -86,19 +92,19 @@ class OpRule:
         dp = self.data_parallel
         batch = labels.index(self.batch_label) if self.batch_label in labels else None
 
-        def order(exps: tuple[int, ...]) -> tuple:
-            others = sum(e for i, e in enumerate(exps) if i != batch)
-            return (exps != dp, others, -(exps[batch] if batch is not None else 0), exps)
+        def order(exponents: tuple[int, ...]) -> tuple:
+            others = sum(e for i, e in enumerate(exponents) if i != batch)
+            return (exponents != dp, others, -(exponents[batch] if batch is not None else 0), exponents)
 
         return sorted(found, key=order)
 
     @cached_property
     def data_parallel(self) -> tuple[int, ...]:
-        exps = [0] * len(self.spec.label_order)
+        exponents = [0] * len(self.spec.label_order)
         if self.batch_label in self.spec.label_order:
             i = self.spec.label_order.index(self.batch_label)
-            exps[i] = self.max_exponent(self.batch_label)
-        return tuple(exps)
+            exponents[i] = self.max_exponent(self.batch_label)
+        return tuple(exponents)
 
     @property
     def stand_alone(self) -> tuple[int, ...]:
@@ -106,8 +112,8 @@ class OpRule:
 
     # --- strategy <-> exponents ------------------------------------------------------------
 
-    def in_strategy(self, exps: Sequence[int]) -> InStrategy:
-        factor = {label: 1 << e for label, e in zip(self.spec.label_order, exps)}
+    def in_strategy(self, exponents: Sequence[int]) -> InStrategy:
+        factor = {label: 1 << e for label, e in zip(self.spec.label_order, exponents)}
         strategy = []
         for labels, name in zip(self.spec.strategy_labels, self.op.inputs):
             if not name:
@@ -137,7 +143,7 @@ class OpRule:
                 f"Strategy {strategy} for {name!r} ({self.op.op_type}) has the wrong shape: expected one tuple per"
                 f" input with {shape} entries."
             )
-        exps: dict[str, int] = {}
+        exponents: dict[str, int] = {}
         for position, (entry, labels) in enumerate(zip(strategy, self.spec.strategy_labels)):
             for dim, factor in enumerate(entry):
                 label = labels[dim] if labels is not None else None
@@ -150,10 +156,10 @@ class OpRule:
                                             f" {self.op.op_type} (factor {factor}, must be 1).")
                     continue
                 e = factor.bit_length() - 1
-                if exps.setdefault(label, e) != e:
+                if exponents.setdefault(label, e) != e:
                     raise StrategyError(f"Strategy for {name!r}: inputs disagree on how to split the same axis"
-                                        f" ({1 << exps[label]} vs {factor}).")
-        result = tuple(exps.get(label, 0) for label in self.spec.label_order)
+                                        f" ({1 << exponents[label]} vs {factor}).")
+        result = tuple(exponents.get(label, 0) for label in self.spec.label_order)
         if sum(result) > self.mesh_bits:
             raise StrategyError(f"Strategy for {name!r} splits into {1 << sum(result)} parts, more than the"
                                 f" {1 << self.mesh_bits} devices.")
@@ -166,11 +172,11 @@ class OpRule:
 
     # --- layouts -------------------------------------------------------------------------
 
-    def label_bits(self, exps: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    def label_bits(self, exponents: Sequence[int]) -> dict[str, tuple[int, ...]]:
         """Bits per label: the last label of the device matrix takes the lowest bits."""
         bits: dict[str, tuple[int, ...]] = {}
         next_bit = 0
-        for label, e in reversed(list(zip(self.spec.label_order, exps))):
+        for label, e in reversed(list(zip(self.spec.label_order, exponents))):
             bits[label] = tuple(range(next_bit + e - 1, next_bit - 1, -1))
             next_bit += e
         return bits
@@ -178,8 +184,8 @@ class OpRule:
     def _layout(self, labels, bits: dict[str, tuple[int, ...]]) -> Layout:
         return Layout(tuple(bits[label] if label is not None else () for label in labels))
 
-    def input_layouts(self, exps: Sequence[int]) -> list[Layout | None]:
-        bits = self.label_bits(exps)
+    def input_layouts(self, exponents: Sequence[int]) -> list[Layout | None]:
+        bits = self.label_bits(exponents)
         layouts: list[Layout | None] = []
         for labels, name in zip(self.spec.inputs, self.op.inputs):
             if not name:
@@ -190,8 +196,8 @@ class OpRule:
                 layouts.append(self._layout(labels, bits))
         return layouts
 
-    def output_layouts(self, exps: Sequence[int]) -> list[Layout | None]:
-        bits = self.label_bits(exps)
+    def output_layouts(self, exponents: Sequence[int]) -> list[Layout | None]:
+        bits = self.label_bits(exponents)
         partial = tuple(sorted((b for label in self.spec.reduced_labels for b in bits[label]), reverse=True))
         layouts: list[Layout | None] = []
         for labels, name in zip(self.spec.outputs, self.op.outputs):
@@ -207,16 +213,16 @@ class OpRule:
         cache = self.__dict__.setdefault("_layout_cache", {})
         hit = cache.get(index)
         if hit is None:
-            exps = self.candidates[index]
-            hit = cache[index] = (self.input_layouts(exps), self.output_layouts(exps))
+            exponents = self.candidates[index]
+            hit = cache[index] = (self.input_layouts(exponents), self.output_layouts(exponents))
         return hit
 
-    def shards(self, exps: Sequence[int]) -> int:
+    def shards(self, exponents: Sequence[int]) -> int:
         """How many distinct pieces of work the operator is cut into."""
-        return 1 << sum(exps)
+        return 1 << sum(exponents)
 
-    def describe(self, exps: Sequence[int]) -> str:
-        return str(self.in_strategy(exps)).replace(" ", "")
+    def describe(self, exponents: Sequence[int]) -> str:
+        return str(self.in_strategy(exponents)).replace(" ", "")
 
 
 def num_candidates(rules: Sequence[OpRule]) -> int:

@@ -47,5 +47,5 @@ def test_ilp_is_exact_under_a_binding_memory_limit():
 def test_ilp_equals_dp_on_resnet50_at_8_devices():
     dp = autopar.plan("models/resnet50.onnx", devices=8)
     ilp = autopar.plan("models/resnet50.onnx", devices=8, search="ilp")
-    assert ilp.search.algorithm == "ilp"
+    assert ilp.search.method == "ilp"
     assert ilp.objective == pytest.approx(dp.objective, rel=1e-9)

@@ -36,9 +36,9 @@ def test_conv_splits_batch_out_and_in_channels():
     rule = rule_for(conv_model(), "conv")
     assert rule.spec.label_order == ("n", "c", "o")
     strategy = ((2, 2, 1, 1), (2, 2, 1, 1), (2,))
-    exps = rule.parse(strategy)
-    assert rule.in_strategy(exps) == strategy
-    inputs, outputs = rule.input_layouts(exps), rule.output_layouts(exps)
+    exponents = rule.parse(strategy)
+    assert rule.in_strategy(exponents) == strategy
+    inputs, outputs = rule.input_layouts(exponents), rule.output_layouts(exponents)
     # device matrix [n, c, o]: o takes bit 0, c bit 1, n bit 2
     assert inputs[0] == Layout(((2,), (1,), (), ()))
     assert inputs[1] == Layout(((0,), (1,), (), ()))
@@ -58,9 +58,9 @@ def test_gemm_splits_i_k_j_and_transposes():
     model = make_model(nodes, [("A", TensorProto.FLOAT, [8, 16])], ["Y"], [weight("B", [4, 16]), weight("C", [4])])
     rule = rule_for(model, "gemm")
     assert rule.spec.label_order == ("i", "k", "j")
-    exps = rule.parse(((2, 4), (1, 4), (1,)))
-    assert rule.output_layouts(exps)[0] == Layout(((2,), ()), partial=(1, 0))
-    assert rule.input_layouts(exps)[1] == Layout(((), (1, 0)))  # B is [j, k] under transB
+    exponents = rule.parse(((2, 4), (1, 4), (1,)))
+    assert rule.output_layouts(exponents)[0] == Layout(((2,), ()), partial=(1, 0))
+    assert rule.input_layouts(exponents)[1] == Layout(((), (1, 0)))  # B is [j, k] under transB
 
 
 def test_matmul_batch_dims_and_contraction():
@@ -76,8 +76,8 @@ def test_reductions_leave_partial_results_of_the_right_kind(op_type, partial_op)
     nodes = [helper.make_node(op_type, ["X"], ["Y"], name="red", axes=[1], keepdims=1)]
     model = make_model(nodes, [("X", TensorProto.FLOAT, [8, 16])], ["Y"])
     rule = rule_for(model, "red")
-    exps = rule.parse(((2, 4),))
-    out = rule.output_layouts(exps)[0]
+    exponents = rule.parse(((2, 4),))
+    out = rule.output_layouts(exponents)[0]
     assert out.partial and out.partial_op == partial_op
     assert out.dims == ((2,), ())
 
@@ -87,8 +87,8 @@ def test_reduce_sum_axes_as_input():
     nodes = [helper.make_node("ReduceSum", ["X", "axes"], ["Y"], name="red", keepdims=0)]
     model = make_model(nodes, [("X", TensorProto.FLOAT, [8, 16])], ["Y"], [axes])
     rule = rule_for(model, "red")
-    exps = rule.parse(((4, 2), (1,)))
-    assert rule.output_layouts(exps)[0] == Layout(((0,),), partial=(2, 1))
+    exponents = rule.parse(((4, 2), (1,)))
+    assert rule.output_layouts(exponents)[0] == Layout(((0,),), partial=(2, 1))
 
 
 def test_onehot_strategy_names_the_output_like_mindspore():
@@ -98,9 +98,9 @@ def test_onehot_strategy_names_the_output_like_mindspore():
     model = make_model(nodes, [("L", TensorProto.INT64, [8])], ["Y"], [depth, values])
     rule = rule_for(model, "oh")
     assert rule.in_strategy(rule.data_parallel) == ((8, 1), (), (1,))
-    exps = rule.parse(((4, 2), (), (1,)))
-    assert rule.output_layouts(exps)[0] == Layout(((2, 1), (0,)))
-    assert rule.input_layouts(exps)[0] == Layout(((2, 1),))
+    exponents = rule.parse(((4, 2), (), (1,)))
+    assert rule.output_layouts(exponents)[0] == Layout(((2, 1), (0,)))
+    assert rule.input_layouts(exponents)[0] == Layout(((2, 1),))
 
 
 def test_broadcast_dims_are_never_split():
@@ -108,8 +108,8 @@ def test_broadcast_dims_are_never_split():
     model = make_model(nodes, [("X", TensorProto.FLOAT, [8, 16]), ("M", TensorProto.FLOAT, [8, 1])], ["Y"])
     rule = rule_for(model, "sub")
     assert rule.spec.inputs[1] == ("d0", None)
-    exps = rule.parse(((2, 4), (2, 1)))
-    assert rule.input_layouts(exps)[1] == Layout(((2,), ()))
+    exponents = rule.parse(((2, 4), (2, 1)))
+    assert rule.input_layouts(exponents)[1] == Layout(((2,), ()))
 
 
 @pytest.mark.parametrize("src, dst, expected", [

@@ -135,8 +135,8 @@ def split_axes(model, devices=8) -> list[tuple[int, ...]]:
     """For each input, the dims some candidate splits."""
     r = rule(model, devices)
     split = [set() for _ in r.op.inputs]
-    for exps in r.candidates:
-        for position, entry in enumerate(r.in_strategy(exps)):
+    for exponents in r.candidates:
+        for position, entry in enumerate(r.in_strategy(exponents)):
             split[position] |= {d for d, f in enumerate(entry) if f > 1}
     return [tuple(sorted(s)) for s in split]
 
@@ -179,15 +179,15 @@ def test_axes_an_operator_works_along_stay_whole():
 
 def test_transpose_moves_splits_with_their_dims():
     r = rule(CASES["transpose"]())
-    exps = next(e for e in r.candidates if r.in_strategy(e)[0] == (2, 4, 1, 1))
-    assert r.output_layouts(exps)[0].dims == r.input_layouts(exps)[0].dims[:1] + ((), r.input_layouts(exps)[0].dims[1],
+    exponents = next(e for e in r.candidates if r.in_strategy(e)[0] == (2, 4, 1, 1))
+    assert r.output_layouts(exponents)[0].dims == r.input_layouts(exponents)[0].dims[:1] + ((), r.input_layouts(exponents)[0].dims[1],
                                                                                  ())
 
 
 def test_mean_loss_split_over_samples_is_a_partial_sum():
     r = rule(CASES["sce_mean"]())
-    exps = next(e for e in r.candidates if r.in_strategy(e)[0] == (8, 1))
-    out = r.output_layouts(exps)[0]
+    exponents = next(e for e in r.candidates if r.in_strategy(e)[0] == (8, 1))
+    out = r.output_layouts(exponents)[0]
     assert out.partial and out.partial_op == "sum" and r.spec.local_mean
 
 

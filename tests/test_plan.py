@@ -54,8 +54,8 @@ def test_every_replicated_parameter_has_its_gradient_sync(plan8, graph):
     for name, entry in sync.items():
         node, slot = problem.owner[name]
         rule = problem.rules[node]
-        exps = rule.candidates[plan8.choice[node]]
-        op_bits = {b for bits in rule.label_bits(exps).values() for b in bits}
+        exponents = rule.candidates[plan8.choice[node]]
+        op_bits = {b for bits in rule.label_bits(exponents).values() for b in bits}
         layout = Layout.from_dict(entry["layout"])
         expected = op_bits - layout.split_bits
         assert set(entry["bits"]) == expected

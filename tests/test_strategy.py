@@ -32,7 +32,7 @@ def test_split_must_divide_the_dimension():
 
 def test_repeated_calculation_is_allowed():
     rule = rule_for(conv_model(), "conv")
-    exps = rule.parse(((2, 1, 1, 1), (1, 1, 1, 1), (1,)))  # 2 of 8 devices' worth of splits: 4x repeated
-    assert rule.shards(exps) == 2
-    bits = rule.label_bits(exps)
+    exponents = rule.parse(((2, 1, 1, 1), (1, 1, 1, 1), (1,)))  # 2 of 8 devices' worth of splits: 4x repeated
+    assert rule.shards(exponents) == 2
+    bits = rule.label_bits(exponents)
     assert bits["n"] == (0,) and bits["o"] == () and bits["c"] == ()

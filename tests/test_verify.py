@@ -8,6 +8,8 @@ import random
 import pytest
 
 import autopar
+from autopar.lowering import Plan
+from autopar.search.driver import SearchResult
 from autopar.cli import main
 from models.resnet50 import build_resnet50
 from tests.conftest import two_matmul_chain
@@ -63,12 +65,8 @@ def test_reduced_resnet50_verifies():
 
 
 def _plan_dict(model, strategies) -> dict:
-    from autopar.api import choice_for
-    from autopar.plan import Plan
-    from autopar.search.driver import SearchResult
-
     problem = autopar.build(model, 8)
-    choice = choice_for(problem, strategies)
+    choice = tuple(problem.choice_for(strategies))
     return Plan(problem, choice, SearchResult(choice, "given", 0.0), "tiny", "given", "ascend910", "mixed").to_dict()
 
 

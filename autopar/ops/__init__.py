@@ -1,7 +1,35 @@
-"""Strategy rules, one module per operator family; importing this package registers them all."""
+"""Operators: one registration each (`registry`), one module per operator family.
 
-from autopar.ops import (conv, elementwise, indexing, loss, matmul, movement, norm, pool, reduce,  # noqa: F401
-                         shape)
-from autopar.ops.base import OpSpec, has_rule, registered_op_types, spec_for
+Importing this package registers every family. `definition_for` finds an operator's
+registration for the model's opset; `spec_for` its strategy spec (a replicated fallback for
+an operator without a rule).
+"""
 
-__all__ = ["OpSpec", "has_rule", "registered_op_types", "spec_for"]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autopar.ops import (conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool,  # noqa: F401
+                         reduce, shape)
+from autopar.ops.base import OpSpec, fallback_spec
+from autopar.ops.registry import Keeps, LocalCall, OpDef, lookup, registered_op_types
+
+if TYPE_CHECKING:
+    from autopar.graph.types import Graph, OpNode
+
+
+def definition_for(op: OpNode, graph: Graph) -> OpDef | None:
+    """The operator's registration for the model's opset, or None when autopar does not know it."""
+    return lookup(op.op_type, op.domain, graph.opset)
+
+
+def spec_for(op: OpNode, graph: Graph) -> OpSpec:
+    """The rule's spec for this operator, or a replicated fallback when no rule applies."""
+    definition = definition_for(op, graph)
+    if definition is None or definition.rule is None:
+        return fallback_spec(op, graph)
+    return definition.rule(op, graph)
+
+
+__all__ = ["Keeps", "LocalCall", "OpDef", "OpSpec", "definition_for", "fallback_spec", "lookup", "registered_op_types",
+           "spec_for"]

@@ -13,13 +13,17 @@ in order of first appearance, the last label on the lowest (fastest) rank bits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import numpy as np
 
-from autopar.graph import Graph, OpNode
+from autopar.layout import ReduceOp
+
+if TYPE_CHECKING:
+    from autopar.graph.types import Graph, OpNode
 
 Labels = tuple[str | None, ...]
+OpClass = Literal["cube", "vector", "free"]
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,10 @@ class OpSpec:
 
     inputs: tuple[Labels | None, ...]
     outputs: tuple[Labels, ...]
-    reduce_op: str = "sum"
-    op_class: str = "vector"  # "cube" (matrix unit), "vector" or "free" (metadata only)
-    strategy_labels: tuple[Labels | None, ...] | None = None
+    reduce_op: ReduceOp = ReduceOp.SUM
+    op_class: OpClass = "vector"  # "cube" (matrix unit), "vector" or "free" (metadata only)
+    strategy_labels: tuple[Labels | None, ...] = ()
     local_once_inputs: tuple[int, ...] = ()
-    differentiable: bool = True
     fallback: bool = False
     local_mean: bool = False
     label_order: tuple[str, ...] = field(default=(), compare=False)
@@ -54,7 +57,7 @@ class OpSpec:
                     if label is not None and label not in order:
                         order.append(label)
             object.__setattr__(self, "label_order", tuple(order))
-        if self.strategy_labels is None:
+        if not self.strategy_labels:
             object.__setattr__(self, "strategy_labels", self.inputs)
 
     @property
@@ -63,37 +66,7 @@ class OpSpec:
         return tuple(label for label in self.label_order if label not in out)
 
 
-RuleFn = Callable[[OpNode, Graph], OpSpec]
-_RULES: dict[str, RuleFn] = {}
-
-
-def rule(*op_types: str) -> Callable[[RuleFn], RuleFn]:
-    """Register a strategy rule for one or more ONNX operator types."""
-
-    def register(fn: RuleFn) -> RuleFn:
-        for op_type in op_types:
-            _RULES[op_type] = fn
-        return fn
-
-    return register
-
-
-def registered_op_types() -> list[str]:
-    return sorted(_RULES)
-
-
-def has_rule(op: OpNode) -> bool:
-    return op.op_type in _RULES and op.domain in ("", "ai.onnx")
-
-
-def spec_for(op: OpNode, graph: Graph) -> OpSpec:
-    """The rule's spec for this operator, or a replicated fallback when no rule applies."""
-    if has_rule(op):
-        return _RULES[op.op_type](op, graph)
-    return fallback_spec(op, graph)
-
-
-def fallback_spec(op: OpNode, graph: Graph) -> OpSpec:
+def fallback_spec(op: "OpNode", graph: "Graph") -> OpSpec:
     """Keep an unknown operator whole on every device: inputs gathered, outputs replicated."""
     inputs = tuple(tuple(None for _ in graph.tensor(name).shape) if name else None for name in op.inputs)
     outputs = tuple(tuple(None for _ in graph.tensor(name).shape) if name else () for name in op.outputs)
@@ -103,7 +76,7 @@ def fallback_spec(op: OpNode, graph: Graph) -> OpSpec:
 # --- helpers shared by the rule modules -----------------------------------------------------
 
 
-def shape(graph: Graph, name: str) -> tuple[int, ...]:
+def shape(graph: "Graph", name: str) -> tuple[int, ...]:
     return graph.tensor(name).shape
 
 
@@ -129,15 +102,7 @@ def normalize_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
-def opset_version(graph: Graph) -> int:
-    """The model's version of the default ONNX domain (operators changed meaning across versions)."""
-    for entry in graph.model.opset_import:
-        if entry.domain in ("", "ai.onnx"):
-            return int(entry.version)
-    return 1
-
-
-def constant_ints(graph: Graph, op: OpNode, slot: int, attr: str) -> list[int] | None:
+def constant_ints(graph: "Graph", op: "OpNode", slot: int, attr: str) -> list[int] | None:
     """Integers given as an attribute (older opsets) or a constant input (newer ones).
 
     None when the input is present but computed at run time; [] when neither is given.
@@ -152,7 +117,7 @@ def constant_ints(graph: Graph, op: OpNode, slot: int, attr: str) -> list[int] |
     return []
 
 
-def constant_value(graph: Graph, name: str):
+def constant_value(graph: "Graph", name: str) -> Any:
     """The value of a constant input (axes, shapes), or None when it is computed at run time."""
     if not name or name not in graph.tensors:
         return None

@@ -7,20 +7,29 @@ stretches from size 1 carry no label on the input.
 
 from __future__ import annotations
 
-from autopar.graph import Graph, OpNode
-from autopar.ops.base import OpSpec, broadcast_labels, dim_labels, rule, shape
+from typing import TYPE_CHECKING
 
-UNARY = ("Relu", "Exp", "Log", "Neg", "Identity", "Cast", "CastLike", "Sqrt", "Reciprocal", "Abs", "Sigmoid",
-         "Tanh", "Erf", "Gelu", "Softplus", "Softsign", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid",
-         "HardSwish", "Mish", "ThresholdedRelu", "Floor", "Ceil", "Round", "Not", "Sign", "IsNaN", "IsInf",
-         "Sin", "Cos", "Clip", "Dropout")
-BROADCAST = ("Add", "Sub", "Mul", "Div", "Sum", "Max", "Min", "Mean", "Pow", "Mod", "Equal", "Less", "LessOrEqual",
-             "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Where", "PRelu", "BitShift")
-NON_DIFFERENTIABLE = {"Not", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor",
-                      "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf", "Mod", "BitShift"}
+from autopar.ops.base import OpSpec, broadcast_labels, dim_labels, shape
+from autopar.ops.registry import Keeps, no_flops, register
+from autopar.ops.shape import local_target_shape
+
+if TYPE_CHECKING:
+    from autopar.graph.types import Graph, OpNode
+
+# What each backward needs: y' from the output (Relu, Exp, Sigmoid, Tanh, Sqrt, Reciprocal),
+# from the input (Log, Erf, Gelu, ...), from both (Pow, Div), or nothing (Add, Neg, Cast).
+UNARY_KEEPS_OUTPUT = ("Relu", "Exp", "Sigmoid", "Tanh", "Sqrt", "Reciprocal")
+UNARY_KEEPS_INPUT = ("Log", "Abs", "Erf", "Gelu", "Softplus", "Softsign", "LeakyRelu", "Elu", "Selu", "Celu",
+                     "HardSigmoid", "HardSwish", "Mish", "ThresholdedRelu", "Sin", "Cos")
+UNARY_KEEPS_NOTHING = ("Neg", "Cast", "CastLike")
+UNARY_NON_DIFFERENTIABLE = ("Not", "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf")
+BROADCAST_KEEPS_NOTHING = ("Add", "Sub", "Sum", "Mean")
+BROADCAST_KEEPS_INPUTS = ("Mul", "Max", "Min", "Where")
+BROADCAST_KEEPS_BOTH = ("Div", "Pow")
+BROADCAST_NON_DIFFERENTIABLE = ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor",
+                                "Mod", "BitShift")
 
 
-@rule(*UNARY)
 def unary(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.outputs[0]))
     labels = dim_labels(rank)
@@ -29,18 +38,32 @@ def unary(op: OpNode, graph: Graph) -> OpSpec:
     else:
         inputs = (labels,) + tuple(None for _ in op.inputs[1:])
     outputs = tuple(labels if name else () for name in op.outputs)  # Dropout's mask follows its output
-    return OpSpec(inputs=inputs, outputs=outputs, differentiable=op.op_type not in NON_DIFFERENTIABLE)
+    return OpSpec(inputs=inputs, outputs=outputs)
 
 
-@rule(*BROADCAST)
 def broadcast(op: OpNode, graph: Graph) -> OpSpec:
     out_shape = shape(graph, op.outputs[0])
     inputs = tuple(broadcast_labels(shape(graph, name), out_shape) if name else None for name in op.inputs)
-    return OpSpec(inputs=inputs, outputs=(dim_labels(len(out_shape)),),
-                  differentiable=op.op_type not in NON_DIFFERENTIABLE)
+    return OpSpec(inputs=inputs, outputs=(dim_labels(len(out_shape)),))
 
 
-@rule("Expand")
+register(*UNARY_KEEPS_OUTPUT, keeps=Keeps.OUTPUTS)(unary)
+register(*UNARY_KEEPS_INPUT, keeps=Keeps.INPUTS)(unary)
+register("Clip", keeps=Keeps.INPUTS, config_inputs=frozenset({1, 2}))(unary)  # its bounds are not weights
+register(*UNARY_KEEPS_NOTHING, keeps=Keeps.NOTHING)(unary)
+register("Identity", flops=no_flops, keeps=Keeps.NOTHING)(unary)
+# Dropout's ratio and training mode configure it; its mask is what the backward keeps; never folded
+register("Dropout", keeps=Keeps.OUTPUTS, config_inputs=frozenset({1, 2}), foldable=False)(unary)
+register(*UNARY_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING)(unary)
+register(*BROADCAST_KEEPS_NOTHING, keeps=Keeps.NOTHING)(broadcast)
+register(*BROADCAST_KEEPS_INPUTS, keeps=Keeps.INPUTS)(broadcast)
+register("PRelu", keeps=Keeps.INPUTS, weight_inputs=True)(broadcast)  # its slope is learned, even a scalar one
+register("Div", keeps=Keeps.INPUTS | Keeps.OUTPUTS)(broadcast)
+register("Pow", keeps=Keeps.INPUTS | Keeps.OUTPUTS, config_inputs=frozenset({1}))(broadcast)  # a scalar exponent
+register(*BROADCAST_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING)(broadcast)
+
+
+@register("Expand", keeps=Keeps.NOTHING, local_kernel=local_target_shape)
 def expand(op: OpNode, graph: Graph) -> OpSpec:
     """Expand to the output shape; a rank's target shape is its local output shape."""
     out_shape = shape(graph, op.outputs[0])

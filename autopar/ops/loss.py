@@ -9,11 +9,22 @@ whole, as does a loss whose per-sample ``log_prob`` output is also read.
 
 from __future__ import annotations
 
-from autopar.graph import Graph, OpNode
-from autopar.ops.base import OpSpec, rule, shape
+from typing import TYPE_CHECKING
+
+from autopar.ops.base import OpSpec, shape
+from autopar.ops.registry import Keeps, register
+
+if TYPE_CHECKING:
+    from autopar.graph.types import Graph, OpNode
 
 
-@rule("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+def _class_count(op: OpNode, graph: Graph) -> int:
+    """Labels index the class axis (axis 1) of the scores."""
+    return graph.tensor(op.inputs[0]).shape[1]
+
+
+@register("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", keeps=Keeps.INPUTS,
+          index_bounds={1: _class_count})
 def class_loss(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     reduction = op.attrs.get("reduction", "mean")

@@ -6,11 +6,37 @@ is added by one rank of each partial group only, so the reduced sum counts it on
 
 from __future__ import annotations
 
-from autopar.graph import Graph, OpNode
-from autopar.ops.base import OpSpec, broadcast_labels, rule, shape
+import math
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from autopar.ops.base import OpSpec, broadcast_labels, shape
+from autopar.ops.registry import Keeps, register
+
+if TYPE_CHECKING:
+    from autopar.graph.types import Graph, OpNode
 
 
-@rule("Gemm")
+def gemm_flops(in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]],
+               attrs: Mapping[str, Any]) -> float:
+    """2 x M x N x K, plus one addition per output element for the bias C."""
+    a = in_shapes[0] or ()
+    k = a[0] if attrs.get("transA", 0) else a[1]
+    out = math.prod(out_shapes[0])
+    flops = 2.0 * out * k
+    if len(in_shapes) > 2 and in_shapes[2] is not None:
+        flops += out
+    return flops
+
+
+def matmul_flops(in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]],
+                 attrs: Mapping[str, Any]) -> float:
+    """2 x (output elements) x K: numpy matmul semantics, batch dimensions broadcast."""
+    a = in_shapes[0] or ()
+    k = a[-1] if len(a) >= 1 else 1
+    return 2.0 * math.prod(out_shapes[0]) * k
+
+
+@register("Gemm", flops=gemm_flops, keeps=Keeps.INPUTS, weight_inputs=True)
 def gemm(op: OpNode, graph: Graph) -> OpSpec:
     a = ("k", "i") if int(op.attrs.get("transA", 0)) else ("i", "k")
     b = ("j", "k") if int(op.attrs.get("transB", 0)) else ("k", "j")
@@ -23,7 +49,7 @@ def gemm(op: OpNode, graph: Graph) -> OpSpec:
                   label_order=("i", "k", "j"))
 
 
-@rule("MatMul")
+@register("MatMul", flops=matmul_flops, keeps=Keeps.INPUTS, weight_inputs=True)
 def matmul(op: OpNode, graph: Graph) -> OpSpec:
     a_shape = shape(graph, op.inputs[0])
     b_shape = shape(graph, op.inputs[1])

@@ -7,8 +7,13 @@ of them would not line up with the operator's offsets; every other axis may be s
 
 from __future__ import annotations
 
-from autopar.graph import Graph, OpNode
-from autopar.ops.base import OpSpec, constant_ints, dim_labels, normalize_axis, rule, shape
+from typing import TYPE_CHECKING
+
+from autopar.ops.base import OpSpec, constant_ints, dim_labels, normalize_axis, shape
+from autopar.ops.registry import Keeps, register
+
+if TYPE_CHECKING:
+    from autopar.graph.types import Graph, OpNode
 
 
 def _except_axes(rank: int, axes: set[int] | None) -> tuple[str | None, ...]:
@@ -16,7 +21,7 @@ def _except_axes(rank: int, axes: set[int] | None) -> tuple[str | None, ...]:
     return tuple(None if axes is None or d in axes else f"d{d}" for d in range(rank))
 
 
-@rule("Transpose")
+@register("Transpose", keeps=Keeps.NOTHING)
 def transpose(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     perm = [int(p) for p in op.attrs.get("perm", list(reversed(range(rank))))]
@@ -24,14 +29,14 @@ def transpose(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=(labels,), outputs=(tuple(labels[p] for p in perm),))
 
 
-@rule("Concat")
+@register("Concat", keeps=Keeps.NOTHING)
 def concat(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.outputs[0]))
     labels = _except_axes(rank, {normalize_axis(int(op.attrs["axis"]), rank)})
     return OpSpec(inputs=tuple(labels if name else None for name in op.inputs), outputs=(labels,))
 
 
-@rule("Split")
+@register("Split", keeps=Keeps.NOTHING)
 def split(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     labels = _except_axes(rank, {normalize_axis(int(op.attrs.get("axis", 0)), rank)})
@@ -39,7 +44,7 @@ def split(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=tuple(labels if name else () for name in op.outputs))
 
 
-@rule("Slice")
+@register("Slice", keeps=Keeps.NOTHING)
 def slice_(op: OpNode, graph: Graph) -> OpSpec:
     in_shape = shape(graph, op.inputs[0])
     out_shape = shape(graph, op.outputs[0])
@@ -64,7 +69,8 @@ def slice_(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=(labels,) + tuple(None for _ in op.inputs[1:]), outputs=(labels,))
 
 
-@rule("Pad", "Tile")
+@register("Pad", keeps=Keeps.NOTHING, config_inputs=frozenset({1, 2}))  # pads and constant value
+@register("Tile", keeps=Keeps.NOTHING)
 def resize_axes(op: OpNode, graph: Graph) -> OpSpec:
     """The axes Pad or Tile change in size stay whole; their pads/repeats inputs are constants."""
     in_shape = shape(graph, op.inputs[0])

@@ -11,11 +11,26 @@ a cross-device reduction inside the operator); the remaining axes split freely.
 
 from __future__ import annotations
 
-from autopar.graph import Graph, OpNode
-from autopar.ops.base import OpSpec, dim_labels, normalize_axis, opset_version, rule, shape
+import math
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from autopar.ops.base import OpSpec, dim_labels, normalize_axis, shape
+from autopar.ops.registry import Keeps, register
+
+if TYPE_CHECKING:
+    from autopar.graph.types import Graph, OpNode
 
 
-@rule("BatchNormalization")
+def batch_norm_flops(in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]],
+                     attrs: Mapping[str, Any]) -> float:
+    """Normalise, then scale and shift: about four element-wise operations per output element."""
+    return 4.0 * math.prod(out_shapes[0])
+
+
+# scale (1) and running variance (4) are drawn positive for verification; the running mean and
+# variance (3, 4) are statistics, stored like parameters but never trained
+@register("BatchNormalization", flops=batch_norm_flops, keeps=Keeps.INPUTS, weight_inputs=True,
+          statistics_inputs=frozenset({3, 4}), positive_inputs=frozenset({1, 4}))
 def batch_norm(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     x = dim_labels(rank)
@@ -25,14 +40,14 @@ def batch_norm(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=outputs)
 
 
-@rule("InstanceNormalization")
+@register("InstanceNormalization", keeps=Keeps.INPUTS | Keeps.OUTPUTS)
 def instance_norm(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     x = ("d0", "d1") + tuple(None for _ in range(rank - 2))
     return OpSpec(inputs=(x, ("d1",), ("d1",)), outputs=(x,))
 
 
-@rule("LayerNormalization")
+@register("LayerNormalization", keeps=Keeps.INPUTS | Keeps.OUTPUTS, weight_inputs=True)  # x and its statistics
 def layer_norm(op: OpNode, graph: Graph) -> OpSpec:
     """Leading axes split; the normalised axes (from ``axis`` on), scale and bias stay whole."""
     rank = len(shape(graph, op.inputs[0]))
@@ -45,12 +60,25 @@ def layer_norm(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=outputs)
 
 
-@rule("Softmax", "LogSoftmax", "Hardmax")
-def softmax(op: OpNode, graph: Graph) -> OpSpec:
-    """Opset 13 normalises one axis; older opsets flatten every axis from ``axis`` on into one."""
+def _softmax(op: OpNode, graph: Graph, axis: int, whole: set[int]) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
-    modern = opset_version(graph) >= 13
-    axis = normalize_axis(int(op.attrs.get("axis", -1 if modern else 1)), rank)
-    whole = {axis} if modern else set(range(axis, rank))
     labels = tuple(None if d in whole else f"d{d}" for d in range(rank))
-    return OpSpec(inputs=(labels,), outputs=(labels,), differentiable=op.op_type != "Hardmax")
+    return OpSpec(inputs=(labels,), outputs=(labels,))
+
+
+@register("Softmax", "LogSoftmax", since=13, keeps=Keeps.OUTPUTS)
+@register("Hardmax", since=13, differentiable=False, keeps=Keeps.NOTHING)
+def softmax(op: OpNode, graph: Graph) -> OpSpec:
+    """Opset 13 on: one axis (default the last) is normalised; the others split."""
+    rank = len(shape(graph, op.inputs[0]))
+    axis = normalize_axis(int(op.attrs.get("axis", -1)), rank)
+    return _softmax(op, graph, axis, {axis})
+
+
+@register("Softmax", "LogSoftmax", until=12, keeps=Keeps.OUTPUTS)
+@register("Hardmax", until=12, differentiable=False, keeps=Keeps.NOTHING)
+def softmax_flattened(op: OpNode, graph: Graph) -> OpSpec:
+    """Before opset 13: every axis from ``axis`` (default 1) on is flattened into one and normalised."""
+    rank = len(shape(graph, op.inputs[0]))
+    axis = normalize_axis(int(op.attrs.get("axis", 1)), rank)
+    return _softmax(op, graph, axis, set(range(axis, rank)))

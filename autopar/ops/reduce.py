@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.graph import Graph, OpNode
-from autopar.ops.base import OpSpec, constant_value, dim_labels, normalize_axis, rule, shape
+from typing import TYPE_CHECKING
 
-_REDUCE_OP = {"ReduceMax": "max", "ReduceMin": "min", "ReduceSum": "sum", "ReduceMean": "sum"}
+from autopar.layout import ReduceOp
+from autopar.ops.base import OpSpec, constant_value, dim_labels, normalize_axis, shape
+from autopar.ops.registry import Keeps, input_elements, register
+
+if TYPE_CHECKING:
+    from autopar.graph.types import Graph, OpNode
+
+_REDUCE_OP = {"ReduceMax": ReduceOp.MAX, "ReduceMin": ReduceOp.MIN, "ReduceSum": ReduceOp.SUM,
+              "ReduceMean": ReduceOp.SUM}
 
 
 def reduced_axes(op: OpNode, graph: Graph, rank: int) -> list[int] | None:
@@ -30,7 +37,6 @@ def reduced_axes(op: OpNode, graph: Graph, rank: int) -> list[int] | None:
     return sorted(normalize_axis(int(a), rank) for a in axes)
 
 
-@rule(*_REDUCE_OP)
 def reduce(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     axes = reduced_axes(op, graph, rank)
@@ -46,3 +52,7 @@ def reduce(op: OpNode, graph: Graph) -> OpSpec:
     inputs = (labels,) + tuple(None for _ in op.inputs[1:])
     return OpSpec(inputs=inputs, outputs=(out,), reduce_op=_REDUCE_OP[op.op_type],
                   local_mean=op.op_type == "ReduceMean")
+
+
+register("ReduceSum", "ReduceMean", flops=input_elements, keeps=Keeps.NOTHING)(reduce)
+register("ReduceMax", "ReduceMin", flops=input_elements, keeps=Keeps.INPUTS | Keeps.OUTPUTS)(reduce)  # where the extreme is

@@ -7,10 +7,15 @@ Any other split must be gathered first (the rule gives those dimensions no label
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from autopar.graph import Graph, OpNode
-from autopar.ops.base import Labels, OpSpec, rule, shape
+import numpy as np
+
+from autopar.ops.base import Labels, OpSpec, shape
+from autopar.ops.registry import Keeps, LocalCall, no_flops, register
+
+if TYPE_CHECKING:
+    from autopar.graph.types import Graph, OpNode
 
 
 def reshape_labels(in_shape: Sequence[int], out_shape: Sequence[int]) -> tuple[Labels, Labels]:
@@ -44,7 +49,15 @@ def reshape_labels(in_shape: Sequence[int], out_shape: Sequence[int]) -> tuple[L
     return tuple(in_labels), tuple(out_labels)
 
 
-@rule("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def local_target_shape(call: LocalCall) -> list[np.ndarray]:
+    """A shape input (Reshape's target, Expand's) becomes the rank's local output shape."""
+    local = list(call.inputs)
+    local[1] = np.asarray(call.output_shapes[0], dtype=np.int64)
+    return call.run(local)
+
+
+@register("Reshape", flops=no_flops, keeps=Keeps.NOTHING, local_kernel=local_target_shape)
+@register("Flatten", "Squeeze", "Unsqueeze", flops=no_flops, keeps=Keeps.NOTHING)
 def reshape(op: OpNode, graph: Graph) -> OpSpec:
     in_labels, out_labels = reshape_labels(shape(graph, op.inputs[0]), shape(graph, op.outputs[0]))
     inputs = (in_labels,) + tuple(None for _ in op.inputs[1:])

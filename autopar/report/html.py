@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from autopar.plan import Plan
+from autopar.lowering import Plan
 
 
 def _seconds(value: float) -> str:
     return f"{value * 1e3:.3f} ms"
 
 
-def plan_html(plan: "Plan") -> str:
+def plan_html(plan: Plan) -> str:
     data = plan.to_dict()
     totals = data["totals"]
     step = totals["step_time_s"] or 1e-30

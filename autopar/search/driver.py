@@ -21,10 +21,17 @@ ALGORITHMS = ("dp", "ilp")
 _BISECTION_STEPS = 40
 
 
-@dataclass
+@dataclass(frozen=True)
 class SearchResult:
-    choice: list[int]
-    algorithm: str
+    """A candidate index per operator, and how it was found.
+
+    ``method`` is the solver (``dp``, ``ilp``) or the fixed mode (``data_parallel``,
+    ``stand_alone``), or ``given`` for strategies a user supplied; ``lagrange_multiplier`` is
+    the memory weight the constrained DP settled on (0 when the fastest plan fits).
+    """
+
+    choice: tuple[int, ...]
+    method: str
     time_s: float
     lagrange_multiplier: float = 0.0
 
@@ -55,7 +62,7 @@ def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: s
     memory = problem.memory(choice)
     if memory > capacity:
         raise InfeasibleError(_infeasible_message(problem, choice, capacity, mode))
-    return SearchResult(choice, used, time.perf_counter() - start, multiplier)
+    return SearchResult(tuple(choice), used, time.perf_counter() - start, multiplier)
 
 
 def _constrained_dp(problem: SearchProblem, capacity: float) -> tuple[list[int], float]:

@@ -12,17 +12,16 @@ kept beside the time, for the capacity constraint.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from autopar.cost import CostModel
+from autopar.errors import StrategyError
 from autopar.graph import Graph, TensorInfo
 from autopar.layout import Layout
-from autopar.redistribute import BACKWARD_DUAL, Step, redistribute, symbolic_steps
+from autopar.redistribute import BACKWARD_DUAL, Collective, Step, redistribute, symbolic_steps
 from autopar.strategy import OpRule
-
-NON_DIFFERENTIABLE_TYPES = {"OneHot", "Shape", "ArgMax", "ArgMin", "Equal", "Less", "Greater", "NonZero"}
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class SearchProblem:
     mesh_bits: int
     node_time: list[np.ndarray] = field(default_factory=list)
     node_compute: list[np.ndarray] = field(default_factory=list)
-    node_sync: list[np.ndarray] = field(default_factory=list)
+    node_communication: list[np.ndarray] = field(default_factory=list)
     node_memory: list[np.ndarray] = field(default_factory=list)
     edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     uses: list[TensorUse] = field(default_factory=list)
@@ -72,6 +71,17 @@ class SearchProblem:
 
     def memory(self, choice: Sequence[int]) -> float:
         return sum(float(self.node_memory[i][c]) for i, c in enumerate(choice))
+
+    def choice_for(self, strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[int]:
+        """Candidate indices for a full assignment of strategies; StrategyError on anything invalid."""
+        names = {rule.op.name for rule in self.rules}
+        unknown = sorted(set(strategies) - names)
+        if unknown:
+            raise StrategyError(f"Strategies name operators the model does not have: {', '.join(unknown[:5])}.")
+        missing = [rule.op.name for rule in self.rules if rule.op.name not in strategies]
+        if missing:
+            raise StrategyError(f"No strategy given for {len(missing)} operator(s), e.g. {missing[0]!r}.")
+        return [rule.candidates.index(rule.parse(strategies[rule.op.name])) for rule in self.rules]
 
     # --- pieces shared with lowering ---------------------------------------------------------
 
@@ -114,7 +124,7 @@ class SearchProblem:
             self._redistribution_cache[key] = hit
         return hit
 
-    def gradient_sync_bits(self, node: int, exps: Sequence[int], slot: int) -> tuple[int, ...]:
+    def gradient_sync_bits(self, node: int, exponents: Sequence[int], slot: int) -> tuple[int, ...]:
         """Bits over which an input's gradient comes out partial: split labels the input lacks.
 
         For a parameter this is the gradient AllReduce (MindSpore's mirror operator); for an
@@ -123,7 +133,7 @@ class SearchProblem:
         """
         rule = self.rules[node]
         labels = rule.spec.inputs[slot] or ()
-        bits = rule.label_bits(exps)
+        bits = rule.label_bits(exponents)
         return tuple(sorted((b for label in rule.spec.label_order if label not in labels for b in bits[label]),
                             reverse=True))
 
@@ -138,7 +148,7 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int) -> SearchProb
     for node in range(len(rules)):
         compute, sync, memory = _node_costs(problem, node)
         problem.node_compute.append(compute)
-        problem.node_sync.append(sync)
+        problem.node_communication.append(sync)
         problem.node_time.append(compute + sync)
         problem.node_memory.append(memory)
     _edge_costs(problem)
@@ -149,7 +159,7 @@ def _requires_grad(graph: Graph, rules: list[OpRule]) -> dict[str, bool]:
     grad = {name: info.kind == "parameter" and info.trainable for name, info in graph.tensors.items()}
     for rule in rules:
         op = rule.op
-        needs = rule.spec.differentiable and op.op_type not in NON_DIFFERENTIABLE_TYPES and any(
+        needs = rule.differentiable and any(
             grad.get(name, False) for name in op.inputs if name)
         for out in op.outputs:
             if out:
@@ -189,7 +199,7 @@ def backward_passes(problem: SearchProblem, node: int) -> int:
     """Backward work in units of the forward: a matmul/conv pays once per operand needing a gradient."""
     rule = problem.rules[node]
     op = rule.op
-    if not rule.spec.differentiable or op.op_type in NON_DIFFERENTIABLE_TYPES:
+    if not rule.differentiable:
         return 0
     grad_inputs = [slot for slot, name in enumerate(op.inputs) if name and problem.requires_grad.get(name, False)]
     if rule.spec.op_class == "cube":
@@ -208,7 +218,7 @@ def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarr
     compute = np.zeros(len(rule.candidates))
     sync = np.zeros(len(rule.candidates))
     memory = np.zeros(len(rule.candidates))
-    for c, exps in enumerate(rule.candidates):
+    for c, exponents in enumerate(rule.candidates):
         in_layouts, out_layouts = rule.candidate_layouts(c)
         traffic = 0
         for name, layout in zip(op.inputs, in_layouts):
@@ -217,7 +227,7 @@ def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarr
         for name, layout in zip(op.outputs, out_layouts):
             if name:
                 traffic += _local_bytes(layout, graph.tensor(name), problem.itemsize(graph.tensor(name)))
-        forward = cost.compute_time(op_class, op.flops / rule.shards(exps), traffic)
+        forward = cost.compute_time(op_class, op.flops / rule.shards(exponents), traffic)
         compute[c] = forward * (1.0 + cost.backward_factor * passes)
         seconds = 0.0
         for slot, name in enumerate(op.inputs):
@@ -226,13 +236,13 @@ def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarr
             owns = problem.owner.get(name) == (node, slot)
             info = graph.tensor(name)
             if grad.get(name, False) and not (owns and info.kind == "parameter"):
-                bits = problem.gradient_sync_bits(node, exps, slot)
+                bits = problem.gradient_sync_bits(node, exponents, slot)
                 if bits:
                     local = in_layouts[slot].local_numel(info.shape) * cost.gradient_itemsize()
-                    seconds += cost.collective_time("AllReduce", bits, local)
+                    seconds += cost.collective_time(Collective.ALL_REDUCE, bits, local)
             if owns and info.kind == "parameter" and info.trainable:
                 numel = in_layouts[slot].local_numel(info.shape)
-                bits = problem.gradient_sync_bits(node, exps, slot)
+                bits = problem.gradient_sync_bits(node, exponents, slot)
                 seconds += cost.gradient_sync_time(bits, numel * cost.gradient_itemsize())
         for name, layout in zip(op.outputs, out_layouts):
             if name and name in outputs_graph and layout.partial:
@@ -306,7 +316,7 @@ def _edge_costs(problem: SearchProblem) -> None:
         i, j = use.src_node, use.dst_node
         if i == j:
             problem.node_time[i] = problem.node_time[i] + np.diagonal(matrix)
-            problem.node_sync[i] = problem.node_sync[i] + np.diagonal(matrix)
+            problem.node_communication[i] = problem.node_communication[i] + np.diagonal(matrix)
             continue
         if i > j:
             i, j, matrix = j, i, matrix.T

@@ -19,10 +19,10 @@ from typing import Sequence
 
 import numpy as np
 
-from autopar.layout import Layout
-from autopar.redistribute import Step
+from autopar.layout import Layout, ReduceOp, shard_index
+from autopar.redistribute import Collective, Step
 
-_REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+_REDUCE = {ReduceOp.SUM: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
 
 
 def group_of(rank: int, bits: Sequence[int]) -> list[int]:
@@ -40,13 +40,6 @@ def group_of(rank: int, bits: Sequence[int]) -> list[int]:
     return members
 
 
-def index_in_group(rank: int, bits: Sequence[int]) -> int:
-    index = 0
-    for bit in bits:
-        index = (index << 1) | ((rank >> bit) & 1)
-    return index
-
-
 def shard(full: np.ndarray, layout: Layout, mesh_bits: int, rng: np.random.Generator | None = None) -> list[np.ndarray]:
     """Each rank's buffer under ``layout``. Partial layouts get random pieces that reduce to the truth."""
     ranks = 1 << mesh_bits
@@ -55,17 +48,17 @@ def shard(full: np.ndarray, layout: Layout, mesh_bits: int, rng: np.random.Gener
         return buffers
     rng = rng or np.random.default_rng(0)
     for rank in range(ranks):
-        if index_in_group(rank, layout.partial) == 0:
+        if shard_index(rank, layout.partial) == 0:
             continue
         noise = rng.standard_normal(buffers[rank].shape).astype(full.dtype)
-        if layout.partial_op == "sum":
+        if layout.partial_op == ReduceOp.SUM:
             buffers[rank] = noise
         else:  # max/min: the other ranks hold values no closer than the truth
-            sign = -1.0 if layout.partial_op == "max" else 1.0
+            sign = -1.0 if layout.partial_op == ReduceOp.MAX else 1.0
             buffers[rank] = buffers[rank] + sign * np.abs(noise)
-    if layout.partial_op == "sum":
+    if layout.partial_op == ReduceOp.SUM:
         for rank in range(ranks):
-            if index_in_group(rank, layout.partial) == 0:
+            if shard_index(rank, layout.partial) == 0:
                 others = [buffers[q] for q in group_of(rank, layout.partial) if q != rank]
                 buffers[rank] = buffers[rank] - np.sum(others, axis=0)
     return buffers
@@ -78,17 +71,17 @@ def run_step(buffers: list[np.ndarray], step: Step) -> list[np.ndarray]:
     result: list[np.ndarray] = []
     for rank in range(len(buffers)):
         group = group_of(rank, bits)
-        me = index_in_group(rank, bits)
-        if step.kind == "AllGather":
+        me = shard_index(rank, bits)
+        if step.kind == Collective.ALL_GATHER:
             result.append(np.concatenate([buffers[q] for q in group], axis=step.dim))
-        elif step.kind == "Slice":
+        elif step.kind == Collective.SLICE:
             result.append(np.split(buffers[rank], size, axis=step.dim)[me].copy())
-        elif step.kind == "AllReduce":
+        elif step.kind == Collective.ALL_REDUCE:
             result.append(_reduce([buffers[q] for q in group], step.reduce_op))
-        elif step.kind == "ReduceScatter":
+        elif step.kind == Collective.REDUCE_SCATTER:
             reduced = _reduce([buffers[q] for q in group], step.reduce_op)
             result.append(np.split(reduced, size, axis=step.dim)[me].copy())
-        elif step.kind == "AllToAll":
+        elif step.kind == Collective.ALL_TO_ALL:
             pieces = [np.split(buffers[q], size, axis=step.dim)[me] for q in group]
             result.append(np.concatenate(pieces, axis=step.concat_dim))
         else:
@@ -96,7 +89,7 @@ def run_step(buffers: list[np.ndarray], step: Step) -> list[np.ndarray]:
     return result
 
 
-def _reduce(parts: list[np.ndarray], op: str) -> np.ndarray:
+def _reduce(parts: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     out = np.array(parts[0], copy=True)
     for part in parts[1:]:
         out = _REDUCE[op](out, part)

@@ -8,111 +8,14 @@ g ranks costs (g-1) x (alpha + payload / (g x bandwidth)) and shrinks the payloa
 
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
 from typing import Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
+from autopar.cost.profile import HardwareProfile
 from autopar.errors import CostModelError
+from autopar.redistribute import Collective
 
 Precision = Literal["mixed", "fp32"]
 PRECISIONS = ("mixed", "fp32")
-
-
-class Sourced(BaseModel):
-    """A hardware number and where it comes from."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    value: float = Field(gt=0)
-    source: str = Field(min_length=3)
-
-
-class ComputeSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    peak_flops_fp16: Sourced
-    peak_flops_fp32: Sourced
-    hbm_bandwidth: Sourced
-    hbm_capacity: Sourced
-    cube_efficiency: Sourced
-    memory_efficiency: Sourced
-    vector_flops_fraction: Sourced
-
-
-class TrainingSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    backward_compute_factor: Sourced
-    optimizer_state_bytes_per_param: Sourced
-    master_weight_bytes_per_param: Sourced
-    gradient_fusion_bytes: Sourced
-
-
-class LinkLevel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str
-    bits: int = Field(ge=1)
-    bandwidth: Sourced
-    latency: Sourced
-
-
-class HardwareProfile(BaseModel):
-    """A device and its interconnect, validated; see costmodels/ascend910.toml."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str
-    description: str = ""
-    compute: ComputeSpec
-    training: TrainingSpec
-    links: tuple[LinkLevel, ...] = Field(min_length=1)
-
-    @field_validator("links")
-    @classmethod
-    def _links_cover_mesh(cls, links: tuple[LinkLevel, ...]) -> tuple[LinkLevel, ...]:
-        if sum(level.bits for level in links) < 30:
-            raise ValueError("the link levels must cover at least 30 mesh bits (give the last level many bits)")
-        return links
-
-    def level_of_bit(self, bit: int) -> LinkLevel:
-        first = 0
-        for level in self.links:
-            if bit < first + level.bits:
-                return level
-            first += level.bits
-        return self.links[-1]
-
-
-def _profiles_dir() -> Path:
-    import costmodels
-
-    return Path(costmodels.__file__).parent
-
-
-def available_profiles() -> list[str]:
-    return sorted(p.stem for p in _profiles_dir().glob("*.toml"))
-
-
-def load_profile(name_or_path: str | Path) -> HardwareProfile:
-    """A bundled profile by name (``ascend910``) or a TOML file by path."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        candidate = _profiles_dir() / f"{name_or_path}.toml"
-        if not candidate.is_file():
-            raise CostModelError(
-                f"Unknown cost model {str(name_or_path)!r}; bundled: {', '.join(available_profiles())}, or give a .toml path."
-            )
-        path = candidate
-    if not path.is_file():
-        raise CostModelError(f"Cost model file {str(path)!r} does not exist.")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise CostModelError(f"Cost model file {str(path)!r} is not valid TOML: {exc}.") from None
-    try:
-        return HardwareProfile.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise CostModelError(f"Cost model {str(path)!r}: {where}: {first['msg']}.") from None
 
 
 class CostModel:
@@ -186,28 +89,29 @@ class CostModel:
             counts[level.name] += 1
         return [(1 << counts[lv.name], lv.latency.value, lv.bandwidth.value) for lv in order]
 
-    def collective_coefficients(self, kind: str, bits: tuple[int, ...]) -> tuple[float, float]:
+    def collective_coefficients(self, kind: Collective, bits: tuple[int, ...]) -> tuple[float, float]:
         """(latency seconds, seconds per payload byte): every collective here is affine in its payload."""
         key = (kind, bits)
         hit = self._coefficients.get(key)
         if hit is not None:
             return hit
         latency = per_byte = 0.0
-        if bits and kind != "Slice":
-            if kind not in ("ReduceScatter", "AllGather", "AllReduce", "AllToAll"):
+        if bits and kind != Collective.SLICE:
+            if kind not in (Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.ALL_REDUCE,
+                            Collective.ALL_TO_ALL):
                 raise ValueError(f"unknown collective {kind!r}")
             shrink = 1.0
             for group, alpha, bandwidth in self._levels(bits):
                 latency += (group - 1) * alpha
                 per_byte += (group - 1) / group / bandwidth / shrink
-                if kind != "AllToAll":
+                if kind != Collective.ALL_TO_ALL:
                     shrink *= group  # a ReduceScatter hands 1/g of the payload to the next level
-            if kind == "AllReduce":  # ReduceScatter then AllGather
+            if kind == Collective.ALL_REDUCE:  # ReduceScatter then AllGather
                 latency, per_byte = 2 * latency, 2 * per_byte
         self._coefficients[key] = (latency, per_byte)
         return latency, per_byte
 
-    def collective_time(self, kind: str, bits: Iterable[int], nbytes: float, latency_scale: float = 1.0) -> float:
+    def collective_time(self, kind: Collective, bits: Iterable[int], nbytes: float, latency_scale: float = 1.0) -> float:
         """Seconds for one collective whose per-rank payload is ``nbytes`` (see `Step`)."""
         latency, per_byte = self.collective_coefficients(kind, tuple(bits))
         return latency * latency_scale + per_byte * nbytes
@@ -215,4 +119,4 @@ class CostModel:
     def gradient_sync_time(self, bits: Iterable[int], nbytes: float) -> float:
         """AllReduce of a parameter gradient; fused buckets pay the latency once per bucket."""
         scale = min(1.0, nbytes / self.fusion_bytes)
-        return self.collective_time("AllReduce", bits, nbytes, latency_scale=scale)
+        return self.collective_time(Collective.ALL_REDUCE, bits, nbytes, latency_scale=scale)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from autopar.graph import Graph
-    from autopar.plan import Plan
-    from autopar.verify import VerifyReport
+from autopar.graph import Graph
+from autopar.lowering import GRAPH_OUTPUT, Plan
+from autopar.spmd import VerifyReport
 
 
 def _ms(seconds: float) -> str:
@@ -31,14 +30,14 @@ def _step_text(step: dict[str, Any]) -> str:
     return f"{step['collective']}[{step['group_size']} over {bits}, {_bytes(step['bytes'])}]"
 
 
-def plan_table(plan: "Plan") -> str:
+def plan_table(plan: Plan) -> str:
     data = plan.to_dict()
     devices = f"{data['devices']} device" + ("s" if data["devices"] != 1 else "")
     lines = [f"autopar plan: {data['model']} on {devices}"
              f" ({data['cost_model']}, {data['precision']} precision, {data['mode']})", ""]
     incoming: dict[str, list[str]] = {}
     for red in data["redistributions"]:
-        target = red["consumer"] if red["consumer"] != "<graph output>" else red["producer"]
+        target = red["consumer"] if red["consumer"] != GRAPH_OUTPUT else red["producer"]
         incoming.setdefault(target, []).extend(_step_text(s) for s in red["steps"] if s["collective"] != "Slice")
     name_width = max(12, min(40, max(len(op["name"]) for op in data["ops"])))
     strategies = [_strategy(op["strategy"]) for op in data["ops"]]
@@ -76,7 +75,7 @@ def plan_table(plan: "Plan") -> str:
     return "\n".join(lines) + "\n"
 
 
-def inspect_summary(graph: "Graph") -> dict[str, Any]:
+def inspect_summary(graph: Graph) -> dict[str, Any]:
     by_type: dict[str, dict[str, float]] = {}
     for op in graph.ops:
         entry = by_type.setdefault(op.op_type, {"count": 0, "flops": 0.0})
@@ -115,7 +114,7 @@ def inspect_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def verify_table(report: "VerifyReport") -> str:
+def verify_table(report: VerifyReport) -> str:
     verdict = "VERIFIED" if report.ok else "FAILED"
     lines = [f"autopar verify: {verdict} on {report.devices} virtual devices ({report.time_s:.1f} s)", ""]
     for name, entry in report.outputs.items():

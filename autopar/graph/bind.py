@@ -1,0 +1,114 @@
+"""Binding sizes: the batch and symbolic dimensions, then shape inference with data propagation.
+
+A contract for the steps after it: every data input has the requested batch and dimensions,
+every Reshape target that hard-coded the file's batch follows the new one, and shape inference
+has run strictly; a Reshape that would change its element count is an error here, not a
+silently wrong plan later.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx
+from onnx import numpy_helper, shape_inference
+
+from autopar.errors import ModelImportError, UnknownSymbolError
+from autopar.graph.proto import data_inputs, value_infos
+
+
+def bind_dimensions(proto: onnx.ModelProto, batch: int | None, dims: dict[str, int]) -> onnx.ModelProto:
+    """Set the leading dimension of every data input to ``batch`` and named symbols to ``dims``."""
+    if batch is not None and batch < 1:
+        raise ModelImportError(f"The batch size must be a positive integer, got {batch}.")
+    for key, value in dims.items():
+        if value < 1:
+            raise ModelImportError(f"Dimension {key!r} must be bound to a positive integer, got {value}.")
+    known_params = set()
+    for vi in data_inputs(proto):
+        if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+            continue
+        for position, dim in enumerate(vi.type.tensor_type.shape.dim):
+            if dim.HasField("dim_param"):
+                known_params.add(dim.dim_param)
+                if dim.dim_param in dims:
+                    dim.dim_value = dims[dim.dim_param]
+            if position == 0 and batch is not None:
+                dim.dim_value = batch
+    unknown = sorted(set(dims) - known_params)
+    if unknown:
+        raise UnknownSymbolError(unknown, sorted(known_params))
+    # Declared intermediate and output shapes may contradict the new bindings: let inference redo them.
+    del proto.graph.value_info[:]
+    for out in proto.graph.output:
+        if out.type.HasField("tensor_type"):
+            out.type.tensor_type.ClearField("shape")
+    return proto
+
+
+def _declared_batch(proto: onnx.ModelProto) -> int | None:
+    for vi in data_inputs(proto):
+        dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
+        if dims and dims[0].HasField("dim_value"):
+            return int(dims[0].dim_value)
+    return None
+
+
+def rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
+    """Exported CNNs often hard-code the batch in a Reshape target (``[1, 2048]``): rewrite it.
+
+    A target is rewritten when its first entry equals the file's batch and the reshaped
+    tensor's leading dimension is that batch too (so the entry is the batch, not a feature).
+    """
+    old = _declared_batch(proto)
+    if old is None or old == batch:
+        return
+    try:
+        inferred = shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:
+        return  # the strict inference after binding reports the problem
+    infos = value_infos(inferred)
+    initializers = {init.name: init for init in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type != "Reshape" or node.domain or len(node.input) < 2 or node.input[1] not in initializers:
+            continue
+        target = numpy_helper.to_array(initializers[node.input[1]])
+        vi = infos.get(node.input[0])
+        dims = vi.type.tensor_type.shape.dim if vi is not None and vi.type.HasField("tensor_type") else []
+        if target.ndim != 1 or not target.size or int(target[0]) != old or not dims or dims[0].dim_value != old:
+            continue
+        rewritten = target.copy()
+        rewritten[0] = batch
+        new_name = f"{node.input[1]}__batch{batch}"
+        if new_name not in initializers:
+            initializers[new_name] = numpy_helper.from_array(rewritten, new_name)
+            proto.graph.initializer.append(initializers[new_name])
+        node.input[1] = new_name
+
+
+def infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Strict ONNX shape inference with data propagation (shape arithmetic is followed)."""
+    try:
+        return shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
+    except Exception as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelImportError(f"ONNX shape inference failed: {message}") from None
+
+
+def check_reshapes(proto: onnx.ModelProto) -> None:
+    """Shape inference accepts a Reshape that changes the element count; running it would fail."""
+    infos = value_infos(proto)
+    for node in proto.graph.node:
+        if node.op_type != "Reshape" or node.domain:
+            continue
+        sizes = []
+        for name in (node.input[0], node.output[0]):
+            vi = infos.get(name)
+            dims = vi.type.tensor_type.shape.dim if vi is not None and vi.type.HasField("tensor_type") else None
+            if dims is None or not all(d.HasField("dim_value") for d in dims):
+                break
+            sizes.append(math.prod(int(d.dim_value) for d in dims))
+        if len(sizes) == 2 and sizes[0] != sizes[1]:
+            raise ModelImportError(
+                f"Reshape {node.name or node.output[0]!r} turns {sizes[0]} elements into {sizes[1]}: its target"
+                " shape is hard-coded for another batch size or input shape.")

@@ -1,0 +1,148 @@
+"""Building the `Graph`: fold constants, name operators uniquely, tell parameters from constants.
+
+Precondition: shapes are inferred (`bind`). Postcondition: every tensor an operator reads or
+writes has a static shape and a role (data input, parameter, constant or activation); operators
+are in topological order with their forward FLOPs from the registry.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import networkx as nx
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from autopar.errors import ModelImportError
+from autopar.graph.fold import KnownValue, fold_constant
+from autopar.graph.proto import attributes, data_inputs, shape_of, value_infos
+from autopar.graph.types import FLOAT_TYPES, ElidedValue, Graph, OpNode, TensorInfo, TensorKind, opset_of
+from autopar.ops import lookup
+from autopar.ops.registry import output_elements
+
+
+def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
+    """The `Graph` of a shape-inferred model."""
+    infos = value_infos(proto)
+    opset = opset_of(proto)
+    tensors: dict[str, TensorInfo] = {}
+    constants: dict[str, KnownValue] = {}
+    for init in proto.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            dims = tuple(int(d) for d in init.dims)
+            constants[init.name] = _elided(dims, init.data_type)
+        else:
+            constants[init.name] = numpy_helper.to_array(init)
+
+    ops: list[OpNode] = []
+    graph_outputs = {o.name for o in proto.graph.output}
+    for node in proto.graph.node:
+        folded = None if set(node.output) & graph_outputs else fold_constant(node, constants, infos, proto)
+        if folded is not None:
+            constants[node.output[0]] = folded
+            continue
+        ops.append(OpNode(name=node.name or f"{node.op_type}_{len(ops)}", op_type=node.op_type,
+                          inputs=tuple(node.input), outputs=tuple(node.output), attrs=attributes(node),
+                          index=len(ops), domain=node.domain, proto=node))
+    _rename_duplicates(ops)
+
+    roles = _constant_roles(ops, constants, opset)
+    read = {inp for op in ops for inp in op.inputs} | graph_outputs
+    for cname, value in constants.items():
+        if cname not in read:
+            continue  # e.g. the shape initializers of folded weight-elided parameters
+        kind, trainable = roles.get(cname, ("constant", False))
+        stored = value if isinstance(value, np.ndarray) else None
+        tensors[cname] = TensorInfo(cname, tuple(int(d) for d in value.shape), value.dtype.name, kind, trainable, stored)
+
+    graph_inputs = []
+    for vi in data_inputs(proto):
+        if vi.name in tensors:
+            continue
+        shape, dtype = shape_of(vi.name, infos)
+        tensors[vi.name] = TensorInfo(vi.name, shape, dtype, "input")
+        graph_inputs.append(vi.name)
+
+    for op in ops:
+        # an unused optional output (e.g. an old Dropout's mask) may have no inferred type: drop it
+        op.outputs = tuple(o if (o in read or o in infos) else "" for o in op.outputs)
+        for out in op.outputs:
+            if out and out not in tensors:
+                shape, dtype = shape_of(out, infos)
+                tensors[out] = TensorInfo(out, shape, dtype, "activation")
+        for inp in op.inputs:
+            if inp and inp not in tensors:
+                raise ModelImportError(f"Operator {op.name!r} reads tensor {inp!r}, which nothing produces.")
+
+    for op in ops:
+        in_shapes = [tensors[i].shape if i else None for i in op.inputs]
+        out_shapes = [tensors[o].shape for o in op.outputs if o]
+        definition = lookup(op.op_type, op.domain, opset)
+        count = definition.flops if definition is not None else output_elements
+        op.flops = count(in_shapes, out_shapes, op.attrs)
+
+    outputs = [o.name for o in proto.graph.output]
+    return Graph(name=name, ops=_topological(ops), tensors=tensors, inputs=graph_inputs, outputs=outputs, model=proto)
+
+
+def _elided(dims: tuple[int, ...], data_type: int) -> KnownValue:
+    return ElidedValue(dims, np.dtype(helper.tensor_dtype_to_np_dtype(data_type)))
+
+
+def _rename_duplicates(ops: list[OpNode]) -> None:
+    """Give every operator a unique name; a generated name never collides with a real one."""
+    taken = {op.name for op in ops}
+    seen: set[str] = set()
+    for op in ops:
+        if op.name in seen:
+            suffix = 1
+            while f"{op.name}_{suffix}" in taken:
+                suffix += 1
+            op.name = f"{op.name}_{suffix}"
+            taken.add(op.name)
+        seen.add(op.name)
+
+
+def _constant_roles(ops: Iterable[OpNode], constants: dict[str, KnownValue],
+                    opset: int) -> dict[str, tuple[TensorKind, bool]]:
+    """Tell learned weights from configuration constants by how the registry says operators use them."""
+    uses: dict[str, list[tuple[OpNode, int]]] = {}
+    for op in ops:
+        for position, inp in enumerate(op.inputs):
+            if inp in constants:
+                uses.setdefault(inp, []).append((op, position))
+    roles: dict[str, tuple[TensorKind, bool]] = {}
+    for cname, places in uses.items():
+        value = constants[cname]
+        if value.dtype not in FLOAT_TYPES or value.ndim == 0:
+            continue
+        definitions = [(lookup(op.op_type, op.domain, opset), position) for op, position in places]
+        weight_uses = [(d, p) for d, p in definitions if d is None or p not in d.config_inputs]
+        if value.size <= 1 and not any(d is not None and d.weight_inputs for d, _ in weight_uses):
+            continue  # a one-element scale fed to arithmetic is a constant; a layer's weight is not
+        if not weight_uses:
+            continue
+        statistics = all(d is not None and p in d.statistics_inputs for d, p in weight_uses)
+        roles[cname] = ("parameter", not statistics)
+    return roles
+
+
+def _topological(ops: list[OpNode]) -> list[OpNode]:
+    """ONNX requires topological order; re-sort defensively, stable on the file's order."""
+    produced = {out: op.index for op in ops for out in op.outputs if out}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(op.index for op in ops)
+    for op in ops:
+        for inp in op.inputs:
+            if inp in produced and produced[inp] != op.index:
+                dag.add_edge(produced[inp], op.index)
+    try:
+        order = list(nx.lexicographical_topological_sort(dag))
+    except nx.NetworkXUnfeasible:
+        raise ModelImportError("The model graph has a cycle.") from None
+    by_index = {op.index: op for op in ops}
+    sorted_ops = [by_index[i] for i in order]
+    for position, op in enumerate(sorted_ops):
+        op.index = position
+    return sorted_ops

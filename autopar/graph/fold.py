@@ -1,0 +1,87 @@
+"""Constant folding: operators whose value is known at import become constants every rank holds.
+
+Covers ``Constant``, weight-elided parameters written as ``ConstantOfShape(shape initializer)``
+(the pattern the onnx package's own model-zoo test files use), ``Shape``/``Size`` read from
+the inferred shapes, and any operator whose inputs are all known values (Gather on a shape,
+Concat, Range, Unsqueeze, Cast, ...), evaluated once by onnx's reference evaluator. Operators
+the registry marks as not foldable (random ones, Dropout) are never evaluated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import onnx
+
+from autopar.errors import ModelImportError
+from autopar.graph.proto import attributes, shape_of
+from autopar.graph.types import FLOAT_TYPES, ElidedValue, opset_of
+from autopar.ops import lookup
+
+FOLD_MAX_ELEMENTS = 1 << 22  # a folded value is held whole by every rank: keep it small
+KnownValue = np.ndarray | ElidedValue
+
+
+def _constant(node: onnx.NodeProto) -> np.ndarray | None:
+    attrs = attributes(node)
+    if "value" in attrs:
+        return np.asarray(attrs["value"])
+    for key, dtype in (("value_float", np.float32), ("value_int", np.int64),
+                       ("value_floats", np.float32), ("value_ints", np.int64)):
+        if key in attrs:
+            return np.asarray(attrs[key], dtype=dtype)
+    return None
+
+
+def fold_constant(node: onnx.NodeProto, constants: dict[str, KnownValue], infos: dict[str, onnx.ValueInfoProto],
+                  proto: onnx.ModelProto) -> KnownValue | None:
+    """Value of a node computable at import time, or None. Weight-elided parameters come here too."""
+    if node.op_type == "Constant" and not node.domain:
+        return _constant(node)
+    shape_source = constants.get(node.input[0]) if node.input else None
+    if node.op_type == "ConstantOfShape" and not node.domain and isinstance(shape_source, np.ndarray):
+        shape = tuple(int(d) for d in shape_source.reshape(-1))
+        fill = np.asarray(attributes(node).get("value", np.zeros(1, dtype=np.float32)))
+        if fill.dtype in FLOAT_TYPES and len(shape) > 0 and math.prod(shape) > 1:
+            return ElidedValue(shape, fill.dtype)  # a weight-elided parameter: keep its shape only
+        return np.full(shape, fill.reshape(-1)[0], dtype=fill.dtype)
+    if node.domain or len(node.output) != 1:
+        return None
+    if node.op_type in ("Shape", "Size"):
+        try:
+            in_shape, _ = shape_of(node.input[0], infos)
+        except ModelImportError:
+            return None
+        if node.op_type == "Size":
+            return np.asarray(math.prod(in_shape), dtype=np.int64)
+        attrs = attributes(node)
+        start, end = attrs.get("start", 0), attrs.get("end", len(in_shape))
+        return np.asarray(in_shape[slice(start, end)], dtype=np.int64)
+    present = [name for name in node.input if name]
+    definition = lookup(node.op_type, node.domain, opset_of(proto))
+    if not present or (definition is not None and not definition.foldable) or not all(
+            isinstance(constants.get(n), np.ndarray) for n in present):
+        return None
+    try:
+        out_shape, _ = shape_of(node.output[0], infos)
+    except ModelImportError:
+        return None
+    if math.prod(out_shape) > FOLD_MAX_ELEMENTS:
+        return None
+    return _evaluate(node, constants, proto)
+
+
+def _evaluate(node: onnx.NodeProto, constants: dict[str, Any], proto: onnx.ModelProto) -> np.ndarray | None:
+    """Run one operator on known inputs with onnx's reference evaluator (None if it cannot)."""
+    from onnx.reference import ReferenceEvaluator
+
+    opsets = {entry.domain or "": int(entry.version) for entry in proto.opset_import}
+    try:
+        evaluator = ReferenceEvaluator(node, opsets=opsets)
+        feeds = {name: constants[name] for name in node.input if name}
+        (value,) = evaluator.run(None, feeds)
+    except Exception:
+        return None
+    return np.asarray(value)

@@ -1,0 +1,120 @@
+"""Lowering: a chosen candidate per operator becomes the parts of a plan file.
+
+Each function reads the search problem and the choice and returns typed plan-file parts:
+every operator's strategy and layouts, every redistribution the dataflow needs (with its
+collectives, group sizes, bytes and seconds), each parameter's gradient synchronisation,
+and the totals. Seconds are rounded to 12 significant digits so plans are byte-identical
+across platforms' last bits.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from autopar.layout import Layout
+from autopar.lowering.planfile import (GRAPH_OUTPUT, GradientSync, LayoutEntry, OpCost, OpEntry, Redistribution,
+                                       StepEntry, TensorLayout, Totals)
+from autopar.redistribute import BACKWARD_DUAL, Collective
+from autopar.search.driver import data_parallel_choice
+from autopar.search.problem import SearchProblem, backward_passes
+
+
+def rounded(value: float) -> float:
+    """Seconds and ratios printed with 12 significant digits: stable across platforms' last bits."""
+    return float(f"{value:.12g}")
+
+
+def op_entries(problem: SearchProblem, choice: Sequence[int]) -> list[OpEntry]:
+    entries = []
+    for node, (rule, c) in enumerate(zip(problem.rules, choice)):
+        inputs, outputs = rule.candidate_layouts(c)
+        entries.append(OpEntry(
+            name=rule.op.name, op_type=rule.op.op_type,
+            strategy=[list(s) for s in rule.in_strategy(rule.candidates[c])],
+            inputs=[TensorLayout(tensor=t, layout=LayoutEntry.of(lay))
+                    for t, lay in zip(rule.op.inputs, inputs) if t and lay is not None],
+            outputs=[TensorLayout(tensor=t, layout=LayoutEntry.of(lay))
+                     for t, lay in zip(rule.op.outputs, outputs) if t and lay is not None],
+            cost=OpCost(compute_s=rounded(float(problem.node_compute[node][c])),
+                        communication_s=rounded(float(problem.node_communication[node][c])),
+                        memory_bytes=int(problem.node_memory[node][c])),
+            fallback=rule.spec.fallback))
+    return entries
+
+
+def redistributions(problem: SearchProblem, choice: Sequence[int]) -> list[Redistribution]:
+    """Every producer/consumer pair whose layouts differ, with its collective steps."""
+    found = []
+    for use in problem.uses:
+        src = problem.source_layout(use, choice[use.src_node])
+        dst = problem.rules[use.dst_node].candidate_layouts(choice[use.dst_node])[0][use.dst_slot]
+        if dst is None or src == dst:
+            continue
+        found.append(_redistribution(problem, use.tensor, problem.rules[use.src_node].op.name,
+                                     problem.rules[use.dst_node].op.name, src, dst))
+    outputs = set(problem.graph.outputs)
+    for node, rule in enumerate(problem.rules):
+        for name, layout in zip(rule.op.outputs, rule.candidate_layouts(choice[node])[1]):
+            if name in outputs and layout is not None and layout.partial:
+                found.append(_redistribution(problem, name, rule.op.name, GRAPH_OUTPUT, layout, Layout(layout.dims),
+                                             backward=False))
+    return found
+
+
+def _redistribution(problem: SearchProblem, tensor: str, producer: str, consumer: str, src: Layout, dst: Layout,
+                    backward: bool = True) -> Redistribution:
+    steps, forward, backward_s = problem.redistribution(tensor, src, dst)
+    cost = problem.cost
+    entries = []
+    for step in steps:
+        dual = BACKWARD_DUAL[step.kind] if backward and problem.requires_grad.get(tensor, False) else None
+        entries.append(StepEntry(
+            collective=step.kind, group_size=step.group_size, bits=list(step.bits), bytes=step.nbytes, dim=step.dim,
+            concat_dim=step.concat_dim, reduce_op=step.reduce_op if step.reduces else None,
+            seconds=rounded(cost.collective_time(step.kind, step.bits, step.nbytes)), backward=dual,
+            backward_seconds=rounded(cost.collective_time(dual, step.bits, step.nbytes)) if dual else 0.0))
+    return Redistribution(tensor=tensor, producer=producer, consumer=consumer, from_=LayoutEntry.of(src),
+                          to=LayoutEntry.of(dst), steps=entries,
+                          seconds=rounded(forward + (backward_s if backward else 0.0)))
+
+
+def gradient_sync(problem: SearchProblem, choice: Sequence[int]) -> list[GradientSync]:
+    """The AllReduce of each trainable parameter over the bits its gradient is partial on."""
+    cost = problem.cost
+    entries = []
+    for name, (node, slot) in sorted(problem.owner.items(), key=lambda item: item[1]):
+        info = problem.graph.tensor(name)
+        if info.kind != "parameter" or not info.trainable:
+            continue
+        exponents = problem.rules[node].candidates[choice[node]]
+        layout = problem.rules[node].candidate_layouts(choice[node])[0][slot]
+        assert layout is not None  # an owned input is present
+        bits = problem.gradient_sync_bits(node, exponents, slot)
+        nbytes = layout.local_numel(info.shape) * cost.gradient_itemsize()
+        entries.append(GradientSync(
+            parameter=name, op=problem.rules[node].op.name, layout=LayoutEntry.of(layout),
+            collective=Collective.ALL_REDUCE.value if bits else None, bits=list(bits), group_size=1 << len(bits),
+            bytes=nbytes if bits else 0, seconds=rounded(cost.gradient_sync_time(bits, nbytes)) if bits else 0.0))
+    return entries
+
+
+def training_flops(problem: SearchProblem) -> float:
+    """Forward FLOPs plus the backward passes the cost model charges (inputs needing gradients)."""
+    total = 0.0
+    for node, rule in enumerate(problem.rules):
+        if rule.spec.op_class != "free":
+            total += rule.op.flops * (1.0 + problem.cost.backward_factor * backward_passes(problem, node))
+    return float(total)
+
+
+def totals(problem: SearchProblem, choice: Sequence[int]) -> Totals:
+    compute = sum(float(problem.node_compute[i][c]) for i, c in enumerate(choice))
+    step = problem.objective(choice)
+    data_parallel = problem.objective(data_parallel_choice(problem))
+    flops = training_flops(problem)
+    return Totals(
+        step_time_s=rounded(step), compute_s=rounded(compute), communication_s=rounded(step - compute),
+        memory_per_device_bytes=int(round(problem.memory(choice))), memory_capacity_bytes=int(problem.cost.capacity),
+        training_flops=flops, ideal_step_time_s=rounded(flops / (problem.num_devices * problem.cost.peak_flops)),
+        data_parallel_step_time_s=rounded(data_parallel),
+        speedup_vs_data_parallel=rounded(data_parallel / step) if step > 0 else 1.0)

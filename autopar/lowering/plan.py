@@ -1,0 +1,114 @@
+"""The `Plan`: the chosen whole, immutable, with everything it implies.
+
+A plan is one search result on one problem. Its plan file (`Plan.file`, typed; `to_dict`,
+`to_json`) lists every operator's strategy and layouts, every redistribution, each
+parameter's gradient synchronisation, and totals (schema "autopar.plan/1").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, ClassVar
+
+from autopar.layout import Layout
+from autopar.lowering.lower import gradient_sync, op_entries, redistributions, rounded, totals
+from autopar.lowering.planfile import SCHEMA, PlanFile, SearchSummary
+from autopar.search.driver import SearchResult, data_parallel_choice
+from autopar.search.problem import SearchProblem
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen whole: a strategy per operator plus everything it implies."""
+
+    problem: SearchProblem = field(repr=False)
+    choice: tuple[int, ...] = field(repr=False)
+    search: SearchResult = field(repr=False)
+    model_name: str
+    mode: str
+    cost_model: str
+    precision: str
+
+    # The faces register the Jupyter renderer (autopar.report); the core never imports them.
+    html_renderer: ClassVar[Callable[["Plan"], str] | None] = None
+
+    @classmethod
+    def lower(cls, problem: SearchProblem, result: SearchResult, mode: str) -> "Plan":
+        """The plan of one search result on one problem."""
+        return cls(problem, tuple(result.choice), result, problem.graph.name, mode, problem.cost.profile.name,
+                   problem.cost.precision)
+
+    @property
+    def devices(self) -> int:
+        return self.problem.num_devices
+
+    @property
+    def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Operator name -> MindSpore-style in_strategy (one split tuple per input)."""
+        return {rule.op.name: rule.in_strategy(rule.candidates[c]) for rule, c in zip(self.problem.rules, self.choice)}
+
+    @property
+    def objective(self) -> float:
+        """The searched objective: predicted training step time in seconds."""
+        return self.problem.objective(self.choice)
+
+    @property
+    def memory_per_device(self) -> float:
+        return self.problem.memory(self.choice)
+
+    @property
+    def fallback_ops(self) -> list[str]:
+        return [rule.op.name for rule in self.problem.rules if rule.spec.fallback]
+
+    def fallback_summary(self) -> str:
+        """One sentence naming the operators kept replicated for want of a rule."""
+        rules = [rule for rule in self.problem.rules if rule.spec.fallback]
+        named = ", ".join(f"{rule.op.name} ({rule.op.op_type})" for rule in rules[:5])
+        more = f" and {len(rules) - 5} more" if len(rules) > 5 else ""
+        return (f"{len(rules)} operator(s) have no strategy rule and are kept replicated with their inputs gathered:"
+                f" {named}{more}.")
+
+    @property
+    def data_parallel_objective(self) -> float:
+        return self.problem.objective(data_parallel_choice(self.problem))
+
+    def layouts(self, node: int) -> tuple[list[Layout | None], list[Layout | None]]:
+        """(input layouts, output layouts) of operator ``node`` under this plan."""
+        return self.problem.rules[node].candidate_layouts(self.choice[node])
+
+    # --- the plan file ------------------------------------------------------------------------
+
+    @cached_property
+    def file(self) -> PlanFile:
+        """The typed plan file (computed once)."""
+        problem, choice = self.problem, self.choice
+        return PlanFile(
+            schema_=SCHEMA, model=self.model_name, devices=self.devices, mesh_bits=problem.mesh_bits,
+            cost_model=self.cost_model, precision=self.precision, mode=self.mode,
+            objective_s=rounded(self.objective), ops=op_entries(problem, choice),
+            redistributions=redistributions(problem, choice), gradient_sync=gradient_sync(problem, choice),
+            fallback_ops=self.fallback_ops, totals=totals(problem, choice),
+            search=SearchSummary(algorithm=self.search.method, time_s=round(self.search.time_s, 4),
+                                 candidates=sum(len(rule.candidates) for rule in problem.rules),
+                                 operators=problem.size, memory_multiplier=rounded(self.search.lagrange_multiplier)))
+
+    def redistributions(self) -> list[dict[str, Any]]:
+        """Every producer/consumer pair whose layouts differ, with its collective steps."""
+        return self.to_dict()["redistributions"]
+
+    def gradient_sync(self) -> list[dict[str, Any]]:
+        """The AllReduce of each trainable parameter over the bits its gradient is partial on."""
+        return self.to_dict()["gradient_sync"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe plan (schema autopar.plan/1); a fresh copy each call."""
+        return self.file.dump()
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def _repr_html_(self) -> str | None:
+        renderer = type(self).html_renderer
+        return renderer(self) if renderer is not None else None

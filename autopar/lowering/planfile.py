@@ -1,0 +1,246 @@
+"""The plan file: typed, validated, with a JSON Schema (``autopar schema`` prints it).
+
+Every part is a frozen pydantic model that forbids unknown fields, so a plan file written by
+hand or by another tool is either read exactly or rejected with one sentence naming the field.
+`Plan.to_dict()` is `PlanFile`'s dump; `read_plan_file` is the one way in for every reader.
+
+>>> read_plan_file({"schema": SCHEMA, "ops": "garbage"}, origin="p.json")
+Traceback (most recent call last):
+...
+autopar.errors.PlanFileError: Plan file 'p.json' is not a valid autopar plan: model: field required.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, model_serializer
+from pydantic import SerializerFunctionWrapHandler
+
+from autopar.errors import PlanFileError
+from autopar.layout import Layout, ReduceOp
+from autopar.redistribute import Collective, Step
+
+SCHEMA = "autopar.plan/1"
+READABLE_SCHEMAS = (SCHEMA,)
+GRAPH_OUTPUT = "<graph output>"  # the consumer named by the reduction of a partial graph output
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class _OmitsUnset(_Part):
+    """Optional fields that are None are left out of the dump (they do not apply)."""
+
+    _omit: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        return {key: value for key, value in data.items() if not (key in self._omit and value is None)}
+
+
+class LayoutEntry(_OmitsUnset):
+    """A `Layout`: the mesh bits splitting each dimension (most significant first), and partial bits."""
+
+    _omit: ClassVar[tuple[str, ...]] = ("partial", "partial_op")
+    dims: list[list[NonNegativeInt]]
+    partial: list[NonNegativeInt] | None = None
+    partial_op: ReduceOp | None = None
+
+    @classmethod
+    def of(cls, layout: Layout) -> "LayoutEntry":
+        if not layout.partial:
+            return cls(dims=[list(bits) for bits in layout.dims])
+        return cls(dims=[list(bits) for bits in layout.dims], partial=list(layout.partial),
+                   partial_op=layout.partial_op)
+
+    def layout(self) -> Layout:
+        return Layout(tuple(tuple(bits) for bits in self.dims), tuple(self.partial or ()),
+                      self.partial_op or ReduceOp.SUM)
+
+
+class StepEntry(_OmitsUnset):
+    """One collective of a redistribution (see `autopar.redistribute.Step`), with its cost."""
+
+    _omit: ClassVar[tuple[str, ...]] = ("dim", "concat_dim", "reduce_op")
+    collective: Collective
+    group_size: PositiveInt
+    bits: list[NonNegativeInt] = Field(min_length=1)
+    bytes: NonNegativeInt = Field(description="per-rank payload")
+    dim: NonNegativeInt | None = None
+    concat_dim: NonNegativeInt | None = None
+    reduce_op: ReduceOp | None = None
+    seconds: float
+    backward: Collective | None = Field(description="the dual collective the gradient takes, if any")
+    backward_seconds: float
+
+    def step(self) -> Step:
+        return Step(self.collective, tuple(self.bits), self.bytes, self.dim, self.concat_dim,
+                    self.reduce_op or ReduceOp.SUM)
+
+
+class TensorLayout(_Part):
+    tensor: str
+    layout: LayoutEntry
+
+
+class OpCost(_Part):
+    compute_s: float
+    communication_s: float = Field(description="gradient sync, backward AllReduce and partial outputs it owns")
+    memory_bytes: NonNegativeInt
+
+
+class OpEntry(_Part):
+    """One operator: its MindSpore-style in_strategy and the layouts it implies."""
+
+    name: str
+    op_type: str
+    strategy: list[list[PositiveInt]]
+    inputs: list[TensorLayout]
+    outputs: list[TensorLayout]
+    cost: OpCost
+    fallback: bool
+
+
+class Redistribution(_Part):
+    """The collectives that take a tensor from its producer's layout to its consumer's."""
+
+    tensor: str
+    producer: str
+    consumer: str = Field(description=f"an operator name, or {GRAPH_OUTPUT!r} for a partial graph output")
+    from_: LayoutEntry = Field(alias="from")
+    to: LayoutEntry
+    steps: list[StepEntry]
+    seconds: float
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.tensor, self.producer, self.consumer
+
+
+class GradientSync(_Part):
+    """The AllReduce of a trainable parameter's gradient over the bits it is partial on."""
+
+    parameter: str
+    op: str
+    layout: LayoutEntry
+    collective: Literal["AllReduce"] | None
+    bits: list[NonNegativeInt]
+    group_size: PositiveInt
+    bytes: NonNegativeInt
+    seconds: float
+
+
+class Totals(_Part):
+    step_time_s: float
+    compute_s: float
+    communication_s: float
+    memory_per_device_bytes: NonNegativeInt
+    memory_capacity_bytes: NonNegativeInt
+    training_flops: float
+    ideal_step_time_s: float
+    data_parallel_step_time_s: float
+    speedup_vs_data_parallel: float
+
+
+class SearchSummary(_Part):
+    algorithm: str = Field(description="how the strategies were chosen: dp, ilp, data_parallel, stand_alone, given")
+    time_s: float
+    candidates: NonNegativeInt
+    operators: NonNegativeInt
+    memory_multiplier: float
+
+
+class PlanFile(_Part):
+    """A whole plan as ``autopar plan --format json`` writes it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                              json_schema_extra={"title": "autopar plan", "$id": SCHEMA})
+    schema_: Literal["autopar.plan/1"] = Field(alias="schema")
+    model: str
+    devices: PositiveInt
+    mesh_bits: NonNegativeInt
+    cost_model: str
+    precision: str
+    mode: str
+    objective_s: float
+    ops: list[OpEntry] = Field(min_length=1)
+    redistributions: list[Redistribution]
+    gradient_sync: list[GradientSync]
+    fallback_ops: list[str]
+    totals: Totals
+    search: SearchSummary
+
+    def dump(self) -> dict[str, Any]:
+        """The JSON-safe dict (enums as their strings)."""
+        return _plain(self.model_dump(by_alias=True))
+
+    @property
+    def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        return {op.name: tuple(tuple(s) for s in op.strategy) for op in self.ops}
+
+
+def _plain(value: Any) -> Any:
+    """Enums become their strings; everything else is already what ``json`` writes."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, (Collective, ReduceOp)):
+        return str(value)
+    return value
+
+
+def _where(error: Any) -> str:
+    return ".".join(str(part) for part in error["loc"]) or "the file"
+
+
+def read_plan_file(data: Any, origin: str = "the plan") -> PlanFile:
+    """A validated `PlanFile` from parsed JSON; PlanFileError naming the first bad field."""
+    label = f"Plan file {origin!r}" if origin != "the plan" else "The plan"
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{label} is not an autopar plan (a JSON object is expected, got {type(data).__name__}).")
+    schema = data.get("schema")
+    if schema is not None and schema not in READABLE_SCHEMAS:
+        raise PlanFileError(f"{label} has unknown schema {schema!r}; this autopar reads"
+                            f" {', '.join(repr(s) for s in READABLE_SCHEMAS)}.")
+    try:
+        return PlanFile.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = str(first["msg"]).rstrip(".")
+        message = message[:1].lower() + message[1:]
+        raise PlanFileError(f"{label} is not a valid autopar plan: {_where(first)}: {message}.") from None
+    except RecursionError:
+        raise PlanFileError(f"{label} is nested too deeply to be an autopar plan.") from None
+
+
+def load_plan_file(path: str | Path) -> PlanFile:
+    """Read and validate a plan JSON file; PlanFileError (one sentence) on anything wrong."""
+    where = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlanFileError(f"Plan file {where!r} does not exist.") from None
+    except IsADirectoryError:
+        raise PlanFileError(f"Plan file {where!r} is a directory.") from None
+    except UnicodeDecodeError:
+        raise PlanFileError(f"Plan file {where!r} is not JSON (write one with 'autopar plan --format json').") from None
+    except OSError as exc:
+        raise PlanFileError(f"Plan file {where!r} cannot be read: {exc.strerror}.") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        raise PlanFileError(f"Plan file {where!r} is not JSON (write one with 'autopar plan --format json').") from None
+    except RecursionError:
+        raise PlanFileError(f"Plan file {where!r} is nested too deeply to be an autopar plan.") from None
+    return read_plan_file(data, where)
+
+
+def json_schema() -> dict[str, Any]:
+    """The plan file's JSON Schema."""
+    return PlanFile.model_json_schema(by_alias=True)

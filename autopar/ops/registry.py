@@ -1,0 +1,163 @@
+"""One registration per operator: everything autopar knows about an ONNX operator, in one place.
+
+An `OpDef` is keyed by (domain, op type, opset range), as onnxscript keys its registries. It
+holds the strategy rule (the einsum-like `OpSpec`), the forward FLOP count, the local kernel
+the SPMD verifier runs on a rank's shards (None: the operator as ONNX defines it, run on the
+local shapes), the valid range of integer inputs (for random test values), whether the
+operator is differentiable, which of its tensors its backward keeps, and the roles of its
+inputs at import (configuration scalars, running statistics, layer weights).
+
+Operators without a strategy rule may still be declared (`declare`): the importer and the
+search need to know that ``RandomNormal`` must never be folded or that ``ArgMax`` carries no
+gradient, even though both run replicated.
+
+>>> definition = lookup("Softmax", "", opset=17)
+>>> (definition.op_type, definition.since, definition.keeps)
+('Softmax', 13, <Keeps.OUTPUTS: 2>)
+>>> lookup("Softmax", "", opset=11).until
+12
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.base import OpSpec
+
+Shape = Sequence[int]
+RuleFn = Callable[["OpNode", "Graph"], "OpSpec"]
+FlopsFn = Callable[[Sequence["Shape | None"], Sequence[Shape], Mapping[str, Any]], float]
+IndexBoundFn = Callable[["OpNode", "Graph"], "int | None"]
+
+
+class Keeps(enum.Flag):
+    """Which of an operator's tensors its backward pass needs (so training keeps them)."""
+
+    NOTHING = 0
+    INPUTS = enum.auto()
+    OUTPUTS = enum.auto()
+
+
+@dataclass(frozen=True)
+class LocalCall:
+    """One operator on one rank, as a local kernel sees it.
+
+    ``bits`` maps each label of the operator's spec to the mesh bits splitting it under the
+    chosen strategy; ``output_shapes`` are the rank's local output shapes; ``run`` executes
+    the operator as ONNX defines it on local inputs (onnxruntime on the local shapes).
+    """
+
+    op: "OpNode"
+    graph: "Graph"
+    spec: "OpSpec"
+    bits: Mapping[str, tuple[int, ...]]
+    rank: int
+    inputs: list[np.ndarray | None]
+    output_shapes: list[tuple[int, ...] | None]
+    run: Callable[[list[np.ndarray | None]], list[np.ndarray]]
+
+
+LocalKernel = Callable[[LocalCall], list[np.ndarray]]
+
+
+def output_elements(in_shapes: Sequence[Shape | None], out_shapes: Sequence[Shape], attrs: Mapping[str, Any]) -> float:
+    """The default FLOP count: one per output element (element-wise work)."""
+    return float(sum(math.prod(shape) for shape in out_shapes))
+
+
+def input_elements(in_shapes: Sequence[Shape | None], out_shapes: Sequence[Shape], attrs: Mapping[str, Any]) -> float:
+    """One operation per element of the first input (reductions, global pools)."""
+    return float(math.prod(in_shapes[0] or ()))
+
+
+def no_flops(in_shapes: Sequence[Shape | None], out_shapes: Sequence[Shape], attrs: Mapping[str, Any]) -> float:
+    """Metadata-only operators (views, reshapes) do no arithmetic."""
+    return 0.0
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """Everything about one ONNX operator over a range of opset versions."""
+
+    op_type: str
+    domain: str = ""
+    since: int = 1
+    until: int | None = None
+    rule: RuleFn | None = None
+    flops: FlopsFn = output_elements
+    local_kernel: LocalKernel | None = None
+    index_bounds: Mapping[int, IndexBoundFn] = field(default_factory=dict)
+    differentiable: bool = True
+    keeps: Keeps = Keeps.INPUTS
+    config_inputs: frozenset[int] = frozenset()
+    statistics_inputs: frozenset[int] = frozenset()
+    positive_inputs: frozenset[int] = frozenset()
+    weight_inputs: bool = False
+    foldable: bool = True
+
+    def covers(self, opset: int) -> bool:
+        return self.since <= opset and (self.until is None or opset <= self.until)
+
+
+_REGISTRY: dict[tuple[str, str], list[OpDef]] = {}
+
+
+def _domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+def _add(definition: OpDef) -> None:
+    versions = _REGISTRY.setdefault((definition.domain, definition.op_type), [])
+    for other in versions:
+        last = other.until if other.until is not None else math.inf
+        mine = definition.until if definition.until is not None else math.inf
+        if definition.since <= last and other.since <= mine:
+            raise ValueError(f"{definition.op_type} is registered twice for overlapping opsets")
+    versions.append(definition)
+    versions.sort(key=lambda d: d.since)
+
+
+def register(*op_types: str, domain: str = "", since: int = 1, until: int | None = None,
+             **fields: Any) -> Callable[[RuleFn], RuleFn]:
+    """Register a strategy rule, with the operator's other facts, for one or more op types.
+
+    ``fields`` are `OpDef`'s: ``flops``, ``local_kernel``, ``index_bounds``, ``differentiable``,
+    ``keeps``, ``config_inputs``, ``statistics_inputs``, ``positive_inputs``, ``weight_inputs``.
+    """
+
+    def decorate(rule: RuleFn) -> RuleFn:
+        for op_type in op_types:
+            _add(OpDef(op_type, _domain(domain), since, until, rule, **fields))
+        return rule
+
+    return decorate
+
+
+def declare(*op_types: str, domain: str = "", since: int = 1, until: int | None = None, **fields: Any) -> None:
+    """Declare operators that have no strategy rule (they run replicated) but known facts."""
+    for op_type in op_types:
+        _add(OpDef(op_type, _domain(domain), since, until, None, **fields))
+
+
+def lookup(op_type: str, domain: str, opset: int) -> OpDef | None:
+    """The registration covering ``opset``, or None for an operator autopar does not know."""
+    for definition in _REGISTRY.get((_domain(domain), op_type), ()):
+        if definition.covers(opset):
+            return definition
+    return None
+
+
+def registered_op_types() -> list[str]:
+    """Operator types with a strategy rule (in some opset)."""
+    return sorted({op_type for (_, op_type), defs in _REGISTRY.items() if any(d.rule for d in defs)})
+
+
+def all_definitions() -> list[OpDef]:
+    return [d for key in sorted(_REGISTRY) for d in _REGISTRY[key]]

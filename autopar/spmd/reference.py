@@ -1,0 +1,51 @@
+"""The reference: the original graph on one device, run by onnxruntime (an optional extra)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from autopar.errors import AutoparError
+from autopar.graph import Graph
+
+
+def _onnxruntime() -> Any:
+    try:
+        import onnxruntime
+    except ImportError:
+        raise AutoparError("Verification needs onnxruntime: pip install 'autopar[verify]'.") from None
+    return onnxruntime
+
+
+def session(model: onnx.ModelProto) -> Any:
+    """An onnxruntime session that keeps fp32 arithmetic as written (no graph rewrites)."""
+    ort = _onnxruntime()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def reference_outputs(graph: Graph, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run the original graph on one device, elided weights replaced by ``values``."""
+    model = onnx.ModelProto()
+    model.CopyFrom(graph.model)
+    params = {p.name for p in graph.parameters}
+    kept = [node for node in model.graph.node if not (set(node.output) & params)]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    # weights kept in external data files are never read: the run uses the materialised ones
+    external = [init for init in model.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL]
+    for init in external:
+        model.graph.initializer.remove(init)
+    existing = {init.name for init in model.graph.initializer}
+    for name in sorted((params | {init.name for init in external if init.name in values}) - existing):
+        model.graph.initializer.append(numpy_helper.from_array(values[name], name))
+    feeds = {name: values[name] for name in graph.inputs}
+    names = list(graph.outputs)
+    return dict(zip(names, session(model).run(names, feeds)))

@@ -1,0 +1,168 @@
+"""SPMD verification: run a plan on N virtual devices and compare with the single-device model.
+
+Random weights (where the file has none) and inputs (labels in range) are materialised once
+(`values`). The reference is the original graph run by onnxruntime on one device
+(`reference`). The plan then runs on N virtual ranks: each rank holds only its shards,
+computes every operator on its local shards (`kernels`), and every collective the plan lists
+is carried out on the ranks' buffers (`devices`). Nothing is computed from a full tensor
+behind the plan's back; a plan file whose collectives do not lead to the layout a consumer
+needs is reported by name before any arithmetic on that tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from autopar.errors import PlanFileError
+from autopar.layout import Layout
+from autopar.lowering import GRAPH_OUTPUT, Plan, PlanFile
+from autopar.lowering.lower import redistributions
+from autopar.lowering.planfile import Redistribution
+from autopar.redistribute import Step, apply_steps
+from autopar.search.problem import SearchProblem
+from autopar.spmd.compare import ATOL, RTOL, VerifyReport, compare_output
+from autopar.spmd.devices import assemble, run_step, shard
+from autopar.spmd.kernels import Shards, run_operator
+from autopar.spmd.reference import reference_outputs, session
+from autopar.spmd.values import materialise
+
+PlanLike = Plan | PlanFile | Mapping[str, Sequence[Sequence[int]]]
+Key = tuple[str, str, str]
+
+
+class _PlanBroken(Exception):
+    """The plan's collectives do not lead where a consumer needs its input."""
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.count: Counter[str] = Counter()
+        self.nbytes: Counter[str] = Counter()
+
+    def add(self, steps: Sequence[Step]) -> None:
+        for step in steps:
+            self.count[str(step.kind)] += 1
+            self.nbytes[str(step.kind)] += step.nbytes
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {kind: {"count": self.count[kind], "bytes": self.nbytes[kind]} for kind in sorted(self.count)}
+
+
+class _Runner:
+    """Executes one plan rank by rank; buffers map (tensor, holder) to (layout, per-rank arrays)."""
+
+    def __init__(self, problem: SearchProblem, choice: Sequence[int], steps: Mapping[Key, list[Step]],
+                 values: Mapping[str, np.ndarray]) -> None:
+        self.problem, self.choice, self.steps, self.values = problem, choice, steps, values
+        self.buffers: dict[tuple[str, str], tuple[Layout, Shards]] = {}
+        self.executed = _Tally()
+
+    def run(self) -> None:
+        problem = self.problem
+        last_read = {name: node for node, rule in enumerate(problem.rules) for name in rule.op.inputs if name}
+        keep = set(problem.graph.outputs)
+        for node, rule in enumerate(problem.rules):
+            inputs = [self._input(node, slot) for slot in range(len(rule.op.inputs))]
+            outputs = run_operator(rule, self.choice[node], inputs, problem.num_devices, session)
+            out_layouts = rule.candidate_layouts(self.choice[node])[1]
+            for name, layout, per_rank in zip([o for o in rule.op.outputs if o],
+                                              [lay for o, lay in zip(rule.op.outputs, out_layouts) if o], outputs):
+                assert layout is not None
+                self.buffers[(name, rule.op.name)] = (layout, per_rank)
+            for name in set(rule.op.inputs):  # free what no later operator reads (large models, big batches)
+                if name and last_read[name] == node and name not in keep:
+                    for key in [key for key in self.buffers if key[0] == name]:
+                        del self.buffers[key]
+
+    def _redistribute(self, tensor: str, producer: str, consumer: str, src: Layout, dst: Layout,
+                      per_rank: Shards) -> Shards:
+        steps = self.steps.get((tensor, producer, consumer), [])
+        try:
+            reached = apply_steps(src, steps)
+        except ValueError as exc:
+            raise _PlanBroken(f"the plan's redistribution of {tensor!r} from {producer!r} to {consumer!r} is"
+                              f" malformed: {exc}") from None
+        if reached != dst:
+            raise _PlanBroken(f"the plan's redistribution of {tensor!r} from {producer!r} to {consumer!r} leaves it"
+                              f" in layout {reached.describe()} but {consumer!r} needs {dst.describe()}"
+                              " (a collective is missing or wrong)")
+        for step in steps:
+            per_rank = run_step(per_rank, step)
+        self.executed.add(steps)
+        return per_rank
+
+    def _input(self, node: int, slot: int) -> Shards | None:
+        problem = self.problem
+        rule = problem.rules[node]
+        name = rule.op.inputs[slot]
+        layout = rule.candidate_layouts(self.choice[node])[0][slot]
+        if not name or layout is None:
+            return None
+        info = problem.graph.tensor(name)
+        if info.kind == "constant" or problem.owner.get(name) == (node, slot):
+            per_rank = shard(self.values[name], layout, problem.mesh_bits)  # stored or loaded as this op wants
+            if info.kind != "constant":
+                self.buffers[(name, rule.op.name)] = (layout, per_rank)
+            return per_rank
+        if info.kind == "activation":
+            source = problem.graph.producer[name]
+        else:
+            source = problem.rules[problem.owner[name][0]].op.name
+        src_layout, held = self.buffers[(name, source)]
+        return self._redistribute(name, source, rule.op.name, src_layout, layout, held)
+
+    def output(self, name: str) -> np.ndarray:
+        producer = self.problem.graph.producer[name]
+        layout, per_rank = self.buffers[(name, producer)]
+        if layout.partial:
+            target = Layout(layout.dims)
+            per_rank = self._redistribute(name, producer, GRAPH_OUTPUT, layout, target, per_rank)
+            layout = target
+        return assemble(per_rank, layout, self.problem.graph.tensor(name).shape)
+
+
+def resolve_plan(problem: SearchProblem, plan: PlanLike) -> tuple[list[int], list[Redistribution]]:
+    """(candidate per operator, redistributions) of a `Plan`, a plan file, or {op: strategy}."""
+    if isinstance(plan, Plan):
+        return list(plan.choice), plan.file.redistributions
+    if isinstance(plan, PlanFile):
+        if plan.devices != problem.num_devices:
+            raise PlanFileError(f"The plan is for {plan.devices} devices but verification runs on"
+                                f" {problem.num_devices}.")
+        return problem.choice_for(plan.strategies), plan.redistributions
+    choice = problem.choice_for(plan)
+    return choice, redistributions(problem, choice)
+
+
+def verify_problem(problem: SearchProblem, plan: PlanLike, seed: int = 0, rtol: float = RTOL,
+                   atol: float = ATOL) -> VerifyReport:
+    """Verify a plan (a `Plan`, a `PlanFile`, or {op: strategy}) for ``problem``."""
+    start = time.perf_counter()
+    choice, entries = resolve_plan(problem, plan)
+    steps = {entry.key: [s.step() for s in entry.steps] for entry in entries}
+    planned = _Tally()
+    for entry in entries:
+        planned.add([s.step() for s in entry.steps])
+    values = materialise(problem.graph, seed)
+    reference = reference_outputs(problem.graph, values)
+    runner = _Runner(problem, choice, steps, values)
+    outputs: dict[str, dict[str, float | bool]] = {}
+    problems: list[str] = []
+    try:
+        runner.run()
+        for name, expected in reference.items():
+            check = compare_output(name, runner.output(name), expected, rtol, atol)
+            outputs[name] = check.to_dict()
+            if check.problem:
+                problems.append(check.problem)
+    except _PlanBroken as exc:
+        problems.append(str(exc))
+    executed, planned_dict = runner.executed.as_dict(), planned.as_dict()
+    if not problems and executed != planned_dict:
+        problems.append(f"the collectives executed {executed} differ from those the plan lists {planned_dict}")
+    return VerifyReport(ok=not problems, devices=problem.num_devices, outputs=outputs, executed=executed,
+                        planned=planned_dict, problems=problems, time_s=time.perf_counter() - start)
