@@ -1,27 +1,38 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11:
 #   make demo   - create .venv, install autopar, plan the bundled ResNet-50 on 8 Ascend 910 devices
-#   make test   - create .venv, install autopar with its test extras, run the test suite
+#   make test   - create .venv, install autopar with its test and lint extras, then lint, type-check and test
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint pytest wheel-check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test,lint]"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/autopar plan models/resnet50.onnx --devices 8
 
-test: $(STAMP)
+# gates first (tinygrad, Alpa): lint and types must pass before the tests run
+test: lint pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check autopar tests bench models
+	$(BIN)/mypy
+
+pytest: $(STAMP)
 	$(BIN)/python -m pytest
+
+# the wheel a user installs (not the editable install) carries every package: report included
+wheel-check: $(STAMP)
+	bash .ci/wheel_check
 
 bench: $(STAMP)
 	$(BIN)/python bench/plan_time.py
 	$(BIN)/python bench/calibrate.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache dist build

@@ -17,5 +17,17 @@ from autopar.lowering import Plan, PlanFile
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoparError", "Graph", "Layout", "Plan", "PlanFile", "build", "candidates", "evaluate", "load_model",
-           "plan", "verify", "__version__"]
+__all__ = [
+           "AutoparError",
+           "Graph",
+           "Layout",
+           "Plan",
+           "PlanFile",
+           "__version__",
+           "build",
+           "candidates",
+           "evaluate",
+           "load_model",
+           "plan",
+           "verify",
+]

@@ -1,16 +1,21 @@
 """The Python API: plan a model, list its candidates, evaluate any assignment of them.
 
 >>> import autopar
->>> plan = autopar.plan("models/resnet50.onnx", devices=8)          # doctest: +SKIP
->>> plan.strategies["conv1"]                                          # doctest: +SKIP
+>>> plan = autopar.plan("models/resnet50.onnx", devices=8)
+>>> plan.strategies["conv1"]
 ((8, 1, 1, 1), (1, 1, 1, 1))
+>>> f"{plan.objective * 1e3:.3f} ms"
+'18.012 ms'
+>>> autopar.evaluate("models/resnet50.onnx", 8, plan.strategies) == plan.objective
+True
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import onnx
 

@@ -7,9 +7,8 @@ import json
 import os
 import sys
 import warnings
-
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from autopar.errors import AutoparError, FallbackWarning, UnknownDimensionError, UnknownSymbolError
 from autopar.search.driver import ALGORITHMS, MODES

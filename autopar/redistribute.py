@@ -8,7 +8,7 @@ that the source replicates is a local Slice. Each step is exact under the layout
 the verifier can carry the steps out literally.
 
 >>> steps = redistribute(Layout(((0,), ())), Layout(((), (0,))), shape=(4, 4), itemsize=2)
->>> [(s.kind, s.bits, s.nbytes) for s in steps]
+>>> [(str(s.kind), s.bits, s.nbytes) for s in steps]
 [('AllToAll', (0,), 16)]
 """
 
@@ -17,8 +17,9 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from autopar.layout import Layout, ReduceOp
 
@@ -155,7 +156,7 @@ def _merge(steps: list[SymbolicStep]) -> tuple[SymbolicStep, ...]:
     """Fuse consecutive steps of one kind on one dimension into a single collective over more bits."""
     merged: list[SymbolicStep] = []
     for step in steps:
-        kind, bits, size, dim, concat_dim, op = step
+        kind, bits, size, dim, _, op = step
         if merged and merged[-1][0] == kind and merged[-1][3] == dim and kind in (
                 Collective.ALL_GATHER, Collective.SLICE, Collective.REDUCE_SCATTER):
             last = merged[-1]

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
 
 from autopar.errors import StrategyError
 from autopar.graph import Graph, OpNode
 from autopar.layout import Layout, is_power_of_two
 from autopar.ops import OpDef, OpSpec, definition_for, spec_for
+from autopar.ops.base import Labels
 
 InStrategy = tuple[tuple[int, ...], ...]
 
@@ -114,7 +115,7 @@ class OpRule:
 
     def in_strategy(self, exponents: Sequence[int]) -> InStrategy:
         factor = {label: 1 << e for label, e in zip(self.spec.label_order, exponents)}
-        strategy = []
+        strategy: list[tuple[int, ...]] = []
         for labels, name in zip(self.spec.strategy_labels, self.op.inputs):
             if not name:
                 strategy.append(())
@@ -127,7 +128,7 @@ class OpRule:
     def parse(self, strategy: Sequence[Sequence[int]]) -> tuple[int, ...]:
         """Exponents for a user's in_strategy, or a StrategyError saying what is wrong."""
         name = self.op.name
-        def integer(factor) -> int:
+        def integer(factor: object) -> int:
             if isinstance(factor, bool) or not isinstance(factor, numbers.Integral):
                 raise TypeError(factor)
             return int(factor)
@@ -181,7 +182,7 @@ class OpRule:
             next_bit += e
         return bits
 
-    def _layout(self, labels, bits: dict[str, tuple[int, ...]]) -> Layout:
+    def _layout(self, labels: Labels, bits: dict[str, tuple[int, ...]]) -> Layout:
         return Layout(tuple(bits[label] if label is not None else () for label in labels))
 
     def input_layouts(self, exponents: Sequence[int]) -> list[Layout | None]:
@@ -217,12 +218,26 @@ class OpRule:
             hit = cache[index] = (self.input_layouts(exponents), self.output_layouts(exponents))
         return hit
 
+    def input_layout(self, index: int, slot: int) -> Layout:
+        """The layout candidate ``index`` wants for a present input."""
+        return _present(self.candidate_layouts(index)[0][slot], self.op.name, "input", slot)
+
+    def output_layout(self, index: int, slot: int) -> Layout:
+        """The layout candidate ``index`` gives a present output."""
+        return _present(self.candidate_layouts(index)[1][slot], self.op.name, "output", slot)
+
     def shards(self, exponents: Sequence[int]) -> int:
         """How many distinct pieces of work the operator is cut into."""
         return 1 << sum(exponents)
 
     def describe(self, exponents: Sequence[int]) -> str:
         return str(self.in_strategy(exponents)).replace(" ", "")
+
+
+def _present(layout: Layout | None, op: str, role: str, slot: int) -> Layout:
+    if layout is None:
+        raise ValueError(f"operator {op!r} has no {role} {slot}")
+    return layout
 
 
 def num_candidates(rules: Sequence[OpRule]) -> int:

@@ -18,39 +18,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autopar.cost import CostModel, load_profile  # noqa: E402
-from autopar.graph import load_model  # noqa: E402
-from autopar.search.driver import data_parallel_choice  # noqa: E402
-from autopar.search.problem import build_problem  # noqa: E402
+from autopar.cost import load_profile  # noqa: E402
+from autopar.cost.calibration import (  # noqa: E402
+    PUBLISHED_RESNET50_IMAGES_PER_S,
+    data_parallel_throughput,
+    fit_cube_efficiency,
+)
 
-PUBLISHED = {1: 2115.0, 8: 16600.0}
-PER_CHIP_BATCH = 256
 MODEL = ROOT / "models" / "resnet50.onnx"
-
-
-def predicted_throughput(profile, devices: int) -> float:
-    """Images per second of the data-parallel plan at 256 images per chip."""
-    batch = PER_CHIP_BATCH * devices
-    graph = load_model(MODEL, batch=batch)
-    problem = build_problem(graph, CostModel(profile), devices)
-    return batch / problem.objective(data_parallel_choice(problem))
-
-
-def with_cube_efficiency(profile, value: float):
-    compute = profile.compute.model_copy(update={
-        "cube_efficiency": profile.compute.cube_efficiency.model_copy(update={"value": value})})
-    return profile.model_copy(update={"compute": compute})
-
-
-def fit_cube_efficiency(profile) -> float:
-    low, high = 0.01, 1.0
-    for _ in range(40):
-        middle = (low + high) / 2
-        if predicted_throughput(with_cube_efficiency(profile, middle), 1) < PUBLISHED[1]:
-            low = middle
-        else:
-            high = middle
-    return (low + high) / 2
 
 
 def main() -> None:
@@ -59,14 +34,15 @@ def main() -> None:
     args = parser.parse_args()
     profile = load_profile("ascend910")
     if args.fit:
-        print(f"fitted cube_efficiency = {fit_cube_efficiency(profile):.4f}"
+        print(f"fitted cube_efficiency = {fit_cube_efficiency(MODEL, profile):.4f}"
               f" (profile has {profile.compute.cube_efficiency.value})")
-    results = {n: predicted_throughput(profile, n) for n in PUBLISHED}
+    published = PUBLISHED_RESNET50_IMAGES_PER_S
+    results = {n: data_parallel_throughput(MODEL, profile, n) for n in published}
     for n, value in results.items():
-        error = value / PUBLISHED[n] - 1
-        print(f"{n} chip(s): predicted {value:8.0f} images/s, published {PUBLISHED[n]:8.0f}  ({error:+.1%})")
+        error = value / published[n] - 1
+        print(f"{n} chip(s): predicted {value:8.0f} images/s, published {published[n]:8.0f}  ({error:+.1%})")
     scaling = results[8] / (8 * results[1])
-    print(f"8-chip scaling: predicted {scaling:.3f}, published {PUBLISHED[8] / (8 * PUBLISHED[1]):.3f}")
+    print(f"8-chip scaling: predicted {scaling:.3f}, published {published[8] / (8 * published[1]):.3f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ g ranks costs (g-1) x (alpha + payload / (g x bandwidth)) and shrinks the payloa
 
 from __future__ import annotations
 
-from typing import Iterable, Literal
+from collections.abc import Iterable
+from typing import Literal
 
 from autopar.cost.profile import HardwareProfile
 from autopar.errors import CostModelError
@@ -111,7 +112,8 @@ class CostModel:
         self._coefficients[key] = (latency, per_byte)
         return latency, per_byte
 
-    def collective_time(self, kind: Collective, bits: Iterable[int], nbytes: float, latency_scale: float = 1.0) -> float:
+    def collective_time(self, kind: Collective, bits: Iterable[int], nbytes: float,
+                        latency_scale: float = 1.0) -> float:
         """Seconds for one collective whose per-rank payload is ``nbytes`` (see `Step`)."""
         latency, per_byte = self.collective_coefficients(kind, tuple(bits))
         return latency * latency_scale + per_byte * nbytes

@@ -92,7 +92,8 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         candidate = _profiles_dir() / f"{name_or_path}.toml"
         if not candidate.is_file():
             raise CostModelError(
-                f"Unknown cost model {str(name_or_path)!r}; bundled: {', '.join(available_profiles())}, or give a .toml path."
+                f"Unknown cost model {str(name_or_path)!r}; bundled: {', '.join(available_profiles())},"
+                " or give a .toml path."
             )
         path = candidate
     if not path.is_file():

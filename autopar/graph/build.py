@@ -7,7 +7,7 @@ are in topological order with their forward FLOPs from the registry.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import networkx as nx
 import numpy as np
@@ -54,7 +54,8 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
             continue  # e.g. the shape initializers of folded weight-elided parameters
         kind, trainable = roles.get(cname, ("constant", False))
         stored = value if isinstance(value, np.ndarray) else None
-        tensors[cname] = TensorInfo(cname, tuple(int(d) for d in value.shape), value.dtype.name, kind, trainable, stored)
+        shape = tuple(int(d) for d in value.shape)
+        tensors[cname] = TensorInfo(cname, shape, value.dtype.name, kind, trainable, stored)
 
     graph_inputs = []
     for vi in data_inputs(proto):

@@ -9,11 +9,20 @@ across platforms' last bits.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from autopar.layout import Layout
-from autopar.lowering.planfile import (GRAPH_OUTPUT, GradientSync, LayoutEntry, OpCost, OpEntry, Redistribution,
-                                       StepEntry, TensorLayout, Totals)
+from autopar.lowering.planfile import (
+    GRAPH_OUTPUT,
+    GradientSync,
+    LayoutEntry,
+    OpCost,
+    OpEntry,
+    Redistribution,
+    StepEntry,
+    TensorLayout,
+    Totals,
+)
 from autopar.redistribute import BACKWARD_DUAL, Collective
 from autopar.search.driver import data_parallel_choice
 from autopar.search.problem import SearchProblem, backward_passes
@@ -114,7 +123,7 @@ def totals(problem: SearchProblem, choice: Sequence[int]) -> Totals:
     flops = training_flops(problem)
     return Totals(
         step_time_s=rounded(step), compute_s=rounded(compute), communication_s=rounded(step - compute),
-        memory_per_device_bytes=int(round(problem.memory(choice))), memory_capacity_bytes=int(problem.cost.capacity),
+        memory_per_device_bytes=round(problem.memory(choice)), memory_capacity_bytes=int(problem.cost.capacity),
         training_flops=flops, ideal_step_time_s=rounded(flops / (problem.num_devices * problem.cost.peak_flops)),
         data_parallel_step_time_s=rounded(data_parallel),
         speedup_vs_data_parallel=rounded(data_parallel / step) if step > 0 else 1.0)

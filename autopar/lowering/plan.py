@@ -8,9 +8,10 @@ parameter's gradient synchronisation, and totals (schema "autopar.plan/1").
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from autopar.layout import Layout
 from autopar.lowering.lower import gradient_sync, op_entries, redistributions, rounded, totals

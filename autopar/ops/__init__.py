@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopar.ops import (conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool,  # noqa: F401
-                         reduce, shape)
+from autopar.ops import conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool, reduce, shape  # noqa: F401
 from autopar.ops.base import OpSpec, fallback_spec
 from autopar.ops.registry import Keeps, LocalCall, OpDef, lookup, registered_op_types
 

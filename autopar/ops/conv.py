@@ -7,7 +7,8 @@ Grouped convolutions split only the batch.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, no_split, shape
 from autopar.ops.registry import Keeps, declare, register

@@ -7,7 +7,8 @@ is added by one rank of each partial group only, so the reduced sum counts it on
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, broadcast_labels, shape
 from autopar.ops.registry import Keeps, register
@@ -44,7 +45,7 @@ def gemm(op: OpNode, graph: Graph) -> OpSpec:
     inputs: list = [a, b]
     if len(op.inputs) > 2 and op.inputs[2]:
         c_labels = broadcast_labels(shape(graph, op.inputs[2]), out_shape, prefix="d")
-        inputs.append(tuple({"d0": "i", "d1": "j"}.get(label, None) if label else None for label in c_labels))
+        inputs.append(tuple({"d0": "i", "d1": "j"}.get(label) if label else None for label in c_labels))
     return OpSpec(inputs=tuple(inputs), outputs=(("i", "j"),), op_class="cube", local_once_inputs=(2,),
                   label_order=("i", "k", "j"))
 

@@ -12,7 +12,8 @@ a cross-device reduction inside the operator); the remaining axes split freely.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, dim_labels, normalize_axis, shape
 from autopar.ops.registry import Keeps, register

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, no_split, shape
 from autopar.ops.registry import Keeps, input_elements, register

@@ -1,14 +1,16 @@
 """Reductions: any dimension may be split; splitting a reduced one leaves a partial result.
 
+TopK selects along one axis, which stays whole; its other axes split freely.
+
 ReduceMax/ReduceMin partials combine with max/min; ReduceSum/ReduceMean partials with a sum
 (a rank's ReduceMean divides its local sum by the *global* count).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from autopar.layout import ReduceOp
 from autopar.ops.base import OpSpec, constant_value, dim_labels, normalize_axis, shape
@@ -55,4 +57,15 @@ def reduce(op: OpNode, graph: Graph) -> OpSpec:
 
 
 register("ReduceSum", "ReduceMean", flops=input_elements, keeps=Keeps.NOTHING)(reduce)
-register("ReduceMax", "ReduceMin", flops=input_elements, keeps=Keeps.INPUTS | Keeps.OUTPUTS)(reduce)  # where the extreme is
+# the backward needs to know where the extreme was
+register("ReduceMax", "ReduceMin", flops=input_elements, keeps=Keeps.INPUTS | Keeps.OUTPUTS)(reduce)
+
+
+@register("TopK", since=10, keeps=Keeps.OUTPUTS)  # the backward scatters into the positions it chose
+def top_k(op: OpNode, graph: Graph) -> OpSpec:
+    """The k largest (or smallest) along one axis: that axis stays whole, every other axis splits."""
+    rank = len(shape(graph, op.inputs[0]))
+    axis = normalize_axis(int(op.attrs.get("axis", -1)), rank)
+    labels = dim_labels(rank)
+    labels = tuple(None if d == axis else label for d, label in enumerate(labels))
+    return OpSpec(inputs=(labels, None), outputs=(labels, labels))

@@ -7,7 +7,8 @@ Any other split must be gathered first (the rule gives those dimensions no label
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 

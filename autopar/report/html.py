@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+
 from autopar.lowering import Plan
 
 
@@ -22,7 +23,7 @@ def plan_html(plan: Plan) -> str:
             f"<tr><td>{html.escape(op['name'])}</td><td>{html.escape(op['op_type'])}</td><td><code>{strategy}</code></td>"
             f"<td style='text-align:right'>{_seconds(op['cost']['compute_s'])}</td>"
             f"<td style='text-align:right'>{_seconds(op['cost']['communication_s'])}</td></tr>")
-    collectives = {}
+    collectives: dict[str, int] = {}
     for red in data["redistributions"]:
         for step_entry in red["steps"]:
             collectives[step_entry["collective"]] = collectives.get(step_entry["collective"], 0) + 1

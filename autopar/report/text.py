@@ -110,7 +110,8 @@ def inspect_table(summary: dict[str, Any]) -> str:
               f"{'op type':<24}{'count':>7}{'GFLOPs':>12}{'share':>8}"]
     total = summary["forward_flops"] or 1.0
     for op_type, entry in summary["ops_by_type"].items():
-        lines.append(f"{op_type:<24}{entry['count']:>7}{entry['flops'] / 1e9:>12.3f}{100 * entry['flops'] / total:>7.1f}%")
+        share = 100 * entry["flops"] / total
+        lines.append(f"{op_type:<24}{entry['count']:>7}{entry['flops'] / 1e9:>12.3f}{share:>7.1f}%")
     return "\n".join(lines) + "\n"
 
 

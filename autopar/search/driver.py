@@ -98,7 +98,8 @@ def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: flo
     """Say that nothing fits, what dominates, and how many devices the parameters alone need."""
     need = problem.memory(choice)
     items = [item for i, c in enumerate(choice) for item in memory_items(problem, i, c)]
-    by_role = {role: sum(nbytes for _, r, nbytes in items if r == role) for role in ("parameter", "activation", "input")}
+    roles = ("parameter", "activation", "input")
+    by_role = {role: sum(nbytes for _, r, nbytes in items if r == role) for role in roles}
     heavy = ", ".join(f"{name} ({nbytes / 1e9:.2f} GB)" for name, _, nbytes in sorted(
         items, key=lambda item: (-item[2], item[0]))[:3])
     what = "the leanest plan" if mode == "auto_parallel" else f"the {mode} plan"

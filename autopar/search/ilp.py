@@ -12,6 +12,8 @@ HiGHS (``highspy``) is an optional extra: ``pip install "autopar[ilp]"``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from autopar.errors import AutoparError, InfeasibleError
@@ -20,7 +22,7 @@ from autopar.search.problem import SearchProblem
 TIME_SCALE = 1e6  # solve in microseconds: keeps coefficients well inside HiGHS' tolerances
 
 
-def _highs():
+def _highs() -> Any:
     try:
         import highspy
     except ImportError:
@@ -39,7 +41,11 @@ def solve_ilp(problem: SearchProblem, capacity: float | None = None, time_limit:
     highspy = _highs()
     offsets = np.cumsum([0] + [len(t) for t in problem.node_time])
     costs = [np.concatenate(problem.node_time) * TIME_SCALE]
-    rows_start, rows_index, rows_value, rows_lower, rows_upper = [], [], [], [], []
+    rows_start: list[int] = []
+    rows_index: list[np.ndarray] = []
+    rows_value: list[np.ndarray] = []
+    rows_lower: list[float] = []
+    rows_upper: list[float] = []
 
     def add_row(index: list[int], value: list[float], lower: float, upper: float) -> None:
         rows_start.append(sum(len(i) for i in rows_index))
@@ -66,11 +72,11 @@ def solve_ilp(problem: SearchProblem, capacity: float | None = None, time_limit:
         costs.append(class_cost.reshape(-1) * TIME_SCALE)
         for r in range(n_rows):  # sum_s y[r, s] = sum of x[i, c] over candidates c in row class r
             ys = [base + r * n_cols + s for s in range(n_cols)]
-            xs = [int(offsets[i]) + c for c in np.flatnonzero(row_of == r)]
+            xs = [int(offsets[i]) + int(c) for c in np.flatnonzero(row_of == r)]
             add_row(ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0)
         for s in range(n_cols):
             ys = [base + r * n_cols + s for r in range(n_rows)]
-            xs = [int(offsets[j]) + c for c in np.flatnonzero(col_of == s)]
+            xs = [int(offsets[j]) + int(c) for c in np.flatnonzero(col_of == s)]
             add_row(ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0)
 
     if capacity is not None:

@@ -11,8 +11,8 @@ kept beside the time, for the capacity constraint.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -86,8 +86,10 @@ class SearchProblem:
     # --- pieces shared with lowering ---------------------------------------------------------
 
     def source_layout(self, use: TensorUse, choice_of_src: int) -> Layout:
-        inputs, outputs = self.rules[use.src_node].candidate_layouts(choice_of_src)
-        return (outputs if use.src_is_output else inputs)[use.src_slot]
+        rule = self.rules[use.src_node]
+        if use.src_is_output:
+            return rule.output_layout(choice_of_src, use.src_slot)
+        return rule.input_layout(choice_of_src, use.src_slot)
 
     def itemsize(self, tensor: TensorInfo) -> int:
         return self.cost.activation_itemsize(tensor.dtype)
@@ -115,8 +117,8 @@ class SearchProblem:
         if hit is None:
             latency = per_byte = 0.0
             for kind, bits, shift, *_ in symbolic_steps(src, dst):
-                kinds = [kind] + ([BACKWARD_DUAL[kind]] if with_backward and BACKWARD_DUAL[kind] else [])
-                for k in kinds:
+                dual = BACKWARD_DUAL[kind] if with_backward else None
+                for k in (kind, dual) if dual is not None else (kind,):
                     lat, coef = self.cost.collective_coefficients(k, bits)
                     latency += lat
                     per_byte += coef / (1 << shift)
@@ -238,14 +240,14 @@ def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarr
             if grad.get(name, False) and not (owns and info.kind == "parameter"):
                 bits = problem.gradient_sync_bits(node, exponents, slot)
                 if bits:
-                    local = in_layouts[slot].local_numel(info.shape) * cost.gradient_itemsize()
+                    local = rule.input_layout(c, slot).local_numel(info.shape) * cost.gradient_itemsize()
                     seconds += cost.collective_time(Collective.ALL_REDUCE, bits, local)
             if owns and info.kind == "parameter" and info.trainable:
-                numel = in_layouts[slot].local_numel(info.shape)
+                numel = rule.input_layout(c, slot).local_numel(info.shape)
                 bits = problem.gradient_sync_bits(node, exponents, slot)
                 seconds += cost.gradient_sync_time(bits, numel * cost.gradient_itemsize())
         for name, layout in zip(op.outputs, out_layouts):
-            if name and name in outputs_graph and layout.partial:
+            if name and name in outputs_graph and layout is not None and layout.partial:
                 _, fwd, _ = problem.redistribution(name, layout, Layout(layout.dims))
                 seconds += fwd
         memory[c] = sum(nbytes for _, _, nbytes in memory_items(problem, node, c))
@@ -261,13 +263,13 @@ def memory_items(problem: SearchProblem, node: int, choice: int) -> list[tuple[s
     """
     rule = problem.rules[node]
     op, graph, cost = rule.op, problem.graph, problem.cost
-    in_layouts, out_layouts = rule.candidate_layouts(choice)
+    out_layouts = rule.candidate_layouts(choice)[1]
     items: list[tuple[str, str, float]] = []
     for slot, name in enumerate(op.inputs):
         if not name or problem.owner.get(name) != (node, slot):
             continue
         info = graph.tensor(name)
-        numel = in_layouts[slot].local_numel(info.shape)
+        numel = rule.input_layout(choice, slot).local_numel(info.shape)
         if info.kind == "parameter":
             items.append((name, "parameter", numel * cost.parameter_bytes_per_element(info.trainable)))
         else:
@@ -282,13 +284,14 @@ def memory_items(problem: SearchProblem, node: int, choice: int) -> list[tuple[s
 def _edge_costs(problem: SearchProblem) -> None:
     layout_ids: dict[Layout, int] = {}
     layouts_cache: dict[tuple[int, bool, int], tuple[list[Layout], np.ndarray]] = {}
-    coefficient_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    coefficient_cache: dict[tuple[tuple[int, ...], tuple[int, ...], bool], tuple[np.ndarray, np.ndarray]] = {}
 
-    def distinct_layouts(node: int, is_output: bool, slot: int) -> tuple[list[Layout], np.ndarray, tuple]:
+    def distinct_layouts(node: int, is_output: bool, slot: int) -> tuple[list[Layout], np.ndarray, tuple[int, ...]]:
         key = (node, is_output, slot)
         if key not in layouts_cache:
             rule = problem.rules[node]
-            per_candidate = [rule.candidate_layouts(c)[1 if is_output else 0][slot] for c in range(len(rule.candidates))]
+            layout_of = rule.output_layout if is_output else rule.input_layout
+            per_candidate = [layout_of(c, slot) for c in range(len(rule.candidates))]
             index: dict[Layout, int] = {}
             positions = np.array([index.setdefault(layout, len(index)) for layout in per_candidate], dtype=np.int64)
             layouts_cache[key] = (list(index), positions)

@@ -15,7 +15,7 @@ Nothing here ever reads the full tensor behind a collective's back.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -68,21 +68,26 @@ def run_step(buffers: list[np.ndarray], step: Step) -> list[np.ndarray]:
     """Carry out one collective (or local slice) on every rank's buffer."""
     bits = step.bits
     size = 1 << len(bits)
+    if step.dim is None and step.kind != Collective.ALL_REDUCE:
+        raise ValueError(f"{step.kind} needs a dim")
+    dim = step.dim if step.dim is not None else 0  # an AllReduce has none and needs none
     result: list[np.ndarray] = []
     for rank in range(len(buffers)):
         group = group_of(rank, bits)
         me = shard_index(rank, bits)
         if step.kind == Collective.ALL_GATHER:
-            result.append(np.concatenate([buffers[q] for q in group], axis=step.dim))
+            result.append(np.concatenate([buffers[q] for q in group], axis=dim))
         elif step.kind == Collective.SLICE:
-            result.append(np.split(buffers[rank], size, axis=step.dim)[me].copy())
+            result.append(np.split(buffers[rank], size, axis=dim)[me].copy())
         elif step.kind == Collective.ALL_REDUCE:
             result.append(_reduce([buffers[q] for q in group], step.reduce_op))
         elif step.kind == Collective.REDUCE_SCATTER:
             reduced = _reduce([buffers[q] for q in group], step.reduce_op)
-            result.append(np.split(reduced, size, axis=step.dim)[me].copy())
+            result.append(np.split(reduced, size, axis=dim)[me].copy())
         elif step.kind == Collective.ALL_TO_ALL:
-            pieces = [np.split(buffers[q], size, axis=step.dim)[me] for q in group]
+            pieces = [np.split(buffers[q], size, axis=dim)[me] for q in group]
+            if step.concat_dim is None:
+                raise ValueError("AllToAll needs a concat_dim")
             result.append(np.concatenate(pieces, axis=step.concat_dim))
         else:
             raise ValueError(f"unknown collective {step.kind!r}")

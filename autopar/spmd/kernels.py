@@ -11,7 +11,8 @@ range, a masked Gather) is its registered `local_kernel`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
