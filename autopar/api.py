@@ -23,7 +23,7 @@ from autopar.cost import PRECISIONS, CostModel, HardwareProfile, load_profile
 from autopar.errors import AutoparError, FallbackWarning
 from autopar.graph import Graph, load_model
 from autopar.layout import is_power_of_two, mesh_bits_for
-from autopar.lowering import Plan, PlanFile, read_plan_file
+from autopar.lowering import PLAN_FILE_FIELDS, Plan, PlanFile, read_plan_file
 from autopar.search.driver import ALGORITHMS, MODES, run_search
 from autopar.search.problem import SearchProblem, build_problem
 from autopar.spmd import VerifyReport, verify_problem
@@ -117,6 +117,6 @@ def verify(model: ModelLike, plan_or_strategies: Plan | PlanFile | Mapping[str, 
     problem = build(model, devices, cost_model, batch, dims, precision)
     if plan_or_strategies is None:
         return verify_problem(problem, Plan.lower(problem, run_search(problem), "auto_parallel"), seed=seed)
-    if isinstance(plan_or_strategies, Mapping) and ("schema" in plan_or_strategies or "ops" in plan_or_strategies):
-        plan_or_strategies = read_plan_file(plan_or_strategies)
+    if isinstance(plan_or_strategies, Mapping) and set(plan_or_strategies) & set(PLAN_FILE_FIELDS):
+        plan_or_strategies = read_plan_file(plan_or_strategies)  # a plan file's dict, not {op: strategy}
     return verify_problem(problem, plan_or_strategies, seed=seed)

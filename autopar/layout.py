@@ -69,9 +69,11 @@ class Layout:
         dims = tuple(tuple(_check_bit(b) for b in bits) for bits in self.dims)
         partial = tuple(sorted((_check_bit(b) for b in self.partial), reverse=True))
         try:
-            op = ReduceOp(self.partial_op) if partial else ReduceOp.SUM
+            op = ReduceOp(self.partial_op)
         except ValueError:
             raise ValueError(f"unknown reduce op {self.partial_op!r} (sum, max or min)") from None
+        if not partial:
+            op = ReduceOp.SUM  # nothing is partial: one spelling for every replicated layout
         object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "partial", partial)
         object.__setattr__(self, "partial_op", op)

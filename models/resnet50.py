@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import onnx
@@ -51,10 +51,10 @@ class _GraphBuilder:
             raise ValueError(f"weights must be 'elided' or 'random', got {weights!r}")
         self.weights = weights
         self.rng = np.random.default_rng(seed)
-        self.nodes: List[onnx.NodeProto] = []
-        self.initializers: List[onnx.TensorProto] = []
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
 
-    def node(self, op: str, name: str, inputs: Sequence[str], output: Optional[str] = None,
+    def node(self, op: str, name: str, inputs: Sequence[str], output: str | None = None,
              **attrs) -> str:
         """Append one node; its single output is named after the node by default."""
         output = output or name
@@ -82,7 +82,7 @@ class _GraphBuilder:
             self.constant(name, self._random(shape, kind, fan_in))
         return name
 
-    def _random(self, shape: List[int], kind: str, fan_in: int) -> np.ndarray:
+    def _random(self, shape: list[int], kind: str, fan_in: int) -> np.ndarray:
         if kind == "he":
             values = self.rng.normal(0.0, np.sqrt(2.0 / fan_in), size=shape)
         elif kind == "small":

@@ -1,6 +1,12 @@
-"""Shared fixtures: a round-number hardware profile and tiny ONNX graphs built in code."""
+"""Shared fixtures and helpers: a round-number hardware profile and tiny ONNX graphs built in code.
+
+Test files import the helpers from here (``from tests.conftest import ...``), never from one
+another or from ``bench/``.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -8,6 +14,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from autopar.cost import CostModel, HardwareProfile
+from autopar.graph import load_model
+from autopar.strategy import OpRule
 
 
 def sourced(value: float) -> dict:
@@ -73,3 +81,81 @@ def two_matmul_chain(batch: int = 4, d_in: int = 8, d_hidden: int = 16, d_out: i
              helper.make_node("MatMul", ["Y", "W2"], ["Z"], name="mm2")]
     return make_model(nodes, [("X", TensorProto.FLOAT, [batch, d_in])], ["Z"],
                       [weight("W1", [d_in, d_hidden], 1), weight("W2", [d_hidden, d_out], 2)])
+
+
+def profile(capacity: float = 1e12, peak: float = 1e9) -> HardwareProfile:
+    """The simple profile with a chosen device memory and fp16 peak (a low peak makes splitting pay)."""
+    data = simple_profile_dict(capacity)
+    data["compute"]["peak_flops_fp16"] = {"value": peak, "source": "test value"}
+    return HardwareProfile.model_validate(data)
+
+
+def rule_for(model, op_name: str, devices: int = 8) -> OpRule:
+    """The strategy rule of operator ``op_name`` in ``model`` on ``devices`` devices."""
+    graph = load_model(model)
+    return OpRule.build(graph.op(op_name), graph, devices.bit_length() - 1)
+
+
+def conv_model(group: int = 1) -> onnx.ModelProto:
+    """One 3x3 Conv with bias on an [8, 8, 6, 6] input, 16 output channels."""
+    nodes = [helper.make_node("Conv", ["X", "W", "B"], ["Y"], name="conv", pads=[1, 1, 1, 1], group=group)]
+    return make_model(nodes, [("X", TensorProto.FLOAT, [8, 8, 6, 6])], ["Y"],
+                      [weight("W", [16, 8 // group, 3, 3]), weight("B", [16])])
+
+
+def random_model(seed: int) -> onnx.ModelProto:
+    """A random DAG of MatMul/Gemm/Add/Mul/Relu/Exp/ReduceSum/Sub with shared weights and fan-out."""
+    rng = np.random.default_rng(seed)
+    sizes = [2, 4, 8]
+    batch = int(rng.choice([2, 4, 8]))
+    tensors = [("X", (batch, int(rng.choice(sizes))))]
+    nodes, inits = [], []
+    weights: dict[tuple[int, int], str] = {}
+    count = int(rng.integers(2, 7))
+    for k in range(count):
+        name = f"t{k}"
+        src, shape = tensors[int(rng.integers(len(tensors)))]
+        kind = rng.choice(["matmul", "gemm", "add", "mul", "relu", "exp", "reduce_sub", "matmul_act"])
+        if kind in ("matmul", "gemm"):
+            out_dim = int(rng.choice(sizes))
+            key = (shape[1], out_dim)
+            if key not in weights or rng.random() < 0.5:  # sometimes reuse (a shared parameter)
+                weights[key] = f"w{len(inits)}"
+                inits.append(weight(weights[key], [shape[1], out_dim], seed + len(inits)))
+            if kind == "matmul":
+                nodes.append(helper.make_node("MatMul", [src, weights[key]], [name], name=f"op{k}"))
+            else:
+                nodes.append(helper.make_node("Gemm", [src, weights[key]], [name], name=f"op{k}"))
+            tensors.append((name, (shape[0], out_dim)))
+        elif kind in ("add", "mul"):
+            same = [t for t, s in tensors if s == shape]
+            other = same[int(rng.integers(len(same)))]
+            nodes.append(helper.make_node(kind.capitalize(), [src, other], [name], name=f"op{k}"))
+            tensors.append((name, shape))
+        elif kind in ("relu", "exp"):
+            nodes.append(helper.make_node(kind.capitalize(), [src], [name], name=f"op{k}"))
+            tensors.append((name, shape))
+        elif kind == "reduce_sub":
+            axes = f"axes{k}"
+            inits.append(helper.make_tensor(axes, TensorProto.INT64, [1], [1]))
+            nodes.append(helper.make_node("ReduceSum", [src, axes], [f"r{k}"], name=f"op{k}_sum", keepdims=1))
+            nodes.append(helper.make_node("Sub", [src, f"r{k}"], [name], name=f"op{k}_sub"))
+            tensors.append((name, shape))
+        else:  # activation x activation^T-shaped MatMul: both operands carry gradients
+            partner, partner_shape = next(((t, s) for t, s in tensors if s[0] == shape[1]), (None, None))
+            if partner is None:
+                nodes.append(helper.make_node("Relu", [src], [name], name=f"op{k}"))
+                tensors.append((name, shape))
+            else:
+                nodes.append(helper.make_node("MatMul", [src, partner], [name], name=f"op{k}"))
+                tensors.append((name, (shape[0], partner_shape[1])))
+    outputs = [tensors[-1][0]]
+    if len(tensors) > 2 and rng.random() < 0.5:
+        outputs.append(tensors[int(rng.integers(1, len(tensors) - 1))][0])
+    outputs = list(dict.fromkeys(outputs))
+    return make_model(nodes, [("X", TensorProto.FLOAT, list(tensors[0][1]))], outputs, inits)
+
+
+def light_models() -> list[Path]:
+    """The onnx wheel's model-zoo test files (weights elided): onnx/backend/test/data/light/light_*.onnx."""
+    return sorted((Path(onnx.__file__).parent / "backend" / "test" / "data" / "light").glob("light_*.onnx"))

@@ -58,7 +58,9 @@ def test_strategies_cover_every_op(tiny, tiny_graph, devices):
         assert _is_strategy(strategy), (name, strategy)
         op = tiny_graph.op(name)
         assert len(strategy) == len(op.inputs), name
-        assert math.prod(f for entry in strategy for f in entry) >= 1
+        for entry in strategy:  # never split one input more ways than there are devices, and only in powers of two
+            assert math.prod(entry) <= devices, (name, strategy)
+            assert all(f & (f - 1) == 0 for f in entry), (name, strategy)
     assert plan.devices == devices
 
 

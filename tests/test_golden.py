@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from tests.conftest import simple_profile_dict, two_matmul_chain
 from autopar.cost import HardwareProfile
+from tests.conftest import simple_profile_dict, two_matmul_chain
 
 COMPUTE = (1024 / 2 / 1e12) * 2 + (512 / 2 / 1e12) * 3  # 1.024e-9 + 7.68e-10
 

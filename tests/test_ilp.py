@@ -13,7 +13,7 @@ from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.search.driver import run_search
 from autopar.search.problem import build_problem
-from tests.test_search import profile, random_model
+from tests.conftest import profile, random_model
 
 pytest.importorskip("highspy")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from bench.light_models import light_models
+from tests.conftest import light_models
 
 MODELS = {path.stem.removeprefix("light_"): path for path in light_models()}
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 from onnx import TensorProto, helper
 
-from autopar.graph import load_model
 from autopar.layout import Layout
 from autopar.ops import registered_op_types
 from autopar.ops.shape import reshape_labels
-from autopar.strategy import OpRule
-from tests.conftest import make_model, weight
+from tests.conftest import conv_model, make_model, rule_for, weight
 
 ISSUE_OPS = ["Conv", "BatchNormalization", "Relu", "MaxPool", "AveragePool", "GlobalAveragePool", "Add", "Sum",
              "Flatten", "Reshape", "Gemm", "MatMul", "ReduceMax", "ReduceSum", "ReduceMean", "Sub", "Exp", "Div",
@@ -19,17 +17,6 @@ ISSUE_OPS = ["Conv", "BatchNormalization", "Relu", "MaxPool", "AveragePool", "Gl
 
 def test_every_required_op_has_a_rule():
     assert set(ISSUE_OPS) <= set(registered_op_types())
-
-
-def rule_for(model, op_name: str, devices: int = 8) -> OpRule:
-    graph = load_model(model)
-    return OpRule.build(graph.op(op_name), graph, devices.bit_length() - 1)
-
-
-def conv_model(group: int = 1):
-    nodes = [helper.make_node("Conv", ["X", "W", "B"], ["Y"], name="conv", pads=[1, 1, 1, 1], group=group)]
-    return make_model(nodes, [("X", TensorProto.FLOAT, [8, 8, 6, 6])], ["Y"],
-                      [weight("W", [16, 8 // group, 3, 3]), weight("B", [16])])
 
 
 def test_conv_splits_batch_out_and_in_channels():

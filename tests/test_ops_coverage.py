@@ -107,7 +107,8 @@ CASES = {
         [helper.make_node("Unsqueeze", ["X", "a"], ["u"], name="unsq"),
          helper.make_node("Squeeze", ["u", "a"], ["Y"], name="op")], [("X", F, [4, 8])], ["Y"], [ints("a", [1])]),
     "flatten": lambda: single("Flatten", ["X"], [("X", F, [4, 2, 4])], axis=1),
-    "reshape_heads": lambda: single("Reshape", ["X", "s"], [("X", F, [2, 4, 16])], initializers=[ints("s", [2, 4, 4, 4])]),
+    "reshape_heads": lambda: single("Reshape", ["X", "s"], [("X", F, [2, 4, 16])],
+                                    initializers=[ints("s", [2, 4, 4, 4])]),
     "reduce_mean_last": lambda: single("ReduceMean", ["X"], [("X", F, [4, 8])], axes=[-1]),
 }
 
@@ -180,8 +181,8 @@ def test_axes_an_operator_works_along_stay_whole():
 def test_transpose_moves_splits_with_their_dims():
     r = rule(CASES["transpose"]())
     exponents = next(e for e in r.candidates if r.in_strategy(e)[0] == (2, 4, 1, 1))
-    assert r.output_layouts(exponents)[0].dims == r.input_layouts(exponents)[0].dims[:1] + ((), r.input_layouts(exponents)[0].dims[1],
-                                                                                 ())
+    in_dims = r.input_layouts(exponents)[0].dims
+    assert r.output_layouts(exponents)[0].dims == in_dims[:1] + ((), in_dims[1], ())
 
 
 def test_mean_loss_split_over_samples_is_a_partial_sum():

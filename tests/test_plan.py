@@ -52,7 +52,7 @@ def test_every_replicated_parameter_has_its_gradient_sync(plan8, graph):
     assert sorted(sync) == sorted(trainable)
     problem = plan8.problem
     for name, entry in sync.items():
-        node, slot = problem.owner[name]
+        node, _slot = problem.owner[name]
         rule = problem.rules[node]
         exponents = rule.candidates[plan8.choice[node]]
         op_bits = {b for bits in rule.label_bits(exponents).values() for b in bits}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.errors import StrategyError
-from tests.test_ops import conv_model, rule_for
+from tests.conftest import conv_model, rule_for
 
 
 @pytest.mark.parametrize("strategy, message", [

@@ -73,7 +73,8 @@ def _reference(model: onnx.ModelProto, ids: np.ndarray, labels: np.ndarray):
         return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
     def attention(x, p):
-        split = lambda t: t.reshape(b, s, heads, -1).transpose(0, 2, 1, 3)
+        def split(t):
+            return t.reshape(b, s, heads, -1).transpose(0, 2, 1, 3)
         q, k, v = (split(linear(x, f"{p}.{n}")) for n in "qkv")
         scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
         if kind == "gpt":
@@ -172,7 +173,8 @@ def test_graph_interface_and_loss_flag():
 
 
 def test_operator_choices_per_kind_and_layernorm_mode():
-    ops = lambda m: {n.op_type for n in m.graph.node}
+    def ops(m):
+        return {n.op_type for n in m.graph.node}
     gpt, bert = ops(tiny("gpt")), ops(tiny("bert"))
     assert "Tanh" in gpt and "Erf" not in gpt and "Where" in gpt
     assert "Erf" in bert and "Tanh" not in bert and "Where" not in bert

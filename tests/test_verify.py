@@ -8,12 +8,11 @@ import random
 import pytest
 
 import autopar
+from autopar.cli import main
 from autopar.lowering import Plan
 from autopar.search.driver import SearchResult
-from autopar.cli import main
 from models.resnet50 import build_resnet50
-from tests.conftest import two_matmul_chain
-from tests.test_search import random_model
+from tests.conftest import random_model, two_matmul_chain
 
 pytest.importorskip("onnxruntime")
 

@@ -192,6 +192,9 @@ class PlanFile(_Part):
         return {op.name: tuple(tuple(s) for s in op.strategy) for op in self.ops}
 
 
+PLAN_FILE_FIELDS = tuple(field.alias or name for name, field in PlanFile.model_fields.items())
+
+
 def _plain(value: Any) -> Any:
     """Enums become their strings; everything else is already what ``json`` writes."""
     if isinstance(value, dict):
