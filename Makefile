@@ -21,6 +21,7 @@ test: lint pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check autopar tests bench models
+	$(BIN)/ruff format --check autopar tests bench models
 	$(BIN)/mypy
 
 pytest: $(STAMP)

@@ -18,16 +18,16 @@ from autopar.lowering import Plan, PlanFile
 __version__ = "0.1.0"
 
 __all__ = [
-           "AutoparError",
-           "Graph",
-           "Layout",
-           "Plan",
-           "PlanFile",
-           "__version__",
-           "build",
-           "candidates",
-           "evaluate",
-           "load_model",
-           "plan",
-           "verify",
+    "AutoparError",
+    "Graph",
+    "Layout",
+    "Plan",
+    "PlanFile",
+    "__version__",
+    "build",
+    "candidates",
+    "evaluate",
+    "load_model",
+    "plan",
+    "verify",
 ]

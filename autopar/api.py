@@ -52,18 +52,31 @@ def _cost_model(cost_model: str | Path | HardwareProfile, precision: str) -> Cos
     return CostModel(profile, "mixed" if precision == "mixed" else "fp32")
 
 
-def build(model: ModelLike, devices: int = 8, cost_model: str | Path | HardwareProfile = "ascend910",
-          batch: int | None = None, dims: Mapping[str, int] | None = None,
-          precision: str = "mixed") -> SearchProblem:
+def build(
+    model: ModelLike,
+    devices: int = 8,
+    cost_model: str | Path | HardwareProfile = "ascend910",
+    batch: int | None = None,
+    dims: Mapping[str, int] | None = None,
+    precision: str = "mixed",
+) -> SearchProblem:
     """The search problem for a model on a device count (costs of every candidate and edge)."""
     _check_devices(devices)
     graph = _graph(model, batch, dims)
     return build_problem(graph, _cost_model(cost_model, precision), devices)
 
 
-def plan(model: ModelLike, devices: int = 8, cost_model: str | Path | HardwareProfile = "ascend910",
-         batch: int | None = None, mode: str = "auto_parallel", *, dims: Mapping[str, int] | None = None,
-         precision: str = "mixed", search: str = "dp") -> Plan:
+def plan(
+    model: ModelLike,
+    devices: int = 8,
+    cost_model: str | Path | HardwareProfile = "ascend910",
+    batch: int | None = None,
+    mode: str = "auto_parallel",
+    *,
+    dims: Mapping[str, int] | None = None,
+    precision: str = "mixed",
+    search: str = "dp",
+) -> Plan:
     """Search the best sharding plan for ``model`` on ``devices`` devices.
 
     ``mode`` is MindSpore's parallel mode: ``auto_parallel`` (search), ``data_parallel``
@@ -80,8 +93,9 @@ def plan(model: ModelLike, devices: int = 8, cost_model: str | Path | HardwarePr
     return result
 
 
-def candidates(model: ModelLike, devices: int = 8, batch: int | None = None,
-               dims: Mapping[str, int] | None = None) -> dict[str, list[tuple[tuple[int, ...], ...]]]:
+def candidates(
+    model: ModelLike, devices: int = 8, batch: int | None = None, dims: Mapping[str, int] | None = None
+) -> dict[str, list[tuple[tuple[int, ...], ...]]]:
     """Every operator's candidate strategies (data parallel first)."""
     _check_devices(devices)
     graph = _graph(model, batch, dims)
@@ -95,17 +109,30 @@ def choice_for(problem: SearchProblem, strategies: Mapping[str, Sequence[Sequenc
     return problem.choice_for(strategies)
 
 
-def evaluate(model: ModelLike, devices: int, strategies: Mapping[str, Sequence[Sequence[int]]],
-             cost_model: str | Path | HardwareProfile = "ascend910", batch: int | None = None,
-             dims: Mapping[str, int] | None = None, precision: str = "mixed") -> float:
+def evaluate(
+    model: ModelLike,
+    devices: int,
+    strategies: Mapping[str, Sequence[Sequence[int]]],
+    cost_model: str | Path | HardwareProfile = "ascend910",
+    batch: int | None = None,
+    dims: Mapping[str, int] | None = None,
+    precision: str = "mixed",
+) -> float:
     """Predicted step time (the searched objective) of a full assignment of strategies."""
     problem = build(model, devices, cost_model, batch, dims, precision)
     return problem.objective(problem.choice_for(strategies))
 
 
-def verify(model: ModelLike, plan_or_strategies: Plan | PlanFile | Mapping[str, Any] | None = None, devices: int = 8,
-           batch: int | None = None, dims: Mapping[str, int] | None = None, seed: int = 0,
-           cost_model: str | Path | HardwareProfile = "ascend910", precision: str = "mixed") -> VerifyReport:
+def verify(
+    model: ModelLike,
+    plan_or_strategies: Plan | PlanFile | Mapping[str, Any] | None = None,
+    devices: int = 8,
+    batch: int | None = None,
+    dims: Mapping[str, int] | None = None,
+    seed: int = 0,
+    cost_model: str | Path | HardwareProfile = "ascend910",
+    precision: str = "mixed",
+) -> VerifyReport:
     """Run a plan on ``devices`` virtual devices and compare every output with one device.
 
     ``plan_or_strategies`` is a `Plan`, a plan file (a `PlanFile`, or a dict as `Plan.to_dict()`

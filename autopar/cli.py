@@ -54,8 +54,14 @@ def _positive(text: str) -> int:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX model file")
     parser.add_argument("--batch", type=_positive, help="override the leading dimension of the data inputs")
-    parser.add_argument("--dim", type=_dim_binding, action="append", default=[], metavar="NAME=VALUE",
-                        help="bind a symbolic input dimension (repeatable)")
+    parser.add_argument(
+        "--dim",
+        type=_dim_binding,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="bind a symbolic input dimension (repeatable)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
     plan.add_argument("--mode", choices=MODES, default="auto_parallel")
     plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
-    plan.add_argument("--search", choices=ALGORITHMS, default="dp",
-                      help="dp (elimination DP, default) or ilp (exact ILP cross-check, needs autopar[ilp])")
+    plan.add_argument(
+        "--search",
+        choices=ALGORITHMS,
+        default="dp",
+        help="dp (elimination DP, default) or ilp (exact ILP cross-check, needs autopar[ilp])",
+    )
     plan.add_argument("--format", choices=("table", "json"), default="table")
     plan.add_argument("--out", help="write the output to this file instead of stdout")
 
@@ -111,8 +121,16 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # said once below, in the CLI's own words
-        result = autopar.plan(args.model, devices=args.devices, cost_model=args.cost_model, batch=args.batch,
-                              mode=args.mode, dims=dict(args.dim), precision=args.precision, search=args.search)
+        result = autopar.plan(
+            args.model,
+            devices=args.devices,
+            cost_model=args.cost_model,
+            batch=args.batch,
+            mode=args.mode,
+            dims=dict(args.dim),
+            precision=args.precision,
+            search=args.search,
+        )
     if result.fallback_ops:
         print(f"autopar: warning: {result.fallback_summary()}", file=sys.stderr)
     text = result.to_json() + "\n" if args.format == "json" else plan_table(result)
@@ -137,8 +155,9 @@ def _run_verify(args: argparse.Namespace) -> int:
     from autopar.report import verify_table
 
     plan_file = load_plan_file(args.plan) if args.plan else None
-    report = autopar.verify(args.model, plan_file, devices=args.devices, batch=args.batch, dims=dict(args.dim),
-                            seed=args.seed)
+    report = autopar.verify(
+        args.model, plan_file, devices=args.devices, batch=args.batch, dims=dict(args.dim), seed=args.seed
+    )
     text = json.dumps(report.to_dict(), indent=2) + "\n" if args.format == "json" else verify_table(report)
     sys.stdout.write(text)
     if not report.ok:
@@ -156,8 +175,10 @@ def _run_schema(args: argparse.Namespace) -> int:
 def _in_flag_words(exc: AutoparError) -> str:
     """The core's sentence, with the flags a command-line user types instead of Python arguments."""
     if isinstance(exc, UnknownDimensionError) and exc.dimension is not None:
-        return (f"Tensor {exc.tensor!r} has an unknown dimension {exc.dimension!r}; bind it with"
-                f" --dim {exc.dimension}=VALUE (or --batch for the leading dimension).")
+        return (
+            f"Tensor {exc.tensor!r} has an unknown dimension {exc.dimension!r}; bind it with"
+            f" --dim {exc.dimension}=VALUE (or --batch for the leading dimension)."
+        )
     if isinstance(exc, UnknownDimensionError):
         return f"Tensor {exc.tensor!r} has an unknown shape; bind its dimensions with --batch or --dim."
     if isinstance(exc, UnknownSymbolError):
@@ -185,13 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug in autopar, not in the input: say so plainly
         if os.environ.get("AUTOPAR_DEBUG"):
             raise
-        print(f"autopar: internal error: {type(exc).__name__}: {exc} (set AUTOPAR_DEBUG=1 for the traceback)",
-              file=sys.stderr)
+        print(
+            f"autopar: internal error: {type(exc).__name__}: {exc} (set AUTOPAR_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
         return 3
 
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-

@@ -28,8 +28,10 @@ class UnknownDimensionError(ModelImportError):
         if dimension is None:
             text = f"Tensor {tensor!r} has an unknown shape; bind the model's symbolic input dimensions."
         else:
-            text = (f"Tensor {tensor!r} has an unknown dimension {dimension!r} (axis {axis}); bind it with"
-                    f" dims={{{dimension!r}: value}} (or batch= for the leading dimension).")
+            text = (
+                f"Tensor {tensor!r} has an unknown dimension {dimension!r} (axis {axis}); bind it with"
+                f" dims={{{dimension!r}: value}} (or batch= for the leading dimension)."
+            )
         super().__init__(text)
 
 
@@ -39,8 +41,10 @@ class UnknownSymbolError(ModelImportError):
     def __init__(self, unknown: list[str], known: list[str]) -> None:
         self.unknown, self.known = unknown, known
         have = f" (they have: {', '.join(known)})." if known else "."
-        super().__init__(f"The dimension bindings name {', '.join(unknown)}, but the model's inputs have no such"
-                         f" symbolic dimension{have}")
+        super().__init__(
+            f"The dimension bindings name {', '.join(unknown)}, but the model's inputs have no such"
+            f" symbolic dimension{have}"
+        )
 
 
 class StrategyError(AutoparError):

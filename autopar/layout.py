@@ -153,8 +153,11 @@ class Layout:
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "Layout":
-        return Layout(tuple(tuple(bits) for bits in data["dims"]), tuple(data.get("partial", ())),
-                      ReduceOp(data.get("partial_op", "sum")))
+        return Layout(
+            tuple(tuple(bits) for bits in data["dims"]),
+            tuple(data.get("partial", ())),
+            ReduceOp(data.get("partial_op", "sum")),
+        )
 
     def to_mindspore(self, mesh_bits: int) -> tuple[list[int], list[int | tuple[int, ...]]]:
         """MindSpore's (dev_matrix, tensor_map): one device-matrix axis of size 2 per mesh bit.

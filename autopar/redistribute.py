@@ -74,8 +74,12 @@ class Step:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file's form: ``dim``, ``concat_dim`` and ``reduce_op`` only where they apply."""
-        out: dict[str, Any] = {"collective": str(self.kind), "group_size": self.group_size, "bits": list(self.bits),
-                               "bytes": self.nbytes}
+        out: dict[str, Any] = {
+            "collective": str(self.kind),
+            "group_size": self.group_size,
+            "bits": list(self.bits),
+            "bytes": self.nbytes,
+        }
         if self.dim is not None:
             out["dim"] = self.dim
         if self.concat_dim is not None:
@@ -86,8 +90,14 @@ class Step:
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "Step":
-        return Step(Collective(data["collective"]), tuple(data["bits"]), int(data["bytes"]), data.get("dim"),
-                    data.get("concat_dim"), ReduceOp(data.get("reduce_op", "sum")))
+        return Step(
+            Collective(data["collective"]),
+            tuple(data["bits"]),
+            int(data["bytes"]),
+            data.get("dim"),
+            data.get("concat_dim"),
+            ReduceOp(data.get("reduce_op", "sum")),
+        )
 
 
 def redistribute(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int) -> tuple[Step, ...]:
@@ -95,8 +105,10 @@ def redistribute(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int) 
     if src.ndim != dst.ndim or src.ndim != len(shape):
         raise ValueError(f"layouts of {src.ndim}/{dst.ndim} dimensions do not match shape {tuple(shape)}")
     total = math.prod(shape) * itemsize
-    return tuple(Step(kind, bits, total >> shift, dim, concat_dim, op)
-                 for kind, bits, shift, dim, concat_dim, op in symbolic_steps(src, dst))
+    return tuple(
+        Step(kind, bits, total >> shift, dim, concat_dim, op)
+        for kind, bits, shift, dim, concat_dim, op in symbolic_steps(src, dst)
+    )
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -157,8 +169,12 @@ def _merge(steps: list[SymbolicStep]) -> tuple[SymbolicStep, ...]:
     merged: list[SymbolicStep] = []
     for step in steps:
         kind, bits, size, dim, _, op = step
-        if merged and merged[-1][0] == kind and merged[-1][3] == dim and kind in (
-                Collective.ALL_GATHER, Collective.SLICE, Collective.REDUCE_SCATTER):
+        if (
+            merged
+            and merged[-1][0] == kind
+            and merged[-1][3] == dim
+            and kind in (Collective.ALL_GATHER, Collective.SLICE, Collective.REDUCE_SCATTER)
+        ):
             last = merged[-1]
             if kind == Collective.ALL_GATHER:
                 # gathered last bit first: the fused group spells the shard index MSB first
@@ -192,9 +208,9 @@ def apply_steps(layout: Layout, steps: Sequence[Step]) -> Layout:
             raise ValueError(f"{step.kind} over no mesh bits")
         if step.kind == Collective.ALL_GATHER:
             held = dimension(step.dim, "dim")
-            if held[-len(bits):] != bits:
+            if held[-len(bits) :] != bits:
                 raise ValueError(f"AllGather over {bits} does not match dim bits {held}")
-            del held[-len(bits):]
+            del held[-len(bits) :]
         elif step.kind == Collective.SLICE:
             if any(b in partial or any(b in d for d in dims) for b in bits):
                 raise ValueError(f"Slice over bits {bits} that are already in use")
@@ -202,9 +218,9 @@ def apply_steps(layout: Layout, steps: Sequence[Step]) -> Layout:
         elif step.kind == Collective.ALL_TO_ALL:
             source = dimension(step.concat_dim, "concat_dim")
             target = dimension(step.dim, "dim")
-            if source[-len(bits):] != bits:
+            if source[-len(bits) :] != bits:
                 raise ValueError(f"AllToAll over {bits} does not match dim bits {source}")
-            del source[-len(bits):]
+            del source[-len(bits) :]
             target.extend(bits)
         elif step.reduces:
             if any(b not in partial for b in bits):

@@ -128,6 +128,7 @@ class OpRule:
     def parse(self, strategy: Sequence[Sequence[int]]) -> tuple[int, ...]:
         """Exponents for a user's in_strategy, or a StrategyError saying what is wrong."""
         name = self.op.name
+
         def integer(factor: object) -> int:
             if isinstance(factor, bool) or not isinstance(factor, numbers.Integral):
                 raise TypeError(factor)
@@ -149,26 +150,35 @@ class OpRule:
             for dim, factor in enumerate(entry):
                 label = labels[dim] if labels is not None else None
                 if factor < 1 or not is_power_of_two(factor):
-                    raise StrategyError(f"Strategy for {name!r}: split factor {factor} of input {position} dim {dim}"
-                                        " is not a power of two.")
+                    raise StrategyError(
+                        f"Strategy for {name!r}: split factor {factor} of input {position} dim {dim}"
+                        " is not a power of two."
+                    )
                 if label is None:
                     if factor != 1:
-                        raise StrategyError(f"Strategy for {name!r}: input {position} dim {dim} cannot be split by"
-                                            f" {self.op.op_type} (factor {factor}, must be 1).")
+                        raise StrategyError(
+                            f"Strategy for {name!r}: input {position} dim {dim} cannot be split by"
+                            f" {self.op.op_type} (factor {factor}, must be 1)."
+                        )
                     continue
                 e = factor.bit_length() - 1
                 if exponents.setdefault(label, e) != e:
-                    raise StrategyError(f"Strategy for {name!r}: inputs disagree on how to split the same axis"
-                                        f" ({1 << exponents[label]} vs {factor}).")
+                    raise StrategyError(
+                        f"Strategy for {name!r}: inputs disagree on how to split the same axis"
+                        f" ({1 << exponents[label]} vs {factor})."
+                    )
         result = tuple(exponents.get(label, 0) for label in self.spec.label_order)
         if sum(result) > self.mesh_bits:
-            raise StrategyError(f"Strategy for {name!r} splits into {1 << sum(result)} parts, more than the"
-                                f" {1 << self.mesh_bits} devices.")
+            raise StrategyError(
+                f"Strategy for {name!r} splits into {1 << sum(result)} parts, more than the"
+                f" {1 << self.mesh_bits} devices."
+            )
         for label, e in zip(self.spec.label_order, result):
             bad = [size for size in self.label_sizes[label] if size % (1 << e)]
             if bad:
-                raise StrategyError(f"Strategy for {name!r}: split factor {1 << e} does not divide dimension size"
-                                    f" {bad[0]}.")
+                raise StrategyError(
+                    f"Strategy for {name!r}: split factor {1 << e} does not divide dimension size {bad[0]}."
+                )
         return result
 
     # --- layouts -------------------------------------------------------------------------

@@ -34,8 +34,10 @@ def main() -> None:
     args = parser.parse_args()
     profile = load_profile("ascend910")
     if args.fit:
-        print(f"fitted cube_efficiency = {fit_cube_efficiency(MODEL, profile):.4f}"
-              f" (profile has {profile.compute.cube_efficiency.value})")
+        print(
+            f"fitted cube_efficiency = {fit_cube_efficiency(MODEL, profile):.4f}"
+            f" (profile has {profile.compute.cube_efficiency.value})"
+        )
     published = PUBLISHED_RESNET50_IMAGES_PER_S
     results = {n: data_parallel_throughput(MODEL, profile, n) for n in published}
     for n, value in results.items():

@@ -30,8 +30,10 @@ def main() -> None:
     parser.add_argument("--models", default="", help="comma-separated names (default: all nine)")
     args = parser.parse_args()
     wanted = {name.strip() for name in args.models.split(",") if name.strip()}
-    print(f"{'model':<20}{'ops':>6}{'fallbacks':>10}{'search s':>10}{'plan s':>8}{'step ms':>10}{'DP ms':>10}"
-          f"{'verify':>9}{'verify s':>10}{'max rel err':>13}")
+    print(
+        f"{'model':<20}{'ops':>6}{'fallbacks':>10}{'search s':>10}{'plan s':>8}{'step ms':>10}{'DP ms':>10}"
+        f"{'verify':>9}{'verify s':>10}{'max rel err':>13}"
+    )
     for path in light_models():
         name = path.stem.removeprefix("light_")
         if wanted and name not in wanted:
@@ -46,9 +48,12 @@ def main() -> None:
             verdict, verify_s = ("ok" if report.ok else "FAILED"), report.time_s
             error = max(entry["max_rel_error"] for entry in report.outputs.values())
         summary = plan.to_dict()["search"]
-        print(f"{name:<20}{len(plan.problem.rules):>6}{len(plan.fallback_ops):>10}{summary['time_s']:>10.3f}"
-              f"{plan_s:>8.2f}{plan.objective * 1e3:>10.3f}{dp.objective * 1e3:>10.3f}{verdict:>9}{verify_s:>10.1f}"
-              f"{error:>13.2e}", flush=True)
+        print(
+            f"{name:<20}{len(plan.problem.rules):>6}{len(plan.fallback_ops):>10}{summary['time_s']:>10.3f}"
+            f"{plan_s:>8.2f}{plan.objective * 1e3:>10.3f}{dp.objective * 1e3:>10.3f}{verdict:>9}{verify_s:>10.1f}"
+            f"{error:>13.2e}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -44,11 +44,13 @@ def main() -> None:
     args = parser.parse_args()
     for devices in args.devices:
         times, plan = time_command(devices, args.runs)
-        print(f"autopar plan resnet50 --devices {devices}: median {statistics.median(times):.3f} s"
-              f" (min {min(times):.3f}, max {max(times):.3f}, {args.runs} runs);"
-              f" search alone {plan['search']['time_s']:.3f} s over {plan['search']['candidates']} candidates;"
-              f" step {plan['totals']['step_time_s'] * 1e3:.3f} ms vs data parallel"
-              f" {plan['totals']['data_parallel_step_time_s'] * 1e3:.3f} ms")
+        print(
+            f"autopar plan resnet50 --devices {devices}: median {statistics.median(times):.3f} s"
+            f" (min {min(times):.3f}, max {max(times):.3f}, {args.runs} runs);"
+            f" search alone {plan['search']['time_s']:.3f} s over {plan['search']['candidates']} candidates;"
+            f" step {plan['totals']['step_time_s'] * 1e3:.3f} ms vs data parallel"
+            f" {plan['totals']['data_parallel_step_time_s'] * 1e3:.3f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,10 @@ def main() -> None:
             choice = run_search(problem, algorithm=algorithm).choice
             results[algorithm] = (problem.objective(choice), time.perf_counter() - start)
         (dp, dp_s), (ilp, ilp_s) = results["dp"], results["ilp"]
-        print(f"{devices:>3} devices: DP {dp * 1e3:.6f} ms in {dp_s:.3f} s | ILP {ilp * 1e3:.6f} ms in {ilp_s:.3f} s"
-              f" | relative difference {abs(dp - ilp) / ilp:.1e}")
+        print(
+            f"{devices:>3} devices: DP {dp * 1e3:.6f} ms in {dp_s:.3f} s | ILP {ilp * 1e3:.6f} ms in {ilp_s:.3f} s"
+            f" | relative difference {abs(dp - ilp) / ilp:.1e}"
+        )
 
 
 if __name__ == "__main__":

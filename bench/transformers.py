@@ -46,9 +46,11 @@ def main() -> None:
             except InfeasibleError:
                 versus = "data parallel does not fit"
             search = plan.to_dict()["search"]
-            print(f"{preset} batch {args.batch} on {devices} devices: plan {plan.objective * 1e3:.3f} ms vs {versus};"
-                  f" memory {plan.memory_per_device / 1e9:.2f} GB; planned in {seconds:.1f} s"
-                  f" (search {search['time_s']:.2f} s over {search['candidates']} candidates)")
+            print(
+                f"{preset} batch {args.batch} on {devices} devices: plan {plan.objective * 1e3:.3f} ms vs {versus};"
+                f" memory {plan.memory_per_device / 1e9:.2f} GB; planned in {seconds:.1f} s"
+                f" (search {search['time_s']:.2f} s over {search['candidates']} candidates)"
+            )
             for name in SHOWN:
                 print(f"    {name:<22}{compact(plan.strategies[name])}")
 

@@ -54,8 +54,7 @@ class _GraphBuilder:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
 
-    def node(self, op: str, name: str, inputs: Sequence[str], output: str | None = None,
-             **attrs) -> str:
+    def node(self, op: str, name: str, inputs: Sequence[str], output: str | None = None, **attrs) -> str:
         """Append one node; its single output is named after the node by default."""
         output = output or name
         self.nodes.append(helper.make_node(op, list(inputs), [output], name=name, **attrs))
@@ -94,14 +93,13 @@ class _GraphBuilder:
         return values.astype(np.float32)
 
 
-def _conv(b: _GraphBuilder, name: str, x: str, cin: int, cout: int, kernel: int,
-          stride: int = 1) -> str:
+def _conv(b: _GraphBuilder, name: str, x: str, cin: int, cout: int, kernel: int, stride: int = 1) -> str:
     """Bias-free convolution with 'same'-style padding kernel // 2."""
-    weight = b.param(f"{name}.weight", [cout, cin, kernel, kernel], "he",
-                     fan_in=cin * kernel * kernel)
+    weight = b.param(f"{name}.weight", [cout, cin, kernel, kernel], "he", fan_in=cin * kernel * kernel)
     pad = kernel // 2
-    return b.node("Conv", name, [x, weight], kernel_shape=[kernel, kernel],
-                  strides=[stride, stride], pads=[pad, pad, pad, pad])
+    return b.node(
+        "Conv", name, [x, weight], kernel_shape=[kernel, kernel], strides=[stride, stride], pads=[pad, pad, pad, pad]
+    )
 
 
 def _bn(b: _GraphBuilder, name: str, x: str, channels: int) -> str:
@@ -110,12 +108,10 @@ def _bn(b: _GraphBuilder, name: str, x: str, channels: int) -> str:
     bias = b.param(f"{name}.bias", [channels], "small")
     mean = b.param(f"{name}.mean", [channels], "small")
     var = b.param(f"{name}.var", [channels], "var")
-    return b.node("BatchNormalization", name, [x, scale, bias, mean, var],
-                  epsilon=BN_EPSILON, momentum=BN_MOMENTUM)
+    return b.node("BatchNormalization", name, [x, scale, bias, mean, var], epsilon=BN_EPSILON, momentum=BN_MOMENTUM)
 
 
-def _bottleneck(b: _GraphBuilder, prefix: str, x: str, cin: int, mid: int,
-                stride: int, downsample: bool) -> str:
+def _bottleneck(b: _GraphBuilder, prefix: str, x: str, cin: int, mid: int, stride: int, downsample: bool) -> str:
     """One v1.5 bottleneck: the stride sits on the 3x3 conv, not the first 1x1."""
     cout = mid * EXPANSION
     y = _conv(b, f"{prefix}.conv1", x, cin, mid, 1)
@@ -134,22 +130,19 @@ def _bottleneck(b: _GraphBuilder, prefix: str, x: str, cin: int, mid: int,
     return b.node("Relu", f"{prefix}.relu_out", [y])
 
 
-def _backbone(b: _GraphBuilder, images: str, num_classes: int, width: int,
-              blocks: Sequence[int]) -> str:
+def _backbone(b: _GraphBuilder, images: str, num_classes: int, width: int, blocks: Sequence[int]) -> str:
     """Stem, four bottleneck stages and the classifier; returns the logits tensor."""
     y = _conv(b, "conv1", images, 3, width, 7, 2)
     y = _bn(b, "bn1", y, width)
     y = b.node("Relu", "relu1", [y])
-    y = b.node("MaxPool", "maxpool", [y], kernel_shape=[3, 3], strides=[2, 2],
-               pads=[1, 1, 1, 1])
+    y = b.node("MaxPool", "maxpool", [y], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
     channels = width
     for stage, count in enumerate(blocks):
-        mid = width * 2 ** stage
+        mid = width * 2**stage
         for index in range(count):
             first = index == 0
             stride = 2 if first and stage > 0 else 1
-            y = _bottleneck(b, f"layer{stage + 1}.{index}", y, channels, mid, stride,
-                            downsample=first)
+            y = _bottleneck(b, f"layer{stage + 1}.{index}", y, channels, mid, stride, downsample=first)
             channels = mid * EXPANSION
     y = b.node("GlobalAveragePool", "avgpool", [y])
     y = b.node("Flatten", "flatten", [y], axis=1)
@@ -158,8 +151,7 @@ def _backbone(b: _GraphBuilder, images: str, num_classes: int, width: int,
     return b.node("Gemm", "fc", [y, weight, bias], output="logits", transB=1)
 
 
-def _softmax_cross_entropy(b: _GraphBuilder, logits: str, labels: str,
-                           num_classes: int) -> str:
+def _softmax_cross_entropy(b: _GraphBuilder, logits: str, labels: str, num_classes: int) -> str:
     """Mean softmax cross-entropy, expanded into the small ops a planner must shard."""
     axes1 = b.constant("loss.axes_classes", np.array([1], dtype=np.int64))
     depth = b.constant("loss.depth", np.array(num_classes, dtype=np.int64))
@@ -180,9 +172,15 @@ def _softmax_cross_entropy(b: _GraphBuilder, logits: str, labels: str,
     return b.node("ReduceMean", "loss.mean", [negated], output="loss", axes=[0], keepdims=0)
 
 
-def build_resnet50(batch: int = 256, num_classes: int = 1000, image_size: int = 224,
-                   weights: str = "elided", seed: int = 0, width: int = 64,
-                   blocks=(3, 4, 6, 3)) -> onnx.ModelProto:
+def build_resnet50(
+    batch: int = 256,
+    num_classes: int = 1000,
+    image_size: int = 224,
+    weights: str = "elided",
+    seed: int = 0,
+    width: int = 64,
+    blocks=(3, 4, 6, 3),
+) -> onnx.ModelProto:
     """Return ResNet-50 v1.5 plus expanded cross-entropy loss as an ONNX model.
 
     ``width`` and ``blocks`` shrink the network for tests; the defaults give the
@@ -193,18 +191,15 @@ def build_resnet50(batch: int = 256, num_classes: int = 1000, image_size: int = 
     loss = _softmax_cross_entropy(b, logits, "labels", num_classes)
 
     inputs = [
-        helper.make_tensor_value_info("images", TensorProto.FLOAT,
-                                      [batch, 3, image_size, image_size]),
+        helper.make_tensor_value_info("images", TensorProto.FLOAT, [batch, 3, image_size, image_size]),
         helper.make_tensor_value_info("labels", TensorProto.INT64, [batch]),
     ]
     outputs = [
         helper.make_tensor_value_info(loss, TensorProto.FLOAT, []),
         helper.make_tensor_value_info(logits, TensorProto.FLOAT, [batch, num_classes]),
     ]
-    graph = helper.make_graph(b.nodes, "resnet50_v1_5_train", inputs, outputs,
-                              initializer=b.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                              producer_name="autopar.models")
+    graph = helper.make_graph(b.nodes, "resnet50_v1_5_train", inputs, outputs, initializer=b.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="autopar.models")
     model.ir_version = IR_VERSION
     model.doc_string = (
         f"ResNet-50 v1.5 (torchvision layout, width={width}, blocks={tuple(blocks)}) with "
@@ -225,8 +220,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join(here, "resnet50.onnx"))
     args = parser.parse_args(argv)
 
-    model = build_resnet50(batch=args.batch, num_classes=args.classes,
-                           image_size=args.image_size, weights=args.weights, seed=args.seed)
+    model = build_resnet50(
+        batch=args.batch, num_classes=args.classes, image_size=args.image_size, weights=args.weights, seed=args.seed
+    )
     onnx.save(model, args.out)
     print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes)")
 

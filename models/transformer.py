@@ -143,8 +143,9 @@ class _Builder:
             fill = 1.0 if init == "ones" else 0.0
             shape_name = self.constant(f"{name}__shape", np.array(shape, dtype=np.int64))
             value = helper.make_tensor("value", TensorProto.FLOAT, [1], [fill])
-            self.nodes.append(helper.make_node("ConstantOfShape", [shape_name], [name],
-                                               name=f"{name}__init", value=value))
+            self.nodes.append(
+                helper.make_node("ConstantOfShape", [shape_name], [name], name=f"{name}__init", value=value)
+            )
             return name
         if init == "normal":
             array = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(INIT_STD)
@@ -191,8 +192,7 @@ def _gelu(b: _Builder, name: str, x: str, kind: str) -> str:
         cube = b.node("Pow", f"{name}.pow", [x, b.scalar("three", 3.0)])
         cube = b.node("Mul", f"{name}.mul_coef", [cube, b.scalar("gelu_coef", 0.044715)])
         poly = b.node("Add", f"{name}.add_x", [x, cube])
-        poly = b.node("Mul", f"{name}.mul_sqrt", [poly, b.scalar("sqrt_2_over_pi",
-                                                                 math.sqrt(2.0 / math.pi))])
+        poly = b.node("Mul", f"{name}.mul_sqrt", [poly, b.scalar("sqrt_2_over_pi", math.sqrt(2.0 / math.pi))])
         inner = b.node("Tanh", f"{name}.tanh", [poly])
     one_plus = b.node("Add", f"{name}.add_one", [inner, b.scalar("one", 1.0)])
     y = b.node("Mul", f"{name}.mul_x", [x, one_plus])
@@ -201,24 +201,31 @@ def _gelu(b: _Builder, name: str, x: str, kind: str) -> str:
 
 def _causal_mask(b: _Builder, seq: int) -> str:
     """Float [seq, seq] tensor ``mask``: 0 on and below the diagonal, -10000 above."""
-    positions = b.node("Range", "mask.positions", [
-        b.constant("mask.start", np.array(0, dtype=np.int64)),
-        b.constant("mask.limit", np.array(seq, dtype=np.int64)),
-        b.constant("mask.delta", np.array(1, dtype=np.int64)),
-    ])
-    rows = b.node("Reshape", "mask.rows",
-                  [positions, b.constant("mask.rows_shape", np.array([seq, 1], dtype=np.int64))])
+    positions = b.node(
+        "Range",
+        "mask.positions",
+        [
+            b.constant("mask.start", np.array(0, dtype=np.int64)),
+            b.constant("mask.limit", np.array(seq, dtype=np.int64)),
+            b.constant("mask.delta", np.array(1, dtype=np.int64)),
+        ],
+    )
+    rows = b.node(
+        "Reshape", "mask.rows", [positions, b.constant("mask.rows_shape", np.array([seq, 1], dtype=np.int64))]
+    )
     future = b.node("Less", "mask.future", [rows, positions])
-    return b.node("Where", "mask", [future, b.constant("mask.value", np.array(MASK_VALUE, dtype=np.float32)),
-                                    b.scalar("zero", 0.0)])
+    return b.node(
+        "Where",
+        "mask",
+        [future, b.constant("mask.value", np.array(MASK_VALUE, dtype=np.float32)), b.scalar("zero", 0.0)],
+    )
 
 
 def _attention(b: _Builder, prefix: str, x: str, cfg: dict, mask: str | None) -> str:
     """Multi-head self-attention including output projection (no residual)."""
     batch, seq, hidden, heads = cfg["batch"], cfg["seq"], cfg["hidden"], cfg["heads"]
     head_dim = hidden // heads
-    split_shape = b.constant("const.heads_shape",
-                             np.array([batch, seq, heads, head_dim], dtype=np.int64))
+    split_shape = b.constant("const.heads_shape", np.array([batch, seq, heads, head_dim], dtype=np.int64))
     merge_shape = b.constant("const.hidden_shape", np.array([batch, seq, hidden], dtype=np.int64))
 
     def project(which: str, perm: list[int]) -> str:
@@ -282,17 +289,30 @@ def _validate(cfg: dict) -> None:
     if cfg["loss"] not in (True, False):
         raise ValueError(f"loss must be True or False, got {cfg['loss']!r}")
     if cfg["weights"] == "random":
-        count = expected_parameter_count(cfg["kind"], cfg["layers"], cfg["hidden"], cfg["seq"],
-                                         cfg["vocab"], cfg["ffn"])
+        count = expected_parameter_count(
+            cfg["kind"], cfg["layers"], cfg["hidden"], cfg["seq"], cfg["vocab"], cfg["ffn"]
+        )
         if 4 * count >= PROTOBUF_LIMIT:
-            raise ValueError(f"random weights for {count:,} parameters need {4 * count / 2**30:.1f} GiB, "
-                             "over the 2 GiB protobuf limit of one ONNX file; use weights='elided'")
+            raise ValueError(
+                f"random weights for {count:,} parameters need {4 * count / 2**30:.1f} GiB, "
+                "over the 2 GiB protobuf limit of one ONNX file; use weights='elided'"
+            )
 
 
-def build_transformer(kind: str = "gpt", layers: int = 12, hidden: int = 768, heads: int = 12,
-                      seq: int = 1024, vocab: int = GPT_VOCAB, batch: int = 8,
-                      ffn: int | None = None, weights: str = "elided", seed: int = 0,
-                      layernorm: str = "fused", loss: bool = True) -> onnx.ModelProto:
+def build_transformer(
+    kind: str = "gpt",
+    layers: int = 12,
+    hidden: int = 768,
+    heads: int = 12,
+    seq: int = 1024,
+    vocab: int = GPT_VOCAB,
+    batch: int = 8,
+    ffn: int | None = None,
+    weights: str = "elided",
+    seed: int = 0,
+    layernorm: str = "fused",
+    loss: bool = True,
+) -> onnx.ModelProto:
     """Return a BERT-style encoder (``kind="bert"``) or GPT-style decoder as an ONNX model.
 
     ``ffn`` defaults to ``4 * hidden``.  Raises ValueError on a bad argument.
@@ -300,8 +320,20 @@ def build_transformer(kind: str = "gpt", layers: int = 12, hidden: int = 768, he
     """
     if ffn is None and isinstance(hidden, (int, np.integer)) and not isinstance(hidden, bool):
         ffn = 4 * int(hidden)
-    cfg = dict(kind=kind, layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab,
-               batch=batch, ffn=ffn, weights=weights, seed=seed, layernorm=layernorm, loss=loss)
+    cfg = dict(
+        kind=kind,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        seq=seq,
+        vocab=vocab,
+        batch=batch,
+        ffn=ffn,
+        weights=weights,
+        seed=seed,
+        layernorm=layernorm,
+        loss=loss,
+    )
     _validate(cfg)
     for key in ("layers", "hidden", "heads", "seq", "vocab", "batch", "ffn", "seed"):
         cfg[key] = int(cfg[key])
@@ -327,22 +359,31 @@ def build_transformer(kind: str = "gpt", layers: int = 12, hidden: int = 768, he
     outputs = [helper.make_tensor_value_info(logits, TensorProto.FLOAT, [batch, seq, vocab])]
     if loss:
         inputs.append(helper.make_tensor_value_info("labels", TensorProto.INT64, [batch, seq]))
-        flat_logits = b.node("Reshape", "loss.logits_2d", [
-            logits, b.constant("const.logits_2d_shape", np.array([batch * seq, vocab], dtype=np.int64))])
-        flat_labels = b.node("Reshape", "loss.labels_1d", [
-            "labels", b.constant("const.labels_1d_shape", np.array([batch * seq], dtype=np.int64))])
+        flat_logits = b.node(
+            "Reshape",
+            "loss.logits_2d",
+            [logits, b.constant("const.logits_2d_shape", np.array([batch * seq, vocab], dtype=np.int64))],
+        )
+        flat_labels = b.node(
+            "Reshape",
+            "loss.labels_1d",
+            ["labels", b.constant("const.labels_1d_shape", np.array([batch * seq], dtype=np.int64))],
+        )
         b.node("SoftmaxCrossEntropyLoss", "loss", [flat_logits, flat_labels], reduction="mean")
         outputs.insert(0, helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
 
     graph_name = f"{kind}_{'encoder' if kind == 'bert' else 'decoder'}_{'train' if loss else 'forward'}"
     graph = helper.make_graph(b.nodes, graph_name, inputs, outputs, initializer=b.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                              producer_name="autopar.models")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="autopar.models")
     model.ir_version = IR_VERSION
-    settings = ", ".join(f"{key}={cfg[key]}" for key in (
-        "layers", "hidden", "heads", "seq", "vocab", "batch", "ffn", "layernorm", "weights", "loss"))
-    model.doc_string = (f"{'BERT-style post-LN encoder' if kind == 'bert' else 'GPT-style pre-LN decoder'}"
-                        f" built by models/transformer.py: {settings}.")
+    settings = ", ".join(
+        f"{key}={cfg[key]}"
+        for key in ("layers", "hidden", "heads", "seq", "vocab", "batch", "ffn", "layernorm", "weights", "loss")
+    )
+    model.doc_string = (
+        f"{'BERT-style post-LN encoder' if kind == 'bert' else 'GPT-style pre-LN decoder'}"
+        f" built by models/transformer.py: {settings}."
+    )
     helper.set_model_props(model, {key: str(cfg[key]) for key in cfg})
     return model
 
@@ -354,8 +395,7 @@ def build_preset(name: str, **overrides) -> onnx.ModelProto:
     return build_transformer(**{**PRESETS[name], **overrides})
 
 
-def expected_parameter_count(kind: str, layers: int, hidden: int, seq: int, vocab: int,
-                             ffn: int | None = None) -> int:
+def expected_parameter_count(kind: str, layers: int, hidden: int, seq: int, vocab: int, ffn: int | None = None) -> int:
     """Analytic parameter count of ``build_transformer`` with these settings.
 
     Per layer: Q, K, V, O weights and biases 4h^2 + 4h; MLP 2*h*f + f + h; two
@@ -368,8 +408,12 @@ def expected_parameter_count(kind: str, layers: int, hidden: int, seq: int, voca
     """
     f = 4 * hidden if ffn is None else ffn
     del kind  # both kinds have the same parameter set
-    return layers * (4 * hidden * hidden + 2 * hidden * f + f + 9 * hidden) \
-        + 2 * vocab * hidden + seq * hidden + 2 * hidden
+    return (
+        layers * (4 * hidden * hidden + 2 * hidden * f + f + 9 * hidden)
+        + 2 * vocab * hidden
+        + seq * hidden
+        + 2 * hidden
+    )
 
 
 def parameter_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
@@ -403,20 +447,23 @@ def parameter_count(model: onnx.ModelProto) -> int:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS),
-                        help="start from a preset (default: build_transformer's GPT-2-sized defaults)")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="start from a preset (default: build_transformer's GPT-2-sized defaults)",
+    )
     for flag in ("layers", "hidden", "heads", "seq", "vocab", "batch", "ffn", "seed"):
         parser.add_argument(f"--{flag}", type=int, default=None)
     parser.add_argument("--kind", choices=KINDS, default=None)
     parser.add_argument("--weights", choices=WEIGHTS, default=None)
     parser.add_argument("--layernorm", choices=LAYERNORMS, default=None)
-    parser.add_argument("--no-loss", dest="loss", action="store_false",
-                        help="end at the logits; no labels input and no loss output")
+    parser.add_argument(
+        "--no-loss", dest="loss", action="store_false", help="end at the logits; no labels input and no loss output"
+    )
     parser.add_argument("--out", required=True, help="path of the .onnx file to write")
     args = parser.parse_args(argv)
 
-    overrides = {key: value for key, value in vars(args).items()
-                 if key not in ("preset", "out") and value is not None}
+    overrides = {key: value for key, value in vars(args).items() if key not in ("preset", "out") and value is not None}
     try:
         if args.preset:
             model = build_preset(args.preset, **overrides)
@@ -427,8 +474,10 @@ def main(argv=None) -> None:
     directory = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(directory, exist_ok=True)
     onnx.save(model, args.out)
-    print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes, "
-          f"{len(model.graph.node)} nodes, {parameter_count(model):,} parameters)")
+    print(
+        f"wrote {args.out} ({os.path.getsize(args.out)} bytes, "
+        f"{len(model.graph.node)} nodes, {parameter_count(model):,} parameters)"
+    )
 
 
 if __name__ == "__main__":

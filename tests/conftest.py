@@ -27,13 +27,19 @@ def simple_profile_dict(capacity: float = 1e12) -> dict:
     return {
         "name": "simple",
         "compute": {
-            "peak_flops_fp16": sourced(1e12), "peak_flops_fp32": sourced(5e11), "hbm_bandwidth": sourced(1e18),
-            "hbm_capacity": sourced(capacity), "cube_efficiency": sourced(1.0), "memory_efficiency": sourced(1.0),
+            "peak_flops_fp16": sourced(1e12),
+            "peak_flops_fp32": sourced(5e11),
+            "hbm_bandwidth": sourced(1e18),
+            "hbm_capacity": sourced(capacity),
+            "cube_efficiency": sourced(1.0),
+            "memory_efficiency": sourced(1.0),
             "vector_flops_fraction": sourced(1.0),
         },
         "training": {
-            "backward_compute_factor": sourced(1.0), "optimizer_state_bytes_per_param": sourced(4.0),
-            "master_weight_bytes_per_param": sourced(4.0), "gradient_fusion_bytes": sourced(1e6),
+            "backward_compute_factor": sourced(1.0),
+            "optimizer_state_bytes_per_param": sourced(4.0),
+            "master_weight_bytes_per_param": sourced(4.0),
+            "gradient_fusion_bytes": sourced(1e6),
         },
         "links": [
             {"name": "fast", "bits": 1, "bandwidth": sourced(1e9), "latency": sourced(1e-6)},
@@ -58,11 +64,13 @@ def make_model(nodes, inputs, outputs, initializers=(), name="tiny", opset: int 
     Output types and shapes are filled in by ONNX shape inference.
     """
     graph = helper.make_graph(
-        list(nodes), name, [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs], [],
+        list(nodes),
+        name,
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+        [],
         initializer=list(initializers),
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
-                              ir_version=8 if opset <= 17 else 9)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8 if opset <= 17 else 9)
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
     known = {vi.name: vi for vi in inferred.graph.value_info}
     model.graph.output.extend(known[n] for n in outputs)
@@ -77,10 +85,16 @@ def weight(name: str, shape, seed: int = 0) -> onnx.TensorProto:
 
 def two_matmul_chain(batch: int = 4, d_in: int = 8, d_hidden: int = 16, d_out: int = 4) -> onnx.ModelProto:
     """Z = (X @ W1) @ W2: the hand-worked golden model."""
-    nodes = [helper.make_node("MatMul", ["X", "W1"], ["Y"], name="mm1"),
-             helper.make_node("MatMul", ["Y", "W2"], ["Z"], name="mm2")]
-    return make_model(nodes, [("X", TensorProto.FLOAT, [batch, d_in])], ["Z"],
-                      [weight("W1", [d_in, d_hidden], 1), weight("W2", [d_hidden, d_out], 2)])
+    nodes = [
+        helper.make_node("MatMul", ["X", "W1"], ["Y"], name="mm1"),
+        helper.make_node("MatMul", ["Y", "W2"], ["Z"], name="mm2"),
+    ]
+    return make_model(
+        nodes,
+        [("X", TensorProto.FLOAT, [batch, d_in])],
+        ["Z"],
+        [weight("W1", [d_in, d_hidden], 1), weight("W2", [d_hidden, d_out], 2)],
+    )
 
 
 def profile(capacity: float = 1e12, peak: float = 1e9) -> HardwareProfile:
@@ -99,8 +113,9 @@ def rule_for(model, op_name: str, devices: int = 8) -> OpRule:
 def conv_model(group: int = 1) -> onnx.ModelProto:
     """One 3x3 Conv with bias on an [8, 8, 6, 6] input, 16 output channels."""
     nodes = [helper.make_node("Conv", ["X", "W", "B"], ["Y"], name="conv", pads=[1, 1, 1, 1], group=group)]
-    return make_model(nodes, [("X", TensorProto.FLOAT, [8, 8, 6, 6])], ["Y"],
-                      [weight("W", [16, 8 // group, 3, 3]), weight("B", [16])])
+    return make_model(
+        nodes, [("X", TensorProto.FLOAT, [8, 8, 6, 6])], ["Y"], [weight("W", [16, 8 // group, 3, 3]), weight("B", [16])]
+    )
 
 
 def random_model(seed: int) -> onnx.ModelProto:

@@ -42,11 +42,13 @@ def resnet_plan():
 
 
 def _is_strategy(value) -> bool:
-    return (type(value) is tuple
-            and all(type(entry) is tuple and all(type(f) is int and f >= 1 for f in entry) for entry in value))
+    return type(value) is tuple and all(
+        type(entry) is tuple and all(type(f) is int and f >= 1 for f in entry) for entry in value
+    )
 
 
 # --- plan.strategies and evaluate ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("devices", [4, 8])
 def test_strategies_cover_every_op(tiny, tiny_graph, devices):
@@ -89,6 +91,7 @@ def test_evaluate_scores_other_assignments_differently(tiny):
 
 
 # --- candidates -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("which, devices", [("tiny", 4), ("resnet", 8)])
 def test_candidates_start_with_data_parallel(which, devices, tiny_graph, resnet_graph):
@@ -158,23 +161,27 @@ def test_mixed_plan_is_not_trivial():
 
 # --- evaluate rejects bad strategies -----------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_base(tiny):
     return autopar.plan(tiny, devices=4, mode="stand_alone").strategies
 
 
-@pytest.mark.parametrize("op, strategy, words", [
-    ("conv1", ((3, 1, 1, 1), (1, 1, 1, 1)), "power of two"),
-    ("conv1", ((4, 2, 1, 1), (1, 2, 1, 1)), "more than"),          # 8 parts on 4 devices
-    ("layer1.0.conv1", ((4, 2, 1, 1), (2, 2, 1, 1)), "more than"),  # 4 x 2 x 2 parts
-    ("conv1", ((1, 2, 1, 1), (1, 2, 1, 1)), "does not divide"),    # 3 input channels
-    ("fc", ((1, 1), (4, 1), (4,)), "does not divide"),             # 10 classes
-    ("conv1", ((4, 1, 1), (1, 1, 1, 1)), "wrong shape"),
-    ("conv1", ((4, 1, 1, 1),), "wrong shape"),
-    ("conv1", ((4, 1, 1, 1), (1, 1, 1, 1), (1,)), "wrong shape"),
-    ("conv1", 5, "integer"),
-    ("conv1", ((1, 1, 2, 1), (1, 1, 1, 1)), "cannot be split"),
-])
+@pytest.mark.parametrize(
+    "op, strategy, words",
+    [
+        ("conv1", ((3, 1, 1, 1), (1, 1, 1, 1)), "power of two"),
+        ("conv1", ((4, 2, 1, 1), (1, 2, 1, 1)), "more than"),  # 8 parts on 4 devices
+        ("layer1.0.conv1", ((4, 2, 1, 1), (2, 2, 1, 1)), "more than"),  # 4 x 2 x 2 parts
+        ("conv1", ((1, 2, 1, 1), (1, 2, 1, 1)), "does not divide"),  # 3 input channels
+        ("fc", ((1, 1), (4, 1), (4,)), "does not divide"),  # 10 classes
+        ("conv1", ((4, 1, 1), (1, 1, 1, 1)), "wrong shape"),
+        ("conv1", ((4, 1, 1, 1),), "wrong shape"),
+        ("conv1", ((4, 1, 1, 1), (1, 1, 1, 1), (1,)), "wrong shape"),
+        ("conv1", 5, "integer"),
+        ("conv1", ((1, 1, 2, 1), (1, 1, 1, 1)), "cannot be split"),
+    ],
+)
 def test_evaluate_rejects_bad_strategy(tiny, tiny_base, op, strategy, words):
     strategies = dict(tiny_base)
     strategies[op] = strategy
@@ -212,6 +219,7 @@ def test_evaluate_rejects_non_integer_factor(tiny, tiny_base):
 
 # --- bad arguments ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("devices", [0, 3, 6, -8, True, 4.0])
 def test_devices_must_be_a_power_of_two(tiny_graph, tiny_base, devices):
     with pytest.raises(AutoparError, match="power of two"):
@@ -236,6 +244,7 @@ def test_unknown_precision_and_search(tiny_graph):
 
 # --- the bundled ResNet-50 ----------------------------------------------------------------------
 
+
 def test_auto_parallel_not_worse_than_data_parallel(resnet_plan, resnet_graph):
     data_parallel = autopar.plan(resnet_graph, devices=8, mode="data_parallel")
     assert resnet_plan.objective <= data_parallel.objective
@@ -246,6 +255,7 @@ def test_auto_parallel_not_worse_than_data_parallel(resnet_plan, resnet_graph):
 
 
 # --- serialisation ------------------------------------------------------------------------------
+
 
 def test_to_dict_round_trips_through_json_resnet50(resnet_plan):
     data = resnet_plan.to_dict()

@@ -24,8 +24,18 @@ RESNET50 = REPO / "models" / "resnet50.onnx"
 ASCEND910 = REPO / "costmodels" / "ascend910.toml"
 TINY = dict(batch=4, num_classes=10, image_size=32, width=8, blocks=(1, 1, 1, 1))
 
-PLAN_KEYS = {"schema", "model", "devices", "cost_model", "ops", "redistributions", "gradient_sync", "fallback_ops",
-             "totals", "search"}
+PLAN_KEYS = {
+    "schema",
+    "model",
+    "devices",
+    "cost_model",
+    "ops",
+    "redistributions",
+    "gradient_sync",
+    "fallback_ops",
+    "totals",
+    "search",
+}
 TOTALS_KEYS = {"step_time_s", "compute_s", "communication_s", "memory_per_device_bytes", "ideal_step_time_s"}
 SEARCH_KEYS = {"algorithm", "time_s", "candidates"}
 
@@ -65,6 +75,7 @@ def assert_one_line_error(err: str) -> None:
 
 
 # --- plan output --------------------------------------------------------------------------------
+
 
 def test_plan_table(capsys, tiny_path, tiny_ops):
     code, out, err = run(capsys, "plan", tiny_path, "--devices", "4")
@@ -129,8 +140,10 @@ def test_out_to_unwritable_place(capsys, tiny_path, tmp_path):
 
 # --- bad arguments ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, expect", [("6", "power of two"), ("0", "power of two"), ("-4", "power of two"),
-                                           ("abc", "integer")])
+
+@pytest.mark.parametrize(
+    "value, expect", [("6", "power of two"), ("0", "power of two"), ("-4", "power of two"), ("abc", "integer")]
+)
 def test_bad_device_counts(capsys, tiny_path, value, expect):
     code, out, err = run(capsys, "plan", tiny_path, "--devices", value)
     assert code == 2
@@ -210,9 +223,13 @@ def test_no_arguments(capsys):
 
 def test_unbound_symbolic_dim_and_dim_flag(capsys, tmp_path):
     w = numpy_helper.from_array(np.ones((16, 32), np.float32), "w")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "sym",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=[w])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "sym",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[w],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     path = tmp_path / "sym.onnx"
@@ -229,6 +246,7 @@ def test_unbound_symbolic_dim_and_dim_flag(capsys, tmp_path):
 
 
 # --- modes and precision ------------------------------------------------------------------------
+
 
 def test_data_parallel_mode_splits_only_the_batch(capsys, tiny_path):
     data = plan_json(capsys, tiny_path, "--devices", "4", "--mode", "data_parallel")
@@ -267,6 +285,7 @@ def test_unknown_precision_is_a_usage_error(capsys, tiny_path):
 
 
 # --- inspect ------------------------------------------------------------------------------------
+
 
 def test_inspect_table(capsys, tiny_path, tiny_ops):
     code, out, err = run(capsys, "inspect", tiny_path)
@@ -308,6 +327,7 @@ def test_inspect_batch_flag(capsys, tiny_path):
 
 # --- determinism and the real entry point -------------------------------------------------------
 
+
 def test_plan_json_is_deterministic(capsys, tiny_path):
     runs = []
     for _ in range(2):
@@ -322,7 +342,11 @@ def test_module_entry_point_subprocess():
     env.pop("AUTOPAR_DEBUG", None)
     proc = subprocess.run(
         [sys.executable, "-m", "autopar.cli", "plan", "models/resnet50.onnx", "--devices", "8", "--format", "json"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr

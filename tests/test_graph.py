@@ -21,10 +21,12 @@ TINY = dict(batch=4, num_classes=10, image_size=32, width=8, blocks=(1, 1, 1, 1)
 
 # --- helpers ------------------------------------------------------------------------------------
 
+
 def _model(nodes, inputs, outputs, initializers=(), name="handmade") -> onnx.ModelProto:
     """An opset-17 model; ``inputs``/``outputs`` are (name, elem_type, shape or None)."""
     graph = helper.make_graph(
-        list(nodes), name,
+        list(nodes),
+        name,
         [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
         [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
         initializer=list(initializers),
@@ -37,20 +39,23 @@ def _model(nodes, inputs, outputs, initializers=(), name="handmade") -> onnx.Mod
 def _symbolic_model() -> onnx.ModelProto:
     """x[N, S, 16] @ w[16, 32] -> Relu -> y: two symbolic input dimensions."""
     w = numpy_helper.from_array(np.ones((16, 32), np.float32), "w")
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-             helper.make_node("Relu", ["h"], ["y"], name="relu")]
-    return _model(nodes, [("x", TensorProto.FLOAT, ["N", "S", 16])], [("y", TensorProto.FLOAT, None)], [w],
-                  name="symbolic")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("Relu", ["h"], ["y"], name="relu"),
+    ]
+    return _model(
+        nodes, [("x", TensorProto.FLOAT, ["N", "S", 16])], [("y", TensorProto.FLOAT, None)], [w], name="symbolic"
+    )
 
 
 def _roles_model() -> onnx.ModelProto:
     """Weights next to configuration constants: which initializers are parameters?"""
     inits = [
-        numpy_helper.from_array(np.ones(16, np.float32), "scale"),               # learned: Mul by a vector
-        numpy_helper.from_array(np.ones((16, 16), np.float32), "w"),             # learned: MatMul weight
-        numpy_helper.from_array(np.array(-1.0, np.float32), "neg_one"),          # scalar: a constant
-        numpy_helper.from_array(np.array([0.0, 1.0], np.float32), "on_off"),     # OneHot values: config
-        numpy_helper.from_array(np.array(16, np.int64), "depth"),                # int: a constant
+        numpy_helper.from_array(np.ones(16, np.float32), "scale"),  # learned: Mul by a vector
+        numpy_helper.from_array(np.ones((16, 16), np.float32), "w"),  # learned: MatMul weight
+        numpy_helper.from_array(np.array(-1.0, np.float32), "neg_one"),  # scalar: a constant
+        numpy_helper.from_array(np.array([0.0, 1.0], np.float32), "on_off"),  # OneHot values: config
+        numpy_helper.from_array(np.array(16, np.int64), "depth"),  # int: a constant
     ]
     nodes = [
         helper.make_node("Mul", ["x", "scale"], ["a"], name="scale_mul"),
@@ -59,8 +64,12 @@ def _roles_model() -> onnx.ModelProto:
         helper.make_node("OneHot", ["idx", "depth", "on_off"], ["oh"], name="onehot", axis=-1),
         helper.make_node("Mul", ["c", "oh"], ["y"], name="pick"),
     ]
-    return _model(nodes, [("x", TensorProto.FLOAT, [8, 16]), ("idx", TensorProto.INT64, [8])],
-                  [("y", TensorProto.FLOAT, None)], inits)
+    return _model(
+        nodes,
+        [("x", TensorProto.FLOAT, [8, 16]), ("idx", TensorProto.INT64, [8])],
+        [("y", TensorProto.FLOAT, None)],
+        inits,
+    )
 
 
 def _assert_one_sentence(message: str) -> None:
@@ -71,6 +80,7 @@ def _assert_one_sentence(message: str) -> None:
 
 
 # --- fixtures -----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def resnet() -> Graph:
@@ -83,6 +93,7 @@ def tiny_proto() -> onnx.ModelProto:
 
 
 # --- the bundled ResNet-50 ----------------------------------------------------------------------
+
 
 def test_resnet50_operator_count_after_folding(resnet):
     assert len(resnet.ops) == 186
@@ -173,6 +184,7 @@ def test_resnet50_loss_constants_are_not_parameters(resnet):
 
 # --- batch and symbolic dimensions --------------------------------------------------------------
 
+
 def test_batch_override_propagates(tiny_proto):
     base = load_model(tiny_proto)
     graph = load_model(tiny_proto, batch=16)
@@ -240,6 +252,7 @@ def test_dims_on_a_model_without_symbols_is_an_error(tiny_proto):
 
 # --- unreadable files ---------------------------------------------------------------------------
 
+
 def test_missing_file(tmp_path):
     path = tmp_path / "nope.onnx"
     with pytest.raises(ModelImportError) as info:
@@ -284,6 +297,7 @@ def test_import_errors_are_autopar_errors():
 
 # --- constants vs parameters --------------------------------------------------------------------
 
+
 def test_roles_of_initializers():
     graph = load_model(_roles_model())
     assert graph.tensor("on_off").kind == "constant"  # OneHot's float `values` configure the op
@@ -311,6 +325,7 @@ def test_constant_node_is_folded():
 
 # --- ModelProto input ---------------------------------------------------------------------------
 
+
 def test_model_proto_is_accepted_and_not_mutated(tiny_proto):
     before = tiny_proto.SerializeToString()
     graph = load_model(tiny_proto, batch=8)
@@ -335,10 +350,12 @@ def test_proto_and_file_give_the_same_graph(tiny_proto, tmp_path):
     onnx.save(tiny_proto, str(path))
     from_file, from_proto = load_model(path), load_model(tiny_proto)
     assert from_file.name == "tiny"
-    assert [(op.name, op.op_type, op.flops) for op in from_file.ops] == \
-           [(op.name, op.op_type, op.flops) for op in from_proto.ops]
-    assert {k: (t.shape, t.kind, t.trainable) for k, t in from_file.tensors.items()} == \
-           {k: (t.shape, t.kind, t.trainable) for k, t in from_proto.tensors.items()}
+    assert [(op.name, op.op_type, op.flops) for op in from_file.ops] == [
+        (op.name, op.op_type, op.flops) for op in from_proto.ops
+    ]
+    assert {k: (t.shape, t.kind, t.trainable) for k, t in from_file.tensors.items()} == {
+        k: (t.shape, t.kind, t.trainable) for k, t in from_proto.tensors.items()
+    }
 
 
 def test_tiny_parameter_count_matches_the_onnx_file(tiny_proto):
@@ -355,19 +372,24 @@ def test_tiny_parameter_count_matches_the_onnx_file(tiny_proto):
 
 # --- operator names -----------------------------------------------------------------------------
 
+
 def test_operator_names_are_unique_after_renaming():
-    nodes = [helper.make_node("Relu", ["x"], ["a"], name="r"),
-             helper.make_node("Relu", ["a"], ["b"], name="r"),
-             helper.make_node("Relu", ["b"], ["y"], name="r_1")]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="r"),
+        helper.make_node("Relu", ["a"], ["b"], name="r"),
+        helper.make_node("Relu", ["b"], ["y"], name="r_1"),
+    ]
     graph = load_model(_model(nodes, [("x", TensorProto.FLOAT, [8, 16])], [("y", TensorProto.FLOAT, None)]))
     names = [op.name for op in graph.ops]
     assert len(set(names)) == 3, names
 
 
 def test_duplicate_and_missing_names_are_made_unique():
-    nodes = [helper.make_node("Relu", ["x"], ["a"], name="r"),
-             helper.make_node("Relu", ["a"], ["b"], name="r"),
-             helper.make_node("Relu", ["b"], ["y"])]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="r"),
+        helper.make_node("Relu", ["a"], ["b"], name="r"),
+        helper.make_node("Relu", ["b"], ["y"]),
+    ]
     graph = load_model(_model(nodes, [("x", TensorProto.FLOAT, [8, 16])], [("y", TensorProto.FLOAT, None)]))
     names = [op.name for op in graph.ops]
     assert len(set(names)) == 3, names
@@ -377,22 +399,27 @@ def test_duplicate_and_missing_names_are_made_unique():
 
 # --- shape computations and hard-coded batch sizes -------------------------------------------------
 
+
 def _shape_subgraph_model(batch: int = 4) -> onnx.ModelProto:
     """x: [B, 6, 8] reshaped to [B, 48] through Shape -> Gather -> Unsqueeze -> Concat; a Range adds 0..47."""
-    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"),
-             numpy_helper.from_array(np.array([48], np.int64), "rest"),
-             numpy_helper.from_array(np.array([0], np.int64), "axes0"),
-             numpy_helper.from_array(np.array(1, np.int64), "one"),
-             numpy_helper.from_array(np.array(48, np.int64), "limit")]
-    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
-             helper.make_node("Gather", ["s", "zero"], ["b"], name="batch_of", axis=0),
-             helper.make_node("Unsqueeze", ["b", "axes0"], ["b1"], name="as_list"),
-             helper.make_node("Concat", ["b1", "rest"], ["target"], name="target", axis=0),
-             helper.make_node("Reshape", ["x", "target"], ["flat"], name="flatten"),
-             helper.make_node("Range", ["zero", "limit", "one"], ["positions"], name="positions"),
-             helper.make_node("Cast", ["positions"], ["pos_f"], name="pos_float", to=TensorProto.FLOAT),
-             helper.make_node("ReduceSum", ["flat", "axes0"], ["y"], name="total", keepdims=0),
-             helper.make_node("Add", ["y", "pos_f"], ["z"], name="shift")]
+    inits = [
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        numpy_helper.from_array(np.array([48], np.int64), "rest"),
+        numpy_helper.from_array(np.array([0], np.int64), "axes0"),
+        numpy_helper.from_array(np.array(1, np.int64), "one"),
+        numpy_helper.from_array(np.array(48, np.int64), "limit"),
+    ]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"], name="shape"),
+        helper.make_node("Gather", ["s", "zero"], ["b"], name="batch_of", axis=0),
+        helper.make_node("Unsqueeze", ["b", "axes0"], ["b1"], name="as_list"),
+        helper.make_node("Concat", ["b1", "rest"], ["target"], name="target", axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["flat"], name="flatten"),
+        helper.make_node("Range", ["zero", "limit", "one"], ["positions"], name="positions"),
+        helper.make_node("Cast", ["positions"], ["pos_f"], name="pos_float", to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["flat", "axes0"], ["y"], name="total", keepdims=0),
+        helper.make_node("Add", ["y", "pos_f"], ["z"], name="shift"),
+    ]
     return _model(nodes, [("x", TensorProto.FLOAT, [batch, 6, 8])], [("z", TensorProto.FLOAT, None)], inits)
 
 
@@ -410,8 +437,10 @@ def test_shape_subgraphs_are_folded_to_constants():
 
 def _hard_coded_reshape(batch: int = 1, target=(1, 48)) -> onnx.ModelProto:
     inits = [numpy_helper.from_array(np.array(target, np.int64), "target")]
-    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
-             helper.make_node("Reshape", ["r", "target"], ["y"], name="flatten")]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Reshape", ["r", "target"], ["y"], name="flatten"),
+    ]
     return _model(nodes, [("x", TensorProto.FLOAT, [batch, 6, 8])], [("y", TensorProto.FLOAT, [batch, 48])], inits)
 
 

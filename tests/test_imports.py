@@ -13,8 +13,17 @@ import pytest
 import autopar
 
 PACKAGE_DIR = Path(autopar.__file__).resolve().parent
-CORE = ("autopar.graph", "autopar.ops", "autopar.layout", "autopar.redistribute", "autopar.strategy", "autopar.cost",
-        "autopar.search", "autopar.lowering", "autopar.spmd")
+CORE = (
+    "autopar.graph",
+    "autopar.ops",
+    "autopar.layout",
+    "autopar.redistribute",
+    "autopar.strategy",
+    "autopar.cost",
+    "autopar.search",
+    "autopar.lowering",
+    "autopar.spmd",
+)
 FACES = ("autopar.report", "autopar.cli", "autopar.api")
 
 
@@ -30,7 +39,8 @@ MODULES = {_module_name(path): path for path in sorted(PACKAGE_DIR.rglob("*.py")
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
@@ -59,7 +69,7 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
         if node.level:
             is_package = MODULES[module].name == "__init__.py"
             base = module.split(".")
-            base = base[:len(base) - node.level + (1 if is_package else 0)]
+            base = base[: len(base) - node.level + (1 if is_package else 0)]
             prefix = ".".join(base + ([node.module] if node.module else []))
         else:
             prefix = node.module or ""
@@ -101,9 +111,11 @@ def test_the_walk_resolves_relative_imports():
 
 
 def test_type_checking_imports_are_skipped_but_function_imports_are_not():
-    source = ("from typing import TYPE_CHECKING\n"
-              "if TYPE_CHECKING:\n    import autopar.api\n"
-              "def f():\n    import autopar.cli\n")
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import autopar.api\n"
+        "def f():\n    import autopar.cli\n"
+    )
     found = set().union(*(_targets("autopar.layout", node) for node in _imports(ast.parse(source))))
     assert found == {"autopar.cli"}
 
@@ -129,8 +141,9 @@ def test_core_never_imports_the_faces():
     bad = sorted((module, target) for module in core for target in graph.successors(module) if _in(target, FACES))
     assert bad == []
     # not even indirectly
-    reached = sorted((module, target) for module in core for target in nx.descendants(graph, module)
-                     if _in(target, FACES))
+    reached = sorted(
+        (module, target) for module in core for target in nx.descendants(graph, module) if _in(target, FACES)
+    )
     assert reached == []
 
 

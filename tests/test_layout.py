@@ -49,6 +49,7 @@ def test_power_of_two_helpers():
 
 # --- canonical form -------------------------------------------------------------------------------
 
+
 def test_partial_bits_are_canonical():
     dims = ((2,), ())
     assert Layout(dims, partial=(1, 0)) == Layout(dims, partial=(0, 1))
@@ -66,13 +67,16 @@ def test_partial_op_is_a_reduce_op():
         Layout(((),), partial=(0,), partial_op="avg")
 
 
-@pytest.mark.parametrize("dims, partial", [
-    (((-3,),), ()),
-    (((),), (-3,)),
-    (((True,),), ()),
-    (((),), (False,)),
-    (((1.0,),), ()),
-])
+@pytest.mark.parametrize(
+    "dims, partial",
+    [
+        (((-3,),), ()),
+        (((),), (-3,)),
+        (((True,),), ()),
+        (((),), (False,)),
+        (((1.0,),), ()),
+    ],
+)
 def test_bad_bits_are_refused(dims, partial):
     with pytest.raises(ValueError, match="mesh bit"):
         Layout(dims, partial=partial)

@@ -14,8 +14,17 @@ MODELS = {path.stem.removeprefix("light_"): path for path in light_models()}
 
 
 def test_all_nine_files_are_found():
-    assert sorted(MODELS) == ["bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet50", "shufflenet",
-                              "squeezenet", "vgg19", "zfnet512"]
+    assert sorted(MODELS) == [
+        "bvlc_alexnet",
+        "densenet121",
+        "inception_v1",
+        "inception_v2",
+        "resnet50",
+        "shufflenet",
+        "squeezenet",
+        "vgg19",
+        "zfnet512",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

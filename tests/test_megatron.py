@@ -35,17 +35,29 @@ MEGATRON = {"fc1": ((1, 1), (1, 8)), "act": ((1, 8),), "fc2": ((1, 8), (8, 1))}
 def flat_profile() -> HardwareProfile:
     data = simple_profile_dict()
     data["compute"]["peak_flops_fp16"] = {"value": 1e9, "source": "test value"}
-    data["links"] = [{"name": "flat", "bits": 40, "bandwidth": {"value": 1e9, "source": "test value"},
-                      "latency": {"value": 1e-6, "source": "test value"}}]
+    data["links"] = [
+        {
+            "name": "flat",
+            "bits": 40,
+            "bandwidth": {"value": 1e9, "source": "test value"},
+            "latency": {"value": 1e-6, "source": "test value"},
+        }
+    ]
     return HardwareProfile.model_validate(data)
 
 
 def mlp(tokens: int, hidden: int):
-    nodes = [helper.make_node("MatMul", ["X", "W1"], ["H"], name="fc1"),
-             helper.make_node("Relu", ["H"], ["A"], name="act"),
-             helper.make_node("MatMul", ["A", "W2"], ["Z"], name="fc2")]
-    return make_model(nodes, [("X", TensorProto.FLOAT, [tokens, hidden])], ["Z"],
-                      [weight("W1", [hidden, 4 * hidden], 1), weight("W2", [4 * hidden, hidden], 2)])
+    nodes = [
+        helper.make_node("MatMul", ["X", "W1"], ["H"], name="fc1"),
+        helper.make_node("Relu", ["H"], ["A"], name="act"),
+        helper.make_node("MatMul", ["A", "W2"], ["Z"], name="fc2"),
+    ]
+    return make_model(
+        nodes,
+        [("X", TensorProto.FLOAT, [tokens, hidden])],
+        ["Z"],
+        [weight("W1", [hidden, 4 * hidden], 1), weight("W2", [4 * hidden, hidden], 2)],
+    )
 
 
 def compute(tokens: int, hidden: int) -> float:
@@ -86,8 +98,9 @@ def test_megatron_wins_with_large_hidden_and_few_tokens(flat_profile):
     model = mlp(tokens, hidden)
     plan = check_costs_and_search(model, flat_profile, dp, megatron, MEGATRON)
     # A stays where fc1 put it; the one collective is Z's AllReduce
-    moves = [(entry["tensor"], step["collective"]) for entry in plan.to_dict()["redistributions"]
-             for step in entry["steps"]]
+    moves = [
+        (entry["tensor"], step["collective"]) for entry in plan.to_dict()["redistributions"] for step in entry["steps"]
+    ]
     assert moves == [("Z", "AllReduce")]
     report = autopar.verify(model, plan)
     assert report.ok, report.problems

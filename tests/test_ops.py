@@ -10,9 +10,32 @@ from autopar.ops import registered_op_types
 from autopar.ops.shape import reshape_labels
 from tests.conftest import conv_model, make_model, rule_for, weight
 
-ISSUE_OPS = ["Conv", "BatchNormalization", "Relu", "MaxPool", "AveragePool", "GlobalAveragePool", "Add", "Sum",
-             "Flatten", "Reshape", "Gemm", "MatMul", "ReduceMax", "ReduceSum", "ReduceMean", "Sub", "Exp", "Div",
-             "Log", "OneHot", "Mul", "Neg", "Identity", "Cast"]
+ISSUE_OPS = [
+    "Conv",
+    "BatchNormalization",
+    "Relu",
+    "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
+    "Add",
+    "Sum",
+    "Flatten",
+    "Reshape",
+    "Gemm",
+    "MatMul",
+    "ReduceMax",
+    "ReduceSum",
+    "ReduceMean",
+    "Sub",
+    "Exp",
+    "Div",
+    "Log",
+    "OneHot",
+    "Mul",
+    "Neg",
+    "Identity",
+    "Cast",
+]
 
 
 def test_every_required_op_has_a_rule():
@@ -99,12 +122,15 @@ def test_broadcast_dims_are_never_split():
     assert rule.input_layouts(exponents)[1] == Layout(((2,), ()))
 
 
-@pytest.mark.parametrize("src, dst, expected", [
-    ((256, 2048, 1, 1), (256, 2048), (("r0", "r1", None, None), ("r0", "r1"))),
-    ((4, 6), (24,), (("r0", None), ("r0",))),
-    ((24,), (4, 6), (("r0",), ("r0", None))),
-    ((6, 4), (4, 6), (("r0", None), ("r0", None))),
-])
+@pytest.mark.parametrize(
+    "src, dst, expected",
+    [
+        ((256, 2048, 1, 1), (256, 2048), (("r0", "r1", None, None), ("r0", "r1"))),
+        ((4, 6), (24,), (("r0", None), ("r0",))),
+        ((24,), (4, 6), (("r0",), ("r0", None))),
+        ((6, 4), (4, 6), (("r0", None), ("r0", None))),
+    ],
+)
 def test_reshape_keeps_splits_that_stay_contiguous(src, dst, expected):
     assert reshape_labels(src, dst) == expected
 

@@ -24,10 +24,46 @@ pytest.importorskip("onnxruntime")
 
 F, I64, B = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 
-ISSUE_OPS = ["MatMul", "Gemm", "Transpose", "Reshape", "Flatten", "Unsqueeze", "Squeeze", "Concat", "Split", "Slice",
-             "Gather", "GatherElements", "LayerNormalization", "ReduceMean", "Sub", "Pow", "Sqrt", "Div", "Add",
-             "Softmax", "LogSoftmax", "Erf", "Tanh", "Sigmoid", "Gelu", "Where", "Expand", "Equal", "And", "Not",
-             "Dropout", "Cast", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", "LRN", "Clip", "Max", "Min"]
+ISSUE_OPS = [
+    "MatMul",
+    "Gemm",
+    "Transpose",
+    "Reshape",
+    "Flatten",
+    "Unsqueeze",
+    "Squeeze",
+    "Concat",
+    "Split",
+    "Slice",
+    "Gather",
+    "GatherElements",
+    "LayerNormalization",
+    "ReduceMean",
+    "Sub",
+    "Pow",
+    "Sqrt",
+    "Div",
+    "Add",
+    "Softmax",
+    "LogSoftmax",
+    "Erf",
+    "Tanh",
+    "Sigmoid",
+    "Gelu",
+    "Where",
+    "Expand",
+    "Equal",
+    "And",
+    "Not",
+    "Dropout",
+    "Cast",
+    "SoftmaxCrossEntropyLoss",
+    "NegativeLogLikelihoodLoss",
+    "LRN",
+    "Clip",
+    "Max",
+    "Min",
+]
 
 
 def ints(name, values):
@@ -50,27 +86,58 @@ def single(op_type, inputs, shapes, outputs=("Y",), initializers=(), opset=17, *
 CASES = {
     "matmul_broadcast": lambda: single("MatMul", ["A", "Bm"], [("A", F, [2, 1, 4, 8]), ("Bm", F, [4, 8, 4])]),
     "matmul_vector": lambda: single("MatMul", ["A", "v"], [("A", F, [4, 8, 8]), ("v", F, [8])]),
-    "gemm_trans": lambda: single("Gemm", ["A", "W", "C"], [("A", F, [8, 4])], transA=1, transB=1,
-                                 initializers=[weight("W", [8, 8]), weight("C", [8])]),
+    "gemm_trans": lambda: single(
+        "Gemm",
+        ["A", "W", "C"],
+        [("A", F, [8, 4])],
+        transA=1,
+        transB=1,
+        initializers=[weight("W", [8, 8]), weight("C", [8])],
+    ),
     "transpose": lambda: single("Transpose", ["X"], [("X", F, [2, 4, 8, 4])], perm=[0, 2, 1, 3]),
     "concat": lambda: single("Concat", ["X", "Z"], [("X", F, [4, 2, 8]), ("Z", F, [4, 6, 8])], axis=1),
-    "split": lambda: single("Split", ["X", "sizes"], [("X", F, [4, 8, 8])], outputs=("Y1", "Y2"), axis=2,
-                            initializers=[ints("sizes", [2, 6])]),
-    "slice": lambda: single("Slice", ["X", "s", "e", "ax"], [("X", F, [4, 8, 8])],
-                            initializers=[ints("s", [1]), ints("e", [5]), ints("ax", [1])]),
-    "slice_whole_axis": lambda: single("Slice", ["X", "s", "e", "ax"], [("X", F, [4, 8, 8])],
-                                       initializers=[ints("s", [0, 0]), ints("e", [8, 3]), ints("ax", [1, 2])]),
+    "split": lambda: single(
+        "Split",
+        ["X", "sizes"],
+        [("X", F, [4, 8, 8])],
+        outputs=("Y1", "Y2"),
+        axis=2,
+        initializers=[ints("sizes", [2, 6])],
+    ),
+    "slice": lambda: single(
+        "Slice",
+        ["X", "s", "e", "ax"],
+        [("X", F, [4, 8, 8])],
+        initializers=[ints("s", [1]), ints("e", [5]), ints("ax", [1])],
+    ),
+    "slice_whole_axis": lambda: single(
+        "Slice",
+        ["X", "s", "e", "ax"],
+        [("X", F, [4, 8, 8])],
+        initializers=[ints("s", [0, 0]), ints("e", [8, 3]), ints("ax", [1, 2])],
+    ),
     "pad": lambda: single("Pad", ["X", "p"], [("X", F, [4, 4, 6])], initializers=[ints("p", [0, 0, 1, 0, 0, 2])]),
     "tile": lambda: single("Tile", ["X", "r"], [("X", F, [4, 4])], initializers=[ints("r", [1, 2])]),
     "expand": lambda: single("Expand", ["X", "s"], [("X", F, [4, 1, 8])], initializers=[ints("s", [2, 4, 4, 8])]),
-    "gather_embedding": lambda: single("Gather", ["E", "ids"], [("ids", I64, [4, 8])],
-                                       initializers=[weight("E", [16, 8])]),
+    "gather_embedding": lambda: single(
+        "Gather", ["E", "ids"], [("ids", I64, [4, 8])], initializers=[weight("E", [16, 8])]
+    ),
     "gather_token": lambda: single("Gather", ["X", "k"], [("X", F, [4, 8, 8])], axis=1, initializers=[ints("k", 3)]),
     "gather_elements": lambda: single("GatherElements", ["X", "idx"], [("X", F, [4, 8]), ("idx", I64, [4, 8])], axis=1),
-    "layer_norm": lambda: single("LayerNormalization", ["X", "g", "b"], [("X", F, [4, 8, 16])],
-                                 initializers=[weight("g", [16]), weight("b", [16], 1)], axis=-1, epsilon=1e-5),
-    "instance_norm": lambda: single("InstanceNormalization", ["X", "g", "b"], [("X", F, [4, 8, 6])],
-                                    initializers=[weight("g", [8]), weight("b", [8], 1)]),
+    "layer_norm": lambda: single(
+        "LayerNormalization",
+        ["X", "g", "b"],
+        [("X", F, [4, 8, 16])],
+        initializers=[weight("g", [16]), weight("b", [16], 1)],
+        axis=-1,
+        epsilon=1e-5,
+    ),
+    "instance_norm": lambda: single(
+        "InstanceNormalization",
+        ["X", "g", "b"],
+        [("X", F, [4, 8, 6])],
+        initializers=[weight("g", [8]), weight("b", [8], 1)],
+    ),
     "softmax": lambda: single("Softmax", ["X"], [("X", F, [4, 8, 16])], axis=1),
     "softmax_opset11": lambda: single("Softmax", ["X"], [("X", F, [4, 8, 16])], axis=1, opset=11),
     "log_softmax": lambda: single("LogSoftmax", ["X"], [("X", F, [4, 8, 16])]),
@@ -78,37 +145,62 @@ CASES = {
     "erf": lambda: single("Erf", ["X"], [("X", F, [4, 8])]),
     "tanh": lambda: single("Tanh", ["X"], [("X", F, [4, 8])]),
     "sigmoid": lambda: single("Sigmoid", ["X"], [("X", F, [4, 8])]),
-    "sqrt_abs": lambda: make_model([helper.make_node("Abs", ["X"], ["A"], name="abs"),
-                                    helper.make_node("Sqrt", ["A"], ["Y"], name="op")], [("X", F, [4, 8])], ["Y"]),
+    "sqrt_abs": lambda: make_model(
+        [helper.make_node("Abs", ["X"], ["A"], name="abs"), helper.make_node("Sqrt", ["A"], ["Y"], name="op")],
+        [("X", F, [4, 8])],
+        ["Y"],
+    ),
     "pow": lambda: single("Pow", ["X", "two"], [("X", F, [4, 8])], initializers=[floats("two", 2.0)]),
     "where": lambda: single("Where", ["c", "X", "Z"], [("c", B, [1, 8]), ("X", F, [4, 8]), ("Z", F, [4, 1])]),
     "equal_and_not": lambda: make_model(
-        [helper.make_node("Equal", ["a", "b"], ["e"], name="eq"), helper.make_node("Not", ["e"], ["n"], name="not"),
-         helper.make_node("And", ["n", "c"], ["Y"], name="op")],
-        [("a", I64, [4, 8]), ("b", I64, [4, 8]), ("c", B, [4, 8])], ["Y"]),
+        [
+            helper.make_node("Equal", ["a", "b"], ["e"], name="eq"),
+            helper.make_node("Not", ["e"], ["n"], name="not"),
+            helper.make_node("And", ["n", "c"], ["Y"], name="op"),
+        ],
+        [("a", I64, [4, 8]), ("b", I64, [4, 8]), ("c", B, [4, 8])],
+        ["Y"],
+    ),
     "dropout_cast": lambda: make_model(
-        [helper.make_node("Dropout", ["X"], ["d"], name="drop"), helper.make_node("Cast", ["d"], ["Y"], name="op",
-                                                                                   to=TensorProto.DOUBLE)],
-        [("X", F, [4, 8])], ["Y"]),
-    "clip": lambda: single("Clip", ["X", "lo", "hi"], [("X", F, [4, 8])],
-                           initializers=[floats("lo", -0.5), floats("hi", 0.5)]),
+        [
+            helper.make_node("Dropout", ["X"], ["d"], name="drop"),
+            helper.make_node("Cast", ["d"], ["Y"], name="op", to=TensorProto.DOUBLE),
+        ],
+        [("X", F, [4, 8])],
+        ["Y"],
+    ),
+    "clip": lambda: single(
+        "Clip", ["X", "lo", "hi"], [("X", F, [4, 8])], initializers=[floats("lo", -0.5), floats("hi", 0.5)]
+    ),
     "max_min": lambda: make_model(
         [helper.make_node("Max", ["X", "Z"], ["m"], name="max"), helper.make_node("Min", ["m", "X"], ["Y"], name="op")],
-        [("X", F, [4, 8]), ("Z", F, [8])], ["Y"]),
+        [("X", F, [4, 8]), ("Z", F, [8])],
+        ["Y"],
+    ),
     "sce_mean": lambda: single("SoftmaxCrossEntropyLoss", ["X", "t"], [("X", F, [8, 16]), ("t", I64, [8])]),
-    "sce_sum_3d": lambda: single("SoftmaxCrossEntropyLoss", ["X", "t"], [("X", F, [4, 16, 8]), ("t", I64, [4, 8])],
-                                 reduction="sum"),
-    "sce_ignore_index": lambda: single("SoftmaxCrossEntropyLoss", ["X", "t"], [("X", F, [8, 16]), ("t", I64, [8])],
-                                       ignore_index=1),
-    "nll_none": lambda: single("NegativeLogLikelihoodLoss", ["X", "t"], [("X", F, [8, 16]), ("t", I64, [8])],
-                               reduction="none"),
+    "sce_sum_3d": lambda: single(
+        "SoftmaxCrossEntropyLoss", ["X", "t"], [("X", F, [4, 16, 8]), ("t", I64, [4, 8])], reduction="sum"
+    ),
+    "sce_ignore_index": lambda: single(
+        "SoftmaxCrossEntropyLoss", ["X", "t"], [("X", F, [8, 16]), ("t", I64, [8])], ignore_index=1
+    ),
+    "nll_none": lambda: single(
+        "NegativeLogLikelihoodLoss", ["X", "t"], [("X", F, [8, 16]), ("t", I64, [8])], reduction="none"
+    ),
     "lrn": lambda: single("LRN", ["X"], [("X", F, [4, 8, 4, 4])], size=3),
     "unsqueeze_squeeze": lambda: make_model(
-        [helper.make_node("Unsqueeze", ["X", "a"], ["u"], name="unsq"),
-         helper.make_node("Squeeze", ["u", "a"], ["Y"], name="op")], [("X", F, [4, 8])], ["Y"], [ints("a", [1])]),
+        [
+            helper.make_node("Unsqueeze", ["X", "a"], ["u"], name="unsq"),
+            helper.make_node("Squeeze", ["u", "a"], ["Y"], name="op"),
+        ],
+        [("X", F, [4, 8])],
+        ["Y"],
+        [ints("a", [1])],
+    ),
     "flatten": lambda: single("Flatten", ["X"], [("X", F, [4, 2, 4])], axis=1),
-    "reshape_heads": lambda: single("Reshape", ["X", "s"], [("X", F, [2, 4, 16])],
-                                    initializers=[ints("s", [2, 4, 4, 4])]),
+    "reshape_heads": lambda: single(
+        "Reshape", ["X", "s"], [("X", F, [2, 4, 16])], initializers=[ints("s", [2, 4, 4, 4])]
+    ),
     "reduce_mean_last": lambda: single("ReduceMean", ["X"], [("X", F, [4, 8])], axes=[-1]),
 }
 
@@ -154,11 +246,14 @@ def test_embedding_vocab_split_gives_a_partial_sum():
     assert split_axes(CASES["gather_embedding"]())[0] == (0, 1)
 
 
-@pytest.mark.parametrize("case, strategy", [
-    ("gather_embedding", ((4, 1), (1, 1))),  # vocabulary rows split: masked lookups, summed
-    ("gather_embedding", ((2, 1), (2, 1))),
-    ("gather_token", ((1, 4, 1), ())),  # the gathered sequence axis split: one rank holds the token
-])
+@pytest.mark.parametrize(
+    "case, strategy",
+    [
+        ("gather_embedding", ((4, 1), (1, 1))),  # vocabulary rows split: masked lookups, summed
+        ("gather_embedding", ((2, 1), (2, 1))),
+        ("gather_token", ((1, 4, 1), ())),  # the gathered sequence axis split: one rank holds the token
+    ],
+)
 def test_split_gather_axis_verifies(case, strategy):
     model = CASES[case]()
     report = autopar.verify(model, {"op": strategy}, devices=4)
@@ -195,8 +290,10 @@ def test_mean_loss_split_over_samples_is_a_partial_sum():
 def test_unknown_operator_runs_replicated_and_is_reported(tmp_path, capsys):
     from autopar.cli import main
 
-    nodes = [helper.make_node("Relu", ["X"], ["r"], name="relu"),
-             helper.make_node("CumSum", ["r", "axis"], ["Y"], name="cumsum")]
+    nodes = [
+        helper.make_node("Relu", ["X"], ["r"], name="relu"),
+        helper.make_node("CumSum", ["r", "axis"], ["Y"], name="cumsum"),
+    ]
     model = make_model(nodes, [("X", F, [8, 8])], ["Y"], [ints("axis", 1)])
     with pytest.warns(FallbackWarning, match=r"cumsum \(CumSum\)"):
         plan = autopar.plan(model, devices=8)

@@ -85,12 +85,15 @@ def _assert_one_line_error(code: int, err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("how, field", [
-    ("no_strategy", "strategy"),
-    ("strategy_int", "strategy"),
-    ("redistributions_string", "redistributions"),
-    ("no_ops", "ops"),
-])
+@pytest.mark.parametrize(
+    "how, field",
+    [
+        ("no_strategy", "strategy"),
+        ("strategy_int", "strategy"),
+        ("redistributions_string", "redistributions"),
+        ("no_ops", "ops"),
+    ],
+)
 def test_broken_plan_files_are_refused_naming_the_field(tmp_path, capsys, model_and_plan, how, field):
     model_path, data = model_and_plan
     broken = tmp_path / "broken.json"  # a name that spells no field

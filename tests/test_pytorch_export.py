@@ -21,8 +21,13 @@ EXPORTERS = ("legacy", "dynamo")
 
 
 def torch_parameter_count(vocab: int, hidden: int, heads: int, seq: int, layers: int) -> int:
-    block = 2 * 2 * hidden + (3 * hidden * hidden + 3 * hidden) + (hidden * hidden + hidden) \
-        + (4 * hidden * hidden + 4 * hidden) + (4 * hidden * hidden + hidden)
+    block = (
+        2 * 2 * hidden
+        + (3 * hidden * hidden + 3 * hidden)
+        + (hidden * hidden + hidden)
+        + (4 * hidden * hidden + 4 * hidden)
+        + (4 * hidden * hidden + hidden)
+    )
     return vocab * hidden + seq * hidden + layers * block + 2 * hidden + hidden * vocab
 
 

@@ -16,14 +16,17 @@ def kinds(src: Layout, dst: Layout, shape=(8, 8)) -> list[str]:
     return [s.kind for s in redistribute(src, dst, shape, itemsize=4)]
 
 
-@pytest.mark.parametrize("src, dst, expected", [
-    (Layout(((0,), ())), Layout(((), ())), ["AllGather"]),                 # split -> replicated
-    (Layout(((), ())), Layout(((0,), ())), ["Slice"]),                     # replicated -> split
-    (Layout(((0,), ())), Layout(((), (0,))), ["AllToAll"]),                # split a -> split b
-    (Layout(((), ()), (0,)), Layout(((), ())), ["AllReduce"]),             # partial -> replicated
-    (Layout(((), ()), (0,)), Layout(((0,), ())), ["ReduceScatter"]),       # partial -> split
-    (Layout(((1, 0), ())), Layout(((1, 0), ())), []),                      # same role
-])
+@pytest.mark.parametrize(
+    "src, dst, expected",
+    [
+        (Layout(((0,), ())), Layout(((), ())), ["AllGather"]),  # split -> replicated
+        (Layout(((), ())), Layout(((0,), ())), ["Slice"]),  # replicated -> split
+        (Layout(((0,), ())), Layout(((), (0,))), ["AllToAll"]),  # split a -> split b
+        (Layout(((), ()), (0,)), Layout(((), ())), ["AllReduce"]),  # partial -> replicated
+        (Layout(((), ()), (0,)), Layout(((0,), ())), ["ReduceScatter"]),  # partial -> split
+        (Layout(((1, 0), ())), Layout(((1, 0), ())), []),  # same role
+    ],
+)
 def test_design_table_rows(src, dst, expected):
     assert kinds(src, dst) == expected
 

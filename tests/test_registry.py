@@ -103,8 +103,10 @@ def test_class_labels_are_bounded_by_the_class_count():
 def test_index_bound_is_the_smallest_over_consumers():
     depth = helper.make_tensor("depth", TensorProto.INT64, [], [10])
     values = helper.make_tensor("values", TensorProto.FLOAT, [2], [0.0, 1.0])
-    nodes = [helper.make_node("OneHot", ["L", "depth", "values"], ["Y"], name="oh", axis=-1),
-             helper.make_node("Gather", ["E", "L"], ["Z"], name="g", axis=0)]
+    nodes = [
+        helper.make_node("OneHot", ["L", "depth", "values"], ["Y"], name="oh", axis=-1),
+        helper.make_node("Gather", ["E", "L"], ["Z"], name="g", axis=0),
+    ]
     graph = _int_input_model(nodes, [("L", TensorProto.INT64, [8])], ["Y", "Z"], [depth, values, weight("E", [7, 5])])
     assert index_bound(graph, "L") == 7
 
@@ -121,12 +123,15 @@ def test_declared_non_differentiable_ops():
     assert "ArgMax" not in registered_op_types()  # declared, not ruled
 
 
-@pytest.mark.parametrize("op_type, keeps", [
-    ("MatMul", Keeps.INPUTS),
-    ("Softmax", Keeps.OUTPUTS),
-    ("Relu", Keeps.OUTPUTS),
-    ("Add", Keeps.NOTHING),
-    ("Reshape", Keeps.NOTHING),
-])
+@pytest.mark.parametrize(
+    "op_type, keeps",
+    [
+        ("MatMul", Keeps.INPUTS),
+        ("Softmax", Keeps.OUTPUTS),
+        ("Relu", Keeps.OUTPUTS),
+        ("Add", Keeps.NOTHING),
+        ("Reshape", Keeps.NOTHING),
+    ],
+)
 def test_what_the_backward_keeps(op_type, keeps):
     assert lookup(op_type, "", 17).keeps == keeps

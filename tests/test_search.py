@@ -54,8 +54,10 @@ def test_dp_matches_public_api_brute_force():
     plan = autopar.plan(model, devices=2, cost_model=prof)
     problem = autopar.build(model, 2, prof)
     names = list(cands)
-    best = min(problem.objective([cands[n].index(s) for n, s in zip(names, combo)])
-               for combo in itertools.product(*(cands[n] for n in names)))
+    best = min(
+        problem.objective([cands[n].index(s) for n, s in zip(names, combo)])
+        for combo in itertools.product(*(cands[n] for n in names))
+    )
     assert plan.objective == pytest.approx(best, rel=1e-9)
     assert plan.objective == pytest.approx(autopar.evaluate(model, 2, plan.strategies, cost_model=prof), rel=1e-12)
 
@@ -81,8 +83,11 @@ def test_memory_capacity_is_respected():
     problem = build_problem(load_model(model), CostModel(profile(capacity=assume_capacity)), 4)
     result = run_search(problem)
     assert problem.memory(result.choice) <= assume_capacity
-    feasible = [c for c in itertools.product(*(range(len(problem.candidates(i))) for i in range(problem.size)))
-                if problem.memory(c) <= assume_capacity]
+    feasible = [
+        c
+        for c in itertools.product(*(range(len(problem.candidates(i))) for i in range(problem.size)))
+        if problem.memory(c) <= assume_capacity
+    ]
     best_feasible = min(problem.objective(c) for c in feasible)
     # The constrained DP minimises time + lambda * memory, so no assignment beats its plan on time without using
     # more memory (it need not be the best feasible plan: that is the ILP's job).

@@ -52,6 +52,7 @@ def run(model: onnx.ModelProto, ids: np.ndarray, labels: np.ndarray | None = Non
 
 # --- a numpy reference of the intended computation -----------------------------------------
 
+
 def _reference(model: onnx.ModelProto, ids: np.ndarray, labels: np.ndarray):
     """Forward pass and mean cross-entropy in numpy, from the model's random initializers."""
     w = {init.name: numpy_helper.to_array(init).astype(np.float64) for init in model.graph.initializer}
@@ -70,11 +71,12 @@ def _reference(model: onnx.ModelProto, ids: np.ndarray, labels: np.ndarray):
     def gelu(x):
         if kind == "bert":
             return 0.5 * x * (1 + erf(x / math.sqrt(2)))
-        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
     def attention(x, p):
         def split(t):
             return t.reshape(b, s, heads, -1).transpose(0, 2, 1, 3)
+
         q, k, v = (split(linear(x, f"{p}.{n}")) for n in "qkv")
         scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
         if kind == "gpt":
@@ -109,6 +111,7 @@ def _reference(model: onnx.ModelProto, ids: np.ndarray, labels: np.ndarray):
 
 
 # --- structural validity -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("weights", ("elided", "random"))
 @pytest.mark.parametrize("layernorm", LAYERNORMS)
@@ -151,10 +154,23 @@ def test_node_names_are_unique_and_name_their_output(kind):
     assert len(names) == len(set(names)) and all(names)
     for node in model.graph.node:
         assert list(node.output) == [node.name] or (
-            node.op_type == "ConstantOfShape" and node.name == f"{node.output[0]}__init")
-    expected = {"embed.tok", "embed.pos", "layer0.attn.q", "layer0.attn.k", "layer0.attn.v",
-                "layer0.attn.out", "layer1.mlp.fc1", "layer1.mlp.fc2", "layer1.mlp.gelu",
-                "layer1.ln1", "layer1.ln2", "logits", "loss"}
+            node.op_type == "ConstantOfShape" and node.name == f"{node.output[0]}__init"
+        )
+    expected = {
+        "embed.tok",
+        "embed.pos",
+        "layer0.attn.q",
+        "layer0.attn.k",
+        "layer0.attn.v",
+        "layer0.attn.out",
+        "layer1.mlp.fc1",
+        "layer1.mlp.fc2",
+        "layer1.mlp.gelu",
+        "layer1.ln1",
+        "layer1.ln2",
+        "logits",
+        "loss",
+    }
     expected |= {"ln_f", "mask", "layer0.attn.mask"} if kind == "gpt" else {"embed.ln"}
     assert expected <= set(names)
 
@@ -162,8 +178,10 @@ def test_node_names_are_unique_and_name_their_output(kind):
 def test_graph_interface_and_loss_flag():
     model = tiny("gpt")
     b, s = TINY["batch"], TINY["seq"]
-    inputs = {i.name: (i.type.tensor_type.elem_type, [d.dim_value for d in i.type.tensor_type.shape.dim])
-              for i in model.graph.input}
+    inputs = {
+        i.name: (i.type.tensor_type.elem_type, [d.dim_value for d in i.type.tensor_type.shape.dim])
+        for i in model.graph.input
+    }
     assert inputs == {"input_ids": (TensorProto.INT64, [b, s]), "labels": (TensorProto.INT64, [b, s])}
     assert [o.name for o in model.graph.output] == ["loss", "logits"]
     no_loss = tiny("bert", loss=False)
@@ -175,6 +193,7 @@ def test_graph_interface_and_loss_flag():
 def test_operator_choices_per_kind_and_layernorm_mode():
     def ops(m):
         return {n.op_type for n in m.graph.node}
+
     gpt, bert = ops(tiny("gpt")), ops(tiny("bert"))
     assert "Tanh" in gpt and "Erf" not in gpt and "Where" in gpt
     assert "Erf" in bert and "Tanh" not in bert and "Where" not in bert
@@ -209,6 +228,7 @@ def test_elided_parameters_use_constant_of_shape_with_fill_values():
 
 
 # --- numerics with onnxruntime -------------------------------------------------------------
+
 
 def with_large_parameters(model: onnx.ModelProto, std: float = 0.3) -> onnx.ModelProto:
     """Copy of a random-weight model with every parameter redrawn from normal(0, std).
@@ -280,6 +300,7 @@ def test_gpt_is_causal_and_bert_is_not():
 
 # --- presets, parameter counts, argument checks, CLI ---------------------------------------
 
+
 def test_gpt3_preset_builds_fast_and_small_with_175b_parameters():
     start = time.perf_counter()
     model = build_preset("gpt3")
@@ -288,7 +309,7 @@ def test_gpt3_preset_builds_fast_and_small_with_175b_parameters():
     count = parameter_count(model)
     assert count == expected_parameter_count("gpt", 96, 12288, 2048, 50304)
     layers, hidden, vocab = 96, 12288, 50304
-    rough = 12 * layers * hidden ** 2 + 2 * vocab * hidden  # layers + embedding + untied head
+    rough = 12 * layers * hidden**2 + 2 * vocab * hidden  # layers + embedding + untied head
     assert abs(count - rough) / rough < 0.02
     assert abs(count - 175e9) / 175e9 < 0.01
 
@@ -298,7 +319,8 @@ def test_presets_match_the_analytic_parameter_count(name):
     model = build_preset(name, batch=4)
     cfg = PRESETS[name]
     assert parameter_count(model) == expected_parameter_count(
-        cfg["kind"], cfg["layers"], cfg["hidden"], cfg["seq"], cfg["vocab"])
+        cfg["kind"], cfg["layers"], cfg["hidden"], cfg["seq"], cfg["vocab"]
+    )
     assert model.ByteSize() < 200_000
 
 
@@ -311,8 +333,11 @@ def test_known_preset_sizes():
 
 
 def test_random_and_elided_count_the_same_parameters():
-    assert parameter_count(tiny("bert", weights="random")) == parameter_count(tiny("bert")) == \
-        expected_parameter_count("bert", **{k: TINY[k] for k in ("layers", "hidden", "seq", "vocab")})
+    assert (
+        parameter_count(tiny("bert", weights="random"))
+        == parameter_count(tiny("bert"))
+        == expected_parameter_count("bert", **{k: TINY[k] for k in ("layers", "hidden", "seq", "vocab")})
+    )
     assert parameter_count(tiny("gpt", ffn=48)) == expected_parameter_count("gpt", 2, 32, 8, 64, ffn=48)
 
 
@@ -324,19 +349,22 @@ def test_build_preset_overrides_and_rejects_unknown_names():
         build_preset("gpt5")
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(hidden=30, heads=4), "divisible"),
-    (dict(layers=0), "layers"),
-    (dict(seq=-1), "seq"),
-    (dict(vocab=2.5), "vocab"),
-    (dict(batch=True), "batch"),
-    (dict(ffn=0), "ffn"),
-    (dict(kind="t5"), "kind"),
-    (dict(weights="zeros"), "weights"),
-    (dict(layernorm="rms"), "layernorm"),
-    (dict(seed=-1), "seed"),
-    (dict(layers=24, hidden=2048, heads=16, weights="random"), "protobuf limit"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(hidden=30, heads=4), "divisible"),
+        (dict(layers=0), "layers"),
+        (dict(seq=-1), "seq"),
+        (dict(vocab=2.5), "vocab"),
+        (dict(batch=True), "batch"),
+        (dict(ffn=0), "ffn"),
+        (dict(kind="t5"), "kind"),
+        (dict(weights="zeros"), "weights"),
+        (dict(layernorm="rms"), "layernorm"),
+        (dict(seed=-1), "seed"),
+        (dict(layers=24, hidden=2048, heads=16, weights="random"), "protobuf limit"),
+    ],
+)
 def test_bad_arguments_raise_value_error(overrides, message):
     with pytest.raises(ValueError, match=message):
         build_transformer(**{**TINY, **overrides})
@@ -344,8 +372,23 @@ def test_bad_arguments_raise_value_error(overrides, message):
 
 def test_cli_writes_model(tmp_path, capsys):
     out = tmp_path / "bert.onnx"
-    main(["--preset", "bert-base", "--layers", "1", "--seq", "16", "--batch", "2",
-          "--layernorm", "decomposed", "--no-loss", "--out", str(out)])
+    main(
+        [
+            "--preset",
+            "bert-base",
+            "--layers",
+            "1",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--layernorm",
+            "decomposed",
+            "--no-loss",
+            "--out",
+            str(out),
+        ]
+    )
     model = onnx.load(str(out))
     assert [o.name for o in model.graph.output] == ["logits"]
     assert any(n.op_type == "Erf" for n in model.graph.node)

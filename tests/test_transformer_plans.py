@@ -32,8 +32,11 @@ def test_search_finds_megatron_for_large_hidden_and_small_batch(megatron_plan):
         assert s[name] == ROW, name
     assert s["layer0.attn.scores"] == ((1, 8, 1, 1), (1, 8, 1, 1))  # attention split by heads
     # one AllReduce per block forward: after the attention projection and after fc2
-    reduces = [entry for entry in megatron_plan.to_dict()["redistributions"]
-               if any(step["collective"] == "AllReduce" for step in entry["steps"])]
+    reduces = [
+        entry
+        for entry in megatron_plan.to_dict()["redistributions"]
+        if any(step["collective"] == "AllReduce" for step in entry["steps"])
+    ]
     assert sorted(entry["producer"] for entry in reduces) == ["layer0.attn.out", "layer0.mlp.fc2"]
     assert all(len(entry["steps"]) == 1 for entry in reduces)
     dp = autopar.plan(big_block(), devices=8, mode="data_parallel")
@@ -57,8 +60,9 @@ def test_megatron_strategies_verify_on_a_small_instance(megatron_plan):
 
 @pytest.mark.parametrize("kind, layernorm", [("gpt", "fused"), ("bert", "decomposed")])
 def test_small_stacks_plan_and_verify(kind, layernorm):
-    model = build_transformer(kind=kind, layers=2, hidden=64, heads=4, seq=16, vocab=128, batch=4,
-                              layernorm=layernorm, weights="random")
+    model = build_transformer(
+        kind=kind, layers=2, hidden=64, heads=4, seq=16, vocab=128, batch=4, layernorm=layernorm, weights="random"
+    )
     for devices in (4, 8):
         plan = autopar.plan(model, devices=devices)
         assert not plan.fallback_ops

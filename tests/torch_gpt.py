@@ -68,8 +68,15 @@ def export(path: Path, dynamo: bool) -> None:
 
     ids = torch.randint(0, CONFIG["vocab"], (BATCH, CONFIG["seq"]))
     labels = torch.randint(0, CONFIG["vocab"], (BATCH, CONFIG["seq"]))
-    torch.onnx.export(build_module(), (ids, labels), str(path), input_names=["ids", "labels"],
-                      output_names=["loss", "logits"], dynamo=dynamo, opset_version=18 if dynamo else 17)
+    torch.onnx.export(
+        build_module(),
+        (ids, labels),
+        str(path),
+        input_names=["ids", "labels"],
+        output_names=["loss", "logits"],
+        dynamo=dynamo,
+        opset_version=18 if dynamo else 17,
+    )
 
 
 def main() -> None:
@@ -78,8 +85,7 @@ def main() -> None:
     import onnx
     from onnx.external_data_helper import set_external_data
 
-    FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
-                   onnx.TensorProto.DOUBLE}
+    FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
     DATA.mkdir(exist_ok=True)
     for exporter in ("legacy", "dynamo"):

@@ -22,8 +22,9 @@ PUBLISHED_RESNET50_IMAGES_PER_S = {1: 2115.0, 8: 16600.0}
 PER_CHIP_BATCH = 256
 
 
-def data_parallel_throughput(model: str | Path | onnx.ModelProto | Graph, profile: HardwareProfile,
-                             devices: int) -> float:
+def data_parallel_throughput(
+    model: str | Path | onnx.ModelProto | Graph, profile: HardwareProfile, devices: int
+) -> float:
     """Images per second of the data-parallel plan at 256 images per chip.
 
     ``model`` is a file or proto (imported at 256 x ``devices`` images) or a graph already at that batch.
@@ -36,8 +37,9 @@ def data_parallel_throughput(model: str | Path | onnx.ModelProto | Graph, profil
 
 def with_cube_efficiency(profile: HardwareProfile, value: float) -> HardwareProfile:
     """The same profile with another cube efficiency (its source unchanged)."""
-    compute = profile.compute.model_copy(update={
-        "cube_efficiency": profile.compute.cube_efficiency.model_copy(update={"value": value})})
+    compute = profile.compute.model_copy(
+        update={"cube_efficiency": profile.compute.cube_efficiency.model_copy(update={"value": value})}
+    )
     return profile.model_copy(update={"compute": compute})
 
 

@@ -98,8 +98,12 @@ class CostModel:
             return hit
         latency = per_byte = 0.0
         if bits and kind != Collective.SLICE:
-            if kind not in (Collective.REDUCE_SCATTER, Collective.ALL_GATHER, Collective.ALL_REDUCE,
-                            Collective.ALL_TO_ALL):
+            if kind not in (
+                Collective.REDUCE_SCATTER,
+                Collective.ALL_GATHER,
+                Collective.ALL_REDUCE,
+                Collective.ALL_TO_ALL,
+            ):
                 raise ValueError(f"unknown collective {kind!r}")
             shrink = 1.0
             for group, alpha, bandwidth in self._levels(bits):
@@ -112,8 +116,9 @@ class CostModel:
         self._coefficients[key] = (latency, per_byte)
         return latency, per_byte
 
-    def collective_time(self, kind: Collective, bits: Iterable[int], nbytes: float,
-                        latency_scale: float = 1.0) -> float:
+    def collective_time(
+        self, kind: Collective, bits: Iterable[int], nbytes: float, latency_scale: float = 1.0
+    ) -> float:
         """Seconds for one collective whose per-rank payload is ``nbytes`` (see `Step`)."""
         latency, per_byte = self.collective_coefficients(kind, tuple(bits))
         return latency * latency_scale + per_byte * nbytes

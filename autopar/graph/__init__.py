@@ -25,8 +25,9 @@ from autopar.graph.read import read_model
 from autopar.graph.types import ElidedValue, Graph, OpNode, TensorInfo, TensorKind
 
 
-def load_model(model: str | Path | onnx.ModelProto, batch: int | None = None,
-               dims: dict[str, int] | None = None) -> Graph:
+def load_model(
+    model: str | Path | onnx.ModelProto, batch: int | None = None, dims: dict[str, int] | None = None
+) -> Graph:
     """Import an ONNX model (a path or a ModelProto) with every shape resolved."""
     proto = read_model(model)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")

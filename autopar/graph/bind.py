@@ -111,4 +111,5 @@ def check_reshapes(proto: onnx.ModelProto) -> None:
         if len(sizes) == 2 and sizes[0] != sizes[1]:
             raise ModelImportError(
                 f"Reshape {node.name or node.output[0]!r} turns {sizes[0]} elements into {sizes[1]}: its target"
-                " shape is hard-coded for another batch size or input shape.")
+                " shape is hard-coded for another batch size or input shape."
+            )

@@ -42,9 +42,18 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         if folded is not None:
             constants[node.output[0]] = folded
             continue
-        ops.append(OpNode(name=node.name or f"{node.op_type}_{len(ops)}", op_type=node.op_type,
-                          inputs=tuple(node.input), outputs=tuple(node.output), attrs=attributes(node),
-                          index=len(ops), domain=node.domain, proto=node))
+        ops.append(
+            OpNode(
+                name=node.name or f"{node.op_type}_{len(ops)}",
+                op_type=node.op_type,
+                inputs=tuple(node.input),
+                outputs=tuple(node.output),
+                attrs=attributes(node),
+                index=len(ops),
+                domain=node.domain,
+                proto=node,
+            )
+        )
     _rename_duplicates(ops)
 
     roles = _constant_roles(ops, constants, opset)
@@ -105,8 +114,9 @@ def _rename_duplicates(ops: list[OpNode]) -> None:
         seen.add(op.name)
 
 
-def _constant_roles(ops: Iterable[OpNode], constants: dict[str, KnownValue],
-                    opset: int) -> dict[str, tuple[TensorKind, bool]]:
+def _constant_roles(
+    ops: Iterable[OpNode], constants: dict[str, KnownValue], opset: int
+) -> dict[str, tuple[TensorKind, bool]]:
     """Tell learned weights from configuration constants by how the registry says operators use them."""
     uses: dict[str, list[tuple[OpNode, int]]] = {}
     for op in ops:

@@ -28,15 +28,23 @@ def _constant(node: onnx.NodeProto) -> np.ndarray | None:
     attrs = attributes(node)
     if "value" in attrs:
         return np.asarray(attrs["value"])
-    for key, dtype in (("value_float", np.float32), ("value_int", np.int64),
-                       ("value_floats", np.float32), ("value_ints", np.int64)):
+    for key, dtype in (
+        ("value_float", np.float32),
+        ("value_int", np.int64),
+        ("value_floats", np.float32),
+        ("value_ints", np.int64),
+    ):
         if key in attrs:
             return np.asarray(attrs[key], dtype=dtype)
     return None
 
 
-def fold_constant(node: onnx.NodeProto, constants: dict[str, KnownValue], infos: dict[str, onnx.ValueInfoProto],
-                  proto: onnx.ModelProto) -> KnownValue | None:
+def fold_constant(
+    node: onnx.NodeProto,
+    constants: dict[str, KnownValue],
+    infos: dict[str, onnx.ValueInfoProto],
+    proto: onnx.ModelProto,
+) -> KnownValue | None:
     """Value of a node computable at import time, or None. Weight-elided parameters come here too."""
     if node.op_type == "Constant" and not node.domain:
         return _constant(node)
@@ -61,8 +69,11 @@ def fold_constant(node: onnx.NodeProto, constants: dict[str, KnownValue], infos:
         return np.asarray(in_shape[slice(start, end)], dtype=np.int64)
     present = [name for name in node.input if name]
     definition = lookup(node.op_type, node.domain, opset_of(proto))
-    if not present or (definition is not None and not definition.foldable) or not all(
-            isinstance(constants.get(n), np.ndarray) for n in present):
+    if (
+        not present
+        or (definition is not None and not definition.foldable)
+        or not all(isinstance(constants.get(n), np.ndarray) for n in present)
+    ):
         return None
     try:
         out_shape, _ = shape_of(node.output[0], infos)

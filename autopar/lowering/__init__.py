@@ -2,14 +2,22 @@
 
 from autopar.lowering.plan import Plan
 from autopar.lowering.planfile import (
-                                       GRAPH_OUTPUT,
-                                       PLAN_FILE_FIELDS,
-                                       SCHEMA,
-                                       PlanFile,
-                                       json_schema,
-                                       load_plan_file,
-                                       read_plan_file,
+    GRAPH_OUTPUT,
+    PLAN_FILE_FIELDS,
+    SCHEMA,
+    PlanFile,
+    json_schema,
+    load_plan_file,
+    read_plan_file,
 )
 
-__all__ = ["GRAPH_OUTPUT", "PLAN_FILE_FIELDS", "SCHEMA", "Plan", "PlanFile", "json_schema", "load_plan_file",
-           "read_plan_file"]
+__all__ = [
+    "GRAPH_OUTPUT",
+    "PLAN_FILE_FIELDS",
+    "SCHEMA",
+    "Plan",
+    "PlanFile",
+    "json_schema",
+    "load_plan_file",
+    "read_plan_file",
+]

@@ -37,17 +37,29 @@ def op_entries(problem: SearchProblem, choice: Sequence[int]) -> list[OpEntry]:
     entries = []
     for node, (rule, c) in enumerate(zip(problem.rules, choice)):
         inputs, outputs = rule.candidate_layouts(c)
-        entries.append(OpEntry(
-            name=rule.op.name, op_type=rule.op.op_type,
-            strategy=[list(s) for s in rule.in_strategy(rule.candidates[c])],
-            inputs=[TensorLayout(tensor=t, layout=LayoutEntry.of(lay))
-                    for t, lay in zip(rule.op.inputs, inputs) if t and lay is not None],
-            outputs=[TensorLayout(tensor=t, layout=LayoutEntry.of(lay))
-                     for t, lay in zip(rule.op.outputs, outputs) if t and lay is not None],
-            cost=OpCost(compute_s=rounded(float(problem.node_compute[node][c])),
-                        communication_s=rounded(float(problem.node_communication[node][c])),
-                        memory_bytes=int(problem.node_memory[node][c])),
-            fallback=rule.spec.fallback))
+        entries.append(
+            OpEntry(
+                name=rule.op.name,
+                op_type=rule.op.op_type,
+                strategy=[list(s) for s in rule.in_strategy(rule.candidates[c])],
+                inputs=[
+                    TensorLayout(tensor=t, layout=LayoutEntry.of(lay))
+                    for t, lay in zip(rule.op.inputs, inputs)
+                    if t and lay is not None
+                ],
+                outputs=[
+                    TensorLayout(tensor=t, layout=LayoutEntry.of(lay))
+                    for t, lay in zip(rule.op.outputs, outputs)
+                    if t and lay is not None
+                ],
+                cost=OpCost(
+                    compute_s=rounded(float(problem.node_compute[node][c])),
+                    communication_s=rounded(float(problem.node_communication[node][c])),
+                    memory_bytes=int(problem.node_memory[node][c]),
+                ),
+                fallback=rule.spec.fallback,
+            )
+        )
     return entries
 
 
@@ -59,32 +71,54 @@ def redistributions(problem: SearchProblem, choice: Sequence[int]) -> list[Redis
         dst = problem.rules[use.dst_node].candidate_layouts(choice[use.dst_node])[0][use.dst_slot]
         if dst is None or src == dst:
             continue
-        found.append(_redistribution(problem, use.tensor, problem.rules[use.src_node].op.name,
-                                     problem.rules[use.dst_node].op.name, src, dst))
+        found.append(
+            _redistribution(
+                problem, use.tensor, problem.rules[use.src_node].op.name, problem.rules[use.dst_node].op.name, src, dst
+            )
+        )
     outputs = set(problem.graph.outputs)
     for node, rule in enumerate(problem.rules):
         for name, layout in zip(rule.op.outputs, rule.candidate_layouts(choice[node])[1]):
             if name in outputs and layout is not None and layout.partial:
-                found.append(_redistribution(problem, name, rule.op.name, GRAPH_OUTPUT, layout, Layout(layout.dims),
-                                             backward=False))
+                found.append(
+                    _redistribution(
+                        problem, name, rule.op.name, GRAPH_OUTPUT, layout, Layout(layout.dims), backward=False
+                    )
+                )
     return found
 
 
-def _redistribution(problem: SearchProblem, tensor: str, producer: str, consumer: str, src: Layout, dst: Layout,
-                    backward: bool = True) -> Redistribution:
+def _redistribution(
+    problem: SearchProblem, tensor: str, producer: str, consumer: str, src: Layout, dst: Layout, backward: bool = True
+) -> Redistribution:
     steps, forward, backward_s = problem.redistribution(tensor, src, dst)
     cost = problem.cost
     entries = []
     for step in steps:
         dual = BACKWARD_DUAL[step.kind] if backward and problem.requires_grad.get(tensor, False) else None
-        entries.append(StepEntry(
-            collective=step.kind, group_size=step.group_size, bits=list(step.bits), bytes=step.nbytes, dim=step.dim,
-            concat_dim=step.concat_dim, reduce_op=step.reduce_op if step.reduces else None,
-            seconds=rounded(cost.collective_time(step.kind, step.bits, step.nbytes)), backward=dual,
-            backward_seconds=rounded(cost.collective_time(dual, step.bits, step.nbytes)) if dual else 0.0))
-    return Redistribution(tensor=tensor, producer=producer, consumer=consumer, from_=LayoutEntry.of(src),
-                          to=LayoutEntry.of(dst), steps=entries,
-                          seconds=rounded(forward + (backward_s if backward else 0.0)))
+        entries.append(
+            StepEntry(
+                collective=step.kind,
+                group_size=step.group_size,
+                bits=list(step.bits),
+                bytes=step.nbytes,
+                dim=step.dim,
+                concat_dim=step.concat_dim,
+                reduce_op=step.reduce_op if step.reduces else None,
+                seconds=rounded(cost.collective_time(step.kind, step.bits, step.nbytes)),
+                backward=dual,
+                backward_seconds=rounded(cost.collective_time(dual, step.bits, step.nbytes)) if dual else 0.0,
+            )
+        )
+    return Redistribution(
+        tensor=tensor,
+        producer=producer,
+        consumer=consumer,
+        from_=LayoutEntry.of(src),
+        to=LayoutEntry.of(dst),
+        steps=entries,
+        seconds=rounded(forward + (backward_s if backward else 0.0)),
+    )
 
 
 def gradient_sync(problem: SearchProblem, choice: Sequence[int]) -> list[GradientSync]:
@@ -100,10 +134,18 @@ def gradient_sync(problem: SearchProblem, choice: Sequence[int]) -> list[Gradien
         assert layout is not None  # an owned input is present
         bits = problem.gradient_sync_bits(node, exponents, slot)
         nbytes = layout.local_numel(info.shape) * cost.gradient_itemsize()
-        entries.append(GradientSync(
-            parameter=name, op=problem.rules[node].op.name, layout=LayoutEntry.of(layout),
-            collective=Collective.ALL_REDUCE.value if bits else None, bits=list(bits), group_size=1 << len(bits),
-            bytes=nbytes if bits else 0, seconds=rounded(cost.gradient_sync_time(bits, nbytes)) if bits else 0.0))
+        entries.append(
+            GradientSync(
+                parameter=name,
+                op=problem.rules[node].op.name,
+                layout=LayoutEntry.of(layout),
+                collective=Collective.ALL_REDUCE.value if bits else None,
+                bits=list(bits),
+                group_size=1 << len(bits),
+                bytes=nbytes if bits else 0,
+                seconds=rounded(cost.gradient_sync_time(bits, nbytes)) if bits else 0.0,
+            )
+        )
     return entries
 
 
@@ -122,8 +164,13 @@ def totals(problem: SearchProblem, choice: Sequence[int]) -> Totals:
     data_parallel = problem.objective(data_parallel_choice(problem))
     flops = training_flops(problem)
     return Totals(
-        step_time_s=rounded(step), compute_s=rounded(compute), communication_s=rounded(step - compute),
-        memory_per_device_bytes=round(problem.memory(choice)), memory_capacity_bytes=int(problem.cost.capacity),
-        training_flops=flops, ideal_step_time_s=rounded(flops / (problem.num_devices * problem.cost.peak_flops)),
+        step_time_s=rounded(step),
+        compute_s=rounded(compute),
+        communication_s=rounded(step - compute),
+        memory_per_device_bytes=round(problem.memory(choice)),
+        memory_capacity_bytes=int(problem.cost.capacity),
+        training_flops=flops,
+        ideal_step_time_s=rounded(flops / (problem.num_devices * problem.cost.peak_flops)),
         data_parallel_step_time_s=rounded(data_parallel),
-        speedup_vs_data_parallel=rounded(data_parallel / step) if step > 0 else 1.0)
+        speedup_vs_data_parallel=rounded(data_parallel / step) if step > 0 else 1.0,
+    )

@@ -38,8 +38,15 @@ class Plan:
     @classmethod
     def lower(cls, problem: SearchProblem, result: SearchResult, mode: str) -> "Plan":
         """The plan of one search result on one problem."""
-        return cls(problem, tuple(result.choice), result, problem.graph.name, mode, problem.cost.profile.name,
-                   problem.cost.precision)
+        return cls(
+            problem,
+            tuple(result.choice),
+            result,
+            problem.graph.name,
+            mode,
+            problem.cost.profile.name,
+            problem.cost.precision,
+        )
 
     @property
     def devices(self) -> int:
@@ -68,8 +75,10 @@ class Plan:
         rules = [rule for rule in self.problem.rules if rule.spec.fallback]
         named = ", ".join(f"{rule.op.name} ({rule.op.op_type})" for rule in rules[:5])
         more = f" and {len(rules) - 5} more" if len(rules) > 5 else ""
-        return (f"{len(rules)} operator(s) have no strategy rule and are kept replicated with their inputs gathered:"
-                f" {named}{more}.")
+        return (
+            f"{len(rules)} operator(s) have no strategy rule and are kept replicated with their inputs gathered:"
+            f" {named}{more}."
+        )
 
     @property
     def data_parallel_objective(self) -> float:
@@ -86,14 +95,27 @@ class Plan:
         """The typed plan file (computed once)."""
         problem, choice = self.problem, self.choice
         return PlanFile(
-            schema_=SCHEMA, model=self.model_name, devices=self.devices, mesh_bits=problem.mesh_bits,
-            cost_model=self.cost_model, precision=self.precision, mode=self.mode,
-            objective_s=rounded(self.objective), ops=op_entries(problem, choice),
-            redistributions=redistributions(problem, choice), gradient_sync=gradient_sync(problem, choice),
-            fallback_ops=self.fallback_ops, totals=totals(problem, choice),
-            search=SearchSummary(algorithm=self.search.method, time_s=round(self.search.time_s, 4),
-                                 candidates=sum(len(rule.candidates) for rule in problem.rules),
-                                 operators=problem.size, memory_multiplier=rounded(self.search.lagrange_multiplier)))
+            schema_=SCHEMA,
+            model=self.model_name,
+            devices=self.devices,
+            mesh_bits=problem.mesh_bits,
+            cost_model=self.cost_model,
+            precision=self.precision,
+            mode=self.mode,
+            objective_s=rounded(self.objective),
+            ops=op_entries(problem, choice),
+            redistributions=redistributions(problem, choice),
+            gradient_sync=gradient_sync(problem, choice),
+            fallback_ops=self.fallback_ops,
+            totals=totals(problem, choice),
+            search=SearchSummary(
+                algorithm=self.search.method,
+                time_s=round(self.search.time_s, 4),
+                candidates=sum(len(rule.candidates) for rule in problem.rules),
+                operators=problem.size,
+                memory_multiplier=rounded(self.search.lagrange_multiplier),
+            ),
+        )
 
     def redistributions(self) -> list[dict[str, Any]]:
         """Every producer/consumer pair whose layouts differ, with its collective steps."""

@@ -63,12 +63,14 @@ class LayoutEntry(_OmitsUnset):
     def of(cls, layout: Layout) -> "LayoutEntry":
         if not layout.partial:
             return cls(dims=[list(bits) for bits in layout.dims])
-        return cls(dims=[list(bits) for bits in layout.dims], partial=list(layout.partial),
-                   partial_op=layout.partial_op)
+        return cls(
+            dims=[list(bits) for bits in layout.dims], partial=list(layout.partial), partial_op=layout.partial_op
+        )
 
     def layout(self) -> Layout:
-        return Layout(tuple(tuple(bits) for bits in self.dims), tuple(self.partial or ()),
-                      self.partial_op or ReduceOp.SUM)
+        return Layout(
+            tuple(tuple(bits) for bits in self.dims), tuple(self.partial or ()), self.partial_op or ReduceOp.SUM
+        )
 
 
 class StepEntry(_OmitsUnset):
@@ -87,8 +89,9 @@ class StepEntry(_OmitsUnset):
     backward_seconds: float
 
     def step(self) -> Step:
-        return Step(self.collective, tuple(self.bits), self.bytes, self.dim, self.concat_dim,
-                    self.reduce_op or ReduceOp.SUM)
+        return Step(
+            self.collective, tuple(self.bits), self.bytes, self.dim, self.concat_dim, self.reduce_op or ReduceOp.SUM
+        )
 
 
 class TensorLayout(_Part):
@@ -166,8 +169,9 @@ class SearchSummary(_Part):
 class PlanFile(_Part):
     """A whole plan as ``autopar plan --format json`` writes it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
-                              json_schema_extra={"title": "autopar plan", "$id": SCHEMA})
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, json_schema_extra={"title": "autopar plan", "$id": SCHEMA}
+    )
     schema_: Literal["autopar.plan/1"] = Field(alias="schema")
     model: str
     devices: PositiveInt
@@ -217,8 +221,9 @@ def read_plan_file(data: Any, origin: str = "the plan") -> PlanFile:
         raise PlanFileError(f"{label} is not an autopar plan (a JSON object is expected, got {type(data).__name__}).")
     schema = data.get("schema")
     if schema is not None and schema not in READABLE_SCHEMAS:
-        raise PlanFileError(f"{label} has unknown schema {schema!r}; this autopar reads"
-                            f" {', '.join(repr(s) for s in READABLE_SCHEMAS)}.")
+        raise PlanFileError(
+            f"{label} has unknown schema {schema!r}; this autopar reads {', '.join(repr(s) for s in READABLE_SCHEMAS)}."
+        )
     try:
         return PlanFile.model_validate(data)
     except ValidationError as exc:

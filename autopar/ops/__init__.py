@@ -30,5 +30,14 @@ def spec_for(op: OpNode, graph: Graph) -> OpSpec:
     return definition.rule(op, graph)
 
 
-__all__ = ["Keeps", "LocalCall", "OpDef", "OpSpec", "definition_for", "fallback_spec", "lookup", "registered_op_types",
-           "spec_for"]
+__all__ = [
+    "Keeps",
+    "LocalCall",
+    "OpDef",
+    "OpSpec",
+    "definition_for",
+    "fallback_spec",
+    "lookup",
+    "registered_op_types",
+    "spec_for",
+]

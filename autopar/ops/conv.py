@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from autopar.graph.types import Graph, OpNode
 
 
-def conv_flops(in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]],
-               attrs: Mapping[str, Any]) -> float:
+def conv_flops(
+    in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]], attrs: Mapping[str, Any]
+) -> float:
     """Two FLOPs per multiply-add over (C/groups) x kh x kw per output element, plus the bias."""
     weight = in_shapes[1] or ()
     out = math.prod(out_shapes[0])

@@ -11,5 +11,14 @@ from autopar.ops.registry import Keeps, declare
 declare("Shape", "Size", "ArgMax", "ArgMin", "NonZero", differentiable=False, keeps=Keeps.NOTHING)
 declare("Resize", config_inputs=frozenset({1, 2, 3}))  # roi, scales, sizes
 declare("Upsample", config_inputs=frozenset({1}))  # scales
-declare("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli",
-        differentiable=False, keeps=Keeps.NOTHING, foldable=False)
+declare(
+    "RandomNormal",
+    "RandomUniform",
+    "RandomNormalLike",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+    differentiable=False,
+    keeps=Keeps.NOTHING,
+    foldable=False,
+)

@@ -19,15 +19,41 @@ if TYPE_CHECKING:
 # What each backward needs: y' from the output (Relu, Exp, Sigmoid, Tanh, Sqrt, Reciprocal),
 # from the input (Log, Erf, Gelu, ...), from both (Pow, Div), or nothing (Add, Neg, Cast).
 UNARY_KEEPS_OUTPUT = ("Relu", "Exp", "Sigmoid", "Tanh", "Sqrt", "Reciprocal")
-UNARY_KEEPS_INPUT = ("Log", "Abs", "Erf", "Gelu", "Softplus", "Softsign", "LeakyRelu", "Elu", "Selu", "Celu",
-                     "HardSigmoid", "HardSwish", "Mish", "ThresholdedRelu", "Sin", "Cos")
+UNARY_KEEPS_INPUT = (
+    "Log",
+    "Abs",
+    "Erf",
+    "Gelu",
+    "Softplus",
+    "Softsign",
+    "LeakyRelu",
+    "Elu",
+    "Selu",
+    "Celu",
+    "HardSigmoid",
+    "HardSwish",
+    "Mish",
+    "ThresholdedRelu",
+    "Sin",
+    "Cos",
+)
 UNARY_KEEPS_NOTHING = ("Neg", "Cast", "CastLike")
 UNARY_NON_DIFFERENTIABLE = ("Not", "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf")
 BROADCAST_KEEPS_NOTHING = ("Add", "Sub", "Sum", "Mean")
 BROADCAST_KEEPS_INPUTS = ("Mul", "Max", "Min", "Where")
 BROADCAST_KEEPS_BOTH = ("Div", "Pow")
-BROADCAST_NON_DIFFERENTIABLE = ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor",
-                                "Mod", "BitShift")
+BROADCAST_NON_DIFFERENTIABLE = (
+    "Equal",
+    "Less",
+    "LessOrEqual",
+    "Greater",
+    "GreaterOrEqual",
+    "And",
+    "Or",
+    "Xor",
+    "Mod",
+    "BitShift",
+)
 
 
 def unary(op: OpNode, graph: Graph) -> OpSpec:
@@ -67,5 +93,6 @@ register(*BROADCAST_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHIN
 def expand(op: OpNode, graph: Graph) -> OpSpec:
     """Expand to the output shape; a rank's target shape is its local output shape."""
     out_shape = shape(graph, op.outputs[0])
-    return OpSpec(inputs=(broadcast_labels(shape(graph, op.inputs[0]), out_shape), None),
-                  outputs=(dim_labels(len(out_shape)),))
+    return OpSpec(
+        inputs=(broadcast_labels(shape(graph, op.inputs[0]), out_shape), None), outputs=(dim_labels(len(out_shape)),)
+    )

@@ -70,8 +70,14 @@ def _gather_local(call: LocalCall) -> list[np.ndarray]:
     return [np.where(mask, picked, np.zeros((), dtype=data.dtype))]
 
 
-@register("OneHot", differentiable=False, keeps=Keeps.NOTHING, local_kernel=_one_hot_local,
-          index_bounds={0: _one_hot_depth}, config_inputs=frozenset({1, 2}))
+@register(
+    "OneHot",
+    differentiable=False,
+    keeps=Keeps.NOTHING,
+    local_kernel=_one_hot_local,
+    index_bounds={0: _one_hot_depth},
+    config_inputs=frozenset({1, 2}),
+)
 def one_hot(op: OpNode, graph: Graph) -> OpSpec:
     indices = dim_labels(len(shape(graph, op.inputs[0])))
     out_rank = len(indices) + 1
@@ -88,7 +94,7 @@ def gather(op: OpNode, graph: Graph) -> OpSpec:
     axis = normalize_axis(int(op.attrs.get("axis", 0)), data_rank)
     data = tuple(GATHERED if d == axis else f"d{d}" for d in range(data_rank))
     indices = dim_labels(len(shape(graph, op.inputs[1])), prefix="i")
-    out = data[:axis] + indices + data[axis + 1:]
+    out = data[:axis] + indices + data[axis + 1 :]
     return OpSpec(inputs=(data, indices), outputs=(out,))
 
 

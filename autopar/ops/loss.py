@@ -23,15 +23,15 @@ def _class_count(op: OpNode, graph: Graph) -> int:
     return graph.tensor(op.inputs[0]).shape[1]
 
 
-@register("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", keeps=Keeps.INPUTS,
-          index_bounds={1: _class_count})
+@register("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", keeps=Keeps.INPUTS, index_bounds={1: _class_count})
 def class_loss(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     reduction = op.attrs.get("reduction", "mean")
     weighted = len(op.inputs) > 2 and bool(op.inputs[2])
     second_output = len(op.outputs) > 1 and bool(op.outputs[1])
     splittable = reduction == "none" or (
-        not second_output and (reduction == "sum" or not (weighted or "ignore_index" in op.attrs)))
+        not second_output and (reduction == "sum" or not (weighted or "ignore_index" in op.attrs))
+    )
     samples = tuple(f"d{d}" if splittable else None for d in range(rank) if d != 1)
     scores = samples[:1] + (None,) + samples[1:]
     inputs = (scores, samples) + ((None,) if weighted else ())

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from autopar.graph.types import Graph, OpNode
 
 
-def gemm_flops(in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]],
-               attrs: Mapping[str, Any]) -> float:
+def gemm_flops(
+    in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]], attrs: Mapping[str, Any]
+) -> float:
     """2 x M x N x K, plus one addition per output element for the bias C."""
     a = in_shapes[0] or ()
     k = a[0] if attrs.get("transA", 0) else a[1]
@@ -29,8 +30,9 @@ def gemm_flops(in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[S
     return flops
 
 
-def matmul_flops(in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]],
-                 attrs: Mapping[str, Any]) -> float:
+def matmul_flops(
+    in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]], attrs: Mapping[str, Any]
+) -> float:
     """2 x (output elements) x K: numpy matmul semantics, batch dimensions broadcast."""
     a = in_shapes[0] or ()
     k = a[-1] if len(a) >= 1 else 1
@@ -46,8 +48,13 @@ def gemm(op: OpNode, graph: Graph) -> OpSpec:
     if len(op.inputs) > 2 and op.inputs[2]:
         c_labels = broadcast_labels(shape(graph, op.inputs[2]), out_shape, prefix="d")
         inputs.append(tuple({"d0": "i", "d1": "j"}.get(label) if label else None for label in c_labels))
-    return OpSpec(inputs=tuple(inputs), outputs=(("i", "j"),), op_class="cube", local_once_inputs=(2,),
-                  label_order=("i", "k", "j"))
+    return OpSpec(
+        inputs=tuple(inputs),
+        outputs=(("i", "j"),),
+        op_class="cube",
+        local_once_inputs=(2,),
+        label_order=("i", "k", "j"),
+    )
 
 
 @register("MatMul", flops=matmul_flops, keeps=Keeps.INPUTS, weight_inputs=True)

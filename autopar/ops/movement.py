@@ -59,8 +59,10 @@ def slice_(op: OpNode, graph: Graph) -> OpSpec:
         if steps is None:
             axes = None
         elif axes is not None and any(step != 1 for step in steps):
-            return OpSpec(inputs=(_except_axes(rank, None),) + tuple(None for _ in op.inputs[1:]),
-                          outputs=(_except_axes(rank, None),))
+            return OpSpec(
+                inputs=(_except_axes(rank, None),) + tuple(None for _ in op.inputs[1:]),
+                outputs=(_except_axes(rank, None),),
+            )
     # an axis the slice leaves whole (same size in and out, step 1) may stay split
     touched = None if axes is None else {normalize_axis(int(a), rank) for a in axes}
     if touched is not None:

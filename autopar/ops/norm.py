@@ -22,16 +22,23 @@ if TYPE_CHECKING:
     from autopar.graph.types import Graph, OpNode
 
 
-def batch_norm_flops(in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]],
-                     attrs: Mapping[str, Any]) -> float:
+def batch_norm_flops(
+    in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]], attrs: Mapping[str, Any]
+) -> float:
     """Normalise, then scale and shift: about four element-wise operations per output element."""
     return 4.0 * math.prod(out_shapes[0])
 
 
 # scale (1) and running variance (4) are drawn positive for verification; the running mean and
 # variance (3, 4) are statistics, stored like parameters but never trained
-@register("BatchNormalization", flops=batch_norm_flops, keeps=Keeps.INPUTS, weight_inputs=True,
-          statistics_inputs=frozenset({3, 4}), positive_inputs=frozenset({1, 4}))
+@register(
+    "BatchNormalization",
+    flops=batch_norm_flops,
+    keeps=Keeps.INPUTS,
+    weight_inputs=True,
+    statistics_inputs=frozenset({3, 4}),
+    positive_inputs=frozenset({1, 4}),
+)
 def batch_norm(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     x = dim_labels(rank)
@@ -56,8 +63,7 @@ def layer_norm(op: OpNode, graph: Graph) -> OpSpec:
     x = tuple(f"d{d}" if d < axis else None for d in range(rank))
     inputs = (x,) + tuple(tuple(None for _ in shape(graph, name)) if name else None for name in op.inputs[1:])
     statistics = x[:axis] + tuple(None for _ in range(rank - axis))  # Mean and InvStdDev keep size-1 axes
-    outputs = tuple(() if not name else x if position == 0 else statistics
-                    for position, name in enumerate(op.outputs))
+    outputs = tuple(() if not name else x if position == 0 else statistics for position, name in enumerate(op.outputs))
     return OpSpec(inputs=inputs, outputs=outputs)
 
 

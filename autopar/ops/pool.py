@@ -13,8 +13,9 @@ if TYPE_CHECKING:
     from autopar.graph.types import Graph, OpNode
 
 
-def window_flops(in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]],
-                 attrs: Mapping[str, Any]) -> float:
+def window_flops(
+    in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]], attrs: Mapping[str, Any]
+) -> float:
     """One operation per window element per output element."""
     return float(math.prod(out_shapes[0]) * math.prod(attrs.get("kernel_shape", [1])))
 

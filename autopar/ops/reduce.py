@@ -19,8 +19,12 @@ from autopar.ops.registry import Keeps, input_elements, register
 if TYPE_CHECKING:
     from autopar.graph.types import Graph, OpNode
 
-_REDUCE_OP = {"ReduceMax": ReduceOp.MAX, "ReduceMin": ReduceOp.MIN, "ReduceSum": ReduceOp.SUM,
-              "ReduceMean": ReduceOp.SUM}
+_REDUCE_OP = {
+    "ReduceMax": ReduceOp.MAX,
+    "ReduceMin": ReduceOp.MIN,
+    "ReduceSum": ReduceOp.SUM,
+    "ReduceMean": ReduceOp.SUM,
+}
 
 
 def reduced_axes(op: OpNode, graph: Graph, rank: int) -> list[int] | None:
@@ -52,8 +56,9 @@ def reduce(op: OpNode, graph: Graph) -> OpSpec:
     else:
         out = tuple(label for i, label in enumerate(labels) if i not in axes)
     inputs = (labels,) + tuple(None for _ in op.inputs[1:])
-    return OpSpec(inputs=inputs, outputs=(out,), reduce_op=_REDUCE_OP[op.op_type],
-                  local_mean=op.op_type == "ReduceMean")
+    return OpSpec(
+        inputs=inputs, outputs=(out,), reduce_op=_REDUCE_OP[op.op_type], local_mean=op.op_type == "ReduceMean"
+    )
 
 
 register("ReduceSum", "ReduceMean", flops=input_elements, keeps=Keeps.NOTHING)(reduce)

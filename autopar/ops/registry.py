@@ -125,8 +125,9 @@ def _add(definition: OpDef) -> None:
     versions.sort(key=lambda d: d.since)
 
 
-def register(*op_types: str, domain: str = "", since: int = 1, until: int | None = None,
-             **fields: Any) -> Callable[[RuleFn], RuleFn]:
+def register(
+    *op_types: str, domain: str = "", since: int = 1, until: int | None = None, **fields: Any
+) -> Callable[[RuleFn], RuleFn]:
     """Register a strategy rule, with the operator's other facts, for one or more op types.
 
     ``fields`` are `OpDef`'s: ``flops``, ``local_kernel``, ``index_bounds``, ``differentiable``,

@@ -22,22 +22,23 @@ def plan_html(plan: Plan) -> str:
         rows.append(
             f"<tr><td>{html.escape(op['name'])}</td><td>{html.escape(op['op_type'])}</td><td><code>{strategy}</code></td>"
             f"<td style='text-align:right'>{_seconds(op['cost']['compute_s'])}</td>"
-            f"<td style='text-align:right'>{_seconds(op['cost']['communication_s'])}</td></tr>")
+            f"<td style='text-align:right'>{_seconds(op['cost']['communication_s'])}</td></tr>"
+        )
     collectives: dict[str, int] = {}
     for red in data["redistributions"]:
         for step_entry in red["steps"]:
             collectives[step_entry["collective"]] = collectives.get(step_entry["collective"], 0) + 1
     summary = ", ".join(f"{count} {kind}" for kind, count in sorted(collectives.items())) or "none"
     return f"""<div class="autopar-plan">
-<h3>autopar plan: {html.escape(data['model'])} on {data['devices']} devices ({html.escape(data['cost_model'])},
-{html.escape(data['precision'])} precision, {html.escape(data['mode'])})</h3>
-<p>Predicted step time <b>{_seconds(totals['step_time_s'])}</b>
-(data parallel {_seconds(totals['data_parallel_step_time_s'])}, speed-up x{totals['speedup_vs_data_parallel']:.3f});
-ideal {_seconds(totals['ideal_step_time_s'])}; memory {totals['memory_per_device_bytes'] / 1e9:.2f} GB per device.</p>
+<h3>autopar plan: {html.escape(data["model"])} on {data["devices"]} devices ({html.escape(data["cost_model"])},
+{html.escape(data["precision"])} precision, {html.escape(data["mode"])})</h3>
+<p>Predicted step time <b>{_seconds(totals["step_time_s"])}</b>
+(data parallel {_seconds(totals["data_parallel_step_time_s"])}, speed-up x{totals["speedup_vs_data_parallel"]:.3f});
+ideal {_seconds(totals["ideal_step_time_s"])}; memory {totals["memory_per_device_bytes"] / 1e9:.2f} GB per device.</p>
 <div style="display:flex;width:480px;height:14px;border:1px solid #888">
 <div title="compute" style="width:{compute_share:.1f}%;background:#4c78a8"></div>
 <div title="communication" style="width:{100 - compute_share:.1f}%;background:#f58518"></div></div>
-<p>Compute (blue) {_seconds(totals['compute_s'])}, communication (orange) {_seconds(totals['communication_s'])};
-inserted redistribution steps: {summary}; fallback operators: {len(data['fallback_ops'])}.</p>
+<p>Compute (blue) {_seconds(totals["compute_s"])}, communication (orange) {_seconds(totals["communication_s"])};
+inserted redistribution steps: {summary}; fallback operators: {len(data["fallback_ops"])}.</p>
 <table><thead><tr><th>operator</th><th>type</th><th>strategy</th><th>compute</th><th>communication</th></tr></thead>
-<tbody>{''.join(rows)}</tbody></table></div>"""
+<tbody>{"".join(rows)}</tbody></table></div>"""

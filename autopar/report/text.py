@@ -33,8 +33,11 @@ def _step_text(step: dict[str, Any]) -> str:
 def plan_table(plan: Plan) -> str:
     data = plan.to_dict()
     devices = f"{data['devices']} device" + ("s" if data["devices"] != 1 else "")
-    lines = [f"autopar plan: {data['model']} on {devices}"
-             f" ({data['cost_model']}, {data['precision']} precision, {data['mode']})", ""]
+    lines = [
+        f"autopar plan: {data['model']} on {devices}"
+        f" ({data['cost_model']}, {data['precision']} precision, {data['mode']})",
+        "",
+    ]
     incoming: dict[str, list[str]] = {}
     for red in data["redistributions"]:
         target = red["consumer"] if red["consumer"] != GRAPH_OUTPUT else red["producer"]
@@ -42,22 +45,30 @@ def plan_table(plan: Plan) -> str:
     name_width = max(12, min(40, max(len(op["name"]) for op in data["ops"])))
     strategies = [_strategy(op["strategy"]) for op in data["ops"]]
     strategy_width = max(10, min(44, max(len(s) for s in strategies)))
-    header = (f"{'operator':<{name_width}}  {'type':<18}  {'strategy':<{strategy_width}}  {'compute ms':>10}"
-              f"  {'comm ms':>9}  collectives before this op")
+    header = (
+        f"{'operator':<{name_width}}  {'type':<18}  {'strategy':<{strategy_width}}  {'compute ms':>10}"
+        f"  {'comm ms':>9}  collectives before this op"
+    )
     lines += [header, "-" * len(header)]
     for op, strategy in zip(data["ops"], strategies):
-        lines.append(f"{op['name'][:name_width]:<{name_width}}  {op['op_type'][:18]:<18}  {strategy:<{strategy_width}}"
-                     f"  {_ms(op['cost']['compute_s']):>10}  {_ms(op['cost']['communication_s']):>9}"
-                     f"  {' '.join(incoming.get(op['name'], [])) or '-'}")
+        lines.append(
+            f"{op['name'][:name_width]:<{name_width}}  {op['op_type'][:18]:<18}  {strategy:<{strategy_width}}"
+            f"  {_ms(op['cost']['compute_s']):>10}  {_ms(op['cost']['communication_s']):>9}"
+            f"  {' '.join(incoming.get(op['name'], [])) or '-'}"
+        )
     lines.append("")
     kinds = Counter(s["collective"] for red in data["redistributions"] for s in red["steps"])
     red_seconds = sum(red["seconds"] for red in data["redistributions"])
-    lines.append(f"redistributions: {len(data['redistributions'])} tensors, "
-                 + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
-                 + f"; {_ms(red_seconds)} ms forward+backward")
+    lines.append(
+        f"redistributions: {len(data['redistributions'])} tensors, "
+        + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
+        + f"; {_ms(red_seconds)} ms forward+backward"
+    )
     synced = [g for g in data["gradient_sync"] if g["collective"]]
-    lines.append(f"gradient sync:   {len(synced)} of {len(data['gradient_sync'])} parameters AllReduced,"
-                 f" {_bytes(sum(g['bytes'] for g in synced))}, {_ms(sum(g['seconds'] for g in synced))} ms")
+    lines.append(
+        f"gradient sync:   {len(synced)} of {len(data['gradient_sync'])} parameters AllReduced,"
+        f" {_bytes(sum(g['bytes'] for g in synced))}, {_ms(sum(g['seconds'] for g in synced))} ms"
+    )
     if data["fallback_ops"]:
         lines.append(f"fallback ops:    {len(data['fallback_ops'])} kept replicated: {', '.join(data['fallback_ops'])}")
     totals = data["totals"]
@@ -98,16 +109,23 @@ def inspect_summary(graph: Graph) -> dict[str, Any]:
 
 
 def inspect_table(summary: dict[str, Any]) -> str:
-    lines = [f"model {summary['model']}: {summary['operators']} operators,"
-             f" {summary['forward_flops'] / 1e9:.2f} GFLOPs forward", ""]
+    lines = [
+        f"model {summary['model']}: {summary['operators']} operators,"
+        f" {summary['forward_flops'] / 1e9:.2f} GFLOPs forward",
+        "",
+    ]
     for name, shape in summary["inputs"].items():
         lines.append(f"input   {name}: {shape}")
     for name, shape in summary["outputs"].items():
         lines.append(f"output  {name}: {shape}")
     params = summary["parameters"]
-    lines += ["", f"parameters: {params['tensors']} tensors, {params['elements']:,} elements"
-                  f" ({params['trainable_elements']:,} trainable)", "",
-              f"{'op type':<24}{'count':>7}{'GFLOPs':>12}{'share':>8}"]
+    lines += [
+        "",
+        f"parameters: {params['tensors']} tensors, {params['elements']:,} elements"
+        f" ({params['trainable_elements']:,} trainable)",
+        "",
+        f"{'op type':<24}{'count':>7}{'GFLOPs':>12}{'share':>8}",
+    ]
     total = summary["forward_flops"] or 1.0
     for op_type, entry in summary["ops_by_type"].items():
         share = 100 * entry["flops"] / total
@@ -119,15 +137,19 @@ def verify_table(report: VerifyReport) -> str:
     verdict = "VERIFIED" if report.ok else "FAILED"
     lines = [f"autopar verify: {verdict} on {report.devices} virtual devices ({report.time_s:.1f} s)", ""]
     for name, entry in report.outputs.items():
-        lines.append(f"output {name:<16} max abs error {entry['max_abs_error']:.3g}"
-                     f"  max rel error {entry['max_rel_error']:.3g}  {'ok' if entry['ok'] else 'MISMATCH'}")
+        lines.append(
+            f"output {name:<16} max abs error {entry['max_abs_error']:.3g}"
+            f"  max rel error {entry['max_rel_error']:.3g}  {'ok' if entry['ok'] else 'MISMATCH'}"
+        )
     lines.append("")
     lines.append("collectives executed (plan lists):")
     for kind in sorted(set(report.executed) | set(report.planned)):
         done = report.executed.get(kind, {"count": 0, "bytes": 0})
         listed = report.planned.get(kind, {"count": 0, "bytes": 0})
-        lines.append(f"  {kind:<14} {done['count']:>5} x {_bytes(done['bytes']):>10}"
-                     f"   ({listed['count']} x {_bytes(listed['bytes'])})")
+        lines.append(
+            f"  {kind:<14} {done['count']:>5} x {_bytes(done['bytes']):>10}"
+            f"   ({listed['count']} x {_bytes(listed['bytes'])})"
+        )
     if not report.executed and not report.planned:
         lines.append("  none")
     for problem in report.problems:

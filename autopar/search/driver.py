@@ -100,15 +100,18 @@ def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: flo
     items = [item for i, c in enumerate(choice) for item in memory_items(problem, i, c)]
     roles = ("parameter", "activation", "input")
     by_role = {role: sum(nbytes for _, r, nbytes in items if r == role) for role in roles}
-    heavy = ", ".join(f"{name} ({nbytes / 1e9:.2f} GB)" for name, _, nbytes in sorted(
-        items, key=lambda item: (-item[2], item[0]))[:3])
+    heavy = ", ".join(
+        f"{name} ({nbytes / 1e9:.2f} GB)" for name, _, nbytes in sorted(items, key=lambda item: (-item[2], item[0]))[:3]
+    )
     what = "the leanest plan" if mode == "auto_parallel" else f"the {mode} plan"
     cost = problem.cost
     state = sum(info.numel * cost.parameter_bytes_per_element(info.trainable) for info in problem.graph.parameters)
     floor = max(1, math.ceil(state / capacity))
     devices = 1 << (floor - 1).bit_length()
-    return (f"Nothing fits in device memory: {what} needs {need / 1e9:.2f} GB per device but the device has"
-            f" {capacity / 1e9:.2f} GB (parameters with gradients and optimizer state"
-            f" {by_role['parameter'] / 1e9:.2f} GB, activations kept for backward {by_role['activation'] / 1e9:.2f} GB,"
-            f" inputs {by_role['input'] / 1e9:.2f} GB); the largest tensors are {heavy}; the parameters' training"
-            f" state alone is {state / 1e9:.1f} GB, so at least {devices} devices are needed.")
+    return (
+        f"Nothing fits in device memory: {what} needs {need / 1e9:.2f} GB per device but the device has"
+        f" {capacity / 1e9:.2f} GB (parameters with gradients and optimizer state"
+        f" {by_role['parameter'] / 1e9:.2f} GB, activations kept for backward {by_role['activation'] / 1e9:.2f} GB,"
+        f" inputs {by_role['input'] / 1e9:.2f} GB); the largest tensors are {heavy}; the parameters' training"
+        f" state alone is {state / 1e9:.1f} GB, so at least {devices} devices are needed."
+    )

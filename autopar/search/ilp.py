@@ -96,11 +96,19 @@ def solve_ilp(problem: SearchProblem, capacity: float | None = None, time_limit:
     n_choice = int(offsets[-1])
     highs.addVars(n_vars, np.zeros(n_vars), np.concatenate([np.ones(n_choice), np.full(n_vars - n_choice, np.inf)]))
     highs.changeColsCost(n_vars, np.arange(n_vars, dtype=np.int32), cost)
-    highs.changeColsIntegrality(n_choice, np.arange(n_choice, dtype=np.int32),
-                                np.full(n_choice, highspy.HighsVarType.kInteger, dtype=np.uint8))
+    highs.changeColsIntegrality(
+        n_choice, np.arange(n_choice, dtype=np.int32), np.full(n_choice, highspy.HighsVarType.kInteger, dtype=np.uint8)
+    )
     index = np.concatenate(rows_index)
-    highs.addRows(len(rows_lower), np.asarray(rows_lower), np.asarray(rows_upper), len(index),
-                  np.asarray(rows_start, dtype=np.int32), index, np.concatenate(rows_value))
+    highs.addRows(
+        len(rows_lower),
+        np.asarray(rows_lower),
+        np.asarray(rows_upper),
+        len(index),
+        np.asarray(rows_start, dtype=np.int32),
+        index,
+        np.concatenate(rows_value),
+    )
     highs.run()
     status = highs.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
@@ -108,4 +116,4 @@ def solve_ilp(problem: SearchProblem, capacity: float | None = None, time_limit:
     if status != highspy.HighsModelStatus.kOptimal:
         raise AutoparError(f"The ILP solver stopped without an optimal plan ({highs.modelStatusToString(status)}).")
     values = np.asarray(highs.getSolution().col_value[:n_choice])
-    return [int(np.argmax(values[offsets[n]:offsets[n + 1]])) for n in range(problem.size)]
+    return [int(np.argmax(values[offsets[n] : offsets[n + 1]])) for n in range(problem.size)]

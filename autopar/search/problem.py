@@ -136,8 +136,9 @@ class SearchProblem:
         rule = self.rules[node]
         labels = rule.spec.inputs[slot] or ()
         bits = rule.label_bits(exponents)
-        return tuple(sorted((b for label in rule.spec.label_order if label not in labels for b in bits[label]),
-                            reverse=True))
+        return tuple(
+            sorted((b for label in rule.spec.label_order if label not in labels for b in bits[label]), reverse=True)
+        )
 
 
 def build_problem(graph: Graph, cost: CostModel, num_devices: int) -> SearchProblem:
@@ -161,8 +162,7 @@ def _requires_grad(graph: Graph, rules: list[OpRule]) -> dict[str, bool]:
     grad = {name: info.kind == "parameter" and info.trainable for name, info in graph.tensors.items()}
     for rule in rules:
         op = rule.op
-        needs = rule.differentiable and any(
-            grad.get(name, False) for name in op.inputs if name)
+        needs = rule.differentiable and any(grad.get(name, False) for name in op.inputs if name)
         for out in op.outputs:
             if out:
                 grad[out] = needs and graph.tensor(out).is_float

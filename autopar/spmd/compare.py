@@ -23,8 +23,9 @@ class OutputCheck:
         return {"max_abs_error": self.max_abs_error, "max_rel_error": self.max_rel_error, "ok": self.ok}
 
 
-def compare_output(name: str, got: np.ndarray, expected: np.ndarray, rtol: float = RTOL,
-                   atol: float = ATOL) -> OutputCheck:
+def compare_output(
+    name: str, got: np.ndarray, expected: np.ndarray, rtol: float = RTOL, atol: float = ATOL
+) -> OutputCheck:
     """Norm-wise: the largest absolute error at most ``atol + rtol x`` the output's largest magnitude.
 
     A sharded sum adds the same terms in another order; its rounding error scales with the
@@ -40,8 +41,10 @@ def compare_output(name: str, got: np.ndarray, expected: np.ndarray, rtol: float
     problem = None
     if not close:
         worst = np.unravel_index(int(np.argmax(error)), error.shape) if error.size else ()
-        problem = (f"output {name!r} differs from the single-device reference: max abs error {worst_error:.3g}"
-                   f" against a largest magnitude of {magnitude:.3g} (worst at index {tuple(int(i) for i in worst)})")
+        problem = (
+            f"output {name!r} differs from the single-device reference: max abs error {worst_error:.3g}"
+            f" against a largest magnitude of {magnitude:.3g} (worst at index {tuple(int(i) for i in worst)})"
+        )
     return OutputCheck(worst_error, worst_error / magnitude if magnitude else worst_error, close, problem)
 
 
@@ -58,5 +61,12 @@ class VerifyReport:
     time_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "devices": self.devices, "outputs": self.outputs, "collectives_executed": self.executed,
-                "collectives_planned": self.planned, "problems": self.problems, "time_s": round(self.time_s, 3)}
+        return {
+            "ok": self.ok,
+            "devices": self.devices,
+            "outputs": self.outputs,
+            "collectives_executed": self.executed,
+            "collectives_planned": self.planned,
+            "problems": self.problems,
+            "time_s": round(self.time_s, 3),
+        }

@@ -41,23 +41,32 @@ def _mini_model(rule: OpRule, graph: Graph, local_inputs: list[np.ndarray | None
     for slot, name in enumerate(op.inputs):
         if name:
             node.input[slot] = _slot_name(slot)
-    inputs = [helper.make_tensor_value_info(_slot_name(slot), helper.np_dtype_to_tensor_dtype(x.dtype), list(x.shape))
-              for slot, (name, x) in enumerate(zip(op.inputs, local_inputs)) if name and x is not None]
-    outputs = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(graph.tensor(name).dtype)),
-                                             None) for name in op.outputs if name]
+    inputs = [
+        helper.make_tensor_value_info(_slot_name(slot), helper.np_dtype_to_tensor_dtype(x.dtype), list(x.shape))
+        for slot, (name, x) in enumerate(zip(op.inputs, local_inputs))
+        if name and x is not None
+    ]
+    outputs = [
+        helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(graph.tensor(name).dtype)), None)
+        for name in op.outputs
+        if name
+    ]
     mini = helper.make_graph([node], f"local_{op.name}", inputs, outputs)
     return helper.make_model(mini, opset_imports=list(graph.model.opset_import), ir_version=graph.model.ir_version)
 
 
-def run_operator(rule: OpRule, candidate: int, inputs: list[Shards | None], ranks: int,
-                 make_session: SessionFactory) -> list[Shards]:
+def run_operator(
+    rule: OpRule, candidate: int, inputs: list[Shards | None], ranks: int, make_session: SessionFactory
+) -> list[Shards]:
     """Each output's per-rank buffers after running ``rule.op`` on the ranks' local inputs."""
     op, graph, spec = rule.op, rule.graph, rule.spec
     bits = rule.label_bits(rule.candidates[candidate])
     reduced = tuple(label for label in spec.reduced_labels if bits[label])
     out_layouts = rule.candidate_layouts(candidate)[1]
-    out_shapes = [layout.local_shape(graph.tensor(name).shape) if name and layout is not None else None
-                  for name, layout in zip(op.outputs, out_layouts)]
+    out_shapes = [
+        layout.local_shape(graph.tensor(name).shape) if name and layout is not None else None
+        for name, layout in zip(op.outputs, out_layouts)
+    ]
     kernel = rule.definition.local_kernel if rule.definition is not None else None
     sessions: list[Any] = []
 

@@ -55,8 +55,13 @@ class _Tally:
 class _Runner:
     """Executes one plan rank by rank; buffers map (tensor, holder) to (layout, per-rank arrays)."""
 
-    def __init__(self, problem: SearchProblem, choice: Sequence[int], steps: Mapping[Key, list[Step]],
-                 values: Mapping[str, np.ndarray]) -> None:
+    def __init__(
+        self,
+        problem: SearchProblem,
+        choice: Sequence[int],
+        steps: Mapping[Key, list[Step]],
+        values: Mapping[str, np.ndarray],
+    ) -> None:
         self.problem, self.choice, self.steps, self.values = problem, choice, steps, values
         self.buffers: dict[tuple[str, str], tuple[Layout, Shards]] = {}
         self.executed = _Tally()
@@ -69,8 +74,9 @@ class _Runner:
             inputs = [self._input(node, slot) for slot in range(len(rule.op.inputs))]
             outputs = run_operator(rule, self.choice[node], inputs, problem.num_devices, session)
             out_layouts = rule.candidate_layouts(self.choice[node])[1]
-            for name, layout, per_rank in zip([o for o in rule.op.outputs if o],
-                                              [lay for o, lay in zip(rule.op.outputs, out_layouts) if o], outputs):
+            for name, layout, per_rank in zip(
+                [o for o in rule.op.outputs if o], [lay for o, lay in zip(rule.op.outputs, out_layouts) if o], outputs
+            ):
                 assert layout is not None
                 self.buffers[(name, rule.op.name)] = (layout, per_rank)
             for name in set(rule.op.inputs):  # free what no later operator reads (large models, big batches)
@@ -78,18 +84,22 @@ class _Runner:
                     for key in [key for key in self.buffers if key[0] == name]:
                         del self.buffers[key]
 
-    def _redistribute(self, tensor: str, producer: str, consumer: str, src: Layout, dst: Layout,
-                      per_rank: Shards) -> Shards:
+    def _redistribute(
+        self, tensor: str, producer: str, consumer: str, src: Layout, dst: Layout, per_rank: Shards
+    ) -> Shards:
         steps = self.steps.get((tensor, producer, consumer), [])
         try:
             reached = apply_steps(src, steps)
         except ValueError as exc:
-            raise _PlanBroken(f"the plan's redistribution of {tensor!r} from {producer!r} to {consumer!r} is"
-                              f" malformed: {exc}") from None
+            raise _PlanBroken(
+                f"the plan's redistribution of {tensor!r} from {producer!r} to {consumer!r} is malformed: {exc}"
+            ) from None
         if reached != dst:
-            raise _PlanBroken(f"the plan's redistribution of {tensor!r} from {producer!r} to {consumer!r} leaves it"
-                              f" in layout {reached.describe()} but {consumer!r} needs {dst.describe()}"
-                              " (a collective is missing or wrong)")
+            raise _PlanBroken(
+                f"the plan's redistribution of {tensor!r} from {producer!r} to {consumer!r} leaves it"
+                f" in layout {reached.describe()} but {consumer!r} needs {dst.describe()}"
+                " (a collective is missing or wrong)"
+            )
         for step in steps:
             per_rank = run_step(per_rank, step)
         self.executed.add(steps)
@@ -131,15 +141,17 @@ def resolve_plan(problem: SearchProblem, plan: PlanLike) -> tuple[list[int], lis
         return list(plan.choice), plan.file.redistributions
     if isinstance(plan, PlanFile):
         if plan.devices != problem.num_devices:
-            raise PlanFileError(f"The plan is for {plan.devices} devices but verification runs on"
-                                f" {problem.num_devices}.")
+            raise PlanFileError(
+                f"The plan is for {plan.devices} devices but verification runs on {problem.num_devices}."
+            )
         return problem.choice_for(plan.strategies), plan.redistributions
     choice = problem.choice_for(plan)
     return choice, redistributions(problem, choice)
 
 
-def verify_problem(problem: SearchProblem, plan: PlanLike, seed: int = 0, rtol: float = RTOL,
-                   atol: float = ATOL) -> VerifyReport:
+def verify_problem(
+    problem: SearchProblem, plan: PlanLike, seed: int = 0, rtol: float = RTOL, atol: float = ATOL
+) -> VerifyReport:
     """Verify a plan (a `Plan`, a `PlanFile`, or {op: strategy}) for ``problem``."""
     start = time.perf_counter()
     choice, entries = resolve_plan(problem, plan)
@@ -164,5 +176,12 @@ def verify_problem(problem: SearchProblem, plan: PlanLike, seed: int = 0, rtol: 
     executed, planned_dict = runner.executed.as_dict(), planned.as_dict()
     if not problems and executed != planned_dict:
         problems.append(f"the collectives executed {executed} differ from those the plan lists {planned_dict}")
-    return VerifyReport(ok=not problems, devices=problem.num_devices, outputs=outputs, executed=executed,
-                        planned=planned_dict, problems=problems, time_s=time.perf_counter() - start)
+    return VerifyReport(
+        ok=not problems,
+        devices=problem.num_devices,
+        outputs=outputs,
+        executed=executed,
+        planned=planned_dict,
+        problems=problems,
+        time_s=time.perf_counter() - start,
+    )
