@@ -20,9 +20,10 @@ from typing import Any
 import onnx
 
 from autopar.cost import PRECISIONS, CostModel, HardwareProfile, load_profile
-from autopar.errors import AutoparError, FallbackWarning
+from autopar.errors import AutoparError, FallbackWarning, RenamedOperatorsWarning
 from autopar.graph import Graph, load_model
 from autopar.layout import is_power_of_two, mesh_bits_for
+from autopar.limits import MAX_DEVICES, MAX_SEED
 from autopar.lowering import PLAN_FILE_FIELDS, Plan, PlanFile, read_plan_file
 from autopar.search.driver import ALGORITHMS, MODES, run_search
 from autopar.search.problem import SearchProblem, build_problem
@@ -35,8 +36,8 @@ ModelLike = str | Path | onnx.ModelProto | Graph
 def _check_devices(devices: int) -> None:
     if isinstance(devices, bool) or not isinstance(devices, int) or not is_power_of_two(devices):
         raise AutoparError(f"The device count must be a power of two (1, 2, 4, 8, ...), got {devices!r}.")
-    if devices > 1 << 30:
-        raise AutoparError(f"The device count {devices} is too large (at most 2^30).")
+    if devices > MAX_DEVICES:
+        raise AutoparError(f"The device count {devices:,} is too large (at most {MAX_DEVICES:,}).")
 
 
 def _graph(model: ModelLike, batch: int | None, dims: Mapping[str, int] | None) -> Graph:
@@ -87,6 +88,15 @@ def plan(
     if search not in ALGORITHMS:
         raise AutoparError(f"Unknown search algorithm {search!r}; choose one of: {', '.join(ALGORITHMS)}.")
     problem = build(model, devices, cost_model, batch, dims, precision)
+    if problem.graph.renamed_ops:
+        pairs = ", ".join(f"{new!r}" for new in list(problem.graph.renamed_ops)[:5])
+        more = f" and {len(problem.graph.renamed_ops) - 5} more" if len(problem.graph.renamed_ops) > 5 else ""
+        warnings.warn(
+            f"{len(problem.graph.renamed_ops)} operator(s) repeat a name used earlier in the file (ONNX"
+            f" requires unique names); the plan calls them {pairs}{more}.",
+            RenamedOperatorsWarning,
+            stacklevel=2,
+        )
     result = Plan.lower(problem, run_search(problem, mode, search), mode)
     if result.fallback_ops:
         warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=2)
@@ -139,6 +149,8 @@ def verify(
     or a JSON file gives it), a plain {op: strategy} mapping, or None to verify the plan
     autopar finds.
     """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise AutoparError(f"The seed must be an integer from 0 to {MAX_SEED:,}, got {seed!r}.")
     if isinstance(plan_or_strategies, Plan):
         return verify_problem(plan_or_strategies.problem, plan_or_strategies, seed=seed)
     problem = build(model, devices, cost_model, batch, dims, precision)

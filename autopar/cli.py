@@ -6,11 +6,13 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from autopar.errors import AutoparError, FallbackWarning, UnknownDimensionError, UnknownSymbolError
+from autopar.errors import AutoparError, AutoparWarning, UnknownDimensionError, UnknownSymbolError
+from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_SEED
 from autopar.search.driver import ALGORITHMS, MODES
 
 
@@ -21,39 +23,44 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"autopar: error: {message} (see '{self.prog} --help').\n")
 
 
+def _integer(flag: str, text: str, low: int, high: int) -> int:
+    """An integer flag within [low, high], or one sentence saying what is wrong (exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{flag} must be from {low:,} to {high:,}, got {value}")
+    return value
+
+
 def _dim_binding(text: str) -> tuple[str, int]:
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"--dim expects name=value, got {text!r}")
-    try:
-        return name, int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--dim {name}: {value!r} is not an integer") from None
+    return name, _integer(f"--dim {name}", value, 1, MAX_DIMENSION)
 
 
 def _devices(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--devices must be an integer, got {text!r}") from None
-    if value < 1 or value & (value - 1):
-        raise argparse.ArgumentTypeError(f"--devices must be a power of two (1, 2, 4, 8, ...), got {value}")
+    value = _integer("--devices", text, -(1 << 62), 1 << 62)
+    if not 1 <= value <= MAX_DEVICES or value & (value - 1):
+        raise argparse.ArgumentTypeError(
+            f"--devices must be a power of two from 1 to {MAX_DEVICES:,} (1, 2, 4, 8, ...), got {value}"
+        )
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _batch(text: str) -> int:
+    return _integer("--batch", text, 1, MAX_DIMENSION)
+
+
+def _seed(text: str) -> int:
+    return _integer("--seed", text, 0, MAX_SEED)
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX model file")
-    parser.add_argument("--batch", type=_positive, help="override the leading dimension of the data inputs")
+    parser.add_argument("--batch", type=_batch, help="override the leading dimension of the data inputs")
     parser.add_argument(
         "--dim",
         type=_dim_binding,
@@ -88,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(verify)
     verify.add_argument("--devices", type=_devices, default=8, help="number of devices, a power of two (default 8)")
     verify.add_argument("--plan", help="a plan JSON file (from 'autopar plan --format json'); default: search one")
-    verify.add_argument("--seed", type=int, default=0, help="seed for random weights and inputs")
+    verify.add_argument("--seed", type=_seed, default=0, help="seed for random weights and inputs")
     verify.add_argument("--format", choices=("table", "json"), default="table")
 
     inspect = commands.add_parser("inspect", help="summarise a model: operators, parameters, FLOPs")
@@ -106,21 +113,39 @@ def _version() -> str:
 
 
 def _emit(text: str, out: str | None) -> None:
-    if out:
-        try:
-            Path(out).write_text(text, encoding="utf-8")
-        except OSError as exc:
-            raise AutoparError(f"Cannot write {out!r}: {exc.strerror}.") from None
-    else:
+    """Write to ``out`` atomically (a temporary file beside it, then a rename), or to stdout."""
+    if not out:
         sys.stdout.write(text)
+        return
+    target = Path(out)
+    temporary = None
+    try:
+        with tempfile.NamedTemporaryFile(
+            "w",
+            encoding="utf-8",
+            dir=target.parent if str(target.parent) else ".",
+            prefix=f".{target.name}.",
+            suffix=".tmp",
+            delete=False,
+        ) as handle:
+            temporary = Path(handle.name)
+            handle.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        temporary.chmod(0o666 & ~umask)  # as an ordinary write would leave it, not tempfile's 0600
+        os.replace(temporary, target)
+    except OSError as exc:
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
+        raise AutoparError(f"Cannot write {out!r}: {exc.strerror or exc}.") from None
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     import autopar
     from autopar.report import plan_table
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)  # said once below, in the CLI's own words
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoparWarning)  # said below as one line each, in the CLI's words
         result = autopar.plan(
             args.model,
             devices=args.devices,
@@ -131,8 +156,9 @@ def _run_plan(args: argparse.Namespace) -> int:
             precision=args.precision,
             search=args.search,
         )
-    if result.fallback_ops:
-        print(f"autopar: warning: {result.fallback_summary()}", file=sys.stderr)
+    for warning in caught:
+        if issubclass(warning.category, AutoparWarning):
+            print(f"autopar: warning: {warning.message}", file=sys.stderr)
     text = result.to_json() + "\n" if args.format == "json" else plan_table(result)
     _emit(text, args.out)
     return 0
@@ -158,7 +184,11 @@ def _run_verify(args: argparse.Namespace) -> int:
     report = autopar.verify(
         args.model, plan_file, devices=args.devices, batch=args.batch, dims=dict(args.dim), seed=args.seed
     )
-    text = json.dumps(report.to_dict(), indent=2) + "\n" if args.format == "json" else verify_table(report)
+    text = (
+        json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"
+        if args.format == "json"
+        else verify_table(report)
+    )
     sys.stdout.write(text)
     if not report.ok:
         print(f"autopar: error: the plan does not verify: {report.problems[0]}", file=sys.stderr)

@@ -7,6 +7,16 @@ line rewords the few that name something the user typed as a flag (an unbound di
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
+
+def first_problem(exc: ValidationError) -> str:
+    """The first thing pydantic found wrong, as ``where: what`` (``ops.0.strategy: field required``)."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"]) or "the top level"
+    message = str(error["msg"]).removeprefix("Value error, ").rstrip(".")
+    return f"{where}: {message[:1].lower()}{message[1:]}"
+
 
 class AutoparError(Exception):
     """Base class: the message is a complete sentence meant for the user."""
@@ -59,9 +69,21 @@ class CostModelError(AutoparError):
     """A hardware profile is missing or malformed."""
 
 
+class TooLargeError(AutoparError):
+    """The request would exceed a stated limit (`autopar.limits`): refused before it is built."""
+
+
 class InfeasibleError(AutoparError):
     """No plan fits in device memory."""
 
 
-class FallbackWarning(UserWarning):
+class AutoparWarning(UserWarning):
+    """Base class: the plan is valid, but something about the input deserves a word."""
+
+
+class FallbackWarning(AutoparWarning):
     """Some operators have no strategy rule: they run replicated, their inputs gathered."""
+
+
+class RenamedOperatorsWarning(AutoparWarning):
+    """Operators share a name in the file (ONNX requires unique names); the plan names them apart."""

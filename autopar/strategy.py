@@ -76,6 +76,15 @@ class OpRule:
     # --- candidates ----------------------------------------------------------------------
 
     @cached_property
+    def candidate_count(self) -> int:
+        """How many candidates there are, counted without listing them (for the size limits)."""
+        ways = [1] + [0] * self.mesh_bits  # ways[s]: label prefixes whose exponents sum to s
+        for label in self.spec.label_order:
+            limit = self.max_exponent(label)
+            ways = [sum(ways[s - e] for e in range(min(limit, s) + 1)) for s in range(self.mesh_bits + 1)]
+        return sum(ways)
+
+    @cached_property
     def candidates(self) -> list[tuple[int, ...]]:
         """All label exponent vectors with total split <= devices, data parallel first."""
         labels = self.spec.label_order

@@ -202,6 +202,9 @@ CASES = {
         "Reshape", ["X", "s"], [("X", F, [2, 4, 16])], initializers=[ints("s", [2, 4, 4, 4])]
     ),
     "reduce_mean_last": lambda: single("ReduceMean", ["X"], [("X", F, [4, 8])], axes=[-1]),
+    "top_k": lambda: single(
+        "TopK", ["X", "k"], [("X", F, [4, 8, 6])], outputs=("Y", "I"), axis=1, initializers=[ints("k", [3])]
+    ),
 }
 
 
@@ -271,6 +274,7 @@ def test_axes_an_operator_works_along_stay_whole():
     assert split_axes(CASES["softmax_opset11"]())[0] == (0,)  # opset < 13 flattens from the axis on
     assert split_axes(CASES["lrn"]())[0] == (0,)
     assert split_axes(CASES["sce_ignore_index"]()) == [(), ()]
+    assert split_axes(CASES["top_k"]()) == [(0, 2), ()]  # TopK selects along axis 1
 
 
 def test_transpose_moves_splits_with_their_dims():

@@ -6,24 +6,55 @@ Profiles live in `costmodels/*.toml` (bundled) or any TOML file; each number is 
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from autopar.errors import CostModelError
+from autopar.errors import CostModelError, first_problem
 
 
 class Sourced(BaseModel):
-    """A hardware number and where it comes from."""
+    """A hardware number and where it comes from: a finite positive value and its source."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    value: float = Field(gt=0)
+    value: float = Field(gt=0, allow_inf_nan=False)
     source: str = Field(min_length=3)
 
 
-class ComputeSpec(BaseModel):
+# Ranges (ours, not a vendor's): a number outside its range is a typo or a unit slip and would
+# give absurd or non-finite times. Efficiencies are fractions of a peak; a rate below one per
+# second (a bandwidth of 1e-300 B/s) is a slip. The lower bound is open, the upper one closed.
+PLAUSIBLE: dict[str, tuple[float, float]] = {
+    "peak_flops_fp16": (1.0, math.inf),
+    "peak_flops_fp32": (1.0, math.inf),
+    "hbm_bandwidth": (1.0, math.inf),
+    "cube_efficiency": (0.0, 1.0),
+    "memory_efficiency": (0.0, 1.0),
+    "vector_flops_fraction": (0.0, 1.0),
+    "bandwidth": (1.0, math.inf),
+    "latency": (0.0, 60.0),
+}
+
+
+class _Spec(BaseModel):
+    """Checks every `Sourced` field against its `PLAUSIBLE` range (lower bound open, upper closed)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="after")
+    def _plausible(self) -> _Spec:
+        for name in type(self).model_fields:
+            number = getattr(self, name)
+            if isinstance(number, Sourced) and name in PLAUSIBLE:
+                low, high = PLAUSIBLE[name]
+                if not low < number.value <= high:
+                    raise ValueError(f"{name} = {number.value:g} is outside ({low:g}, {high:g}]")
+        return self
+
+
+class ComputeSpec(_Spec):
     peak_flops_fp16: Sourced
     peak_flops_fp32: Sourced
     hbm_bandwidth: Sourced
@@ -33,18 +64,16 @@ class ComputeSpec(BaseModel):
     vector_flops_fraction: Sourced
 
 
-class TrainingSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class TrainingSpec(_Spec):
     backward_compute_factor: Sourced
     optimizer_state_bytes_per_param: Sourced
     master_weight_bytes_per_param: Sourced
     gradient_fusion_bytes: Sourced
 
 
-class LinkLevel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class LinkLevel(_Spec):
     name: str
-    bits: int = Field(ge=1)
+    bits: int = Field(ge=1, le=64)
     bandwidth: Sourced
     latency: Sourced
 
@@ -105,6 +134,4 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     try:
         return HardwareProfile.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise CostModelError(f"Cost model {str(path)!r}: {where}: {first['msg']}.") from None
+        raise CostModelError(f"Cost model {str(path)!r}: {first_problem(exc)}.") from None

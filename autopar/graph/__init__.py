@@ -1,8 +1,9 @@
 """ONNX import: a model file becomes a `Graph` whose every tensor has a known shape and dtype.
 
 The passes, in order (one module each): `read` the file, `bind` the batch and symbolic
-dimensions and infer shapes, then `build` the graph (constant folding in `fold`, parameters
-told from constants, FLOPs from the operator registry). `types` holds the values they make.
+dimensions and infer shapes, `validate` (ONNX's checker, numeric inputs, positive sizes), then
+`build` the graph (constant folding in `fold`, parameters told from constants, FLOPs from the
+operator registry). `types` holds the values they make.
 
 >>> from onnx import TensorProto, helper
 >>> node = helper.make_node("Relu", ["x"], ["y"], name="relu")
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import onnx
 
-from autopar.graph.bind import bind_dimensions, check_reshapes, infer_shapes, rebatch_reshapes
+from autopar.graph.bind import bind_dimensions, check_bindings, check_reshapes, infer_shapes, rebatch_reshapes
 from autopar.graph.build import build_graph
 from autopar.graph.read import read_model
 from autopar.graph.types import ElidedValue, Graph, OpNode, TensorInfo, TensorKind
+from autopar.graph.validate import check_data_inputs, check_dimensions, check_input_types, check_model
 
 
 def load_model(
@@ -31,10 +33,15 @@ def load_model(
     """Import an ONNX model (a path or a ModelProto) with every shape resolved."""
     proto = read_model(model)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
+    check_bindings(batch, dims or {})
     if batch is not None:
         rebatch_reshapes(proto, batch)
     proto = bind_dimensions(proto, batch, dims or {})
     proto = infer_shapes(proto)
+    check_model(proto)
+    check_data_inputs(proto)
+    check_input_types(proto)
+    check_dimensions(proto)
     check_reshapes(proto)
     return build_graph(proto, name)
 

@@ -15,15 +15,24 @@ from onnx import numpy_helper, shape_inference
 
 from autopar.errors import ModelImportError, UnknownSymbolError
 from autopar.graph.proto import data_inputs, value_infos
+from autopar.limits import MAX_DIMENSION
+
+
+def check_bindings(batch: int | None, dims: dict[str, int]) -> None:
+    """Sizes are integers from 1 to `MAX_DIMENSION` (checked before anything is inferred)."""
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)):
+        raise ModelImportError(f"The batch size must be an integer, got {batch!r}.")
+    if batch is not None and not 1 <= batch <= MAX_DIMENSION:
+        raise ModelImportError(f"The batch size must be an integer from 1 to {MAX_DIMENSION:,}, got {batch}.")
+    for key, value in dims.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIMENSION:
+            raise ModelImportError(
+                f"Dimension {key!r} must be bound to an integer from 1 to {MAX_DIMENSION:,}, got {value!r}."
+            )
 
 
 def bind_dimensions(proto: onnx.ModelProto, batch: int | None, dims: dict[str, int]) -> onnx.ModelProto:
     """Set the leading dimension of every data input to ``batch`` and named symbols to ``dims``."""
-    if batch is not None and batch < 1:
-        raise ModelImportError(f"The batch size must be a positive integer, got {batch}.")
-    for key, value in dims.items():
-        if value < 1:
-            raise ModelImportError(f"Dimension {key!r} must be bound to a positive integer, got {value}.")
     known_params = set()
     for vi in data_inputs(proto):
         if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
@@ -83,6 +92,10 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
         if new_name not in initializers:
             initializers[new_name] = numpy_helper.from_array(rewritten, new_name)
             proto.graph.initializer.append(initializers[new_name])
+            if proto.ir_version < 4:  # before IR 4 every initializer is also a graph input
+                proto.graph.input.append(
+                    onnx.helper.make_tensor_value_info(new_name, onnx.TensorProto.INT64, list(rewritten.shape))
+                )
         node.input[1] = new_name
 
 

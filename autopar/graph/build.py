@@ -54,7 +54,7 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
                 proto=node,
             )
         )
-    _rename_duplicates(ops)
+    renamed = _rename_duplicates(ops)
 
     roles = _constant_roles(ops, constants, opset)
     read = {inp for op in ops for inp in op.inputs} | graph_outputs
@@ -93,25 +93,36 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         op.flops = count(in_shapes, out_shapes, op.attrs)
 
     outputs = [o.name for o in proto.graph.output]
-    return Graph(name=name, ops=_topological(ops), tensors=tensors, inputs=graph_inputs, outputs=outputs, model=proto)
+    return Graph(
+        name=name,
+        ops=_topological(ops),
+        tensors=tensors,
+        inputs=graph_inputs,
+        outputs=outputs,
+        model=proto,
+        renamed_ops=renamed,
+    )
 
 
 def _elided(dims: tuple[int, ...], data_type: int) -> KnownValue:
     return ElidedValue(dims, np.dtype(helper.tensor_dtype_to_np_dtype(data_type)))
 
 
-def _rename_duplicates(ops: list[OpNode]) -> None:
-    """Give every operator a unique name; a generated name never collides with a real one."""
+def _rename_duplicates(ops: list[OpNode]) -> dict[str, str]:
+    """Give every operator a unique name (a generated one never collides); new name -> the file's name."""
     taken = {op.name for op in ops}
     seen: set[str] = set()
+    renamed: dict[str, str] = {}
     for op in ops:
         if op.name in seen:
             suffix = 1
             while f"{op.name}_{suffix}" in taken:
                 suffix += 1
+            renamed[f"{op.name}_{suffix}"] = op.name
             op.name = f"{op.name}_{suffix}"
             taken.add(op.name)
         seen.add(op.name)
+    return renamed
 
 
 def _constant_roles(

@@ -78,6 +78,7 @@ class Graph:
     producer: dict[str, str] = field(default_factory=dict)
     consumers: dict[str, list[str]] = field(default_factory=dict)
     dataflow: nx.DiGraph = field(default_factory=nx.DiGraph, repr=False)
+    renamed_ops: dict[str, str] = field(default_factory=dict)  # a name given here -> the name in the file
 
     def __post_init__(self) -> None:
         self._by_name = {op.name: op for op in self.ops}

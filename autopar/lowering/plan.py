@@ -130,7 +130,7 @@ class Plan:
         return self.file.dump()
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
     def _repr_html_(self) -> str | None:
         renderer = type(self).html_renderer

@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveInt,
     SerializerFunctionWrapHandler,
@@ -27,7 +28,7 @@ from pydantic import (
     model_serializer,
 )
 
-from autopar.errors import PlanFileError
+from autopar.errors import PlanFileError, first_problem
 from autopar.layout import Layout, ReduceOp
 from autopar.redistribute import Collective, Step
 
@@ -37,7 +38,9 @@ GRAPH_OUTPUT = "<graph output>"  # the consumer named by the reduction of a part
 
 
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    """Every figure is finite: a plan never says Infinity or NaN (strict JSON)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class _OmitsUnset(_Part):
@@ -84,9 +87,9 @@ class StepEntry(_OmitsUnset):
     dim: NonNegativeInt | None = None
     concat_dim: NonNegativeInt | None = None
     reduce_op: ReduceOp | None = None
-    seconds: float
+    seconds: NonNegativeFloat
     backward: Collective | None = Field(description="the dual collective the gradient takes, if any")
-    backward_seconds: float
+    backward_seconds: NonNegativeFloat
 
     def step(self) -> Step:
         return Step(
@@ -100,7 +103,7 @@ class TensorLayout(_Part):
 
 
 class OpCost(_Part):
-    compute_s: float
+    compute_s: NonNegativeFloat
     communication_s: float = Field(description="gradient sync, backward AllReduce and partial outputs it owns")
     memory_bytes: NonNegativeInt
 
@@ -126,7 +129,7 @@ class Redistribution(_Part):
     from_: LayoutEntry = Field(alias="from")
     to: LayoutEntry
     steps: list[StepEntry]
-    seconds: float
+    seconds: NonNegativeFloat
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -143,35 +146,33 @@ class GradientSync(_Part):
     bits: list[NonNegativeInt]
     group_size: PositiveInt
     bytes: NonNegativeInt
-    seconds: float
+    seconds: NonNegativeFloat
 
 
 class Totals(_Part):
-    step_time_s: float
-    compute_s: float
+    step_time_s: NonNegativeFloat
+    compute_s: NonNegativeFloat
     communication_s: float
     memory_per_device_bytes: NonNegativeInt
     memory_capacity_bytes: NonNegativeInt
-    training_flops: float
-    ideal_step_time_s: float
-    data_parallel_step_time_s: float
-    speedup_vs_data_parallel: float
+    training_flops: NonNegativeFloat
+    ideal_step_time_s: NonNegativeFloat
+    data_parallel_step_time_s: NonNegativeFloat
+    speedup_vs_data_parallel: NonNegativeFloat
 
 
 class SearchSummary(_Part):
     algorithm: str = Field(description="how the strategies were chosen: dp, ilp, data_parallel, stand_alone, given")
-    time_s: float
+    time_s: NonNegativeFloat
     candidates: NonNegativeInt
     operators: NonNegativeInt
-    memory_multiplier: float
+    memory_multiplier: NonNegativeFloat
 
 
 class PlanFile(_Part):
     """A whole plan as ``autopar plan --format json`` writes it."""
 
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, populate_by_name=True, json_schema_extra={"title": "autopar plan", "$id": SCHEMA}
-    )
+    model_config = ConfigDict(json_schema_extra={"title": "autopar plan", "$id": SCHEMA})
     schema_: Literal["autopar.plan/1"] = Field(alias="schema")
     model: str
     devices: PositiveInt
@@ -179,7 +180,7 @@ class PlanFile(_Part):
     cost_model: str
     precision: str
     mode: str
-    objective_s: float
+    objective_s: NonNegativeFloat
     ops: list[OpEntry] = Field(min_length=1)
     redistributions: list[Redistribution]
     gradient_sync: list[GradientSync]
@@ -210,10 +211,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _where(error: Any) -> str:
-    return ".".join(str(part) for part in error["loc"]) or "the file"
-
-
 def read_plan_file(data: Any, origin: str = "the plan") -> PlanFile:
     """A validated `PlanFile` from parsed JSON; PlanFileError naming the first bad field."""
     label = f"Plan file {origin!r}" if origin != "the plan" else "The plan"
@@ -227,10 +224,7 @@ def read_plan_file(data: Any, origin: str = "the plan") -> PlanFile:
     try:
         return PlanFile.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        message = str(first["msg"]).rstrip(".")
-        message = message[:1].lower() + message[1:]
-        raise PlanFileError(f"{label} is not a valid autopar plan: {_where(first)}: {message}.") from None
+        raise PlanFileError(f"{label} is not a valid autopar plan: {first_problem(exc)}.") from None
     except RecursionError:
         raise PlanFileError(f"{label} is nested too deeply to be an autopar plan.") from None
 

@@ -21,6 +21,10 @@ def _bytes(count: float) -> str:
     return f"{int(count)} B"
 
 
+def _error(value: float | bool | None) -> str:
+    return "not finite" if value is None else f"{value:.3g}"
+
+
 def _strategy(entry: list[list[int]]) -> str:
     return "(" + ",".join("(" + ",".join(str(f) for f in s) + ("," if len(s) == 1 else "") + ")" for s in entry) + ")"
 
@@ -138,8 +142,8 @@ def verify_table(report: VerifyReport) -> str:
     lines = [f"autopar verify: {verdict} on {report.devices} virtual devices ({report.time_s:.1f} s)", ""]
     for name, entry in report.outputs.items():
         lines.append(
-            f"output {name:<16} max abs error {entry['max_abs_error']:.3g}"
-            f"  max rel error {entry['max_rel_error']:.3g}  {'ok' if entry['ok'] else 'MISMATCH'}"
+            f"output {name:<16} max abs error {_error(entry['max_abs_error'])}"
+            f"  max rel error {_error(entry['max_rel_error'])}  {'ok' if entry['ok'] else 'MISMATCH'}"
         )
     lines.append("")
     lines.append("collectives executed (plan lists):")

@@ -37,14 +37,45 @@ def _expand(factor: _Factor, scope: tuple[int, ...], sizes: list[int]) -> np.nda
     return factor.table.reshape(shape)
 
 
-def minimise(problem: SearchProblem, unary: list[np.ndarray]) -> list[int]:
+Elimination = list[tuple[int, tuple[int, ...]]]
+
+
+def elimination_order(problem: SearchProblem) -> Elimination:
+    """(node, the operators its elimination leaves a table over), in the greedy order.
+
+    The order depends on the graph and the candidate counts only, so it is computed once per
+    problem and its largest table is known before any arithmetic (`largest_table`).
+    """
+    sizes = [len(t) for t in problem.node_time]
+    neighbours: list[set[int]] = [set() for _ in sizes]
+    for i, j in problem.edges:
+        neighbours[i].add(j)
+        neighbours[j].add(i)
+    remaining = set(range(len(sizes)))
+    order: Elimination = []
+    while remaining:
+        v = min(remaining, key=lambda u: (_table_size(neighbours[u], sizes), len(neighbours[u]), u))
+        rest = tuple(sorted(neighbours[v]))
+        for u in rest:
+            neighbours[u].discard(v)
+            neighbours[u].update(w for w in rest if w != u)
+        remaining.discard(v)
+        order.append((v, rest))
+    return order
+
+
+def largest_table(problem: SearchProblem, order: Elimination) -> int:
+    """Entries of the largest table the elimination builds (the eliminated node's axis included)."""
+    sizes = [len(t) for t in problem.node_time]
+    return max((sizes[v] * _table_size(set(rest), sizes) for v, rest in order), default=0)
+
+
+def minimise(problem: SearchProblem, unary: list[np.ndarray], order: Elimination | None = None) -> list[int]:
     """Exact argmin of sum(unary[i][c_i]) + sum(edges[i,j][c_i, c_j]) by variable elimination."""
     n = problem.size
     sizes = [len(u) for u in unary]
     factors: dict[int, _Factor] = {}
     touching: list[set[int]] = [set() for _ in range(n)]
-    neighbours: list[set[int]] = [set() for _ in range(n)]
-
     keys = itertools.count()
 
     def add(factor: _Factor) -> None:
@@ -52,32 +83,25 @@ def minimise(problem: SearchProblem, unary: list[np.ndarray]) -> list[int]:
         factors[key] = factor
         for v in factor.scope:
             touching[v].add(key)
-            neighbours[v].update(u for u in factor.scope if u != v)
 
     for v in range(n):
         add(_Factor((v,), np.asarray(unary[v], dtype=float)))
     for (i, j), matrix in sorted(problem.edges.items()):
         add(_Factor((i, j), matrix))
 
-    remaining = set(range(n))
     records: list[tuple[int, tuple[int, ...], np.ndarray]] = []
-    while remaining:
-        v = min(remaining, key=lambda u: (_table_size(neighbours[u], sizes), len(neighbours[u]), u))
+    for v, rest in order if order is not None else elimination_order(problem):
         mine = sorted(touching[v])
-        scope = tuple(sorted({u for k in mine for u in factors[k].scope}))
+        scope = tuple(sorted((v, *rest)))
         total = sum(_expand(factors[k], scope, sizes) for k in mine)
         total = np.broadcast_to(total, [sizes[u] for u in scope])
         axis = scope.index(v)
         best = np.argmin(total, axis=axis)
         table = np.min(total, axis=axis)
-        rest = tuple(u for u in scope if u != v)
         for k in mine:
             for u in factors[k].scope:
                 touching[u].discard(k)
             del factors[k]
-        for u in rest:
-            neighbours[u].discard(v)
-        remaining.discard(v)
         records.append((v, rest, best))
         if rest:
             add(_Factor(rest, np.ascontiguousarray(table)))

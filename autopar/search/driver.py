@@ -12,8 +12,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from autopar.errors import InfeasibleError
-from autopar.search.dp import minimise, tie_break_unary
+from autopar.errors import InfeasibleError, TooLargeError
+from autopar.limits import MAX_TABLE_ENTRIES
+from autopar.search.dp import elimination_order, largest_table, minimise, tie_break_unary
 from autopar.search.problem import SearchProblem, memory_items
 
 MODES = ("auto_parallel", "data_parallel", "stand_alone")
@@ -66,27 +67,34 @@ def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: s
 
 
 def _constrained_dp(problem: SearchProblem, capacity: float) -> tuple[list[int], float]:
+    order = elimination_order(problem)
+    largest = largest_table(problem, order)
+    if largest > MAX_TABLE_ENTRIES:
+        raise TooLargeError(
+            f"The search would build a table of {largest:,} entries (limit {MAX_TABLE_ENTRIES:,}): the model's"
+            f" operators have too many candidate strategies on {problem.num_devices:,} devices; use fewer devices."
+        )
     base = problem.objective(data_parallel_choice(problem))
     unary = tie_break_unary(problem, base)
-    choice = minimise(problem, unary)
+    choice = minimise(problem, unary, order)
     if problem.memory(choice) <= capacity:
         return choice, 0.0
-    leanest = minimise(problem, [m + 1e-9 * t for m, t in zip(problem.node_memory, problem.node_time)])
+    leanest = minimise(problem, [m + 1e-9 * t for m, t in zip(problem.node_memory, problem.node_time)], order)
     if problem.memory(leanest) > capacity:
         raise InfeasibleError(_infeasible_message(problem, leanest, capacity, "auto_parallel"))
     low, high = 0.0, base / capacity
     best = leanest
     while True:
-        trial = minimise(problem, [u + high * m for u, m in zip(unary, problem.node_memory)])
+        trial = minimise(problem, [u + high * m for u, m in zip(unary, problem.node_memory)], order)
         if problem.memory(trial) <= capacity:
             best = trial
             break
+        if high * 4 > 1e12 * base / capacity:
+            return leanest, high  # the leanest plan: no finite weight found a faster one that fits
         low, high = high, high * 4
-        if high > 1e12 * base / capacity:
-            return leanest, float("inf")
     for _ in range(_BISECTION_STEPS):
         middle = (low + high) / 2
-        trial = minimise(problem, [u + middle * m for u, m in zip(unary, problem.node_memory)])
+        trial = minimise(problem, [u + middle * m for u, m in zip(unary, problem.node_memory)], order)
         if problem.memory(trial) <= capacity:
             best, high = trial, middle
         else:
@@ -94,24 +102,38 @@ def _constrained_dp(problem: SearchProblem, capacity: float) -> tuple[list[int],
     return best, high
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in the unit that keeps three figures (1 B, 512 MB, 339.67 GB)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: float, mode: str) -> str:
-    """Say that nothing fits, what dominates, and how many devices the parameters alone need."""
+    """Say that nothing fits, what dominates, and what would make it fit."""
     need = problem.memory(choice)
     items = [item for i, c in enumerate(choice) for item in memory_items(problem, i, c)]
     roles = ("parameter", "activation", "input")
     by_role = {role: sum(nbytes for _, r, nbytes in items if r == role) for role in roles}
     heavy = ", ".join(
-        f"{name} ({nbytes / 1e9:.2f} GB)" for name, _, nbytes in sorted(items, key=lambda item: (-item[2], item[0]))[:3]
+        f"{name} ({_size(nbytes)})" for name, _, nbytes in sorted(items, key=lambda item: (-item[2], item[0]))[:3]
     )
     what = "the leanest plan" if mode == "auto_parallel" else f"the {mode} plan"
     cost = problem.cost
     state = sum(info.numel * cost.parameter_bytes_per_element(info.trainable) for info in problem.graph.parameters)
     floor = max(1, math.ceil(state / capacity))
     devices = 1 << (floor - 1).bit_length()
+    if devices > problem.num_devices:
+        advice = f"the parameters' training state alone is {_size(state)}, so at least {devices:,} devices are needed"
+    else:
+        advice = (
+            f"the parameters' training state alone ({_size(state)}) would fit on {problem.num_devices:,} devices,"
+            " so it is the activations and inputs that do not fit: use a smaller batch or more devices"
+        )
     return (
-        f"Nothing fits in device memory: {what} needs {need / 1e9:.2f} GB per device but the device has"
-        f" {capacity / 1e9:.2f} GB (parameters with gradients and optimizer state"
-        f" {by_role['parameter'] / 1e9:.2f} GB, activations kept for backward {by_role['activation'] / 1e9:.2f} GB,"
-        f" inputs {by_role['input'] / 1e9:.2f} GB); the largest tensors are {heavy}; the parameters' training"
-        f" state alone is {state / 1e9:.1f} GB, so at least {devices} devices are needed."
+        f"Nothing fits in device memory: {what} needs {_size(need)} per device but the device has"
+        f" {_size(capacity)} (parameters with gradients and optimizer state {_size(by_role['parameter'])},"
+        f" activations kept for backward {_size(by_role['activation'])}, inputs {_size(by_role['input'])});"
+        f" the largest tensors are {heavy}; {advice}."
     )

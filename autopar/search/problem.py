@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.cost import CostModel
-from autopar.errors import StrategyError
+from autopar.errors import StrategyError, TooLargeError
 from autopar.graph import Graph, TensorInfo
 from autopar.layout import Layout
+from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
 from autopar.redistribute import BACKWARD_DUAL, Collective, Step, redistribute, symbolic_steps
 from autopar.strategy import OpRule
 
@@ -148,6 +149,7 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int) -> SearchProb
     problem = SearchProblem(graph, rules, cost, num_devices, mesh_bits)
     problem.requires_grad = _requires_grad(graph, rules)
     _assign_uses(problem)
+    _check_size(problem)
     for node in range(len(rules)):
         compute, sync, memory = _node_costs(problem, node)
         problem.node_compute.append(compute)
@@ -156,6 +158,25 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int) -> SearchProb
         problem.node_memory.append(memory)
     _edge_costs(problem)
     return problem
+
+
+def _check_size(problem: SearchProblem) -> None:
+    """Refuse, before anything is built, a problem whose candidates or cost tables exceed the limits."""
+    devices = f"{problem.num_devices:,} devices"
+    for rule in problem.rules:
+        if rule.candidate_count > MAX_CANDIDATES_PER_OPERATOR:
+            raise TooLargeError(
+                f"Operator {rule.op.name!r} ({rule.op.op_type}) has {rule.candidate_count:,} candidate strategies on"
+                f" {devices} (limit {MAX_CANDIDATES_PER_OPERATOR:,}); use fewer devices."
+            )
+    cells = sum(
+        problem.rules[u.src_node].candidate_count * problem.rules[u.dst_node].candidate_count for u in problem.uses
+    )
+    if cells > MAX_EDGE_CELLS:
+        raise TooLargeError(
+            f"The cost tables between operators would hold {cells:,} entries on {devices} (limit {MAX_EDGE_CELLS:,});"
+            " use fewer devices."
+        )
 
 
 def _requires_grad(graph: Graph, rules: list[OpRule]) -> dict[str, bool]:
@@ -298,6 +319,18 @@ def _edge_costs(problem: SearchProblem) -> None:
         unique, positions = layouts_cache[key]
         ids = tuple(layout_ids.setdefault(layout, len(layout_ids)) for layout in unique)
         return unique, positions, ids
+
+    pairs: set[tuple[int, int, bool]] = set()  # distinct redistributions to cost, counted before costing any
+    for use in problem.uses:
+        src_ids = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)[2]
+        dst_ids = distinct_layouts(use.dst_node, False, use.dst_slot)[2]
+        with_backward = problem.requires_grad.get(use.tensor, False)
+        pairs.update((a, b, with_backward) for a in src_ids for b in dst_ids)
+        if len(pairs) > MAX_LAYOUT_PAIRS:
+            raise TooLargeError(
+                f"More than {MAX_LAYOUT_PAIRS:,} distinct redistributions between layouts would have to be costed on"
+                f" {problem.num_devices:,} devices (the limit keeps costing within a few minutes); use fewer devices."
+            )
 
     for use in problem.uses:
         src_unique, src_pos, src_ids = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)

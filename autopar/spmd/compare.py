@@ -10,6 +10,10 @@ import numpy as np
 RTOL, ATOL = 1e-4, 1e-5
 
 
+def _finite(value: float) -> float | None:
+    return value if np.isfinite(value) else None
+
+
 @dataclass(frozen=True)
 class OutputCheck:
     """One graph output: its largest error against the reference, and whether that is close enough."""
@@ -19,8 +23,13 @@ class OutputCheck:
     ok: bool
     problem: str | None = None
 
-    def to_dict(self) -> dict[str, float | bool]:
-        return {"max_abs_error": self.max_abs_error, "max_rel_error": self.max_rel_error, "ok": self.ok}
+    def to_dict(self) -> dict[str, float | bool | None]:
+        """Errors as numbers, or None where the sharded run gave no finite value (strict JSON)."""
+        return {
+            "max_abs_error": _finite(self.max_abs_error),
+            "max_rel_error": _finite(self.max_rel_error),
+            "ok": self.ok,
+        }
 
 
 def compare_output(
@@ -54,7 +63,7 @@ class VerifyReport:
 
     ok: bool
     devices: int
-    outputs: dict[str, dict[str, float | bool]]
+    outputs: dict[str, dict[str, float | bool | None]]
     executed: dict[str, dict[str, int]]
     planned: dict[str, dict[str, int]]
     problems: list[str] = field(default_factory=list)

@@ -162,7 +162,7 @@ def verify_problem(
     values = materialise(problem.graph, seed)
     reference = reference_outputs(problem.graph, values)
     runner = _Runner(problem, choice, steps, values)
-    outputs: dict[str, dict[str, float | bool]] = {}
+    outputs: dict[str, dict[str, float | bool | None]] = {}
     problems: list[str] = []
     try:
         runner.run()

@@ -1,0 +1,147 @@
+"""Validation: what ONNX's checker rejects, and what autopar cannot plan, stops here in one sentence.
+
+Runs on the bound, shape-inferred model, so the checker sees every output typed. The checker's
+reason is kept (its first line); weights kept in external files are never read (they are
+checked as graph inputs of the same type and shape instead).
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from autopar.errors import ModelImportError
+from autopar.graph.proto import data_inputs, value_infos
+from autopar.graph.types import opset_of
+
+_PROTOBUF_LIMIT = 2**31 - 1  # the checker cannot serialise a larger proto
+_NUMERIC = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.BFLOAT16,
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.INT16,
+    onnx.TensorProto.INT32,
+    onnx.TensorProto.INT64,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.UINT16,
+    onnx.TensorProto.UINT32,
+    onnx.TensorProto.UINT64,
+    onnx.TensorProto.BOOL,
+}
+
+
+def _without_external_data(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose externally stored initializers are graph inputs (typed), so nothing is read."""
+    external = [init for init in proto.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    names = {init.name for init in external}
+    kept = [init for init in copy.graph.initializer if init.name not in names]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    declared = {vi.name for vi in copy.graph.input}
+    for init in external:
+        if init.name not in declared:
+            copy.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    return copy
+
+
+def check_model(proto: onnx.ModelProto) -> None:
+    """ONNX's own checker (schemas, attributes, opsets, SSA form) on the inferred model."""
+    newest = onnx.defs.onnx_opset_version()
+    opset = opset_of(proto)
+    if opset > newest:
+        raise ModelImportError(
+            f"The model uses ONNX opset {opset}, but the installed onnx {onnx.__version__} knows opsets up to {newest}."
+        )
+    produced = {name for node in proto.graph.node for name in node.output}
+    known = produced | {vi.name for vi in proto.graph.input} | {init.name for init in proto.graph.initializer}
+    for output in proto.graph.output:
+        if output.name not in known:
+            raise ModelImportError(f"Graph output {output.name!r} is produced by no operator and is no input.")
+    checked = _without_external_data(proto)
+    if checked.ByteSize() > _PROTOBUF_LIMIT:
+        return  # weights stored inline past 2 GB: the checker cannot take it; inference has run strictly
+    try:
+        onnx.checker.check_model(checked)
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelImportError(f"The model is not valid ONNX: {reason.rstrip('.')}.") from None
+
+
+def check_data_inputs(proto: onnx.ModelProto) -> None:
+    """Every data input is a numeric tensor (a string or untyped input cannot be sharded or costed)."""
+    for vi in data_inputs(proto):
+        if not vi.type.HasField("tensor_type"):
+            raise ModelImportError(f"Input {vi.name!r} is not a tensor; autopar plans tensor inputs only.")
+        elem = vi.type.tensor_type.elem_type
+        if elem not in _NUMERIC:
+            name = onnx.TensorProto.DataType.Name(elem) if elem in onnx.TensorProto.DataType.values() else str(elem)
+            raise ModelImportError(f"Input {vi.name!r} has element type {name}; autopar plans numeric tensors only.")
+
+
+def check_dimensions(proto: onnx.ModelProto) -> None:
+    """After binding and inference every known dimension of a data input or activation is a positive size.
+
+    Constants may be empty (an unused ``roi`` of Resize is a tensor of shape [0]).
+    """
+    constants = {init.name for init in proto.graph.initializer}
+    for name, vi in value_infos(proto).items():
+        if name in constants:
+            continue
+        if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+            continue
+        for axis, dim in enumerate(vi.type.tensor_type.shape.dim):
+            if dim.HasField("dim_value") and dim.dim_value < 1:
+                raise ModelImportError(
+                    f"Tensor {name!r} has size {dim.dim_value} on axis {axis}; every dimension must be a positive"
+                    " integer."
+                )
+
+
+def _type_name(elem_type: int) -> str:
+    """ONNX's spelling in type constraints: FLOAT -> 'float', INT64 -> 'int64'."""
+    return onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type in onnx.TensorProto.DataType.values() else "?"
+
+
+def check_input_types(proto: onnx.ModelProto) -> None:
+    """Inputs that share a type parameter in an operator's schema (MatMul's A and B: T) share a type.
+
+    Shape inference takes the output type from one input and never compares the others, so a
+    float activation multiplied by an int32 weight would otherwise plan, and only fail at run time.
+    """
+    types = {
+        name: vi.type.tensor_type.elem_type
+        for name, vi in value_infos(proto).items()
+        if vi.type.HasField("tensor_type")
+    }
+    types.update({init.name: init.data_type for init in proto.graph.initializer})
+    opset = opset_of(proto)
+    for node in proto.graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, "")
+        except onnx.defs.SchemaError:
+            continue
+        formals = list(schema.inputs)
+        constrained = {constraint.type_param_str for constraint in schema.type_constraints}
+        bound: dict[str, tuple[str, int]] = {}
+        for position, name in enumerate(node.input):
+            if not name or not formals or name not in types:
+                continue
+            formal = formals[min(position, len(formals) - 1)]
+            if position >= len(formals) and not formal.is_homogeneous:
+                continue
+            if formal.type_str not in constrained:
+                continue
+            seen = bound.setdefault(formal.type_str, (name, types[name]))
+            if seen[1] != types[name]:
+                raise ModelImportError(
+                    f"Operator {node.name or node.output[0]!r} ({node.op_type}) reads {seen[0]!r} as"
+                    f" {_type_name(seen[1])} and {name!r} as {_type_name(types[name])}, but ONNX requires one type"
+                    f" for both ({formal.type_str})."
+                )

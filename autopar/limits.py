@@ -1,0 +1,32 @@
+"""The limits autopar states instead of hitting: beyond them a request is refused in one sentence.
+
+Each bound keeps a run inside this machine class (2 cores, 24 GB) and inside what the model of
+a training step means; each refusal names the bound. Raise them here, with a reason, if the
+code they guard gets faster.
+"""
+
+from __future__ import annotations
+
+MAX_DEVICES = 1 << 16
+"""65,536 devices (16 mesh bits): beyond any cluster a single job trains on today."""
+
+MAX_DIMENSION = 1 << 24
+"""16,777,216 for a batch or a bound dimension. ONNX's shape inference with data propagation
+holds one entry per element of a 1-D integer input (a label vector), so a batch of 2^31 would
+need tens of GB before planning starts; 2^24 costs about 1.4 GB and 4 s."""
+
+MAX_SEED = (1 << 32) - 1
+"""numpy's seeds are 32-bit words; a negative seed has no meaning."""
+
+MAX_CANDIDATES_PER_OPERATOR = 50_000
+"""Strategies of one operator (label splits with product <= devices): the costing loops over them."""
+
+MAX_EDGE_CELLS = 200_000_000
+"""Producer x consumer candidate pairs summed over the dataflow: 1.6 GB of float64 cost tables."""
+
+MAX_LAYOUT_PAIRS = 2_000_000
+"""Distinct (producer layout, consumer layout) redistributions costed, about 50 us each here:
+under two minutes. The torch-exported GPT at 1,024 devices costs 1.3 million."""
+
+MAX_TABLE_ENTRIES = 100_000_000
+"""Entries of the largest table the elimination DP builds (0.8 GB of float64, plus its argmin)."""
