@@ -6,7 +6,6 @@ Profiles live in `costmodels/*.toml` (bundled) or any TOML file; each number is 
 
 from __future__ import annotations
 
-import math
 import tomllib
 from pathlib import Path
 
@@ -23,17 +22,24 @@ class Sourced(BaseModel):
     source: str = Field(min_length=3)
 
 
-# Ranges (ours, not a vendor's): a number outside its range is a typo or a unit slip and would
-# give absurd or non-finite times. Efficiencies are fractions of a peak; a rate below one per
-# second (a bandwidth of 1e-300 B/s) is a slip. The lower bound is open, the upper one closed.
+# Ranges (ours, not a vendor's): a number outside its range is a typo or a unit slip, and would
+# give absurd or non-finite times (1e308 bytes of optimizer state per parameter overflows a
+# plan's memory to infinity). Efficiencies are fractions of a peak; a rate below one per second
+# (a bandwidth of 1e-300 B/s) is a slip. Each range is wide enough for any device of the next
+# decades. The lower bound is open, the upper one closed.
 PLAUSIBLE: dict[str, tuple[float, float]] = {
-    "peak_flops_fp16": (1.0, math.inf),
-    "peak_flops_fp32": (1.0, math.inf),
-    "hbm_bandwidth": (1.0, math.inf),
+    "peak_flops_fp16": (1.0, 1e21),
+    "peak_flops_fp32": (1.0, 1e21),
+    "hbm_bandwidth": (1.0, 1e18),
+    "hbm_capacity": (0.0, 1e18),
     "cube_efficiency": (0.0, 1.0),
     "memory_efficiency": (0.0, 1.0),
     "vector_flops_fraction": (0.0, 1.0),
-    "bandwidth": (1.0, math.inf),
+    "backward_compute_factor": (0.0, 100.0),
+    "optimizer_state_bytes_per_param": (0.0, 1024.0),
+    "master_weight_bytes_per_param": (0.0, 1024.0),
+    "gradient_fusion_bytes": (0.0, 1e18),
+    "bandwidth": (1.0, 1e18),
     "latency": (0.0, 60.0),
 }
 
@@ -104,21 +110,22 @@ class HardwareProfile(BaseModel):
         return self.links[-1]
 
 
-def _profiles_dir() -> Path:
+def profiles_dir() -> Path:
+    """The folder of the bundled profiles (costmodels/)."""
     import costmodels
 
     return Path(costmodels.__file__).parent
 
 
 def available_profiles() -> list[str]:
-    return sorted(p.stem for p in _profiles_dir().glob("*.toml"))
+    return sorted(p.stem for p in profiles_dir().glob("*.toml"))
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """A bundled profile by name (``ascend910``) or a TOML file by path."""
     path = Path(name_or_path)
     if not path.suffix:
-        candidate = _profiles_dir() / f"{name_or_path}.toml"
+        candidate = profiles_dir() / f"{name_or_path}.toml"
         if not candidate.is_file():
             raise CostModelError(
                 f"Unknown cost model {str(name_or_path)!r}; bundled: {', '.join(available_profiles())},"

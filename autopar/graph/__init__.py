@@ -20,7 +20,14 @@ from pathlib import Path
 
 import onnx
 
-from autopar.graph.bind import bind_dimensions, check_bindings, check_reshapes, infer_shapes, rebatch_reshapes
+from autopar.graph.bind import (
+    bind_dimensions,
+    check_bindings,
+    check_declared_sizes,
+    check_reshapes,
+    infer_shapes,
+    rebatch_reshapes,
+)
 from autopar.graph.build import build_graph
 from autopar.graph.read import read_model
 from autopar.graph.types import ElidedValue, Graph, OpNode, TensorInfo, TensorKind
@@ -34,6 +41,7 @@ def load_model(
     proto = read_model(model)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
     check_bindings(batch, dims or {})
+    check_declared_sizes(proto)
     if batch is not None:
         rebatch_reshapes(proto, batch)
     proto = bind_dimensions(proto, batch, dims or {})

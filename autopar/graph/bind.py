@@ -31,6 +31,18 @@ def check_bindings(batch: int | None, dims: dict[str, int]) -> None:
             )
 
 
+def check_declared_sizes(proto: onnx.ModelProto) -> None:
+    """The file's own input sizes are within the limits too (checked before any inference runs)."""
+    for vi in data_inputs(proto):
+        shape = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
+        for axis, dim in enumerate(shape):
+            if dim.HasField("dim_value") and not 1 <= dim.dim_value <= MAX_DIMENSION:
+                raise ModelImportError(
+                    f"Input {vi.name!r} has size {dim.dim_value} on axis {axis}; a dimension must be from 1 to"
+                    f" {MAX_DIMENSION:,}."
+                )
+
+
 def bind_dimensions(proto: onnx.ModelProto, batch: int | None, dims: dict[str, int]) -> onnx.ModelProto:
     """Set the leading dimension of every data input to ``batch`` and named symbols to ``dims``."""
     known_params = set()

@@ -26,4 +26,21 @@ def read_model(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
             ) from None
     if not proto.graph.node:
         raise ModelImportError("The model has no operators (is it an ONNX model file?).")
+    _check_names(proto)
     return proto
+
+
+def _check_names(proto: onnx.ModelProto) -> None:
+    """Protobuf hands back bytes for a string field that is not UTF-8: a corrupted file."""
+    graph = proto.graph
+    texts = [graph.name]
+    for node in graph.node:
+        texts += [node.name, node.op_type, node.domain, *node.input, *node.output]
+        texts += [attribute.name for attribute in node.attribute]
+    texts += [value.name for value in [*graph.input, *graph.output, *graph.value_info, *graph.initializer]]
+    texts += [entry.domain for entry in proto.opset_import]
+    for text in texts:
+        if not isinstance(text, str):
+            raise ModelImportError(
+                f"The model names something {text!r}, which is not UTF-8 text: the file is corrupted."
+            )

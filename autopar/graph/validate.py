@@ -12,6 +12,7 @@ import onnx
 from autopar.errors import ModelImportError
 from autopar.graph.proto import data_inputs, value_infos
 from autopar.graph.types import opset_of
+from autopar.limits import MAX_DIMENSION
 
 _PROTOBUF_LIMIT = 2**31 - 1  # the checker cannot serialise a larger proto
 _NUMERIC = {
@@ -95,10 +96,10 @@ def check_dimensions(proto: onnx.ModelProto) -> None:
         if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
             continue
         for axis, dim in enumerate(vi.type.tensor_type.shape.dim):
-            if dim.HasField("dim_value") and dim.dim_value < 1:
+            if dim.HasField("dim_value") and not 1 <= dim.dim_value <= MAX_DIMENSION:
                 raise ModelImportError(
-                    f"Tensor {name!r} has size {dim.dim_value} on axis {axis}; every dimension must be a positive"
-                    " integer."
+                    f"Tensor {name!r} has size {dim.dim_value} on axis {axis}; a dimension must be from 1 to"
+                    f" {MAX_DIMENSION:,}."
                 )
 
 
