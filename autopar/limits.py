@@ -24,9 +24,10 @@ MAX_CANDIDATES_PER_OPERATOR = 50_000
 MAX_EDGE_CELLS = 200_000_000
 """Producer x consumer candidate pairs summed over the dataflow: 1.6 GB of float64 cost tables."""
 
-MAX_LAYOUT_PAIRS = 2_000_000
-"""Distinct (producer layout, consumer layout) redistributions costed, about 50 us each here:
-under two minutes. The torch-exported GPT at 1,024 devices costs 1.3 million."""
+MAX_LAYOUT_PAIRS = 1_000_000
+"""Distinct (producer layout, consumer layout) redistributions costed, 50-150 us each here: about
+a minute or two of costing. The torch-exported GPT needs 0.91 million at 1,024 devices (planned
+in about a minute) and 1.29 million at 65,536 (refused at once); ResNet-50 0.81 million at 1,024."""
 
 MAX_TABLE_ENTRIES = 100_000_000
 """Entries of the largest table the elimination DP builds (0.8 GB of float64, plus its argmin)."""

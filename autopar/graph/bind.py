@@ -117,7 +117,7 @@ def infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
         return shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
     except Exception as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelImportError(f"ONNX shape inference failed: {message}") from None
+        raise ModelImportError(f"ONNX shape inference failed: {message.rstrip('.')}.") from None
 
 
 def check_reshapes(proto: onnx.ModelProto) -> None:

@@ -329,7 +329,7 @@ def _edge_costs(problem: SearchProblem) -> None:
         if len(pairs) > MAX_LAYOUT_PAIRS:
             raise TooLargeError(
                 f"More than {MAX_LAYOUT_PAIRS:,} distinct redistributions between layouts would have to be costed on"
-                f" {problem.num_devices:,} devices (the limit keeps costing within a few minutes); use fewer devices."
+                f" {problem.num_devices:,} devices (the limit keeps costing to about a minute); use fewer devices."
             )
 
     for use in problem.uses:

@@ -1,0 +1,213 @@
+"""Every bad input the fuzz run of the bad-input issue found: one sentence and exit 1 (input) or 2 (flag).
+
+Each case names its command and the sentence it now gets; none is an internal error (exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from autopar.cli import main
+from autopar.limits import MAX_DIMENSION
+from tests.conftest import simple_profile_dict
+
+REPO = Path(__file__).resolve().parents[1]
+RESNET50 = str(REPO / "models" / "resnet50.onnx")
+GPT = str(REPO / "tests" / "data" / "torch_gpt_legacy.onnx")
+FLOAT = TensorProto.FLOAT
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's exits
+        code = exc.code if isinstance(exc.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_sentence(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopar: error:"), err
+    assert "internal error" not in err and "Traceback" not in err
+    return lines[0]
+
+
+def save(tmp_path, nodes, inputs, outputs, inits=(), opset=17, name="m.onnx") -> Path:
+    graph = helper.make_graph(nodes, "m", inputs, outputs, initializer=list(inits))
+    path = tmp_path / name
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8), path)
+    return path
+
+
+def x_input(shape, elem_type=FLOAT):
+    return helper.make_tensor_value_info("x", elem_type, shape)
+
+
+Y = helper.make_tensor_value_info("y", FLOAT, None)
+W = numpy_helper.from_array(np.ones((4, 4), np.float32), "W")
+MATMUL = helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")
+
+
+@pytest.mark.parametrize(
+    "shape, weight, expect",
+    [([-5, 4], W, "size -5 on axis 0"), ([4, 4], numpy_helper.from_array(np.ones((4, 0), np.float32), "W"), "size 0")],
+)
+def test_non_positive_sizes_are_refused(capsys, tmp_path, shape, weight, expect):
+    path = save(tmp_path, [MATMUL], [x_input(shape)], [Y], [weight])
+    code, out, err = run(capsys, "plan", path, "--devices", "4")
+    assert code == 1 and out == ""
+    assert expect in one_sentence(err)
+
+
+def test_models_the_checker_or_autopar_rejects(capsys, tmp_path):
+    z = helper.make_tensor_value_info("z", FLOAT, None)
+    relu_foo = helper.make_node("Relu", ["x"], ["y"], name="r", foo=3)
+    gemm_list = helper.make_node("Gemm", ["x", "W"], ["y"], name="g", transB=[1, 2])
+    int_w = numpy_helper.from_array(np.ones((4, 4), np.int32), "W")
+    string_id = helper.make_node("Identity", ["x"], ["y"], name="i")
+    cases = {
+        "opset 99": (save(tmp_path, [MATMUL], [x_input([4, 4])], [Y], [W], opset=99, name="a.onnx"), "opset 99"),
+        "dangling output": (save(tmp_path, [MATMUL], [x_input([4, 4])], [Y, z], [W], name="b.onnx"), "'z'"),
+        "output is an input": (
+            save(tmp_path, [MATMUL, helper.make_node("Relu", ["y"], ["x"], name="r")], [x_input([4, 4])], [Y], [W],
+                 name="c.onnx"),
+            "single static assignment",
+        ),
+        "string input": (
+            save(tmp_path, [string_id], [x_input([4, 4], TensorProto.STRING)],
+                 [helper.make_tensor_value_info("y", TensorProto.STRING, None)], name="d.onnx"),
+            "STRING",
+        ),
+        "unknown attribute": (save(tmp_path, [relu_foo], [x_input([4, 4])], [Y], name="e.onnx"), "foo"),
+        "attribute of the wrong type": (save(tmp_path, [gemm_list], [x_input([4, 4])], [Y], [W], name="f.onnx"),
+                                        "transB"),
+        "initializer of the wrong dtype": (save(tmp_path, [MATMUL], [x_input([4, 4])], [Y], [int_w], name="g.onnx"),
+                                           "int32"),
+    }  # fmt: skip
+    for label, (path, expect) in cases.items():
+        code, _out, err = run(capsys, "plan", path, "--devices", "4")
+        assert code == 1, label
+        assert expect in one_sentence(err), (label, err)
+
+
+def test_undefined_input_type_is_one_sentence(capsys, tmp_path):
+    path = save(tmp_path, [MATMUL], [x_input([4, 4])], [Y], [W])
+    model = onnx.load(path)
+    model.graph.input[0].type.tensor_type.elem_type = 0
+    onnx.save(model, path)
+    code, _, err = run(capsys, "plan", path, "--devices", "4")
+    assert code == 1
+    one_sentence(err)
+
+
+def test_duplicate_names_plan_with_a_warning(capsys, tmp_path):
+    relu = helper.make_node("Relu", ["y"], ["z"], name="mm")
+    path = save(tmp_path, [MATMUL, relu], [x_input([4, 4])], [helper.make_tensor_value_info("z", FLOAT, None)], [W])
+    code, out, err = run(capsys, "plan", path, "--devices", "4", "--format", "json")
+    assert code == 0
+    assert [op["name"] for op in json.loads(out)["ops"]] == ["mm", "mm_1"]
+    assert err.startswith("autopar: warning:") and "'mm_1'" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["plan", RESNET50, "--batch", "1099511627776"], "--batch must be from 1 to 16,777,216"),
+        (["plan", RESNET50, "--batch", str(2**63)], "--batch must be from 1"),
+        (["plan", GPT, "--dim", f"N={2**63}"], "--dim N must be from 1"),
+        (["plan", RESNET50, "--devices", "131072"], "power of two from 1 to 65,536"),
+        (["verify", RESNET50, "--seed", "-1"], "--seed must be from 0"),
+    ],
+)
+def test_flags_out_of_range_are_usage_errors(capsys, argv, expect):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert expect in one_sentence(err)
+
+
+def test_the_limit_on_sizes_is_the_one_stated():
+    assert MAX_DIMENSION == 16_777_216
+
+
+def test_too_many_devices_for_the_model_is_refused_at_once(capsys):
+    # the torch-exported GPT on 65,536 devices would cost 1.29 million redistributions: refused before costing
+    code, _out, err = run(capsys, "plan", GPT, "--devices", "65536")
+    assert code == 1
+    assert "use fewer devices" in one_sentence(err)
+
+
+@pytest.mark.parametrize(
+    "where, value, expect",
+    [
+        (("compute", "hbm_capacity"), "inf", "finite"),
+        (("links", 0, "latency"), "inf", "finite"),
+        (("links", 0, "bandwidth"), "inf", "finite"),
+        (("links", 0, "bandwidth"), 1e-300, "outside"),
+        (("compute", "cube_efficiency"), 1.5, "outside"),
+        (("training", "optimizer_state_bytes_per_param"), 1e308, "outside"),
+        (("links", 0, "bits"), 100, "less than or equal to 64"),
+    ],
+)
+def test_cost_models_that_make_no_sense_are_refused(capsys, tmp_path, where, value, expect):
+    data = simple_profile_dict()
+    table = data
+    for key in where[:-1]:
+        table = table[key]
+    table[where[-1]] = value if where[-1] == "bits" else {"value": value, "source": "test"}
+    lines = []
+    for section in ("compute", "training"):
+        lines.append(f"[{section}]")
+        for key, entry in data[section].items():
+            lines.append(f'{key} = {{ value = {entry["value"]}, source = "{entry["source"]}" }}')
+    for level in data["links"]:
+        lines.append("[[links]]")
+        lines.append(f'name = "{level["name"]}"\nbits = {level["bits"]}')
+        for key in ("bandwidth", "latency"):
+            lines.append(f'{key} = {{ value = {level[key]["value"]}, source = "{level[key]["source"]}" }}')
+    profile = tmp_path / "bad.toml"
+    profile.write_text('name = "bad"\n' + "\n".join(lines) + "\n")
+    code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--cost-model", profile)
+    assert code == 1
+    assert expect in one_sentence(err), err
+
+
+def test_a_tiny_capacity_is_said_in_bytes(capsys, tmp_path):
+    text = (REPO / "costmodels" / "ascend910.toml").read_text()
+    text = text.replace("hbm_capacity = { value = 32e9", "hbm_capacity = { value = 1")
+    profile = tmp_path / "tiny.toml"
+    profile.write_text(text)
+    code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--cost-model", profile)
+    assert code == 1
+    assert "but the device has 1 B" in one_sentence(err)
+
+
+def test_a_batch_too_big_for_activations_says_so(capsys):
+    code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--batch", "65536")
+    assert code == 1
+    sentence = one_sentence(err)
+    assert "activations and inputs that do not fit" in sentence and "at least 1 devices" not in sentence
+
+
+def test_a_plan_file_with_ops_only_names_the_missing_schema(capsys, tmp_path):
+    plan = tmp_path / "p.json"
+    plan.write_text('{"ops": 5}')
+    code, _, err = run(capsys, "verify", RESNET50, "--devices", "8", "--plan", plan)
+    assert code == 1
+    sentence = one_sentence(err)
+    assert "schema" in sentence and "Strategies name operators" not in sentence
+
+
+def test_out_is_written_whole_or_not_at_all(capsys, tmp_path):
+    target = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", RESNET50, "--devices", "8", "--format", "json", "--out", target)
+    assert code == 0 and json.loads(target.read_text())["devices"] == 8
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary file left beside it
+    code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--out", tmp_path)
+    assert code == 1 and "Is a directory" in one_sentence(err)
