@@ -8,17 +8,11 @@ from typing import Any
 from autopar.graph import Graph
 from autopar.lowering import GRAPH_OUTPUT, Plan
 from autopar.spmd import VerifyReport
+from autopar.units import human_bytes
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
-
-
-def _bytes(count: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.2f} {unit}"
-    return f"{int(count)} B"
 
 
 def _error(value: float | bool | None) -> str:
@@ -31,7 +25,7 @@ def _strategy(entry: list[list[int]]) -> str:
 
 def _step_text(step: dict[str, Any]) -> str:
     bits = "".join(f"b{b}" for b in step["bits"])
-    return f"{step['collective']}[{step['group_size']} over {bits}, {_bytes(step['bytes'])}]"
+    return f"{step['collective']}[{step['group_size']} over {bits}, {human_bytes(step['bytes'])}]"
 
 
 def plan_table(plan: Plan) -> str:
@@ -71,7 +65,7 @@ def plan_table(plan: Plan) -> str:
     synced = [g for g in data["gradient_sync"] if g["collective"]]
     lines.append(
         f"gradient sync:   {len(synced)} of {len(data['gradient_sync'])} parameters AllReduced,"
-        f" {_bytes(sum(g['bytes'] for g in synced))}, {_ms(sum(g['seconds'] for g in synced))} ms"
+        f" {human_bytes(sum(g['bytes'] for g in synced))}, {_ms(sum(g['seconds'] for g in synced))} ms"
     )
     if data["fallback_ops"]:
         lines.append(f"fallback ops:    {len(data['fallback_ops'])} kept replicated: {', '.join(data['fallback_ops'])}")
@@ -83,7 +77,8 @@ def plan_table(plan: Plan) -> str:
         f"vs data parallel: {_ms(totals['data_parallel_step_time_s'])} ms"
         f"  -> this plan is x{totals['speedup_vs_data_parallel']:.3f}",
         f"ideal step time:  {_ms(totals['ideal_step_time_s'])} ms (training FLOPs / (devices x peak))",
-        f"memory/device:    {_bytes(totals['memory_per_device_bytes'])} of {_bytes(totals['memory_capacity_bytes'])}",
+        f"memory/device:    {human_bytes(totals['memory_per_device_bytes'])}"
+        f" of {human_bytes(totals['memory_capacity_bytes'])}",
         f"search:           {data['search']['algorithm']} over {data['search']['candidates']} candidates"
         f" of {data['search']['operators']} operators",
     ]
@@ -151,8 +146,8 @@ def verify_table(report: VerifyReport) -> str:
         done = report.executed.get(kind, {"count": 0, "bytes": 0})
         listed = report.planned.get(kind, {"count": 0, "bytes": 0})
         lines.append(
-            f"  {kind:<14} {done['count']:>5} x {_bytes(done['bytes']):>10}"
-            f"   ({listed['count']} x {_bytes(listed['bytes'])})"
+            f"  {kind:<14} {done['count']:>5} x {human_bytes(done['bytes']):>10}"
+            f"   ({listed['count']} x {human_bytes(listed['bytes'])})"
         )
     if not report.executed and not report.planned:
         lines.append("  none")

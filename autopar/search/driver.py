@@ -16,6 +16,7 @@ from autopar.errors import InfeasibleError, TooLargeError
 from autopar.limits import MAX_TABLE_ENTRIES
 from autopar.search.dp import elimination_order, largest_table, minimise, tie_break_unary
 from autopar.search.problem import SearchProblem, memory_items
+from autopar.units import human_bytes
 
 MODES = ("auto_parallel", "data_parallel", "stand_alone")
 ALGORITHMS = ("dp", "ilp")
@@ -102,14 +103,6 @@ def _constrained_dp(problem: SearchProblem, capacity: float) -> tuple[list[int],
     return best, high
 
 
-def _size(nbytes: float) -> str:
-    """Bytes in the unit that keeps three figures (1 B, 512 MB, 339.67 GB)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: float, mode: str) -> str:
     """Say that nothing fits, what dominates, and what would make it fit."""
     need = problem.memory(choice)
@@ -117,7 +110,7 @@ def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: flo
     roles = ("parameter", "activation", "input")
     by_role = {role: sum(nbytes for _, r, nbytes in items if r == role) for role in roles}
     heavy = ", ".join(
-        f"{name} ({_size(nbytes)})" for name, _, nbytes in sorted(items, key=lambda item: (-item[2], item[0]))[:3]
+        f"{name} ({human_bytes(nbytes)})" for name, _, nbytes in sorted(items, key=lambda item: (-item[2], item[0]))[:3]
     )
     what = "the leanest plan" if mode == "auto_parallel" else f"the {mode} plan"
     cost = problem.cost
@@ -125,15 +118,17 @@ def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: flo
     floor = max(1, math.ceil(state / capacity))
     devices = 1 << (floor - 1).bit_length()
     if devices > problem.num_devices:
-        advice = f"the parameters' training state alone is {_size(state)}, so at least {devices:,} devices are needed"
+        advice = (
+            f"the parameters' training state alone is {human_bytes(state)}, so at least {devices:,} devices are needed"
+        )
     else:
         advice = (
-            f"the parameters' training state alone ({_size(state)}) would fit on {problem.num_devices:,} devices,"
+            f"the parameters' training state alone ({human_bytes(state)}) would fit on {problem.num_devices:,} devices,"
             " so it is the activations and inputs that do not fit: use a smaller batch or more devices"
         )
     return (
-        f"Nothing fits in device memory: {what} needs {_size(need)} per device but the device has"
-        f" {_size(capacity)} (parameters with gradients and optimizer state {_size(by_role['parameter'])},"
-        f" activations kept for backward {_size(by_role['activation'])}, inputs {_size(by_role['input'])});"
+        f"Nothing fits in device memory: {what} needs {human_bytes(need)} per device but the device has"
+        f" {human_bytes(capacity)} (parameters with gradients and optimizer state {human_bytes(by_role['parameter'])},"
+        f" activations kept for backward {human_bytes(by_role['activation'])}, inputs {human_bytes(by_role['input'])});"
         f" the largest tensors are {heavy}; {advice}."
     )
