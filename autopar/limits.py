@@ -31,3 +31,7 @@ in about a minute) and 1.29 million at 65,536 (refused at once); ResNet-50 0.81 
 
 MAX_TABLE_ENTRIES = 100_000_000
 """Entries of the largest table the elimination DP builds (0.8 GB of float64, plus its argmin)."""
+
+MAX_VERIFY_BYTES = 20_000_000_000
+"""Weights and inputs (held whole and as shards, so counted three times) plus every activation of
+a verification run: DenseNet-121 at batch 32 needs 10.4 GB; ResNet-50 at batch 256 would need 39 GB."""

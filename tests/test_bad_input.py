@@ -211,3 +211,9 @@ def test_out_is_written_whole_or_not_at_all(capsys, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary file left beside it
     code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--out", tmp_path)
     assert code == 1 and "Is a directory" in one_sentence(err)
+
+
+def test_a_verification_too_big_for_the_machine_is_refused_before_drawing_values(capsys):
+    code, _, err = run(capsys, "verify", RESNET50, "--devices", "8")  # batch 256: about 39 GB
+    assert code == 1
+    assert "smaller batch" in one_sentence(err)

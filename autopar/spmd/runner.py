@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from autopar.errors import PlanFileError
+from autopar.errors import PlanFileError, TooLargeError
 from autopar.layout import Layout
+from autopar.limits import MAX_VERIFY_BYTES
 from autopar.lowering import GRAPH_OUTPUT, Plan, PlanFile
 from autopar.lowering.lower import redistributions
 from autopar.lowering.planfile import Redistribution
@@ -29,6 +30,7 @@ from autopar.spmd.devices import assemble, run_step, shard
 from autopar.spmd.kernels import Shards, run_operator
 from autopar.spmd.reference import reference_outputs, session
 from autopar.spmd.values import materialise
+from autopar.units import human_bytes
 
 PlanLike = Plan | PlanFile | Mapping[str, Sequence[Sequence[int]]]
 Key = tuple[str, str, str]
@@ -149,11 +151,29 @@ def resolve_plan(problem: SearchProblem, plan: PlanLike) -> tuple[list[int], lis
     return choice, redistributions(problem, choice)
 
 
+def check_verification_size(problem: SearchProblem) -> None:
+    """Refuse a run whose full values would not fit this machine, before drawing any of them.
+
+    Every weight and input is materialised whole (for the reference) and again as shards; the
+    activations are bounded by their sum (onnxruntime and the ranks free what is no longer read).
+    """
+    tensors = problem.graph.tensors.values()
+    values = sum(t.numel * np.dtype(t.dtype).itemsize for t in tensors if t.kind != "activation")
+    activations = sum(t.numel * np.dtype(t.dtype).itemsize for t in tensors if t.kind == "activation")
+    need = 3 * values + activations
+    if need > MAX_VERIFY_BYTES:
+        raise TooLargeError(
+            f"Verifying {problem.graph.name!r} would hold about {human_bytes(need)} of weights, inputs and"
+            f" activations (limit {human_bytes(MAX_VERIFY_BYTES)}); verify at a smaller batch or model size."
+        )
+
+
 def verify_problem(
     problem: SearchProblem, plan: PlanLike, seed: int = 0, rtol: float = RTOL, atol: float = ATOL
 ) -> VerifyReport:
     """Verify a plan (a `Plan`, a `PlanFile`, or {op: strategy}) for ``problem``."""
     start = time.perf_counter()
+    check_verification_size(problem)
     choice, entries = resolve_plan(problem, plan)
     steps = {entry.key: [s.step() for s in entry.steps] for entry in entries}
     planned = _Tally()
