@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from autopar.errors import InfeasibleError, TooLargeError
-from autopar.limits import MAX_TABLE_ENTRIES
+from autopar.limits import MAX_DEVICES, MAX_TABLE_ENTRIES
 from autopar.search.dp import elimination_order, largest_table, minimise, tie_break_unary
 from autopar.search.problem import SearchProblem, memory_items
 from autopar.units import human_bytes
@@ -117,7 +117,11 @@ def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: flo
     state = sum(info.numel * cost.parameter_bytes_per_element(info.trainable) for info in problem.graph.parameters)
     floor = max(1, math.ceil(state / capacity))
     devices = 1 << (floor - 1).bit_length()
-    if devices > problem.num_devices:
+    if devices > MAX_DEVICES:
+        advice = (
+            f"the parameters' training state alone is {human_bytes(state)}, more than {MAX_DEVICES:,} such devices hold"
+        )
+    elif devices > problem.num_devices:
         advice = (
             f"the parameters' training state alone is {human_bytes(state)}, so at least {devices:,} devices are needed"
         )
