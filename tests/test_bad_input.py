@@ -217,3 +217,14 @@ def test_a_verification_too_big_for_the_machine_is_refused_before_drawing_values
     code, _, err = run(capsys, "verify", RESNET50, "--devices", "8")  # batch 256: about 39 GB
     assert code == 1
     assert "smaller batch" in one_sentence(err)
+
+
+def test_an_output_inference_cannot_follow_is_named(capsys, tmp_path):
+    fused = helper.make_node("FusedMatMul", ["x", "W"], ["y"], name="f", domain="com.microsoft")
+    graph = helper.make_graph([fused], "m", [x_input([4, 4])], [helper.make_tensor_value_info("y", FLOAT, [4, 4])], [W])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    path = tmp_path / "custom.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=opsets, ir_version=8), path)
+    code, _, err = run(capsys, "plan", path, "--devices", "4")
+    assert code == 1
+    assert "'y' has an unknown shape" in one_sentence(err)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import onnx
 
-from autopar.errors import ModelImportError
+from autopar.errors import ModelImportError, UnknownDimensionError
 from autopar.graph.proto import data_inputs, value_infos
 from autopar.graph.types import opset_of
 from autopar.limits import MAX_DIMENSION
@@ -63,6 +63,8 @@ def check_model(proto: onnx.ModelProto) -> None:
     for output in proto.graph.output:
         if output.name not in known:
             raise ModelImportError(f"Graph output {output.name!r} is produced by no operator and is no input.")
+        if output.type.HasField("tensor_type") and not output.type.tensor_type.HasField("shape"):
+            raise UnknownDimensionError(output.name)  # inference could not follow it (a custom operator, say)
     checked = _without_external_data(proto)
     if checked.ByteSize() > _PROTOBUF_LIMIT:
         return  # weights stored inline past 2 GB: the checker cannot take it; inference has run strictly
