@@ -133,6 +133,14 @@ def evaluate(
     return problem.objective(problem.choice_for(strategies))
 
 
+def _is_plan_file(data: Mapping[str, Any], problem: SearchProblem) -> bool:
+    """A plan file's dict, not {op: strategy}: it has a schema, or plan-file keys and no operator's name."""
+    if "schema" in data:
+        return True
+    operators = {rule.op.name for rule in problem.rules}
+    return not (set(data) & operators) and bool(set(data) & set(PLAN_FILE_FIELDS))
+
+
 def verify(
     model: ModelLike,
     plan_or_strategies: Plan | PlanFile | Mapping[str, Any] | None = None,
@@ -156,6 +164,6 @@ def verify(
     problem = build(model, devices, cost_model, batch, dims, precision)
     if plan_or_strategies is None:
         return verify_problem(problem, Plan.lower(problem, run_search(problem), "auto_parallel"), seed=seed)
-    if isinstance(plan_or_strategies, Mapping) and set(plan_or_strategies) & set(PLAN_FILE_FIELDS):
-        plan_or_strategies = read_plan_file(plan_or_strategies)  # a plan file's dict, not {op: strategy}
+    if isinstance(plan_or_strategies, Mapping) and _is_plan_file(plan_or_strategies, problem):
+        plan_or_strategies = read_plan_file(plan_or_strategies)
     return verify_problem(problem, plan_or_strategies, seed=seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -113,31 +114,48 @@ def _version() -> str:
 
 
 def _emit(text: str, out: str | None) -> None:
-    """Write to ``out`` atomically (a temporary file beside it, then a rename), or to stdout."""
+    """Write to ``out``, or to stdout.
+
+    A regular file (or a new one) is replaced atomically: a temporary file beside it, then a
+    rename, so an interrupted run never leaves half a plan. Anything else (a symlink, a FIFO,
+    /dev/stdout) is written through, as an ordinary write would.
+    """
     if not out:
         sys.stdout.write(text)
         return
     target = Path(out)
-    temporary = None
     try:
-        with tempfile.NamedTemporaryFile(
-            "w",
-            encoding="utf-8",
-            dir=target.parent if str(target.parent) else ".",
-            prefix=f".{target.name}.",
-            suffix=".tmp",
-            delete=False,
-        ) as handle:
-            temporary = Path(handle.name)
-            handle.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        temporary.chmod(0o666 & ~umask)  # as an ordinary write would leave it, not tempfile's 0600
-        os.replace(temporary, target)
+        if target.is_symlink() or (target.exists() and not target.is_file()):
+            with target.open("w", encoding="utf-8") as handle:
+                handle.write(text)
+            return
+        _replace_atomically(target, text)
     except OSError as exc:
-        if temporary is not None:
-            temporary.unlink(missing_ok=True)
         raise AutoparError(f"Cannot write {out!r}: {exc.strerror or exc}.") from None
+
+
+def _replace_atomically(target: Path, text: str) -> None:
+    folder = target.parent if str(target.parent) else Path(".")
+    try:
+        handle = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed below, before the rename)
+            "w", encoding="utf-8", dir=folder, prefix=f".{target.name}.", suffix=".tmp", delete=False
+        )
+    except PermissionError:  # a writable file in a folder we may not add to: write it in place
+        target.write_text(text, encoding="utf-8")
+        return
+    temporary = Path(handle.name)
+    try:
+        with handle:
+            handle.write(text)
+        if target.exists():
+            shutil.copymode(target, temporary)  # keep the file's own permissions
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            temporary.chmod(0o666 & ~umask)  # as an ordinary write would leave it, not tempfile's 0600
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -15,8 +15,8 @@ MAX_DIMENSION = 1 << 24
 holds one entry per element of a 1-D integer input (a label vector), so a batch of 2^31 would
 need tens of GB before planning starts; 2^24 costs about 1.4 GB and 4 s."""
 
-MAX_SEED = (1 << 32) - 1
-"""numpy's seeds are 32-bit words; a negative seed has no meaning."""
+MAX_SEED = (1 << 64) - 1
+"""Any non-negative integer below 2^64 seeds numpy's generator; a negative seed has no meaning."""
 
 MAX_CANDIDATES_PER_OPERATOR = 50_000
 """Strategies of one operator (label splits with product <= devices): the costing loops over them."""

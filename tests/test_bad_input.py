@@ -228,3 +228,60 @@ def test_an_output_inference_cannot_follow_is_named(capsys, tmp_path):
     code, _, err = run(capsys, "plan", path, "--devices", "4")
     assert code == 1
     assert "'y' has an unknown shape" in one_sentence(err)
+
+
+# --- valid input the checks must not refuse ------------------------------------------------------
+
+
+def test_empty_constants_and_a_reshape_to_a_scalar_still_plan_and_verify(capsys, tmp_path):
+    nodes = [
+        helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=1),
+        helper.make_node("Constant", [], ["e"], name="empty", value=numpy_helper.from_array(np.zeros(0, np.int64))),
+        helper.make_node("Reshape", ["s", "e"], ["y"], name="scalar"),
+    ]
+    path = save(tmp_path, nodes, [x_input([4, 4])], [Y])
+    code, _out, err = run(capsys, "plan", path, "--devices", "4", "--format", "json")
+    assert code == 0, err
+    pytest.importorskip("onnxruntime")
+    code, _, err = run(capsys, "verify", path, "--devices", "4")
+    assert code == 0, err
+
+
+def test_an_absent_optional_input_verifies(capsys, tmp_path):
+    conv = helper.make_node("Conv", ["x", "K", ""], ["y"], name="conv", kernel_shape=[1, 1])
+    kernel = numpy_helper.from_array(np.ones((4, 4, 1, 1), np.float32), "K")
+    path = save(tmp_path, [conv], [x_input([2, 4, 3, 3])], [Y], [kernel])
+    pytest.importorskip("onnxruntime")
+    code, _, err = run(capsys, "verify", path, "--devices", "4")
+    assert code == 0, err
+
+
+def test_large_activations_and_a_placeholder_batch_are_not_input_limits(capsys, tmp_path):
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Reshape", ["r", "flat"], ["f"], name="flatten"),
+        helper.make_node("ReduceSum", ["f"], ["y"], name="sum", keepdims=0),
+    ]
+    flat = numpy_helper.from_array(np.array([-1], np.int64), "flat")
+    path = save(tmp_path, nodes, [x_input([-1, 3, 224, 224])], [Y], [flat])  # -1: a converter's placeholder batch
+    code, _, err = run(capsys, "plan", path, "--devices", "4", "--batch", "128")  # 19,267,584 elements flattened
+    assert code == 0, err
+
+
+def test_out_writes_through_a_symlink(capsys, tmp_path):
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "real" / "plan.json")
+    code, _, _ = run(capsys, "plan", RESNET50, "--devices", "8", "--format", "json", "--out", link)
+    assert code == 0 and link.is_symlink()
+    assert json.loads((tmp_path / "real" / "plan.json").read_text())["devices"] == 8
+
+
+def test_strategies_for_an_operator_named_like_a_plan_field_are_strategies():
+    import autopar
+
+    pytest.importorskip("onnxruntime")
+    node = helper.make_node("Relu", ["x"], ["y"], name="model")
+    graph = helper.make_graph([node], "m", [x_input([4, 4])], [helper.make_tensor_value_info("y", FLOAT, [4, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert autopar.verify(model, {"model": ((4, 1),)}, devices=4).ok

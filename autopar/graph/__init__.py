@@ -41,7 +41,7 @@ def load_model(
     proto = read_model(model)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
     check_bindings(batch, dims or {})
-    check_declared_sizes(proto)
+    check_declared_sizes(proto, batch)
     if batch is not None:
         rebatch_reshapes(proto, batch)
     proto = bind_dimensions(proto, batch, dims or {})

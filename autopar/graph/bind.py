@@ -31,12 +31,20 @@ def check_bindings(batch: int | None, dims: dict[str, int]) -> None:
             )
 
 
-def check_declared_sizes(proto: onnx.ModelProto) -> None:
-    """The file's own input sizes are within the limits too (checked before any inference runs)."""
+def check_declared_sizes(proto: onnx.ModelProto, batch: int | None = None) -> None:
+    """The file's own input sizes are within the limits too (checked before any inference runs).
+
+    With a batch given, a placeholder leading size (0 or -1, as some converters write) is allowed:
+    the batch replaces it; a leading size too large for inference to hold is still refused.
+    """
     for vi in data_inputs(proto):
         shape = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
         for axis, dim in enumerate(shape):
-            if dim.HasField("dim_value") and not 1 <= dim.dim_value <= MAX_DIMENSION:
+            if not dim.HasField("dim_value"):
+                continue
+            if axis == 0 and batch is not None and dim.dim_value <= MAX_DIMENSION:
+                continue
+            if not 1 <= dim.dim_value <= MAX_DIMENSION:
                 raise ModelImportError(
                     f"Input {vi.name!r} has size {dim.dim_value} on axis {axis}; a dimension must be from 1 to"
                     f" {MAX_DIMENSION:,}."
@@ -70,7 +78,7 @@ def bind_dimensions(proto: onnx.ModelProto, batch: int | None, dims: dict[str, i
 def _declared_batch(proto: onnx.ModelProto) -> int | None:
     for vi in data_inputs(proto):
         dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
-        if dims and dims[0].HasField("dim_value"):
+        if dims and dims[0].HasField("dim_value") and dims[0].dim_value > 0:  # not a placeholder (0, -1)
             return int(dims[0].dim_value)
     return None
 

@@ -86,22 +86,32 @@ def check_data_inputs(proto: onnx.ModelProto) -> None:
             raise ModelImportError(f"Input {vi.name!r} has element type {name}; autopar plans numeric tensors only.")
 
 
-def check_dimensions(proto: onnx.ModelProto) -> None:
-    """After binding and inference every known dimension of a data input or activation is a positive size.
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
-    Constants may be empty (an unused ``roi`` of Resize is a tensor of shape [0]).
+
+def check_dimensions(proto: onnx.ModelProto) -> None:
+    """After binding and inference, data inputs and computed float tensors have positive sizes.
+
+    Data inputs are also bounded by `MAX_DIMENSION`. Known values may be empty (an unused
+    ``roi`` of Resize, a shape vector for a scalar), and so may integer shape arithmetic; a float
+    activation of size 0 means a weight or an input with a zero dimension, which no plan can serve.
     """
-    constants = {init.name for init in proto.graph.initializer}
+    known = {init.name for init in proto.graph.initializer}
+    known |= {out for node in proto.graph.node if node.op_type == "Constant" for out in node.output}
+    inputs = {vi.name for vi in data_inputs(proto)}
     for name, vi in value_infos(proto).items():
-        if name in constants:
+        if name in known or not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
             continue
-        if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+        if name not in inputs and vi.type.tensor_type.elem_type not in _FLOATS:
             continue
+        high = MAX_DIMENSION if name in inputs else None
         for axis, dim in enumerate(vi.type.tensor_type.shape.dim):
-            if dim.HasField("dim_value") and not 1 <= dim.dim_value <= MAX_DIMENSION:
+            if not dim.HasField("dim_value"):
+                continue
+            if dim.dim_value < 1 or (high is not None and dim.dim_value > high):
+                limit = f"from 1 to {high:,}" if high is not None else "positive"
                 raise ModelImportError(
-                    f"Tensor {name!r} has size {dim.dim_value} on axis {axis}; a dimension must be from 1 to"
-                    f" {MAX_DIMENSION:,}."
+                    f"Tensor {name!r} has size {dim.dim_value} on axis {axis}; a dimension must be {limit}."
                 )
 
 

@@ -111,9 +111,9 @@ class _Runner:
         problem = self.problem
         rule = problem.rules[node]
         name = rule.op.inputs[slot]
-        layout = rule.candidate_layouts(self.choice[node])[0][slot]
-        if not name or layout is None:
+        if not name:  # an absent optional input: the spec may have no entry for it
             return None
+        layout = rule.input_layout(self.choice[node], slot)
         info = problem.graph.tensor(name)
         if info.kind == "constant" or problem.owner.get(name) == (node, slot):
             per_rank = shard(self.values[name], layout, problem.mesh_bits)  # stored or loaded as this op wants
