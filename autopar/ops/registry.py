@@ -159,7 +159,3 @@ def lookup(op_type: str, domain: str, opset: int) -> OpDef | None:
 def registered_op_types() -> list[str]:
     """Operator types with a strategy rule (in some opset)."""
     return sorted({op_type for (_, op_type), defs in _REGISTRY.items() if any(d.rule for d in defs)})
-
-
-def all_definitions() -> list[OpDef]:
-    return [d for key in sorted(_REGISTRY) for d in _REGISTRY[key]]
