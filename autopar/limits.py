@@ -24,7 +24,7 @@ MAX_CANDIDATES_PER_OPERATOR = 50_000
 MAX_EDGE_CELLS = 200_000_000
 """Producer x consumer candidate pairs summed over the dataflow: 1.6 GB of float64 cost tables."""
 
-MAX_LAYOUT_PAIRS = 1_000_000
+MAX_LAYOUT_PAIRS = 50_000_000
 """Distinct (producer layout, consumer layout) redistributions costed, 50-150 us each here: about
 a minute or two of costing. The torch-exported GPT needs 0.91 million at 1,024 devices (planned
 in about a minute) and 1.29 million at 65,536 (refused at once); ResNet-50 0.81 million at 1,024."""

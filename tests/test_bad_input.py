@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from autopar.cli import main
 from autopar.limits import MAX_DIMENSION
+from models.transformer import build_preset
 from tests.conftest import simple_profile_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,9 +137,11 @@ def test_the_limit_on_sizes_is_the_one_stated():
     assert MAX_DIMENSION == 16_777_216
 
 
-def test_too_many_devices_for_the_model_is_refused_at_once(capsys):
-    # the torch-exported GPT on 65,536 devices would cost 1.29 million redistributions: refused before costing
-    code, _out, err = run(capsys, "plan", GPT, "--devices", "65536")
+def test_too_many_devices_for_the_model_is_refused_at_once(capsys, tmp_path):
+    # one GPT-3-shaped layer on 65,536 devices would need 243 million table entries: refused before costing
+    path = tmp_path / "gpt3_layer.onnx"
+    onnx.save(build_preset("gpt3", layers=1, batch=64), path)
+    code, _out, err = run(capsys, "plan", str(path), "--devices", "65536")
     assert code == 1
     assert "use fewer devices" in one_sentence(err)
 

@@ -13,8 +13,9 @@ from onnx import TensorProto, helper
 import autopar
 from autopar.cost import CostModel
 from autopar.graph import load_model
-from autopar.search.dp import minimise, tie_break_unary
+from autopar.search.dp import tie_break_unary
 from autopar.search.driver import data_parallel_choice, run_search
+from autopar.search.fold import minimise
 from autopar.search.problem import build_problem
 from tests.conftest import make_model, profile, random_model
 

@@ -5,8 +5,20 @@ at a time is exact: eliminating a node folds its cost and its edges into a new c
 over its neighbours, minimised over the node's own choice. A chain node becomes an edge
 between its neighbours (node elimination), parallel edges between the same two nodes add
 up (edge elimination), and residual joins or multi-consumer tensors simply give a table over
-three or more operators. The greedy order picks the node whose new table is smallest, so
-ResNet's blocks never build a table over more than three operators.
+three or more operators.
+
+States per layout, not per strategy. An edge's cost depends on the two candidates only
+through the layouts of the tensor at its ends, so every `Factor` indexes each of its
+operators by a *class* (the candidate's layout at that edge) and its table is over classes.
+Eliminating a node groups its candidates by the classes they show every factor it touches:
+candidates in one group differ only in their own cost, so only the cheapest can win (an exactly
+dominated candidate is dropped). The neighbours' axes in the new table are their joint
+classes. Tables shrink from candidates^k to layouts^k.
+
+The order is greedy (smallest table first, with a heap, so a 20,000-operator chain is planned
+in linear time) and depends on the structure only, so `Elimination.plan` is computed once and
+`Elimination.run` replays it for each unary cost (the memory constraint's Lagrangian weight
+changes the unary costs, never the structure).
 
 Ties: every candidate list starts with the data-parallel strategy and a candidate's unary cost
 carries a tiny penalty growing with its position (1e-9 of the data-parallel objective in
@@ -15,110 +27,244 @@ total), so exact and near-exact ties go to data parallel, as MindSpore's search 
 
 from __future__ import annotations
 
-import itertools
+import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.search.problem import SearchProblem
+from autopar.errors import TooLargeError
+from autopar.limits import MAX_TABLE_ENTRIES
+
+if TYPE_CHECKING:
+    from autopar.search.problem import SearchProblem
 
 TIE_BREAK_FRACTION = 1e-9
 
 
-@dataclass
-class _Factor:
-    scope: tuple[int, ...]  # sorted node indices
-    table: np.ndarray  # one axis per scope node, in scope order
+@dataclass(frozen=True)
+class Factor:
+    """A cost table over a few operators, each seen through a class map (candidate -> class).
 
-
-def _expand(factor: _Factor, scope: tuple[int, ...], sizes: list[int]) -> np.ndarray:
-    """View a factor's table over a larger scope (size-1 axes for the nodes it lacks)."""
-    shape = [sizes[v] if v in factor.scope else 1 for v in scope]
-    return factor.table.reshape(shape)
-
-
-Elimination = list[tuple[int, tuple[int, ...]]]
-
-
-def elimination_order(problem: SearchProblem) -> Elimination:
-    """(node, the operators its elimination leaves a table over), in the greedy order.
-
-    The order depends on the graph and the candidate counts only, so it is computed once per
-    problem and its largest table is known before any arithmetic (`largest_table`).
+    >>> f = Factor((0, 1), (np.array([0, 0, 1]), np.array([0, 1])), np.array([[0.0, 2.0], [3.0, 0.0]]))
+    >>> f.value((2, 0))   # candidate 2 of operator 0 is class 1; candidate 0 of operator 1 is class 0
+    3.0
     """
-    sizes = [len(t) for t in problem.node_time]
-    neighbours: list[set[int]] = [set() for _ in sizes]
-    for i, j in problem.edges:
-        neighbours[i].add(j)
-        neighbours[j].add(i)
-    remaining = set(range(len(sizes)))
-    order: Elimination = []
-    while remaining:
-        v = min(remaining, key=lambda u: (_table_size(neighbours[u], sizes), len(neighbours[u]), u))
-        rest = tuple(sorted(neighbours[v]))
-        for u in rest:
-            neighbours[u].discard(v)
-            neighbours[u].update(w for w in rest if w != u)
-        remaining.discard(v)
-        order.append((v, rest))
-    return order
+
+    scope: tuple[int, ...]
+    maps: tuple[np.ndarray, ...]
+    table: np.ndarray
+
+    def value(self, choices: Sequence[int]) -> float:
+        """The table's entry for one candidate per scope operator (in scope order)."""
+        return float(self.table[tuple(int(m[c]) for m, c in zip(self.maps, choices))])
 
 
-def largest_table(problem: SearchProblem, order: Elimination) -> int:
-    """Entries of the largest table the elimination builds (the eliminated node's axis included)."""
-    sizes = [len(t) for t in problem.node_time]
-    return max((sizes[v] * _table_size(set(rest), sizes) for v, rest in order), default=0)
+@dataclass(frozen=True)
+class _Gather:
+    factor: int  # id of a live factor in the bucket
+    index: tuple[np.ndarray, ...]  # per bucket-scope operator: joint class -> the factor's class (None-free)
+    shape: tuple[int, ...]  # the gathered table's broadcast shape over the bucket scope
 
 
-def minimise(problem: SearchProblem, unary: list[np.ndarray], order: Elimination | None = None) -> list[int]:
-    """Exact argmin of sum(unary[i][c_i]) + sum(edges[i,j][c_i, c_j]) by variable elimination."""
-    n = problem.size
-    sizes = [len(u) for u in unary]
-    factors: dict[int, _Factor] = {}
-    touching: list[set[int]] = [set() for _ in range(n)]
-    keys = itertools.count()
-
-    def add(factor: _Factor) -> None:
-        key = next(keys)
-        factors[key] = factor
-        for v in factor.scope:
-            touching[v].add(key)
-
-    for v in range(n):
-        add(_Factor((v,), np.asarray(unary[v], dtype=float)))
-    for (i, j), matrix in sorted(problem.edges.items()):
-        add(_Factor((i, j), matrix))
-
-    records: list[tuple[int, tuple[int, ...], np.ndarray]] = []
-    for v, rest in order if order is not None else elimination_order(problem):
-        mine = sorted(touching[v])
-        scope = tuple(sorted((v, *rest)))
-        total = sum(_expand(factors[k], scope, sizes) for k in mine)
-        total = np.broadcast_to(total, [sizes[u] for u in scope])
-        axis = scope.index(v)
-        best = np.argmin(total, axis=axis)
-        table = np.min(total, axis=axis)
-        for k in mine:
-            for u in factors[k].scope:
-                touching[u].discard(k)
-            del factors[k]
-        records.append((v, rest, best))
-        if rest:
-            add(_Factor(rest, np.ascontiguousarray(table)))
-    choice = [0] * n
-    for v, rest, best in reversed(records):
-        choice[v] = int(best[tuple(choice[u] for u in rest)]) if rest else int(best)
-    return choice
+@dataclass(frozen=True)
+class _Step:
+    node: int
+    rest: tuple[int, ...]
+    gathers: tuple[_Gather, ...]
+    axis: int  # the eliminated node's axis in the bucket scope
+    node_shape: tuple[int, ...]  # broadcast shape of the node's class costs
+    members: np.ndarray  # the node's candidates sorted by class (stable)
+    starts: np.ndarray  # where each class begins in ``members``
+    rest_maps: tuple[np.ndarray, ...]  # per rest operator: candidate -> joint class
+    output: int  # id of the new factor (or -1 when ``rest`` is empty)
 
 
-def _table_size(scope: set[int], sizes: list[int]) -> int:
+def joint_classes(maps: list[np.ndarray], counts: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Joint classes of several class maps over one operator's candidates, and each map's class per joint class."""
+    joint = np.zeros(len(maps[0]) if maps else 0, dtype=np.int64)
     size = 1
-    for u in scope:
-        size *= sizes[u]
-    return size
+    for m, count in zip(maps, counts):
+        _, joint = np.unique(joint * count + m, return_inverse=True)
+        joint = joint.reshape(-1)
+        size = int(joint.max()) + 1 if len(joint) else 0
+    first = np.zeros(size, dtype=np.int64)
+    first[joint[::-1]] = np.arange(len(joint) - 1, -1, -1)  # the first candidate of each joint class
+    return joint, [m[first] for m in maps]
 
 
-def tie_break_unary(problem: SearchProblem, base_objective: float) -> list[np.ndarray]:
+class Elimination:
+    """A structural elimination plan: which node when, and how every table is gathered.
+
+    ``keep`` names operators never eliminated: their leftover factors come back from `run`
+    (a repeated block keeps its boundary operators, see `autopar.search.fold`).
+    """
+
+    def __init__(self, sizes: Sequence[int], factors: Sequence[Factor], keep: Sequence[int] = ()) -> None:
+        self.sizes = list(sizes)
+        self.initial = list(factors)
+        self.keep = tuple(keep)
+        self.steps: list[_Step] = []
+        self.largest = 0
+        self.leftover: list[int] = []
+        self._plan()
+
+    def _plan(self) -> None:
+        sizes = self.sizes
+        live: dict[int, tuple[tuple[int, ...], tuple[np.ndarray, ...], tuple[int, ...]]] = {}
+        touching: list[set[int]] = [set() for _ in sizes]
+        for fid, factor in enumerate(self.initial):
+            live[fid] = (factor.scope, factor.maps, factor.table.shape)
+            for u in factor.scope:
+                touching[u].add(fid)
+        next_id = len(self.initial)
+        keep = set(self.keep)
+
+        def estimate(v: int) -> tuple[int, int]:
+            scope: dict[int, int] = {}
+            for fid in touching[v]:
+                f_scope, _, shape = live[fid]
+                for u, count in zip(f_scope, shape):
+                    scope[u] = min(sizes[u], scope.get(u, 1) * count)
+            if v not in scope:
+                scope[v] = 1
+            size = 1
+            for count in scope.values():
+                size *= count
+            return size, len(scope)
+
+        heap = [(*estimate(v), v) for v in range(len(sizes)) if v not in keep]
+        heapq.heapify(heap)
+        current = {v: (size, degree) for size, degree, v in heap}
+        done: set[int] = set()
+        while heap:
+            size, degree, v = heapq.heappop(heap)
+            if v in done or current.get(v) != (size, degree):
+                continue
+            done.add(v)
+            bucket = sorted(touching[v])
+            scope = sorted({u for fid in bucket for u in live[fid][0]} | {v})
+            joint_maps: dict[int, np.ndarray] = {}
+            per_factor: dict[tuple[int, int], np.ndarray] = {}
+            counts: dict[int, int] = {}
+            for u in scope:
+                fids = [fid for fid in bucket if u in live[fid][0]]
+                maps = [live[fid][1][live[fid][0].index(u)] for fid in fids]
+                shapes = [live[fid][2][live[fid][0].index(u)] for fid in fids]
+                if maps:
+                    joint, subs = joint_classes(maps, shapes)
+                else:
+                    joint, subs = np.zeros(sizes[u], dtype=np.int64), []
+                joint_maps[u] = joint
+                counts[u] = int(joint.max()) + 1 if len(joint) else 0
+                for fid, sub in zip(fids, subs):
+                    per_factor[(fid, u)] = sub
+            entries = 1
+            for u in scope:
+                entries *= counts[u]
+            if entries > MAX_TABLE_ENTRIES:
+                raise TooLargeError(
+                    f"The search would build a table of {entries:,} entries (limit {MAX_TABLE_ENTRIES:,}): the"
+                    " model's operators have too many candidate layouts on this many devices; use fewer devices."
+                )
+            self.largest = max(self.largest, entries)
+            gathers = []
+            for fid in bucket:
+                f_scope = live[fid][0]
+                shape = tuple(counts[u] if u in f_scope else 1 for u in scope)
+                gathers.append(_Gather(fid, tuple(per_factor[(fid, u)] for u in f_scope), shape))
+            axis = scope.index(v)
+            members = np.argsort(joint_maps[v], kind="stable")
+            starts = np.searchsorted(joint_maps[v][members], np.arange(counts[v]))
+            rest = tuple(u for u in scope if u != v)
+            for fid in bucket:
+                for u in live[fid][0]:
+                    touching[u].discard(fid)
+                del live[fid]
+            output = -1
+            if rest:
+                output = next_id
+                next_id += 1
+                live[output] = (rest, tuple(joint_maps[u] for u in rest), tuple(counts[u] for u in rest))
+                for u in rest:
+                    touching[u].add(output)
+            node_shape = tuple(counts[v] if u == v else 1 for u in scope)
+            self.steps.append(
+                _Step(
+                    v,
+                    rest,
+                    tuple(gathers),
+                    axis,
+                    node_shape,
+                    members,
+                    starts,
+                    tuple(joint_maps[u] for u in rest),
+                    output,
+                )
+            )
+            for u in rest:
+                if u in keep or u in done:
+                    continue
+                current[u] = estimate(u)
+                heapq.heappush(heap, (*current[u], u))
+        self.leftover = sorted(live)
+        self._leftover = {fid: live[fid] for fid in self.leftover}
+
+    def leftover_structure(self) -> list[tuple[tuple[int, ...], tuple[np.ndarray, ...]]]:
+        """(scope, class maps) of each factor `run` leaves over the kept operators."""
+        return [self._leftover[fid][:2] for fid in self.leftover]
+
+    def run(self, unary: Sequence[np.ndarray], tables: dict[int, np.ndarray] | None = None) -> "Solved":
+        """Replay the plan on these unary costs (kept operators' entries are ignored).
+
+        ``tables`` replaces the tables of some initial factors (by position), same shapes.
+        """
+        tables = {fid: f.table for fid, f in enumerate(self.initial)} | (tables or {})
+        records: list[tuple[_Step, np.ndarray, np.ndarray]] = []
+        for step in self.steps:
+            total = None
+            for gather in step.gathers:
+                part = tables.pop(gather.factor)[np.ix_(*gather.index)].reshape(gather.shape)
+                total = part if total is None else total + part
+            values = np.asarray(unary[step.node], dtype=float)[step.members]
+            best_unary = np.minimum.reduceat(values, step.starts)
+            is_best = values == np.repeat(best_unary, np.diff(np.append(step.starts, len(values))))
+            first = np.minimum.reduceat(np.where(is_best, np.arange(len(values)), len(values)), step.starts)
+            node_cost = best_unary.reshape(step.node_shape)
+            total = node_cost if total is None else total + node_cost
+            if step.rest:
+                tables[step.output] = np.ascontiguousarray(np.min(total, axis=step.axis))
+            records.append((step, np.argmin(total, axis=step.axis), step.members[first]))
+        leftover = [Factor(*self._leftover[fid][:2], tables[fid]) for fid in self.leftover]
+        return Solved(len(self.sizes), records, leftover)
+
+
+@dataclass(frozen=True)
+class Solved:
+    """One run of an elimination: the argmin tables to backtrack, and the factors left over kept operators."""
+
+    size: int
+    records: list[tuple[_Step, np.ndarray, np.ndarray]]
+    leftover: list[Factor]
+
+    def backtrack(self, kept: dict[int, int] | None = None) -> list[int]:
+        """A candidate per operator: kept operators as given, every eliminated one at its argmin."""
+        choice = [0] * self.size
+        for u, c in self.assign(kept or {}).items():
+            choice[u] = c
+        return choice
+
+    def assign(self, kept: dict[int, int]) -> dict[int, int]:
+        """The eliminated operators' argmin given the kept ones (and the kept ones), as a mapping."""
+        choice = dict(kept)
+        for step, best, representative in reversed(self.records):
+            at = tuple(int(m[choice[u]]) for m, u in zip(step.rest_maps, step.rest))
+            choice[step.node] = int(representative[best[at] if at else int(best)])
+        return choice
+
+
+def tie_break_unary(problem: "SearchProblem", base_objective: float) -> list[np.ndarray]:
     """Unary costs plus a position penalty small enough never to beat a real difference."""
     positions = sum(max(len(t) - 1, 0) for t in problem.node_time) or 1
     epsilon = TIE_BREAK_FRACTION * max(base_objective, 1e-12) / positions

@@ -12,9 +12,10 @@ import math
 import time
 from dataclasses import dataclass
 
-from autopar.errors import InfeasibleError, TooLargeError
-from autopar.limits import MAX_DEVICES, MAX_TABLE_ENTRIES
-from autopar.search.dp import elimination_order, largest_table, minimise, tie_break_unary
+from autopar.errors import InfeasibleError
+from autopar.limits import MAX_DEVICES
+from autopar.search.dp import tie_break_unary
+from autopar.search.fold import Solver
 from autopar.search.problem import SearchProblem, memory_items
 from autopar.units import human_bytes
 
@@ -68,25 +69,19 @@ def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: s
 
 
 def _constrained_dp(problem: SearchProblem, capacity: float) -> tuple[list[int], float]:
-    order = elimination_order(problem)
-    largest = largest_table(problem, order)
-    if largest > MAX_TABLE_ENTRIES:
-        raise TooLargeError(
-            f"The search would build a table of {largest:,} entries (limit {MAX_TABLE_ENTRIES:,}): the model's"
-            f" operators have too many candidate strategies on {problem.num_devices:,} devices; use fewer devices."
-        )
+    solver = Solver(problem)
     base = problem.objective(data_parallel_choice(problem))
     unary = tie_break_unary(problem, base)
-    choice = minimise(problem, unary, order)
+    choice = solver.minimise(unary)
     if problem.memory(choice) <= capacity:
         return choice, 0.0
-    leanest = minimise(problem, [m + 1e-9 * t for m, t in zip(problem.node_memory, problem.node_time)], order)
+    leanest = solver.minimise([m + 1e-9 * t for m, t in zip(problem.node_memory, problem.node_time)])
     if problem.memory(leanest) > capacity:
         raise InfeasibleError(_infeasible_message(problem, leanest, capacity, "auto_parallel"))
     low, high = 0.0, base / capacity
     best = leanest
     while True:
-        trial = minimise(problem, [u + high * m for u, m in zip(unary, problem.node_memory)], order)
+        trial = solver.minimise([u + high * m for u, m in zip(unary, problem.node_memory)])
         if problem.memory(trial) <= capacity:
             best = trial
             break
@@ -95,7 +90,7 @@ def _constrained_dp(problem: SearchProblem, capacity: float) -> tuple[list[int],
         low, high = high, high * 4
     for _ in range(_BISECTION_STEPS):
         middle = (low + high) / 2
-        trial = minimise(problem, [u + middle * m for u, m in zip(unary, problem.node_memory)], order)
+        trial = solver.minimise([u + middle * m for u, m in zip(unary, problem.node_memory)])
         if problem.memory(trial) <= capacity:
             best, high = trial, middle
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from autopar.graph import Graph, TensorInfo
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
 from autopar.redistribute import BACKWARD_DUAL, Collective, Step, redistribute, symbolic_steps
+from autopar.search.coefficients import LayoutTable, pair_coefficients
+from autopar.search.dp import Factor
+from autopar.search.fold import Repeat, find_repeats, signatures
 from autopar.strategy import OpRule
 
 
@@ -50,7 +54,8 @@ class SearchProblem:
     node_compute: list[np.ndarray] = field(default_factory=list)
     node_communication: list[np.ndarray] = field(default_factory=list)
     node_memory: list[np.ndarray] = field(default_factory=list)
-    edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    factors: list[Factor] = field(default_factory=list)
+    folds: list[tuple[Repeat, list[Factor]]] = field(default_factory=list)
     uses: list[TensorUse] = field(default_factory=list)
     requires_grad: dict[str, bool] = field(default_factory=dict)
     owner: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -66,9 +71,26 @@ class SearchProblem:
     def objective(self, choice: Sequence[int]) -> float:
         """Predicted step time of one assignment (candidate index per node)."""
         total = sum(float(self.node_time[i][c]) for i, c in enumerate(choice))
-        for (i, j), matrix in self.edges.items():
-            total += float(matrix[choice[i], choice[j]])
+        for factor, shift in self._all_factors():
+            total += factor.value([choice[u + shift] for u in factor.scope])
         return total
+
+    def _all_factors(self) -> list[tuple[Factor, int]]:
+        """Every edge factor with the node shift of its copy (0 outside folded runs)."""
+        found = [(factor, 0) for factor in self.factors]
+        for repeat, factors in self.folds:
+            found += [(f, k * repeat.period) for k in range(repeat.copies) for f in factors]
+        return found
+
+    @cached_property
+    def edges(self) -> dict[tuple[int, int], np.ndarray]:
+        """Full candidate-by-candidate cost matrix per pair of operators (for the ILP and brute force)."""
+        edges: dict[tuple[int, int], np.ndarray] = {}
+        for factor, shift in self._all_factors():
+            (i, j), (rows, cols) = (u + shift for u in factor.scope), factor.maps
+            matrix = factor.table[np.ix_(rows, cols)]
+            edges[(i, j)] = edges[(i, j)] + matrix if (i, j) in edges else matrix
+        return edges
 
     def memory(self, choice: Sequence[int]) -> float:
         return sum(float(self.node_memory[i][c]) for i, c in enumerate(choice))
@@ -142,25 +164,62 @@ class SearchProblem:
         )
 
 
-def build_problem(graph: Graph, cost: CostModel, num_devices: int) -> SearchProblem:
-    """Cost every candidate of every operator and every edge between them."""
+def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = True) -> SearchProblem:
+    """Cost every candidate of every operator and every edge between them.
+
+    With ``fold``, runs of structurally identical blocks (`autopar.search.fold`) are costed
+    once: every copy shares copy 0's node costs and edge tables.
+    """
     mesh_bits = num_devices.bit_length() - 1
     rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
     problem = SearchProblem(graph, rules, cost, num_devices, mesh_bits)
     problem.requires_grad = _requires_grad(graph, rules)
     _assign_uses(problem)
-    _check_size(problem)
+    repeats: list[Repeat] = []
+    if fold:
+        signature = signatures(graph, problem.uses, problem.owner, problem.requires_grad, set(graph.outputs))
+        repeats = find_repeats(len(rules), problem.uses, signature)
+    copy_of: dict[int, int] = {}  # operators of copies 1.. -> the same operator of copy 0
+    run_of: dict[int, int] = {}  # operators of copy 0 -> their run
+    for index, repeat in enumerate(repeats):
+        for node in repeat.block(0):
+            run_of[node] = index
+        for k in range(1, repeat.copies):
+            for node in repeat.block(k):
+                copy_of[node] = node - k * repeat.period
+                rules[node].__dict__["candidates"] = rules[copy_of[node]].candidates
+    costed = [use for use in problem.uses if use.dst_node not in copy_of]
+    _check_size(problem, costed)
     for node in range(len(rules)):
+        if node in copy_of:
+            problem.node_compute.append(np.empty(0))
+            problem.node_communication.append(np.empty(0))
+            problem.node_time.append(np.empty(0))
+            problem.node_memory.append(np.empty(0))
+            continue
         compute, sync, memory = _node_costs(problem, node)
         problem.node_compute.append(compute)
         problem.node_communication.append(sync)
         problem.node_time.append(compute + sync)
         problem.node_memory.append(memory)
-    _edge_costs(problem)
+    per_run: list[list[Factor]] = [[] for _ in repeats]
+    for use, factor in zip(costed, _edge_costs(problem, costed)):
+        if factor is None:
+            continue
+        if use.dst_node in run_of:
+            per_run[run_of[use.dst_node]].append(factor)
+        else:
+            problem.factors.append(factor)
+    for node, source in copy_of.items():
+        problem.node_compute[node] = problem.node_compute[source]
+        problem.node_communication[node] = problem.node_communication[source]
+        problem.node_time[node] = problem.node_time[source]
+        problem.node_memory[node] = problem.node_memory[source]
+    problem.folds = list(zip(repeats, per_run))
     return problem
 
 
-def _check_size(problem: SearchProblem) -> None:
+def _check_size(problem: SearchProblem, uses: Sequence[TensorUse]) -> None:
     """Refuse, before anything is built, a problem whose candidates or cost tables exceed the limits."""
     devices = f"{problem.num_devices:,} devices"
     for rule in problem.rules:
@@ -169,9 +228,7 @@ def _check_size(problem: SearchProblem) -> None:
                 f"Operator {rule.op.name!r} ({rule.op.op_type}) has {rule.candidate_count:,} candidate strategies on"
                 f" {devices} (limit {MAX_CANDIDATES_PER_OPERATOR:,}); use fewer devices."
             )
-    cells = sum(
-        problem.rules[u.src_node].candidate_count * problem.rules[u.dst_node].candidate_count for u in problem.uses
-    )
+    cells = sum(problem.rules[u.src_node].candidate_count * problem.rules[u.dst_node].candidate_count for u in uses)
     if cells > MAX_EDGE_CELLS:
         raise TooLargeError(
             f"The cost tables between operators would hold {cells:,} entries on {devices} (limit {MAX_EDGE_CELLS:,});"
@@ -302,61 +359,72 @@ def memory_items(problem: SearchProblem, node: int, choice: int) -> list[tuple[s
     return items
 
 
-def _edge_costs(problem: SearchProblem) -> None:
+def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse]) -> list[Factor | None]:
+    """Each use's cost table (None for an operator reading its own output, whose cost joins its node
+    cost), from the coefficients of each distinct layout pair computed once."""
     layout_ids: dict[Layout, int] = {}
-    layouts_cache: dict[tuple[int, bool, int], tuple[list[Layout], np.ndarray]] = {}
-    coefficient_cache: dict[tuple[tuple[int, ...], tuple[int, ...], bool], tuple[np.ndarray, np.ndarray]] = {}
+    layouts_cache: dict[tuple[int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
 
-    def distinct_layouts(node: int, is_output: bool, slot: int) -> tuple[list[Layout], np.ndarray, tuple[int, ...]]:
+    def distinct_layouts(node: int, is_output: bool, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(global ids of the distinct layouts, each candidate's position among them)."""
         key = (node, is_output, slot)
         if key not in layouts_cache:
             rule = problem.rules[node]
             layout_of = rule.output_layout if is_output else rule.input_layout
-            per_candidate = [layout_of(c, slot) for c in range(len(rule.candidates))]
             index: dict[Layout, int] = {}
-            positions = np.array([index.setdefault(layout, len(index)) for layout in per_candidate], dtype=np.int64)
-            layouts_cache[key] = (list(index), positions)
-        unique, positions = layouts_cache[key]
-        ids = tuple(layout_ids.setdefault(layout, len(layout_ids)) for layout in unique)
-        return unique, positions, ids
-
-    pairs: set[tuple[int, int, bool]] = set()  # distinct redistributions to cost, counted before costing any
-    for use in problem.uses:
-        src_ids = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)[2]
-        dst_ids = distinct_layouts(use.dst_node, False, use.dst_slot)[2]
-        with_backward = problem.requires_grad.get(use.tensor, False)
-        pairs.update((a, b, with_backward) for a in src_ids for b in dst_ids)
-        if len(pairs) > MAX_LAYOUT_PAIRS:
-            raise TooLargeError(
-                f"More than {MAX_LAYOUT_PAIRS:,} distinct redistributions between layouts would have to be costed on"
-                f" {problem.num_devices:,} devices (the limit keeps costing to about a minute); use fewer devices."
+            positions = np.array(
+                [index.setdefault(layout_of(c, slot), len(index)) for c in range(len(rule.candidates))], dtype=np.int64
             )
+            ids = np.array([layout_ids.setdefault(layout, len(layout_ids)) for layout in index], dtype=np.int64)
+            layouts_cache[key] = (ids, positions)
+        return layouts_cache[key]
 
-    for use in problem.uses:
-        src_unique, src_pos, src_ids = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)
-        dst_unique, dst_pos, dst_ids = distinct_layouts(use.dst_node, False, use.dst_slot)
+    groups: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray]] = {}
+    for use in uses:
+        src_ids = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)[0]
+        dst_ids = distinct_layouts(use.dst_node, False, use.dst_slot)[0]
+        groups.setdefault((src_ids.tobytes(), dst_ids.tobytes()), (src_ids, dst_ids))
+    cells = sum(len(a) * len(b) for a, b in groups.values())
+    keys = np.empty(cells, dtype=np.int64)
+    at = 0
+    for src_ids, dst_ids in groups.values():
+        size = len(src_ids) * len(dst_ids)
+        keys[at : at + size] = (src_ids[:, None] * len(layout_ids) + dst_ids[None, :]).reshape(-1)
+        at += size
+    unique, inverse = np.unique(keys, return_inverse=True)
+    if len(unique) > MAX_LAYOUT_PAIRS:
+        raise TooLargeError(
+            f"{len(unique):,} distinct redistributions between layouts would have to be costed on"
+            f" {problem.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}); use fewer devices."
+        )
+    table = LayoutTable(list(layout_ids))
+    coefficients = pair_coefficients(table, unique // len(layout_ids), unique % len(layout_ids), problem.cost)
+    per_group: dict[tuple[bytes, bytes], tuple[np.ndarray, ...]] = {}
+    at = 0
+    for key, (src_ids, dst_ids) in groups.items():
+        size = len(src_ids) * len(dst_ids)
+        where = inverse[at : at + size]
+        per_group[key] = tuple(c[where].reshape(len(src_ids), len(dst_ids)) for c in coefficients)
+        at += size
+
+    factors: list[Factor | None] = []
+    for use in uses:
+        src_ids, src_pos = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)
+        dst_ids, dst_pos = distinct_layouts(use.dst_node, False, use.dst_slot)
         info = problem.graph.tensor(use.tensor)
         total_bytes = info.numel * problem.itemsize(info)
-        with_backward = problem.requires_grad.get(use.tensor, False)
-        key = (src_ids, dst_ids, with_backward)
-        if key not in coefficient_cache:
-            latency = np.zeros((len(src_unique), len(dst_unique)))
-            per_byte = np.zeros_like(latency)
-            for a, src in enumerate(src_unique):
-                for b, dst in enumerate(dst_unique):
-                    latency[a, b], per_byte[a, b] = problem.redistribution_coefficients(src, dst, with_backward)
-            coefficient_cache[key] = (latency, per_byte)
-        latency, per_byte = coefficient_cache[key]
+        forward_latency, forward_per_byte, latency, per_byte = per_group[(src_ids.tobytes(), dst_ids.tobytes())]
+        if not problem.requires_grad.get(use.tensor, False):
+            latency, per_byte = forward_latency, forward_per_byte
         small = latency + per_byte * total_bytes
-        matrix = small[np.ix_(src_pos, dst_pos)]
         i, j = use.src_node, use.dst_node
         if i == j:
-            problem.node_time[i] = problem.node_time[i] + np.diagonal(matrix)
-            problem.node_communication[i] = problem.node_communication[i] + np.diagonal(matrix)
-            continue
-        if i > j:
-            i, j, matrix = j, i, matrix.T
-        if (i, j) in problem.edges:
-            problem.edges[(i, j)] = problem.edges[(i, j)] + matrix
+            own = small[src_pos, dst_pos]
+            problem.node_time[i] = problem.node_time[i] + own
+            problem.node_communication[i] = problem.node_communication[i] + own
+            factors.append(None)
+        elif i < j:
+            factors.append(Factor((i, j), (src_pos, dst_pos), small))
         else:
-            problem.edges[(i, j)] = np.ascontiguousarray(matrix)
+            factors.append(Factor((j, i), (dst_pos, src_pos), np.ascontiguousarray(small.T)))
+    return factors

@@ -1,0 +1,57 @@
+"""The vectorised redistribution coefficients are the scalar planner's, to the last bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.cost import CostModel
+from autopar.layout import Layout
+from autopar.search.coefficients import LayoutTable, pair_coefficients
+from autopar.search.problem import SearchProblem
+from tests.conftest import profile
+
+
+@st.composite
+def layout_pairs(draw):
+    bits = draw(st.sampled_from([1, 3, 6, 10, 16]))
+    ndim = draw(st.integers(1, 4))
+
+    def layout(partial_ok: bool) -> Layout:
+        dims: list[list[int]] = [[] for _ in range(ndim)]
+        partial = []
+        for bit in draw(st.permutations(range(bits))):
+            where = draw(st.integers(-2 if partial_ok else -1, ndim - 1))
+            if where >= 0:
+                dims[where].append(bit)
+            elif where == -2:
+                partial.append(bit)
+        return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+
+    return bits, [(layout(True), layout(False)) for _ in range(draw(st.integers(1, 12)))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=layout_pairs())
+def test_vectorised_coefficients_equal_the_scalar_ones(case):
+    bits, pairs = case
+    cost = CostModel(profile())
+    layouts = sorted({layout for pair in pairs for layout in pair})
+    index = {layout: i for i, layout in enumerate(layouts)}
+    src = np.array([index[a] for a, _ in pairs])
+    dst = np.array([index[b] for _, b in pairs])
+    got = pair_coefficients(LayoutTable(layouts), src, dst, cost)
+    scalar = SearchProblem(None, [], cost, 1 << bits, bits)  # type: ignore[arg-type]
+    for k, (a, b) in enumerate(pairs):
+        forward = scalar.redistribution_coefficients(a, b, False)
+        both = scalar.redistribution_coefficients(a, b, True)
+        assert (got[0][k], got[1][k], got[2][k], got[3][k]) == (*forward, *both)
+
+
+def test_a_partial_target_is_refused():
+    cost = CostModel(profile())
+    layouts = [Layout(((0,),)), Layout(((),), partial=(0,))]
+    with pytest.raises(ValueError, match="partial"):
+        pair_coefficients(LayoutTable(layouts), np.array([0]), np.array([1]), cost)

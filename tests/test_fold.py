@@ -1,0 +1,126 @@
+"""Repeated blocks: found from structure alone, folded exactly (folded DP == unfolded DP == ILP == brute force)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from autopar.cost import CostModel
+from autopar.graph import load_model
+from autopar.search.driver import run_search
+from autopar.search.fold import min_plus
+from autopar.search.problem import build_problem
+from models.transformer import build_preset
+from tests.conftest import make_model, profile, weight
+
+
+def residual_stack(blocks: int, width: int = 8, batch: int = 8, widths: list[int] | None = None, fan_out: bool = True):
+    """x -> [MatMul, Relu, MatMul, Add(x), Relu] * blocks, with the block input read twice (fan-out)."""
+    nodes, inits = [], []
+    x = "X"
+    for b in range(blocks):
+        hidden = (widths or [2 * width] * blocks)[b]
+        nodes += [
+            helper.make_node("MatMul", [x, f"W{b}a"], [f"h{b}"], name=f"n{b * 7}"),
+            helper.make_node("Relu", [f"h{b}"], [f"r{b}"], name=f"n{b * 7 + 1}"),
+            helper.make_node("MatMul", [f"r{b}", f"W{b}b"], [f"o{b}"], name=f"n{b * 7 + 2}"),
+            helper.make_node("Add", [f"o{b}", x if fan_out else f"o{b}"], [f"s{b}"], name=f"n{b * 7 + 3}"),
+            helper.make_node("Relu", [f"s{b}"], [f"y{b}"], name=f"n{b * 7 + 4}"),
+        ]
+        inits += [weight(f"W{b}a", [width, hidden], 2 * b), weight(f"W{b}b", [hidden, width], 2 * b + 1)]
+        x = f"y{b}"
+    nodes.append(helper.make_node("ReduceSum", [x], ["loss"], name="loss", keepdims=0))
+    return make_model(nodes, [("X", TensorProto.FLOAT, [batch, width])], ["loss"], inits)
+
+
+def folded_and_unfolded(model, devices: int, peak: float = 1e9):
+    graph = load_model(model)
+    cost = CostModel(profile(peak=peak))
+    return build_problem(graph, cost, devices), build_problem(graph, cost, devices, fold=False)
+
+
+@pytest.mark.parametrize("blocks", [3, 4, 6])
+@pytest.mark.parametrize("devices", [4, 16])
+def test_folded_equals_unfolded_and_ilp_on_residual_stacks(blocks, devices):
+    folded, unfolded = folded_and_unfolded(residual_stack(blocks), devices)
+    assert [(r.period, r.copies) for r, _ in folded.folds] == [(5, blocks - 1)]
+    fast = unfolded.objective(run_search(folded).choice)
+    slow = unfolded.objective(run_search(unfolded).choice)
+    assert fast == pytest.approx(slow, rel=1e-12)
+    pytest.importorskip("highspy")
+    exact = unfolded.objective(run_search(unfolded, algorithm="ilp").choice)
+    assert fast == pytest.approx(exact, rel=1e-7)
+
+
+def test_two_blocks_are_not_folded():
+    folded, _ = folded_and_unfolded(residual_stack(2), 4)
+    assert folded.folds == []
+
+
+def test_a_block_that_differs_in_one_shape_is_not_folded_with_the_others():
+    folded, unfolded = folded_and_unfolded(residual_stack(5, widths=[16, 16, 16, 32, 16]), 8)
+    for repeat, _ in folded.folds:
+        assert not any(3 * 5 <= node < 4 * 5 for k in range(1, repeat.copies) for node in repeat.block(k))
+    assert unfolded.objective(run_search(folded).choice) == pytest.approx(
+        unfolded.objective(run_search(unfolded).choice), rel=1e-12
+    )
+
+
+def test_transformer_layers_fold_whatever_the_node_names():
+    model = build_preset("bert-base", layers=4, hidden=64, heads=2, seq=16, batch=4)
+    scrambled = build_preset("bert-base", layers=4, hidden=64, heads=2, seq=16, batch=4)
+    order = np.random.default_rng(0).permutation(len(scrambled.graph.node))
+    for node, k in zip(scrambled.graph.node, order):
+        node.name = f"op_{k}"
+    runs = []
+    for m in (model, scrambled):
+        folded, unfolded = folded_and_unfolded(m, 8)
+        runs.append([(r.start, r.period, r.copies) for r, _ in folded.folds])
+        assert unfolded.objective(run_search(folded).choice) == pytest.approx(
+            unfolded.objective(run_search(unfolded).choice), rel=1e-12
+        )
+    assert runs[0] == runs[1] and runs[0], "the same layers are found whatever the names"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    blocks=st.integers(3, 4),
+    ops=st.lists(st.sampled_from(["Relu", "Sigmoid", "MatMul", "Transpose"]), min_size=1, max_size=2),
+    peak=st.sampled_from([1e6, 1e9]),
+)
+def test_folded_equals_brute_force_on_generated_stacks(blocks, ops, peak):
+    nodes, inits, x, n = [], [], "X", 0
+    for _ in range(blocks):
+        for kind in ops:
+            out = f"t{n}"
+            if kind == "MatMul":
+                inits.append(weight(f"W{n}", [4, 4], n))
+                nodes.append(helper.make_node("MatMul", [x, f"W{n}"], [out], name=f"n{n}"))
+            elif kind == "Transpose":
+                nodes.append(helper.make_node("Transpose", [x], [out], name=f"n{n}", perm=[1, 0]))
+            else:
+                nodes.append(helper.make_node(kind, [x], [out], name=f"n{n}"))
+            x, n = out, n + 1
+    nodes.append(helper.make_node("ReduceSum", [x], ["loss"], name="loss", keepdims=0))
+    model = make_model(nodes, [("X", TensorProto.FLOAT, [4, 4])], ["loss"], inits)
+    folded, unfolded = folded_and_unfolded(model, 2, peak)
+    found = unfolded.objective(run_search(folded).choice)
+    ranges = [range(len(unfolded.candidates(i))) for i in range(unfolded.size)]
+    best = min(unfolded.objective(c) for c in itertools.product(*ranges))
+    assert found == pytest.approx(best, rel=1e-9, abs=1e-18)
+
+
+def test_min_plus_product_matches_its_definition():
+    rng = np.random.default_rng(1)
+    a, b = rng.random((5, 7)), rng.random((7, 3))
+    product, middle = min_plus(a, b)
+    expected = (a[:, :, None] + b[None, :, :]).min(axis=1)
+    assert np.array_equal(product, expected)
+    assert np.array_equal(
+        np.take_along_axis(a, middle, axis=1)[:, :, None].squeeze(-1) + b[middle, np.arange(3)], product
+    )
