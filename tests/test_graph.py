@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from autopar.errors import AutoparError, ModelImportError, UnknownDimensionError
 from autopar.graph import Graph, load_model
 from models.resnet50 import build_resnet50
+from tests.conftest import make_model, weight
 
 REPO = Path(__file__).resolve().parents[1]
 RESNET50 = REPO / "models" / "resnet50.onnx"
@@ -456,3 +457,28 @@ def test_reshape_that_changes_the_element_count_is_an_import_error():
     with pytest.raises(ModelImportError, match="turns 96 elements into 192") as info:
         load_model(model)
     _assert_one_sentence(str(info.value))
+
+
+def test_a_mask_built_in_the_graph_is_a_constant_but_a_folded_weight_is_a_parameter():
+    seq = 4
+    nodes = [
+        helper.make_node("Range", ["zero", "seq", "one"], ["positions"], name="range"),
+        helper.make_node("Reshape", ["positions", "column"], ["rows"], name="rows"),
+        helper.make_node("Less", ["rows", "positions"], ["future"], name="less"),
+        helper.make_node("Where", ["future", "minus", "nought"], ["mask"], name="where"),
+        helper.make_node("Add", ["X", "mask"], ["masked"], name="add_mask"),
+        helper.make_node("Transpose", ["W"], ["WT"], name="transpose_weight", perm=[1, 0]),
+        helper.make_node("MatMul", ["masked", "WT"], ["Y"], name="mm"),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(0, dtype=np.int64), "zero"),
+        numpy_helper.from_array(np.array(seq, dtype=np.int64), "seq"),
+        numpy_helper.from_array(np.array(1, dtype=np.int64), "one"),
+        numpy_helper.from_array(np.array([seq, 1], dtype=np.int64), "column"),
+        numpy_helper.from_array(np.array(-1e4, dtype=np.float32), "minus"),
+        numpy_helper.from_array(np.array(0.0, dtype=np.float32), "nought"),
+        weight("W", [seq, seq]),
+    ]
+    graph = load_model(make_model(nodes, [("X", TensorProto.FLOAT, [2, seq, seq])], ["Y"], inits))
+    assert graph.tensor("mask").kind == "constant"
+    assert graph.tensor("WT").kind == "parameter" and graph.tensor("WT").trainable

@@ -7,6 +7,7 @@ are in topological order with their forward FLOPs from the registry.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import networkx as nx
@@ -35,12 +36,18 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         else:
             constants[init.name] = numpy_helper.to_array(init)
 
+    # values that may be weights: stored or elided float tensors, and what is folded from them
+    # (a Transpose of a weight is a weight; a causal mask built from Range and Where is not)
+    weighty = {name for name, value in constants.items() if _may_be_weight(value)}
     ops: list[OpNode] = []
     graph_outputs = {o.name for o in proto.graph.output}
     for node in proto.graph.node:
         folded = None if set(node.output) & graph_outputs else fold_constant(node, constants, infos, proto)
         if folded is not None:
             constants[node.output[0]] = folded
+            from_weight = any(name in weighty for name in node.input)
+            if from_weight or (node.op_type in ("Constant", "ConstantOfShape") and _may_be_weight(folded)):
+                weighty.add(node.output[0])
             continue
         ops.append(
             OpNode(
@@ -56,7 +63,7 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         )
     renamed = _rename_duplicates(ops)
 
-    roles = _constant_roles(ops, constants, opset)
+    roles = _constant_roles(ops, {name: v for name, v in constants.items() if name in weighty}, opset)
     read = {inp for op in ops for inp in op.inputs} | graph_outputs
     for cname, value in constants.items():
         if cname not in read:
@@ -102,6 +109,10 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         model=proto,
         renamed_ops=renamed,
     )
+
+
+def _may_be_weight(value: KnownValue) -> bool:
+    return value.dtype in FLOAT_TYPES and math.prod(value.shape) > 1
 
 
 def _elided(dims: tuple[int, ...], data_type: int) -> KnownValue:
