@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.search.driver import run_search
+from autopar.search import fold
 from autopar.search.fold import min_plus
 from autopar.search.problem import build_problem
 from models.transformer import build_preset
@@ -38,6 +39,12 @@ def residual_stack(blocks: int, width: int = 8, batch: int = 8, widths: list[int
     return make_model(nodes, [("X", TensorProto.FLOAT, [batch, width])], ["loss"], inits)
 
 
+@pytest.fixture(autouse=True)
+def fold_short_runs(monkeypatch):
+    """Fold runs of two copies too: small stacks exercise every part of the folding."""
+    monkeypatch.setattr(fold, "MIN_FOLDED_COPIES", 2)
+
+
 def folded_and_unfolded(model, devices: int, peak: float = 1e9):
     graph = load_model(model)
     cost = CostModel(profile(peak=peak))
@@ -60,6 +67,12 @@ def test_folded_equals_unfolded_and_ilp_on_residual_stacks(blocks, devices):
 def test_two_blocks_are_not_folded():
     folded, _ = folded_and_unfolded(residual_stack(2), 4)
     assert folded.folds == []
+
+
+def test_by_default_only_runs_long_enough_to_pay_are_folded(monkeypatch):
+    monkeypatch.setattr(fold, "MIN_FOLDED_COPIES", 4)
+    assert folded_and_unfolded(residual_stack(4), 4)[0].folds == []
+    assert [(r.period, r.copies) for r, _ in folded_and_unfolded(residual_stack(5), 4)[0].folds] == [(5, 4)]
 
 
 def test_a_block_that_differs_in_one_shape_is_not_folded_with_the_others():

@@ -64,8 +64,16 @@ class Factor:
 @dataclass(frozen=True)
 class _Gather:
     factor: int  # id of a live factor in the bucket
-    index: tuple[np.ndarray, ...]  # per bucket-scope operator: joint class -> the factor's class (None-free)
+    index: tuple[np.ndarray, ...] | None  # per factor operator: joint class -> the factor's class (None: same)
+    order: tuple[int, ...] | None  # axis permutation into bucket order (None: already in order)
     shape: tuple[int, ...]  # the gathered table's broadcast shape over the bucket scope
+
+    def take(self, table: np.ndarray) -> np.ndarray:
+        if self.index is not None:
+            table = table[np.ix_(*self.index)]
+        if self.order is not None:
+            table = table.transpose(self.order)
+        return table.reshape(self.shape)
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,8 @@ class Elimination:
                 continue
             done.add(v)
             bucket = sorted(touching[v])
-            scope = sorted({u for fid in bucket for u in live[fid][0]} | {v})
+            # the eliminated node's axis last: its min and argmin run over contiguous memory
+            scope = sorted({u for fid in bucket for u in live[fid][0]} - {v}) + [v]
             joint_maps: dict[int, np.ndarray] = {}
             per_factor: dict[tuple[int, int], np.ndarray] = {}
             counts: dict[int, int] = {}
@@ -173,7 +182,15 @@ class Elimination:
             for fid in bucket:
                 f_scope = live[fid][0]
                 shape = tuple(counts[u] if u in f_scope else 1 for u in scope)
-                gathers.append(_Gather(fid, tuple(per_factor[(fid, u)] for u in f_scope), shape))
+                index = tuple(per_factor[(fid, u)] for u in f_scope)
+                same = all(
+                    len(i) == n and np.array_equal(i, np.arange(n)) for i, n in zip(index, live[fid][2])
+                )
+                positions = [scope.index(u) for u in f_scope]
+                order = tuple(np.argsort(positions).tolist())
+                gathers.append(
+                    _Gather(fid, None if same else index, None if order == tuple(range(len(order))) else order, shape)
+                )
             axis = scope.index(v)
             members = np.argsort(joint_maps[v], kind="stable")
             starts = np.searchsorted(joint_maps[v][members], np.arange(counts[v]))
@@ -221,23 +238,44 @@ class Elimination:
         ``tables`` replaces the tables of some initial factors (by position), same shapes.
         """
         tables = {fid: f.table for fid, f in enumerate(self.initial)} | (tables or {})
-        records: list[tuple[_Step, np.ndarray, np.ndarray]] = []
+        records: list[tuple[_Step, list[np.ndarray], np.ndarray]] = []
         for step in self.steps:
-            total = None
-            for gather in step.gathers:
-                part = tables.pop(gather.factor)[np.ix_(*gather.index)].reshape(gather.shape)
-                total = part if total is None else total + part
+            parts = [gather.take(tables.pop(gather.factor)) for gather in step.gathers]
             values = np.asarray(unary[step.node], dtype=float)[step.members]
             best_unary = np.minimum.reduceat(values, step.starts)
             is_best = values == np.repeat(best_unary, np.diff(np.append(step.starts, len(values))))
             first = np.minimum.reduceat(np.where(is_best, np.arange(len(values)), len(values)), step.starts)
-            node_cost = best_unary.reshape(step.node_shape)
-            total = node_cost if total is None else total + node_cost
+            parts.append(best_unary.reshape(step.node_shape))
             if step.rest:
-                tables[step.output] = np.ascontiguousarray(np.min(total, axis=step.axis))
-            records.append((step, np.argmin(total, axis=step.axis), step.members[first]))
+                tables[step.output] = _sum_min(parts)
+            records.append((step, parts, step.members[first]))
         leftover = [Factor(*self._leftover[fid][:2], tables[fid]) for fid in self.leftover]
         return Solved(len(self.sizes), records, leftover)
+
+
+_SLAB_CELLS = 1 << 21  # entries of the summed table held at once (about 16 MB): it stays in cache
+
+
+def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
+    """min over the last axis of the broadcast sum of ``parts``, a slab of the first axis at a time.
+
+    The sum over a three-operator scope can hold a hundred million entries; it is never built
+    whole, so memory stays small and pages are not faulted in for a table read once.
+    """
+    shape = np.broadcast_shapes(*(part.shape for part in parts))
+    rows = shape[0]
+    per_row = max(1, int(np.prod(shape[1:])))
+    step = max(1, _SLAB_CELLS // per_row)
+    out = np.empty(shape[:-1])
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        total = None
+        for part in parts:
+            piece = part[start:stop] if part.shape[0] > 1 else part
+            total = piece if total is None else total + piece
+        assert total is not None
+        out[start:stop] = np.broadcast_to(total, (stop - start, *shape[1:])).min(axis=-1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -245,7 +283,7 @@ class Solved:
     """One run of an elimination: the argmin tables to backtrack, and the factors left over kept operators."""
 
     size: int
-    records: list[tuple[_Step, np.ndarray, np.ndarray]]
+    records: list[tuple[_Step, list[np.ndarray], np.ndarray]]
     leftover: list[Factor]
 
     def backtrack(self, kept: dict[int, int] | None = None) -> list[int]:
@@ -258,9 +296,12 @@ class Solved:
     def assign(self, kept: dict[int, int]) -> dict[int, int]:
         """The eliminated operators' argmin given the kept ones (and the kept ones), as a mapping."""
         choice = dict(kept)
-        for step, best, representative in reversed(self.records):
+        for step, parts, representative in reversed(self.records):
             at = tuple(int(m[choice[u]]) for m, u in zip(step.rest_maps, step.rest))
-            choice[step.node] = int(representative[best[at] if at else int(best)])
+            # the eliminated node's costs at the neighbours' chosen classes: the argmin is recomputed
+            # here on one row instead of stored for the whole table
+            row = sum(part[tuple(a if n > 1 else 0 for a, n in zip(at, part.shape))] for part in parts)
+            choice[step.node] = int(representative[int(np.argmin(row))])
         return choice
 
 

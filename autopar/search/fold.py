@@ -32,7 +32,7 @@ from autopar.search.dp import Elimination, Factor, Solved, joint_classes
 if TYPE_CHECKING:
     from autopar.search.problem import SearchProblem
 
-MIN_FOLDED_COPIES = 2  # a single copy gains nothing from folding
+MIN_FOLDED_COPIES = 4  # below this, repeated squaring saves less than the boundary tables cost
 MAX_PERIODS_TRIED = 12
 _PRODUCT_CHUNK_CELLS = 1 << 22  # cells of the temporary in one block of a min-plus product
 
