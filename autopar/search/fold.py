@@ -140,7 +140,7 @@ def find_repeats(size: int, uses: Sequence, signature: Sequence[int]) -> list[Re
             while j < len(same) and same[j]:
                 j += 1
             # operators i .. j + period - 1 repeat with this period
-            for offset in range(period):
+            for offset in range(2 * period):  # the first copy may need the run's second block as its input
                 start = max(i + offset, 1)
                 copies = (j + period - start) // period
                 if copies < MIN_FOLDED_COPIES:
