@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 from autopar.errors import StrategyError
 from autopar.graph import Graph, OpNode
 from autopar.layout import Layout, is_power_of_two
@@ -244,6 +246,37 @@ class OpRule:
     def output_layout(self, index: int, slot: int) -> Layout:
         """The layout candidate ``index`` gives a present output."""
         return _present(self.candidate_layouts(index)[1][slot], self.op.name, "output", slot)
+
+    def encoded_layouts(self, is_output: bool, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every candidate's layout of one tensor as arrays, without building `Layout` objects.
+
+        Per candidate and dimension: how many bits split it and their packed code (four bits
+        per mesh bit, most significant first, as `search.coefficients.LayoutTable` reads them);
+        per candidate: the mask of partial bits. Equal rows mean equal layouts.
+        """
+        count = len(self.candidates)
+        order = self.spec.label_order
+        exponents = np.asarray(self.candidates, dtype=np.int64).reshape(count, len(order))
+        offsets = np.cumsum(exponents[:, ::-1], axis=1)[:, ::-1] - exponents
+        labels = self.spec.outputs[slot] if is_output else self.spec.inputs[slot]
+        name = (self.op.outputs if is_output else self.op.inputs)[slot]
+        ndim = len(self.graph.tensor(name).shape)
+        lengths = np.zeros((count, ndim), dtype=np.int64)
+        codes = np.zeros((count, ndim), dtype=np.uint64)
+        for dim, label in enumerate(labels or ()):
+            if label is None:
+                continue
+            e, offset = exponents[:, order.index(label)], offsets[:, order.index(label)]
+            lengths[:, dim] = e
+            for t in range(int(e.max(initial=0))):
+                bit = np.where(t < e, offset + t, 0).astype(np.uint64)
+                codes[:, dim] |= np.where(t < e, bit << np.uint64(4 * t), np.uint64(0))
+        partial = np.zeros(count, dtype=np.int64)
+        if is_output:
+            for label in self.spec.reduced_labels:
+                i = order.index(label)
+                partial |= ((np.int64(1) << exponents[:, i]) - 1) << offsets[:, i]
+        return lengths, codes, partial
 
     def shards(self, exponents: Sequence[int]) -> int:
         """How many distinct pieces of work the operator is cut into."""

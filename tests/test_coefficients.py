@@ -42,7 +42,7 @@ def test_vectorised_coefficients_equal_the_scalar_ones(case):
     index = {layout: i for i, layout in enumerate(layouts)}
     src = np.array([index[a] for a, _ in pairs])
     dst = np.array([index[b] for _, b in pairs])
-    got = pair_coefficients(LayoutTable(layouts), src, dst, cost)
+    got = pair_coefficients(LayoutTable.of(layouts), src, dst, cost)
     scalar = SearchProblem(None, [], cost, 1 << bits, bits)  # type: ignore[arg-type]
     for k, (a, b) in enumerate(pairs):
         forward = scalar.redistribution_coefficients(a, b, False)
@@ -54,4 +54,4 @@ def test_a_partial_target_is_refused():
     cost = CostModel(profile())
     layouts = [Layout(((0,),)), Layout(((),), partial=(0,))]
     with pytest.raises(ValueError, match="partial"):
-        pair_coefficients(LayoutTable(layouts), np.array([0]), np.array([1]), cost)
+        pair_coefficients(LayoutTable.of(layouts), np.array([0]), np.array([1]), cost)

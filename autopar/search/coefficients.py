@@ -14,12 +14,15 @@ first, so "is a prefix of", "pop the last bit" and "the next bit wanted" are shi
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 
 from autopar.cost import CostModel
 from autopar.layout import Layout
+from autopar.limits import MAX_DEVICES
 from autopar.redistribute import BACKWARD_DUAL, Collective
 
 # Step kinds as small integers; -1 is "no step".
@@ -34,26 +37,35 @@ _AG, _RS, _A2A, _AR, _SLICE = range(len(KINDS))
 _DUAL = [KINDS.index(d) if (d := BACKWARD_DUAL[k]) is not None else -1 for k in KINDS]
 _MERGEABLE = np.array([True, True, False, False, True])
 _NIBBLE = 4  # bits per packed mesh bit: mesh bits 0..15, i.e. up to 65,536 devices
+MAX_MESH_BITS = MAX_DEVICES.bit_length() - 1
 CHUNK = 1 << 18  # pairs per lockstep batch: bounds the working arrays to a few tens of MB
 
 
 class LayoutTable:
     """Layouts packed into arrays: per layout and dimension, the number of bits and their code."""
 
-    def __init__(self, layouts: Sequence[Layout]) -> None:
+    def __init__(self, length: np.ndarray, code: np.ndarray, partial: np.ndarray) -> None:
+        self.length = length
+        self.code = code
+        self.partial = partial
+
+    @classmethod
+    def of(cls, layouts: Sequence[Layout]) -> "LayoutTable":
+        """The table of some `Layout` values (`OpRule.encoded_layouts` makes the same rows directly)."""
         width = max((layout.ndim for layout in layouts), default=0)
-        self.length = np.zeros((len(layouts), max(width, 1)), dtype=np.int64)
-        self.code = np.zeros(self.length.shape, dtype=np.uint64)
-        self.partial = np.zeros(len(layouts), dtype=np.int64)
+        length = np.zeros((len(layouts), max(width, 1)), dtype=np.int64)
+        code = np.zeros(length.shape, dtype=np.uint64)
+        partial = np.zeros(len(layouts), dtype=np.int64)
         for index, layout in enumerate(layouts):
             for dim, bits in enumerate(layout.dims):
-                self.length[index, dim] = len(bits)
-                code = 0
+                length[index, dim] = len(bits)
+                packed = 0
                 for bit in bits:
-                    code = (code << _NIBBLE) | bit
-                self.code[index, dim] = code
+                    packed = (packed << _NIBBLE) | bit
+                code[index, dim] = packed
             for bit in layout.partial:
-                self.partial[index] |= 1 << bit
+                partial[index] |= 1 << bit
+        return cls(length, code, partial)
 
 
 def pair_coefficients(
@@ -103,14 +115,29 @@ def _chunk_coefficients(
     open_dim = np.zeros(count, dtype=np.int64)
     open_mask = np.zeros(count, dtype=np.int64)
     open_shift = np.zeros(count, dtype=np.int64)
-    records: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # pair, kind, mask, shift
+    prices = _Prices.of(cost)
+    sums = [np.zeros(count) for _ in range(4)]  # forward latency, per byte; with the duals, latency, per byte
+
+    def emit(where: np.ndarray, kind: np.ndarray, mask: np.ndarray, shift: np.ndarray) -> None:
+        """Add finished steps (one per pair in ``where``) in order: the step, then its backward dual."""
+        latency, per_byte = prices.look_up(kind, mask)
+        scale = np.ldexp(1.0, -shift)
+        sums[0][where] += latency
+        sums[1][where] += per_byte * scale
+        sums[2][where] += latency
+        sums[3][where] += per_byte * scale
+        dual = _DUAL_ARRAY[kind]
+        has = dual >= 0
+        latency, per_byte = prices.look_up(dual[has], mask[has])
+        sums[2][where[has]] += latency
+        sums[3][where[has]] += per_byte * scale[has]
 
     def close(rows: np.ndarray) -> None:
-        """Record the open step of ``rows`` (indices into the active arrays) that have one."""
+        """Finish the open step of ``rows`` (indices into the active arrays) that have one."""
         rows = rows[open_kind[active[rows]] >= 0]
         if len(rows):
             where = active[rows]
-            records.append((where, open_kind[where], open_mask[where], open_shift[where]))
+            emit(where, open_kind[where], open_mask[where], open_shift[where])
 
     def step(rows: np.ndarray, kind: np.ndarray, dim: np.ndarray, bit: np.ndarray, shift: np.ndarray) -> None:
         """Add one single-bit step to ``rows``: fuse it into the open step or close that and open it."""
@@ -182,60 +209,73 @@ def _chunk_coefficients(
             where = active[f_rows]
             reducing = where[partial[where] != 0]
             if len(reducing):
-                records.append(
-                    (
-                        reducing,
-                        np.full(len(reducing), _AR),
-                        partial[reducing],
-                        cur_len[reducing].sum(axis=1),
-                    )
-                )
+                emit(reducing, np.full(len(reducing), _AR), partial[reducing], cur_len[reducing].sum(axis=1))
             keep = np.ones(n, dtype=bool)
             keep[f_rows] = False
             active = active[keep]
-    return _sum_records(records, count, cost)
+    return sums[0], sums[1], sums[2], sums[3]
 
 
-def _sum_records(
-    records: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], count: int, cost: CostModel
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per pair, the sums of every step's coefficients, in step order (forward, then its dual)."""
-    if not records:
-        zero = np.zeros(count)
-        return zero, zero.copy(), zero.copy(), zero.copy()
-    # records were appended round by round; a stable sort by pair keeps each pair's steps in order
-    pair = np.concatenate([r[0] for r in records])
-    kind = np.concatenate([r[1] for r in records])
-    mask = np.concatenate([r[2] for r in records])
-    shift = np.concatenate([r[3] for r in records])
-    order = np.argsort(pair, kind="stable")
-    pair, kind, mask, shift = pair[order], kind[order], mask[order], shift[order]
-    dual = np.asarray(_DUAL)[kind]
-    latency, per_byte = _collective_table(kind, mask, cost)
-    dual_latency, dual_per_byte = _collective_table(np.maximum(dual, 0), mask, cost)
-    scale = np.ldexp(1.0, -shift)
-    forward_latency = np.bincount(pair, latency, minlength=count)
-    forward_per_byte = np.bincount(pair, per_byte * scale, minlength=count)
-    # forward and dual interleaved, as the scalar code adds them
-    has_dual = dual >= 0
-    both_pair = np.stack([pair, pair], axis=1)[np.stack([np.ones_like(has_dual), has_dual], axis=1)]
-    both_latency = np.stack([latency, dual_latency], axis=1)[np.stack([np.ones_like(has_dual), has_dual], axis=1)]
-    both_per_byte = np.stack([per_byte * scale, dual_per_byte * scale], axis=1)[
-        np.stack([np.ones_like(has_dual), has_dual], axis=1)
-    ]
-    total_latency = np.bincount(both_pair, both_latency, minlength=count)
-    total_per_byte = np.bincount(both_pair, both_per_byte, minlength=count)
-    return forward_latency, forward_per_byte, total_latency, total_per_byte
+class _Prices:
+    """(latency, per byte) of every collective kind over every bit mask, by table look-up.
+
+    A collective's coefficients depend only on how many of its bits fall in each link level
+    (`CostModel.collective_coefficients`), so one cost-model call per kind and per count
+    vector fills a small dense table; a mask is turned into its counts with popcounts.
+    """
+
+    _cache: ClassVar["weakref.WeakKeyDictionary[CostModel, _Prices]"] = weakref.WeakKeyDictionary()
+
+    def __init__(self, cost: CostModel) -> None:
+        profile = cost.profile
+        names: list[str] = []
+        level_of: list[int] = []
+        for bit in range(64):
+            name = profile.level_of_bit(bit).name
+            if name not in names:
+                names.append(name)
+            level_of.append(names.index(name))
+        self.masks = np.array(
+            [sum(1 << b for b in range(64) if level_of[b] == level and b < 63) for level in range(len(names))],
+            dtype=np.int64,
+        )
+        self.radix = MAX_MESH_BITS + 1  # bits per level: 0..16
+        self.levels = len(names)
+        self.level_of = level_of
+        self.cost = cost
+        size = len(KINDS) * self.radix**self.levels
+        self.latency = np.full(size, np.nan)
+        self.per_byte = np.full(size, np.nan)
+
+    @classmethod
+    def of(cls, cost: CostModel) -> "_Prices":
+        prices = cls._cache.get(cost)
+        if prices is None:
+            prices = cls._cache[cost] = cls(cost)
+        return prices
+
+    def look_up(self, kind: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        key = kind.astype(np.int64)
+        for level in range(self.levels):
+            key = key * self.radix + np.bitwise_count(mask & self.masks[level]).astype(np.int64)
+        latency = self.latency[key]
+        missing = np.isnan(latency)
+        if missing.any():
+            for k in np.unique(key[missing]).tolist():
+                self.latency[k], self.per_byte[k] = self._price(k)
+            latency = self.latency[key]
+        return latency, self.per_byte[key]
+
+    def _price(self, key: int) -> tuple[float, float]:
+        counts = []
+        for _ in range(self.levels):
+            key, count = divmod(key, self.radix)
+            counts.append(count)
+        counts.reverse()
+        bits: list[int] = []  # the lowest bits of each level: any bits with these counts price the same
+        for level, count in enumerate(counts):
+            bits += [b for b in range(64) if self.level_of[b] == level][:count]
+        return self.cost.collective_coefficients(KINDS[key], tuple(sorted(bits, reverse=True)))
 
 
-def _collective_table(kind: np.ndarray, mask: np.ndarray, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
-    """(latency, per byte) of each (kind, bit mask), each distinct one computed once by the cost model."""
-    keys = kind * (1 << 32) + mask
-    unique, inverse = np.unique(keys, return_inverse=True)
-    latency = np.empty(len(unique))
-    per_byte = np.empty(len(unique))
-    for index, key in enumerate(unique.tolist()):
-        k, m = divmod(key, 1 << 32)
-        bits = tuple(b for b in range(m.bit_length() - 1, -1, -1) if (m >> b) & 1)
-        latency[index], per_byte[index] = cost.collective_coefficients(KINDS[k], bits)
-    return latency[inverse.reshape(-1)], per_byte[inverse.reshape(-1)]
+_DUAL_ARRAY = np.asarray(_DUAL, dtype=np.int64)

@@ -183,9 +183,7 @@ class Elimination:
                 f_scope = live[fid][0]
                 shape = tuple(counts[u] if u in f_scope else 1 for u in scope)
                 index = tuple(per_factor[(fid, u)] for u in f_scope)
-                same = all(
-                    len(i) == n and np.array_equal(i, np.arange(n)) for i, n in zip(index, live[fid][2])
-                )
+                same = all(len(i) == n and np.array_equal(i, np.arange(n)) for i, n in zip(index, live[fid][2]))
                 positions = [scope.index(u) for u in f_scope]
                 order = tuple(np.argsort(positions).tolist())
                 gathers.append(
@@ -267,14 +265,18 @@ def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
     per_row = max(1, int(np.prod(shape[1:])))
     step = max(1, _SLAB_CELLS // per_row)
     out = np.empty(shape[:-1])
+    buffer = np.empty((min(step, rows), *shape[1:]))
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        total = None
-        for part in parts:
-            piece = part[start:stop] if part.shape[0] > 1 else part
-            total = piece if total is None else total + piece
-        assert total is not None
-        out[start:stop] = np.broadcast_to(total, (stop - start, *shape[1:])).min(axis=-1)
+        total = buffer[: stop - start]
+        pieces = [part[start:stop] if part.shape[0] > 1 else part for part in parts]
+        if len(pieces) == 1:
+            total[...] = pieces[0]
+        else:
+            np.add(pieces[0], pieces[1], out=total)
+            for piece in pieces[2:]:
+                np.add(total, piece, out=total)
+        np.min(total, axis=-1, out=out[start:stop])
     return out
 
 

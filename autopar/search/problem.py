@@ -288,49 +288,107 @@ def backward_passes(problem: SearchProblem, node: int) -> int:
 
 
 def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per candidate: compute seconds, communication seconds the node owns, memory bytes."""
+    """Per candidate: compute seconds, communication seconds the node owns, memory bytes.
+
+    Vectorised over candidates: a tensor's local size is its size shifted right by the
+    exponents of the labels splitting it, and the bits a gradient is partial over are a mask
+    built from the labels' bit ranges (the last label of the device matrix takes the lowest
+    bits, as `OpRule.label_bits` says). Every figure is the one `memory_items` and
+    `SearchProblem.gradient_sync_bits` give for the candidate, term for term.
+    """
     rule = problem.rules[node]
-    op, graph, cost = rule.op, problem.graph, problem.cost
+    op, graph, cost, spec = rule.op, problem.graph, problem.cost, rule.spec
     grad = problem.requires_grad
-    op_class = rule.spec.op_class
-    passes = backward_passes(problem, node)
-    outputs_graph = set(graph.outputs)
-    compute = np.zeros(len(rule.candidates))
-    sync = np.zeros(len(rule.candidates))
-    memory = np.zeros(len(rule.candidates))
-    for c, exponents in enumerate(rule.candidates):
-        in_layouts, out_layouts = rule.candidate_layouts(c)
-        traffic = 0
-        for name, layout in zip(op.inputs, in_layouts):
-            if name:
-                traffic += _local_bytes(layout, graph.tensor(name), problem.itemsize(graph.tensor(name)))
-        for name, layout in zip(op.outputs, out_layouts):
-            if name:
-                traffic += _local_bytes(layout, graph.tensor(name), problem.itemsize(graph.tensor(name)))
-        forward = cost.compute_time(op_class, op.flops / rule.shards(exponents), traffic)
-        compute[c] = forward * (1.0 + cost.backward_factor * passes)
-        seconds = 0.0
-        for slot, name in enumerate(op.inputs):
-            if not name:
-                continue
-            owns = problem.owner.get(name) == (node, slot)
+    count = len(rule.candidates)
+    order = spec.label_order
+    exponents = np.asarray(rule.candidates, dtype=np.int64).reshape(count, len(order))
+    column = {label: i for i, label in enumerate(order)}
+    # bit offset of each label: the sum of the exponents of the labels after it
+    offsets = np.cumsum(exponents[:, ::-1], axis=1)[:, ::-1] - exponents
+    label_mask = ((np.int64(1) << exponents) - 1) << offsets
+
+    def split(labels: Sequence[str | None] | None) -> np.ndarray:
+        """How many mesh bits split a tensor with these labels, per candidate."""
+        bits = np.zeros(count, dtype=np.int64)
+        for label in labels or ():
+            if label is not None:
+                bits += exponents[:, column[label]]
+        return bits
+
+    def local(info: TensorInfo, labels: Sequence[str | None] | None) -> np.ndarray:
+        return np.int64(info.numel) >> split(labels)
+
+    def absent_mask(labels: Sequence[str | None] | None) -> np.ndarray:
+        mask = np.zeros(count, dtype=np.int64)
+        for label in order:
+            if label not in (labels or ()):
+                mask |= label_mask[:, column[label]]
+        return mask
+
+    inputs = list(zip(spec.inputs, op.inputs))
+    outputs = list(zip(spec.outputs, op.outputs))
+    traffic = np.zeros(count, dtype=np.int64)
+    for labels, name in inputs + outputs:
+        if name:
             info = graph.tensor(name)
-            if grad.get(name, False) and not (owns and info.kind == "parameter"):
-                bits = problem.gradient_sync_bits(node, exponents, slot)
-                if bits:
-                    local = rule.input_layout(c, slot).local_numel(info.shape) * cost.gradient_itemsize()
-                    seconds += cost.collective_time(Collective.ALL_REDUCE, bits, local)
-            if owns and info.kind == "parameter" and info.trainable:
-                numel = rule.input_layout(c, slot).local_numel(info.shape)
-                bits = problem.gradient_sync_bits(node, exponents, slot)
-                seconds += cost.gradient_sync_time(bits, numel * cost.gradient_itemsize())
-        for name, layout in zip(op.outputs, out_layouts):
-            if name and name in outputs_graph and layout is not None and layout.partial:
-                _, fwd, _ = problem.redistribution(name, layout, Layout(layout.dims))
-                seconds += fwd
-        memory[c] = sum(nbytes for _, _, nbytes in memory_items(problem, node, c))
-        sync[c] = seconds
+            traffic += local(info, labels) * problem.itemsize(info)
+    op_class = spec.op_class
+    if op_class == "free":
+        forward = np.zeros(count)
+    else:
+        rate = cost.cube_flops if op_class == "cube" else cost.vector_flops
+        work = op.flops / np.ldexp(1.0, split(order)) / rate
+        forward = np.maximum(work, traffic / cost.memory_bandwidth)
+    compute = forward * (1.0 + cost.backward_factor * backward_passes(problem, node))
+
+    sync = np.zeros(count)
+    gradient_bytes = cost.gradient_itemsize()
+    for slot, name in enumerate(op.inputs):
+        if not name:
+            continue
+        labels = spec.inputs[slot] if slot < len(spec.inputs) else None
+        owns = problem.owner.get(name) == (node, slot)
+        info = graph.tensor(name)
+        if grad.get(name, False) and not (owns and info.kind == "parameter"):
+            latency, per_byte = _all_reduce_coefficients(absent_mask(labels), cost)
+            sync = sync + (latency * 1.0 + per_byte * (local(info, labels) * gradient_bytes))
+        if owns and info.kind == "parameter" and info.trainable:
+            nbytes = local(info, labels) * gradient_bytes
+            latency, per_byte = _all_reduce_coefficients(absent_mask(labels), cost)
+            sync = sync + (latency * np.minimum(1.0, nbytes / cost.fusion_bytes) + per_byte * nbytes)
+    outputs_graph = set(graph.outputs)
+    if any(name in outputs_graph for name in op.outputs) and spec.reduced_labels:
+        for c in range(count):  # a partial graph output is reduced: rare, costed one candidate at a time
+            for name, layout in zip(op.outputs, rule.candidate_layouts(c)[1]):
+                if name and name in outputs_graph and layout is not None and layout.partial:
+                    sync[c] += problem.redistribution(name, layout, Layout(layout.dims))[1]
+
+    memory = np.zeros(count)
+    for slot, name in enumerate(op.inputs):
+        if not name or problem.owner.get(name) != (node, slot):
+            continue
+        info = graph.tensor(name)
+        numel = local(info, spec.inputs[slot] if slot < len(spec.inputs) else None)
+        if info.kind == "parameter":
+            memory = memory + numel * cost.parameter_bytes_per_element(info.trainable)
+        else:
+            memory = memory + numel * problem.itemsize(info)
+    for labels, name in outputs:
+        if name and grad.get(name, False):
+            info = graph.tensor(name)
+            memory = memory + local(info, labels) * problem.itemsize(info)
     return compute, sync, memory
+
+
+def _all_reduce_coefficients(masks: np.ndarray, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """(latency, per byte) of an AllReduce over each candidate's bit mask, each distinct mask once."""
+    unique, inverse = np.unique(masks, return_inverse=True)
+    latency = np.empty(len(unique))
+    per_byte = np.empty(len(unique))
+    for index, mask in enumerate(unique.tolist()):
+        bits = tuple(b for b in range(mask.bit_length() - 1, -1, -1) if (mask >> b) & 1)
+        latency[index], per_byte[index] = cost.collective_coefficients(Collective.ALL_REDUCE, bits)
+    return latency[inverse.reshape(-1)], per_byte[inverse.reshape(-1)]
 
 
 def memory_items(problem: SearchProblem, node: int, choice: int) -> list[tuple[str, str, float]]:
@@ -362,21 +420,24 @@ def memory_items(problem: SearchProblem, node: int, choice: int) -> list[tuple[s
 def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse]) -> list[Factor | None]:
     """Each use's cost table (None for an operator reading its own output, whose cost joins its node
     cost), from the coefficients of each distinct layout pair computed once."""
-    layout_ids: dict[Layout, int] = {}
+    layout_ids: dict[bytes, int] = {}  # a packed layout row -> its id in the table
+    rows: list[tuple[np.ndarray, np.ndarray, int]] = []
     layouts_cache: dict[tuple[int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def distinct_layouts(node: int, is_output: bool, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """(global ids of the distinct layouts, each candidate's position among them)."""
         key = (node, is_output, slot)
         if key not in layouts_cache:
-            rule = problem.rules[node]
-            layout_of = rule.output_layout if is_output else rule.input_layout
-            index: dict[Layout, int] = {}
-            positions = np.array(
-                [index.setdefault(layout_of(c, slot), len(index)) for c in range(len(rule.candidates))], dtype=np.int64
-            )
-            ids = np.array([layout_ids.setdefault(layout, len(layout_ids)) for layout in index], dtype=np.int64)
-            layouts_cache[key] = (ids, positions)
+            length, code, partial = problem.rules[node].encoded_layouts(is_output, slot)
+            packed = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
+            unique, first, positions = np.unique(packed, axis=0, return_index=True, return_inverse=True)
+            ids = []
+            for row, at in zip(unique, first):
+                index = layout_ids.setdefault(row.tobytes(), len(layout_ids))
+                if index == len(rows):
+                    rows.append((length[at], code[at], int(partial[at])))
+                ids.append(index)
+            layouts_cache[key] = (np.asarray(ids, dtype=np.int64), positions.reshape(-1).astype(np.int64))
         return layouts_cache[key]
 
     groups: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray]] = {}
@@ -397,7 +458,14 @@ def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse]) -> list[Facto
             f"{len(unique):,} distinct redistributions between layouts would have to be costed on"
             f" {problem.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}); use fewer devices."
         )
-    table = LayoutTable(list(layout_ids))
+    width = max((len(length) for length, _, _ in rows), default=1) or 1
+    table = LayoutTable(
+        np.array([np.pad(length, (0, width - len(length))) for length, _, _ in rows], dtype=np.int64).reshape(
+            -1, width
+        ),
+        np.array([np.pad(code, (0, width - len(code))) for _, code, _ in rows], dtype=np.uint64).reshape(-1, width),
+        np.array([partial for _, _, partial in rows], dtype=np.int64),
+    )
     coefficients = pair_coefficients(table, unique // len(layout_ids), unique % len(layout_ids), problem.cost)
     per_group: dict[tuple[bytes, bytes], tuple[np.ndarray, ...]] = {}
     at = 0
