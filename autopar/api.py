@@ -12,6 +12,7 @@ True
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 import onnx
 
+from autopar import progress
 from autopar.cost import PRECISIONS, CostModel, HardwareProfile, load_profile
 from autopar.errors import AutoparError, FallbackWarning, RenamedOperatorsWarning
 from autopar.graph import Graph, load_model
@@ -87,7 +89,13 @@ def plan(
         raise AutoparError(f"Unknown mode {mode!r}; choose one of: {', '.join(MODES)}.")
     if search not in ALGORITHMS:
         raise AutoparError(f"Unknown search algorithm {search!r}; choose one of: {', '.join(ALGORITHMS)}.")
-    problem = build(model, devices, cost_model, batch, dims, precision)
+    _check_devices(devices)
+    started = time.perf_counter()
+    progress.report("import", 0, 1)
+    graph = _graph(model, batch, dims)
+    imported = time.perf_counter()
+    problem = build_problem(graph, _cost_model(cost_model, precision), devices)
+    costed = time.perf_counter()
     if problem.graph.renamed_ops:
         pairs = ", ".join(f"{new!r}" for new in list(problem.graph.renamed_ops)[:5])
         more = f" and {len(problem.graph.renamed_ops) - 5} more" if len(problem.graph.renamed_ops) > 5 else ""
@@ -97,7 +105,9 @@ def plan(
             RenamedOperatorsWarning,
             stacklevel=2,
         )
-    result = Plan.lower(problem, run_search(problem, mode, search), mode)
+    found = run_search(problem, mode, search)
+    phases = {"import": imported - started, "costing": costed - imported, "search": found.time_s}
+    result = Plan.lower(problem, found, mode, phases)
     if result.fallback_ops:
         warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=2)
     return result

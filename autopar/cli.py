@@ -8,10 +8,13 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from autopar import progress
 from autopar.errors import AutoparError, AutoparWarning, UnknownDimensionError, UnknownSymbolError
 from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_SEED
 from autopar.search.driver import ALGORITHMS, MODES
@@ -91,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--format", choices=("table", "json"), default="table")
     plan.add_argument("--out", help="write the output to this file instead of stdout")
+    plan.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
     verify = commands.add_parser("verify", help="run a plan on virtual devices and compare with one device")
     _add_model_arguments(verify)
@@ -162,7 +166,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     import autopar
     from autopar.report import plan_table
 
-    with warnings.catch_warnings(record=True) as caught:
+    line = _ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
+    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
         warnings.simplefilter("always", AutoparWarning)  # said below as one line each, in the CLI's words
         result = autopar.plan(
             args.model,
@@ -174,12 +179,53 @@ def _run_plan(args: argparse.Namespace) -> int:
             precision=args.precision,
             search=args.search,
         )
+        text = result.to_json() + "\n" if args.format == "json" else plan_table(result)  # lowering reports too
     for warning in caught:
         if issubclass(warning.category, AutoparWarning):
             print(f"autopar: warning: {warning.message}", file=sys.stderr)
-    text = result.to_json() + "\n" if args.format == "json" else plan_table(result)
     _emit(text, args.out)
     return 0
+
+
+class _ProgressLine:
+    """One progress line on stderr (tqdm), shown once a run has taken about two seconds.
+
+    Quiet with ``--quiet`` or when stderr is not a terminal; the line is erased at the end.
+    """
+
+    DELAY_S = 2.0
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.started = time.monotonic()
+        self.phase: str | None = None
+        self.bar: Any = None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if phase != self.phase or self.bar is None or done < self.bar.n:
+            self.close()
+            from tqdm import tqdm
+
+            delay = max(0.0, self.DELAY_S - (time.monotonic() - self.started))
+            self.bar = tqdm(
+                total=total, desc=f"autopar: {phase}", delay=delay, leave=False, file=sys.stderr, unit="", ncols=80
+            )
+            self.phase = phase
+        self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> "_ProgressLine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _run_inspect(args: argparse.Namespace) -> int:

@@ -333,6 +333,7 @@ def test_plan_json_is_deterministic(capsys, tiny_path):
     for _ in range(2):
         data = plan_json(capsys, tiny_path, "--devices", "8")
         assert isinstance(data["search"].pop("time_s"), float)
+        assert set(data["search"].pop("phases_s")) == {"import", "costing", "search", "lowering"}
         runs.append(json.dumps(data, sort_keys=True))
     assert runs[0] == runs[1]
 

@@ -103,8 +103,9 @@ def test_plan_dict_schema(plan8):
 def test_same_input_same_plan(graph):
     first = autopar.plan(MODEL, devices=8).to_dict()
     second = autopar.plan(MODEL, devices=8).to_dict()
-    first["search"].pop("time_s")
-    second["search"].pop("time_s")
+    for data in (first, second):  # only measured seconds may differ
+        data["search"].pop("time_s")
+        data["search"].pop("phases_s")
     assert json.dumps(first) == json.dumps(second)
 
 

@@ -8,14 +8,16 @@ parameter's gradient synchronisation, and totals (schema "autopar.plan/1").
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
 
+from autopar import progress
 from autopar.layout import Layout
 from autopar.lowering.lower import gradient_sync, op_entries, redistributions, rounded, totals
-from autopar.lowering.planfile import SCHEMA, PlanFile, SearchSummary
+from autopar.lowering.planfile import SCHEMA, PlanFile, RepeatedBlock, SearchSummary
 from autopar.search.driver import SearchResult, data_parallel_choice
 from autopar.search.problem import SearchProblem
 
@@ -31,13 +33,16 @@ class Plan:
     mode: str
     cost_model: str
     precision: str
+    phases_s: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     # The faces register the Jupyter renderer (autopar.report); the core never imports them.
     html_renderer: ClassVar[Callable[["Plan"], str] | None] = None
 
     @classmethod
-    def lower(cls, problem: SearchProblem, result: SearchResult, mode: str) -> "Plan":
-        """The plan of one search result on one problem."""
+    def lower(
+        cls, problem: SearchProblem, result: SearchResult, mode: str, phases_s: dict[str, float] | None = None
+    ) -> "Plan":
+        """The plan of one search result on one problem (``phases_s``: measured seconds so far)."""
         return cls(
             problem,
             tuple(result.choice),
@@ -46,6 +51,7 @@ class Plan:
             mode,
             problem.cost.profile.name,
             problem.cost.precision,
+            dict(phases_s or {}),
         )
 
     @property
@@ -94,6 +100,13 @@ class Plan:
     def file(self) -> PlanFile:
         """The typed plan file (computed once)."""
         problem, choice = self.problem, self.choice
+        progress.report("lowering", 0, 1)
+        started = time.perf_counter()
+        ops = op_entries(problem, choice)
+        moves = redistributions(problem, choice)
+        syncs = gradient_sync(problem, choice)
+        total = totals(problem, choice)
+        phases = {**self.phases_s, "lowering": time.perf_counter() - started} if self.phases_s else None
         return PlanFile(
             schema_=SCHEMA,
             model=self.model_name,
@@ -103,17 +116,28 @@ class Plan:
             precision=self.precision,
             mode=self.mode,
             objective_s=rounded(self.objective),
-            ops=op_entries(problem, choice),
-            redistributions=redistributions(problem, choice),
-            gradient_sync=gradient_sync(problem, choice),
+            ops=ops,
+            redistributions=moves,
+            gradient_sync=syncs,
             fallback_ops=self.fallback_ops,
-            totals=totals(problem, choice),
+            totals=total,
             search=SearchSummary(
                 algorithm=self.search.method,
                 time_s=round(self.search.time_s, 4),
                 candidates=sum(len(rule.candidates) for rule in problem.rules),
                 operators=problem.size,
                 memory_multiplier=rounded(self.search.lagrange_multiplier),
+                phases_s={name: round(seconds, 4) for name, seconds in phases.items()} if phases else None,
+                layouts=problem.layouts_costed or None,
+                layout_pairs=problem.pairs_costed or None,
+                candidates_kept=self.search.candidates_kept,
+                candidates_dropped=self.search.candidates_dropped,
+                repeated_blocks=[
+                    RepeatedBlock(
+                        first_op=problem.rules[repeat.start].op.name, operators=repeat.period, copies=repeat.copies
+                    )
+                    for repeat, _ in problem.folds
+                ],
             ),
         )
 

@@ -161,12 +161,41 @@ class Totals(_Part):
     speedup_vs_data_parallel: NonNegativeFloat
 
 
-class SearchSummary(_Part):
+class RepeatedBlock(_Part):
+    """A run of structurally identical blocks the search solved once (`autopar.search.fold`)."""
+
+    first_op: str = Field(description="the first operator of the first copy")
+    operators: PositiveInt = Field(description="operators per copy")
+    copies: PositiveInt
+
+
+class SearchSummary(_OmitsUnset):
+    """How the plan was found. Seconds are measured, so only they differ between two runs."""
+
+    _omit: ClassVar[tuple[str, ...]] = (
+        "phases_s",
+        "layouts",
+        "layout_pairs",
+        "candidates_kept",
+        "candidates_dropped",
+    )
     algorithm: str = Field(description="how the strategies were chosen: dp, ilp, data_parallel, stand_alone, given")
     time_s: NonNegativeFloat
     candidates: NonNegativeInt
     operators: NonNegativeInt
     memory_multiplier: NonNegativeFloat
+    phases_s: dict[str, NonNegativeFloat] | None = Field(
+        default=None, description="measured seconds of import, costing, search and lowering"
+    )
+    layouts: NonNegativeInt | None = Field(default=None, description="distinct tensor layouts costed")
+    layout_pairs: NonNegativeInt | None = Field(default=None, description="distinct redistributions costed")
+    candidates_kept: NonNegativeInt | None = Field(
+        default=None, description="candidates the exact search kept as states (one per distinct set of layouts)"
+    )
+    candidates_dropped: NonNegativeInt | None = Field(
+        default=None, description="candidates dropped as exactly dominated (same layouts, never cheaper)"
+    )
+    repeated_blocks: list[RepeatedBlock] = Field(default_factory=list)
 
 
 class PlanFile(_Part):

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from autopar import progress
 from autopar.cost import CostModel
 from autopar.layout import Layout
 from autopar.limits import MAX_DEVICES
@@ -79,6 +80,7 @@ def pair_coefficients(
     count = len(src)
     results = [np.zeros(count) for _ in range(4)]
     for start in range(0, count, CHUNK):
+        progress.report("costing redistributions", start, count)
         stop = min(start + CHUNK, count)
         chunk = _chunk_coefficients(table, src[start:stop], dst[start:stop], cost)
         for result, part in zip(results, chunk):

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from autopar import progress
 from autopar.errors import TooLargeError
 from autopar.limits import MAX_TABLE_ENTRIES
 
@@ -226,6 +227,11 @@ class Elimination:
         self.leftover = sorted(live)
         self._leftover = {fid: live[fid] for fid in self.leftover}
 
+    def states(self) -> tuple[int, int]:
+        """(classes kept, candidates dropped) over the eliminated operators."""
+        kept = sum(len(step.starts) for step in self.steps)
+        return kept, sum(len(step.members) for step in self.steps) - kept
+
     def leftover_structure(self) -> list[tuple[tuple[int, ...], tuple[np.ndarray, ...]]]:
         """(scope, class maps) of each factor `run` leaves over the kept operators."""
         return [self._leftover[fid][:2] for fid in self.leftover]
@@ -237,7 +243,10 @@ class Elimination:
         """
         tables = {fid: f.table for fid, f in enumerate(self.initial)} | (tables or {})
         records: list[tuple[_Step, list[np.ndarray], np.ndarray]] = []
-        for step in self.steps:
+        every = max(1, len(self.steps) // 100)
+        for done, step in enumerate(self.steps):
+            if done % every == 0:
+                progress.report("search", done, len(self.steps))
             parts = [gather.take(tables.pop(gather.factor)) for gather in step.gathers]
             values = np.asarray(unary[step.node], dtype=float)[step.members]
             best_unary = np.minimum.reduceat(values, step.starts)

@@ -37,6 +37,8 @@ class SearchResult:
     method: str
     time_s: float
     lagrange_multiplier: float = 0.0
+    candidates_kept: int | None = None
+    candidates_dropped: int | None = None
 
 
 def data_parallel_choice(problem: SearchProblem) -> list[int]:
@@ -51,25 +53,27 @@ def stand_alone_choice(problem: SearchProblem) -> list[int]:
 def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: str = "dp") -> SearchResult:
     start = time.perf_counter()
     capacity = problem.cost.capacity
+    multiplier = 0.0
+    states: tuple[int | None, int | None] = (None, None)
     if mode == "data_parallel":
-        choice, used, multiplier = data_parallel_choice(problem), "data_parallel", 0.0
+        choice, used = data_parallel_choice(problem), "data_parallel"
     elif mode == "stand_alone":
-        choice, used, multiplier = stand_alone_choice(problem), "stand_alone", 0.0
+        choice, used = stand_alone_choice(problem), "stand_alone"
     elif algorithm == "ilp":
         from autopar.search.ilp import solve_ilp
 
-        choice, used, multiplier = solve_ilp(problem, capacity), "ilp", 0.0
+        choice, used = solve_ilp(problem, capacity), "ilp"
     else:
-        choice, multiplier = _constrained_dp(problem, capacity)
-        used = algorithm
+        solver = Solver(problem)
+        choice, multiplier = _constrained_dp(problem, solver, capacity)
+        used, states = algorithm, solver.states()
     memory = problem.memory(choice)
     if memory > capacity:
         raise InfeasibleError(_infeasible_message(problem, choice, capacity, mode))
-    return SearchResult(tuple(choice), used, time.perf_counter() - start, multiplier)
+    return SearchResult(tuple(choice), used, time.perf_counter() - start, multiplier, *states)
 
 
-def _constrained_dp(problem: SearchProblem, capacity: float) -> tuple[list[int], float]:
-    solver = Solver(problem)
+def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> tuple[list[int], float]:
     base = problem.objective(data_parallel_choice(problem))
     unary = tie_break_unary(problem, base)
     choice = solver.minimise(unary)

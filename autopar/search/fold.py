@@ -341,6 +341,20 @@ class Solver:
         self.main = Elimination(self.sizes, list(problem.factors) + placeholders, sorted(folded))
         self.largest = max([self.main.largest] + [run.elimination.largest for run in self.runs])
 
+    def states(self) -> tuple[int, int]:
+        """(candidates kept as states, candidates dropped as exactly dominated), over every operator.
+
+        A node's candidates that show the same layouts to every table it touches collapse into one
+        state: only the cheapest of them can be chosen.
+        """
+        kept, dropped = self.main.states()
+        for run in self.runs:
+            block_kept, block_dropped = run.elimination.states()
+            boundary = len(run.boundary) - run.classes  # copy k's last operator, reduced to the classes read
+            kept += run.repeat.copies * block_kept + (run.repeat.copies - 1) * run.classes
+            dropped += run.repeat.copies * block_dropped + (run.repeat.copies - 1) * boundary
+        return kept, dropped
+
     def minimise(self, unary: Sequence[np.ndarray]) -> list[int]:
         """Exact argmin of node costs ``unary`` plus every edge cost."""
         solved = [run.solve(unary) for run in self.runs]

@@ -17,6 +17,7 @@ from functools import cached_property
 
 import numpy as np
 
+from autopar import progress
 from autopar.cost import CostModel
 from autopar.errors import StrategyError, TooLargeError
 from autopar.graph import Graph, TensorInfo
@@ -56,6 +57,8 @@ class SearchProblem:
     node_memory: list[np.ndarray] = field(default_factory=list)
     factors: list[Factor] = field(default_factory=list)
     folds: list[tuple[Repeat, list[Factor]]] = field(default_factory=list)
+    layouts_costed: int = 0
+    pairs_costed: int = 0
     uses: list[TensorUse] = field(default_factory=list)
     requires_grad: dict[str, bool] = field(default_factory=dict)
     owner: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -190,7 +193,10 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = 
                 rules[node].__dict__["candidates"] = rules[copy_of[node]].candidates
     costed = [use for use in problem.uses if use.dst_node not in copy_of]
     _check_size(problem, costed)
+    every = max(1, len(rules) // 100)
     for node in range(len(rules)):
+        if node % every == 0:
+            progress.report("costing operators", node, len(rules))
         if node in copy_of:
             problem.node_compute.append(np.empty(0))
             problem.node_communication.append(np.empty(0))
@@ -459,13 +465,13 @@ def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse]) -> list[Facto
             f" {problem.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}); use fewer devices."
         )
     width = max((len(length) for length, _, _ in rows), default=1) or 1
-    table = LayoutTable(
-        np.array([np.pad(length, (0, width - len(length))) for length, _, _ in rows], dtype=np.int64).reshape(
-            -1, width
-        ),
-        np.array([np.pad(code, (0, width - len(code))) for _, code, _ in rows], dtype=np.uint64).reshape(-1, width),
-        np.array([partial for _, _, partial in rows], dtype=np.int64),
-    )
+    lengths = np.zeros((len(rows), width), dtype=np.int64)
+    codes = np.zeros((len(rows), width), dtype=np.uint64)
+    for index, (length, code, _) in enumerate(rows):
+        lengths[index, : len(length)] = length
+        codes[index, : len(code)] = code
+    table = LayoutTable(lengths, codes, np.array([partial for _, _, partial in rows], dtype=np.int64))
+    problem.layouts_costed, problem.pairs_costed = len(rows), len(unique)
     coefficients = pair_coefficients(table, unique // len(layout_ids), unique % len(layout_ids), problem.cost)
     per_group: dict[tuple[bytes, bytes], tuple[np.ndarray, ...]] = {}
     at = 0
