@@ -51,7 +51,8 @@ class _OmitsUnset(_Part):
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        return {key: value for key, value in data.items() if not (key in self._omit and value is None)}
+        omit = type(self)._omit  # a class attribute: read it once, not through pydantic's instance lookup
+        return {key: value for key, value in data.items() if value is not None or key not in omit}
 
 
 class LayoutEntry(_OmitsUnset):
@@ -219,7 +220,7 @@ class PlanFile(_Part):
 
     def dump(self) -> dict[str, Any]:
         """The JSON-safe dict (enums as their strings)."""
-        return _plain(self.model_dump(by_alias=True))
+        return self.model_dump(by_alias=True, mode="json")
 
     @property
     def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -227,17 +228,6 @@ class PlanFile(_Part):
 
 
 PLAN_FILE_FIELDS = tuple(field.alias or name for name, field in PlanFile.model_fields.items())
-
-
-def _plain(value: Any) -> Any:
-    """Enums become their strings; everything else is already what ``json`` writes."""
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_plain(item) for item in value]
-    if isinstance(value, (Collective, ReduceOp)):
-        return str(value)
-    return value
 
 
 def read_plan_file(data: Any, origin: str = "the plan") -> PlanFile:

@@ -15,7 +15,7 @@ candidates in one group differ only in their own cost, so only the cheapest can 
 dominated candidate is dropped). The neighbours' axes in the new table are their joint
 classes. Tables shrink from candidates^k to layouts^k.
 
-The order is greedy (smallest table first, with a heap, so a 20,000-operator chain is planned
+The order is greedy (smallest table left behind first, with a heap, so a 20,000-operator chain is planned
 in linear time) and depends on the structure only, so `Elimination.plan` is computed once and
 `Elimination.run` replays it for each unary cost (the memory constraint's Lagrangian weight
 changes the unary costs, never the structure).
@@ -131,25 +131,29 @@ class Elimination:
         keep = set(self.keep)
 
         def estimate(v: int) -> tuple[int, int]:
+            """(entries of the table left behind, entries of the table summed): the order's key.
+
+            Keeping the tables left behind small (the classic min-weight rule) does less work over
+            the whole elimination than keeping each step's own table small.
+            """
             scope: dict[int, int] = {}
             for fid in touching[v]:
                 f_scope, _, shape = live[fid]
                 for u, count in zip(f_scope, shape):
                     scope[u] = min(sizes[u], scope.get(u, 1) * count)
-            if v not in scope:
-                scope[v] = 1
-            size = 1
+            own = scope.pop(v, 1)
+            left = 1
             for count in scope.values():
-                size *= count
-            return size, len(scope)
+                left *= count
+            return left, left * own
 
         heap = [(*estimate(v), v) for v in range(len(sizes)) if v not in keep]
         heapq.heapify(heap)
-        current = {v: (size, degree) for size, degree, v in heap}
+        current = {v: (left, work) for left, work, v in heap}
         done: set[int] = set()
         while heap:
-            size, degree, v = heapq.heappop(heap)
-            if v in done or current.get(v) != (size, degree):
+            left, work, v = heapq.heappop(heap)
+            if v in done or current.get(v) != (left, work):
                 continue
             done.add(v)
             bucket = sorted(touching[v])

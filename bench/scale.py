@@ -1,0 +1,164 @@
+"""Planning at scale: wall time, peak memory and answer of the whole `autopar plan` command.
+
+Usage: python bench/scale.py [--cases gpt3,gpt2,bert-large,resnet50,chain] [--timeout 600] [--scrambled]
+
+Every case runs the real command line in a fresh process on an ONNX file written beforehand
+(interpreter start-up, imports, import of the model, costing, search and JSON output
+included) and reports its wall time, its own peak resident memory, the predicted step time,
+the predicted MFU (ideal step time / step time: the step's FLOPs at the devices' peak over the
+predicted step) and the repeated blocks the search folded. Transformers are built with
+models/transformer.py (weights elided); with --scrambled each is planned a second time with
+its node names replaced by a random permutation, to show that repeated blocks are found from
+the structure alone. A case that is refused (too large, nothing fits) says why in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models.transformer import build_preset  # noqa: E402
+
+GPT3 = dict(hidden=12288, heads=96, seq=2048, batch=64)
+
+
+def cases(selected: set[str]) -> list[tuple[str, str, int]]:
+    """(label, model key, devices) in table order."""
+    found: list[tuple[str, str, int]] = []
+    if "gpt3" in selected:
+        for layers in (1, 24, 96):
+            for devices in (8, 64, 256, 1024):
+                found.append((f"GPT-3 shape, {layers} layer(s)", f"gpt3:{layers}", devices))
+    if "gpt2" in selected:
+        found.append(("GPT-2 (12 layers, batch 8)", "gpt2", 64))
+    if "bert-large" in selected:
+        found.append(("BERT-large (24 layers, batch 8)", "bert-large", 64))
+    if "resnet50" in selected:
+        for devices in (8, 64, 256, 1024):
+            found.append(("ResNet-50 (batch 256)", "resnet50", devices))
+    if "chain" in selected:
+        found.append(("20,000-operator Relu/Add chain", "chain", 8))
+    return found
+
+
+def relu_add_chain(operators: int) -> onnx.ModelProto:
+    """x -> Relu -> Add(relu, x) -> Relu -> ...: a residual chain of ``operators`` operators."""
+    nodes, x = [], "X"
+    for i in range(operators // 2):
+        nodes.append(helper.make_node("Relu", [x], [f"r{i}"], name=f"relu{i}"))
+        nodes.append(helper.make_node("Add", [f"r{i}", x], [f"a{i}"], name=f"add{i}"))
+        x = f"a{i}"
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [64, 1024])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [64, 1024])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def model_for(key: str) -> onnx.ModelProto | Path:
+    if key.startswith("gpt3:"):
+        return build_preset("gpt3", layers=int(key.split(":")[1]), **GPT3)
+    if key in ("gpt2", "bert-large"):
+        return build_preset(key, batch=8)
+    if key == "chain":
+        return relu_add_chain(20_000)
+    return ROOT / "models" / "resnet50.onnx"
+
+
+def scrambled(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    order = np.random.default_rng(0).permutation(len(copy.graph.node))
+    for node, index in zip(copy.graph.node, order):
+        node.name = f"op{index}"
+    return copy
+
+
+def run_case(path: Path, devices: int, timeout: float) -> dict:
+    """Run `autopar plan` in a fresh process; wall seconds, its own peak RSS, and the plan or the refusal."""
+    argv = [sys.executable, "-m", "autopar.cli", "plan", str(path), "--devices", str(devices)]
+    argv += ["--format", "json", "--quiet"]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        child = subprocess.Popen(argv, stdout=out, stderr=err, cwd=ROOT)
+        deadline = start + timeout
+        status, usage = 0, None
+        while True:
+            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                child.kill()
+                _, status, usage = os.wait4(child.pid, 0)
+                return {"wall": time.perf_counter() - start, "rss": usage.ru_maxrss * 1024, "error": "time-out"}
+            time.sleep(0.05)
+        wall = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        result = {"wall": wall, "rss": usage.ru_maxrss * 1024}
+        if os.waitstatus_to_exitcode(status) != 0:
+            message = err.read().decode(errors="replace").strip().splitlines()
+            result["error"] = message[-1] if message else f"exit {os.waitstatus_to_exitcode(status)}"
+            return result
+        result["plan"] = json.loads(out.read())
+        return result
+
+
+def row(label: str, devices: int, result: dict, names: str) -> str:
+    wall, rss = f"{result['wall']:.1f} s", f"{result['rss'] / 2**30:.2f} GiB"
+    if "error" in result:
+        return f"| {label} | {devices} | {names} | {wall} | {rss} | refused: {result['error'][:150]} | | |"
+    plan = result["plan"]
+    totals, search = plan["totals"], plan["search"]
+    mfu = totals["ideal_step_time_s"] / totals["step_time_s"] if totals["step_time_s"] else 0.0
+    blocks = ", ".join(f"{b['copies']} x {b['operators']} ops" for b in search.get("repeated_blocks", [])) or "none"
+    return (
+        f"| {label} | {devices} | {names} | {wall} | {rss} | {totals['step_time_s'] * 1e3:.3f} ms"
+        f" | {mfu:.1%} | {blocks} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="gpt3,gpt2,bert-large,resnet50,chain")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
+    parser.add_argument("--scrambled", action="store_true", help="plan each transformer again with scrambled names")
+    args = parser.parse_args()
+    print("| model | devices | node names | wall | peak RSS | step time | MFU | repeated blocks |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        written: dict[str, list[tuple[str, Path]]] = {}
+        for label, key, devices in cases(set(args.cases.split(","))):
+            if key not in written:
+                model = model_for(key)
+                if isinstance(model, Path):
+                    written[key] = [("as built", model)]
+                else:
+                    path = Path(folder) / f"{key.replace(':', '_')}.onnx"
+                    onnx.save(model, path)
+                    written[key] = [("as built", path)]
+                    if args.scrambled and key != "chain":
+                        other = Path(folder) / f"{key.replace(':', '_')}_scrambled.onnx"
+                        onnx.save(scrambled(model), other)
+                        written[key].append(("scrambled", other))
+            for names, path in written[key]:
+                print(row(label, devices, run_case(path, devices, args.timeout), names), flush=True)
+
+
+if __name__ == "__main__":
+    main()
