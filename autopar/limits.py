@@ -24,13 +24,17 @@ MAX_CANDIDATES_PER_OPERATOR = 50_000
 MAX_EDGE_CELLS = 200_000_000
 """Producer x consumer candidate pairs summed over the dataflow: 1.6 GB of float64 cost tables."""
 
-MAX_LAYOUT_PAIRS = 50_000_000
-"""Distinct (producer layout, consumer layout) redistributions costed, 50-150 us each here: about
-a minute or two of costing. The torch-exported GPT needs 0.91 million at 1,024 devices (planned
-in about a minute) and 1.29 million at 65,536 (refused at once); ResNet-50 0.81 million at 1,024."""
+MAX_LAYOUT_PAIRS = 20_000_000
+"""Distinct (producer layout, consumer layout) redistributions costed, about 3 us each with numpy
+here (`bench/scale.py`): a minute of costing and about 2 GB of working arrays at the limit.
+ResNet-50 needs 0.81 million at 1,024 devices, one GPT-3-shaped layer 8.8 million."""
 
-MAX_TABLE_ENTRIES = 100_000_000
-"""Entries of the largest table the elimination DP builds (0.8 GB of float64, plus its argmin)."""
+MAX_TABLE_ENTRIES = 400_000_000
+"""Entries one elimination step sums and minimises (its operators' layouts multiplied): summed a slab
+at a time, never held whole, about a second each. GPT-3's attention at 1,024 devices needs 140 million."""
+
+MAX_TABLE_LEFT = 50_000_000
+"""Entries of the table one elimination step leaves behind, which is kept (400 MB of float64)."""
 
 MAX_VERIFY_BYTES = 20_000_000_000
 """Weights and inputs (held whole and as shards, so counted three times) plus every activation of

@@ -98,21 +98,34 @@ def _append(code: np.ndarray, bit: np.ndarray) -> np.ndarray:
     return (code << np.uint64(_NIBBLE)) | bit.astype(np.uint64)
 
 
+def _status(
+    length: np.ndarray, code: np.ndarray, want_length: np.ndarray, want_code: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per cell: is the current bit list a prefix of the wanted one, and the next bit it wants (-1: none)."""
+    room = want_length - length
+    prefix = (room >= 0) & (_drop(want_code, np.maximum(room, 0)) == code)
+    wanted = (_drop(want_code, np.maximum(room - 1, 0)) & np.uint64(15)).astype(np.int64)
+    return prefix, np.where(prefix & (room > 0), wanted, -1)
+
+
 def _chunk_coefficients(
     table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The planner on a chunk of pairs in lockstep. Arrays hold the pairs still moving only
+    (finished ones are dropped each round), and a round updates only the cells its step touched."""
     count = len(src)
-    cur_len = table.length[src].copy()
-    cur_code = table.code[src].copy()
-    want_len = table.length[dst]
-    want_code = table.code[dst]
-    partial = table.partial[src].copy()
     if (table.partial[dst] != 0).any():
         raise ValueError("a consumer never asks for a partial layout")
-    width = cur_len.shape[1]
-    dims = np.arange(width)
+    length = table.length[src].copy()
+    code = table.code[src].copy()
+    want_length = table.length[dst].copy()
+    want_code = table.code[dst].copy()
+    partial = table.partial[src].copy()
+    prefix, wanted = _status(length, code, want_length, want_code)
+    total = length.sum(axis=1)
     pair = np.arange(count)
-    # the open (not yet closed) fused step of every pair
+    dims = np.arange(length.shape[1])
+    # the open (not yet finished) fused step of every pair
     open_kind = np.full(count, -1, dtype=np.int64)
     open_dim = np.zeros(count, dtype=np.int64)
     open_mask = np.zeros(count, dtype=np.int64)
@@ -120,8 +133,9 @@ def _chunk_coefficients(
     prices = _Prices.of(cost)
     sums = [np.zeros(count) for _ in range(4)]  # forward latency, per byte; with the duals, latency, per byte
 
-    def emit(where: np.ndarray, kind: np.ndarray, mask: np.ndarray, shift: np.ndarray) -> None:
-        """Add finished steps (one per pair in ``where``) in order: the step, then its backward dual."""
+    def emit(rows: np.ndarray, kind: np.ndarray, mask: np.ndarray, shift: np.ndarray) -> None:
+        """Add finished steps (one per row) in order: the step, then its backward dual."""
+        where = pair[rows]
         latency, per_byte = prices.look_up(kind, mask)
         scale = np.ldexp(1.0, -shift)
         sums[0][where] += latency
@@ -135,86 +149,89 @@ def _chunk_coefficients(
         sums[3][where[has]] += per_byte * scale[has]
 
     def close(rows: np.ndarray) -> None:
-        """Finish the open step of ``rows`` (indices into the active arrays) that have one."""
-        rows = rows[open_kind[active[rows]] >= 0]
+        rows = rows[open_kind[rows] >= 0]
         if len(rows):
-            where = active[rows]
-            emit(where, open_kind[where], open_mask[where], open_shift[where])
+            emit(rows, open_kind[rows], open_mask[rows], open_shift[rows])
 
     def step(rows: np.ndarray, kind: np.ndarray, dim: np.ndarray, bit: np.ndarray, shift: np.ndarray) -> None:
-        """Add one single-bit step to ``rows``: fuse it into the open step or close that and open it."""
-        where = active[rows]
-        fuse = (open_kind[where] == kind) & (open_dim[where] == dim) & _MERGEABLE[kind]
-        close(rows[~fuse])
-        fresh = where[~fuse]
+        """One single-bit step per row: fused into the open step, or that one finished and this one opened."""
+        fuse = (open_kind[rows] == kind) & (open_dim[rows] == dim) & _MERGEABLE[kind]
+        fresh = rows[~fuse]
+        close(fresh)
         open_kind[fresh] = kind[~fuse]
         open_dim[fresh] = dim[~fuse]
-        open_mask[fresh] = 1 << bit[~fuse]
+        open_mask[fresh] = np.int64(1) << bit[~fuse]
         open_shift[fresh] = shift[~fuse]
-        fused = where[fuse]
-        open_mask[fused] |= 1 << bit[fuse]
+        fused = rows[fuse]
+        open_mask[fused] |= np.int64(1) << bit[fuse]
         open_shift[fused] = np.minimum(open_shift[fused], shift[fuse])
 
-    active = pair.copy()
-    while len(active):
-        c_len, c_code = cur_len[active], cur_code[active]
-        w_len, w_code = want_len[active], want_code[active]
-        room = w_len - c_len
-        prefix = (room >= 0) & (_drop(w_code, np.maximum(room, 0)) == c_code)
-        growing = prefix & (room > 0)
-        next_bit = (_drop(w_code, np.maximum(room - 1, 0)) & np.uint64(15)).astype(np.int64)
-        total = c_len.sum(axis=1)
-        wrong = ~prefix
-        any_wrong = wrong.any(axis=1)
-        n = len(active)
-        rows = np.arange(n)
+    def touch(rows: np.ndarray, dim: np.ndarray) -> None:
+        """Recompute one cell per row after its bits changed, and the row's counts of wrong and growing dims."""
+        was_prefix, was_growing = prefix[rows, dim], wanted[rows, dim] >= 0
+        now_prefix, now_wanted = _status(
+            length[rows, dim], code[rows, dim], want_length[rows, dim], want_code[rows, dim]
+        )
+        prefix[rows, dim], wanted[rows, dim] = now_prefix, now_wanted
+        wrong[rows] += was_prefix.astype(np.int64) - now_prefix
+        grows[rows] += (now_wanted >= 0).astype(np.int64) - was_growing
 
+    alive = np.ones(count, dtype=bool)
+    wrong = (~prefix).sum(axis=1)  # per pair: dimensions whose bits are not a prefix of the target's
+    grows = (wanted >= 0).sum(axis=1)  # per pair: dimensions still to extend
+    while len(pair):
+        settled = wrong == 0
         # 1. a bit where the target does not want it: AllToAll to the dim that wants it next, else AllGather
-        w_rows = rows[any_wrong]
-        if len(w_rows):
-            d = np.argmax(wrong[w_rows], axis=1)
-            bit = (c_code[w_rows, d] & np.uint64(15)).astype(np.int64)
-            takes = growing[w_rows] & (next_bit[w_rows] == bit[:, None]) & (dims[None, :] != d[:, None])
-            has_target = takes.any(axis=1)
+        rows = np.flatnonzero(~settled)  # a finished pair is settled
+        if len(rows):
+            d = np.argmax(~prefix[rows], axis=1)
+            bit = (code[rows, d] & np.uint64(15)).astype(np.int64)
+            takes = (wanted[rows] == bit[:, None]) & (dims[None, :] != d[:, None])
+            moved = takes.any(axis=1)
             target = np.argmax(takes, axis=1)
-            where = active[w_rows]
-            cur_len[where, d] -= 1
-            cur_code[where, d] >>= np.uint64(_NIBBLE)
-            moved = where[has_target]
-            cur_len[moved, target[has_target]] += 1
-            cur_code[moved, target[has_target]] = _append(cur_code[moved, target[has_target]], bit[has_target])
-            kind = np.where(has_target, _A2A, _AG)
-            step(
-                w_rows,
-                kind,
-                np.where(has_target, target, d),
-                bit,
-                np.where(has_target, total[w_rows], total[w_rows] - 1),
-            )
-
+            shift = np.where(moved, total[rows], total[rows] - 1)
+            length[rows, d] -= 1
+            code[rows, d] >>= np.uint64(_NIBBLE)
+            touch(rows, d)
+            to = rows[moved]
+            length[to, target[moved]] += 1
+            code[to, target[moved]] = _append(code[to, target[moved]], bit[moved])
+            touch(to, target[moved])
+            total[rows[~moved]] -= 1
+            step(rows, np.where(moved, _A2A, _AG), np.where(moved, target, d), bit, shift)
         # 2. every dimension holds a prefix of its target: extend the first one still growing
-        g_rows = rows[~any_wrong & growing.any(axis=1)]
-        if len(g_rows):
-            d = np.argmax(growing[g_rows], axis=1)
-            bit = next_bit[g_rows, d]
-            where = active[g_rows]
-            reduces = (partial[where] >> bit) & 1 == 1
-            partial[where[reduces]] &= ~(1 << bit[reduces])
-            cur_len[where, d] += 1
-            cur_code[where, d] = _append(cur_code[where, d], bit)
-            step(g_rows, np.where(reduces, _RS, _SLICE), d, bit, total[g_rows])
-
-        # 3. done: close the open step, then AllReduce whatever is still partial
-        f_rows = rows[~any_wrong & ~growing.any(axis=1)]
-        if len(f_rows):
-            close(f_rows)
-            where = active[f_rows]
-            reducing = where[partial[where] != 0]
+        extend = settled & (grows > 0)  # a finished pair wants nothing more
+        rows = np.flatnonzero(extend)
+        if len(rows):
+            d = np.argmax(wanted[rows] >= 0, axis=1)
+            bit = wanted[rows, d]
+            reduces = (partial[rows] >> bit) & 1 == 1
+            partial[rows[reduces]] &= ~(np.int64(1) << bit[reduces])
+            shift = total[rows].copy()
+            length[rows, d] += 1
+            code[rows, d] = _append(code[rows, d], bit)
+            touch(rows, d)
+            total[rows] += 1
+            step(rows, np.where(reduces, _RS, _SLICE), d, bit, shift)
+        # 3. done: finish the open step, then AllReduce whatever is still partial; drop the pair
+        done = settled & ~extend & alive
+        rows = np.flatnonzero(done)
+        if len(rows):
+            close(rows)
+            reducing = rows[partial[rows] != 0]
             if len(reducing):
-                emit(reducing, np.full(len(reducing), _AR), partial[reducing], cur_len[reducing].sum(axis=1))
-            keep = np.ones(n, dtype=bool)
-            keep[f_rows] = False
-            active = active[keep]
+                emit(reducing, np.full(len(reducing), _AR), partial[reducing], total[reducing])
+            alive[rows] = False
+            open_kind[rows] = -1
+            if alive.sum() > len(alive) // 2:
+                continue  # finished pairs are dropped only once they are half the arrays: copying costs too
+            keep = alive
+            alive = alive[keep]
+            length, code, want_length, want_code = length[keep], code[keep], want_length[keep], want_code[keep]
+            partial, prefix, wanted, total, pair = partial[keep], prefix[keep], wanted[keep], total[keep], pair[keep]
+            wrong, grows = wrong[keep], grows[keep]
+            open_kind, open_dim = open_kind[keep], open_dim[keep]
+            open_mask, open_shift = open_mask[keep], open_shift[keep]
     return sums[0], sums[1], sums[2], sums[3]
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from autopar import progress
 from autopar.errors import TooLargeError
-from autopar.limits import MAX_TABLE_ENTRIES
+from autopar.limits import MAX_TABLE_ENTRIES, MAX_TABLE_LEFT
 
 if TYPE_CHECKING:
     from autopar.search.problem import SearchProblem
@@ -177,10 +177,12 @@ class Elimination:
             entries = 1
             for u in scope:
                 entries *= counts[u]
-            if entries > MAX_TABLE_ENTRIES:
+            left = entries // max(counts[v], 1)
+            if entries > MAX_TABLE_ENTRIES or left > MAX_TABLE_LEFT:
                 raise TooLargeError(
-                    f"The search would build a table of {entries:,} entries (limit {MAX_TABLE_ENTRIES:,}): the"
-                    " model's operators have too many candidate layouts on this many devices; use fewer devices."
+                    f"The search would sum a table of {entries:,} entries and keep one of {left:,} (limits"
+                    f" {MAX_TABLE_ENTRIES:,} and {MAX_TABLE_LEFT:,}): the model's operators have too many"
+                    " candidate layouts on this many devices; use fewer devices."
                 )
             self.largest = max(self.largest, entries)
             gathers = []

@@ -452,6 +452,11 @@ def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse]) -> list[Facto
         dst_ids = distinct_layouts(use.dst_node, False, use.dst_slot)[0]
         groups.setdefault((src_ids.tobytes(), dst_ids.tobytes()), (src_ids, dst_ids))
     cells = sum(len(a) * len(b) for a, b in groups.values())
+    if cells > 2 * MAX_LAYOUT_PAIRS:
+        raise TooLargeError(
+            f"The edges between operators pair {cells:,} layouts on {problem.num_devices:,} devices (limit"
+            f" {2 * MAX_LAYOUT_PAIRS:,}): costing them would take minutes and gigabytes; use fewer devices."
+        )
     keys = np.empty(cells, dtype=np.int64)
     at = 0
     for src_ids, dst_ids in groups.values():
@@ -462,7 +467,7 @@ def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse]) -> list[Facto
     if len(unique) > MAX_LAYOUT_PAIRS:
         raise TooLargeError(
             f"{len(unique):,} distinct redistributions between layouts would have to be costed on"
-            f" {problem.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}); use fewer devices."
+            f" {problem.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}, about a minute); use fewer devices."
         )
     width = max((len(length) for length, _, _ in rows), default=1) or 1
     lengths = np.zeros((len(rows), width), dtype=np.int64)
