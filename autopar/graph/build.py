@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-import networkx as nx
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -163,6 +162,8 @@ def _constant_roles(
 
 def _topological(ops: list[OpNode]) -> list[OpNode]:
     """ONNX requires topological order; re-sort defensively, stable on the file's order."""
+    import networkx as nx  # only here: importing it costs a tenth of a second every run
+
     produced = {out: op.index for op in ops for out in op.outputs if out}
     dag = nx.DiGraph()
     dag.add_nodes_from(op.index for op in ops)

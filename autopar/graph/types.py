@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import networkx as nx
 import numpy as np
 import onnx
 
@@ -77,7 +76,6 @@ class Graph:
     model: onnx.ModelProto = field(repr=False)
     producer: dict[str, str] = field(default_factory=dict)
     consumers: dict[str, list[str]] = field(default_factory=dict)
-    dataflow: nx.DiGraph = field(default_factory=nx.DiGraph, repr=False)
     renamed_ops: dict[str, str] = field(default_factory=dict)  # a name given here -> the name in the file
 
     def __post_init__(self) -> None:
@@ -91,12 +89,6 @@ class Graph:
                     users = self.consumers.setdefault(inp, [])
                     if op.name not in users:
                         users.append(op.name)
-        self.dataflow.add_nodes_from(op.name for op in self.ops)
-        for op in self.ops:
-            for inp in op.inputs:
-                src = self.producer.get(inp)
-                if src is not None:
-                    self.dataflow.add_edge(src, op.name, tensor=inp)
 
     def op(self, name: str) -> OpNode:
         return self._by_name[name]
