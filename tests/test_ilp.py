@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.cost import CostModel
+from autopar.cost import CostModel, load_profile
 from autopar.graph import load_model
 from autopar.search.driver import run_search
 from autopar.search.problem import build_problem
@@ -49,3 +49,17 @@ def test_ilp_equals_dp_on_resnet50_at_8_devices():
     ilp = autopar.plan("models/resnet50.onnx", devices=8, search="ilp")
     assert ilp.search.method == "ilp"
     assert ilp.objective == pytest.approx(dp.objective, rel=1e-9)
+
+
+def test_a_four_layer_gpt_on_sixteen_devices_folded_or_not_equals_the_ilp(monkeypatch):
+    from autopar.search import fold
+    from models.transformer import build_preset
+
+    graph = load_model(build_preset("gpt2", layers=4, hidden=256, heads=4, seq=128, batch=8))
+    problem = build_problem(graph, CostModel(load_profile("ascend910")), 16)
+    exact = problem.objective(run_search(problem, algorithm="ilp").choice)
+    assert problem.objective(run_search(problem).choice) == pytest.approx(exact, rel=1e-9)
+    monkeypatch.setattr(fold, "MIN_FOLDED_COPIES", 2)  # fold the three identical layers after the first
+    folded = build_problem(graph, CostModel(load_profile("ascend910")), 16)
+    assert [(r.period, r.copies) for r, _ in folded.folds] == [(37, 3)]
+    assert problem.objective(run_search(folded).choice) == pytest.approx(exact, rel=1e-9)
