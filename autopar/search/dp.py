@@ -258,7 +258,7 @@ class Elimination:
             best_unary = np.minimum.reduceat(values, step.starts)
             is_best = values == np.repeat(best_unary, np.diff(np.append(step.starts, len(values))))
             first = np.minimum.reduceat(np.where(is_best, np.arange(len(values)), len(values)), step.starts)
-            parts.append(best_unary.reshape(step.node_shape))
+            parts = _merge_parts([*parts, best_unary.reshape(step.node_shape)])
             if step.rest:
                 tables[step.output] = _sum_min(parts)
             records.append((step, parts, step.members[first]))
@@ -266,7 +266,25 @@ class Elimination:
         return Solved(len(self.sizes), records, leftover)
 
 
-_SLAB_CELLS = 1 << 21  # entries of the summed table held at once (about 16 MB): it stays in cache
+def _merge_parts(parts: list[np.ndarray]) -> list[np.ndarray]:
+    """Add each part into a larger one whose axes cover it, while they are still small.
+
+    The broadcast sum then makes one full-size pass per part left, not per part given. The
+    order is fixed here, so backtracking sums the same parts in the same order.
+    """
+    merged: list[np.ndarray] = []
+    for part in sorted(parts, key=lambda p: -p.size):
+        axes = [n > 1 for n in part.shape]
+        for index, big in enumerate(merged):
+            if all(b or not a for a, b in zip(axes, (n > 1 for n in big.shape))):
+                merged[index] = big + part
+                break
+        else:
+            merged.append(part)
+    return merged
+
+
+_SLAB_CELLS = 1 << 18  # entries of the summed table held at once (2 MB): it stays in cache
 
 
 def _sum_min(parts: list[np.ndarray]) -> np.ndarray:

@@ -108,7 +108,11 @@ def _exact(value: object) -> object:
 
 
 def find_repeats(size: int, uses: Sequence, signature: Sequence[int]) -> list[Repeat]:
-    """Non-overlapping runs of identical consecutive blocks that can be folded, largest first."""
+    """Non-overlapping runs of identical consecutive blocks that can be folded, in graph order.
+
+    Candidate periods are the distances between repeated signatures, most frequent (weighted by
+    length) first; where runs overlap, the one folding the most operators wins.
+    """
     seq = np.asarray(signature, dtype=np.int64)
     if size < 3:
         return []
@@ -128,8 +132,8 @@ def find_repeats(size: int, uses: Sequence, signature: Sequence[int]) -> list[Re
     periods = sorted(distances, key=lambda d: (-distances[d] * d, d))[:MAX_PERIODS_TRIED]
     candidates: list[Repeat] = []
     for period in periods:
-        if 3 * period > size:
-            continue
+        if MIN_FOLDED_COPIES * period + 1 > size:
+            continue  # no room for the copies and the operator before them
         same = seq[:-period] == seq[period:]
         i = 0
         while i < len(same):
