@@ -85,44 +85,36 @@ def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> 
     base = problem.objective(data_parallel_choice(problem))
     unary = tie_break_unary(problem, base)
 
-    def run(weight: float) -> tuple[list[int], float, float]:
-        choice = solver.minimise([u + weight * m for u, m in zip(unary, problem.node_memory)] if weight else unary)
-        time_s = problem.objective(choice) + sum(
-            float(u[c] - t[c]) for u, t, c in zip(unary, problem.node_time, choice)
-        )
-        return choice, time_s, problem.memory(choice)
+    def point(choice: list[int]) -> tuple[list[int], float, float]:
+        """(plan, time as the DP sees it (with the tie-break), memory)."""
+        seen = problem.objective(choice) + sum(float(u[c] - t[c]) for u, t, c in zip(unary, problem.node_time, choice))
+        return choice, seen, problem.memory(choice)
 
-    fast = run(0.0)
+    fast = point(solver.minimise(unary))
     if fast[2] <= capacity:
         return fast[0], 0.0
     leanest = solver.minimise([m + 1e-9 * t for m, t in zip(problem.node_memory, problem.node_time)])
     if problem.memory(leanest) > capacity:
         raise InfeasibleError(_infeasible_message(problem, leanest, capacity, "auto_parallel"))
+    # the hull's two ends: the fastest plan (weight 0) and the leanest (an unbounded weight)
     low, low_weight = fast, 0.0
-    weight = base / capacity
-    while True:
-        trial = run(weight)
-        if trial[2] <= capacity:
-            high, high_weight = trial, weight
-            break
-        if weight * 4 > 1e12 * base / capacity:
-            return leanest, weight  # the leanest plan: no finite weight found a faster one that fits
-        low, low_weight, weight = trial, weight, weight * 4
+    high, high_weight = point(leanest), math.inf
     for _ in range(_HULL_STEPS):
         if low[2] <= high[2]:
             break
         weight = (high[1] - low[1]) / (low[2] - high[2])
         if not low_weight < weight < high_weight:
             break
-        trial = run(weight)
+        trial = point(solver.minimise([u + weight * m for u, m in zip(unary, problem.node_memory)]))
         at_high = high[1] + weight * high[2]
         if trial[1] + weight * trial[2] >= at_high - 1e-12 * abs(at_high):
+            high_weight = min(high_weight, weight)  # both ends are optimal at this weight
             break  # nothing below the segment: the plan that fits is the best on the hull
         if trial[2] <= capacity:
             high, high_weight = trial, weight
         else:
             low, low_weight = trial, weight
-    return high[0], high_weight
+    return high[0], high_weight if math.isfinite(high_weight) else 0.0
 
 
 def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: float, mode: str) -> str:
