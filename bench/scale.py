@@ -1,6 +1,7 @@
 """Planning at scale: wall time, peak memory and answer of the whole `autopar plan` command.
 
-Usage: python bench/scale.py [--cases gpt3,gpt2,bert-large,resnet50,chain] [--timeout 600] [--scrambled]
+Usage: python bench/scale.py [--cases gpt3,gpt2,bert-large,resnet50,chain] [--devices 8,64,256,1024]
+                             [--timeout 600] [--scrambled]
 
 Every case runs the real command line in a fresh process on an ONNX file written beforehand
 (interpreter start-up, imports, import of the model, costing, search and JSON output
@@ -136,6 +137,7 @@ def row(label: str, devices: int, result: dict, names: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="gpt3,gpt2,bert-large,resnet50,chain")
+    parser.add_argument("--devices", default="", help="only these device counts (default: every case's)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
     parser.add_argument("--scrambled", action="store_true", help="plan each transformer again with scrambled names")
     args = parser.parse_args()
@@ -143,7 +145,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         written: dict[str, list[tuple[str, Path]]] = {}
+        only = {int(d) for d in args.devices.split(",") if d}
         for label, key, devices in cases(set(args.cases.split(","))):
+            if only and devices not in only:
+                continue
             if key not in written:
                 model = model_for(key)
                 if isinstance(model, Path):
