@@ -288,3 +288,10 @@ def test_strategies_for_an_operator_named_like_a_plan_field_are_strategies():
     graph = helper.make_graph([node], "m", [x_input([4, 4])], [helper.make_tensor_value_info("y", FLOAT, [4, 4])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     assert autopar.verify(model, {"model": ((4, 1),)}, devices=4).ok
+
+
+def test_a_search_table_too_large_is_refused_before_costing(capsys):
+    # ResNet-50 on 65,536 devices: the elimination is planned on placeholder tables first
+    code, _out, err = run(capsys, "plan", str(REPO / "models" / "resnet50.onnx"), "--devices", "65536")
+    assert code == 1
+    assert "table of" in one_sentence(err) and "use fewer devices" in one_sentence(err)

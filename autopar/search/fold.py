@@ -336,13 +336,24 @@ class SolvedRun:
 class Solver:
     """The exact search of one problem: the main graph's elimination plus one per folded run."""
 
-    def __init__(self, problem: "SearchProblem") -> None:
-        self.sizes = [len(t) for t in problem.node_time]
-        self.runs = [FoldedRun(repeat, factors, self.sizes) for repeat, factors in problem.folds]
+    def __init__(
+        self,
+        problem: "SearchProblem | None" = None,
+        *,
+        sizes: Sequence[int] = (),
+        factors: Sequence[Factor] = (),
+        folds: Sequence[tuple[Repeat, list[Factor]]] = (),
+    ) -> None:
+        """The solver of ``problem``, or of bare ``sizes``, ``factors`` and ``folds`` (whose tables
+        may be placeholders of the right shape: planning reads shapes only)."""
+        if problem is not None:
+            sizes, factors, folds = [len(t) for t in problem.node_time], problem.factors, problem.folds
+        self.sizes = list(sizes)
+        self.runs = [FoldedRun(repeat, run_factors, self.sizes) for repeat, run_factors in folds]
         placeholders = [run.placeholder(self.sizes[run.last]) for run in self.runs]
-        self.first_placeholder = len(problem.factors)
+        self.first_placeholder = len(factors)
         folded = {u for run in self.runs for u in run.repeat.folded if u != run.last}
-        self.main = Elimination(self.sizes, list(problem.factors) + placeholders, sorted(folded))
+        self.main = Elimination(self.sizes, list(factors) + placeholders, sorted(folded))
         self.largest = max([self.main.largest] + [run.elimination.largest for run in self.runs])
 
     def states(self) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYO
 from autopar.redistribute import BACKWARD_DUAL, Collective, Step, redistribute, symbolic_steps
 from autopar.search.coefficients import LayoutTable, pair_coefficients
 from autopar.search.dp import Factor
-from autopar.search.fold import Repeat, find_repeats, signatures
+from autopar.search.fold import Repeat, Solver, find_repeats, signatures
 from autopar.strategy import OpRule
 
 
@@ -193,6 +193,9 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = 
                 rules[node].__dict__["candidates"] = rules[copy_of[node]].candidates
     costed = [use for use in problem.uses if use.dst_node not in copy_of]
     _check_size(problem, costed)
+    problem.folds = [(repeat, []) for repeat in repeats]
+    layouts = _Layouts(problem)
+    _check_search_size(problem, layouts, costed, run_of)
     every = max(1, len(rules) // 100)
     for node in range(len(rules)):
         if node % every == 0:
@@ -209,7 +212,7 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = 
         problem.node_time.append(compute + sync)
         problem.node_memory.append(memory)
     per_run: list[list[Factor]] = [[] for _ in repeats]
-    for use, factor in zip(costed, _edge_costs(problem, costed)):
+    for use, factor in zip(costed, _edge_costs(problem, costed, layouts)):
         if factor is None:
             continue
         if use.dst_node in run_of:
@@ -423,29 +426,63 @@ def memory_items(problem: SearchProblem, node: int, choice: int) -> list[tuple[s
     return items
 
 
-def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse]) -> list[Factor | None]:
-    """Each use's cost table (None for an operator reading its own output, whose cost joins its node
-    cost), from the coefficients of each distinct layout pair computed once."""
-    layout_ids: dict[bytes, int] = {}  # a packed layout row -> its id in the table
-    rows: list[tuple[np.ndarray, np.ndarray, int]] = []
-    layouts_cache: dict[tuple[int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
+class _Layouts:
+    """Each tensor end's distinct layouts, numbered across the model, and every candidate's among them."""
 
-    def distinct_layouts(node: int, is_output: bool, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """(global ids of the distinct layouts, each candidate's position among them)."""
+    def __init__(self, problem: SearchProblem) -> None:
+        self.problem = problem
+        self.ids: dict[bytes, int] = {}  # a packed layout row -> its number
+        self.rows: list[tuple[np.ndarray, np.ndarray, int]] = []  # (lengths, codes, partial mask) by number
+        self._cache: dict[tuple[int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def of(self, node: int, is_output: bool, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(numbers of the distinct layouts, each candidate's position among them)."""
         key = (node, is_output, slot)
-        if key not in layouts_cache:
-            length, code, partial = problem.rules[node].encoded_layouts(is_output, slot)
+        if key not in self._cache:
+            length, code, partial = self.problem.rules[node].encoded_layouts(is_output, slot)
             packed = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
             unique, first, positions = np.unique(packed, axis=0, return_index=True, return_inverse=True)
             ids = []
             for row, at in zip(unique, first):
-                index = layout_ids.setdefault(row.tobytes(), len(layout_ids))
-                if index == len(rows):
-                    rows.append((length[at], code[at], int(partial[at])))
+                index = self.ids.setdefault(row.tobytes(), len(self.ids))
+                if index == len(self.rows):
+                    self.rows.append((length[at], code[at], int(partial[at])))
                 ids.append(index)
-            layouts_cache[key] = (np.asarray(ids, dtype=np.int64), positions.reshape(-1).astype(np.int64))
-        return layouts_cache[key]
+            self._cache[key] = (np.asarray(ids, dtype=np.int64), positions.reshape(-1).astype(np.int64))
+        return self._cache[key]
 
+    def factor_shape(self, use: TensorUse) -> Factor | None:
+        """The use's factor with a placeholder table of the right shape (None for a node reading itself)."""
+        src_ids, src_pos = self.of(use.src_node, use.src_is_output, use.src_slot)
+        dst_ids, dst_pos = self.of(use.dst_node, False, use.dst_slot)
+        if use.src_node == use.dst_node:
+            return None
+        table = np.broadcast_to(np.zeros(()), (len(src_ids), len(dst_ids)))
+        if use.src_node < use.dst_node:
+            return Factor((use.src_node, use.dst_node), (src_pos, dst_pos), table)
+        return Factor((use.dst_node, use.src_node), (dst_pos, src_pos), table.T)
+
+
+def _check_search_size(
+    problem: SearchProblem, layouts: _Layouts, uses: list[TensorUse], run_of: dict[int, int]
+) -> None:
+    """Plan the search on placeholder tables before any cost is computed: a table too large is
+    refused now, in a second, not after a minute of costing."""
+    main: list[Factor] = []
+    per_run: list[list[Factor]] = [[] for _ in problem.folds]
+    for use in uses:
+        factor = layouts.factor_shape(use)
+        if factor is not None:
+            (per_run[run_of[use.dst_node]] if use.dst_node in run_of else main).append(factor)
+    sizes = [len(rule.candidates) for rule in problem.rules]
+    Solver(sizes=sizes, factors=main, folds=[(repeat, factors) for (repeat, _), factors in zip(problem.folds, per_run)])
+
+
+def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse], layouts: _Layouts) -> list[Factor | None]:
+    """Each use's cost table (None for an operator reading its own output, whose cost joins its node
+    cost), from the coefficients of each distinct layout pair computed once."""
+    distinct_layouts = layouts.of
+    rows, layout_ids = layouts.rows, layouts.ids
     groups: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray]] = {}
     for use in uses:
         src_ids = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)[0]
