@@ -7,6 +7,8 @@ code they guard gets faster.
 
 from __future__ import annotations
 
+import os
+
 MAX_DEVICES = 1 << 16
 """65,536 devices (16 mesh bits): beyond any cluster a single job trains on today."""
 
@@ -39,3 +41,6 @@ MAX_TABLE_LEFT = 50_000_000
 MAX_VERIFY_BYTES = 20_000_000_000
 """Weights and inputs (held whole and as shards, so counted three times) plus every activation of
 a verification run: DenseNet-121 at batch 32 needs 10.4 GB; ResNet-50 at batch 256 would need 39 GB."""
+
+WORKERS = max(1, min(8, os.cpu_count() or 1))
+"""Threads for the two numpy-heavy loops (costing chunks, large DP steps): numpy releases the GIL."""

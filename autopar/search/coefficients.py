@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import numpy as np
@@ -23,7 +24,7 @@ import numpy as np
 from autopar import progress
 from autopar.cost import CostModel
 from autopar.layout import Layout
-from autopar.limits import MAX_DEVICES
+from autopar.limits import MAX_DEVICES, WORKERS
 from autopar.redistribute import BACKWARD_DUAL, Collective
 
 # Step kinds as small integers; -1 is "no step".
@@ -79,12 +80,18 @@ def pair_coefficients(
     """
     count = len(src)
     results = [np.zeros(count) for _ in range(4)]
-    for start in range(0, count, CHUNK):
-        progress.report("costing redistributions", start, count)
+    starts = range(0, count, CHUNK)
+
+    def work(start: int) -> None:
         stop = min(start + CHUNK, count)
         chunk = _chunk_coefficients(table, src[start:stop], dst[start:stop], cost)
         for result, part in zip(results, chunk):
             result[start:stop] = part
+
+    # chunks are independent and numpy releases the GIL inside each operation: one thread per core
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        for done, _ in enumerate(pool.map(work, starts)):
+            progress.report("costing redistributions", done * CHUNK, count)
     return results[0], results[1], results[2], results[3]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,7 @@ import numpy as np
 
 from autopar import progress
 from autopar.errors import TooLargeError
-from autopar.limits import MAX_TABLE_ENTRIES, MAX_TABLE_LEFT
+from autopar.limits import MAX_TABLE_ENTRIES, MAX_TABLE_LEFT, WORKERS
 
 if TYPE_CHECKING:
     from autopar.search.problem import SearchProblem
@@ -285,6 +286,7 @@ def _merge_parts(parts: list[np.ndarray]) -> list[np.ndarray]:
 
 
 _SLAB_CELLS = 1 << 18  # entries of the summed table held at once (2 MB): it stays in cache
+_PARALLEL_CELLS = 1 << 22  # a step this large is shared between threads
 
 
 def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
@@ -298,18 +300,29 @@ def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
     per_row = max(1, int(np.prod(shape[1:])))
     step = max(1, _SLAB_CELLS // per_row)
     out = np.empty(shape[:-1])
-    buffer = np.empty((min(step, rows), *shape[1:]))
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        total = buffer[: stop - start]
-        pieces = [part[start:stop] if part.shape[0] > 1 else part for part in parts]
-        if len(pieces) == 1:
-            total[...] = pieces[0]
-        else:
-            np.add(pieces[0], pieces[1], out=total)
-            for piece in pieces[2:]:
-                np.add(total, piece, out=total)
-        np.min(total, axis=-1, out=out[start:stop])
+
+    def slabs(first: int, last: int) -> None:
+        buffer = np.empty((min(step, last - first), *shape[1:]))
+        for start in range(first, last, step):
+            stop = min(last, start + step)
+            total = buffer[: stop - start]
+            pieces = [part[start:stop] if part.shape[0] > 1 else part for part in parts]
+            if len(pieces) == 1:
+                total[...] = pieces[0]
+            else:
+                np.add(pieces[0], pieces[1], out=total)
+                for piece in pieces[2:]:
+                    np.add(total, piece, out=total)
+            np.min(total, axis=-1, out=out[start:stop])
+
+    workers = min(WORKERS, rows, max(1, rows * per_row // _PARALLEL_CELLS))
+    if workers <= 1:
+        slabs(0, rows)
+        return out
+    # a large step: rows split between threads (numpy releases the GIL); each row's result is the same
+    bounds = np.linspace(0, rows, workers + 1).astype(int)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(slabs, bounds[:-1], bounds[1:]))
     return out
 
 
