@@ -15,10 +15,10 @@ candidates in one group differ only in their own cost, so only the cheapest can 
 dominated candidate is dropped). The neighbours' axes in the new table are their joint
 classes. Tables shrink from candidates^k to layouts^k.
 
-The order is greedy (smallest table left behind first, with a heap, so a 20,000-operator chain is planned
-in linear time) and depends on the structure only, so `Elimination.plan` is computed once and
-`Elimination.run` replays it for each unary cost (the memory constraint's Lagrangian weight
-changes the unary costs, never the structure).
+The order is greedy (smallest table left behind first, kept in a heap, so a 20,000-operator
+chain is planned in linear time) and depends on the structure only: an `Elimination` is
+planned once and `Elimination.run` replays it for each unary cost (the memory constraint's
+Lagrangian weight changes the unary costs, never the structure).
 
 Ties: every candidate list starts with the data-parallel strategy and a candidate's unary cost
 carries a tiny penalty growing with its position (1e-9 of the data-parallel objective in

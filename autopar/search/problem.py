@@ -1,4 +1,7 @@
-"""The search problem: a cost vector per operator and a cost matrix per dataflow edge.
+"""The search problem: a cost vector per operator and a cost table per dataflow edge.
+
+Edge tables are over the layouts at the edge's two ends (`dp.Factor`), not over candidates;
+runs of repeated blocks (`fold`) are costed once, every copy sharing copy 0's arrays.
 
 The objective (predicted step time) is additive: a node's cost covers its forward and
 backward compute, the gradient AllReduce of the parameters it owns and the reduction of any
