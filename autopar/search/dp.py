@@ -234,6 +234,13 @@ class Elimination:
         self.leftover = sorted(live)
         self._leftover = {fid: live[fid] for fid in self.leftover}
 
+    def bind(self, factors: Sequence[Factor]) -> None:
+        """Give the first initial factors their real tables (the plan was made on same-shaped placeholders)."""
+        for old, new in zip(self.initial, factors):
+            if old.scope != new.scope or old.table.shape != new.table.shape:
+                raise ValueError("a bound factor differs from the one the elimination was planned on")
+        self.initial[: len(factors)] = factors
+
     def states(self) -> tuple[int, int]:
         """(classes kept, candidates dropped) over the eliminated operators."""
         kept = sum(len(step.starts) for step in self.steps)

@@ -65,7 +65,7 @@ def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: s
 
         choice, used = solve_ilp(problem, capacity), "ilp"
     else:
-        solver = Solver(problem)
+        solver = Solver.of(problem)
         choice, multiplier = _constrained_dp(problem, solver, capacity)
         used, states = algorithm, solver.states()
     memory = problem.memory(choice)

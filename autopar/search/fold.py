@@ -356,6 +356,18 @@ class Solver:
         self.main = Elimination(self.sizes, list(factors) + placeholders, sorted(folded))
         self.largest = max([self.main.largest] + [run.elimination.largest for run in self.runs])
 
+    def bind(self, factors: Sequence[Factor], folds: Sequence[tuple[Repeat, list[Factor]]]) -> None:
+        """Swap the placeholder tables this solver was planned on for the costed ones."""
+        self.main.bind(factors)
+        for run, (_, run_factors) in zip(self.runs, folds):
+            run.elimination.bind(run_factors)
+            run.factors = run_factors
+
+    @classmethod
+    def of(cls, problem: "SearchProblem") -> "Solver":
+        """The solver `build_problem` planned before costing, or a new one for a problem built by hand."""
+        return problem.solver if problem.solver is not None else cls(problem)
+
     def states(self) -> tuple[int, int]:
         """(candidates kept as states, candidates dropped as exactly dominated), over every operator.
 
@@ -385,4 +397,4 @@ class Solver:
 
 def minimise(problem: "SearchProblem", unary: Sequence[np.ndarray]) -> list[int]:
     """Exact argmin of the problem's objective with these unary costs (repeated blocks folded)."""
-    return Solver(problem).minimise(unary)
+    return Solver.of(problem).minimise(unary)

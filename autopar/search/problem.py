@@ -62,6 +62,7 @@ class SearchProblem:
     folds: list[tuple[Repeat, list[Factor]]] = field(default_factory=list)
     layouts_costed: int = 0
     pairs_costed: int = 0
+    solver: Solver | None = field(default=None, repr=False)  # planned on placeholders, bound after costing
     uses: list[TensorUse] = field(default_factory=list)
     requires_grad: dict[str, bool] = field(default_factory=dict)
     owner: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -198,7 +199,7 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = 
     _check_size(problem, costed)
     problem.folds = [(repeat, []) for repeat in repeats]
     layouts = _Layouts(problem)
-    _check_search_size(problem, layouts, costed, run_of)
+    solver = _plan_search(problem, layouts, costed, run_of)
     every = max(1, len(rules) // 100)
     for node in range(len(rules)):
         if node % every == 0:
@@ -228,6 +229,8 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = 
         problem.node_time[node] = problem.node_time[source]
         problem.node_memory[node] = problem.node_memory[source]
     problem.folds = list(zip(repeats, per_run))
+    solver.bind(problem.factors, problem.folds)
+    problem.solver = solver
     return problem
 
 
@@ -466,11 +469,9 @@ class _Layouts:
         return Factor((use.dst_node, use.src_node), (dst_pos, src_pos), table.T)
 
 
-def _check_search_size(
-    problem: SearchProblem, layouts: _Layouts, uses: list[TensorUse], run_of: dict[int, int]
-) -> None:
+def _plan_search(problem: SearchProblem, layouts: _Layouts, uses: list[TensorUse], run_of: dict[int, int]) -> Solver:
     """Plan the search on placeholder tables before any cost is computed: a table too large is
-    refused now, in a second, not after a minute of costing."""
+    refused now, in a second, not after a minute of costing; the plan is kept for the search."""
     main: list[Factor] = []
     per_run: list[list[Factor]] = [[] for _ in problem.folds]
     for use in uses:
@@ -478,7 +479,8 @@ def _check_search_size(
         if factor is not None:
             (per_run[run_of[use.dst_node]] if use.dst_node in run_of else main).append(factor)
     sizes = [len(rule.candidates) for rule in problem.rules]
-    Solver(sizes=sizes, factors=main, folds=[(repeat, factors) for (repeat, _), factors in zip(problem.folds, per_run)])
+    folds = [(repeat, factors) for (repeat, _), factors in zip(problem.folds, per_run)]
+    return Solver(sizes=sizes, factors=main, folds=folds)
 
 
 def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse], layouts: _Layouts) -> list[Factor | None]:
