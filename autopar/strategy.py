@@ -19,7 +19,7 @@ import numpy as np
 from autopar.errors import StrategyError
 from autopar.graph import Graph, OpNode
 from autopar.layout import Layout, is_power_of_two
-from autopar.ops import OpDef, OpSpec, definition_for, spec_for
+from autopar.ops import Keeps, OpDef, OpSpec, definition_for, spec_for
 from autopar.ops.base import Labels
 
 InStrategy = tuple[tuple[int, ...], ...]
@@ -43,6 +43,11 @@ class OpRule:
     def differentiable(self) -> bool:
         """Whether gradients flow through the operator (unknown operators are assumed to pass them)."""
         return self.definition is None or self.definition.differentiable
+
+    @property
+    def keeps(self) -> Keeps:
+        """What the backward needs kept (unknown operators are assumed to need their inputs)."""
+        return Keeps.INPUTS if self.definition is None else self.definition.keeps
 
     # --- labels ------------------------------------------------------------------------
 

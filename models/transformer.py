@@ -27,9 +27,13 @@ of position ``t``).
   ``context`` = MatMul(probs, v), transposed and reshaped back to [b, s, h],
   then the output projection ``out`` (+ bias) and the ``residual`` Add.
 * MLP (``layer{i}.mlp.*``): ``fc1`` [hidden, ffn] + bias, GELU, ``fc2``
-  [ffn, hidden] + bias, ``residual`` Add.  Opset 17 has no Gelu operator, so
-  it is written out: BERT's erf form x*0.5*(1+erf(x/sqrt 2)), GPT-2's tanh
-  form 0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))).
+  [ffn, hidden] + bias, GELU, ``fc2``
+  [ffn, hidden] + bias, ``residual`` Add.  With ``gelu="expanded"`` (the
+  default) the GELU is written out in opset-17 operators: BERT's erf form
+  x*0.5*(1+erf(x/sqrt 2)), GPT-2's tanh form
+  0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x^3))).  ``gelu="fused"`` uses opset
+  20's Gelu operator (``approximate="tanh"`` for a GPT), and the model
+  imports opset 20 (IR version 9).
 * LayerNorm: ``layernorm="fused"`` uses LayerNormalization (axis -1, epsilon
   1e-5); ``"decomposed"`` writes it as ReduceMean, Sub, Pow, ReduceMean, Add,
   Sqrt, Div, Mul, Add.  Either way the normalised tensor carries the LayerNorm's
@@ -88,6 +92,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 17
 IR_VERSION = 8  # matches opset 17, as in models/resnet50.py
+FUSED_GELU_OPSET, FUSED_GELU_IR_VERSION = 20, 9  # Gelu is an operator from opset 20 on
 LN_EPSILON = 1e-5
 MASK_VALUE = -10000.0
 INIT_STD = 0.02
@@ -96,6 +101,7 @@ PROTOBUF_LIMIT = 2**31  # a serialized ModelProto must stay under 2 GB
 KINDS = ("gpt", "bert")
 WEIGHTS = ("elided", "random")
 LAYERNORMS = ("fused", "decomposed")
+GELUS = ("expanded", "fused")
 
 # GPT vocab 50257 and BERT vocab 30522 padded to a multiple of 128, as Megatron-LM does.
 GPT_VOCAB = 50304
@@ -183,8 +189,10 @@ def _layernorm(b: _Builder, name: str, x: str, hidden: int, mode: str) -> str:
     return b.node("Add", name, [scaled, bias])
 
 
-def _gelu(b: _Builder, name: str, x: str, kind: str) -> str:
-    """GELU written out: erf form for BERT, tanh approximation for GPT; output ``name``."""
+def _gelu(b: _Builder, name: str, x: str, kind: str, mode: str = "expanded") -> str:
+    """GELU: erf form for BERT, tanh approximation for GPT; fused or written out; output ``name``."""
+    if mode == "fused":
+        return b.node("Gelu", name, [x], approximate="none" if kind == "bert" else "tanh")
     if kind == "bert":
         scaled = b.node("Div", f"{name}.div", [x, b.scalar("sqrt2", math.sqrt(2.0))])
         inner = b.node("Erf", f"{name}.erf", [scaled])
@@ -250,7 +258,7 @@ def _attention(b: _Builder, prefix: str, x: str, cfg: dict, mask: str | None) ->
 def _mlp(b: _Builder, prefix: str, x: str, cfg: dict) -> str:
     """fc1 + bias, GELU, fc2 + bias (no residual)."""
     y = _linear(b, f"{prefix}.fc1", x, cfg["hidden"], cfg["ffn"])
-    y = _gelu(b, f"{prefix}.gelu", y, cfg["kind"])
+    y = _gelu(b, f"{prefix}.gelu", y, cfg["kind"], cfg["gelu"])
     return _linear(b, f"{prefix}.fc2", y, cfg["ffn"], cfg["hidden"])
 
 
@@ -280,6 +288,8 @@ def _validate(cfg: dict) -> None:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {cfg['weights']!r}")
     if cfg["layernorm"] not in LAYERNORMS:
         raise ValueError(f"layernorm must be one of {LAYERNORMS}, got {cfg['layernorm']!r}")
+    if cfg["gelu"] not in GELUS:
+        raise ValueError(f"gelu must be one of {GELUS}, got {cfg['gelu']!r}")
     for key in ("layers", "hidden", "heads", "seq", "vocab", "batch", "ffn"):
         _check_positive_int(key, cfg[key])
     if cfg["hidden"] % cfg["heads"]:
@@ -312,6 +322,7 @@ def build_transformer(
     seed: int = 0,
     layernorm: str = "fused",
     loss: bool = True,
+    gelu: str = "expanded",
 ) -> onnx.ModelProto:
     """Return a BERT-style encoder (``kind="bert"``) or GPT-style decoder as an ONNX model.
 
@@ -333,6 +344,7 @@ def build_transformer(
         seed=seed,
         layernorm=layernorm,
         loss=loss,
+        gelu=gelu,
     )
     _validate(cfg)
     for key in ("layers", "hidden", "heads", "seq", "vocab", "batch", "ffn", "seed"):
@@ -374,11 +386,12 @@ def build_transformer(
 
     graph_name = f"{kind}_{'encoder' if kind == 'bert' else 'decoder'}_{'train' if loss else 'forward'}"
     graph = helper.make_graph(b.nodes, graph_name, inputs, outputs, initializer=b.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="autopar.models")
-    model.ir_version = IR_VERSION
+    opset, ir_version = (FUSED_GELU_OPSET, FUSED_GELU_IR_VERSION) if gelu == "fused" else (OPSET, IR_VERSION)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="autopar.models")
+    model.ir_version = ir_version
     settings = ", ".join(
         f"{key}={cfg[key]}"
-        for key in ("layers", "hidden", "heads", "seq", "vocab", "batch", "ffn", "layernorm", "weights", "loss")
+        for key in ("layers", "hidden", "heads", "seq", "vocab", "batch", "ffn", "layernorm", "gelu", "weights", "loss")
     )
     model.doc_string = (
         f"{'BERT-style post-LN encoder' if kind == 'bert' else 'GPT-style pre-LN decoder'}"
@@ -457,6 +470,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kind", choices=KINDS, default=None)
     parser.add_argument("--weights", choices=WEIGHTS, default=None)
     parser.add_argument("--layernorm", choices=LAYERNORMS, default=None)
+    parser.add_argument("--gelu", choices=GELUS, default=None)
     parser.add_argument(
         "--no-loss", dest="loss", action="store_false", help="end at the logits; no labels input and no loss output"
     )

@@ -123,5 +123,31 @@ def test_column_split_input_pays_a_backward_allreduce(slow_profile):
 def test_memory_by_hand(profile):
     plan = autopar.plan(two_matmul_chain(), devices=2, cost_model=profile, mode="data_parallel")
     # X shard 2x8 FP16 = 32 B; W1, W2 whole at 12 B/element (FP32 master 4 + FP16 copy 2 + grad 2 + momentum 4);
-    # activations kept for backward: Y shard 2x16 FP16 = 64 B, Z shard 2x4 FP16 = 16 B
-    assert plan.memory_per_device == 32 + 128 * 12 + 64 + 64 * 12 + 16
+    # kept for backward: Y shard 2x16 FP16 = 64 B (mm2 needs it for dW2); no backward needs the output Z
+    assert plan.memory_per_device == 32 + 128 * 12 + 64 + 64 * 12
+    assert plan.to_dict()["totals"]["memory_breakdown"] == {
+        "parameter_state": 128 * 12 + 64 * 12,
+        "activations": 64,
+        "inputs": 32,
+    }
+
+
+@pytest.mark.parametrize("seq, batch, hidden, heads", [(64, 2, 32, 4), (32, 4, 48, 3)])
+def test_gpt_layer_keeps_what_its_backward_needs(seq, batch, hidden, heads):
+    """Korthikanti et al. (2022), no dropout: 32sbh + 2as^2b bytes in FP16 per layer.
+
+    LayerNorm inputs 4sbh, QKV input 2sbh, Q and K 4sbh, V 2sbh, the softmax output 2as^2b, the
+    output projection's input 2sbh, fc1's input 2sbh, GELU's input 8sbh, fc2's input 8sbh; the
+    scaled and masked scores, biases and residual sums are kept by nobody. Each LayerNorm also
+    keeps an FP32 mean and inverse deviation per row: 16sb.
+    """
+    from models.transformer import build_transformer
+
+    def activations(layers: int) -> int:
+        model = build_transformer(
+            kind="gpt", layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, vocab=64, gelu="fused"
+        )
+        return autopar.plan(model, devices=1).to_dict()["totals"]["memory_breakdown"]["activations"]
+
+    s, b, h, a = seq, batch, hidden, heads
+    assert activations(3) - activations(2) == 32 * s * b * h + 2 * a * s * s * b + 16 * s * b

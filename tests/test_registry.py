@@ -126,7 +126,11 @@ def test_declared_non_differentiable_ops():
 @pytest.mark.parametrize(
     "op_type, keeps",
     [
-        ("MatMul", Keeps.INPUTS),
+        ("MatMul", Keeps.OPERANDS),
+        ("Mul", Keeps.OPERANDS),
+        ("Gelu", Keeps.INPUTS),
+        ("LayerNormalization", Keeps.INPUTS | Keeps.STATISTICS),
+        ("Where", Keeps.SELECTORS),
         ("Softmax", Keeps.OUTPUTS),
         ("Relu", Keeps.OUTPUTS),
         ("Add", Keeps.NOTHING),

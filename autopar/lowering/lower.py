@@ -25,7 +25,7 @@ from autopar.lowering.planfile import (
 )
 from autopar.redistribute import BACKWARD_DUAL, Collective
 from autopar.search.driver import data_parallel_choice
-from autopar.search.problem import SearchProblem, backward_passes
+from autopar.search.problem import SearchProblem, backward_passes, memory_items
 
 
 def rounded(value: float) -> float:
@@ -158,6 +158,16 @@ def training_flops(problem: SearchProblem) -> float:
     return float(total)
 
 
+def memory_breakdown(problem: SearchProblem, choice: Sequence[int]) -> dict[str, int]:
+    """Bytes per device by what holds them (the keys of `Totals.memory_breakdown`)."""
+    keys = {"parameter": "parameter_state", "activation": "activations", "input": "inputs"}
+    found = dict.fromkeys(keys.values(), 0.0)
+    for node, c in enumerate(choice):
+        for _, role, nbytes in memory_items(problem, node, c):
+            found[keys[role]] += nbytes
+    return {key: round(value) for key, value in found.items()}
+
+
 def totals(problem: SearchProblem, choice: Sequence[int]) -> Totals:
     compute = sum(float(problem.node_compute[i][c]) for i, c in enumerate(choice))
     step = problem.objective(choice)
@@ -169,6 +179,7 @@ def totals(problem: SearchProblem, choice: Sequence[int]) -> Totals:
         communication_s=rounded(step - compute),
         memory_per_device_bytes=round(problem.memory(choice)),
         memory_capacity_bytes=int(problem.cost.capacity),
+        memory_breakdown=memory_breakdown(problem, choice),
         training_flops=flops,
         ideal_step_time_s=rounded(flops / (problem.num_devices * problem.cost.peak_flops)),
         data_parallel_step_time_s=rounded(data_parallel),

@@ -156,6 +156,10 @@ class Totals(_Part):
     communication_s: float
     memory_per_device_bytes: NonNegativeInt
     memory_capacity_bytes: NonNegativeInt
+    memory_breakdown: dict[str, NonNegativeInt] = Field(
+        description="bytes per device: parameter_state (weights, gradients, optimizer state), activations (kept"
+        " for the backward pass), inputs (the data each device loads)"
+    )
     training_flops: NonNegativeFloat
     ideal_step_time_s: NonNegativeFloat
     data_parallel_step_time_s: NonNegativeFloat

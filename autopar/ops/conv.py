@@ -29,7 +29,7 @@ def conv_flops(
     return flops
 
 
-@register("Conv", flops=conv_flops, keeps=Keeps.INPUTS, weight_inputs=True)
+@register("Conv", flops=conv_flops, keeps=Keeps.OPERANDS, weight_inputs=True)
 def conv(op: OpNode, graph: Graph) -> OpSpec:
     x_rank = len(shape(graph, op.inputs[0]))
     spatial = x_rank - 2
@@ -45,4 +45,4 @@ def conv(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=tuple(inputs), outputs=(y,), op_class="cube", local_once_inputs=(2,))
 
 
-declare("ConvTranspose", keeps=Keeps.INPUTS, weight_inputs=True)
+declare("ConvTranspose", keeps=Keeps.OPERANDS, weight_inputs=True)

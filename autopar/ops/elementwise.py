@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from autopar.graph.types import Graph, OpNode
 
 # What each backward needs: y' from the output (Relu, Exp, Sigmoid, Tanh, Sqrt, Reciprocal),
-# from the input (Log, Erf, Gelu, ...), from both (Pow, Div), or nothing (Add, Neg, Cast).
+# from the input (Log, Erf, Gelu, ...), or nothing (Add, Neg, Cast). A product keeps each factor
+# for the other's gradient (Mul by a constant keeps nothing; Div's quotient rule needs both
+# operands); Where keeps only its condition; Max and Min keep both to know which one won.
 UNARY_KEEPS_OUTPUT = ("Relu", "Exp", "Sigmoid", "Tanh", "Sqrt", "Reciprocal")
 UNARY_KEEPS_INPUT = (
     "Log",
@@ -40,8 +42,8 @@ UNARY_KEEPS_INPUT = (
 UNARY_KEEPS_NOTHING = ("Neg", "Cast", "CastLike")
 UNARY_NON_DIFFERENTIABLE = ("Not", "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf")
 BROADCAST_KEEPS_NOTHING = ("Add", "Sub", "Sum", "Mean")
-BROADCAST_KEEPS_INPUTS = ("Mul", "Max", "Min", "Where")
-BROADCAST_KEEPS_BOTH = ("Div", "Pow")
+BROADCAST_KEEPS_INPUTS = ("Max", "Min")
+BROADCAST_KEEPS_OPERANDS = ("Mul", "Div")
 BROADCAST_NON_DIFFERENTIABLE = (
     "Equal",
     "Less",
@@ -84,8 +86,9 @@ register(*UNARY_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING)(u
 register(*BROADCAST_KEEPS_NOTHING, keeps=Keeps.NOTHING)(broadcast)
 register(*BROADCAST_KEEPS_INPUTS, keeps=Keeps.INPUTS)(broadcast)
 register("PRelu", keeps=Keeps.INPUTS, weight_inputs=True)(broadcast)  # its slope is learned, even a scalar one
-register("Div", keeps=Keeps.INPUTS | Keeps.OUTPUTS)(broadcast)
-register("Pow", keeps=Keeps.INPUTS | Keeps.OUTPUTS, config_inputs=frozenset({1}))(broadcast)  # a scalar exponent
+register(*BROADCAST_KEEPS_OPERANDS, keeps=Keeps.OPERANDS)(broadcast)
+register("Where", keeps=Keeps.SELECTORS)(broadcast)
+register("Pow", keeps=Keeps.INPUTS, config_inputs=frozenset({1}))(broadcast)  # a scalar exponent
 register(*BROADCAST_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING)(broadcast)
 
 

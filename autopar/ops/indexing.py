@@ -88,7 +88,7 @@ def one_hot(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=(out,), strategy_labels=strategy)
 
 
-@register("Gather", keeps=Keeps.INPUTS, local_kernel=_gather_local, index_bounds={1: _gathered_axis_size})
+@register("Gather", keeps=Keeps.SELECTORS, local_kernel=_gather_local, index_bounds={1: _gathered_axis_size})
 def gather(op: OpNode, graph: Graph) -> OpSpec:
     data_rank = len(shape(graph, op.inputs[0]))
     axis = normalize_axis(int(op.attrs.get("axis", 0)), data_rank)
@@ -98,7 +98,7 @@ def gather(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=(data, indices), outputs=(out,))
 
 
-@register("GatherElements", keeps=Keeps.INPUTS, index_bounds={1: _gathered_axis_size})
+@register("GatherElements", keeps=Keeps.SELECTORS, index_bounds={1: _gathered_axis_size})
 def gather_elements(op: OpNode, graph: Graph) -> OpSpec:
     data_shape = shape(graph, op.inputs[0])
     index_shape = shape(graph, op.inputs[1])

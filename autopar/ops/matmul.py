@@ -39,7 +39,7 @@ def matmul_flops(
     return 2.0 * math.prod(out_shapes[0]) * k
 
 
-@register("Gemm", flops=gemm_flops, keeps=Keeps.INPUTS, weight_inputs=True)
+@register("Gemm", flops=gemm_flops, keeps=Keeps.OPERANDS, weight_inputs=True)
 def gemm(op: OpNode, graph: Graph) -> OpSpec:
     a = ("k", "i") if int(op.attrs.get("transA", 0)) else ("i", "k")
     b = ("j", "k") if int(op.attrs.get("transB", 0)) else ("k", "j")
@@ -57,7 +57,7 @@ def gemm(op: OpNode, graph: Graph) -> OpSpec:
     )
 
 
-@register("MatMul", flops=matmul_flops, keeps=Keeps.INPUTS, weight_inputs=True)
+@register("MatMul", flops=matmul_flops, keeps=Keeps.OPERANDS, weight_inputs=True)
 def matmul(op: OpNode, graph: Graph) -> OpSpec:
     a_shape = shape(graph, op.inputs[0])
     b_shape = shape(graph, op.inputs[1])

@@ -48,14 +48,14 @@ def batch_norm(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=outputs)
 
 
-@register("InstanceNormalization", keeps=Keeps.INPUTS | Keeps.OUTPUTS)
+@register("InstanceNormalization", keeps=Keeps.INPUTS | Keeps.STATISTICS)
 def instance_norm(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     x = ("d0", "d1") + tuple(None for _ in range(rank - 2))
     return OpSpec(inputs=(x, ("d1",), ("d1",)), outputs=(x,))
 
 
-@register("LayerNormalization", keeps=Keeps.INPUTS | Keeps.OUTPUTS, weight_inputs=True)  # x and its statistics
+@register("LayerNormalization", keeps=Keeps.INPUTS | Keeps.STATISTICS, weight_inputs=True)
 def layer_norm(op: OpNode, graph: Graph) -> OpSpec:
     """Leading axes split; the normalised axes (from ``axis`` on), scale and bias stay whole."""
     rank = len(shape(graph, op.inputs[0]))

@@ -39,11 +39,22 @@ IndexBoundFn = Callable[["OpNode", "Graph"], "int | None"]
 
 
 class Keeps(enum.Flag):
-    """Which of an operator's tensors its backward pass needs (so training keeps them)."""
+    """Which of an operator's tensors its backward pass needs, so training keeps them until then.
+
+    Read only when the backward runs (the operator is differentiable and some input needs a
+    gradient): ``INPUTS`` every input (Gelu, LayerNorm); ``OUTPUTS`` every output (Relu,
+    Softmax); ``OPERANDS`` each of the first two inputs when the other needs a gradient, as a
+    product's backward multiplies by the other factor (MatMul, Conv, Mul by a constant keeps
+    nothing); ``SELECTORS`` the integer or boolean inputs (Where's condition, Gather's
+    indices); ``STATISTICS`` an FP32 mean and inverse deviation per normalised row.
+    """
 
     NOTHING = 0
     INPUTS = enum.auto()
     OUTPUTS = enum.auto()
+    OPERANDS = enum.auto()
+    SELECTORS = enum.auto()
+    STATISTICS = enum.auto()
 
 
 @dataclass(frozen=True)

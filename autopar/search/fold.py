@@ -63,7 +63,9 @@ class Repeat:
         return range(self.start, self.start + self.copies * self.period)
 
 
-def signatures(graph: Graph, uses: Sequence, owner: dict, requires_grad: dict, outputs: set) -> list[int]:
+def signatures(
+    graph: Graph, uses: Sequence, owner: dict, requires_grad: dict, kept: frozenset[str], outputs: set
+) -> list[int]:
     """One small integer per operator: equal integers mean structurally identical operators.
 
     Everything a cost depends on is in the signature; where an input comes from is written
@@ -89,7 +91,9 @@ def signatures(graph: Graph, uses: Sequence, owner: dict, requires_grad: dict, o
                 (info.shape, info.dtype, info.kind, info.trainable, requires_grad.get(name, False), where, value)
             )
         outputs_ = tuple(
-            (graph.tensor(n).shape, graph.tensor(n).dtype, requires_grad.get(n, False), n in outputs) if n else None
+            (graph.tensor(n).shape, graph.tensor(n).dtype, requires_grad.get(n, False), n in kept, n in outputs)
+            if n
+            else None
             for n in op.outputs
         )
         attributes = tuple(sorted((k, _exact(v)) for k, v in op.attrs.items()))

@@ -14,6 +14,7 @@ kept beside the time, for the capacity constraint.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -26,11 +27,14 @@ from autopar.errors import StrategyError, TooLargeError
 from autopar.graph import Graph, TensorInfo
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
+from autopar.ops import Keeps
 from autopar.redistribute import BACKWARD_DUAL, Collective, Step, redistribute, symbolic_steps
 from autopar.search.coefficients import LayoutTable, pair_coefficients
 from autopar.search.dp import Factor
 from autopar.search.fold import Repeat, Solver, find_repeats, signatures
 from autopar.strategy import OpRule
+
+STATISTICS_BYTES_PER_ROW = 8  # a normalisation's FP32 mean and inverse deviation per row
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class SearchProblem:
     solver: Solver | None = field(default=None, repr=False)  # planned on placeholders, bound after costing
     uses: list[TensorUse] = field(default_factory=list)
     requires_grad: dict[str, bool] = field(default_factory=dict)
+    kept: frozenset[str] = frozenset()  # activations kept for the backward pass
     owner: dict[str, tuple[int, int]] = field(default_factory=dict)
     _redistribution_cache: dict = field(default_factory=dict, repr=False)
 
@@ -181,10 +186,13 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = 
     rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
     problem = SearchProblem(graph, rules, cost, num_devices, mesh_bits)
     problem.requires_grad = _requires_grad(graph, rules)
+    problem.kept = _kept_for_backward(graph, rules, problem.requires_grad)
     _assign_uses(problem)
     repeats: list[Repeat] = []
     if fold:
-        signature = signatures(graph, problem.uses, problem.owner, problem.requires_grad, set(graph.outputs))
+        signature = signatures(
+            graph, problem.uses, problem.owner, problem.requires_grad, problem.kept, set(graph.outputs)
+        )
         repeats = find_repeats(len(rules), problem.uses, signature)
     copy_of: dict[int, int] = {}  # operators of copies 1.. -> the same operator of copy 0
     run_of: dict[int, int] = {}  # operators of copy 0 -> their run
@@ -260,6 +268,36 @@ def _requires_grad(graph: Graph, rules: list[OpRule]) -> dict[str, bool]:
             if out:
                 grad[out] = needs and graph.tensor(out).is_float
     return grad
+
+
+def _backward_runs(rule: OpRule, requires_grad: Mapping[str, bool]) -> bool:
+    return rule.differentiable and any(requires_grad.get(name, False) for name in rule.op.inputs if name)
+
+
+def _kept_for_backward(graph: Graph, rules: list[OpRule], requires_grad: Mapping[str, bool]) -> frozenset[str]:
+    """The activations some backward needs (`Keeps`): each counted once, however many keep it.
+
+    Parameters, inputs and constants are resident anyway and are counted as such.
+    """
+    kept: set[str] = set()
+    for rule in rules:
+        if not _backward_runs(rule, requires_grad):
+            continue
+        op, keeps = rule.op, rule.keeps
+        inputs = [name for name in op.inputs if name]
+        if Keeps.INPUTS in keeps:
+            kept.update(inputs)
+        if Keeps.OUTPUTS in keeps:
+            kept.update(name for name in op.outputs if name)
+        if Keeps.SELECTORS in keeps:
+            kept.update(name for name in inputs if not graph.tensor(name).is_float)
+        if Keeps.OPERANDS in keeps:
+            factors = list(op.inputs[:2])
+            for slot, name in enumerate(factors):
+                other = factors[1 - slot] if len(factors) == 2 else None
+                if name and other and requires_grad.get(other, False):
+                    kept.add(name)
+    return frozenset(name for name in kept if graph.tensor(name).kind == "activation")
 
 
 def _assign_uses(problem: SearchProblem) -> None:
@@ -389,9 +427,13 @@ def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarr
         else:
             memory = memory + numel * problem.itemsize(info)
     for labels, name in outputs:
-        if name and grad.get(name, False):
+        if name and name in problem.kept:
             info = graph.tensor(name)
             memory = memory + local(info, labels) * problem.itemsize(info)
+    if Keeps.STATISTICS in rule.keeps and _backward_runs(rule, grad):
+        labels = spec.inputs[0] or ()
+        rows = math.prod(size for size, label in zip(graph.tensor(op.inputs[0]).shape, labels) if label is not None)
+        memory = memory + (np.int64(rows) >> split(labels)) * STATISTICS_BYTES_PER_ROW
     return compute, sync, memory
 
 
@@ -426,9 +468,16 @@ def memory_items(problem: SearchProblem, node: int, choice: int) -> list[tuple[s
         else:
             items.append((name, "input", numel * problem.itemsize(info)))
     for name, layout in zip(op.outputs, out_layouts):
-        if name and problem.requires_grad.get(name, False):
+        if name and name in problem.kept:
             info = graph.tensor(name)
             items.append((name, "activation", _local_bytes(layout, info, problem.itemsize(info))))
+    if Keeps.STATISTICS in rule.keeps and _backward_runs(rule, problem.requires_grad):
+        layout = rule.input_layout(choice, 0)
+        x = graph.tensor(op.inputs[0])
+        labels = rule.spec.inputs[0] or ()
+        rows = math.prod(size for size, label in zip(x.shape, labels) if label is not None)
+        shards = x.numel // max(1, layout.local_numel(x.shape))
+        items.append((f"{op.name} statistics", "activation", rows // shards * STATISTICS_BYTES_PER_ROW))
     return items
 
 

@@ -391,7 +391,9 @@ def judge(case: Case, code: int, stdout: str, stderr: str) -> str | None:
 def _wrong_plan(plan: object) -> str | None:
     if not isinstance(plan, dict):
         return "the plan is not an object"
-    figures = [plan["objective_s"], *plan["totals"].values()]
+    totals = plan["totals"]
+    figures = [plan["objective_s"], *(v for v in totals.values() if not isinstance(v, dict))]
+    figures += list(totals["memory_breakdown"].values())
     if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= -1e-12 for v in figures):
         return f"a plan figure is negative or not finite: {figures}"
     devices = plan["devices"]
