@@ -1,4 +1,4 @@
-"""The `autopar` command line: plan, verify, inspect, schema (reads the core; the core never prints)."""
+"""The `autopar` command line: plan, verify, inspect, schema, profiles (reads the core; the core never prints)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar import progress
 from autopar.errors import AutoparError, AutoparWarning, UnknownDimensionError, UnknownSymbolError
 from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_SEED
 from autopar.search.driver import ALGORITHMS, MODES
+
+if TYPE_CHECKING:
+    from autopar.cost import HardwareProfile
+    from autopar.cost.rank_table import Cluster
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +79,22 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+DEVICES_HELP = "number of devices, a power of two (default 8, or the rank table's count)"
+RANK_TABLE_HELP = "MindSpore's rank_table.json: the device count and the servers that set the link levels"
+
+
+def _cluster(args: argparse.Namespace) -> tuple[int, str | HardwareProfile, Cluster | None]:
+    """(devices, cost model, Cluster or None): as the flags say, or from --rank-table (--devices must agree)."""
+    cost_model = getattr(args, "cost_model", "ascend910")
+    if not args.rank_table:
+        return args.devices or 8, cost_model, None
+    from autopar.cost import load_profile
+    from autopar.cost.rank_table import read_rank_table
+
+    cluster = read_rank_table(args.rank_table, load_profile(cost_model))
+    return cluster.devices_for(args.devices, "--devices "), cluster.profile, cluster
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autopar", description="Auto-parallel strategy search for ONNX models.")
     parser.add_argument("--version", action="version", version=f"autopar {_version()}")
@@ -82,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="search a sharding plan")
     _add_model_arguments(plan)
-    plan.add_argument("--devices", type=_devices, default=8, help="number of devices, a power of two (default 8)")
+    plan.add_argument("--devices", type=_devices, help=DEVICES_HELP)
+    plan.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
     plan.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
     plan.add_argument("--mode", choices=MODES, default="auto_parallel")
     plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
@@ -92,13 +113,27 @@ def build_parser() -> argparse.ArgumentParser:
         default="dp",
         help="dp (elimination DP, default) or ilp (exact ILP cross-check, needs autopar[ilp])",
     )
+    plan.add_argument(
+        "--frozen",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a parameter not to train (a name or a shell glob such as 'embed.*'; repeatable)",
+    )
+    plan.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="add every gradient synchronisation to the step (default: it overlaps the backward pass)",
+    )
     plan.add_argument("--format", choices=("table", "json"), default="table")
     plan.add_argument("--out", help="write the output to this file instead of stdout")
     plan.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
     verify = commands.add_parser("verify", help="run a plan on virtual devices and compare with one device")
     _add_model_arguments(verify)
-    verify.add_argument("--devices", type=_devices, default=8, help="number of devices, a power of two (default 8)")
+    verify.add_argument("--devices", type=_devices, help=DEVICES_HELP)
+    verify.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
     verify.add_argument("--plan", help="a plan JSON file (from 'autopar plan --format json'); default: search one")
     verify.add_argument("--seed", type=_seed, default=0, help="seed for random weights and inputs")
     verify.add_argument("--format", choices=("table", "json"), default="table")
@@ -108,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--format", choices=("table", "json"), default="table")
 
     commands.add_parser("schema", help="print the JSON Schema of plan files")
+
+    profiles = commands.add_parser("profiles", help="list the bundled hardware profiles ('profiles show NAME': one)")
+    shown = profiles.add_subparsers(dest="profiles_command", metavar="show", parser_class=_Parser)
+    show = shown.add_parser("show", help="check a profile and print it (its TOML, every number with its source)")
+    show.add_argument("name", metavar="NAME", help="a bundled profile (see 'autopar profiles') or a .toml file")
     return parser
 
 
@@ -169,17 +209,23 @@ def _run_plan(args: argparse.Namespace) -> int:
     line = _ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
     with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
         warnings.simplefilter("always", AutoparWarning)  # said below as one line each, in the CLI's words
+        devices, cost_model, cluster = _cluster(args)
         result = autopar.plan(
             args.model,
-            devices=args.devices,
-            cost_model=args.cost_model,
+            devices=devices,
+            cost_model=cost_model,
             batch=args.batch,
             mode=args.mode,
             dims=dict(args.dim),
             precision=args.precision,
             search=args.search,
+            frozen=args.frozen,
+            overlap=args.overlap,
         )
         text = result.to_json() + "\n" if args.format == "json" else plan_table(result)  # lowering reports too
+    if cluster is not None and args.format == "table":  # the levels the rank table implies, under the title
+        title, _, rest = text.partition("\n")
+        text = f"{title}\ncluster: {cluster.describe()}\n{rest}"
     for warning in caught:
         if issubclass(warning.category, AutoparWarning):
             print(f"autopar: warning: {warning.message}", file=sys.stderr)
@@ -245,8 +291,15 @@ def _run_verify(args: argparse.Namespace) -> int:
     from autopar.report import verify_table
 
     plan_file = load_plan_file(args.plan) if args.plan else None
+    devices, cost_model, _ = _cluster(args)
     report = autopar.verify(
-        args.model, plan_file, devices=args.devices, batch=args.batch, dims=dict(args.dim), seed=args.seed
+        args.model,
+        plan_file,
+        devices=devices,
+        batch=args.batch,
+        dims=dict(args.dim),
+        seed=args.seed,
+        cost_model=cost_model,
     )
     text = (
         json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"
@@ -281,7 +334,33 @@ def _in_flag_words(exc: AutoparError) -> str:
     return str(exc)
 
 
-COMMANDS = {"plan": _run_plan, "verify": _run_verify, "inspect": _run_inspect, "schema": _run_schema}
+def _run_profiles(args: argparse.Namespace) -> int:
+    """``profiles``: one line per bundled profile; ``profiles show NAME``: that profile's TOML, checked first."""
+    from autopar.cost.profile import available_profiles, load_profile, profile_path
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoparWarning)  # a number without a source: said below
+        if getattr(args, "name", None) is None:
+            names = available_profiles()
+            width = max(map(len, names))
+            text = "".join(f"{name:<{width}}  {load_profile(name).description}\n" for name in names)
+        else:
+            load_profile(args.name)  # a malformed profile is one sentence, not a listing
+            text = profile_path(args.name).read_text(encoding="utf-8")
+    for warning in caught:
+        if issubclass(warning.category, AutoparWarning):
+            print(f"autopar: warning: {warning.message}", file=sys.stderr)
+    sys.stdout.write(text)
+    return 0
+
+
+COMMANDS = {
+    "plan": _run_plan,
+    "verify": _run_verify,
+    "inspect": _run_inspect,
+    "schema": _run_schema,
+    "profiles": _run_profiles,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

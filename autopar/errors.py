@@ -69,6 +69,10 @@ class CostModelError(AutoparError):
     """A hardware profile is missing or malformed."""
 
 
+class RankTableError(AutoparError):
+    """A cluster description (MindSpore's rank_table.json) is unreadable, malformed, or unusable."""
+
+
 class TooLargeError(AutoparError):
     """The request would exceed a stated limit (`autopar.limits`): refused before it is built."""
 

@@ -1,12 +1,16 @@
-"""Calibrate and check the Ascend 910 profile against MindSpore's published ResNet-50 figures.
+"""Calibrate and check a bundled profile against its published ResNet-50 figures.
 
-Anchor (MindSpore benchmark page, ResNet-50 v1.5 on ImageNet, Ascend 910, batch 256 per chip,
-mixed precision): 2115 images/s on 1 chip and 16,600 images/s on 8 chips (scaling 0.98).
+Anchors (autopar.cost.calibration.ANCHORS), ResNet-50 v1.5 training, data-parallel plan:
+- ascend910: MindSpore, Ascend 910, batch 256 per chip, mixed precision: 2115 images/s on 1 chip,
+  16,600 on 8 (scaling 0.98).
+- a100: NVIDIA DeepLearningExamples (PyTorch), DGX A100 80GB, AMP, batch 256 per GPU: 2470 images/s
+  on 1 GPU, 16,621 on 8 (scaling 0.84).
 
-Usage: python bench/calibrate.py [--fit]
+Usage: python bench/calibrate.py [--cost-model NAME] [--fit]
 Prints the data-parallel plan's predicted throughput next to the published one; with --fit it
-also bisects the cube efficiency that makes the one-chip prediction exact (the value stored,
-rounded, in costmodels/ascend910.toml as `cube_efficiency`).
+also bisects the cube efficiency that makes the one-device prediction exact (the value stored,
+rounded, in costmodels/NAME.toml as `cube_efficiency`). A profile without an anchor (h100) gets
+its predictions only.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 from autopar.cost import load_profile  # noqa: E402
 from autopar.cost.calibration import (  # noqa: E402
-    PUBLISHED_RESNET50_IMAGES_PER_S,
+    ANCHORS,
     data_parallel_throughput,
     fit_cube_efficiency,
+    predicted_throughput,
 )
 
 MODEL = ROOT / "models" / "resnet50.onnx"
@@ -30,21 +35,31 @@ MODEL = ROOT / "models" / "resnet50.onnx"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true", help="bisect the cube efficiency that matches 1 chip")
+    parser.add_argument("--cost-model", default="ascend910", help="bundled profile name (default ascend910)")
+    parser.add_argument("--fit", action="store_true", help="bisect the cube efficiency that matches 1 device")
     args = parser.parse_args()
-    profile = load_profile("ascend910")
+    profile = load_profile(args.cost_model)
+    anchor = ANCHORS.get(profile.name)
+    if anchor is None:
+        print(f"{profile.name}: no published anchor; predictions at 256 images per device, mixed precision")
+        for n in (1, 8):
+            print(f"{n} device(s): predicted {data_parallel_throughput(MODEL, profile, n):8.0f} images/s")
+        return
+    print(f"{profile.name}: {anchor.source}")
     if args.fit:
         print(
             f"fitted cube_efficiency = {fit_cube_efficiency(MODEL, profile):.4f}"
             f" (profile has {profile.compute.cube_efficiency.value})"
         )
-    published = PUBLISHED_RESNET50_IMAGES_PER_S
-    results = {n: data_parallel_throughput(MODEL, profile, n) for n in published}
+    published = anchor.images_per_s
+    results = predicted_throughput(MODEL, profile)
     for n, value in results.items():
         error = value / published[n] - 1
-        print(f"{n} chip(s): predicted {value:8.0f} images/s, published {published[n]:8.0f}  ({error:+.1%})")
+        print(f"{n} device(s): predicted {value:8.0f} images/s, published {published[n]:8.0f}  ({error:+.1%})")
     scaling = results[8] / (8 * results[1])
-    print(f"8-chip scaling: predicted {scaling:.3f}, published {published[8] / (8 * published[1]):.3f}")
+    print(f"8-device scaling: predicted {scaling:.3f}, published {published[8] / (8 * published[1]):.3f}")
+    if anchor.note:
+        print(f"note: {anchor.note}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ another or from ``bench/``.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from autopar.cost import CostModel, HardwareProfile
 from autopar.graph import load_model
+from autopar.search.problem import MemoryChoices
 from autopar.strategy import OpRule
 
 
@@ -174,3 +176,12 @@ def random_model(seed: int) -> onnx.ModelProto:
 def light_models() -> list[Path]:
     """The onnx wheel's model-zoo test files (weights elided): onnx/backend/test/data/light/light_*.onnx."""
     return sorted((Path(onnx.__file__).parent / "backend" / "test" / "data" / "light").glob("light_*.onnx"))
+
+
+def every_plan(problem):
+    """Every (choice, memory choices): each candidate assignment with each set of parallel optimizers."""
+    optional = sorted(problem.sharded)
+    for choice in itertools.product(*(range(len(problem.candidates(i))) for i in range(problem.size))):
+        for size in range(len(optional) + 1):
+            for sharded in itertools.combinations(optional, size):
+                yield choice, MemoryChoices(frozenset(sharded))

@@ -152,10 +152,10 @@ def test_too_many_devices_for_the_model_is_refused_at_once(capsys, tmp_path):
         (("compute", "hbm_capacity"), "inf", "finite"),
         (("links", 0, "latency"), "inf", "finite"),
         (("links", 0, "bandwidth"), "inf", "finite"),
-        (("links", 0, "bandwidth"), 1e-300, "outside"),
-        (("compute", "cube_efficiency"), 1.5, "outside"),
-        (("training", "optimizer_state_bytes_per_param"), 1e308, "outside"),
-        (("links", 0, "bits"), 100, "less than or equal to 64"),
+        (("links", 0, "bandwidth"), 1e-300, "links[0].bandwidth must be above 1 and at most 1e+18"),
+        (("compute", "cube_efficiency"), 1.5, "compute.cube_efficiency must be above 0 and at most 1"),
+        (("training", "optimizer_state_bytes_per_param"), 1e308, "must be above 0 and at most 1024"),
+        (("links", 0, "bits"), 100, "links[0].bits must be a whole number from 1 to 64"),
     ],
 )
 def test_cost_models_that_make_no_sense_are_refused(capsys, tmp_path, where, value, expect):

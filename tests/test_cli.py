@@ -187,16 +187,16 @@ def test_cost_model_file_copy_works(capsys, tiny_path, tmp_path):
 
 
 def test_cost_model_missing_source(capsys, tiny_path, tmp_path):
+    # a number without its source is used as given, and named in one warning line
     text = ASCEND910.read_text(encoding="utf-8")
-    broken_text, removed = re.subn(r',\s*source\s*=\s*"[^"]*"', "", text, count=1)
+    unsourced_text, removed = re.subn(r',\s*source\s*=\s*"[^"]*"', "", text, count=1)
     assert removed == 1
-    broken = tmp_path / "broken.toml"
-    broken.write_text(broken_text, encoding="utf-8")
-    code, out, err = run(capsys, "plan", tiny_path, "--cost-model", broken)
-    assert code == 1
-    assert out == ""
-    assert_one_line_error(err)
-    assert "broken.toml" in err and "source" in err
+    unsourced = tmp_path / "unsourced.toml"
+    unsourced.write_text(unsourced_text, encoding="utf-8")
+    code, out, err = run(capsys, "plan", tiny_path, "--cost-model", unsourced)
+    assert code == 0 and out
+    assert err.startswith("autopar: warning:") and err.count("\n") == 1, err
+    assert "compute.peak_flops_fp16 has no source" in err
 
 
 def test_unknown_subcommand(capsys):

@@ -7,6 +7,7 @@ gradient fusion buckets of 1 MB (a gradient AllReduce pays latency x bytes / 1 M
 Forward FLOPs: mm1 = 2*4*8*16 = 1024, mm2 = 2*4*16*4 = 512, both halved on 2 devices.
 Backward passes: mm1 needs only dW1 (X is data) -> x2; mm2 needs dY and dW2 -> x3.
 An AllReduce over one bit of the 1 GB/s level costs 2*(1e-6*scale + bytes/2/1e9).
+These sums add every gradient sync to the step (``overlap=False``); overlap has its own tests.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def test_data_parallel_cost_by_hand(profile):
     # W1 (8x16 FP16 = 256 B) and W2 (16x4 = 128 B) gradients AllReduced over bit 0; Y needs no move
     expected = COMPUTE + allreduce_one_bit(256, True) + allreduce_one_bit(128, True)
     assert expected == pytest.approx(3.8656e-7, rel=1e-4)
-    got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile)
+    got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile, overlap=False)
     assert got == pytest.approx(expected, rel=1e-12)
 
 
@@ -45,7 +46,7 @@ def test_megatron_cost_by_hand(profile):
     # no gradient sync (both weights are split); Z (4x4 FP16 = 32 B) is AllReduced once, unfused
     expected = COMPUTE + allreduce_one_bit(32, False)
     assert expected == pytest.approx(2.033792e-6, rel=1e-9)
-    got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile)
+    got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile, overlap=False)
     assert got == pytest.approx(expected, rel=1e-12)
 
 
@@ -56,14 +57,14 @@ def test_row_split_then_gather_cost_by_hand(profile):
     gather = 1e-6 + 128 / 2 / 1e9  # (g-1) * (alpha + out_bytes / g / bw), g = 2
     compute = (1024 / 2 / 1e12) * 2 + (512 / 1e12) * 3
     expected = compute + allreduce_one_bit(256, True) + 2 * gather
-    got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile)
+    got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile, overlap=False)
     assert got == pytest.approx(expected, rel=1e-12)
 
 
 def test_search_picks_the_cheapest_hand_worked_plan(profile):
     # on so small a model, keeping both MatMuls whole on every device beats any communication:
     # compute 2 * (1024 / 1e12) + 3 * (512 / 1e12) and nothing else
-    plan = autopar.plan(two_matmul_chain(), devices=2, cost_model=profile)
+    plan = autopar.plan(two_matmul_chain(), devices=2, cost_model=profile, overlap=False)
     assert plan.strategies == {"mm1": ((1, 1), (1, 1)), "mm2": ((1, 1), (1, 1))}
     assert plan.objective == pytest.approx(2 * 1024 / 1e12 + 3 * 512 / 1e12, rel=1e-12)
 
@@ -88,10 +89,12 @@ def test_megatron_wins_when_weights_dominate(slow_profile):
     # Megatron AllReduces Z (8x64 FP16 = 1 KiB) once, forward; X is data, so no backward AllReduce
     megatron = compute + allreduce_one_bit(8 * 64 * 2, False)
     model = two_matmul_chain(batch=8, d_in=64, d_hidden=256, d_out=64)
-    assert autopar.evaluate(model, 2, DP, cost_model=slow_profile) == pytest.approx(dp, rel=1e-12)
-    assert autopar.evaluate(model, 2, MEGATRON, cost_model=slow_profile) == pytest.approx(megatron, rel=1e-12)
+    assert autopar.evaluate(model, 2, DP, cost_model=slow_profile, overlap=False) == pytest.approx(dp, rel=1e-12)
+    assert autopar.evaluate(model, 2, MEGATRON, cost_model=slow_profile, overlap=False) == pytest.approx(
+        megatron, rel=1e-12
+    )
     assert megatron < dp
-    plan = autopar.plan(model, devices=2, cost_model=slow_profile)
+    plan = autopar.plan(model, devices=2, cost_model=slow_profile, overlap=False)
     assert plan.strategies == MEGATRON
     assert plan.objective == pytest.approx(megatron, rel=1e-12)
 
@@ -102,10 +105,12 @@ def test_data_parallel_wins_when_activations_dominate(slow_profile):
     dp = compute + allreduce_one_bit(8 * 16 * 2, True) + allreduce_one_bit(16 * 4 * 2, True)
     megatron = compute + allreduce_one_bit(256 * 4 * 2, False)
     model = two_matmul_chain(batch=256, d_in=8, d_hidden=16, d_out=4)
-    assert autopar.evaluate(model, 2, DP, cost_model=slow_profile) == pytest.approx(dp, rel=1e-12)
-    assert autopar.evaluate(model, 2, MEGATRON, cost_model=slow_profile) == pytest.approx(megatron, rel=1e-12)
+    assert autopar.evaluate(model, 2, DP, cost_model=slow_profile, overlap=False) == pytest.approx(dp, rel=1e-12)
+    assert autopar.evaluate(model, 2, MEGATRON, cost_model=slow_profile, overlap=False) == pytest.approx(
+        megatron, rel=1e-12
+    )
     assert dp < megatron
-    plan = autopar.plan(model, devices=2, cost_model=slow_profile)
+    plan = autopar.plan(model, devices=2, cost_model=slow_profile, overlap=False)
     assert plan.strategies == DP
     assert plan.objective == pytest.approx(dp, rel=1e-12)
 
@@ -117,7 +122,9 @@ def test_column_split_input_pays_a_backward_allreduce(slow_profile):
     strategies = {"mm1": ((1, 1), (1, 1)), "mm2": ((1, 1), (1, 2))}
     compute = (2 * 8 * 64 * 256 / 1e9) * 2 + (2 * 8 * 256 * 64 / 2 / 1e9) * 3
     expected = compute + allreduce_one_bit(8 * 256 * 2, False)
-    assert autopar.evaluate(model, 2, strategies, cost_model=slow_profile) == pytest.approx(expected, rel=1e-12)
+    assert autopar.evaluate(model, 2, strategies, cost_model=slow_profile, overlap=False) == pytest.approx(
+        expected, rel=1e-12
+    )
 
 
 def test_memory_by_hand(profile):
@@ -151,3 +158,42 @@ def test_gpt_layer_keeps_what_its_backward_needs(seq, batch, hidden, heads):
 
     s, b, h, a = seq, batch, hidden, heads
     assert activations(3) - activations(2) == 32 * s * b * h + 2 * a * s * s * b + 16 * s * b
+
+
+def test_overlap_hides_a_sync_behind_the_backward_before_it_and_changes_the_winner(slow_profile):
+    """Batch 64, 4 -> 128 -> 16 at 1 GFLOP/s; both plans halve the compute, so only communication differs.
+
+    Data parallel: W1 (4x128 FP16 = 1 KiB) and W2 (128x16 = 4 KiB) gradients are AllReduced.
+    W2's gradient is ready after mm2's backward and its sync runs beside mm1's backward
+    (2*64*4*128 / 2 / 1e9 = 32.768 us at mm1's fastest candidate): hidden. W1's is ready last,
+    with no backward left to hide behind: exposed. Megatron AllReduces Z (64x16 FP16 = 2 KiB),
+    forward, unfused. Summed, data parallel loses; overlapped, it wins.
+    """
+    model = two_matmul_chain(batch=64, d_in=4, d_hidden=128, d_out=16)
+    compute = (2 * 64 * 4 * 128 / 2 / 1e9) * 2 + (2 * 64 * 128 * 16 / 2 / 1e9) * 3
+    w1, w2 = allreduce_one_bit(4 * 128 * 2, True), allreduce_one_bit(128 * 16 * 2, True)
+    hide = 2 * 64 * 4 * 128 / 2 / 1e9
+    assert w2 < hide
+    megatron = compute + allreduce_one_bit(64 * 16 * 2, False)
+    summed, overlapped = compute + w1 + w2, compute + w1
+    assert overlapped < megatron < summed
+    for overlap, expected, winner in ((False, summed, MEGATRON), (True, overlapped, DP)):
+        got = autopar.evaluate(model, 2, DP, cost_model=slow_profile, overlap=overlap)
+        assert got == pytest.approx(expected, rel=1e-12)
+        plan = autopar.plan(model, devices=2, cost_model=slow_profile, overlap=overlap)
+        assert plan.strategies == winner
+    plan = autopar.plan(model, devices=2, cost_model=slow_profile)
+    totals = plan.to_dict()["totals"]
+    assert totals["hidden_communication_s"] == pytest.approx(w2, rel=1e-9)
+    assert totals["gradient_sync_s"] == pytest.approx(w1 + w2, rel=1e-9)
+
+
+def test_a_sync_longer_than_the_backward_before_it_shows_the_rest(slow_profile):
+    # batch 8, 8 -> 256 -> 64: W2 (256x64 FP16 = 32 KiB) takes 32.8 us to AllReduce, mm1's
+    # backward (2*8*8*256 / 2 / 1e9) lasts 16.4 us: the other 16.4 us are exposed
+    model = two_matmul_chain(batch=8, d_in=8, d_hidden=256, d_out=64)
+    compute = (2 * 8 * 8 * 256 / 2 / 1e9) * 2 + (2 * 8 * 256 * 64 / 2 / 1e9) * 3
+    w1, w2 = allreduce_one_bit(8 * 256 * 2, True), allreduce_one_bit(256 * 64 * 2, True)
+    hide = 2 * 8 * 8 * 256 / 2 / 1e9
+    expected = compute + w1 + (w2 - hide)
+    assert autopar.evaluate(model, 2, DP, cost_model=slow_profile) == pytest.approx(expected, rel=1e-12)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,7 +11,7 @@ from autopar.cost import CostModel, load_profile
 from autopar.graph import load_model
 from autopar.search.driver import run_search
 from autopar.search.problem import build_problem
-from tests.conftest import profile, random_model
+from tests.conftest import every_plan, profile, random_model
 
 pytest.importorskip("highspy")
 
@@ -31,17 +29,16 @@ def test_ilp_is_exact_under_a_binding_memory_limit():
     model = random_model(3)
     free = build_problem(load_model(model), CostModel(profile()), 4)
     fastest = free.memory(run_search(free).choice)
-    ranges = [range(len(free.candidates(i))) for i in range(free.size)]
-    memories = sorted({free.memory(c) for c in itertools.product(*ranges)})
+    memories = sorted({free.memory(*plan) for plan in every_plan(free)})
     tighter = [m for m in memories if m < fastest]
     if not tighter:
         pytest.skip("no leaner plan exists for this graph")
     capacity = tighter[-1]
     problem = build_problem(load_model(model), CostModel(profile(capacity=capacity)), 4)
-    best = min(problem.objective(c) for c in itertools.product(*ranges) if problem.memory(c) <= capacity)
-    choice = run_search(problem, algorithm="ilp").choice
-    assert problem.memory(choice) <= capacity * (1 + 1e-9)
-    assert problem.objective(choice) == pytest.approx(best, rel=1e-7)
+    best = min(problem.objective(*plan) for plan in every_plan(problem) if problem.memory(*plan) <= capacity)
+    found = run_search(problem, algorithm="ilp")
+    assert problem.memory(found.choice, found.choices) <= capacity * (1 + 1e-9)
+    assert problem.objective(found.choice, found.choices) == pytest.approx(best, rel=1e-7)
 
 
 def test_ilp_equals_dp_on_resnet50_at_8_devices():

@@ -17,7 +17,7 @@ from autopar.search.dp import tie_break_unary
 from autopar.search.driver import data_parallel_choice, run_search
 from autopar.search.fold import minimise
 from autopar.search.problem import build_problem
-from tests.conftest import make_model, profile, random_model
+from tests.conftest import every_plan, make_model, profile, random_model
 
 BRUTE_FORCE_LIMIT = 3000
 
@@ -83,18 +83,15 @@ def test_memory_capacity_is_respected():
         pytest.skip("the fastest plan is already the leanest for this graph")
     problem = build_problem(load_model(model), CostModel(profile(capacity=assume_capacity)), 4)
     result = run_search(problem)
-    assert problem.memory(result.choice) <= assume_capacity
-    feasible = [
-        c
-        for c in itertools.product(*(range(len(problem.candidates(i))) for i in range(problem.size)))
-        if problem.memory(c) <= assume_capacity
-    ]
-    best_feasible = min(problem.objective(c) for c in feasible)
+    chosen = (result.choice, result.choices)
+    assert problem.memory(*chosen) <= assume_capacity
+    feasible = [plan for plan in every_plan(problem) if problem.memory(*plan) <= assume_capacity]
+    best_feasible = min(problem.objective(*plan) for plan in feasible)
     # The constrained DP minimises time + lambda * memory, so no assignment beats its plan on time without using
     # more memory (it need not be the best feasible plan: that is the ILP's job).
-    time, memory = problem.objective(result.choice), problem.memory(result.choice)
-    dominating = [c for c in feasible if problem.objective(c) < time * (1 - 1e-12) and problem.memory(c) <= memory]
-    assert not dominating, (result.choice, time, memory, dominating[:3])
+    time, memory = problem.objective(*chosen), problem.memory(*chosen)
+    dominating = [p for p in feasible if problem.objective(*p) < time * (1 - 1e-12) and problem.memory(*p) <= memory]
+    assert not dominating, (chosen, time, memory, dominating[:3])
     try:
         import highspy  # noqa: F401
     except ImportError:
@@ -102,8 +99,8 @@ def test_memory_capacity_is_respected():
     from autopar.search.ilp import solve_ilp
 
     exact = solve_ilp(problem, assume_capacity)
-    assert problem.memory(exact) <= assume_capacity * (1 + 1e-9)
-    assert problem.objective(exact) == pytest.approx(best_feasible, rel=1e-9)
+    assert problem.memory(*exact) <= assume_capacity * (1 + 1e-9)
+    assert problem.objective(*exact) == pytest.approx(best_feasible, rel=1e-9)
 
 
 def test_infeasible_memory_is_a_clear_error():

@@ -20,13 +20,19 @@ PRECISIONS = ("mixed", "fp32")
 
 
 class CostModel:
-    """Seconds and bytes for one profile at one precision."""
+    """Seconds and bytes for one profile at one precision.
 
-    def __init__(self, profile: HardwareProfile, precision: Precision = "mixed") -> None:
+    ``overlap``: bucketed gradient synchronisation runs beside the backward pass (Horovod, DDP,
+    MindSpore), so only what the remaining backward compute cannot cover is exposed; without it
+    every gradient AllReduce adds to the step.
+    """
+
+    def __init__(self, profile: HardwareProfile, precision: Precision = "mixed", overlap: bool = True) -> None:
         if precision not in PRECISIONS:
             raise CostModelError(f"Unknown precision {precision!r}; choose mixed or fp32.")
         self.profile = profile
         self.precision = precision
+        self.overlap = overlap
         compute = profile.compute
         self.peak_flops = (compute.peak_flops_fp16 if precision == "mixed" else compute.peak_flops_fp32).value
         self.cube_flops = self.peak_flops * compute.cube_efficiency.value
@@ -57,15 +63,26 @@ class CostModel:
     def gradient_itemsize(self) -> int:
         return 2 if self.precision == "mixed" else 4
 
-    def parameter_bytes_per_element(self, trainable: bool) -> float:
-        """Device memory per parameter element: weights, gradient and optimizer state."""
+    def parameter_bytes_per_element(self, trainable: bool, state_shards: int = 1) -> float:
+        """Device memory per parameter element: weights, gradient and optimizer state.
+
+        With a parallel optimizer (ZeRO-2) the gradient, the optimizer state and, in mixed
+        precision, the FP32 master weights are split ``state_shards`` ways; the weights the
+        forward pass reads stay whole.
+        """
+        working, state = self.parameter_bytes_split(trainable)
+        return working + state / state_shards
+
+    def parameter_bytes_split(self, trainable: bool) -> tuple[float, float]:
+        """(bytes per element the forward reads, bytes per element a parallel optimizer may shard)."""
         training = self.profile.training
         if not trainable:
-            return 4.0
-        weights = training.master_weight_bytes_per_param.value
+            return 4.0, 0.0
+        master = training.master_weight_bytes_per_param.value
+        state = self.gradient_itemsize() + training.optimizer_state_bytes_per_param.value
         if self.precision == "mixed":
-            weights += 2.0  # the FP16 working copy
-        return weights + self.gradient_itemsize() + training.optimizer_state_bytes_per_param.value
+            return 2.0, master + state  # the FP16 working copy; the FP32 master is optimizer state
+        return master, state
 
     # --- compute ---------------------------------------------------------------------------
 
@@ -123,7 +140,8 @@ class CostModel:
         latency, per_byte = self.collective_coefficients(kind, tuple(bits))
         return latency * latency_scale + per_byte * nbytes
 
-    def gradient_sync_time(self, bits: Iterable[int], nbytes: float) -> float:
-        """AllReduce of a parameter gradient; fused buckets pay the latency once per bucket."""
+    def gradient_sync_time(self, bits: Iterable[int], nbytes: float, kind: Collective = Collective.ALL_REDUCE) -> float:
+        """A parameter's gradient AllReduce (or a parallel optimizer's ReduceScatter, or its AllGather
+        of the updated weights); fused buckets pay the latency once per bucket."""
         scale = min(1.0, nbytes / self.fusion_bytes)
-        return self.collective_time(Collective.ALL_REDUCE, bits, nbytes, latency_scale=scale)
+        return self.collective_time(kind, bits, nbytes, latency_scale=scale)

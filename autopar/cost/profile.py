@@ -2,24 +2,51 @@
 
 Profiles live in `costmodels/*.toml` (bundled) or any TOML file; each number is a
 ``{value, source}`` pair, and the source says "assumed" or "fitted" where it is not published.
+A plain number (``peak_flops_fp16 = 312e12``) is accepted with an `UnsourcedNumberWarning`
+naming it; anything else malformed is a `CostModelError` in one sentence (see README,
+"Hardware profiles").
 """
 
 from __future__ import annotations
 
 import tomllib
+import warnings
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from autopar.errors import CostModelError, first_problem
+from autopar.errors import AutoparWarning, CostModelError
+
+
+class UnsourcedNumberWarning(AutoparWarning):
+    """A profile gives a number without saying where it comes from (it is used as given)."""
 
 
 class Sourced(BaseModel):
-    """A hardware number and where it comes from: a finite positive value and its source."""
+    """A hardware number and where it comes from: a finite positive value and its source.
+
+    ``source`` is None for a number given plain (``hbm_bandwidth = 2.0e12``); the profile warns.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    value: float = Field(gt=0, allow_inf_nan=False)
-    source: str = Field(min_length=3)
+    value: float = Field(gt=0, allow_inf_nan=False, strict=True)
+    source: str | None = Field(default=None, min_length=3)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_number(cls, data: Any) -> Any:
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            return {"value": data}
+        return data
 
 
 # Ranges (ours, not a vendor's): a number outside its range is a typo or a unit slip, and would
@@ -49,15 +76,14 @@ class _Spec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    @model_validator(mode="after")
-    def _plausible(self) -> _Spec:
-        for name in type(self).model_fields:
-            number = getattr(self, name)
-            if isinstance(number, Sourced) and name in PLAUSIBLE:
-                low, high = PLAUSIBLE[name]
-                if not low < number.value <= high:
-                    raise ValueError(f"{name} = {number.value:g} is outside ({low:g}, {high:g}]")
-        return self
+    @field_validator("*")
+    @classmethod
+    def _plausible(cls, number: Any, info: ValidationInfo) -> Any:
+        if isinstance(number, Sourced) and info.field_name in PLAUSIBLE:
+            low, high = PLAUSIBLE[info.field_name]
+            if not low < number.value <= high:
+                raise ValueError(f"must be above {low:g} and at most {high:g}, got {number.value:g}")
+        return number
 
 
 class ComputeSpec(_Spec):
@@ -77,9 +103,12 @@ class TrainingSpec(_Spec):
     gradient_fusion_bytes: Sourced
 
 
+MIN_MESH_BITS = 30
+
+
 class LinkLevel(_Spec):
-    name: str
-    bits: int = Field(ge=1, le=64)
+    name: str = Field(min_length=1)
+    bits: int = Field(ge=1, le=64, strict=True)
     bandwidth: Sourced
     latency: Sourced
 
@@ -88,7 +117,7 @@ class HardwareProfile(BaseModel):
     """A device and its interconnect, validated; see costmodels/ascend910.toml."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str
+    name: str = Field(min_length=1)
     description: str = ""
     compute: ComputeSpec
     training: TrainingSpec
@@ -97,9 +126,37 @@ class HardwareProfile(BaseModel):
     @field_validator("links")
     @classmethod
     def _links_cover_mesh(cls, links: tuple[LinkLevel, ...]) -> tuple[LinkLevel, ...]:
-        if sum(level.bits for level in links) < 30:
-            raise ValueError("the link levels must cover at least 30 mesh bits (give the last level many bits)")
+        bits = sum(level.bits for level in links)
+        if bits < MIN_MESH_BITS:
+            raise ValueError(
+                f"cover {bits} mesh bits; they must cover at least {MIN_MESH_BITS}"
+                f" (give the last level the rest, e.g. bits = {64 - bits + links[-1].bits})"
+            )
         return links
+
+    @model_validator(mode="after")
+    def _warn_unsourced(self) -> HardwareProfile:
+        missing = self.unsourced()
+        if missing:
+            verb = "has" if len(missing) == 1 else "have"
+            warnings.warn(
+                f"Hardware profile {self.name!r}: {_and(missing)} {verb} no source"
+                ' (write { value = ..., source = "where it comes from" }).',
+                UnsourcedNumberWarning,
+                stacklevel=2,
+            )
+        return self
+
+    def unsourced(self) -> list[str]:
+        """Dotted names of the numbers given without a source (``compute.peak_flops_fp16``)."""
+        named: list[tuple[str, BaseModel]] = [("compute", self.compute), ("training", self.training)]
+        named += [(f"links[{i}]", level) for i, level in enumerate(self.links)]
+        return [
+            f"{prefix}.{field}"
+            for prefix, spec in named
+            for field in type(spec).model_fields
+            if isinstance(number := getattr(spec, field), Sourced) and number.source is None
+        ]
 
     def level_of_bit(self, bit: int) -> LinkLevel:
         first = 0
@@ -108,6 +165,10 @@ class HardwareProfile(BaseModel):
                 return level
             first += level.bits
         return self.links[-1]
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def profiles_dir() -> Path:
@@ -121,8 +182,8 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in profiles_dir().glob("*.toml"))
 
 
-def load_profile(name_or_path: str | Path) -> HardwareProfile:
-    """A bundled profile by name (``ascend910``) or a TOML file by path."""
+def profile_path(name_or_path: str | Path) -> Path:
+    """The file of a bundled profile (``a100``) or of a TOML path; a sentence if there is none."""
     path = Path(name_or_path)
     if not path.suffix:
         candidate = profiles_dir() / f"{name_or_path}.toml"
@@ -131,9 +192,15 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
                 f"Unknown cost model {str(name_or_path)!r}; bundled: {', '.join(available_profiles())},"
                 " or give a .toml path."
             )
-        path = candidate
+        return candidate
     if not path.is_file():
         raise CostModelError(f"Cost model file {str(path)!r} does not exist.")
+    return path
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A bundled profile by name (``ascend910``) or a TOML file by path."""
+    path = profile_path(name_or_path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -141,4 +208,65 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     try:
         return HardwareProfile.model_validate(data)
     except ValidationError as exc:
-        raise CostModelError(f"Cost model {str(path)!r}: {first_problem(exc)}.") from None
+        raise CostModelError(f"Cost model {str(path)!r}: {profile_problem(exc)}.") from None
+
+
+_SECTIONS: dict[str, type[BaseModel]] = {"compute": ComputeSpec, "training": TrainingSpec, "links": LinkLevel}
+_NUMBER_TYPES = {"float_type", "float_parsing", "model_type", "model_attributes_type", "dict_type"}
+
+
+def profile_problem(exc: ValidationError) -> str:
+    """The first thing wrong with a profile, as a plain clause (``compute.hbm_bandwidth is missing``)."""
+    error = exc.errors()[0]
+    kind, given, context = error["type"], error.get("input"), error.get("ctx") or {}
+    loc = list(error["loc"])
+    if loc[-1:] == ["value"] and kind != "missing":
+        loc.pop()  # a number's value: name the number
+    where = _where(loc)
+    field = str(loc[-1]) if loc else ""
+    if kind == "missing":
+        return f"{where} is missing"
+    if kind == "extra_forbidden":
+        return f"{where} is not a profile field; {_takes(loc[:-1])}"
+    if kind == "finite_number":
+        return f"{where} must be a finite number, got {given!r}"
+    if field == "links" and kind == "too_short":
+        return "links must list at least one level ([[links]] with name, bits, bandwidth and latency)"
+    if field == "bits" and kind in ("greater_than_equal", "less_than_equal", "int_type", "int_parsing"):
+        return f"{where} must be a whole number from 1 to 64, got {given!r}"
+    if field == "source":
+        return f"{where} must say where the number comes from, got {given!r}"
+    if kind in _NUMBER_TYPES and field in ("compute", "training"):
+        return f"{where} must be a table ([{field}] followed by its numbers), got {given!r}"
+    if kind in _NUMBER_TYPES and isinstance(loc[-1], int):
+        return f"{where} must be a table ([[links]] with name, bits, bandwidth and latency), got {given!r}"
+    if kind in _NUMBER_TYPES:
+        return f'{where} must be a number or {{ value = <number>, source = "..." }}, got {given!r}'
+    if kind == "tuple_type":
+        return f"{where} must be a list of levels ([[links]] tables), got {given!r}"
+    if kind == "greater_than":
+        return f"{where} must be above {context.get('gt', 0):g}, got {given!r}"
+    if kind == "string_type":
+        return f"{where} must be text, got {given!r}"
+    if kind == "string_too_short":
+        return f"{where} must not be empty"
+    message = str(error["msg"]).removeprefix("Value error, ").rstrip(".")
+    return f"{where} {message[:1].lower()}{message[1:]}" if loc else message
+
+
+def _where(loc: list[int | str]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
+    return text or "the profile"
+
+
+def _takes(loc: list[int | str]) -> str:
+    """What a section accepts, for an unknown key in it."""
+    names = [str(part) for part in loc if isinstance(part, str)]
+    if not names:
+        fields = HardwareProfile.model_fields
+        return f"a profile has {', '.join(fields)}"
+    if names[-1] in _SECTIONS:
+        return f"{_where(loc)} takes {', '.join(_SECTIONS[names[-1]].model_fields)}"
+    return "a number takes value and source"

@@ -16,6 +16,7 @@ operator registry). `types` holds the values they make.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import onnx
@@ -28,16 +29,22 @@ from autopar.graph.bind import (
     infer_shapes,
     rebatch_reshapes,
 )
-from autopar.graph.build import build_graph
+from autopar.graph.build import build_graph, freeze
 from autopar.graph.read import read_model
 from autopar.graph.types import ElidedValue, Graph, OpNode, TensorInfo, TensorKind
 from autopar.graph.validate import check_data_inputs, check_dimensions, check_input_types, check_model
 
 
 def load_model(
-    model: str | Path | onnx.ModelProto, batch: int | None = None, dims: dict[str, int] | None = None
+    model: str | Path | onnx.ModelProto,
+    batch: int | None = None,
+    dims: dict[str, int] | None = None,
+    frozen: Iterable[str] = (),
 ) -> Graph:
-    """Import an ONNX model (a path or a ModelProto) with every shape resolved."""
+    """Import an ONNX model (a path or a ModelProto) with every shape resolved.
+
+    ``frozen``: names or globs of parameters not to train (`freeze`).
+    """
     proto = read_model(model)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
     check_bindings(batch, dims or {})
@@ -51,7 +58,7 @@ def load_model(
     check_input_types(proto)
     check_dimensions(proto)
     check_reshapes(proto)
-    return build_graph(proto, name)
+    return freeze(build_graph(proto, name), frozen)
 
 
-__all__ = ["ElidedValue", "Graph", "OpNode", "TensorInfo", "TensorKind", "load_model"]
+__all__ = ["ElidedValue", "Graph", "OpNode", "TensorInfo", "TensorKind", "freeze", "load_model"]

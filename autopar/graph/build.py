@@ -7,6 +7,8 @@ are in topological order with their forward FLOPs from the registry.
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import math
 from collections.abc import Iterable
 
@@ -107,6 +109,37 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         outputs=outputs,
         model=proto,
         renamed_ops=renamed,
+    )
+
+
+def freeze(graph: Graph, patterns: Iterable[str]) -> Graph:
+    """The graph with the parameters matching ``patterns`` (names or shell globs) not trained.
+
+    A frozen parameter is still stored on every device that reads it, but has no gradient, no
+    optimizer state and no gradient synchronisation. A pattern matching no trainable parameter
+    is an error: a misspelt name must not silently train what the user meant to freeze.
+
+    >>> from autopar.graph.types import TensorInfo
+    >>> g = Graph("g", [], {"w": TensorInfo("w", (2,), "float32", "parameter", True)}, [], [], onnx.ModelProto())
+    >>> freeze(g, ["w*"]).tensor("w").trainable
+    False
+    """
+    patterns = list(patterns)
+    if not patterns:
+        return graph
+    trainable = sorted(name for name, info in graph.tensors.items() if info.kind == "parameter" and info.trainable)
+    tensors = dict(graph.tensors)
+    for pattern in patterns:
+        matched = [name for name in trainable if fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            some = ", ".join(repr(name) for name in trainable[:3]) or "none"
+            raise ModelImportError(
+                f"--frozen {pattern!r} matches no trainable parameter of the model (its parameters include {some})."
+            )
+        for name in matched:
+            tensors[name] = dataclasses.replace(tensors[name], trainable=False)
+    return Graph(
+        graph.name, graph.ops, tensors, graph.inputs, graph.outputs, graph.model, renamed_ops=graph.renamed_ops
     )
 
 

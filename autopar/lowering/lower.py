@@ -16,6 +16,8 @@ from autopar.lowering.planfile import (
     GRAPH_OUTPUT,
     GradientSync,
     LayoutEntry,
+    LinkUse,
+    MemoryPlan,
     OpCost,
     OpEntry,
     Redistribution,
@@ -25,7 +27,7 @@ from autopar.lowering.planfile import (
 )
 from autopar.redistribute import BACKWARD_DUAL, Collective
 from autopar.search.driver import data_parallel_choice
-from autopar.search.problem import SearchProblem, backward_passes, memory_items
+from autopar.search.problem import NO_MEMORY_CHOICES, MemoryChoices, SearchProblem, backward_passes, memory_items
 
 
 def rounded(value: float) -> float:
@@ -33,9 +35,12 @@ def rounded(value: float) -> float:
     return float(f"{value:.12g}")
 
 
-def op_entries(problem: SearchProblem, choice: Sequence[int]) -> list[OpEntry]:
+def op_entries(
+    problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
+) -> list[OpEntry]:
     entries = []
     for node, (rule, c) in enumerate(zip(problem.rules, choice)):
+        time, memory = problem.node_arrays(node, choices)
         inputs, outputs = rule.candidate_layouts(c)
         entries.append(
             OpEntry(
@@ -54,8 +59,8 @@ def op_entries(problem: SearchProblem, choice: Sequence[int]) -> list[OpEntry]:
                 ],
                 cost=OpCost(
                     compute_s=rounded(float(problem.node_compute[node][c])),
-                    communication_s=rounded(float(problem.node_communication[node][c])),
-                    memory_bytes=int(problem.node_memory[node][c]),
+                    communication_s=rounded(float(time[c] - problem.node_compute[node][c])),
+                    memory_bytes=int(memory[c]),
                 ),
                 fallback=rule.spec.fallback,
             )
@@ -121,8 +126,11 @@ def _redistribution(
     )
 
 
-def gradient_sync(problem: SearchProblem, choice: Sequence[int]) -> list[GradientSync]:
-    """The AllReduce of each trainable parameter over the bits its gradient is partial on."""
+def gradient_sync(
+    problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
+) -> list[GradientSync]:
+    """The AllReduce of each trainable parameter over the bits its gradient is partial on (with a
+    parallel optimizer: a ReduceScatter, and after the update an AllGather of the weights)."""
     cost = problem.cost
     entries = []
     for name, (node, slot) in sorted(problem.owner.items(), key=lambda item: item[1]):
@@ -134,16 +142,22 @@ def gradient_sync(problem: SearchProblem, choice: Sequence[int]) -> list[Gradien
         assert layout is not None  # an owned input is present
         bits = problem.gradient_sync_bits(node, exponents, slot)
         nbytes = layout.local_numel(info.shape) * cost.gradient_itemsize()
+        sharded = node in choices.sharded and bool(bits)
+        kind = Collective.REDUCE_SCATTER if sharded else Collective.ALL_REDUCE
+        seconds = cost.gradient_sync_time(bits, nbytes, kind) if bits else 0.0
+        if sharded:
+            seconds += cost.gradient_sync_time(bits, nbytes, Collective.ALL_GATHER)
         entries.append(
             GradientSync(
                 parameter=name,
                 op=problem.rules[node].op.name,
                 layout=LayoutEntry.of(layout),
-                collective=Collective.ALL_REDUCE.value if bits else None,
+                collective=kind.value if bits else None,
                 bits=list(bits),
                 group_size=1 << len(bits),
                 bytes=nbytes if bits else 0,
-                seconds=rounded(cost.gradient_sync_time(bits, nbytes)) if bits else 0.0,
+                seconds=rounded(seconds),
+                optimizer_shards=1 << len(bits) if sharded else None,
             )
         )
     return entries
@@ -158,28 +172,55 @@ def training_flops(problem: SearchProblem) -> float:
     return float(total)
 
 
-def memory_breakdown(problem: SearchProblem, choice: Sequence[int]) -> dict[str, int]:
+def memory_breakdown(
+    problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
+) -> dict[str, int]:
     """Bytes per device by what holds them (the keys of `Totals.memory_breakdown`)."""
     keys = {"parameter": "parameter_state", "activation": "activations", "input": "inputs"}
     found = dict.fromkeys(keys.values(), 0.0)
     for node, c in enumerate(choice):
-        for _, role, nbytes in memory_items(problem, node, c):
+        for _, role, nbytes in memory_items(problem, node, c, choices):
             found[keys[role]] += nbytes
     return {key: round(value) for key, value in found.items()}
 
 
-def totals(problem: SearchProblem, choice: Sequence[int]) -> Totals:
+def gradient_sync_seconds(
+    problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
+) -> float:
+    """Every parameter's gradient synchronisation, hidden or not (as `gradient_sync` lists it)."""
+    return sum(entry.seconds for entry in gradient_sync(problem, choice, choices))
+
+
+def mesh_links(problem: SearchProblem) -> list[LinkUse]:
+    """The profile's link levels over the plan's mesh bits (levels the mesh does not reach are left out)."""
+    levels: dict[str, list[int]] = {}
+    for bit in range(problem.mesh_bits):
+        levels.setdefault(problem.cost.profile.level_of_bit(bit).name, []).append(bit)
+    return [LinkUse(name=name, bits=bits) for name, bits in levels.items()]
+
+
+def memory_plan(problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices) -> MemoryPlan:
+    names = [entry.parameter for entry in gradient_sync(problem, choice, choices) if entry.optimizer_shards]
+    recomputed = [problem.rules[repeat.start].op.name for repeat, _ in problem.folds] if choices.recompute else []
+    return MemoryPlan(parallel_optimizer=names, recompute=recomputed)
+
+
+def totals(problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> Totals:
     compute = sum(float(problem.node_compute[i][c]) for i, c in enumerate(choice))
-    step = problem.objective(choice)
+    if choices.recompute:
+        compute += sum(float(problem.recompute_time[i][c]) for i, c in enumerate(choice) if i in problem.recompute_time)
+    step = problem.objective(choice, choices)
     data_parallel = problem.objective(data_parallel_choice(problem))
     flops = training_flops(problem)
     return Totals(
         step_time_s=rounded(step),
         compute_s=rounded(compute),
         communication_s=rounded(step - compute),
-        memory_per_device_bytes=round(problem.memory(choice)),
+        hidden_communication_s=rounded(problem.hidden(choice, choices)),
+        gradient_sync_s=rounded(gradient_sync_seconds(problem, choice, choices)),
+        memory_per_device_bytes=round(problem.memory(choice, choices)),
         memory_capacity_bytes=int(problem.cost.capacity),
-        memory_breakdown=memory_breakdown(problem, choice),
+        memory_breakdown=memory_breakdown(problem, choice, choices),
         training_flops=flops,
         ideal_step_time_s=rounded(flops / (problem.num_devices * problem.cost.peak_flops)),
         data_parallel_step_time_s=rounded(data_parallel),

@@ -16,7 +16,15 @@ from typing import Any, ClassVar
 
 from autopar import progress
 from autopar.layout import Layout
-from autopar.lowering.lower import gradient_sync, op_entries, redistributions, rounded, totals
+from autopar.lowering.lower import (
+    gradient_sync,
+    memory_plan,
+    mesh_links,
+    op_entries,
+    redistributions,
+    rounded,
+    totals,
+)
 from autopar.lowering.planfile import SCHEMA, PlanFile, RepeatedBlock, SearchSummary
 from autopar.search.driver import SearchResult, data_parallel_choice
 from autopar.search.problem import SearchProblem
@@ -66,11 +74,11 @@ class Plan:
     @property
     def objective(self) -> float:
         """The searched objective: predicted training step time in seconds."""
-        return self.problem.objective(self.choice)
+        return self.problem.objective(self.choice, self.search.choices)
 
     @property
     def memory_per_device(self) -> float:
-        return self.problem.memory(self.choice)
+        return self.problem.memory(self.choice, self.search.choices)
 
     @property
     def fallback_ops(self) -> list[str]:
@@ -102,16 +110,18 @@ class Plan:
         problem, choice = self.problem, self.choice
         progress.report("lowering", 0, 1)
         started = time.perf_counter()
-        ops = op_entries(problem, choice)
+        choices = self.search.choices
+        ops = op_entries(problem, choice, choices)
         moves = redistributions(problem, choice)
-        syncs = gradient_sync(problem, choice)
-        total = totals(problem, choice)
+        syncs = gradient_sync(problem, choice, choices)
+        total = totals(problem, choice, choices)
         phases = {**self.phases_s, "lowering": time.perf_counter() - started} if self.phases_s else None
         return PlanFile(
             schema_=SCHEMA,
             model=self.model_name,
             devices=self.devices,
             mesh_bits=problem.mesh_bits,
+            links=mesh_links(problem),
             cost_model=self.cost_model,
             precision=self.precision,
             mode=self.mode,
@@ -121,6 +131,7 @@ class Plan:
             gradient_sync=syncs,
             fallback_ops=self.fallback_ops,
             totals=total,
+            memory_plan=memory_plan(problem, choice, choices),
             search=SearchSummary(
                 algorithm=self.search.method,
                 time_s=round(self.search.time_s, 4),

@@ -137,23 +137,36 @@ class Redistribution(_Part):
         return self.tensor, self.producer, self.consumer
 
 
-class GradientSync(_Part):
-    """The AllReduce of a trainable parameter's gradient over the bits it is partial on."""
+class GradientSync(_OmitsUnset):
+    """The AllReduce of a trainable parameter's gradient over the bits it is partial on.
 
+    With a parallel optimizer (``optimizer_shards``) it is a ReduceScatter instead: each device
+    updates its share of the parameter, then an AllGather over the same bits restores the whole
+    weights for the next forward pass; ``seconds`` counts both.
+    """
+
+    _omit: ClassVar[tuple[str, ...]] = ("optimizer_shards",)
     parameter: str
     op: str
     layout: LayoutEntry
-    collective: Literal["AllReduce"] | None
+    collective: Literal["AllReduce", "ReduceScatter"] | None
     bits: list[NonNegativeInt]
     group_size: PositiveInt
     bytes: NonNegativeInt
     seconds: NonNegativeFloat
+    optimizer_shards: PositiveInt | None = Field(
+        default=None, description="the parallel optimizer splits gradient and optimizer state this many ways"
+    )
 
 
 class Totals(_Part):
     step_time_s: NonNegativeFloat
     compute_s: NonNegativeFloat
-    communication_s: float
+    communication_s: float = Field(description="communication the step waits for (exposed)")
+    hidden_communication_s: NonNegativeFloat = Field(
+        description="gradient synchronisation that runs beside the backward pass (overlapped)"
+    )
+    gradient_sync_s: NonNegativeFloat = Field(description="every parameter's gradient synchronisation, hidden or not")
     memory_per_device_bytes: NonNegativeInt
     memory_capacity_bytes: NonNegativeInt
     memory_breakdown: dict[str, NonNegativeInt] = Field(
@@ -164,6 +177,24 @@ class Totals(_Part):
     ideal_step_time_s: NonNegativeFloat
     data_parallel_step_time_s: NonNegativeFloat
     speedup_vs_data_parallel: NonNegativeFloat
+
+
+class LinkUse(_Part):
+    """One level of the device mesh: the link that joins the devices differing in these bits."""
+
+    name: str
+    bits: list[NonNegativeInt] = Field(description="the mesh bits on this level, lowest first")
+
+
+class MemoryPlan(_Part):
+    """What the plan does to fit in device memory beside its strategies (searched only when memory binds)."""
+
+    parallel_optimizer: list[str] = Field(
+        description="parameters whose gradient and optimizer state are split over the devices they are replicated on"
+    )
+    recompute: list[str] = Field(
+        description="the first operator of each run of repeated blocks whose activations are recomputed"
+    )
 
 
 class RepeatedBlock(_Part):
@@ -211,6 +242,7 @@ class PlanFile(_Part):
     model: str
     devices: PositiveInt
     mesh_bits: NonNegativeInt
+    links: list[LinkUse] = Field(description="the mesh levels, fastest first (from the profile or a rank table)")
     cost_model: str
     precision: str
     mode: str
@@ -220,6 +252,7 @@ class PlanFile(_Part):
     gradient_sync: list[GradientSync]
     fallback_ops: list[str]
     totals: Totals
+    memory_plan: MemoryPlan
     search: SearchSummary
 
     def dump(self) -> dict[str, Any]:

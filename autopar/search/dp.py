@@ -27,6 +27,7 @@ total), so exact and near-exact ties go to data parallel, as MindSpore's search 
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -328,9 +329,14 @@ def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
         return out
     # a large step: rows split between threads (numpy releases the GIL); each row's result is the same
     bounds = np.linspace(0, rows, workers + 1).astype(int)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(slabs, bounds[:-1], bounds[1:]))
+    list(_pool().map(slabs, bounds[:-1], bounds[1:]))
     return out
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    """One pool for every large step (starting threads for each step costs more than some steps)."""
+    return ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="autopar-dp")
 
 
 @dataclass(frozen=True)
@@ -360,8 +366,14 @@ class Solved:
         return choice
 
 
-def tie_break_unary(problem: "SearchProblem", base_objective: float) -> list[np.ndarray]:
-    """Unary costs plus a position penalty small enough never to beat a real difference."""
+def tie_break_offsets(problem: "SearchProblem", base_objective: float) -> list[np.ndarray]:
+    """A position penalty per candidate, small enough never to beat a real difference: among
+    exactly equal plans the DP takes the earliest candidates (data parallel first)."""
     positions = sum(max(len(t) - 1, 0) for t in problem.node_time) or 1
     epsilon = TIE_BREAK_FRACTION * max(base_objective, 1e-12) / positions
-    return [t + epsilon * np.arange(len(t)) for t in problem.node_time]
+    return [epsilon * np.arange(len(t)) for t in problem.node_time]
+
+
+def tie_break_unary(problem: "SearchProblem", base_objective: float) -> list[np.ndarray]:
+    """Unary costs plus the tie-break position penalty (`tie_break_offsets`)."""
+    return [t + o for t, o in zip(problem.node_time, tie_break_offsets(problem, base_objective))]

@@ -9,15 +9,17 @@ error names the largest tensors.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from autopar.errors import InfeasibleError
 from autopar.limits import MAX_DEVICES
-from autopar.search.dp import tie_break_unary
+from autopar.search.dp import tie_break_offsets
 from autopar.search.fold import Solver
-from autopar.search.problem import SearchProblem, memory_items
+from autopar.search.problem import NO_MEMORY_CHOICES, MemoryChoices, SearchProblem, memory_items
 from autopar.units import human_bytes
 
 MODES = ("auto_parallel", "data_parallel", "stand_alone")
@@ -40,6 +42,7 @@ class SearchResult:
     lagrange_multiplier: float = 0.0
     candidates_kept: int | None = None
     candidates_dropped: int | None = None
+    choices: MemoryChoices = field(default=NO_MEMORY_CHOICES)
 
 
 def data_parallel_choice(problem: SearchProblem) -> list[int]:
@@ -55,6 +58,7 @@ def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: s
     start = time.perf_counter()
     capacity = problem.cost.capacity
     multiplier = 0.0
+    choices = NO_MEMORY_CHOICES
     states: tuple[int | None, int | None] = (None, None)
     if mode == "data_parallel":
         choice, used = data_parallel_choice(problem), "data_parallel"
@@ -63,64 +67,116 @@ def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: s
     elif algorithm == "ilp":
         from autopar.search.ilp import solve_ilp
 
-        choice, used = solve_ilp(problem, capacity), "ilp"
+        choice, choices = solve_ilp(problem, capacity)
+        used = "ilp"
     else:
         solver = Solver.of(problem)
-        choice, multiplier = _constrained_dp(problem, solver, capacity)
+        choice, choices, multiplier = _constrained_dp(problem, solver, capacity)
         used, states = algorithm, solver.states()
-    memory = problem.memory(choice)
+    memory = problem.memory(choice, choices)
     if memory > capacity:
-        raise InfeasibleError(_infeasible_message(problem, choice, capacity, mode))
-    return SearchResult(tuple(choice), used, time.perf_counter() - start, multiplier, *states)
+        raise InfeasibleError(_infeasible_message(problem, choice, capacity, mode, choices))
+    return SearchResult(tuple(choice), used, time.perf_counter() - start, multiplier, *states, choices)
 
 
-def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> tuple[list[int], float]:
+@dataclass(frozen=True)
+class _Point:
+    """A plan on the (time, memory) plane: ``seen`` is its time as the DP sees it (with the tie-break)."""
+
+    choice: list[int]
+    choices: MemoryChoices
+    seen: float
+    memory: float
+
+
+def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> tuple[list[int], MemoryChoices, float]:
     """The fastest plan that fits, by a walk along the Lagrangian's lower hull of (time, memory).
 
-    Each DP run minimises time + lambda * memory. Given a plan that does not fit and one that
-    does, the next lambda is where their two lines cross: the run there either finds a plan
-    strictly below both (a new hull vertex, which replaces one end) or proves there is none,
-    and the plan that fits is the hull's best. A handful of runs, where bisection takes forty.
+    Each DP run minimises time + lambda * memory, each operator taking the parallel optimizer
+    where that is smaller. Given a plan that does not fit and one that does, the next lambda is
+    where their two lines cross: the run there either finds a plan strictly below both (a new
+    hull vertex, which replaces one end) or proves there is none, and the plan that fits is the
+    hull's best. A handful of runs, where bisection takes forty. Only when the fastest plan does
+    not fit are the memory choices searched: each walk is done without recomputation and, where
+    the model has repeated blocks, with it, and the faster plan that fits wins.
     """
     base = problem.objective(data_parallel_choice(problem))
-    unary = tie_break_unary(problem, base)
+    offsets = tie_break_offsets(problem, base)
 
-    def point(choice: list[int]) -> tuple[list[int], float, float]:
-        """(plan, time as the DP sees it (with the tie-break), memory)."""
-        seen = problem.objective(choice) + sum(float(u[c] - t[c]) for u, t, c in zip(unary, problem.node_time, choice))
-        return choice, seen, problem.memory(choice)
+    def solve(weight: float, recompute: bool, time_scale: float = 1.0) -> _Point:
+        unary, takes = problem.lagrangian(weight, recompute, time_scale)
+        solver.bind(problem.factors, problem.recompute_folds if recompute else problem.folds)
+        choice = solver.minimise([u + time_scale * o for u, o in zip(unary, offsets)])
+        choices = problem.choices_at(choice, takes, recompute)
+        seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(offsets, choice))
+        return _Point(choice, choices, seen, problem.memory(choice, choices))
 
-    fast = point(solver.minimise(unary))
-    if fast[2] <= capacity:
-        return fast[0], 0.0
-    leanest = solver.minimise([m + 1e-9 * t for m, t in zip(problem.node_memory, problem.node_time)])
-    if problem.memory(leanest) > capacity:
-        raise InfeasibleError(_infeasible_message(problem, leanest, capacity, "auto_parallel"))
-    # the hull's two ends: the fastest plan (weight 0) and the leanest (an unbounded weight)
-    low, low_weight = fast, 0.0
-    high, high_weight = point(leanest), math.inf
+    fast = solve(0.0, False)
+    if fast.memory <= capacity:
+        return fast.choice, fast.choices, 0.0
+    best: tuple[_Point, float] | None = None
+    leanest = fast
+    for recompute in (False, True) if problem.recompute_time else (False,):
+        lean = solve(1.0, recompute, time_scale=1e-9)
+        if lean.memory < leanest.memory:
+            leanest = lean
+        if lean.memory > capacity:
+            continue
+        bound = best[0].seen if best is not None else math.inf
+        start = fast if not recompute else solve(0.0, True)
+        if start.seen >= bound:
+            continue  # no plan of this kind is faster than the one found
+        walked = _walk(start, lean, capacity, functools.partial(solve, recompute=recompute), bound)
+        if walked is not None and walked[0].seen < bound:
+            best = walked
+    solver.bind(problem.factors, problem.folds)
+    if best is None:
+        message = _infeasible_message(problem, leanest.choice, capacity, "auto_parallel", leanest.choices)
+        raise InfeasibleError(message)
+    return best[0].choice, best[0].choices, best[1]
+
+
+def _walk(
+    low: _Point, high: _Point, capacity: float, solve: Callable[[float], _Point], bound: float = math.inf
+) -> tuple[_Point, float] | None:
+    """The best plan that fits on the hull between a plan that may not fit and one that does.
+
+    None once the Lagrangian bound (every plan that fits takes at least time + lambda x (memory -
+    capacity) of the run at lambda) shows that nothing here beats ``bound``.
+    """
+    if low.memory <= capacity:
+        return low, 0.0
+    low_weight, high_weight = 0.0, math.inf
     for _ in range(_HULL_STEPS):
-        if low[2] <= high[2]:
+        if low.memory <= high.memory:
             break
-        weight = (high[1] - low[1]) / (low[2] - high[2])
+        weight = (high.seen - low.seen) / (low.memory - high.memory)
         if not low_weight < weight < high_weight:
             break
-        trial = point(solver.minimise([u + weight * m for u, m in zip(unary, problem.node_memory)]))
-        at_high = high[1] + weight * high[2]
-        if trial[1] + weight * trial[2] >= at_high - 1e-12 * abs(at_high):
+        trial = solve(weight)
+        if trial.seen + weight * (trial.memory - capacity) >= bound:
+            return None
+        at_high = high.seen + weight * high.memory
+        if trial.seen + weight * trial.memory >= at_high - 1e-12 * abs(at_high):
             high_weight = min(high_weight, weight)  # both ends are optimal at this weight
             break  # nothing below the segment: the plan that fits is the best on the hull
-        if trial[2] <= capacity:
+        if trial.memory <= capacity:
             high, high_weight = trial, weight
         else:
             low, low_weight = trial, weight
-    return high[0], high_weight if math.isfinite(high_weight) else 0.0
+    return high, high_weight if math.isfinite(high_weight) else 0.0
 
 
-def _infeasible_message(problem: SearchProblem, choice: list[int], capacity: float, mode: str) -> str:
+def _infeasible_message(
+    problem: SearchProblem,
+    choice: list[int],
+    capacity: float,
+    mode: str,
+    choices: MemoryChoices = NO_MEMORY_CHOICES,
+) -> str:
     """Say that nothing fits, what dominates, and what would make it fit."""
-    need = problem.memory(choice)
-    items = [item for i, c in enumerate(choice) for item in memory_items(problem, i, c)]
+    need = problem.memory(choice, choices)
+    items = [item for i, c in enumerate(choice) for item in memory_items(problem, i, c, choices)]
     roles = ("parameter", "activation", "input")
     by_role = {role: sum(nbytes for _, r, nbytes in items if r == role) for role in roles}
     heavy = ", ".join(

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from autopar.errors import AutoparError, InfeasibleError
-from autopar.search.problem import SearchProblem
+from autopar.search.problem import MemoryChoices, SearchProblem
 
 TIME_SCALE = 1e6  # solve in microseconds: keeps coefficients well inside HiGHS' tolerances
 
@@ -36,11 +36,38 @@ def _classes(matrix: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return unique, inverse.reshape(-1)
 
 
-def solve_ilp(problem: SearchProblem, capacity: float | None = None, time_limit: float = 600.0) -> list[int]:
-    """Optimal candidate per operator (minimum step time, memory within ``capacity``)."""
+def solve_ilp(
+    problem: SearchProblem, capacity: float | None = None, time_limit: float = 600.0
+) -> tuple[list[int], MemoryChoices]:
+    """Optimal candidate per operator (minimum step time, memory within ``capacity``) and memory choices.
+
+    The parallel optimizer is a binary per operator and candidate that may be on only where the
+    candidate is chosen; recomputation, one switch for the whole model, is solved both ways.
+    """
+    best: tuple[float, list[int], MemoryChoices] | None = None
+    for recompute in (False, True) if problem.recompute_time and capacity is not None else (False,):
+        try:
+            choice, sharded = _solve(problem, capacity, recompute, time_limit)
+        except InfeasibleError:
+            continue
+        choices = MemoryChoices(sharded, recompute)
+        found = problem.objective(choice, choices)
+        if best is None or found < best[0]:
+            best = (found, choice, choices)
+    if best is None:
+        raise InfeasibleError("Nothing fits in device memory: the ILP finds no plan within the capacity.")
+    return best[1], best[2]
+
+
+def _solve(
+    problem: SearchProblem, capacity: float | None, recompute: bool, time_limit: float
+) -> tuple[list[int], frozenset[int]]:
     highspy = _highs()
-    offsets = np.cumsum([0] + [len(t) for t in problem.node_time])
-    costs = [np.concatenate(problem.node_time) * TIME_SCALE]
+    plain = MemoryChoices(recompute=recompute)
+    node_time = [problem.node_arrays(i, plain)[0] for i in range(problem.size)]
+    node_memory = [problem.node_arrays(i, plain)[1] for i in range(problem.size)]
+    offsets = np.cumsum([0] + [len(t) for t in node_time])
+    costs = [np.concatenate(node_time) * TIME_SCALE]
     rows_start: list[int] = []
     rows_index: list[np.ndarray] = []
     rows_value: list[np.ndarray] = []
@@ -59,7 +86,20 @@ def solve_ilp(problem: SearchProblem, capacity: float | None = None, time_limit:
         add_row(members, [1.0] * len(members), 1.0, 1.0)
 
     next_var = int(offsets[-1])
-    for (i, j), matrix in sorted(problem.edges.items()):
+    sharded = MemoryChoices(frozenset(problem.sharded), recompute)
+    switches: list[tuple[int, int, int]] = []  # (variable, node, candidate) of each parallel-optimizer switch
+    extra_memory: list[float] = []
+    for node in sorted(problem.sharded):
+        time, memory = problem.node_arrays(node, sharded)
+        for c in range(len(time)):
+            if memory[c] < node_memory[node][c]:
+                switches.append((next_var, node, c))
+                costs.append(np.array([(time[c] - node_time[node][c]) * TIME_SCALE]))
+                extra_memory.append(float(memory[c] - node_memory[node][c]))
+                add_row([next_var, int(offsets[node]) + c], [1.0, -1.0], -np.inf, 0.0)  # only if chosen
+                next_var += 1
+    n_binary = next_var
+    for (i, j), matrix in sorted(problem.edges_for(recompute).items()):
         if not matrix.any():
             continue
         rows, row_of = _classes(matrix, 0)
@@ -80,8 +120,8 @@ def solve_ilp(problem: SearchProblem, capacity: float | None = None, time_limit:
             add_row(ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0)
 
     if capacity is not None:
-        memory = np.concatenate(problem.node_memory) / capacity  # in units of the capacity
-        add_row(list(range(int(offsets[-1]))), list(memory), -np.inf, 1.0)
+        memory = np.concatenate([np.concatenate(node_memory), extra_memory]) / capacity  # in capacity units
+        add_row(list(range(n_binary)), list(memory), -np.inf, 1.0)
 
     highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
@@ -93,11 +133,10 @@ def solve_ilp(problem: SearchProblem, capacity: float | None = None, time_limit:
     highs.setOptionValue("mip_feasibility_tolerance", 1e-9)
     cost = np.concatenate(costs)
     n_vars = len(cost)
-    n_choice = int(offsets[-1])
-    highs.addVars(n_vars, np.zeros(n_vars), np.concatenate([np.ones(n_choice), np.full(n_vars - n_choice, np.inf)]))
+    highs.addVars(n_vars, np.zeros(n_vars), np.concatenate([np.ones(n_binary), np.full(n_vars - n_binary, np.inf)]))
     highs.changeColsCost(n_vars, np.arange(n_vars, dtype=np.int32), cost)
     highs.changeColsIntegrality(
-        n_choice, np.arange(n_choice, dtype=np.int32), np.full(n_choice, highspy.HighsVarType.kInteger, dtype=np.uint8)
+        n_binary, np.arange(n_binary, dtype=np.int32), np.full(n_binary, highspy.HighsVarType.kInteger, dtype=np.uint8)
     )
     index = np.concatenate(rows_index)
     highs.addRows(
@@ -115,5 +154,7 @@ def solve_ilp(problem: SearchProblem, capacity: float | None = None, time_limit:
         raise InfeasibleError("Nothing fits in device memory: the ILP finds no plan within the capacity.")
     if status != highspy.HighsModelStatus.kOptimal:
         raise AutoparError(f"The ILP solver stopped without an optimal plan ({highs.modelStatusToString(status)}).")
-    values = np.asarray(highs.getSolution().col_value[:n_choice])
-    return [int(np.argmax(values[offsets[n] : offsets[n + 1]])) for n in range(problem.size)]
+    values = np.asarray(highs.getSolution().col_value[:n_binary])
+    choice = [int(np.argmax(values[offsets[n] : offsets[n + 1]])) for n in range(problem.size)]
+    on = frozenset(node for variable, node, c in switches if values[variable] > 0.5 and choice[node] == c)
+    return choice, on

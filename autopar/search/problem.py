@@ -49,6 +49,34 @@ class TensorUse:
     dst_slot: int
 
 
+@dataclass(frozen=True)
+class MemoryChoices:
+    """What a plan does to save memory, beside its strategies (searched only when memory binds).
+
+    ``sharded``: operators whose trainable parameters use a parallel optimizer (MindSpore's
+    ``enable_parallel_optimizer``, ZeRO-2: gradient and optimizer state split over the bits the
+    parameter is replicated on; ReduceScatter, then AllGather of the updated weights);
+    ``recompute``: every folded run of repeated blocks keeps only each block's input and runs
+    its forward again in the backward pass.
+    """
+
+    sharded: frozenset[int] = frozenset()
+    recompute: bool = False
+
+
+NO_MEMORY_CHOICES = MemoryChoices()
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """An operator's figures per candidate with its parameters under a parallel optimizer."""
+
+    time: np.ndarray
+    communication: np.ndarray
+    memory: np.ndarray
+    hidden: np.ndarray
+
+
 @dataclass
 class SearchProblem:
     """Everything the solvers need, and everything lowering needs to explain the answer."""
@@ -62,8 +90,14 @@ class SearchProblem:
     node_compute: list[np.ndarray] = field(default_factory=list)
     node_communication: list[np.ndarray] = field(default_factory=list)
     node_memory: list[np.ndarray] = field(default_factory=list)
+    node_hidden: list[np.ndarray] = field(default_factory=list)  # gradient sync hidden behind the backward
+    sharded: dict[int, Alternative] = field(default_factory=dict)  # where a parallel optimizer saves memory
+    recompute_time: dict[int, np.ndarray] = field(default_factory=dict)  # run operators: forward again
+    recompute_memory: dict[int, np.ndarray] = field(default_factory=dict)  # run operators: bytes freed (<= 0)
+    recompute_share: dict[int, float] = field(default_factory=dict)  # of their activations, what stays
     factors: list[Factor] = field(default_factory=list)
     folds: list[tuple[Repeat, list[Factor]]] = field(default_factory=list)
+    recompute_folds: list[tuple[Repeat, list[Factor]]] = field(default_factory=list)  # forward edges paid twice
     layouts_costed: int = 0
     pairs_costed: int = 0
     solver: Solver | None = field(default=None, repr=False)  # planned on placeholders, bound after costing
@@ -80,32 +114,83 @@ class SearchProblem:
     def candidates(self, node: int) -> list[tuple[int, ...]]:
         return self.rules[node].candidates
 
-    def objective(self, choice: Sequence[int]) -> float:
+    def objective(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
         """Predicted step time of one assignment (candidate index per node)."""
-        total = sum(float(self.node_time[i][c]) for i, c in enumerate(choice))
-        for factor, shift in self._all_factors():
+        total = sum(float(self.node_arrays(i, choices)[0][c]) for i, c in enumerate(choice))
+        for factor, shift in self._all_factors(choices.recompute):
             total += factor.value([choice[u + shift] for u in factor.scope])
         return total
 
-    def _all_factors(self) -> list[tuple[Factor, int]]:
+    def _all_factors(self, recompute: bool = False) -> list[tuple[Factor, int]]:
         """Every edge factor with the node shift of its copy (0 outside folded runs)."""
         found = [(factor, 0) for factor in self.factors]
-        for repeat, factors in self.folds:
+        for repeat, factors in self.recompute_folds if recompute else self.folds:
             found += [(f, k * repeat.period) for k in range(repeat.copies) for f in factors]
         return found
+
+    def node_arrays(self, node: int, choices: MemoryChoices = NO_MEMORY_CHOICES) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds, bytes) per candidate of one operator under the memory choices."""
+        if node in choices.sharded:
+            time, memory = self.sharded[node].time, self.sharded[node].memory
+        else:
+            time, memory = self.node_time[node], self.node_memory[node]
+        if choices.recompute and node in self.recompute_time:
+            time, memory = time + self.recompute_time[node], memory + self.recompute_memory[node]
+        return time, memory
+
+    def lagrangian(
+        self, weight: float, recompute: bool, time_scale: float = 1.0
+    ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        """Per operator, time_scale x time + weight x memory per candidate at its better optimizer choice,
+        and where (per candidate) that choice is the parallel optimizer (None: never). Ties keep the
+        plain one."""
+        with_recompute = MemoryChoices(recompute=recompute)
+        sharding = MemoryChoices(frozenset(self.sharded), recompute)
+        unary: list[np.ndarray] = []
+        takes: list[np.ndarray | None] = []
+        for node in range(self.size):
+            time, memory = self.node_arrays(node, with_recompute)
+            plain = time_scale * time + weight * memory if weight else time_scale * time
+            if node not in self.sharded:
+                unary.append(plain)
+                takes.append(None)
+                continue
+            time, memory = self.node_arrays(node, sharding)
+            other = time_scale * time + weight * memory if weight else time_scale * time
+            better = other < plain
+            unary.append(np.where(better, other, plain))
+            takes.append(better if better.any() else None)
+        return unary, takes
+
+    @staticmethod
+    def choices_at(choice: Sequence[int], takes: Sequence[np.ndarray | None], recompute: bool) -> MemoryChoices:
+        """The memory choices `lagrangian` made for the candidates of one plan."""
+        sharded = frozenset(i for i, (c, t) in enumerate(zip(choice, takes)) if t is not None and t[c])
+        return MemoryChoices(sharded, recompute)
+
+    def hidden(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
+        """Seconds of gradient synchronisation hidden behind the backward pass."""
+        return sum(
+            float((self.sharded[i].hidden if i in choices.sharded else self.node_hidden[i])[c])
+            for i, c in enumerate(choice)
+        )
 
     @cached_property
     def edges(self) -> dict[tuple[int, int], np.ndarray]:
         """Full candidate-by-candidate cost matrix per pair of operators (for the ILP and brute force)."""
+        return self.edges_for(False)
+
+    def edges_for(self, recompute: bool) -> dict[tuple[int, int], np.ndarray]:
+        """`edges`, with the forward redistributions inside repeated blocks paid twice if ``recompute``."""
         edges: dict[tuple[int, int], np.ndarray] = {}
-        for factor, shift in self._all_factors():
+        for factor, shift in self._all_factors(recompute):
             (i, j), (rows, cols) = (u + shift for u in factor.scope), factor.maps
             matrix = factor.table[np.ix_(rows, cols)]
             edges[(i, j)] = edges[(i, j)] + matrix if (i, j) in edges else matrix
         return edges
 
-    def memory(self, choice: Sequence[int]) -> float:
-        return sum(float(self.node_memory[i][c]) for i, c in enumerate(choice))
+    def memory(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
+        return sum(float(self.node_arrays(i, choices)[1][c]) for i, c in enumerate(choice))
 
     def choice_for(self, strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[int]:
         """Candidate indices for a full assignment of strategies; StrategyError on anything invalid."""
@@ -209,37 +294,107 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = 
     layouts = _Layouts(problem)
     solver = _plan_search(problem, layouts, costed, run_of)
     every = max(1, len(rules) // 100)
+    costs: list[NodeCosts] = []
     for node in range(len(rules)):
         if node % every == 0:
             progress.report("costing operators", node, len(rules))
-        if node in copy_of:
-            problem.node_compute.append(np.empty(0))
-            problem.node_communication.append(np.empty(0))
-            problem.node_time.append(np.empty(0))
-            problem.node_memory.append(np.empty(0))
-            continue
-        compute, sync, memory = _node_costs(problem, node)
-        problem.node_compute.append(compute)
-        problem.node_communication.append(sync)
-        problem.node_time.append(compute + sync)
-        problem.node_memory.append(memory)
+        costs.append(costs[copy_of[node]] if node in copy_of else _node_costs(problem, node))
     per_run: list[list[Factor]] = [[] for _ in repeats]
-    for use, factor in zip(costed, _edge_costs(problem, costed, layouts)):
+    per_run_again: list[list[Factor]] = [[] for _ in repeats]
+    own: dict[int, np.ndarray] = {}  # operators reading their own output pay that redistribution themselves
+    for use, (factor, forward) in zip(costed, _edge_costs(problem, costed, layouts)):
         if factor is None:
-            continue
-        if use.dst_node in run_of:
+            own[use.src_node] = own.get(use.src_node, 0.0) + forward
+        elif use.dst_node in run_of:
             per_run[run_of[use.dst_node]].append(factor)
+            per_run_again[run_of[use.dst_node]].append(Factor(factor.scope, factor.maps, factor.table + forward))
         else:
             problem.factors.append(factor)
-    for node, source in copy_of.items():
-        problem.node_compute[node] = problem.node_compute[source]
-        problem.node_communication[node] = problem.node_communication[source]
-        problem.node_time[node] = problem.node_time[source]
-        problem.node_memory[node] = problem.node_memory[source]
+    _compose(
+        problem,
+        costs,
+        {node: own[copy_of.get(node, node)] for node in range(len(rules)) if copy_of.get(node, node) in own},
+        repeats,
+    )
     problem.folds = list(zip(repeats, per_run))
+    problem.recompute_folds = list(zip(repeats, per_run_again))
     solver.bind(problem.factors, problem.folds)
     problem.solver = solver
     return problem
+
+
+def _compose(
+    problem: SearchProblem, costs: list[NodeCosts], own: Mapping[int, np.ndarray], repeats: Sequence[Repeat]
+) -> None:
+    """Each operator's time and memory arrays: overlap, the parallel optimizer and recomputation.
+
+    Overlap: the gradient sync of an operator's parameters starts once its backward is done and
+    runs beside the backward of the operators before it, back to the previous operator with large
+    parameters, whose sync comes next (one bucket at a time, in backward order). Small parameters
+    (under 1% of the elements of the largest operator's: biases, norm scales) ride in the next
+    bucket and hide nothing. The backward a bucket hides behind is taken at each operator's
+    fastest candidate, so the objective stays additive and the DP exact; a plan that leaves
+    devices idle hides somewhat more than this says, and slack in one window never covers the
+    next (an upper bound on what the queue of buckets exposes). Inside a run of repeated blocks
+    the window stops at the block's start, so every copy costs the same.
+    """
+    cost = problem.cost
+    backward = [float(np.min(c.compute - c.forward)) if len(c.compute) else 0.0 for c in costs]
+    copy_start: dict[int, int] = {}
+    last_of_copy: set[int] = set()
+    for repeat in repeats:
+        for k in range(repeat.copies):
+            block = list(repeat.block(k))
+            last_of_copy.add(block[-1])
+            for node in block:
+                copy_start[node] = block[0]
+    previous = 0
+    cumulative = np.concatenate([[0.0], np.cumsum(backward)])
+    hide = [0.0] * len(costs)
+    largest = max((c.parameter_elements for c in costs), default=0)
+    for node, c in enumerate(costs):
+        if not c.parameter_elements or 100 * c.parameter_elements < largest:
+            continue
+        start = max(previous, copy_start.get(node, 0))
+        hide[node] = float(cumulative[node] - cumulative[start]) if cost.overlap else 0.0
+        previous = node
+
+    def exposed(sync: np.ndarray, node: int) -> np.ndarray:
+        return np.maximum(sync - hide[node], 0.0)
+
+    cache: dict[int, tuple] = {}  # copies share their first copy's arrays
+    for node, c in enumerate(costs):
+        key = id(c)
+        if key not in cache:
+            extra = own.get(node, 0.0)
+            shown = exposed(c.gradient_sync, node)
+            communication = c.communication + extra + shown
+            entry: list = [c.compute + communication, communication, c.memory, c.gradient_sync - shown, None]
+            if c.parameter_elements and c.state_saving.any():
+                shown = exposed(c.scatter, node)
+                communication = c.communication + extra + shown + c.gather
+                entry[4] = Alternative(
+                    c.compute + communication, communication, c.memory - c.state_saving, c.scatter - shown
+                )
+            cache[key] = tuple(entry)
+        time, communication, memory, hidden, alternative = cache[key]
+        problem.node_compute.append(c.compute)
+        problem.node_communication.append(communication)
+        problem.node_time.append(time)
+        problem.node_memory.append(memory)
+        problem.node_hidden.append(hidden)
+        if alternative is not None:
+            problem.sharded[node] = alternative
+    for repeat in repeats:
+        kept = (repeat.copies - 1) / repeat.copies  # one block's activations stay, rebuilt in turn
+        for node in range(repeat.start, repeat.start + repeat.copies * repeat.period):
+            c = costs[node]
+            problem.recompute_time[node] = c.forward
+            if node in last_of_copy:  # its output is the next block's input: kept
+                problem.recompute_memory[node] = np.zeros(len(c.memory))
+            else:
+                problem.recompute_memory[node] = -kept * c.activations
+                problem.recompute_share[node] = 1.0 - kept
 
 
 def _check_size(problem: SearchProblem, uses: Sequence[TensorUse]) -> None:
@@ -340,8 +495,24 @@ def backward_passes(problem: SearchProblem, node: int) -> int:
     return 1 if grad_inputs else 0
 
 
-def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per candidate: compute seconds, communication seconds the node owns, memory bytes.
+@dataclass(frozen=True)
+class NodeCosts:
+    """One operator's figures per candidate, before overlap and the memory choices apply."""
+
+    compute: np.ndarray  # forward and backward seconds
+    forward: np.ndarray  # forward seconds, paid again when the operator is recomputed
+    communication: np.ndarray  # collectives on the critical path (backward AllReduce of inputs read whole, ...)
+    gradient_sync: np.ndarray  # the AllReduce of the trainable parameters it owns
+    scatter: np.ndarray  # with a parallel optimizer: their gradients' ReduceScatter instead ...
+    gather: np.ndarray  # ... and the AllGather of the updated weights before the next forward
+    memory: np.ndarray  # bytes per device: parameter state, inputs, activations kept for backward
+    state_saving: np.ndarray  # bytes a parallel optimizer saves (0 where the parameters are split everywhere)
+    activations: np.ndarray  # bytes of its outputs kept for backward (dropped when recomputed)
+    parameter_elements: int  # of the trainable parameters it owns (their sync starts after its backward)
+
+
+def _node_costs(problem: SearchProblem, node: int) -> NodeCosts:
+    """Per candidate: compute and communication seconds the node owns, memory bytes.
 
     Vectorised over candidates: a tensor's local size is its size shifted right by the
     exponents of the labels splitting it, and the bits a gradient is partial over are a mask
@@ -394,8 +565,11 @@ def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarr
         forward = np.maximum(work, traffic / cost.memory_bandwidth)
     compute = forward * (1.0 + cost.backward_factor * backward_passes(problem, node))
 
-    sync = np.zeros(count)
+    communication = np.zeros(count)
+    gradient_sync, scatter, gather = np.zeros(count), np.zeros(count), np.zeros(count)
+    memory, state_saving = np.zeros(count), np.zeros(count)
     gradient_bytes = cost.gradient_itemsize()
+    parameter_elements = 0
     for slot, name in enumerate(op.inputs):
         if not name:
             continue
@@ -403,52 +577,76 @@ def _node_costs(problem: SearchProblem, node: int) -> tuple[np.ndarray, np.ndarr
         owns = problem.owner.get(name) == (node, slot)
         info = graph.tensor(name)
         if grad.get(name, False) and not (owns and info.kind == "parameter"):
-            latency, per_byte = _all_reduce_coefficients(absent_mask(labels), cost)
-            sync = sync + (latency * 1.0 + per_byte * (local(info, labels) * gradient_bytes))
-        if owns and info.kind == "parameter" and info.trainable:
-            nbytes = local(info, labels) * gradient_bytes
-            latency, per_byte = _all_reduce_coefficients(absent_mask(labels), cost)
-            sync = sync + (latency * np.minimum(1.0, nbytes / cost.fusion_bytes) + per_byte * nbytes)
+            latency, per_byte = _collective_coefficients(Collective.ALL_REDUCE, absent_mask(labels), cost)
+            communication = communication + (latency * 1.0 + per_byte * (local(info, labels) * gradient_bytes))
+        if not owns:
+            continue
+        numel = local(info, labels)
+        if info.kind != "parameter":
+            memory = memory + numel * problem.itemsize(info)
+            continue
+        memory = memory + numel * cost.parameter_bytes_per_element(info.trainable)
+        if not info.trainable:
+            continue
+        parameter_elements += info.numel
+        mask = absent_mask(labels)
+        nbytes = numel * gradient_bytes
+        scale = np.minimum(1.0, nbytes / cost.fusion_bytes)  # fused buckets pay the latency once
+        for kind, total in (
+            (Collective.ALL_REDUCE, gradient_sync),
+            (Collective.REDUCE_SCATTER, scatter),
+            (Collective.ALL_GATHER, gather),
+        ):
+            latency, per_byte = _collective_coefficients(kind, mask, cost)
+            total += latency * scale + per_byte * nbytes
+        shards = np.ldexp(1.0, np.bitwise_count(mask).astype(np.int64))
+        state_saving = state_saving + numel * cost.parameter_bytes_split(True)[1] * (1.0 - 1.0 / shards)
     outputs_graph = set(graph.outputs)
     if any(name in outputs_graph for name in op.outputs) and spec.reduced_labels:
         for c in range(count):  # a partial graph output is reduced: rare, costed one candidate at a time
             for name, layout in zip(op.outputs, rule.candidate_layouts(c)[1]):
                 if name and name in outputs_graph and layout is not None and layout.partial:
-                    sync[c] += problem.redistribution(name, layout, Layout(layout.dims))[1]
+                    communication[c] += problem.redistribution(name, layout, Layout(layout.dims))[1]
 
-    memory = np.zeros(count)
-    for slot, name in enumerate(op.inputs):
-        if not name or problem.owner.get(name) != (node, slot):
-            continue
-        info = graph.tensor(name)
-        numel = local(info, spec.inputs[slot] if slot < len(spec.inputs) else None)
-        if info.kind == "parameter":
-            memory = memory + numel * cost.parameter_bytes_per_element(info.trainable)
-        else:
-            memory = memory + numel * problem.itemsize(info)
+    activations = np.zeros(count)
     for labels, name in outputs:
         if name and name in problem.kept:
             info = graph.tensor(name)
-            memory = memory + local(info, labels) * problem.itemsize(info)
+            activations = activations + local(info, labels) * problem.itemsize(info)
+    memory = memory + activations
     if Keeps.STATISTICS in rule.keeps and _backward_runs(rule, grad):
         labels = spec.inputs[0] or ()
         rows = math.prod(size for size, label in zip(graph.tensor(op.inputs[0]).shape, labels) if label is not None)
-        memory = memory + (np.int64(rows) >> split(labels)) * STATISTICS_BYTES_PER_ROW
-    return compute, sync, memory
+        statistics = (np.int64(rows) >> split(labels)) * STATISTICS_BYTES_PER_ROW
+        memory, activations = memory + statistics, activations + statistics
+    return NodeCosts(
+        compute,
+        forward,
+        communication,
+        gradient_sync,
+        scatter,
+        gather,
+        memory,
+        state_saving,
+        activations,
+        parameter_elements,
+    )
 
 
-def _all_reduce_coefficients(masks: np.ndarray, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
-    """(latency, per byte) of an AllReduce over each candidate's bit mask, each distinct mask once."""
+def _collective_coefficients(kind: Collective, masks: np.ndarray, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """(latency, per byte) of a collective over each candidate's bit mask, each distinct mask once."""
     unique, inverse = np.unique(masks, return_inverse=True)
     latency = np.empty(len(unique))
     per_byte = np.empty(len(unique))
     for index, mask in enumerate(unique.tolist()):
         bits = tuple(b for b in range(mask.bit_length() - 1, -1, -1) if (mask >> b) & 1)
-        latency[index], per_byte[index] = cost.collective_coefficients(Collective.ALL_REDUCE, bits)
+        latency[index], per_byte[index] = cost.collective_coefficients(kind, bits)
     return latency[inverse.reshape(-1)], per_byte[inverse.reshape(-1)]
 
 
-def memory_items(problem: SearchProblem, node: int, choice: int) -> list[tuple[str, str, float]]:
+def memory_items(
+    problem: SearchProblem, node: int, choice: int, choices: MemoryChoices = NO_MEMORY_CHOICES
+) -> list[tuple[str, str, float]]:
     """(tensor, role, bytes per device) an operator's candidate keeps resident.
 
     Roles: "parameter" (weights with their FP32 master copy, gradient and optimizer state, as the
@@ -464,20 +662,24 @@ def memory_items(problem: SearchProblem, node: int, choice: int) -> list[tuple[s
         info = graph.tensor(name)
         numel = rule.input_layout(choice, slot).local_numel(info.shape)
         if info.kind == "parameter":
-            items.append((name, "parameter", numel * cost.parameter_bytes_per_element(info.trainable)))
+            shards = 1
+            if node in choices.sharded and info.trainable:
+                shards = 1 << len(problem.gradient_sync_bits(node, rule.candidates[choice], slot))
+            items.append((name, "parameter", numel * cost.parameter_bytes_per_element(info.trainable, shards)))
         else:
             items.append((name, "input", numel * problem.itemsize(info)))
+    share = problem.recompute_share.get(node, 1.0) if choices.recompute else 1.0
     for name, layout in zip(op.outputs, out_layouts):
         if name and name in problem.kept:
             info = graph.tensor(name)
-            items.append((name, "activation", _local_bytes(layout, info, problem.itemsize(info))))
+            items.append((name, "activation", share * _local_bytes(layout, info, problem.itemsize(info))))
     if Keeps.STATISTICS in rule.keeps and _backward_runs(rule, problem.requires_grad):
         layout = rule.input_layout(choice, 0)
         x = graph.tensor(op.inputs[0])
         labels = rule.spec.inputs[0] or ()
         rows = math.prod(size for size, label in zip(x.shape, labels) if label is not None)
         shards = x.numel // max(1, layout.local_numel(x.shape))
-        items.append((f"{op.name} statistics", "activation", rows // shards * STATISTICS_BYTES_PER_ROW))
+        items.append((f"{op.name} statistics", "activation", share * (rows // shards * STATISTICS_BYTES_PER_ROW)))
     return items
 
 
@@ -532,9 +734,12 @@ def _plan_search(problem: SearchProblem, layouts: _Layouts, uses: list[TensorUse
     return Solver(sizes=sizes, factors=main, folds=folds)
 
 
-def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse], layouts: _Layouts) -> list[Factor | None]:
-    """Each use's cost table (None for an operator reading its own output, whose cost joins its node
-    cost), from the coefficients of each distinct layout pair computed once."""
+def _edge_costs(
+    problem: SearchProblem, uses: Sequence[TensorUse], layouts: _Layouts
+) -> list[tuple[Factor | None, np.ndarray]]:
+    """Each use's cost table and the table of its forward part alone (paid again when the consumer
+    is recomputed), from the coefficients of each distinct layout pair computed once. An operator
+    reading its own output has no table (None) and its cost per candidate instead."""
     distinct_layouts = layouts.of
     rows, layout_ids = layouts.rows, layouts.ids
     groups: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray]] = {}
@@ -577,24 +782,22 @@ def _edge_costs(problem: SearchProblem, uses: Sequence[TensorUse], layouts: _Lay
         per_group[key] = tuple(c[where].reshape(len(src_ids), len(dst_ids)) for c in coefficients)
         at += size
 
-    factors: list[Factor | None] = []
+    factors: list[tuple[Factor | None, np.ndarray]] = []
     for use in uses:
         src_ids, src_pos = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)
         dst_ids, dst_pos = distinct_layouts(use.dst_node, False, use.dst_slot)
         info = problem.graph.tensor(use.tensor)
         total_bytes = info.numel * problem.itemsize(info)
         forward_latency, forward_per_byte, latency, per_byte = per_group[(src_ids.tobytes(), dst_ids.tobytes())]
-        if not problem.requires_grad.get(use.tensor, False):
-            latency, per_byte = forward_latency, forward_per_byte
-        small = latency + per_byte * total_bytes
+        forward = forward_latency + forward_per_byte * total_bytes
+        small = latency + per_byte * total_bytes if problem.requires_grad.get(use.tensor, False) else forward
         i, j = use.src_node, use.dst_node
         if i == j:
-            own = small[src_pos, dst_pos]
-            problem.node_time[i] = problem.node_time[i] + own
-            problem.node_communication[i] = problem.node_communication[i] + own
-            factors.append(None)
+            factors.append((None, small[src_pos, dst_pos]))
         elif i < j:
-            factors.append(Factor((i, j), (src_pos, dst_pos), small))
+            factors.append((Factor((i, j), (src_pos, dst_pos), small), forward))
         else:
-            factors.append(Factor((j, i), (dst_pos, src_pos), np.ascontiguousarray(small.T)))
+            factors.append(
+                (Factor((j, i), (dst_pos, src_pos), np.ascontiguousarray(small.T)), np.ascontiguousarray(forward.T))
+            )
     return factors
