@@ -12,6 +12,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -23,12 +24,12 @@ import onnx
 from autopar import progress
 from autopar.cost import PRECISIONS, CostModel, HardwareProfile, load_profile
 from autopar.cost.rank_table import read_rank_table
-from autopar.errors import AutoparError, FallbackWarning, RenamedOperatorsWarning
+from autopar.errors import AutoparError, FallbackWarning, InfeasibleError, RenamedOperatorsWarning
 from autopar.graph import Graph, freeze, load_model
 from autopar.layout import is_power_of_two, mesh_bits_for
-from autopar.limits import MAX_DEVICES, MAX_SEED
+from autopar.limits import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_SEED
 from autopar.lowering import PLAN_FILE_FIELDS, Plan, PlanFile, read_plan_file
-from autopar.search.driver import ALGORITHMS, MODES, run_search
+from autopar.search.driver import ALGORITHMS, MODES, SearchResult, run_search
 from autopar.search.problem import SearchProblem, build_problem
 from autopar.spmd import VerifyReport, verify_problem
 from autopar.strategy import OpRule
@@ -103,6 +104,7 @@ def plan(
     frozen: Sequence[str] = (),
     overlap: bool = True,
     rank_table: RankTable | None = None,
+    micro_batches: int | None = None,
 ) -> Plan:
     """Search the best sharding plan for ``model`` on ``devices`` devices.
 
@@ -112,18 +114,30 @@ def plan(
     adds every gradient synchronisation to the step instead of hiding it behind the backward.
     ``rank_table`` (MindSpore's rank_table.json, a path or its parsed JSON) gives the device count
     (8 by default without one) and the servers, whose shape re-derives the cost model's link levels.
+    ``micro_batches``: gradient accumulation over this many micro-batches of the batch; None (the
+    default) uses one unless nothing fits, then the fewest of 2, 4, 8, ... with a plan that fits.
     """
     if mode not in MODES:
         raise AutoparError(f"Unknown mode {mode!r}; choose one of: {', '.join(MODES)}.")
     if search not in ALGORITHMS:
         raise AutoparError(f"Unknown search algorithm {search!r}; choose one of: {', '.join(ALGORITHMS)}.")
+    if micro_batches is not None and (
+        isinstance(micro_batches, bool)
+        or not isinstance(micro_batches, int)
+        or not 0 < micro_batches <= MAX_MICRO_BATCHES
+    ):
+        raise AutoparError(f"micro_batches must be an integer from 1 to {MAX_MICRO_BATCHES}, got {micro_batches!r}.")
     devices, cost_model = _cluster(devices, cost_model, rank_table)
     _check_devices(devices)
+    cost = _cost_model(cost_model, precision, overlap)
     started = time.perf_counter()
     progress.report("import", 0, 1)
     graph = _graph(model, batch, dims, frozen)
+    step_batch = _common_batch(graph)
+    if micro_batches is not None and micro_batches > 1:
+        graph = _graph(model, _micro_batch(step_batch, micro_batches, graph), dims, frozen)
     imported = time.perf_counter()
-    problem = build_problem(graph, _cost_model(cost_model, precision, overlap), devices)
+    problem = build_problem(graph, cost, devices)
     costed = time.perf_counter()
     if problem.graph.renamed_ops:
         pairs = ", ".join(f"{new!r}" for new in list(problem.graph.renamed_ops)[:5])
@@ -134,12 +148,61 @@ def plan(
             RenamedOperatorsWarning,
             stacklevel=2,
         )
-    found = run_search(problem, mode, search)
+    try:
+        found = run_search(problem, mode, search)
+    except InfeasibleError:
+        if micro_batches is not None or mode != "auto_parallel" or isinstance(model, Graph) or step_batch is None:
+            raise
+        accumulated = _accumulate(model, step_batch, dims, frozen, cost, devices, search)
+        if accumulated is None:
+            raise
+        problem, found = accumulated
+    if micro_batches is not None and micro_batches > 1:
+        found = dataclasses.replace(found, choices=dataclasses.replace(found.choices, micro_batches=micro_batches))
     phases = {"import": imported - started, "costing": costed - imported, "search": found.time_s}
     result = Plan.lower(problem, found, mode, phases)
     if result.fallback_ops:
         warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=2)
     return result
+
+
+def _common_batch(graph: Graph) -> int | None:
+    """The leading size every data input shares (the batch), or None."""
+    sizes = {graph.tensor(name).shape[0] for name in graph.inputs if graph.tensor(name).shape}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _micro_batch(step_batch: int | None, micro_batches: int, graph: Graph) -> int:
+    if step_batch is None:
+        raise AutoparError(
+            f"Gradient accumulation needs a batch: the data inputs of {graph.name!r} do not share a leading size."
+        )
+    if step_batch % micro_batches:
+        raise AutoparError(f"The batch of {step_batch} does not split into {micro_batches} equal micro-batches.")
+    return step_batch // micro_batches
+
+
+def _accumulate(
+    model: ModelLike,
+    step_batch: int,
+    dims: Mapping[str, int] | None,
+    frozen: Sequence[str],
+    cost: CostModel,
+    devices: int,
+    search: str,
+) -> tuple[SearchProblem, SearchResult] | None:
+    """Nothing fits in one batch: the fewest micro-batches (2, 4, ...) with a plan that fits (None: none)."""
+    k = 2
+    while k <= MAX_MICRO_BATCHES and step_batch % k == 0:
+        progress.report("micro-batches", k, MAX_MICRO_BATCHES)
+        problem = build_problem(_graph(model, step_batch // k, dims, frozen), cost, devices)
+        try:
+            found = run_search(problem, "auto_parallel", search)
+        except InfeasibleError:
+            k *= 2
+            continue
+        return problem, dataclasses.replace(found, choices=dataclasses.replace(found.choices, micro_batches=k))
+    return None
 
 
 def candidates(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar import progress
 from autopar.errors import AutoparError, AutoparWarning, UnknownDimensionError, UnknownSymbolError
-from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_SEED
+from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_MICRO_BATCHES, MAX_SEED
 from autopar.search.driver import ALGORITHMS, MODES
 
 if TYPE_CHECKING:
@@ -60,6 +60,10 @@ def _devices(text: str) -> int:
 
 def _batch(text: str) -> int:
     return _integer("--batch", text, 1, MAX_DIMENSION)
+
+
+def _micro_batches(text: str) -> int:
+    return _integer("--micro-batches", text, 1, MAX_MICRO_BATCHES)
 
 
 def _seed(text: str) -> int:
@@ -119,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME",
         help="a parameter not to train (a name or a shell glob such as 'embed.*'; repeatable)",
+    )
+    plan.add_argument(
+        "--micro-batches",
+        type=_micro_batches,
+        help="accumulate gradients over this many micro-batches of the batch (default: 1, or the fewest of"
+        " 2, 4, ... that fit when nothing fits in one)",
     )
     plan.add_argument(
         "--no-overlap",
@@ -221,6 +231,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             search=args.search,
             frozen=args.frozen,
             overlap=args.overlap,
+            micro_batches=args.micro_batches,
         )
         text = result.to_json() + "\n" if args.format == "json" else plan_table(result)  # lowering reports too
     if cluster is not None and args.format == "table":  # the levels the rank table implies, under the title

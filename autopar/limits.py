@@ -18,6 +18,9 @@ holds one entry per element of a 1-D integer input (a label vector), so a batch 
 need tens of GB before planning starts; 2^24 costs about 1.4 GB and 4 s."""
 
 MAX_SEED = (1 << 64) - 1
+
+# Gradient accumulation tried when nothing fits in one batch: 2, 4, ... micro-batches, at most this many.
+MAX_MICRO_BATCHES = 64
 """Any non-negative integer below 2^64 seeds numpy's generator; a negative seed has no meaning."""
 
 MAX_CANDIDATES_PER_OPERATOR = 50_000

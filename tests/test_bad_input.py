@@ -192,10 +192,26 @@ def test_a_tiny_capacity_is_said_in_bytes(capsys, tmp_path):
 
 
 def test_a_batch_too_big_for_activations_says_so(capsys):
-    code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--batch", "65536")
+    code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--batch", "65536", "--micro-batches", "1")
     assert code == 1
     sentence = one_sentence(err)
     assert "activations and inputs that do not fit" in sentence and "at least 1 devices" not in sentence
+
+
+def test_a_batch_too_big_for_activations_is_accumulated_in_micro_batches(capsys):
+    code, out, _ = run(capsys, "plan", RESNET50, "--devices", "8", "--batch", "65536", "--format", "json")
+    assert code == 0
+    plan = json.loads(out)
+    k = plan["memory_plan"]["micro_batches"]
+    assert k > 1 and 65536 % k == 0
+    assert plan["ops"][0]["inputs"][0]["tensor"] == "images"
+    assert plan["totals"]["memory_per_device_bytes"] <= plan["totals"]["memory_capacity_bytes"]
+
+
+def test_a_micro_batch_count_that_does_not_divide_the_batch_is_one_sentence(capsys):
+    code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--micro-batches", "3")
+    assert code == 1
+    assert "does not split into 3 equal micro-batches" in one_sentence(err)
 
 
 def test_a_plan_file_with_ops_only_names_the_missing_schema(capsys, tmp_path):

@@ -202,16 +202,19 @@ def mesh_links(problem: SearchProblem) -> list[LinkUse]:
 def memory_plan(problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices) -> MemoryPlan:
     names = [entry.parameter for entry in gradient_sync(problem, choice, choices) if entry.optimizer_shards]
     recomputed = [problem.rules[repeat.start].op.name for repeat, _ in problem.folds] if choices.recompute else []
-    return MemoryPlan(parallel_optimizer=names, recompute=recomputed)
+    return MemoryPlan(parallel_optimizer=names, recompute=recomputed, micro_batches=choices.micro_batches)
 
 
 def totals(problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> Totals:
+    """The plan's figures for a whole step (with k micro-batches: k micro-steps, one gradient sync)."""
+    k = choices.micro_batches
     compute = sum(float(problem.node_compute[i][c]) for i, c in enumerate(choice))
     if choices.recompute:
         compute += sum(float(problem.recompute_time[i][c]) for i, c in enumerate(choice) if i in problem.recompute_time)
+    compute *= k
     step = problem.objective(choice, choices)
-    data_parallel = problem.objective(data_parallel_choice(problem))
-    flops = training_flops(problem)
+    data_parallel = problem.objective(data_parallel_choice(problem), MemoryChoices(micro_batches=k))
+    flops = training_flops(problem) * k
     return Totals(
         step_time_s=rounded(step),
         compute_s=rounded(compute),

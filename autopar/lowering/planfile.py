@@ -195,6 +195,10 @@ class MemoryPlan(_Part):
     recompute: list[str] = Field(
         description="the first operator of each run of repeated blocks whose activations are recomputed"
     )
+    micro_batches: PositiveInt = Field(
+        description="gradient accumulation: the step runs this many micro-batches (shapes in the plan are one"
+        " micro-batch's) and synchronises gradients once"
+    )
 
 
 class RepeatedBlock(_Part):

@@ -63,13 +63,28 @@ def plan_table(plan: Plan) -> str:
         + f"; {_ms(red_seconds)} ms forward+backward"
     )
     synced = [g for g in data["gradient_sync"] if g["collective"]]
+    totals = data["totals"]
     lines.append(
-        f"gradient sync:   {len(synced)} of {len(data['gradient_sync'])} parameters AllReduced,"
-        f" {human_bytes(sum(g['bytes'] for g in synced))}, {_ms(sum(g['seconds'] for g in synced))} ms"
+        f"gradient sync:   {len(synced)} of {len(data['gradient_sync'])} parameters synchronised,"
+        f" {human_bytes(sum(g['bytes'] for g in synced))}, {_ms(totals['gradient_sync_s'])} ms"
+        f" ({_ms(totals['hidden_communication_s'])} ms hidden behind the backward)"
     )
+    memory_plan = data["memory_plan"]
+    relief = []
+    if memory_plan["parallel_optimizer"]:
+        relief.append(f"parallel optimizer on {len(memory_plan['parallel_optimizer'])} parameters")
+    if memory_plan["recompute"]:
+        relief.append(f"recompute the repeated blocks from {', '.join(memory_plan['recompute'])}")
+    if memory_plan["micro_batches"] > 1:
+        relief.append(f"{memory_plan['micro_batches']} micro-batches (gradient accumulation)")
+    if relief:
+        lines.append(f"memory plan:     {'; '.join(relief)}")
     if data["fallback_ops"]:
         lines.append(f"fallback ops:    {len(data['fallback_ops'])} kept replicated: {', '.join(data['fallback_ops'])}")
-    totals = data["totals"]
+    breakdown = ", ".join(f"{key.replace('_', ' ')} {human_bytes(v)}" for key, v in totals["memory_breakdown"].items())
+    links = ", ".join(
+        f"{link['name']} {len(link['bits'])} bit{'s' if len(link['bits']) > 1 else ''}" for link in data["links"]
+    )
     lines += [
         "",
         f"step time:        {_ms(totals['step_time_s'])} ms predicted"
@@ -78,7 +93,8 @@ def plan_table(plan: Plan) -> str:
         f"  -> this plan is x{totals['speedup_vs_data_parallel']:.3f}",
         f"ideal step time:  {_ms(totals['ideal_step_time_s'])} ms (training FLOPs / (devices x peak))",
         f"memory/device:    {human_bytes(totals['memory_per_device_bytes'])}"
-        f" of {human_bytes(totals['memory_capacity_bytes'])}",
+        f" of {human_bytes(totals['memory_capacity_bytes'])} ({breakdown})",
+        f"mesh:             {data['devices']} devices" + (f" over {links}" if links else ""),
         f"search:           {data['search']['algorithm']} over {data['search']['candidates']} candidates"
         f" of {data['search']['operators']} operators",
     ]

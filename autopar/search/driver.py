@@ -197,7 +197,8 @@ def _infeasible_message(
         )
     else:
         advice = (
-            f"the parameters' training state alone ({human_bytes(state)}) would fit on {problem.num_devices:,} devices,"
+            f"the parameters' training state alone ({human_bytes(state)}) would fit on {problem.num_devices:,}"
+            f" device{'s' if problem.num_devices > 1 else ''},"
             " so it is the activations and inputs that do not fit: use a smaller batch or more devices"
         )
     return (

@@ -57,11 +57,13 @@ class MemoryChoices:
     ``enable_parallel_optimizer``, ZeRO-2: gradient and optimizer state split over the bits the
     parameter is replicated on; ReduceScatter, then AllGather of the updated weights);
     ``recompute``: every folded run of repeated blocks keeps only each block's input and runs
-    its forward again in the backward pass.
+    its forward again in the backward pass; ``micro_batches``: the problem is one micro-batch of
+    a step that accumulates gradients over this many (the gradient sync is paid once a step).
     """
 
     sharded: frozenset[int] = frozenset()
     recompute: bool = False
+    micro_batches: int = 1
 
 
 NO_MEMORY_CHOICES = MemoryChoices()
@@ -75,6 +77,7 @@ class Alternative:
     communication: np.ndarray
     memory: np.ndarray
     hidden: np.ndarray
+    sync: np.ndarray  # the part of ``time`` paid once a step: exposed gradient sync and weight gathers
 
 
 @dataclass
@@ -91,6 +94,7 @@ class SearchProblem:
     node_communication: list[np.ndarray] = field(default_factory=list)
     node_memory: list[np.ndarray] = field(default_factory=list)
     node_hidden: list[np.ndarray] = field(default_factory=list)  # gradient sync hidden behind the backward
+    node_sync: list[np.ndarray] = field(default_factory=list)  # gradient sync exposed (paid once a step)
     sharded: dict[int, Alternative] = field(default_factory=dict)  # where a parallel optimizer saves memory
     recompute_time: dict[int, np.ndarray] = field(default_factory=dict)  # run operators: forward again
     recompute_memory: dict[int, np.ndarray] = field(default_factory=dict)  # run operators: bytes freed (<= 0)
@@ -115,11 +119,20 @@ class SearchProblem:
         return self.rules[node].candidates
 
     def objective(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
-        """Predicted step time of one assignment (candidate index per node)."""
+        """Predicted step time of one assignment (candidate index per node).
+
+        With k micro-batches the step is k micro-steps, the gradient sync paid once.
+        """
         total = sum(float(self.node_arrays(i, choices)[0][c]) for i, c in enumerate(choice))
         for factor, shift in self._all_factors(choices.recompute):
             total += factor.value([choice[u + shift] for u in factor.scope])
-        return total
+        if choices.micro_batches == 1:
+            return total
+        once = sum(
+            float((self.sharded[i].sync if i in choices.sharded else self.node_sync[i])[c])
+            for i, c in enumerate(choice)
+        )
+        return choices.micro_batches * (total - once) + once
 
     def _all_factors(self, recompute: bool = False) -> list[tuple[Factor, int]]:
         """Every edge factor with the node shift of its copy (0 outside folded runs)."""
@@ -369,20 +382,25 @@ def _compose(
             extra = own.get(node, 0.0)
             shown = exposed(c.gradient_sync, node)
             communication = c.communication + extra + shown
-            entry: list = [c.compute + communication, communication, c.memory, c.gradient_sync - shown, None]
+            entry: list = [c.compute + communication, communication, c.memory, c.gradient_sync - shown, shown, None]
             if c.parameter_elements and c.state_saving.any():
                 shown = exposed(c.scatter, node)
                 communication = c.communication + extra + shown + c.gather
-                entry[4] = Alternative(
-                    c.compute + communication, communication, c.memory - c.state_saving, c.scatter - shown
+                entry[5] = Alternative(
+                    c.compute + communication,
+                    communication,
+                    c.memory - c.state_saving,
+                    c.scatter - shown,
+                    shown + c.gather,
                 )
             cache[key] = tuple(entry)
-        time, communication, memory, hidden, alternative = cache[key]
+        time, communication, memory, hidden, sync, alternative = cache[key]
         problem.node_compute.append(c.compute)
         problem.node_communication.append(communication)
         problem.node_time.append(time)
         problem.node_memory.append(memory)
         problem.node_hidden.append(hidden)
+        problem.node_sync.append(sync)
         if alternative is not None:
             problem.sharded[node] = alternative
     for repeat in repeats:
