@@ -29,7 +29,7 @@ from autopar.graph import Graph, freeze, load_model
 from autopar.layout import is_power_of_two, mesh_bits_for
 from autopar.limits import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_SEED
 from autopar.lowering import PLAN_FILE_FIELDS, Plan, PlanFile, read_plan_file
-from autopar.search.driver import ALGORITHMS, MODES, SearchResult, run_search
+from autopar.search.driver import ALGORITHMS, MODES, SearchResult, parameter_state_bytes, run_search
 from autopar.search.problem import SearchProblem, build_problem
 from autopar.spmd import VerifyReport, verify_problem
 from autopar.strategy import OpRule
@@ -153,6 +153,8 @@ def plan(
     except InfeasibleError:
         if micro_batches is not None or mode != "auto_parallel" or isinstance(model, Graph) or step_batch is None:
             raise
+        if parameter_state_bytes(problem) / devices > cost.capacity:
+            raise  # the parameters alone do not fit: smaller micro-batches cannot help
         accumulated = _accumulate(model, step_batch, dims, frozen, cost, devices, search)
         if accumulated is None:
             raise

@@ -167,6 +167,13 @@ def _walk(
     return high, high_weight if math.isfinite(high_weight) else 0.0
 
 
+def parameter_state_bytes(problem: SearchProblem) -> float:
+    """The parameters' weights, gradients and optimizer state in all: at best split over every device,
+    whatever the batch (so no micro-batching makes a plan fit when this over the devices does not)."""
+    cost = problem.cost
+    return sum(info.numel * cost.parameter_bytes_per_element(info.trainable) for info in problem.graph.parameters)
+
+
 def _infeasible_message(
     problem: SearchProblem,
     choice: list[int],
@@ -183,8 +190,7 @@ def _infeasible_message(
         f"{name} ({human_bytes(nbytes)})" for name, _, nbytes in sorted(items, key=lambda item: (-item[2], item[0]))[:3]
     )
     what = "the leanest plan" if mode == "auto_parallel" else f"the {mode} plan"
-    cost = problem.cost
-    state = sum(info.numel * cost.parameter_bytes_per_element(info.trainable) for info in problem.graph.parameters)
+    state = parameter_state_bytes(problem)
     floor = max(1, math.ceil(state / capacity))
     devices = 1 << (floor - 1).bit_length()
     if devices > MAX_DEVICES:

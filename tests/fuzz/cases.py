@@ -198,7 +198,9 @@ _BAD_FLAGS: list[list[str]] = [
     ["--dim", "N=0"], ["--dim", f"N={2**63}"], ["--dim", "N=abc"], ["--dim", "Q=4"], ["--mode", "hybrid"],
     ["--precision", "fp8"], ["--search", "beam"], ["--format", "xml"], ["--cost-model", "nosuch"],
     ["--cost-model", "/nonexistent/x.toml"], ["--out", "/nonexistent/dir/plan.json"], ["--out", "."],
-    ["--no-such-flag"], ["--devices"],
+    ["--no-such-flag"], ["--devices"], ["--micro-batches", "0"], ["--micro-batches", "65"], ["--micro-batches", "3"],
+    ["--micro-batches", "x"], ["--frozen", "nosuch*"], ["--frozen", ""], ["--rank-table", "/nonexistent/rank.json"],
+    ["--rank-table", "model.onnx"], ["--no-overlap", "--devices", "5"],
 ]  # fmt: skip
 
 
