@@ -24,7 +24,13 @@ import onnx
 from autopar import progress
 from autopar.cost import PRECISIONS, CostModel, HardwareProfile, load_profile
 from autopar.cost.rank_table import read_rank_table
-from autopar.errors import AutoparError, FallbackWarning, InfeasibleError, RenamedOperatorsWarning
+from autopar.errors import (
+    AutoparError,
+    FallbackWarning,
+    InfeasibleError,
+    ModelImportError,
+    RenamedOperatorsWarning,
+)
 from autopar.graph import Graph, freeze, load_model
 from autopar.layout import is_power_of_two, mesh_bits_for
 from autopar.limits import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_SEED
@@ -197,7 +203,11 @@ def _accumulate(
     k = 2
     while k <= MAX_MICRO_BATCHES and step_batch % k == 0:
         progress.report("micro-batches", k, MAX_MICRO_BATCHES)
-        problem = build_problem(_graph(model, step_batch // k, dims, frozen), cost, devices)
+        try:
+            graph = _graph(model, step_batch // k, dims, frozen)
+        except ModelImportError:
+            return None  # the model does not import at another batch (a shape hard-coded for its own)
+        problem = build_problem(graph, cost, devices)
         try:
             found = run_search(problem, "auto_parallel", search)
         except InfeasibleError:

@@ -482,3 +482,11 @@ def test_a_mask_built_in_the_graph_is_a_constant_but_a_folded_weight_is_a_parame
     graph = load_model(make_model(nodes, [("X", TensorProto.FLOAT, [2, seq, seq])], ["Y"], inits))
     assert graph.tensor("mask").kind == "constant"
     assert graph.tensor("WT").kind == "parameter" and graph.tensor("WT").trainable
+
+
+def test_a_reshape_target_merging_the_batch_with_the_sequence_is_rebatched():
+    from models.transformer import build_preset
+
+    graph = load_model(build_preset("gpt2", layers=1, hidden=64, heads=2, seq=16, vocab=128, batch=8), batch=2)
+    assert graph.tensor("loss.logits_2d").shape == (2 * 16, 128)
+    assert graph.tensor("layer0.attn.q.reshape").shape == (2, 16, 2, 32)

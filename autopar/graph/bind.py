@@ -86,8 +86,9 @@ def _declared_batch(proto: onnx.ModelProto) -> int | None:
 def rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
     """Exported CNNs often hard-code the batch in a Reshape target (``[1, 2048]``): rewrite it.
 
-    A target is rewritten when its first entry equals the file's batch and the reshaped
-    tensor's leading dimension is that batch too (so the entry is the batch, not a feature).
+    A target is rewritten when the reshaped tensor's leading dimension is the file's batch and
+    the target's first entry is that batch, or the batch times the dimensions after it that the
+    Reshape merges into it (``[batch * seq, vocab]``): so the entry is the batch, not a feature.
     """
     old = _declared_batch(proto)
     if old is None or old == batch:
@@ -104,10 +105,17 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
         target = numpy_helper.to_array(initializers[node.input[1]])
         vi = infos.get(node.input[0])
         dims = vi.type.tensor_type.shape.dim if vi is not None and vi.type.HasField("tensor_type") else []
-        if target.ndim != 1 or not target.size or int(target[0]) != old or not dims or dims[0].dim_value != old:
+        if target.ndim != 1 or not target.size or not dims or dims[0].dim_value != old:
+            continue
+        merged = [1]
+        for dim in dims:
+            if dim.dim_value <= 0:
+                break
+            merged.append(merged[-1] * dim.dim_value)
+        if int(target[0]) not in merged[1:]:
             continue
         rewritten = target.copy()
-        rewritten[0] = batch
+        rewritten[0] = int(target[0]) // old * batch
         new_name = f"{node.input[1]}__batch{batch}"
         if new_name not in initializers:
             initializers[new_name] = numpy_helper.from_array(rewritten, new_name)
