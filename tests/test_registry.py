@@ -128,6 +128,7 @@ def test_declared_non_differentiable_ops():
     [
         ("MatMul", Keeps.OPERANDS),
         ("Mul", Keeps.OPERANDS),
+        ("Div", Keeps.OPERANDS | Keeps.DIVISOR),
         ("Gelu", Keeps.INPUTS),
         ("LayerNormalization", Keeps.INPUTS | Keeps.STATISTICS),
         ("Where", Keeps.SELECTORS),

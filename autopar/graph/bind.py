@@ -88,7 +88,8 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
 
     A target is rewritten when the reshaped tensor's leading dimension is the file's batch and
     the target's first entry is that batch, or the batch times the dimensions after it that the
-    Reshape merges into it (``[batch * seq, vocab]``): so the entry is the batch, not a feature.
+    Reshape merges into it (``[batch * seq, vocab]``; not for a batch of 1, which would match any
+    flattening): so the entry is the batch, not a feature.
     """
     old = _declared_batch(proto)
     if old is None or old == batch:
@@ -112,7 +113,7 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
             if dim.dim_value <= 0:
                 break
             merged.append(merged[-1] * dim.dim_value)
-        if int(target[0]) not in merged[1:]:
+        if int(target[0]) not in (merged[1:] if old > 1 else [1]):  # a batch of 1 merges into anything
             continue
         rewritten = target.copy()
         rewritten[0] = int(target[0]) // old * batch

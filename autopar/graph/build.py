@@ -134,7 +134,7 @@ def freeze(graph: Graph, patterns: Iterable[str]) -> Graph:
         if not matched:
             some = ", ".join(repr(name) for name in trainable[:3]) or "none"
             raise ModelImportError(
-                f"--frozen {pattern!r} matches no trainable parameter of the model (its parameters include {some})."
+                f"No trainable parameter of the model matches {pattern!r} to freeze (its parameters include {some})."
             )
         for name in matched:
             tensors[name] = dataclasses.replace(tensors[name], trainable=False)

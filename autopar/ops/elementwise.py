@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 
 # What each backward needs: y' from the output (Relu, Exp, Sigmoid, Tanh, Sqrt, Reciprocal),
 # from the input (Log, Erf, Gelu, ...), or nothing (Add, Neg, Cast). A product keeps each factor
-# for the other's gradient (Mul by a constant keeps nothing; Div's quotient rule needs both
-# operands); Where keeps only its condition; Max and Min keep both to know which one won.
+# for the other's gradient (Mul by a constant keeps nothing); a quotient always keeps its divisor
+# and, for the divisor's gradient, its numerator; Where keeps only its condition; Max and Min
+# keep both to know which one won.
 UNARY_KEEPS_OUTPUT = ("Relu", "Exp", "Sigmoid", "Tanh", "Sqrt", "Reciprocal")
 UNARY_KEEPS_INPUT = (
     "Log",
@@ -43,7 +44,7 @@ UNARY_KEEPS_NOTHING = ("Neg", "Cast", "CastLike")
 UNARY_NON_DIFFERENTIABLE = ("Not", "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf")
 BROADCAST_KEEPS_NOTHING = ("Add", "Sub", "Sum", "Mean")
 BROADCAST_KEEPS_INPUTS = ("Max", "Min")
-BROADCAST_KEEPS_OPERANDS = ("Mul", "Div")
+BROADCAST_KEEPS_OPERANDS = ("Mul",)
 BROADCAST_NON_DIFFERENTIABLE = (
     "Equal",
     "Less",
@@ -87,6 +88,7 @@ register(*BROADCAST_KEEPS_NOTHING, keeps=Keeps.NOTHING)(broadcast)
 register(*BROADCAST_KEEPS_INPUTS, keeps=Keeps.INPUTS)(broadcast)
 register("PRelu", keeps=Keeps.INPUTS, weight_inputs=True)(broadcast)  # its slope is learned, even a scalar one
 register(*BROADCAST_KEEPS_OPERANDS, keeps=Keeps.OPERANDS)(broadcast)
+register("Div", keeps=Keeps.OPERANDS | Keeps.DIVISOR)(broadcast)  # d(a/b)/db = -a/b^2: b always, a for b's gradient
 register("Where", keeps=Keeps.SELECTORS)(broadcast)
 register("Pow", keeps=Keeps.INPUTS, config_inputs=frozenset({1}))(broadcast)  # a scalar exponent
 register(*BROADCAST_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING)(broadcast)

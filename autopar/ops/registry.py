@@ -45,8 +45,10 @@ class Keeps(enum.Flag):
     gradient): ``INPUTS`` every input (Gelu, LayerNorm); ``OUTPUTS`` every output (Relu,
     Softmax); ``OPERANDS`` each of the first two inputs when the other needs a gradient, as a
     product's backward multiplies by the other factor (MatMul, Conv, Mul by a constant keeps
-    nothing); ``SELECTORS`` the integer or boolean inputs (Where's condition, Gather's
-    indices); ``STATISTICS`` an FP32 mean and inverse deviation per normalised row.
+    nothing); ``DIVISOR`` the second input, which a quotient's backward always needs (Div: with
+    ``OPERANDS``, the numerator too when the divisor needs a gradient); ``SELECTORS`` the
+    integer or boolean inputs (Where's condition, Gather's indices); ``STATISTICS`` an FP32
+    mean and inverse deviation per normalised row.
     """
 
     NOTHING = 0
@@ -55,6 +57,7 @@ class Keeps(enum.Flag):
     OPERANDS = enum.auto()
     SELECTORS = enum.auto()
     STATISTICS = enum.auto()
+    DIVISOR = enum.auto()
 
 
 @dataclass(frozen=True)

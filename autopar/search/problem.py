@@ -462,6 +462,8 @@ def _kept_for_backward(graph: Graph, rules: list[OpRule], requires_grad: Mapping
             kept.update(inputs)
         if Keeps.OUTPUTS in keeps:
             kept.update(name for name in op.outputs if name)
+        if Keeps.DIVISOR in keeps and len(op.inputs) > 1 and op.inputs[1]:
+            kept.add(op.inputs[1])
         if Keeps.SELECTORS in keeps:
             kept.update(name for name in inputs if not graph.tensor(name).is_float)
         if Keeps.OPERANDS in keeps:
