@@ -185,3 +185,15 @@ def every_plan(problem):
         for size in range(len(optional) + 1):
             for sharded in itertools.combinations(optional, size):
                 yield choice, MemoryChoices(frozenset(sharded))
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``autopar ARGV``; argparse exits count as exit codes."""
+    from autopar.cli import main
+
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err

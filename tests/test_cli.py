@@ -15,9 +15,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from autopar.cli import main
 from autopar.graph import load_model
 from models.resnet50 import build_resnet50
+from tests.conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 RESNET50 = REPO / "models" / "resnet50.onnx"
@@ -52,14 +52,7 @@ def tiny_ops(tiny_path) -> list:
     return load_model(tiny_path).ops
 
 
-def run(capsys, *argv) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``autopar ARGV``; argparse exits count as exit codes."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def plan_json(capsys, *argv) -> dict:

@@ -22,13 +22,21 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import autopar
-from autopar.cli import main
 from autopar.cost import HardwareProfile
 from autopar.lowering.lower import gradient_sync
 from autopar.search.driver import run_search
 from autopar.search.fold import minimise
 from autopar.search.problem import MemoryChoices, SearchProblem, memory_items
-from tests.conftest import every_plan, make_model, profile, random_model, simple_profile_dict, two_matmul_chain, weight
+from tests.conftest import (
+    every_plan,
+    make_model,
+    profile,
+    random_model,
+    run_cli,
+    simple_profile_dict,
+    two_matmul_chain,
+    weight,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESNET50 = REPO / "models" / "resnet50.onnx"
@@ -36,16 +44,6 @@ RESNET50 = REPO / "models" / "resnet50.onnx"
 
 def simple(capacity: float = 1e12) -> HardwareProfile:
     return HardwareProfile.model_validate(simple_profile_dict(capacity))
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``autopar ARGV``; argparse exits count as exit codes."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def items_total(problem: SearchProblem, choice, choices: MemoryChoices) -> float:

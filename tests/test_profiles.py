@@ -9,12 +9,11 @@ from pathlib import Path
 import onnx
 import pytest
 
-from autopar.cli import main
 from autopar.cost import CostModel, HardwareProfile, available_profiles, load_profile
 from autopar.cost.profile import UnsourcedNumberWarning
 from autopar.errors import AutoparWarning, CostModelError
 from models.resnet50 import build_resnet50
-from tests.conftest import simple_profile_dict
+from tests.conftest import run_cli, simple_profile_dict
 
 REPO = Path(__file__).resolve().parents[1]
 ASCEND910 = (REPO / "costmodels" / "ascend910.toml").read_text(encoding="utf-8")
@@ -184,13 +183,7 @@ def test_bad_profile_is_one_plain_sentence(tmp_path, case):
 # --- the command line ------------------------------------------------------------------------------
 
 
-def run(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def assert_one_line(err: str, prefix: str) -> None:

@@ -11,12 +11,11 @@ import onnx
 import pytest
 
 import autopar
-from autopar.cli import main
 from autopar.cost import HardwareProfile, load_profile
 from autopar.cost.rank_table import Cluster, MeshLevel, read_rank_table
 from autopar.errors import RankTableError
 from models.resnet50 import build_resnet50
-from tests.conftest import simple_profile_dict, sourced
+from tests.conftest import run_cli, simple_profile_dict, sourced
 
 REPO = Path(__file__).resolve().parents[1]
 RESNET50 = REPO / "models" / "resnet50.onnx"
@@ -191,13 +190,7 @@ def test_api_devices_must_agree():
 # --- the command line ---------------------------------------------------------------------------
 
 
-def run(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def test_cli_plan_shows_the_cluster(capsys):
