@@ -152,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(inspect)
     inspect.add_argument("--format", choices=("table", "json"), default="table")
 
+    export = commands.add_parser(
+        "export", help="write a plan in a framework's own form (onnx, mindspore, dtensor, jax)"
+    )
+    export.add_argument("plan", help="a plan JSON file (from 'autopar plan --format json')")
+    export.add_argument("--to", required=True, choices=("onnx", "mindspore", "dtensor", "jax"), help="the format")
+    export.add_argument("-o", "--out", help="the file to write (default: named after the model, here)")
+    export.add_argument("--model", help="the ONNX model the plan was made for (needed by --to onnx)")
+
     commands.add_parser("schema", help="print the JSON Schema of plan files")
 
     profiles = commands.add_parser("profiles", help="list the bundled hardware profiles ('profiles show NAME': one)")
@@ -323,6 +331,18 @@ def _run_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _run_export(args: argparse.Namespace) -> int:
+    from autopar.export import export
+    from autopar.graph.read import read_model
+    from autopar.lowering import load_plan_file
+
+    plan_file = load_plan_file(args.plan)
+    model = read_model(args.model) if args.model else None
+    for path in export(plan_file, args.to, args.out, model):
+        print(f"autopar: wrote {path}", file=sys.stderr)
+    return 0
+
+
 def _run_schema(args: argparse.Namespace) -> int:
     from autopar.lowering import json_schema
 
@@ -371,6 +391,7 @@ COMMANDS = {
     "inspect": _run_inspect,
     "schema": _run_schema,
     "profiles": _run_profiles,
+    "export": _run_export,
 }
 
 

@@ -7,7 +7,7 @@ Usage: python bench/memory.py [--skip-175b]
    Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer Models":
    32sbh + 2as^2b bytes, at three shapes.
 2. GPT-3 175B (96 layers, hidden 12288, 96 heads, seq 2048, global batch 1536, weights elided)
-   planned by the real command line on 1024 and on 64 Ascend 910 devices (32 GB each): the
+   planned by the real command line on 1024, 128 and 64 Ascend 910 devices (32 GB each): the
    wall time, the step, MFU, memory per device by kind and the memory plan, or the refusal.
 """
 
@@ -81,7 +81,7 @@ def main() -> None:
         print()
         print("| devices | wall | GPT-3 175B, global batch 1536, Ascend 910 |")
         print("|---|---|---|")
-        for devices in (1024, 64):
+        for devices in (1024, 128, 64):
             print(plan_175b(path, devices), flush=True)
 
 

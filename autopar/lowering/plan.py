@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any, ClassVar
 
 from autopar import progress
@@ -159,6 +160,12 @@ class Plan:
     def gradient_sync(self) -> list[dict[str, Any]]:
         """The AllReduce of each trainable parameter over the bits its gradient is partial on."""
         return self.to_dict()["gradient_sync"]
+
+    def export(self, to: str, path: str | Path | None = None) -> list[Path]:
+        """Write this plan for a framework: ``to`` is onnx, mindspore, dtensor or jax (`autopar.export`)."""
+        from autopar.export import export  # the exporters read the plan; imported only when asked
+
+        return export(self.file, to, path, self.problem.graph.model)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe plan (schema autopar.plan/1); a fresh copy each call."""

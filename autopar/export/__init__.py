@@ -1,0 +1,48 @@
+"""Exports: a plan in the forms training frameworks consume, one module per format.
+
+Every exporter reads the typed plan file (`autopar.lowering.PlanFile`), never the search, and
+writes files beside ``out``: ``onnx`` also needs the model the plan was made for (ONNX in,
+ONNX out). `export` dispatches by name; each module registers its writer in `EXPORTERS`.
+
+>>> sorted(FORMATS)
+['dtensor', 'jax', 'mindspore', 'onnx']
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+
+from autopar.errors import AutoparError
+from autopar.lowering.planfile import PlanFile
+
+# format -> (module, what ``out`` defaults to beside the plan)
+FORMATS: dict[str, tuple[str, str]] = {
+    "onnx": ("autopar.export.onnx_sharding", "{model}.sharded.onnx"),
+    "mindspore": ("autopar.export.mindspore", "{model}.strategy.ckpt"),
+    "dtensor": ("autopar.export.dtensor", "{model}_dtensor.py"),
+    "jax": ("autopar.export.jax", "{model}_jax.py"),
+}
+
+Writer = Callable[[PlanFile, "onnx.ModelProto | None", Path], list[Path]]
+
+
+def default_output(plan: PlanFile, to: str) -> Path:
+    """Where `export` writes when no path is given: in the working folder, named after the model."""
+    return Path(FORMATS[to][1].format(model=plan.model))
+
+
+def export(plan: PlanFile, to: str, out: str | Path | None = None, model: onnx.ModelProto | None = None) -> list[Path]:
+    """Write ``plan`` as format ``to`` at ``out`` (a default name if None); the files written."""
+    if to not in FORMATS:
+        raise AutoparError(f"Unknown export format {to!r}; choose one of: {', '.join(FORMATS)}.")
+    module = importlib.import_module(FORMATS[to][0])
+    target = Path(out) if out is not None else default_output(plan, to)
+    written: list[Path] = module.write(plan, model, target)
+    return written
+
+
+__all__ = ["FORMATS", "default_output", "export"]
