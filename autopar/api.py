@@ -27,6 +27,7 @@ from autopar.cost.rank_table import read_rank_table
 from autopar.errors import (
     AutoparError,
     FallbackWarning,
+    FixedStrategyError,
     InfeasibleError,
     ModelImportError,
     RenamedOperatorsWarning,
@@ -35,7 +36,14 @@ from autopar.graph import Graph, freeze, load_model
 from autopar.layout import is_power_of_two, mesh_bits_for
 from autopar.limits import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_SEED
 from autopar.lowering import PLAN_FILE_FIELDS, Plan, PlanFile, read_plan_file
-from autopar.search.driver import ALGORITHMS, MODES, SearchResult, parameter_state_bytes, run_search
+from autopar.search.driver import (
+    ALGORITHMS,
+    MODES,
+    SEARCHED_MODES,
+    SearchResult,
+    parameter_state_bytes,
+    run_search,
+)
 from autopar.search.problem import SearchProblem, build_problem
 from autopar.spmd import VerifyReport, verify_problem
 from autopar.strategy import OpRule
@@ -111,6 +119,7 @@ def plan(
     overlap: bool = True,
     rank_table: RankTable | None = None,
     micro_batches: int | None = None,
+    fixed: Mapping[str, Sequence[Sequence[int]]] | None = None,
 ) -> Plan:
     """Search the best sharding plan for ``model`` on ``devices`` devices.
 
@@ -122,9 +131,13 @@ def plan(
     (8 by default without one) and the servers, whose shape re-derives the cost model's link levels.
     ``micro_batches``: gradient accumulation over this many micro-batches of the batch; None (the
     default) uses one unless nothing fits, then the fewest of 2, 4, 8, ... with a plan that fits.
+    ``fixed`` maps operator names to the in_strategy each must keep; every other operator is searched
+    around them (MindSpore's ``semi_auto_parallel`` with sharding propagation, but exact).
     """
     if mode not in MODES:
         raise AutoparError(f"Unknown mode {mode!r}; choose one of: {', '.join(MODES)}.")
+    if fixed and mode not in SEARCHED_MODES:
+        raise AutoparError(f"Fixed strategies need a searched mode (semi_auto_parallel or auto_parallel), not {mode}.")
     if search not in ALGORITHMS:
         raise AutoparError(f"Unknown search algorithm {search!r}; choose one of: {', '.join(ALGORITHMS)}.")
     if micro_batches is not None and (
@@ -143,7 +156,7 @@ def plan(
     if micro_batches is not None and micro_batches > 1:
         graph = _graph(model, _micro_batch(step_batch, micro_batches, graph), dims, frozen)
     imported = time.perf_counter()
-    problem = build_problem(graph, cost, devices)
+    problem = build_problem(graph, cost, devices, fixed=fixed)
     costed = time.perf_counter()
     if problem.graph.renamed_ops:
         pairs = ", ".join(f"{new!r}" for new in list(problem.graph.renamed_ops)[:5])
@@ -157,11 +170,11 @@ def plan(
     try:
         found = run_search(problem, mode, search)
     except InfeasibleError:
-        if micro_batches is not None or mode != "auto_parallel" or isinstance(model, Graph) or step_batch is None:
+        if micro_batches is not None or mode not in SEARCHED_MODES or isinstance(model, Graph) or step_batch is None:
             raise
         if parameter_state_bytes(problem) / devices > cost.capacity:
             raise  # the parameters alone do not fit: smaller micro-batches cannot help
-        accumulated = _accumulate(model, step_batch, dims, frozen, cost, devices, search)
+        accumulated = _accumulate(model, step_batch, dims, frozen, cost, devices, search, fixed)
         if accumulated is None:
             raise
         problem, found = accumulated
@@ -198,6 +211,7 @@ def _accumulate(
     cost: CostModel,
     devices: int,
     search: str,
+    fixed: Mapping[str, Sequence[Sequence[int]]] | None,
 ) -> tuple[SearchProblem, SearchResult] | None:
     """Nothing fits in one batch: the fewest micro-batches (2, 4, ...) with a plan that fits (None: none)."""
     k = 2
@@ -207,7 +221,10 @@ def _accumulate(
             graph = _graph(model, step_batch // k, dims, frozen)
         except ModelImportError:
             return None  # the model does not import at another batch (a shape hard-coded for its own)
-        problem = build_problem(graph, cost, devices)
+        try:
+            problem = build_problem(graph, cost, devices, fixed=fixed)
+        except FixedStrategyError:
+            return None  # a fixed split that does not divide the smaller batch
         try:
             found = run_search(problem, "auto_parallel", search)
         except InfeasibleError:

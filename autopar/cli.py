@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shutil
@@ -15,7 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autopar import progress
-from autopar.errors import AutoparError, AutoparWarning, UnknownDimensionError, UnknownSymbolError
+from autopar.errors import (
+    AutoparError,
+    AutoparWarning,
+    FixedStrategyError,
+    UnknownDimensionError,
+    UnknownSymbolError,
+)
 from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_MICRO_BATCHES, MAX_SEED
 from autopar.search.driver import ALGORITHMS, MODES
 
@@ -66,6 +73,22 @@ def _micro_batches(text: str) -> int:
     return _integer("--micro-batches", text, 1, MAX_MICRO_BATCHES)
 
 
+def _fixed_strategy(text: str) -> tuple[str, Any]:
+    """``OP=((2,4,1,1),(1,4,1,1))``: an operator and the in_strategy it must keep (exit 2 when malformed)."""
+    name, sep, value = text.rpartition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(
+            f"--fix expects OP=STRATEGY such as 'conv1=((8,1,1,1),(1,1,1,1))', got {text!r}"
+        )
+    try:
+        strategy = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        raise argparse.ArgumentTypeError(
+            f"--fix {name}: the strategy must be a tuple of integer tuples such as ((8,1,1,1),(1,1,1,1)), got {value!r}"
+        ) from None
+    return name, strategy
+
+
 def _seed(text: str) -> int:
     return _integer("--seed", text, 0, MAX_SEED)
 
@@ -111,6 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
     plan.add_argument("--mode", choices=MODES, default="auto_parallel")
     plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    plan.add_argument(
+        "--fix",
+        type=_fixed_strategy,
+        action="append",
+        default=[],
+        metavar="OP=STRATEGY",
+        help="keep this operator's in_strategy, search the rest (semi_auto_parallel; repeatable)",
+    )
+    plan.add_argument(
+        "--strategies", metavar="FILE.json", help="fixed strategies as a JSON object {operator: in_strategy}"
+    )
     plan.add_argument(
         "--search",
         choices=ALGORITHMS,
@@ -220,6 +254,29 @@ def _replace_atomically(target: Path, text: str) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def _fixed(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The strategies ``--strategies FILE`` and ``--fix`` fix (``--fix`` wins for the same operator)."""
+    fixed: dict[str, Any] = {}
+    if args.strategies:
+        try:
+            data = json.loads(Path(args.strategies).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise FixedStrategyError(
+                f"Strategies file {args.strategies!r} cannot be read: {exc.strerror or exc}."
+            ) from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raise FixedStrategyError(f"Strategies file {args.strategies!r} is not JSON.") from None
+        if not isinstance(data, dict):
+            raise FixedStrategyError(
+                f"Strategies file {args.strategies!r} must be a JSON object {{operator: in_strategy}}."
+            )
+        fixed.update(data)
+    fixed.update(dict(args.fix))
+    if fixed and args.mode not in ("auto_parallel", "semi_auto_parallel"):
+        raise FixedStrategyError(f"--fix and --strategies need --mode semi_auto_parallel, not {args.mode}.")
+    return fixed or None
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     import autopar
     from autopar.report import plan_table
@@ -240,6 +297,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             frozen=args.frozen,
             overlap=args.overlap,
             micro_batches=args.micro_batches,
+            fixed=_fixed(args),
         )
         text = result.to_json() + "\n" if args.format == "json" else plan_table(result)  # lowering reports too
     if cluster is not None and args.format == "table":  # the levels the rank table implies, under the title
@@ -400,6 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
+    except FixedStrategyError as exc:  # the user's own strategy: a flag's fault
+        print(f"autopar: error: {exc}", file=sys.stderr)
+        return 2
     except AutoparError as exc:
         print(f"autopar: error: {_in_flag_words(exc)}", file=sys.stderr)
         return 1

@@ -61,6 +61,10 @@ class StrategyError(AutoparError):
     """A user-supplied strategy is not valid for the operator it names."""
 
 
+class FixedStrategyError(StrategyError):
+    """A strategy the user fixed (semi-auto mode) is invalid for its operator: a flag's fault (exit 2)."""
+
+
 class PlanFileError(AutoparError):
     """A plan file is unreadable, malformed, or made for another model or device count."""
 

@@ -167,8 +167,8 @@ class OpRule:
                 label = labels[dim] if labels is not None else None
                 if factor < 1 or not is_power_of_two(factor):
                     raise StrategyError(
-                        f"Strategy for {name!r}: split factor {factor} of input {position} dim {dim}"
-                        " is not a power of two."
+                        f"The value of strategy must be a power of 2, but got {factor} for input {position},"
+                        f" dimension {dim} of {name!r}."
                     )
                 if label is None:
                     if factor != 1:

@@ -170,7 +170,7 @@ def tiny_base(tiny):
 @pytest.mark.parametrize(
     "op, strategy, words",
     [
-        ("conv1", ((3, 1, 1, 1), (1, 1, 1, 1)), "power of two"),
+        ("conv1", ((3, 1, 1, 1), (1, 1, 1, 1)), "power of 2"),
         ("conv1", ((4, 2, 1, 1), (1, 2, 1, 1)), "more than"),  # 8 parts on 4 devices
         ("layer1.0.conv1", ((4, 2, 1, 1), (2, 2, 1, 1)), "more than"),  # 4 x 2 x 2 parts
         ("conv1", ((1, 2, 1, 1), (1, 2, 1, 1)), "does not divide"),  # 3 input channels

@@ -137,3 +137,19 @@ def test_min_plus_product_matches_its_definition():
     assert np.array_equal(
         np.take_along_axis(a, middle, axis=1)[:, :, None].squeeze(-1) + b[middle, np.arange(3)], product
     )
+
+
+def test_overlap_windows_do_not_depend_on_folding(monkeypatch):
+    """A gradient sync hides behind the backward back to its block's start, folded or not: same optimum."""
+    from autopar.search import fold as fold_module
+    from autopar.search.driver import run_search
+    from models.transformer import build_preset
+
+    monkeypatch.setattr(fold_module, "MIN_FOLDED_COPIES", 2)
+    graph = load_model(build_preset("gpt2", layers=4, hidden=64, heads=2, seq=16, vocab=128, batch=8))
+    folded = build_problem(graph, CostModel(profile()), 8)
+    unfolded = build_problem(graph, CostModel(profile()), 8, fold=False)
+    assert folded.folds and not unfolded.folds
+    assert sum(float(h.max()) for h in folded.node_hidden) > 0  # overlap is at work
+    best = folded.objective(run_search(folded).choice)
+    assert best == pytest.approx(unfolded.objective(run_search(unfolded).choice), rel=1e-12)

@@ -11,13 +11,13 @@ from tests.conftest import conv_model, rule_for
 @pytest.mark.parametrize(
     "strategy, message",
     [
-        (((3, 1, 1, 1), (1, 1, 1, 1), (1,)), "not a power of two"),
+        (((3, 1, 1, 1), (1, 1, 1, 1), (1,)), "must be a power of 2, but got 3"),
         (((4, 2, 1, 1), (2, 2, 1, 1), (2,)), "more than the 8 devices"),
         (((2, 2, 1, 1), (2, 4, 1, 1), (2,)), "disagree"),
         (((2, 1, 1, 1), (1, 1, 1, 1)), "wrong shape"),
         (((2, 1, 1), (1, 1, 1, 1), (1,)), "wrong shape"),
         ("nonsense", "must be a tuple"),
-        (((0, 1, 1, 1), (1, 1, 1, 1), (1,)), "not a power of two"),
+        (((0, 1, 1, 1), (1, 1, 1, 1), (1,)), "must be a power of 2, but got 0"),
     ],
 )
 def test_invalid_strategies_are_refused(strategy, message):

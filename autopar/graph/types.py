@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -101,6 +102,22 @@ class Graph:
     @property
     def parameters(self) -> list[TensorInfo]:
         return [t for t in self.tensors.values() if t.kind == "parameter"]
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of the structure (operators, attributes, wiring, parameter and constant shapes), not
+        of weights or data shapes: the same model at another batch has the same fingerprint."""
+        digest = hashlib.sha256()
+        for op in self.ops:
+            attributes = sorted(
+                (k, repr(v) if not isinstance(v, np.ndarray) else v.tobytes()) for k, v in op.attrs.items()
+            )
+            digest.update(repr((op.name, op.op_type, op.domain, op.inputs, op.outputs, attributes)).encode())
+        for name in sorted(self.tensors):
+            info = self.tensors[name]
+            if info.kind in ("parameter", "constant"):
+                digest.update(repr((name, info.kind, info.shape, info.dtype)).encode())
+        return digest.hexdigest()[:16]
 
     @property
     def total_flops(self) -> float:

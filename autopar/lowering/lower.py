@@ -9,8 +9,10 @@ across platforms' last bits.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
+from autopar.errors import PlanFileError
 from autopar.layout import Layout
 from autopar.lowering.planfile import (
     GRAPH_OUTPUT,
@@ -20,6 +22,8 @@ from autopar.lowering.planfile import (
     MemoryPlan,
     OpCost,
     OpEntry,
+    PlanContext,
+    PlanFile,
     Redistribution,
     StepEntry,
     TensorLayout,
@@ -63,6 +67,7 @@ def op_entries(
                     memory_bytes=int(memory[c]),
                 ),
                 fallback=rule.spec.fallback,
+                fixed=True if node in problem.fixed else None,
             )
         )
     return entries
@@ -189,6 +194,37 @@ def gradient_sync_seconds(
 ) -> float:
     """Every parameter's gradient synchronisation, hidden or not (as `gradient_sync` lists it)."""
     return sum(entry.seconds for entry in gradient_sync(problem, choice, choices))
+
+
+def plan_context(problem: SearchProblem) -> PlanContext:
+    graph = problem.graph
+    profile = hashlib.sha256(problem.cost.profile.model_dump_json().encode()).hexdigest()[:16]
+    return PlanContext(
+        model_fingerprint=graph.fingerprint,
+        inputs={name: list(graph.tensor(name).shape) for name in graph.inputs},
+        cost_model_fingerprint=profile,
+    )
+
+
+def check_context(plan: PlanFile, problem: SearchProblem, action: str = "verify") -> None:
+    """PlanFileError, in one sentence, when ``plan`` was made for another model, batch or device count."""
+    if plan.devices != problem.num_devices:
+        raise PlanFileError(f"The plan is for {plan.devices} devices, so it cannot {action} on {problem.num_devices}.")
+    if plan.context is None:
+        return  # a plan file from before plans recorded what they were made for
+    graph = problem.graph
+    if plan.context.model_fingerprint != graph.fingerprint:
+        raise PlanFileError(
+            f"The plan was made for another model ({plan.model!r}, fingerprint {plan.context.model_fingerprint}),"
+            f" not this {graph.name!r} ({graph.fingerprint})."
+        )
+    shapes = {name: list(graph.tensor(name).shape) for name in graph.inputs}
+    if plan.context.inputs != shapes:
+        differ = next(name for name in shapes if plan.context.inputs.get(name) != shapes[name])
+        raise PlanFileError(
+            f"The plan was made for input {differ!r} of shape {plan.context.inputs.get(differ)}, not"
+            f" {shapes[differ]} (a plan searched at one batch does not hold at another); plan again with this batch."
+        )
 
 
 def mesh_links(problem: SearchProblem) -> list[LinkUse]:

@@ -22,6 +22,7 @@ from autopar.lowering.lower import (
     memory_plan,
     mesh_links,
     op_entries,
+    plan_context,
     redistributions,
     rounded,
     totals,
@@ -133,6 +134,7 @@ class Plan:
             fallback_ops=self.fallback_ops,
             totals=total,
             memory_plan=memory_plan(problem, choice, choices),
+            context=plan_context(problem),
             search=SearchSummary(
                 algorithm=self.search.method,
                 time_s=round(self.search.time_s, 4),

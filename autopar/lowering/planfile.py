@@ -109,9 +109,10 @@ class OpCost(_Part):
     memory_bytes: NonNegativeInt
 
 
-class OpEntry(_Part):
+class OpEntry(_OmitsUnset):
     """One operator: its MindSpore-style in_strategy and the layouts it implies."""
 
+    _omit: ClassVar[tuple[str, ...]] = ("fixed",)
     name: str
     op_type: str
     strategy: list[list[PositiveInt]]
@@ -119,6 +120,7 @@ class OpEntry(_Part):
     outputs: list[TensorLayout]
     cost: OpCost
     fallback: bool
+    fixed: bool | None = Field(default=None, description="true where the user fixed the strategy (semi-auto mode)")
 
 
 class Redistribution(_Part):
@@ -238,6 +240,14 @@ class SearchSummary(_OmitsUnset):
     repeated_blocks: list[RepeatedBlock] = Field(default_factory=list)
 
 
+class PlanContext(_Part):
+    """What the plan was made for: verify and export refuse it for anything else."""
+
+    model_fingerprint: str = Field(description="the graph's structure and parameter shapes (not weights), hashed")
+    inputs: dict[str, list[NonNegativeInt]] = Field(description="the data inputs' shapes (the batch)")
+    cost_model_fingerprint: str = Field(description="the hardware profile's numbers, hashed")
+
+
 class PlanFile(_Part):
     """A whole plan as ``autopar plan --format json`` writes it."""
 
@@ -258,6 +268,7 @@ class PlanFile(_Part):
     totals: Totals
     memory_plan: MemoryPlan
     search: SearchSummary
+    context: PlanContext | None = Field(default=None, description="what the plan was made for (absent in old files)")
 
     def dump(self) -> dict[str, Any]:
         """The JSON-safe dict (enums as their strings)."""

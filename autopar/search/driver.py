@@ -22,7 +22,8 @@ from autopar.search.fold import Solver
 from autopar.search.problem import NO_MEMORY_CHOICES, MemoryChoices, SearchProblem, memory_items
 from autopar.units import human_bytes
 
-MODES = ("auto_parallel", "data_parallel", "stand_alone")
+MODES = ("auto_parallel", "semi_auto_parallel", "data_parallel", "stand_alone")
+SEARCHED_MODES = ("auto_parallel", "semi_auto_parallel")  # the rest fix every strategy
 ALGORITHMS = ("dp", "ilp")
 _HULL_STEPS = 64  # hull vertices visited at most (a few in practice)
 
@@ -189,7 +190,7 @@ def _infeasible_message(
     heavy = ", ".join(
         f"{name} ({human_bytes(nbytes)})" for name, _, nbytes in sorted(items, key=lambda item: (-item[2], item[0]))[:3]
     )
-    what = "the leanest plan" if mode == "auto_parallel" else f"the {mode} plan"
+    what = "the leanest plan" if mode in SEARCHED_MODES else f"the {mode} plan"
     state = parameter_state_bytes(problem)
     floor = max(1, math.ceil(state / capacity))
     devices = 1 << (floor - 1).bit_length()

@@ -64,7 +64,13 @@ class Repeat:
 
 
 def signatures(
-    graph: Graph, uses: Sequence, owner: dict, requires_grad: dict, kept: frozenset[str], outputs: set
+    graph: Graph,
+    uses: Sequence,
+    owner: dict,
+    requires_grad: dict,
+    kept: frozenset[str],
+    outputs: set,
+    pinned: dict | None = None,
 ) -> list[int]:
     """One small integer per operator: equal integers mean structurally identical operators.
 
@@ -97,7 +103,7 @@ def signatures(
             for n in op.outputs
         )
         attributes = tuple(sorted((k, _exact(v)) for k, v in op.attrs.items()))
-        key = (op.op_type, op.domain, attributes, op.flops, tuple(inputs), outputs_)
+        key = (op.op_type, op.domain, attributes, op.flops, tuple(inputs), outputs_, (pinned or {}).get(node))
         found.append(ids.setdefault(key, len(ids)))
     return found
 

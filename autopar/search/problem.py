@@ -14,6 +14,7 @@ kept beside the time, for the capacity constraint.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import numpy as np
 
 from autopar import progress
 from autopar.cost import CostModel
-from autopar.errors import StrategyError, TooLargeError
+from autopar.errors import FixedStrategyError, StrategyError, TooLargeError
 from autopar.graph import Graph, TensorInfo
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
@@ -108,6 +109,7 @@ class SearchProblem:
     uses: list[TensorUse] = field(default_factory=list)
     requires_grad: dict[str, bool] = field(default_factory=dict)
     kept: frozenset[str] = frozenset()  # activations kept for the backward pass
+    fixed: frozenset[int] = frozenset()  # operators whose strategy the user fixed (semi-auto)
     owner: dict[str, tuple[int, int]] = field(default_factory=dict)
     _redistribution_cache: dict = field(default_factory=dict, repr=False)
 
@@ -274,24 +276,35 @@ class SearchProblem:
         )
 
 
-def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = True) -> SearchProblem:
+def build_problem(
+    graph: Graph,
+    cost: CostModel,
+    num_devices: int,
+    fold: bool = True,
+    fixed: Mapping[str, Sequence[Sequence[int]]] | None = None,
+) -> SearchProblem:
     """Cost every candidate of every operator and every edge between them.
 
     With ``fold``, runs of structurally identical blocks (`autopar.search.fold`) are costed
-    once: every copy shares copy 0's node costs and edge tables.
+    once: every copy shares copy 0's node costs and edge tables. ``fixed`` maps operator names to
+    the in_strategy each must keep (semi-auto mode): those operators have that one candidate,
+    and a block holding one is no longer a copy of the others.
     """
     mesh_bits = num_devices.bit_length() - 1
     rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
+    pinned = _pin(rules, fixed or {})
     problem = SearchProblem(graph, rules, cost, num_devices, mesh_bits)
+    problem.fixed = frozenset(pinned)
     problem.requires_grad = _requires_grad(graph, rules)
     problem.kept = _kept_for_backward(graph, rules, problem.requires_grad)
     _assign_uses(problem)
-    repeats: list[Repeat] = []
-    if fold:
-        signature = signatures(
-            graph, problem.uses, problem.owner, problem.requires_grad, problem.kept, set(graph.outputs)
-        )
-        repeats = find_repeats(len(rules), problem.uses, signature)
+    # repeated blocks bound the overlap windows whether or not they are folded, so folding never
+    # changes the objective
+    signature = signatures(
+        graph, problem.uses, problem.owner, problem.requires_grad, problem.kept, set(graph.outputs), pinned
+    )
+    blocks = find_repeats(len(rules), problem.uses, signature)
+    repeats = blocks if fold else []
     copy_of: dict[int, int] = {}  # operators of copies 1.. -> the same operator of copy 0
     run_of: dict[int, int] = {}  # operators of copy 0 -> their run
     for index, repeat in enumerate(repeats):
@@ -328,6 +341,7 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = 
         costs,
         {node: own[copy_of.get(node, node)] for node in range(len(rules)) if copy_of.get(node, node) in own},
         repeats,
+        blocks,
     )
     problem.folds = list(zip(repeats, per_run))
     problem.recompute_folds = list(zip(repeats, per_run_again))
@@ -337,7 +351,11 @@ def build_problem(graph: Graph, cost: CostModel, num_devices: int, fold: bool = 
 
 
 def _compose(
-    problem: SearchProblem, costs: list[NodeCosts], own: Mapping[int, np.ndarray], repeats: Sequence[Repeat]
+    problem: SearchProblem,
+    costs: list[NodeCosts],
+    own: Mapping[int, np.ndarray],
+    repeats: Sequence[Repeat],
+    blocks: Sequence[Repeat],
 ) -> None:
     """Each operator's time and memory arrays: overlap, the parallel optimizer and recomputation.
 
@@ -349,18 +367,17 @@ def _compose(
     fastest candidate, so the objective stays additive and the DP exact; a plan that leaves
     devices idle hides somewhat more than this says, and slack in one window never covers the
     next (an upper bound on what the queue of buckets exposes). Inside a run of repeated blocks
-    the window stops at the block's start, so every copy costs the same.
+    (``blocks``, folded or not) the window stops at the block's start, so every copy costs the
+    same. ``repeats`` are the runs folded: recomputation applies to them.
     """
     cost = problem.cost
     backward = [float(np.min(c.compute - c.forward)) if len(c.compute) else 0.0 for c in costs]
     copy_start: dict[int, int] = {}
-    last_of_copy: set[int] = set()
-    for repeat in repeats:
+    for repeat in blocks:
         for k in range(repeat.copies):
-            block = list(repeat.block(k))
-            last_of_copy.add(block[-1])
-            for node in block:
-                copy_start[node] = block[0]
+            for node in repeat.block(k):
+                copy_start[node] = repeat.block(k)[0]
+    last_of_copy = {repeat.last(k) for repeat in repeats for k in range(repeat.copies)}
     previous = 0
     cumulative = np.concatenate([[0.0], np.cumsum(backward)])
     hide = [0.0] * len(costs)
@@ -413,6 +430,25 @@ def _compose(
             else:
                 problem.recompute_memory[node] = -kept * c.activations
                 problem.recompute_share[node] = 1.0 - kept
+
+
+def _pin(rules: list[OpRule], fixed: Mapping[str, Sequence[Sequence[int]]]) -> dict[int, tuple[int, ...]]:
+    """Give each fixed operator its one candidate; FixedStrategyError for a strategy that cannot be."""
+    index = {rule.op.name: node for node, rule in enumerate(rules)}
+    pinned: dict[int, tuple[int, ...]] = {}
+    for name, strategy in fixed.items():
+        if name not in index:
+            close = difflib.get_close_matches(str(name), list(index), n=1)
+            hint = f"; did you mean {close[0]!r}" if close else ""
+            raise FixedStrategyError(f"A strategy is fixed for {name!r}, which the model does not have{hint}.")
+        rule = rules[index[name]]
+        try:
+            exponents = rule.parse(strategy)
+        except StrategyError as exc:
+            raise FixedStrategyError(str(exc)) from None
+        rule.__dict__["candidates"] = [exponents]
+        pinned[index[name]] = exponents
+    return pinned
 
 
 def _check_size(problem: SearchProblem, uses: Sequence[TensorUse]) -> None:

@@ -17,11 +17,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from autopar.errors import PlanFileError, TooLargeError
+from autopar.errors import TooLargeError
 from autopar.layout import Layout
 from autopar.limits import MAX_VERIFY_BYTES
 from autopar.lowering import GRAPH_OUTPUT, Plan, PlanFile
-from autopar.lowering.lower import redistributions
+from autopar.lowering.lower import check_context, redistributions
 from autopar.lowering.planfile import Redistribution
 from autopar.redistribute import Step, apply_steps
 from autopar.search.problem import SearchProblem
@@ -142,10 +142,7 @@ def resolve_plan(problem: SearchProblem, plan: PlanLike) -> tuple[list[int], lis
     if isinstance(plan, Plan):
         return list(plan.choice), plan.file.redistributions
     if isinstance(plan, PlanFile):
-        if plan.devices != problem.num_devices:
-            raise PlanFileError(
-                f"The plan is for {plan.devices} devices but verification runs on {problem.num_devices}."
-            )
+        check_context(plan, problem)
         return problem.choice_for(plan.strategies), plan.redistributions
     choice = problem.choice_for(plan)
     return choice, redistributions(problem, choice)
@@ -173,8 +170,8 @@ def verify_problem(
 ) -> VerifyReport:
     """Verify a plan (a `Plan`, a `PlanFile`, or {op: strategy}) for ``problem``."""
     start = time.perf_counter()
+    choice, entries = resolve_plan(problem, plan)  # a plan for another problem is refused first
     check_verification_size(problem)
-    choice, entries = resolve_plan(problem, plan)
     steps = {entry.key: [s.step() for s in entry.steps] for entry in entries}
     planned = _Tally()
     for entry in entries:
