@@ -490,3 +490,14 @@ def test_a_reshape_target_merging_the_batch_with_the_sequence_is_rebatched():
     graph = load_model(build_preset("gpt2", layers=1, hidden=64, heads=2, seq=16, vocab=128, batch=8), batch=2)
     assert graph.tensor("loss.logits_2d").shape == (2 * 16, 128)
     assert graph.tensor("layer0.attn.q.reshape").shape == (2, 16, 2, 32)
+
+
+@pytest.mark.parametrize(
+    "path, node, source",
+    [
+        ("tests/data/torch_gpt_dynamo.onnx", "node_MatMul_6", "blocks.0.qkv"),
+        ("tests/data/torch_gpt_legacy.onnx", "/blocks.0/qkv/MatMul", "blocks.0.qkv"),
+    ],
+)
+def test_pytorch_module_paths_are_kept_as_the_layer_name(path, node, source):
+    assert load_model(path).op(node).source == source

@@ -7,6 +7,7 @@ are in topological order with their forward FLOPs from the registry.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import fnmatch
 import math
@@ -60,6 +61,7 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
                 index=len(ops),
                 domain=node.domain,
                 proto=node,
+                source=framework_name(node),
             )
         )
     renamed = _rename_duplicates(ops)
@@ -110,6 +112,28 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         model=proto,
         renamed_ops=renamed,
     )
+
+
+def framework_name(node: onnx.NodeProto) -> str:
+    """The layer the exporting framework built this node for, where the file says.
+
+    PyTorch's dynamo exporter records the module scopes (``pkg.torch.onnx.name_scopes``:
+    ``['', 'blocks.0', 'blocks.0.qkv', 'linear']`` -> ``blocks.0.qkv``); its TorchScript exporter
+    names nodes by module path (``/blocks.0/qkv/MatMul`` -> ``blocks.0.qkv``).
+
+    >>> framework_name(helper.make_node("MatMul", ["a", "b"], ["c"], name="/blocks.0/qkv/MatMul"))
+    'blocks.0.qkv'
+    """
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = [str(s) for s in ast.literal_eval(prop.value)]
+            except (ValueError, SyntaxError, TypeError):
+                break
+            return scopes[-2] if len(scopes) >= 2 else ""
+    if node.name.startswith("/") and node.name.count("/") >= 2:
+        return ".".join(part for part in node.name.strip("/").split("/")[:-1] if part)
+    return ""
 
 
 def freeze(graph: Graph, patterns: Iterable[str]) -> Graph:

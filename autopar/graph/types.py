@@ -63,6 +63,7 @@ class OpNode:
     flops: float = 0.0
     domain: str = ""
     proto: onnx.NodeProto | None = field(default=None, repr=False, compare=False)
+    source: str = ""  # the exporting framework's name for the layer ("blocks.0.qkv"), where it left one
 
 
 @dataclass

@@ -68,6 +68,7 @@ def op_entries(
                 ),
                 fallback=rule.spec.fallback,
                 fixed=True if node in problem.fixed else None,
+                source=rule.op.source or None,
             )
         )
     return entries

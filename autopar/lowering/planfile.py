@@ -112,7 +112,7 @@ class OpCost(_Part):
 class OpEntry(_OmitsUnset):
     """One operator: its MindSpore-style in_strategy and the layouts it implies."""
 
-    _omit: ClassVar[tuple[str, ...]] = ("fixed",)
+    _omit: ClassVar[tuple[str, ...]] = ("fixed", "source")
     name: str
     op_type: str
     strategy: list[list[PositiveInt]]
@@ -121,6 +121,7 @@ class OpEntry(_OmitsUnset):
     cost: OpCost
     fallback: bool
     fixed: bool | None = Field(default=None, description="true where the user fixed the strategy (semi-auto mode)")
+    source: str | None = Field(default=None, description="the exporting framework's name for the layer, if recorded")
 
 
 class Redistribution(_Part):
