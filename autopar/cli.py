@@ -69,6 +69,10 @@ def _batch(text: str) -> int:
     return _integer("--batch", text, 1, MAX_DIMENSION)
 
 
+def _top(text: str) -> int:
+    return _integer("--top", text, 1, MAX_DIMENSION)
+
+
 def _micro_batches(text: str) -> int:
     return _integer("--micro-batches", text, 1, MAX_MICRO_BATCHES)
 
@@ -171,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="add every gradient synchronisation to the step (default: it overlaps the backward pass)",
     )
     plan.add_argument("--format", choices=("table", "json"), default="table")
+    plan.add_argument(
+        "--top", type=_top, default=20, metavar="N", help="the table lists the N costliest operators (default 20)"
+    )
+    plan.add_argument("--all", action="store_true", help="the table lists every operator, in graph order")
     plan.add_argument("--out", help="write the output to this file instead of stdout")
     plan.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
@@ -299,7 +307,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             micro_batches=args.micro_batches,
             fixed=_fixed(args),
         )
-        text = result.to_json() + "\n" if args.format == "json" else plan_table(result)  # lowering reports too
+        top = None if args.all else args.top
+        text = result.to_json() + "\n" if args.format == "json" else plan_table(result, top)  # lowering reports too
     if cluster is not None and args.format == "table":  # the levels the rank table implies, under the title
         title, _, rest = text.partition("\n")
         text = f"{title}\ncluster: {cluster.describe()}\n{rest}"

@@ -71,7 +71,7 @@ def assert_one_line_error(err: str) -> None:
 
 
 def test_plan_table(capsys, tiny_path, tiny_ops):
-    code, out, err = run(capsys, "plan", tiny_path, "--devices", "4")
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "4", "--all")
     assert code == 0, err
     assert err == ""
     assert out.startswith("autopar plan: tiny on 4 devices")
@@ -80,10 +80,24 @@ def test_plan_table(capsys, tiny_path, tiny_ops):
     listed = {line.split()[0] for line in out.splitlines() if line and not line.startswith(" ")}
     for op in tiny_ops:
         assert op.name in listed, op.name
+    assert out.index("step time:") < out.index("operator ")  # the summary comes first
     # the totals agree with the JSON form of the same plan
     totals = plan_json(capsys, tiny_path, "--devices", "4")["totals"]
     step_line = next(line for line in out.splitlines() if line.startswith("step time:"))
     assert f"{totals['step_time_s'] * 1e3:.3f} ms" in step_line
+
+
+def test_plan_table_lists_the_costliest_operators_unless_asked_for_all(capsys):
+    code, out, err = run(capsys, "plan", "models/resnet50.onnx", "--devices", "8")
+    assert code == 0, err
+    assert len(out.splitlines()) <= 40
+    assert "the 20 costliest of 186 operators" in out
+    assert " BatchNormalization " in out  # type names in full
+    code, out, _ = run(capsys, "plan", "models/resnet50.onnx", "--devices", "8", "--top", "5")
+    assert "the 5 costliest" in out and len(out.splitlines()) <= 25
+    code, out, _ = run(capsys, "plan", "models/resnet50.onnx", "--devices", "8", "--all")
+    assert "all 186 operators" in out and len(out.splitlines()) > 186
+    assert re.search(r"(AllGather|ReduceScatter|AllToAll|AllReduce) over \d+ devices \((HCCS|PCIe)", out)
 
 
 def test_plan_json_schema(capsys, tiny_path, tiny_ops):
