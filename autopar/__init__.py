@@ -9,7 +9,7 @@ is named like these functions, so ``import autopar.<module>`` always finds the m
 """
 
 from autopar import report as _report  # noqa: F401  (registers the Jupyter display of a Plan)
-from autopar.api import build, candidates, evaluate, plan, verify
+from autopar.api import build, candidates, evaluate, plan, sweep, verify
 from autopar.errors import AutoparError
 from autopar.graph import Graph, load_model
 from autopar.layout import Layout
@@ -29,5 +29,6 @@ __all__ = [
     "evaluate",
     "load_model",
     "plan",
+    "sweep",
     "verify",
 ]

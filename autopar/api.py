@@ -13,6 +13,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ from autopar.errors import (
     InfeasibleError,
     ModelImportError,
     RenamedOperatorsWarning,
+    TooLargeError,
 )
 from autopar.graph import Graph, freeze, load_model
 from autopar.layout import is_power_of_two, mesh_bits_for
@@ -234,6 +236,66 @@ def _accumulate(
     return None
 
 
+def sweep(
+    model: ModelLike,
+    devices: Sequence[int] = (1, 8, 64, 512),
+    cost_model: str | Path | HardwareProfile = "ascend910",
+    batch: int | None = None,
+    *,
+    dims: Mapping[str, int] | None = None,
+    precision: str = "mixed",
+    overlap: bool = True,
+) -> list[dict[str, Any]]:
+    """Plan ``model`` at each device count: step time, throughput, scaling efficiency, MFU, memory.
+
+    A count whose plan is no faster than a smaller count's is flagged (``warning``); one where
+    nothing fits, or that is too large to search, has ``error`` instead of figures.
+    """
+    counts = sorted(set(devices))
+    for count in counts:
+        _check_devices(count)
+    step_batch = _common_batch(_graph(model, batch, dims))
+    points: list[dict[str, Any]] = []
+    base: tuple[int, float] | None = None  # (devices, samples per second per device) of the first that fits
+    for count in counts:
+        progress.report("sweep", counts.index(count), len(counts))
+        try:
+            found = plan(
+                model,
+                devices=count,
+                cost_model=cost_model,
+                batch=batch,
+                dims=dims,
+                precision=precision,
+                overlap=overlap,
+            )
+        except (InfeasibleError, TooLargeError) as exc:
+            points.append({"devices": count, "error": str(exc)})
+            continue
+        totals = found.to_dict()["totals"]
+        step = totals["step_time_s"]
+        samples = (step_batch or 1) / step if step > 0 else math.inf
+        if base is None:
+            base = (count, samples / count)
+        point: dict[str, Any] = {
+            "devices": count,
+            "step_time_s": step,
+            "samples_per_s": samples,
+            "scaling_efficiency": samples / count / base[1],
+            "mfu": totals["ideal_step_time_s"] / step if step > 0 else 0.0,
+            "memory_per_device_bytes": totals["memory_per_device_bytes"],
+            "memory_plan": found.to_dict()["memory_plan"],
+        }
+        faster = [p for p in points if "step_time_s" in p and p["step_time_s"] <= step * (1 + 1e-9)]
+        if faster:
+            point["warning"] = (
+                f"no faster than on {faster[0]['devices']} devices: the other {count - faster[0]['devices']} add"
+                " nothing (the model has too little work to split further)"
+            )
+        points.append(point)
+    return points
+
+
 def candidates(
     model: ModelLike, devices: int = 8, batch: int | None = None, dims: Mapping[str, int] | None = None
 ) -> dict[str, list[tuple[tuple[int, ...], ...]]]:
@@ -293,7 +355,8 @@ def verify(
     """Run a plan on ``devices`` virtual devices and compare every output with one device.
 
     ``plan_or_strategies`` is a `Plan`, a plan file (a `PlanFile`, or a dict as `Plan.to_dict()`
-    or a JSON file gives it), a plain {op: strategy} mapping, or None to verify the plan
+    or a JSON file gives it), a plain {op: strategy} mapping, or None to verify the plan the
+    model's autopar sharding annotations hold (``autopar export --to onnx``), else the plan
     autopar finds.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
@@ -301,6 +364,10 @@ def verify(
     if isinstance(plan_or_strategies, Plan):
         return verify_problem(plan_or_strategies.problem, plan_or_strategies, seed=seed)
     problem = build(model, devices, cost_model, batch, dims, precision, rank_table=rank_table)
+    if plan_or_strategies is None:  # a model exported with `--to onnx` carries its plan
+        from autopar.export.onnx_sharding import annotated_strategies
+
+        plan_or_strategies = annotated_strategies(problem.graph.model, problem.num_devices)
     if plan_or_strategies is None:
         return verify_problem(problem, Plan.lower(problem, run_search(problem), "auto_parallel"), seed=seed)
     if isinstance(plan_or_strategies, Mapping) and _is_plan_file(plan_or_strategies, problem):

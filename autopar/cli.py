@@ -65,6 +65,14 @@ def _devices(text: str) -> int:
     return value
 
 
+def _device_list(text: str) -> list[int]:
+    """``1,8,64``: device counts, each a power of two (exit 2 otherwise)."""
+    counts = [_devices(part.strip()) for part in text.split(",") if part.strip()]
+    if not counts:
+        raise argparse.ArgumentTypeError(f"--devices expects device counts such as 1,8,64, got {text!r}")
+    return counts
+
+
 def _batch(text: str) -> int:
     return _integer("--batch", text, 1, MAX_DIMENSION)
 
@@ -189,6 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--plan", help="a plan JSON file (from 'autopar plan --format json'); default: search one")
     verify.add_argument("--seed", type=_seed, default=0, help="seed for random weights and inputs")
     verify.add_argument("--format", choices=("table", "json"), default="table")
+
+    sweep = commands.add_parser("sweep", help="plan at several device counts: throughput, scaling, MFU, memory")
+    _add_model_arguments(sweep)
+    sweep.add_argument(
+        "--devices", type=_device_list, default=[1, 8, 64, 512], help="device counts, e.g. 1,8,64,512 (the default)"
+    )
+    sweep.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
+    sweep.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    sweep.add_argument("--format", choices=("table", "json"), default="table")
+    sweep.add_argument("-o", "--out", help="write a self-contained HTML page with the charts to this file")
+    sweep.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
     inspect = commands.add_parser("inspect", help="summarise a model: operators, parameters, FLOPs")
     _add_model_arguments(inspect)
@@ -378,6 +397,15 @@ def _run_verify(args: argparse.Namespace) -> int:
 
     plan_file = load_plan_file(args.plan) if args.plan else None
     devices, cost_model, _ = _cluster(args)
+    if plan_file is None:  # a model exported with --to onnx carries its plan: verify that one
+        from autopar.export.onnx_sharding import annotated_devices
+        from autopar.graph.read import read_model
+
+        annotated = annotated_devices(read_model(args.model))
+        if annotated is not None and args.devices is None and args.rank_table is None:
+            devices = annotated
+        if annotated == devices:
+            print(f"autopar: verifying the plan annotated in {args.model} ({annotated} devices)", file=sys.stderr)
     report = autopar.verify(
         args.model,
         plan_file,
@@ -407,6 +435,29 @@ def _run_export(args: argparse.Namespace) -> int:
     model = read_model(args.model) if args.model else None
     for path in export(plan_file, args.to, args.out, model):
         print(f"autopar: wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.report.sweep import sweep_html, sweep_table
+
+    line = _ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
+    with warnings.catch_warnings(), progress.listening(line), line:
+        warnings.simplefilter("ignore", AutoparWarning)
+        points = autopar.sweep(
+            args.model,
+            args.devices,
+            cost_model=args.cost_model,
+            batch=args.batch,
+            dims=dict(args.dim),
+            precision=args.precision,
+        )
+    if args.out:
+        _emit(sweep_html(Path(args.model).stem, points), args.out)
+        print(f"autopar: wrote {args.out}", file=sys.stderr)
+    text = json.dumps(points, indent=2, allow_nan=False) + "\n" if args.format == "json" else sweep_table(points)
+    sys.stdout.write(text)
     return 0
 
 
@@ -459,6 +510,7 @@ COMMANDS = {
     "schema": _run_schema,
     "profiles": _run_profiles,
     "export": _run_export,
+    "sweep": _run_sweep,
 }
 
 
