@@ -222,9 +222,13 @@ def check_context(plan: PlanFile, problem: SearchProblem, action: str = "verify"
     shapes = {name: list(graph.tensor(name).shape) for name in graph.inputs}
     if plan.context.inputs != shapes:
         differ = next(name for name in shapes if plan.context.inputs.get(name) != shapes[name])
+        planned = plan.context.inputs.get(differ)
+        advice = "plan again with this batch"
+        if plan.memory_plan.micro_batches > 1 and planned:
+            advice = f"its shapes are one of {plan.memory_plan.micro_batches} micro-batches: use --batch {planned[0]}"
         raise PlanFileError(
-            f"The plan was made for input {differ!r} of shape {plan.context.inputs.get(differ)}, not"
-            f" {shapes[differ]} (a plan searched at one batch does not hold at another); plan again with this batch."
+            f"The plan was made for input {differ!r} of shape {planned}, not {shapes[differ]} (a plan searched at"
+            f" one batch does not hold at another); {advice}."
         )
 
 
