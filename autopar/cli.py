@@ -194,7 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(verify)
     verify.add_argument("--devices", type=_devices, help=DEVICES_HELP)
     verify.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
-    verify.add_argument("--plan", help="a plan JSON file (from 'autopar plan --format json'); default: search one")
+    verify.add_argument(
+        "--plan",
+        help="a plan JSON file (from 'autopar plan --format json'); default: the model's sharding annotations"
+        " (from 'autopar export --to onnx'), else search one",
+    )
     verify.add_argument("--seed", type=_seed, default=0, help="seed for random weights and inputs")
     verify.add_argument("--format", choices=("table", "json"), default="table")
 
