@@ -213,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("-o", "--out", help="write a self-contained HTML page with the charts to this file")
     sweep.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
+    report = commands.add_parser("report", help="plan, then write the plan's report as one self-contained HTML page")
+    _add_model_arguments(report)
+    report.add_argument("--devices", type=_devices, help=DEVICES_HELP)
+    report.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
+    report.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
+    report.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    report.add_argument("-o", "--out", help="the page to write (default: MODEL.report.html in this folder)")
+    report.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+
     inspect = commands.add_parser("inspect", help="summarise a model: operators, parameters, FLOPs")
     _add_model_arguments(inspect)
     inspect.add_argument("--format", choices=("table", "json"), default="table")
@@ -465,6 +474,32 @@ def _run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_report(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.report.html import plan_report
+
+    line = _ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
+    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
+        warnings.simplefilter("always", AutoparWarning)
+        devices, cost_model, _ = _cluster(args)
+        result = autopar.plan(
+            args.model,
+            devices=devices,
+            cost_model=cost_model,
+            batch=args.batch,
+            dims=dict(args.dim),
+            precision=args.precision,
+        )
+        page = plan_report(result)
+    for warning in caught:
+        if issubclass(warning.category, AutoparWarning):
+            print(f"autopar: warning: {warning.message}", file=sys.stderr)
+    out = args.out or f"{Path(args.model).stem}.report.html"
+    _emit(page, out)
+    print(f"autopar: wrote {out} ({len(page.encode('utf-8')):,} bytes)", file=sys.stderr)
+    return 0
+
+
 def _run_schema(args: argparse.Namespace) -> int:
     from autopar.lowering import json_schema
 
@@ -515,6 +550,7 @@ COMMANDS = {
     "profiles": _run_profiles,
     "export": _run_export,
     "sweep": _run_sweep,
+    "report": _run_report,
 }
 
 

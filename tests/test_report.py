@@ -1,0 +1,309 @@
+"""The plan report: one self-contained HTML page (CLI ``autopar report`` and a Plan's Jupyter display)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.report.html import SECTIONS, axis_splits, fold_groups, report_html, timeline_phases, warnings_of
+from models.transformer import build_preset
+from tests.conftest import run_cli
+
+RESNET50 = "models/resnet50.onnx"
+BALANCED = ("svg", "table", "section", "tr", "td", "th", "div", "thead", "tbody", "ul", "li", "text", "title")
+VOID = {"meta", "br", "img", "input", "link", "hr"}
+
+
+class _Page(HTMLParser):
+    """Collects what the tests check and the tags left open or closed out of order."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.problems: list[str] = []
+        self.ids: list[str] = []
+        self.headings: list[str] = []
+        self.links: list[str] = []
+        self.cards: dict[str, str | None] = {}
+        self.map_rows: list[dict[str, str | None]] = []
+        self.in_map = False
+        self.in_h2 = False
+        self.scripts = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if tag == "script":
+            self.scripts += 1
+        for key in ("src", "href"):
+            if found.get(key):
+                self.links.append(str(found[key]))
+        if found.get("id"):
+            self.ids.append(str(found["id"]))
+        if tag == "div" and found.get("class") == "card":
+            self.cards[str(found["data-key"])] = found.get("data-value")
+        if tag == "table" and found.get("class") == "map":
+            self.in_map = True
+        if tag == "tr" and self.in_map and "data-op" in found:
+            self.map_rows.append(found)
+        if tag == "h2":
+            self.in_h2 = True
+            self.headings.append("")
+        if tag not in VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        pass  # <rect .../>: opens and closes
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table":
+            self.in_map = False
+        if tag == "h2":
+            self.in_h2 = False
+        if not self.stack or self.stack[-1] != tag:
+            self.problems.append(f"</{tag}> closes {self.stack[-1] if self.stack else 'nothing'}")
+            return
+        self.stack.pop()
+
+    def handle_data(self, data: str) -> None:
+        if self.in_h2:
+            self.headings[-1] += data
+
+
+def parse(page: str) -> _Page:
+    parser = _Page()
+    parser.feed(page)
+    parser.close()
+    return parser
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    plan = autopar.plan(RESNET50, devices=8)
+    return plan, plan.to_dict()
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    plan = autopar.plan(build_preset("gpt2", layers=2, batch=8), devices=8)
+    return plan, plan.to_dict()
+
+
+@pytest.fixture(scope="module", params=["resnet", "gpt"])
+def case(request):
+    plan, data = request.getfixturevalue(request.param)
+    from autopar.report.html import plan_report
+
+    return plan, data, plan_report(plan)
+
+
+def test_the_page_is_well_formed_and_self_contained(case):
+    _, _, page = case
+    parsed = parse(page)
+    assert parsed.problems == []
+    assert parsed.stack == [] or parsed.stack == ["html"], parsed.stack  # every element closed
+    assert page.startswith("<!doctype html>")
+    for tag in ("svg", "table"):
+        assert page.count(f"<{tag}") == page.count(f"</{tag}>") > 0
+    assert parsed.scripts == 0
+    assert all(link.startswith("#") for link in parsed.links), parsed.links
+    assert "http" not in "".join(parsed.links) and "url(" not in page
+    assert len(page.encode("utf-8")) < 3_000_000
+
+
+def test_every_section_is_there(case):
+    _, _, page = case
+    parsed = parse(page)
+    assert [i for i in parsed.ids if i in SECTIONS] == list(SECTIONS)
+    assert parsed.headings == [
+        "Summary",
+        "Strategy map",
+        "Device mesh",
+        "One step",
+        "Memory per device",
+        "Why not data parallel",
+        "Collectives",
+    ]
+
+
+def test_the_summary_numbers_are_the_plans(case):
+    plan, data, page = case
+    cards = parse(page).cards
+    totals = data["totals"]
+    assert float(cards["step_time_s"]) == totals["step_time_s"] == pytest.approx(plan.objective, rel=1e-9)
+    assert float(cards["mfu"]) == totals["ideal_step_time_s"] / totals["step_time_s"]
+    assert int(cards["memory_per_device_bytes"]) == totals["memory_per_device_bytes"]
+    assert float(cards["speedup_vs_data_parallel"]) == totals["speedup_vs_data_parallel"]
+    batch = next(iter(data["context"]["inputs"].values()))[0]
+    assert float(cards["samples_per_s"]) == batch / totals["step_time_s"]
+    alone = autopar.plan(plan.problem.graph.model, devices=8, mode="stand_alone").to_dict()
+    assert float(cards["speedup_vs_stand_alone"]) == pytest.approx(
+        alone["totals"]["step_time_s"] / totals["step_time_s"], rel=1e-9
+    )
+
+
+def test_every_operator_is_in_the_strategy_map(case):
+    _, data, page = case
+    rows = parse(page).map_rows
+    names = [op["name"] for op in data["ops"]]
+    assert sum(int(str(row["data-count"])) for row in rows) == len(names)
+    shown = {str(row["data-op"]) for row in rows}
+    folded = {name for row in rows for name in str(row["title"]).partition("copies: ")[2].split(", ") if name}
+    assert shown | folded == set(names)
+    assert not shown & folded
+
+
+def test_repeated_blocks_fold_into_one_row_with_a_count(resnet):
+    _, data = resnet
+    (block,) = data["search"]["repeated_blocks"]
+    groups = fold_groups(data)
+    first = [op["name"] for op in data["ops"]].index(block["first_op"])
+    assert [len(g) for g in groups if g[0] == first] == [block["copies"]]
+    assert len(groups) == len(data["ops"]) - block["operators"] * (block["copies"] - 1)
+    rows = parse(report_html(data)).map_rows
+    assert {str(r["data-op"]): int(str(r["data-count"])) for r in rows}[block["first_op"]] == block["copies"]
+
+
+def test_axis_kinds_come_from_the_layouts(resnet, gpt):
+    _, data = resnet
+    ops = {op["name"]: op for op in data["ops"]}
+    assert axis_splits(ops["layer1.0.conv1"], image=True) == ({"batch": 8}, 8)
+    assert axis_splits(ops["fc"], image=True) == ({"batch": 4, "contraction": 2}, 8)  # ((4,2),(1,2),(1,))
+    assert axis_splits(ops["loss.mean"], image=True)[0] == {"batch": 8}  # a full reduction keeps its kind
+    _, data = gpt
+    ops = {op["name"]: op for op in data["ops"]}
+    assert axis_splits(ops["embed.tok"], image=False) == ({"channels/hidden": 2}, 2)  # the table's hidden dim
+    model = build_preset("gpt2", layers=2, batch=8)
+    heads = autopar.plan(
+        model,
+        devices=8,
+        mode="semi_auto_parallel",
+        fixed={"layer0.attn.scores": ((2, 4, 1, 1), (2, 4, 1, 1)), "layer0.mlp.fc2": ((2, 1, 4), (4, 1))},
+    ).to_dict()
+    ops = {op["name"]: op for op in heads["ops"]}
+    assert axis_splits(ops["layer0.attn.scores"], image=False) == ({"batch": 2, "heads": 4}, 8)  # 12 heads
+    assert axis_splits(ops["layer0.mlp.fc2"], image=False) == ({"batch": 2, "contraction": 4}, 8)
+
+
+def test_the_timeline_adds_up_to_the_step(case):
+    plan, data, _ = case
+    from autopar.report.html import compute_split
+
+    forward, recompute = compute_split(plan)
+    phases = dict(timeline_phases(data, forward, recompute))
+    totals = data["totals"]
+    critical = sum(v for k, v in phases.items() if k != "hidden gradient sync")
+    assert critical == pytest.approx(totals["step_time_s"], rel=1e-9)
+    assert phases["hidden gradient sync"] == totals["hidden_communication_s"]
+    assert 0 < phases["forward"] < phases["backward"]  # the backward pays about twice the forward
+    assert dict(timeline_phases(data))["compute"] == totals["compute_s"]  # a plan file alone: one phase
+
+
+def test_why_lists_the_operators_off_data_parallel(gpt):
+    plan, data = gpt
+    dp = autopar.plan(plan.problem.graph.model, devices=8, mode="data_parallel").to_dict()
+    page = report_html(data, data_parallel=dp)
+    section = page.split("<section id='why'>")[1].split("</section>")[0]
+    reference = {op["name"]: op["strategy"] for op in dp["ops"]}
+    differ = [op["name"] for op in data["ops"] if op["strategy"] != reference[op["name"]]]
+    assert differ, "GPT-2's plan leaves data parallel somewhere"
+    for name in differ:
+        assert f"data-op='{name}'" in section
+    assert "where data parallel splits batch x8" in section
+    assert "faster here" in section or "slower here" in section
+
+
+def test_collectives_read_as_sentences(resnet):
+    _, data = resnet
+    page = report_html(data)
+    section = page.split("<section id='collectives'>")[1].split("</section>")[0]
+    assert "AllReduce of the gradient of conv1.weight over 8 devices (HCCS+PCIe), 18.82 KB" in section
+    assert "ReduceScatter of logits over 2 devices (HCCS), 128.00 KB" in section
+    mesh = page.split("<section id='mesh'>")[1].split("</section>")[0]
+    assert "HCCS" in mesh and "PCIe" in mesh and "<svg" in mesh
+
+
+def test_a_plan_file_alone_says_what_it_cannot_compare(resnet):
+    _, data = resnet
+    page = report_html(json.loads(json.dumps(data)))
+    assert parse(page).problems == []
+    assert "not computed" in page  # stand-alone
+    assert "needs the data-parallel plan" in page
+
+
+def test_warnings_name_idle_devices_replication_and_fallbacks(resnet):
+    _, data = resnet
+    assert warnings_of(data) == []
+    assert "Idle devices: the largest split uses 8 of 16 devices" in warnings_of({**data, "devices": 16})[0]
+    alone = autopar.plan(RESNET50, devices=8, mode="stand_alone").to_dict()
+    assert "fully replicated" in warnings_of(alone)[0]
+    assert "1 fallback operator(s)" in " ".join(warnings_of({**data, "fallback_ops": ["odd"]}))
+    assert "fully replicated" in report_html(alone)
+
+
+def test_jupyter_shows_the_report(resnet):
+    plan, _ = resnet
+    fragment = plan._repr_html_()
+    assert "autopar plan: resnet50 on 8 devices" in fragment and "<!doctype" not in fragment
+    parsed = parse(fragment)
+    assert parsed.problems == [] and parsed.stack == []
+    assert [i for i in parsed.ids if i in SECTIONS] == list(SECTIONS)
+
+
+def test_the_cli_writes_the_page_and_says_where(capsys, tmp_path, monkeypatch):
+    out = tmp_path / "r.html"
+    code, stdout, stderr = run_cli(capsys, "report", RESNET50, "--devices", "8", "-o", out)
+    assert code == 0 and stdout == ""
+    assert f"autopar: wrote {out}" in stderr
+    assert parse(out.read_text(encoding="utf-8")).problems == []
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = run_cli(capsys, "report", _abs(RESNET50), "--batch", "64")
+    assert code == 0 and "autopar: wrote resnet50.report.html" in stderr
+    page = (tmp_path / "resnet50.report.html").read_text(encoding="utf-8")
+    assert "64 samples a step" in page
+    code, _, stderr = run_cli(capsys, "report", _abs(RESNET50), "--devices", "3")
+    assert code == 2 and "power of two" in stderr
+
+
+def _abs(path: str) -> Path:
+    return Path(__file__).resolve().parent.parent / path
+
+
+BROWSER = shutil.which("chromium-headless-shell") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no headless Chromium installed")
+def test_a_browser_renders_the_page(resnet, tmp_path):
+    from PIL import Image
+
+    from autopar.report.html import plan_report
+
+    page = tmp_path / "report.html"
+    page.write_text(plan_report(resnet[0]), encoding="utf-8")
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [
+            str(BROWSER),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1200,2000",
+            f"--screenshot={shot}",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1200, 2000)
+    colours = image.getcolors(maxcolors=1 << 20)
+    assert colours is not None and len(colours) > 50  # text, cards, the coloured map: not a blank page
+    white = sum(count for count, colour in colours if colour == (255, 255, 255))
+    assert white < 0.95 * image.size[0] * image.size[1]
