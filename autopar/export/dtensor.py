@@ -1,0 +1,474 @@
+"""The ``dtensor`` export: a Python module that places the plan's tensors with PyTorch DTensor.
+
+`write` makes one readable module (``{model}_dtensor.py`` by default) holding the `DeviceMesh`,
+one ``Spec`` per parameter (``PARAMETERS``) and, per operator, one per input and output
+(``OPERATORS``: the activation boundaries, data inputs and constants included): the global shape,
+the DTensor placements (``Shard(d)``, ``Replicate()``, ``Partial(op)``) and autopar's own layout.
+Run as ``torchrun --nproc-per-node N FILE`` (gloo on CPU) it builds the mesh, distributes every
+parameter (`distribute_tensor` of a seeded full tensor), checks on every rank that the local
+tensor is the shard the plan says (shape and values), checks every boundary's local shape (a
+meta tensor) and which shard each rank holds (a small probe tensor), and prints OK.
+
+The mesh: one mesh dimension of size 2 per autopar mesh bit, named ``b<bit>``, highest bit first
+(8 devices: ``("b2", "b1", "b0")``, shape ``(2, 2, 2)``). DTensor lays ranks out over the mesh in
+row-major order (the last dimension fastest), so rank r sits at coordinate (bit 2, bit 1, bit 0)
+of r: the mesh's rank order is autopar's rank numbering (``torch.arange(N).reshape(2, ..., 2)``).
+A dimension split by bits (b1..bm), most significant first, is ``Shard(d)`` on each of those
+bits' mesh dimensions; bits partial (sum, max or min) are ``Partial(op)`` on theirs; every other
+mesh dimension is ``Replicate()``. DTensor shards a tensor dimension over several mesh dimensions
+left to right (the leftmost mesh dimension is the major one: `DTensorSpec.compute_default_shard_order`,
+the `_StridedShard` docstring in ``torch/distributed/tensor/placement_types.py``), and the
+highest bit is leftmost, so a dimension whose bits are highest first (all that autopar's
+strategies make) means the same in both. A dimension split by bits in another order (``(0, 2)``:
+bit 0 major) is placed on a mesh of the same ranks with its dimensions permuted so that its bits
+come in the plan's order (``mesh=("b0", "b1", "b2")``; `mesh_order`): plain ``Shard`` again,
+never the private ``_StridedShard``.
+
+Shapes come from the model the plan was made for (``--model`` on the command line;
+``Plan.export`` passes it): without one, the module holds placements and layouts only and checks
+which shard each rank holds, not the local shapes.
+
+>>> from autopar.layout import Layout
+>>> placements(Layout(((2, 1), (0,))), mesh_order(Layout(((2, 1), (0,))), 3))
+['Shard(0)', 'Shard(0)', 'Shard(1)']
+>>> placements(Layout(((),), partial=(2,)), (2, 1, 0))
+["Partial('sum')", 'Replicate()', 'Replicate()']
+>>> mesh_order(Layout(((0, 2), ())), 3)   # bit 0 major: a mesh whose first dimension is bit 0
+(0, 1, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from autopar.errors import AutoparError, PlanFileError
+from autopar.graph import load_model
+from autopar.graph.proto import data_inputs
+from autopar.graph.types import Graph
+from autopar.layout import Layout
+from autopar.lowering.planfile import PlanFile
+
+SINGLE_AXIS = "single"  # the one mesh dimension (size 1) of a one-device plan
+
+
+# --- what both framework exports place -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One tensor as an operator sees it: its layout there, its global shape (None when unknown)."""
+
+    tensor: str
+    layout: Layout
+    shape: tuple[int, ...] | None
+    kind: str  # parameter, constant, input or activation
+
+
+@dataclass(frozen=True)
+class OpBoundaries:
+    name: str
+    op_type: str
+    strategy: tuple[tuple[int, ...], ...]
+    inputs: tuple[Boundary, ...]
+    outputs: tuple[Boundary, ...]
+
+
+@dataclass(frozen=True)
+class PlanTensors:
+    """The plan's parameters (their own layouts) and every operator's boundaries, with shapes."""
+
+    devices: int
+    mesh_bits: int
+    links: dict[int, str]  # mesh bit -> the link level joining devices that differ in it
+    parameters: dict[str, Boundary]
+    ops: tuple[OpBoundaries, ...]
+    shapes_known: bool
+
+
+def plan_tensors(plan: PlanFile, model: onnx.ModelProto | None) -> PlanTensors:
+    """What the dtensor and jax exports write: shapes from ``model`` (bound as the plan was), if given."""
+    graph = _graph_for(plan, model) if model is not None else None
+    trainable = {entry.parameter: entry.layout.layout() for entry in plan.gradient_sync}
+
+    def kind_of(tensor: str) -> str:
+        if graph is None:
+            return "parameter" if tensor in trainable else "activation"
+        return graph.tensor(tensor).kind
+
+    def boundary(tensor: str, layout: Layout) -> Boundary:
+        shape = None
+        if graph is not None:
+            shape = tuple(graph.tensor(tensor).shape)
+            if len(shape) != layout.ndim:
+                raise PlanFileError(
+                    f"The plan was made for another model ({plan.model!r}): tensor {tensor!r} has"
+                    f" {len(shape)} dimensions here, {layout.ndim} in the plan."
+                )
+        return Boundary(tensor, layout, shape, kind_of(tensor))
+
+    ops: list[OpBoundaries] = []
+    parameters: dict[str, Boundary] = {}
+    for op in plan.ops:
+        for entry in [*op.inputs, *op.outputs]:
+            if entry.tensor and graph is not None and entry.tensor not in graph.tensors:
+                raise PlanFileError(
+                    f"The plan was made for another model ({plan.model!r}): this one has no tensor {entry.tensor!r}."
+                )
+        inputs = tuple(boundary(e.tensor, e.layout.layout()) for e in op.inputs if e.tensor)
+        outputs = tuple(boundary(e.tensor, e.layout.layout()) for e in op.outputs if e.tensor)
+        for b in inputs:
+            if b.kind == "parameter" and b.tensor not in parameters:
+                layout = trainable.get(b.tensor, b.layout)  # its own layout: where its gradient is synced
+                parameters[b.tensor] = boundary(b.tensor, layout)
+        ops.append(OpBoundaries(op.name, op.op_type, tuple(tuple(s) for s in op.strategy), inputs, outputs))
+    for name, layout in trainable.items():  # a parameter no operator reads (not expected): still placed
+        if name not in parameters and (graph is None or name in graph.tensors):
+            parameters[name] = boundary(name, layout)
+    links = {bit: link.name for link in plan.links for bit in link.bits}
+    return PlanTensors(plan.devices, plan.mesh_bits, links, parameters, tuple(ops), graph is not None)
+
+
+def _graph_for(plan: PlanFile, model: onnx.ModelProto) -> Graph:
+    """The model imported with the sizes the plan was made for; PlanFileError if it is another model."""
+    batch, dims = _bindings(plan, model)
+    try:
+        graph = load_model(model, batch=batch, dims=dims)
+    except AutoparError as exc:
+        raise PlanFileError(f"The model cannot be read with the plan's input shapes: {exc}") from None
+    if plan.context is not None and plan.context.model_fingerprint != graph.fingerprint:
+        raise PlanFileError(
+            f"The plan was made for another model ({plan.model!r}, fingerprint {plan.context.model_fingerprint}),"
+            f" not this {graph.name!r} ({graph.fingerprint})."
+        )
+    return graph
+
+
+def _bindings(plan: PlanFile, model: onnx.ModelProto) -> tuple[int | None, dict[str, int]]:
+    """The batch and symbolic sizes that give the model's data inputs the plan's shapes."""
+    batch: int | None = None
+    dims: dict[str, int] = {}
+    if plan.context is None:
+        return batch, dims
+    for info in data_inputs(model):
+        planned = plan.context.inputs.get(info.name)
+        if not planned or not info.type.HasField("tensor_type"):
+            continue
+        for axis, (dim, size) in enumerate(zip(info.type.tensor_type.shape.dim, planned)):
+            if dim.HasField("dim_param") and dim.dim_param:
+                dims[dim.dim_param] = size
+            elif axis == 0 and dim.dim_value != size:  # a different batch, or a placeholder (0, -1)
+                batch = size
+    return batch, dims
+
+
+# --- autopar's mesh bits as mesh dimensions ---------------------------------------------------------
+
+
+def axis_names(mesh_bits: int) -> tuple[str, ...]:
+    """The mesh dimensions' names, highest bit first: ``("b2", "b1", "b0")`` for 8 devices."""
+    if mesh_bits == 0:
+        return (SINGLE_AXIS,)
+    return tuple(f"b{bit}" for bit in range(mesh_bits - 1, -1, -1))
+
+
+def mesh_order(layout: Layout, mesh_bits: int) -> tuple[int, ...]:
+    """The bits of the mesh dimensions a tensor's DTensor placements refer to, left to right.
+
+    Highest bit first, unless a dimension's bits come in another order: then those bits take the
+    same mesh positions in the plan's order, so DTensor's left-to-right sharding is the plan's
+    most-significant-first one.
+    """
+    order = list(range(mesh_bits - 1, -1, -1))
+    for bits in layout.dims:
+        if list(bits) != sorted(bits, reverse=True):
+            positions = sorted(order.index(bit) for bit in bits)
+            for position, bit in zip(positions, bits):
+                order[position] = bit
+    return tuple(order)
+
+
+def placements(layout: Layout, order: Sequence[int]) -> list[str]:
+    """DTensor placements (as source text) over the mesh dimensions whose bits are ``order``."""
+    if not order:
+        return ["Replicate()"]
+    out = []
+    for bit in order:
+        dim = next((d for d, bits in enumerate(layout.dims) if bit in bits), None)
+        if dim is not None:
+            out.append(f"Shard({dim})")
+        elif bit in layout.partial:
+            out.append(f"Partial({str(layout.partial_op)!r})")
+        else:
+            out.append("Replicate()")
+    return out
+
+
+# --- the generated module ---------------------------------------------------------------------------
+
+
+def _spec(boundary: Boundary, mesh_bits: int) -> str:
+    layout = boundary.layout
+    order = mesh_order(layout, mesh_bits)
+    fields = [repr(boundary.shape), _tuple(placements(layout, order)), f"dims={layout.dims!r}"]
+    if layout.partial:
+        fields += [f"partial={layout.partial!r}", f"partial_op={str(layout.partial_op)!r}"]
+    if mesh_bits and order != tuple(range(mesh_bits - 1, -1, -1)):
+        fields.append(f"mesh={tuple(f'b{bit}' for bit in order)!r}")
+    return "Spec(" + ", ".join(fields) + ")"
+
+
+def spec_tables(tensors: PlanTensors, spec_of: Callable[[Boundary], str]) -> list[str]:
+    """The ``PARAMETERS`` and ``OPERATORS`` tables of a generated module, ``spec_of`` writing each entry.
+
+    An operator input that is a parameter placed as ``PARAMETERS`` says is written as that entry.
+    """
+    specs = {name: spec_of(b) for name, b in tensors.parameters.items()}
+    lines = ["# every parameter, as its gradient synchronisation sees it (trainable) or its first reader"]
+    lines += ["PARAMETERS: dict[str, Spec] = {", *(f"    {name!r}: {spec}," for name, spec in specs.items()), "}"]
+    lines += ["", "# every operator's inputs and outputs: the activation boundaries", "OPERATORS: dict[str, Op] = {"]
+    for op in tensors.ops:
+        lines += [f"    {op.name!r}: Op(", f"        {op.op_type!r},", f"        {op.strategy!r},"]
+        for label, group in (("inputs", op.inputs), ("outputs", op.outputs)):
+            lines.append(f"        {label}={{")
+            for b in group:
+                spec = spec_of(b)
+                text = f"PARAMETERS[{b.tensor!r}]" if specs.get(b.tensor) == spec else spec
+                lines.append(f"            {b.tensor!r}: {text},")
+            lines.append("        },")
+        lines.append("    ),")
+    lines.append("}")
+    return lines
+
+
+def _tuple(items: Sequence[str]) -> str:
+    """Source text of a tuple of source texts."""
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+_RUNTIME = '''
+
+# --- running it: torchrun --nproc-per-node DEVICES THIS_FILE --------------------------------------
+
+
+def rank_grid(mesh_dims: tuple[str, ...] = MESH_DIM_NAMES) -> torch.Tensor:
+    """The ranks laid out over a mesh whose dimensions are ``mesh_dims`` (bit names, in order)."""
+    grid = torch.arange(DEVICES).reshape(MESH_SHAPE)  # row-major: rank r at its bits, highest first
+    return grid.permute([MESH_DIM_NAMES.index(name) for name in mesh_dims])
+
+
+_MESHES: dict[tuple[str, ...], DeviceMesh] = {}
+
+
+def device_mesh(mesh_dims: tuple[str, ...] = MESH_DIM_NAMES) -> DeviceMesh:
+    """The device mesh (built once). A permuted one holds the same ranks with its dimensions reordered."""
+    if mesh_dims not in _MESHES:
+        _MESHES[mesh_dims] = DeviceMesh(DEVICE_TYPE, rank_grid(mesh_dims), mesh_dim_names=mesh_dims)
+    return _MESHES[mesh_dims]
+
+
+def shard_index(rank: int, bits: tuple[int, ...]) -> int:
+    """autopar's rule: the shard a rank holds is the number its bits spell, most significant first."""
+    index = 0
+    for bit in bits:
+        index = (index << 1) | ((rank >> bit) & 1)
+    return index
+
+
+def local_slices(spec: Spec, shape: tuple[int, ...], rank: int) -> tuple[slice, ...]:
+    """The region of a tensor of ``shape`` that ``rank`` holds under ``spec`` (autopar's layout)."""
+    out = []
+    for size, bits in zip(shape, spec.dims):
+        chunk = size >> len(bits)
+        start = shard_index(rank, bits) * chunk
+        out.append(slice(start, start + chunk))
+    return tuple(out)
+
+
+def local_shape(spec: Spec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(size >> len(bits) for size, bits in zip(shape, spec.dims))
+
+
+def partial_scale(spec: Spec) -> float:
+    """distribute_tensor gives each rank 1/n of a full value for Partial("sum"), the value itself otherwise."""
+    return 1.0 / (1 << len(spec.partial)) if spec.partial and spec.partial_op == "sum" else 1.0
+
+
+def distribute(name: str, full: torch.Tensor) -> DTensor:
+    """Parameter ``name`` (its full value on every rank) as the DTensor the plan places."""
+    spec = PARAMETERS[name]
+    return distribute_tensor(full, device_mesh(spec.mesh), spec.placements)
+
+
+def check_parameter(name: str, full: torch.Tensor, rank: int) -> None:
+    spec = PARAMETERS[name]
+    local = distribute(name, full).to_local().cpu()
+    want = local_shape(spec, tuple(full.shape))
+    assert tuple(local.shape) == want, f"{name}: rank {rank} holds {tuple(local.shape)}, the plan says {want}"
+    expected = full[local_slices(spec, tuple(full.shape), rank)] * partial_scale(spec)
+    assert torch.allclose(local, expected), f"{name}: rank {rank} holds another shard than the plan says"
+
+
+def check_boundary(label: str, spec: Spec, rank: int) -> None:
+    """The local shape DTensor gives (a meta tensor: nothing allocated) and the shard each rank holds."""
+    mesh = device_mesh(spec.mesh)
+    if spec.shape is not None:
+        meta = distribute_tensor(torch.empty(spec.shape, device="meta"), mesh, spec.placements, src_data_rank=None)
+        got, want = tuple(meta.to_local().shape), local_shape(spec, spec.shape)
+        assert got == want, f"{label}: rank {rank} holds {got}, the plan says {want}"
+    probe_shape = tuple(1 << len(bits) for bits in spec.dims)  # one element per shard, numbered
+    probe = torch.arange(math.prod(probe_shape), dtype=torch.float64).reshape(probe_shape)
+    local = distribute_tensor(probe, mesh, spec.placements, src_data_rank=None).to_local().cpu()
+    expected = probe[local_slices(spec, probe_shape, rank)] * partial_scale(spec)
+    assert torch.equal(local, expected), f"{label}: rank {rank} holds another shard than the plan says"
+
+
+def main() -> None:
+    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE_TYPE == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != DEVICES:
+        raise SystemExit(f"this plan is for {DEVICES} devices: run torchrun --nproc-per-node {DEVICES} (got {world})")
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    assert device_mesh().mesh.flatten().tolist() == list(range(DEVICES)), "the mesh's rank order is not autopar's"
+    generator = torch.Generator().manual_seed(SEED)  # the same full tensors on every rank
+    for name, spec in PARAMETERS.items():
+        if spec.shape is None:  # exported without the model: no shapes, check the shards only
+            check_boundary(name, spec, rank)
+            continue
+        check_parameter(name, torch.randn(spec.shape, generator=generator), rank)
+    seen: set[str] = set()
+    for op_name, op in OPERATORS.items():
+        for tensor, spec in [*op.inputs.items(), *op.outputs.items()]:
+            key = repr(spec)
+            if key not in seen:
+                seen.add(key)
+                check_boundary(f"{op_name}: {tensor}", spec, rank)
+    dist.barrier()
+    if rank == 0:
+        shapes = "" if SHAPES_KNOWN else " (no shapes: exported without the model)"
+        print(
+            f"OK: {len(PARAMETERS)} parameters and {len(seen)} distinct operator boundaries on mesh"
+            f" {tuple(MESH_SHAPE)} {MESH_DIM_NAMES} match the plan{shapes}"
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "THIS_FILE") -> str:
+    """The generated module's source (``filename``: its name, in the command line it shows)."""
+    tensors = plan_tensors(plan, model)
+    bits = tensors.mesh_bits
+    names = axis_names(bits)
+    shape = tuple(2 for _ in range(bits)) or (1,)
+    links = ", ".join(f"{name!r}: {tensors.links.get(bit, '?')!r}" for name, bit in zip(names, range(bits - 1, -1, -1)))
+    example = _example(bits)
+    lines = [
+        f'"""DTensor placements of autopar\'s plan for {plan.model!r} on {plan.devices} devices.',
+        "",
+        "Generated by ``autopar export --to dtensor``. Run it to check the plan against DTensor:",
+        "",
+        f"    torchrun --nproc-per-node {plan.devices} {filename}",
+        "",
+        "(gloo on CPU, NCCL where CUDA is available): every rank builds the mesh, distributes every",
+        "parameter (``distribute_tensor`` of a seeded full tensor), checks its local shard's shape and",
+        "values, checks every operator boundary's local shape and shard, and rank 0 prints OK.",
+        "",
+        f"Mesh: one dimension of size 2 per autopar mesh bit, named {names!r}, highest bit first. DTensor",
+        "numbers a mesh row-major (last dimension fastest), so rank r sits at the coordinate spelled by",
+        "its bits, highest first: the mesh's rank order is autopar's (rank r's bit b is (r >> b) & 1).",
+        "A tensor dimension split by bits (b1..bm), most significant first, is Shard(d) on those bits'",
+        "mesh dimensions: DTensor shards left to right, the leftmost mesh dimension major, as autopar's",
+        "first bit is. Bits holding partial values are Partial(op) on theirs; the rest Replicate().",
+        "A dimension whose bits are not highest first lives on a mesh of the same ranks with its",
+        f"dimensions reordered to the plan's order (``Spec.mesh``; {example}).",
+        "",
+        "``Spec.dims`` / ``partial`` are autopar's layout (the bits splitting each dimension, most",
+        "significant first, and the bits holding partial values); the check compares DTensor with it.",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "import math",
+        "import os",
+        "from typing import NamedTuple",
+        "",
+        "import torch",
+        "import torch.distributed as dist",
+        "from torch.distributed.device_mesh import DeviceMesh",
+        "from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor",
+        "",
+        f"DEVICES = {plan.devices}",
+        f"MESH_SHAPE = {shape!r}",
+        f"MESH_DIM_NAMES = {names!r}  # autopar mesh bit of each mesh dimension, highest first",
+        f"LINKS = {{{links}}}" if bits else "LINKS: dict[str, str] = {}",
+        "# CUDA (NCCL) where every local rank has a GPU, else CPU (gloo)",
+        'LOCAL_RANKS = int(os.environ.get("LOCAL_WORLD_SIZE", DEVICES))',
+        'DEVICE_TYPE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= LOCAL_RANKS else "cpu"',
+        "SEED = 0",
+        f"SHAPES_KNOWN = {tensors.shapes_known}",
+        "",
+        "",
+        "class Spec(NamedTuple):",
+        '    """A tensor: global shape, DTensor placements (one per mesh dim), autopar\'s layout, its mesh."""',
+        "",
+        "    shape: tuple[int, ...] | None",
+        "    placements: tuple[Placement, ...]",
+        "    dims: tuple[tuple[int, ...], ...]  # autopar: the bits splitting each dimension, major first",
+        "    partial: tuple[int, ...] = ()  # autopar: the bits over which values are partial",
+        '    partial_op: str = "sum"',
+        "    mesh: tuple[str, ...] = MESH_DIM_NAMES  # the mesh dimensions the placements refer to",
+        "",
+        "",
+        "class Op(NamedTuple):",
+        '    """An operator: its type, its in_strategy, and its inputs\' and outputs\' placements."""',
+        "",
+        "    op_type: str",
+        "    strategy: tuple[tuple[int, ...], ...]",
+        "    inputs: dict[str, Spec]",
+        "    outputs: dict[str, Spec]",
+        "",
+        "",
+    ]
+    lines += spec_tables(tensors, lambda b: _spec(b, bits))
+    return "\n".join(lines) + "\n" + _RUNTIME
+
+
+def _example(mesh_bits: int) -> str:
+    if mesh_bits < 2:
+        return "with one bit there is one order"
+    low, high = 0, mesh_bits - 1
+    order = mesh_order(Layout(((low, high),)), mesh_bits)
+    return f"split by ({low}, {high}): mesh {tuple(f'b{bit}' for bit in order)!r}"
+
+
+def write(plan: PlanFile, model: onnx.ModelProto | None, out: Path) -> list[Path]:
+    """Write the DTensor module for ``plan`` at ``out``; the one path."""
+    path = Path(out)
+    text = module_text(plan, model, path.name)
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise AutoparError(f"Cannot write {str(path)!r}: {exc.strerror or exc}.") from None
+    return [path]
+
+
+__all__ = [
+    "Boundary",
+    "OpBoundaries",
+    "PlanTensors",
+    "axis_names",
+    "mesh_order",
+    "module_text",
+    "placements",
+    "plan_tensors",
+    "spec_tables",
+    "write",
+]

@@ -1,0 +1,136 @@
+"""The ``jax`` export: a module with the plan's Mesh and PartitionSpecs, run where jax is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.errors import PlanFileError
+from autopar.export import export
+from autopar.export.jax import module_text, partition_spec, unreduced_axes
+from autopar.graph import load_model
+from autopar.layout import Layout
+from autopar.lowering import read_plan_file
+from models.transformer import build_preset
+from tests.conftest import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+RESNET50 = REPO / "models" / "resnet50.onnx"
+HAS_JAX = importlib.util.find_spec("jax") is not None
+needs_jax = pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
+
+
+@pytest.fixture(scope="module")
+def resnet_plan():
+    return autopar.plan(RESNET50, devices=8)
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    return autopar.plan(build_preset("gpt2", layers=2, hidden=128, heads=4, seq=64, batch=8), devices=8)
+
+
+def reordered(plan):
+    """The GPT plan with layouts autopar's strategies do not make: bits not highest first, a partial max."""
+    data = plan.to_dict()
+    odd = {"dims": [[0, 2], [1]]}
+    for op in data["ops"]:
+        if op["name"] == "embed.pos":
+            op["inputs"][1]["layout"] = odd  # embed.pos.weight [64, 128]
+            op["outputs"][0]["layout"] = {"dims": [[], [0, 2], [1]]}
+        if op["name"] == "layer0.ln1":
+            op["outputs"][0]["layout"] = {"dims": [[0], [], []], "partial": [2], "partial_op": "max"}
+    for sync in data["gradient_sync"]:
+        if sync["parameter"] == "embed.pos.weight":
+            sync["layout"] = odd
+    return read_plan_file(data)
+
+
+def run_module(path: Path, devices: int) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=600, env=env, cwd=path.parent, check=False
+    )
+
+
+def test_partition_specs_name_the_bits_major_first():
+    assert partition_spec(Layout(((2, 1, 0), (), ()))) == "P(('b2', 'b1', 'b0'), None, None)"
+    assert partition_spec(Layout(((1,), (0, 2)))) == "P('b1', ('b0', 'b2'))"
+    assert partition_spec(Layout(())) == "P()"
+    partial = Layout(((1,),), partial=(0, 2), partial_op="max")
+    assert partition_spec(partial) == "P('b1')" and unreduced_axes(partial) == ("b2", "b0")
+
+
+@pytest.mark.parametrize("fixture", ["resnet_plan", "gpt_plan"])
+def test_module_compiles_and_names_every_parameter(fixture, request, tmp_path):
+    plan = request.getfixturevalue(fixture)
+    [path] = plan.export("jax", tmp_path / "sharded.py")
+    text = path.read_text(encoding="utf-8")
+    compile(text, str(path), "exec")
+    assert "xla_force_host_platform_device_count=8 python sharded.py" in text
+    assert "AXIS_NAMES = ('b2', 'b1', 'b0')" in text and "SHAPES_KNOWN = True" in text
+    for sync in plan.file.gradient_sync:
+        assert f"    {sync.parameter!r}: Spec(" in text
+    for op in plan.file.ops:
+        assert f"    {op.name!r}: Op(" in text
+
+
+def test_partial_values_are_listed_as_unreduced(resnet_plan):
+    text = module_text(resnet_plan.file, resnet_plan.problem.graph.model)
+    assert "'loss': Spec((), P(), dims=(), unreduced=('b2', 'b1', 'b0'), reduce_op='sum')" in text
+    assert "    ('loss.mean', 'loss'): ('sum', ('b2', 'b1', 'b0'))," in text
+    assert "'images': Spec((256, 3, 224, 224), P(('b2', 'b1', 'b0'), None, None, None)" in text
+
+
+def test_without_the_model_the_module_has_no_shapes(gpt_plan, tmp_path):
+    [path] = export(gpt_plan.file, "jax", tmp_path / "bare.py")
+    text = path.read_text(encoding="utf-8")
+    compile(text, str(path), "exec")
+    assert "SHAPES_KNOWN = False" in text and "'embed.tok.weight': Spec(None, P(None, 'b0')" in text
+
+
+def test_another_model_is_refused(gpt_plan):
+    with pytest.raises(PlanFileError, match="another model"):
+        module_text(gpt_plan.file, load_model(RESNET50).model)
+
+
+def test_command_line(gpt_plan, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(gpt_plan.file.model_dump_json(by_alias=True), encoding="utf-8")
+    code, _, err = run_cli(capsys, "export", plan_path, "--to", "jax", "-o", tmp_path / "gpt_jax.py")
+    assert code == 0 and "gpt_jax.py" in err
+    compile((tmp_path / "gpt_jax.py").read_text(encoding="utf-8"), "gpt_jax.py", "exec")
+
+
+@needs_jax
+@pytest.mark.parametrize("fixture", ["resnet_plan", "gpt_plan"])
+def test_module_places_every_parameter(fixture, request, tmp_path):
+    plan = request.getfixturevalue(fixture)
+    [path] = plan.export("jax", tmp_path / f"{fixture}_jax.py")
+    result = run_module(path, 8)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(r"OK: \d+ parameters and \d+ distinct operator boundaries", result.stdout)
+
+
+@needs_jax
+def test_module_bits_in_another_order(gpt_plan, tmp_path):
+    """A dimension split by (0, 2) is ('b0', 'b2'); the check catches the wrong order, and too few devices."""
+    text = module_text(reordered(gpt_plan), gpt_plan.problem.graph.model)
+    good = "'embed.pos.weight': Spec((64, 128), P(('b0', 'b2'), 'b1'), dims=((0, 2), (1,)))"
+    assert good in text and "('layer0.ln1', 'layer0.ln1'): ('max', ('b2',))" in text
+    path = tmp_path / "reordered.py"
+    path.write_text(text, encoding="utf-8")
+    result = run_module(path, 8)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_module(path, 4)
+    assert result.returncode != 0 and "xla_force_host_platform_device_count=8" in result.stderr
+    path.write_text(text.replace(good, good.replace("dims=((0, 2)", "dims=((2, 0)")), encoding="utf-8")
+    result = run_module(path, 8)
+    assert result.returncode != 0 and "embed.pos.weight: device" in result.stderr
