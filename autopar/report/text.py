@@ -110,7 +110,9 @@ def plan_table(plan: Plan, top: int | None = 20) -> str:
         ops = [ops[i] for i in keep]
     else:
         title = f"all {len(ops)} operators"
-    name_width = max(12, min(40, max(len(op["name"]) for op in ops)))
+    if any(op.get("source") for op in ops):  # the framework's own layer names, where the exporter kept them
+        ops = [{**op, "name": f"{op['name']} [{op['source']}]" if op.get("source") else op["name"]} for op in ops]
+    name_width = max(12, min(48, max(len(op["name"]) for op in ops)))
     type_width = max(4, max(len(op["op_type"]) for op in ops))
     strategies = [_strategy(op["strategy"]) for op in ops]
     strategy_width = max(10, min(44, max(len(s) for s in strategies)))
