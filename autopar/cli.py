@@ -441,11 +441,15 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 def _run_export(args: argparse.Namespace) -> int:
     from autopar.export import export
-    from autopar.graph.read import read_model
+    from autopar.graph import load_model
     from autopar.lowering import load_plan_file
 
     plan_file = load_plan_file(args.plan)
-    model = read_model(args.model) if args.model else None
+    model = None
+    if args.model:  # imported at the batch the plan was made for, as the plan saw it
+        shapes = list(plan_file.context.inputs.values()) if plan_file.context else []
+        batch = shapes[0][0] if shapes and shapes[0] and all(s and s[0] == shapes[0][0] for s in shapes) else None
+        model = load_model(args.model, batch=batch).model
     for path in export(plan_file, args.to, args.out, model):
         print(f"autopar: wrote {path}", file=sys.stderr)
     return 0
