@@ -118,15 +118,15 @@ def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> 
     best: tuple[_Point, float] | None = None
     leanest = fast
     for recompute in (False, True) if problem.recompute_time else (False,):
+        bound = best[0].seen if best is not None else math.inf
+        start = fast if not recompute else solve(0.0, True)
+        if start.seen >= bound:
+            continue  # no plan of this kind is faster than the one found (so none is needed for the message)
         lean = solve(1.0, recompute, time_scale=1e-9)
         if lean.memory < leanest.memory:
             leanest = lean
         if lean.memory > capacity:
             continue
-        bound = best[0].seen if best is not None else math.inf
-        start = fast if not recompute else solve(0.0, True)
-        if start.seen >= bound:
-            continue  # no plan of this kind is faster than the one found
         walked = _walk(start, lean, capacity, functools.partial(solve, recompute=recompute), bound)
         if walked is not None and walked[0].seen < bound:
             best = walked
