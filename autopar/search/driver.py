@@ -119,6 +119,8 @@ def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> 
     leanest = fast
     for recompute in (False, True) if problem.recompute_time else (False,):
         bound = best[0].seen if best is not None else math.inf
+        if recompute and fast.seen + sum(float(t.min()) for t in problem.recompute_time.values()) >= bound:
+            continue  # every recomputing plan pays at least the fastest forward of every block again
         start = fast if not recompute else solve(0.0, True)
         if start.seen >= bound:
             continue  # no plan of this kind is faster than the one found (so none is needed for the message)
