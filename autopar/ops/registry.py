@@ -81,6 +81,14 @@ class LocalCall:
 
 LocalKernel = Callable[[LocalCall], list[np.ndarray]]
 
+TorchKernel = Callable[[Any, "OpNode", list[Any]], list[Any]]
+"""The operator as ONNX defines it, in torch: ``(torch module, op, inputs) -> outputs``.
+
+Inputs are tensors (None for an absent optional input); constant inputs (shapes, axes) may also
+arrive as numpy arrays. The kernel is differentiable wherever the operator is. The torch module
+is passed in so that `autopar.ops` never imports torch, an optional dependency.
+"""
+
 
 def output_elements(in_shapes: Sequence[Shape | None], out_shapes: Sequence[Shape], attrs: Mapping[str, Any]) -> float:
     """The default FLOP count: one per output element (element-wise work)."""
@@ -108,6 +116,8 @@ class OpDef:
     rule: RuleFn | None = None
     flops: FlopsFn = output_elements
     local_kernel: LocalKernel | None = None
+    torch_kernel: TorchKernel | None = None
+    torch_local_kernel: LocalKernel | None = None
     index_bounds: Mapping[int, IndexBoundFn] = field(default_factory=dict)
     differentiable: bool = True
     keeps: Keeps = Keeps.INPUTS
@@ -144,7 +154,7 @@ def register(
 ) -> Callable[[RuleFn], RuleFn]:
     """Register a strategy rule, with the operator's other facts, for one or more op types.
 
-    ``fields`` are `OpDef`'s: ``flops``, ``local_kernel``, ``index_bounds``, ``differentiable``,
+    ``fields`` are `OpDef`'s: ``flops``, ``local_kernel``, ``torch_kernel``, ``torch_local_kernel``, ``index_bounds``, ``differentiable``,
     ``keeps``, ``config_inputs``, ``statistics_inputs``, ``positive_inputs``, ``weight_inputs``.
     """
 
