@@ -351,25 +351,57 @@ def verify(
     precision: str = "mixed",
     *,
     rank_table: RankTable | None = None,
+    runtime: str = "virtual",
+    gradients: bool | None = None,
+    port: int | None = None,
+    timeout_s: float | None = None,
 ) -> VerifyReport:
-    """Run a plan on ``devices`` virtual devices and compare every output with one device.
+    """Run a plan on ``devices`` devices and compare every output (and gradient) with one device.
 
     ``plan_or_strategies`` is a `Plan`, a plan file (a `PlanFile`, or a dict as `Plan.to_dict()`
     or a JSON file gives it), a plain {op: strategy} mapping, or None to verify the plan the
     model's autopar sharding annotations hold (``autopar export --to onnx``), else the plan
-    autopar finds.
+    autopar finds. ``runtime`` is "virtual" (every rank in this process) or "torch" (one
+    torch.distributed process per rank: needs ``autopar[torch]``). ``gradients`` runs the
+    backward pass and the gradient synchronisation too and checks every trainable parameter's
+    gradient; the torch runtime always does, the virtual one when asked.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise AutoparError(f"The seed must be an integer from 0 to {MAX_SEED:,}, got {seed!r}.")
+    if runtime not in ("virtual", "torch"):
+        raise AutoparError(f"The runtime must be 'virtual' or 'torch', got {runtime!r}.")
+    if runtime == "torch" and gradients is False:
+        raise AutoparError("The torch runtime always checks gradients; leave gradients unset or True.")
+    training = runtime == "torch" or bool(gradients)
+    if training:
+        _need_torch(runtime)
     if isinstance(plan_or_strategies, Plan):
-        return verify_problem(plan_or_strategies.problem, plan_or_strategies, seed=seed)
-    problem = build(model, devices, cost_model, batch, dims, precision, rank_table=rank_table)
-    if plan_or_strategies is None:  # a model exported with `--to onnx` carries its plan
-        from autopar.export.onnx_sharding import annotated_strategies
+        problem = plan_or_strategies.problem
+    else:
+        problem = build(model, devices, cost_model, batch, dims, precision, rank_table=rank_table)
+        if plan_or_strategies is None:  # a model exported with `--to onnx` carries its plan
+            from autopar.export.onnx_sharding import annotated_strategies
 
-        plan_or_strategies = annotated_strategies(problem.graph.model, problem.num_devices)
-    if plan_or_strategies is None:
-        return verify_problem(problem, Plan.lower(problem, run_search(problem), "auto_parallel"), seed=seed)
-    if isinstance(plan_or_strategies, Mapping) and _is_plan_file(plan_or_strategies, problem):
-        plan_or_strategies = read_plan_file(plan_or_strategies)
-    return verify_problem(problem, plan_or_strategies, seed=seed)
+            plan_or_strategies = annotated_strategies(problem.graph.model, problem.num_devices)
+        if plan_or_strategies is None:
+            plan_or_strategies = Plan.lower(problem, run_search(problem), "auto_parallel")
+        elif isinstance(plan_or_strategies, Mapping) and _is_plan_file(plan_or_strategies, problem):
+            plan_or_strategies = read_plan_file(plan_or_strategies)
+    if not training:
+        return verify_problem(problem, plan_or_strategies, seed=seed)
+    from autopar.runtime.launch import DEFAULT_TIMEOUT_S
+    from autopar.runtime.verify import verify_training
+
+    return verify_training(
+        problem, plan_or_strategies, seed=seed, runtime=runtime, port=port, timeout_s=timeout_s or DEFAULT_TIMEOUT_S
+    )
+
+
+def _need_torch(runtime: str) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        what = "The torch runtime" if runtime == "torch" else "Checking gradients"
+        raise AutoparError(
+            f"{what} needs PyTorch: pip install 'autopar[torch]' (the CPU build, torch==2.13.0)."
+        ) from None

@@ -105,6 +105,14 @@ def _seed(text: str) -> int:
     return _integer("--seed", text, 0, MAX_SEED)
 
 
+def _port(text: str) -> int:
+    return _integer("--port", text, 1024, 65535)
+
+
+def _timeout(text: str) -> float:
+    return float(_integer("--timeout", text, 1, 24 * 3600))
+
+
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX model file")
     parser.add_argument("--batch", type=_batch, help="override the leading dimension of the data inputs")
@@ -200,6 +208,22 @@ def build_parser() -> argparse.ArgumentParser:
         " (from 'autopar export --to onnx'), else search one",
     )
     verify.add_argument("--seed", type=_seed, default=0, help="seed for random weights and inputs")
+    verify.add_argument(
+        "--gradients",
+        action="store_true",
+        help="run the backward pass and the gradient synchronisation too, and check every parameter's gradient",
+    )
+    verify.add_argument(
+        "--runtime",
+        choices=("virtual", "torch"),
+        default="virtual",
+        help="virtual: every rank in this process (default); torch: one torch.distributed process per rank"
+        " (gloo on CPU, NCCL on GPUs), gradients always checked",
+    )
+    verify.add_argument("--port", type=_port, help="the torch runtime's TCP port on localhost (default: a free one)")
+    verify.add_argument(
+        "--timeout", type=_timeout, default=300.0, metavar="SECONDS", help="the torch runtime's limit per collective"
+    )
     verify.add_argument("--format", choices=("table", "json"), default="table")
 
     sweep = commands.add_parser("sweep", help="plan at several device counts: throughput, scaling, MFU, memory")
@@ -427,6 +451,10 @@ def _run_verify(args: argparse.Namespace) -> int:
         dims=dict(args.dim),
         seed=args.seed,
         cost_model=cost_model,
+        runtime=args.runtime,
+        gradients=True if args.gradients or args.runtime == "torch" else None,
+        port=args.port,
+        timeout_s=args.timeout,
     )
     text = (
         json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"

@@ -16,6 +16,8 @@ from autopar.errors import PlanFileError
 from autopar.layout import Layout
 from autopar.lowering.planfile import (
     GRAPH_OUTPUT,
+    CollectiveStep,
+    GradientPath,
     GradientSync,
     LayoutEntry,
     LinkUse,
@@ -29,7 +31,7 @@ from autopar.lowering.planfile import (
     TensorLayout,
     Totals,
 )
-from autopar.redistribute import BACKWARD_DUAL, Collective
+from autopar.redistribute import BACKWARD_DUAL, Collective, redistribute
 from autopar.search.driver import data_parallel_choice
 from autopar.search.problem import NO_MEMORY_CHOICES, MemoryChoices, SearchProblem, backward_passes, memory_items
 
@@ -132,6 +134,83 @@ def _redistribution(
     )
 
 
+def parameter_gradient_layout(
+    problem: SearchProblem, name: str, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
+) -> tuple[Layout, Layout, int | None]:
+    """(layout of the owner's local gradient, layout after its synchronisation, dim a ReduceScatter splits).
+
+    The owner's backward leaves the gradient partial over the bits of the labels the parameter
+    lacks; the AllReduce makes it whole there, or, under the parallel optimizer, a
+    ReduceScatter splits it over those bits on the first dimension they divide.
+    """
+    node, slot = problem.owner[name]
+    rule = problem.rules[node]
+    layout = rule.candidate_layouts(choice[node])[0][slot]
+    assert layout is not None  # an owned input is present
+    bits = problem.gradient_sync_bits(node, rule.candidates[choice[node]], slot)
+    local = Layout(layout.dims, bits) if bits else Layout(layout.dims)
+    if not bits or node not in choices.sharded:
+        return local, Layout(layout.dims), None
+    shape = layout.local_shape(problem.graph.tensor(name).shape)
+    dim = next((d for d, size in enumerate(shape) if size % (1 << len(bits)) == 0), None)
+    if dim is None:  # nothing divides: the optimizer shard is a flat slice; the gradient stays whole
+        return local, Layout(layout.dims), None
+    dims = tuple(b + bits if d == dim else b for d, b in enumerate(layout.dims))
+    return local, Layout(dims), dim
+
+
+def gradient_paths(
+    problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
+) -> list[GradientPath]:
+    """Every consumer's gradient that needs collectives to reach its producer (see `GradientPath`)."""
+    found = []
+    cost = problem.cost
+    for use in problem.uses:
+        info = problem.graph.tensor(use.tensor)
+        rule = problem.rules[use.dst_node]
+        if not problem.requires_grad.get(use.tensor, False) or not rule.differentiable:
+            continue
+        layout = rule.candidate_layouts(choice[use.dst_node])[0][use.dst_slot]
+        assert layout is not None  # a use reads a present input
+        bits = problem.gradient_sync_bits(use.dst_node, rule.candidates[choice[use.dst_node]], use.dst_slot)
+        source = Layout(layout.dims, bits) if bits else Layout(layout.dims)
+        if info.kind == "parameter":
+            target = parameter_gradient_layout(problem, use.tensor, choice, choices)[1]
+            itemsize = cost.gradient_itemsize()
+        else:
+            target = Layout(problem.source_layout(use, choice[use.src_node]).dims)
+            itemsize = problem.itemsize(info)
+        steps = redistribute(source, target, info.shape, itemsize)
+        if not steps:
+            continue
+        entries = [
+            CollectiveStep(
+                collective=step.kind,
+                group_size=step.group_size,
+                bits=list(step.bits),
+                bytes=step.nbytes,
+                dim=step.dim,
+                concat_dim=step.concat_dim,
+                reduce_op=step.reduce_op if step.reduces else None,
+                seconds=rounded(cost.collective_time(step.kind, step.bits, step.nbytes)),
+            )
+            for step in steps
+        ]
+        found.append(
+            GradientPath(
+                tensor=use.tensor,
+                producer=problem.rules[use.src_node].op.name,
+                consumer=rule.op.name,
+                slot=use.dst_slot,
+                from_=LayoutEntry.of(source),
+                to=LayoutEntry.of(target),
+                steps=entries,
+                seconds=rounded(sum(entry.seconds for entry in entries)),
+            )
+        )
+    return found
+
+
 def gradient_sync(
     problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
 ) -> list[GradientSync]:
@@ -149,6 +228,7 @@ def gradient_sync(
         bits = problem.gradient_sync_bits(node, exponents, slot)
         nbytes = layout.local_numel(info.shape) * cost.gradient_itemsize()
         sharded = node in choices.sharded and bool(bits)
+        dim = parameter_gradient_layout(problem, name, choice, choices)[2] if sharded else None
         kind = Collective.REDUCE_SCATTER if sharded else Collective.ALL_REDUCE
         seconds = cost.gradient_sync_time(bits, nbytes, kind) if bits else 0.0
         if sharded:
@@ -164,6 +244,7 @@ def gradient_sync(
                 bytes=nbytes if bits else 0,
                 seconds=rounded(seconds),
                 optimizer_shards=1 << len(bits) if sharded else None,
+                dim=dim,
             )
         )
     return entries

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from autopar import progress
 from autopar.layout import Layout
 from autopar.lowering.lower import (
+    gradient_paths,
     gradient_sync,
     memory_plan,
     mesh_links,
@@ -130,6 +131,7 @@ class Plan:
             objective_s=rounded(self.objective),
             ops=ops,
             redistributions=moves,
+            gradients=gradient_paths(problem, choice, choices),
             gradient_sync=syncs,
             fallback_ops=self.fallback_ops,
             totals=total,

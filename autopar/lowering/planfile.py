@@ -77,8 +77,8 @@ class LayoutEntry(_OmitsUnset):
         )
 
 
-class StepEntry(_OmitsUnset):
-    """One collective of a redistribution (see `autopar.redistribute.Step`), with its cost."""
+class CollectiveStep(_OmitsUnset):
+    """One collective (see `autopar.redistribute.Step`), with its cost."""
 
     _omit: ClassVar[tuple[str, ...]] = ("dim", "concat_dim", "reduce_op")
     collective: Collective
@@ -89,13 +89,18 @@ class StepEntry(_OmitsUnset):
     concat_dim: NonNegativeInt | None = None
     reduce_op: ReduceOp | None = None
     seconds: NonNegativeFloat
-    backward: Collective | None = Field(description="the dual collective the gradient takes, if any")
-    backward_seconds: NonNegativeFloat
 
     def step(self) -> Step:
         return Step(
             self.collective, tuple(self.bits), self.bytes, self.dim, self.concat_dim, self.reduce_op or ReduceOp.SUM
         )
+
+
+class StepEntry(CollectiveStep):
+    """One collective of a forward redistribution, and the dual the search charged for its backward."""
+
+    backward: Collective | None = Field(description="the dual collective the search charged for the gradient, if any")
+    backward_seconds: NonNegativeFloat
 
 
 class TensorLayout(_Part):
@@ -140,6 +145,30 @@ class Redistribution(_Part):
         return self.tensor, self.producer, self.consumer
 
 
+class GradientPath(_Part):
+    """How a consumer's gradient of a tensor reaches the tensor's producer (or a parameter's owner).
+
+    The consumer's local gradient is partial over the bits of the labels its input lacks (a
+    column-split MatMul's input, say); the steps take it from that layout to the producer's,
+    where every consumer's contribution is summed. This is the exact dual of the forward
+    dataflow: a ReduceScatter where the forward gathered what the consumer splits, an AllReduce
+    where an input is read whole, an AllGather where the forward sliced.
+    """
+
+    tensor: str
+    producer: str = Field(description="the operator producing the tensor, or the one that loads a parameter")
+    consumer: str
+    slot: NonNegativeInt = Field(description="the consumer's input the gradient is of")
+    from_: LayoutEntry = Field(alias="from", description="the gradient's layout as the consumer's backward leaves it")
+    to: LayoutEntry = Field(description="the layout the producer's gradient is summed in")
+    steps: list[CollectiveStep] = Field(min_length=1)
+    seconds: NonNegativeFloat
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        return self.tensor, self.producer, self.consumer, self.slot
+
+
 class GradientSync(_OmitsUnset):
     """The AllReduce of a trainable parameter's gradient over the bits it is partial on.
 
@@ -148,7 +177,7 @@ class GradientSync(_OmitsUnset):
     weights for the next forward pass; ``seconds`` counts both.
     """
 
-    _omit: ClassVar[tuple[str, ...]] = ("optimizer_shards",)
+    _omit: ClassVar[tuple[str, ...]] = ("optimizer_shards", "dim")
     parameter: str
     op: str
     layout: LayoutEntry
@@ -160,6 +189,13 @@ class GradientSync(_OmitsUnset):
     optimizer_shards: PositiveInt | None = Field(
         default=None, description="the parallel optimizer splits gradient and optimizer state this many ways"
     )
+    dim: NonNegativeInt | None = Field(default=None, description="the dimension a ReduceScatter splits")
+
+    def step(self) -> Step | None:
+        """The collective as a redistribution step (None when the gradient is already whole)."""
+        if self.collective is None:
+            return None
+        return Step(Collective(self.collective), tuple(self.bits), self.bytes, self.dim)
 
 
 class Totals(_Part):
@@ -264,6 +300,9 @@ class PlanFile(_Part):
     objective_s: NonNegativeFloat
     ops: list[OpEntry] = Field(min_length=1)
     redistributions: list[Redistribution]
+    gradients: list[GradientPath] = Field(
+        default_factory=list, description="the backward pass's collectives: each consumer's gradient to its producer"
+    )
     gradient_sync: list[GradientSync]
     fallback_ops: list[str]
     totals: Totals

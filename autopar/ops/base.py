@@ -123,3 +123,29 @@ def constant_value(graph: "Graph", name: str) -> Any:
     if not name or name not in graph.tensors:
         return None
     return graph.tensor(name).value
+
+
+# --- helpers shared by the torch kernels (`OpDef.torch_kernel`) --------------------------------
+
+
+def as_ints(value: Any) -> list[int]:
+    """Integers from a constant input (shapes, axes, pads), a numpy array or a torch tensor alike."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def as_float(value: Any) -> float:
+    """A scalar from a configuration input, a numpy array or a torch tensor alike."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return float(np.asarray(value).reshape(-1)[0])
+
+
+def ints_from(op: "OpNode", inputs: Sequence[Any], slot: int, attr: str) -> list[int] | None:
+    """Integers given as an attribute (older opsets) or an input (newer ones); None when neither is."""
+    if attr in op.attrs:
+        return [int(v) for v in op.attrs[attr]]
+    if slot < len(inputs) and inputs[slot] is not None:
+        return as_ints(inputs[slot])
+    return None

@@ -29,7 +29,66 @@ def conv_flops(
     return flops
 
 
-@register("Conv", flops=conv_flops, keeps=Keeps.OPERANDS, weight_inputs=True)
+def _padding(
+    t: Any, op: OpNode, x: Any, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
+) -> Any:
+    """x padded as ``pads`` or ``auto_pad`` say (ONNX allows different begin and end pads)."""
+    spatial = x.dim() - 2
+    auto = op.attrs.get("auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        pads = [0] * (2 * spatial)
+        for d in range(spatial):
+            size = x.shape[2 + d]
+            out = -(-size // strides[d])
+            total = max(0, (out - 1) * strides[d] + (kernel[d] - 1) * dilations[d] + 1 - size)
+            small, large = total // 2, total - total // 2
+            pads[d], pads[spatial + d] = (small, large) if auto == "SAME_UPPER" else (large, small)
+    elif auto == "VALID":
+        pads = [0] * (2 * spatial)
+    else:
+        pads = [int(p) for p in op.attrs.get("pads", [0] * (2 * spatial))]
+    flat: list[int] = []
+    for d in reversed(range(spatial)):
+        flat += [pads[d], pads[spatial + d]]
+    return t.nn.functional.pad(x, flat) if any(flat) else x
+
+
+def torch_conv(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    x, w = inputs[0], inputs[1]
+    spatial = x.dim() - 2
+    kernel = [int(k) for k in op.attrs.get("kernel_shape", w.shape[2:])]
+    strides = [int(s) for s in op.attrs.get("strides", [1] * spatial)]
+    dilations = [int(d) for d in op.attrs.get("dilations", [1] * spatial)]
+    bias = inputs[2] if len(inputs) > 2 else None
+    function = getattr(t.nn.functional, f"conv{spatial}d")
+    x = _padding(t, op, x, kernel, strides, dilations)
+    return [function(x, w, bias, stride=strides, dilation=dilations, groups=int(op.attrs.get("group", 1)))]
+
+
+def torch_conv_transpose(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """ConvTranspose with symmetric pads (the common case; asymmetric pads crop the end afterwards)."""
+    x, w = inputs[0], inputs[1]
+    spatial = x.dim() - 2
+    pads = [int(p) for p in op.attrs.get("pads", [0] * (2 * spatial))]
+    function = getattr(t.nn.functional, f"conv_transpose{spatial}d")
+    out = function(
+        x,
+        w,
+        inputs[2] if len(inputs) > 2 else None,
+        stride=[int(s) for s in op.attrs.get("strides", [1] * spatial)],
+        padding=pads[:spatial],
+        output_padding=[int(p) for p in op.attrs.get("output_padding", [0] * spatial)],
+        groups=int(op.attrs.get("group", 1)),
+        dilation=[int(d) for d in op.attrs.get("dilations", [1] * spatial)],
+    )
+    for d in range(spatial):
+        extra = pads[spatial + d] - pads[d]
+        if extra > 0:
+            out = out.narrow(2 + d, 0, out.shape[2 + d] - extra)
+    return [out]
+
+
+@register("Conv", flops=conv_flops, keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_conv)
 def conv(op: OpNode, graph: Graph) -> OpSpec:
     x_rank = len(shape(graph, op.inputs[0]))
     spatial = x_rank - 2
@@ -45,4 +104,4 @@ def conv(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=tuple(inputs), outputs=(y,), op_class="cube", local_once_inputs=(2,))
 
 
-declare("ConvTranspose", keeps=Keeps.OPERANDS, weight_inputs=True)
+declare("ConvTranspose", keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_conv_transpose)

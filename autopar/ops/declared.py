@@ -6,9 +6,42 @@ must not send gradients through ArgMax; the registry says so here, one line each
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from autopar.ops.base import normalize_axis
 from autopar.ops.registry import Keeps, declare
 
-declare("Shape", "Size", "ArgMax", "ArgMin", "NonZero", differentiable=False, keeps=Keeps.NOTHING)
+if TYPE_CHECKING:
+    from autopar.graph.types import OpNode
+
+
+def torch_shape_query(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """Shape (with opset 15's start/end), Size, ArgMax/ArgMin, NonZero: integer results, no gradient."""
+    x, kind = inputs[0], op.op_type
+    if kind == "Shape":
+        dims = list(x.shape)[slice(op.attrs.get("start", 0), op.attrs.get("end"))]
+        return [t.tensor(dims, dtype=t.int64)]
+    if kind == "Size":
+        return [t.tensor(x.numel(), dtype=t.int64)]
+    if kind == "NonZero":
+        return [t.stack(t.nonzero(x, as_tuple=True)) if x.dim() else t.nonzero(x.reshape(1)).t()]
+    axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
+    keep = bool(int(op.attrs.get("keepdims", 1)))
+    values = x.flip(axis) if int(op.attrs.get("select_last_index", 0)) else x
+    found = values.argmax(dim=axis, keepdim=keep) if kind == "ArgMax" else values.argmin(dim=axis, keepdim=keep)
+    return [x.shape[axis] - 1 - found if int(op.attrs.get("select_last_index", 0)) else found]
+
+
+declare(
+    "Shape",
+    "Size",
+    "ArgMax",
+    "ArgMin",
+    "NonZero",
+    differentiable=False,
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_shape_query,
+)
 declare("Resize", config_inputs=frozenset({1, 2, 3}))  # roi, scales, sizes
 declare("Upsample", config_inputs=frozenset({1}))  # scales
 declare(

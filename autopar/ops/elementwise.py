@@ -7,9 +7,9 @@ stretches from size 1 carry no label on the input.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from autopar.ops.base import OpSpec, broadcast_labels, dim_labels, shape
+from autopar.ops.base import OpSpec, as_float, as_ints, broadcast_labels, dim_labels, shape
 from autopar.ops.registry import Keeps, no_flops, register
 from autopar.ops.shape import local_target_shape
 
@@ -76,25 +76,164 @@ def broadcast(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=(dim_labels(len(out_shape)),))
 
 
-register(*UNARY_KEEPS_OUTPUT, keeps=Keeps.OUTPUTS)(unary)
-register(*UNARY_KEEPS_INPUT, keeps=Keeps.INPUTS)(unary)
-register("Clip", keeps=Keeps.INPUTS, config_inputs=frozenset({1, 2}))(unary)  # its bounds are not weights
-register(*UNARY_KEEPS_NOTHING, keeps=Keeps.NOTHING)(unary)
-register("Identity", flops=no_flops, keeps=Keeps.NOTHING)(unary)
+# ONNX TensorProto element types as torch dtype names (Cast's ``to``)
+TORCH_DTYPES = {
+    1: "float32",
+    2: "uint8",
+    3: "int8",
+    5: "int16",
+    6: "int32",
+    7: "int64",
+    9: "bool",
+    10: "float16",
+    11: "float64",
+    16: "bfloat16",
+}
+SELU_ALPHA, SELU_GAMMA = 1.67326319217681884765625, 1.05070102214813232421875  # ONNX's defaults
+_TORCH_SAME_NAME = {"Relu", "Exp", "Sigmoid", "Tanh", "Sqrt", "Reciprocal", "Log", "Abs", "Erf", "Sin", "Cos", "Neg"}
+_TORCH_ROUNDING = {"Floor", "Ceil", "Round", "Sign"}  # torch.round rounds half to even, as ONNX does
+
+
+def _unary_math(t: Any, op: OpNode, x: Any) -> Any:
+    """The element-wise functions, with ONNX's attribute defaults."""
+    a, f, kind = op.attrs, t.nn.functional, op.op_type
+    if kind in _TORCH_SAME_NAME or kind in _TORCH_ROUNDING:
+        return getattr(t, kind.lower())(x)
+    if kind == "Gelu":
+        return f.gelu(x, approximate=a.get("approximate", "none"))
+    if kind == "Softplus":
+        return f.softplus(x)
+    if kind == "Softsign":
+        return x / (1 + t.abs(x))
+    if kind == "LeakyRelu":
+        return f.leaky_relu(x, a.get("alpha", 0.01))
+    if kind == "Elu":
+        return f.elu(x, a.get("alpha", 1.0))
+    if kind == "Selu":
+        return a.get("gamma", SELU_GAMMA) * t.where(x > 0, x, a.get("alpha", SELU_ALPHA) * (t.exp(x) - 1))
+    if kind == "Celu":
+        return f.celu(x, a.get("alpha", 1.0))
+    if kind == "HardSigmoid":
+        return t.clamp(a.get("alpha", 0.2) * x + a.get("beta", 0.5), 0, 1)
+    if kind == "HardSwish":
+        return f.hardswish(x)
+    if kind == "Mish":
+        return f.mish(x)
+    if kind == "ThresholdedRelu":
+        return t.where(x > a.get("alpha", 1.0), x, t.zeros_like(x))
+    if kind == "Not":
+        return t.logical_not(x)
+    if kind == "IsNaN":
+        return t.isnan(x)
+    if kind == "IsInf":
+        positive = t.isposinf(x) if a.get("detect_positive", 1) else t.zeros_like(x, dtype=t.bool)
+        return positive | (t.isneginf(x) if a.get("detect_negative", 1) else t.zeros_like(x, dtype=t.bool))
+    if kind == "Identity":
+        return x
+    raise KeyError(kind)
+
+
+def torch_unary(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    x = inputs[0]
+    kind = op.op_type
+    if kind == "Cast":
+        return [x.to(getattr(t, TORCH_DTYPES[int(op.attrs["to"])]))]
+    if kind == "CastLike":
+        return [x.to(inputs[1].dtype)]
+    if kind == "Clip":  # bounds as attributes before opset 11, as optional inputs after
+        low = op.attrs.get("min", as_float(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else None)
+        high = op.attrs.get("max", as_float(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else None)
+        return [t.clamp(x, low, high)]
+    if kind == "Dropout":  # inference: the identity, and a mask of ones
+        outputs = [x]
+        if len([name for name in op.outputs if name]) > 1:
+            outputs.append(t.ones_like(x, dtype=t.bool))
+        return outputs
+    return [_unary_math(t, op, x)]
+
+
+_TORCH_BINARY = {
+    "Add": "add",
+    "Sub": "sub",
+    "Mul": "mul",
+    "Pow": "pow",
+    "Equal": "eq",
+    "Less": "lt",
+    "LessOrEqual": "le",
+    "Greater": "gt",
+    "GreaterOrEqual": "ge",
+    "And": "logical_and",
+    "Or": "logical_or",
+    "Xor": "logical_xor",
+}
+
+
+def torch_broadcast(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    kind = op.op_type
+    xs = [x for x in inputs if x is not None]
+    if kind in ("Sum", "Mean", "Max", "Min"):  # variadic
+        out = xs[0]
+        for x in xs[1:]:
+            out = out + x if kind in ("Sum", "Mean") else t.maximum(out, x) if kind == "Max" else t.minimum(out, x)
+        return [out / len(xs) if kind == "Mean" else out]
+    a, b = xs[0], xs[1]
+    if kind == "Div":
+        return [a / b if a.is_floating_point() else t.div(a, b, rounding_mode="trunc")]
+    if kind == "Mod":
+        return [t.fmod(a, b) if int(op.attrs.get("fmod", 0)) else t.remainder(a, b)]
+    if kind == "BitShift":
+        shift = t.bitwise_left_shift if op.attrs.get("direction") == "LEFT" else t.bitwise_right_shift
+        return [shift(a, b)]
+    if kind == "Where":
+        return [t.where(a.bool(), b, xs[2])]
+    if kind == "PRelu":
+        return [t.where(a < 0, a * b, a)]
+    return [getattr(t, _TORCH_BINARY[kind])(a, b)]
+
+
+def torch_expand(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """Expand broadcasts both ways: the target may be smaller than the input in any dimension."""
+    x = inputs[0]
+    return [x.expand(*t.broadcast_shapes(tuple(x.shape), tuple(as_ints(inputs[1]))))]
+
+
+register(*UNARY_KEEPS_OUTPUT, keeps=Keeps.OUTPUTS, torch_kernel=torch_unary)(unary)
+register(*UNARY_KEEPS_INPUT, keeps=Keeps.INPUTS, torch_kernel=torch_unary)(unary)
+register("Clip", keeps=Keeps.INPUTS, config_inputs=frozenset({1, 2}), torch_kernel=torch_unary)(
+    unary
+)  # its bounds are not weights
+register(*UNARY_KEEPS_NOTHING, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
+register("Identity", flops=no_flops, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
 # Dropout's ratio and training mode configure it; its mask is what the backward keeps; never folded
-register("Dropout", keeps=Keeps.OUTPUTS, config_inputs=frozenset({1, 2}), foldable=False)(unary)
-register(*UNARY_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING)(unary)
-register(*BROADCAST_KEEPS_NOTHING, keeps=Keeps.NOTHING)(broadcast)
-register(*BROADCAST_KEEPS_INPUTS, keeps=Keeps.INPUTS)(broadcast)
-register("PRelu", keeps=Keeps.INPUTS, weight_inputs=True)(broadcast)  # its slope is learned, even a scalar one
-register(*BROADCAST_KEEPS_OPERANDS, keeps=Keeps.OPERANDS)(broadcast)
-register("Div", keeps=Keeps.OPERANDS | Keeps.DIVISOR)(broadcast)  # d(a/b)/db = -a/b^2: b always, a for b's gradient
-register("Where", keeps=Keeps.SELECTORS)(broadcast)
-register("Pow", keeps=Keeps.INPUTS, config_inputs=frozenset({1}))(broadcast)  # a scalar exponent
-register(*BROADCAST_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING)(broadcast)
+register("Dropout", keeps=Keeps.OUTPUTS, config_inputs=frozenset({1, 2}), foldable=False, torch_kernel=torch_unary)(
+    unary
+)
+register(*UNARY_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
+register(*BROADCAST_KEEPS_NOTHING, keeps=Keeps.NOTHING, torch_kernel=torch_broadcast)(broadcast)
+register(*BROADCAST_KEEPS_INPUTS, keeps=Keeps.INPUTS, torch_kernel=torch_broadcast)(broadcast)
+register("PRelu", keeps=Keeps.INPUTS, weight_inputs=True, torch_kernel=torch_broadcast)(
+    broadcast
+)  # its slope is learned, even a scalar one
+register(*BROADCAST_KEEPS_OPERANDS, keeps=Keeps.OPERANDS, torch_kernel=torch_broadcast)(broadcast)
+register("Div", keeps=Keeps.OPERANDS | Keeps.DIVISOR, torch_kernel=torch_broadcast)(
+    broadcast
+)  # d(a/b)/db = -a/b^2: b always, a for b's gradient
+register("Where", keeps=Keeps.SELECTORS, torch_kernel=torch_broadcast)(broadcast)
+register("Pow", keeps=Keeps.INPUTS, config_inputs=frozenset({1}), torch_kernel=torch_broadcast)(
+    broadcast
+)  # a scalar exponent
+register(*BROADCAST_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_broadcast)(
+    broadcast
+)
 
 
-@register("Expand", keeps=Keeps.NOTHING, local_kernel=local_target_shape)
+@register(
+    "Expand",
+    keeps=Keeps.NOTHING,
+    local_kernel=local_target_shape,
+    torch_kernel=torch_expand,
+    torch_local_kernel=local_target_shape,
+)
 def expand(op: OpNode, graph: Graph) -> OpSpec:
     """Expand to the output shape; a rank's target shape is its local output shape."""
     out_shape = shape(graph, op.outputs[0])

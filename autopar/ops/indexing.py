@@ -12,12 +12,13 @@ embedding).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from autopar.layout import shard_index
-from autopar.ops.base import OpSpec, dim_labels, normalize_axis, shape
+from autopar.ops.base import OpSpec, as_ints, dim_labels, normalize_axis, shape
 from autopar.ops.registry import Keeps, LocalCall, register
 
 if TYPE_CHECKING:
@@ -70,11 +71,78 @@ def _gather_local(call: LocalCall) -> list[np.ndarray]:
     return [np.where(mask, picked, np.zeros((), dtype=data.dtype))]
 
 
+def _take(x: Any, indices: Any, axis: int) -> Any:
+    """x's entries along ``axis`` at ``indices`` (any shape): ONNX Gather, differentiable in x."""
+    picked = x.index_select(axis, indices.reshape(-1))
+    return picked.reshape(tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1 :]))
+
+
+def torch_gather(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    x, indices = inputs[0], inputs[1].long()
+    axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
+    return [_take(x, t.where(indices < 0, indices + x.shape[axis], indices), axis)]
+
+
+def torch_gather_elements(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    x, indices = inputs[0], inputs[1].long()
+    axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
+    return [t.gather(x, axis, t.where(indices < 0, indices + x.shape[axis], indices))]
+
+
+def torch_one_hot(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """OneHot whole: the same as a rank holding every class."""
+    return _one_hot_torch(t, op, inputs, first=0, depth=as_ints(inputs[1])[0], local_depth=as_ints(inputs[1])[0])
+
+
+def _one_hot_torch(t: Any, op: OpNode, inputs: list[Any], first: int, depth: int, local_depth: int) -> list[Any]:
+    indices = inputs[0].long()
+    values = inputs[2].reshape(-1)
+    rank = indices.dim() + 1
+    axis = normalize_axis(int(op.attrs.get("axis", -1)), rank)
+    indices = t.where(indices < 0, indices + depth, indices) - first
+    classes = t.arange(local_depth, device=indices.device).reshape([-1 if d == axis else 1 for d in range(rank)])
+    hot = indices.unsqueeze(axis) == classes
+    return [t.where(hot, values[1], values[0])]
+
+
+def _one_hot_local_torch(call: LocalCall) -> list[Any]:
+    """OneHot on a rank's slice of the class axis, in torch (``call.run`` is the torch kernel)."""
+    depth = as_ints(call.inputs[1])[0]
+    local_depth = depth >> len(call.bits[CLASSES])
+    first = shard_index(call.rank, call.bits[CLASSES]) * local_depth
+    torch = _torch_of(call.inputs[0])
+    return _one_hot_torch(torch, call.op, call.inputs, first, depth, local_depth)
+
+
+def _torch_of(tensor: Any) -> Any:
+    """The torch module a tensor belongs to (`autopar.ops` imports no torch of its own)."""
+    return sys.modules[type(tensor).__module__.split(".")[0]]
+
+
+def _gather_local_torch(call: LocalCall) -> list[Any]:
+    """Gather from a rank's rows of a split gathered axis; other indices give zeros (differentiably)."""
+    bits = call.bits.get(GATHERED, ())
+    if not bits:
+        return call.run(call.inputs)
+    torch = _torch_of(call.inputs[0])
+    data, indices = call.inputs[0], call.inputs[1].long()
+    axis = (call.spec.inputs[0] or ()).index(GATHERED)
+    full = call.graph.tensor(call.op.inputs[0]).shape[axis]
+    local = data.shape[axis]
+    indices = torch.where(indices < 0, indices + full, indices) - shard_index(call.rank, bits) * local
+    held = (indices >= 0) & (indices < local)
+    picked = _take(data, torch.where(held, indices, torch.zeros_like(indices)), axis)
+    mask = held.reshape((1,) * axis + tuple(held.shape) + (1,) * (data.dim() - axis - 1))
+    return [picked * mask.to(picked.dtype)]
+
+
 @register(
     "OneHot",
     differentiable=False,
     keeps=Keeps.NOTHING,
     local_kernel=_one_hot_local,
+    torch_kernel=torch_one_hot,
+    torch_local_kernel=_one_hot_local_torch,
     index_bounds={0: _one_hot_depth},
     config_inputs=frozenset({1, 2}),
 )
@@ -88,7 +156,14 @@ def one_hot(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=(out,), strategy_labels=strategy)
 
 
-@register("Gather", keeps=Keeps.SELECTORS, local_kernel=_gather_local, index_bounds={1: _gathered_axis_size})
+@register(
+    "Gather",
+    keeps=Keeps.SELECTORS,
+    local_kernel=_gather_local,
+    index_bounds={1: _gathered_axis_size},
+    torch_kernel=torch_gather,
+    torch_local_kernel=_gather_local_torch,
+)
 def gather(op: OpNode, graph: Graph) -> OpSpec:
     data_rank = len(shape(graph, op.inputs[0]))
     axis = normalize_axis(int(op.attrs.get("axis", 0)), data_rank)
@@ -98,7 +173,9 @@ def gather(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=(data, indices), outputs=(out,))
 
 
-@register("GatherElements", keeps=Keeps.SELECTORS, index_bounds={1: _gathered_axis_size})
+@register(
+    "GatherElements", keeps=Keeps.SELECTORS, index_bounds={1: _gathered_axis_size}, torch_kernel=torch_gather_elements
+)
 def gather_elements(op: OpNode, graph: Graph) -> OpSpec:
     data_shape = shape(graph, op.inputs[0])
     index_shape = shape(graph, op.inputs[1])

@@ -9,7 +9,7 @@ whole, as does a loss whose per-sample ``log_prob`` output is also read.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, shape
 from autopar.ops.registry import Keeps, register
@@ -23,7 +23,30 @@ def _class_count(op: OpNode, graph: Graph) -> int:
     return graph.tensor(op.inputs[0]).shape[1]
 
 
-@register("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss", keeps=Keeps.INPUTS, index_bounds={1: _class_count})
+def torch_class_loss(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """Cross entropy from scores (SoftmaxCrossEntropyLoss) or from log-probabilities (NLL)."""
+    scores, labels = inputs[0], inputs[1].long()
+    weights = inputs[2] if len(inputs) > 2 else None
+    log_prob = t.log_softmax(scores, dim=1) if op.op_type == "SoftmaxCrossEntropyLoss" else scores
+    ignore = int(op.attrs.get("ignore_index", -100))
+    if "ignore_index" not in op.attrs and bool((labels == -100).any()):
+        ignore = -(2**62)  # no label is ignored
+    loss = t.nn.functional.nll_loss(
+        log_prob, labels, weight=weights, ignore_index=ignore, reduction=op.attrs.get("reduction", "mean")
+    )
+    outputs = [loss]
+    if op.op_type == "SoftmaxCrossEntropyLoss" and len([name for name in op.outputs if name]) > 1:
+        outputs.append(log_prob)
+    return outputs
+
+
+@register(
+    "SoftmaxCrossEntropyLoss",
+    "NegativeLogLikelihoodLoss",
+    keeps=Keeps.INPUTS,
+    index_bounds={1: _class_count},
+    torch_kernel=torch_class_loss,
+)
 def class_loss(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     reduction = op.attrs.get("reduction", "mean")

@@ -39,7 +39,22 @@ def matmul_flops(
     return 2.0 * math.prod(out_shapes[0]) * k
 
 
-@register("Gemm", flops=gemm_flops, keeps=Keeps.OPERANDS, weight_inputs=True)
+def torch_gemm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """alpha A' B' + beta C, A' and B' transposed as the attributes say."""
+    a, b = inputs[0], inputs[1]
+    a = a.t() if int(op.attrs.get("transA", 0)) else a
+    b = b.t() if int(op.attrs.get("transB", 0)) else b
+    out = float(op.attrs.get("alpha", 1.0)) * (a @ b)
+    if len(inputs) > 2 and inputs[2] is not None:
+        out = out + float(op.attrs.get("beta", 1.0)) * inputs[2]
+    return [out]
+
+
+def torch_matmul(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    return [t.matmul(inputs[0], inputs[1])]
+
+
+@register("Gemm", flops=gemm_flops, keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_gemm)
 def gemm(op: OpNode, graph: Graph) -> OpSpec:
     a = ("k", "i") if int(op.attrs.get("transA", 0)) else ("i", "k")
     b = ("j", "k") if int(op.attrs.get("transB", 0)) else ("k", "j")
@@ -57,7 +72,7 @@ def gemm(op: OpNode, graph: Graph) -> OpSpec:
     )
 
 
-@register("MatMul", flops=matmul_flops, keeps=Keeps.OPERANDS, weight_inputs=True)
+@register("MatMul", flops=matmul_flops, keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_matmul)
 def matmul(op: OpNode, graph: Graph) -> OpSpec:
     a_shape = shape(graph, op.inputs[0])
     b_shape = shape(graph, op.inputs[1])

@@ -7,9 +7,9 @@ of them would not line up with the operator's offsets; every other axis may be s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from autopar.ops.base import OpSpec, constant_ints, dim_labels, normalize_axis, shape
+from autopar.ops.base import OpSpec, as_float, as_ints, constant_ints, dim_labels, ints_from, normalize_axis, shape
 from autopar.ops.registry import Keeps, register
 
 if TYPE_CHECKING:
@@ -21,7 +21,79 @@ def _except_axes(rank: int, axes: set[int] | None) -> tuple[str | None, ...]:
     return tuple(None if axes is None or d in axes else f"d{d}" for d in range(rank))
 
 
-@register("Transpose", keeps=Keeps.NOTHING)
+def torch_transpose(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    x = inputs[0]
+    return [x.permute(*[int(p) for p in op.attrs.get("perm", list(reversed(range(x.dim()))))])]
+
+
+def torch_concat(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    return [t.cat([x for x in inputs if x is not None], dim=int(op.attrs["axis"]))]
+
+
+def torch_split(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """Sizes from ``split`` (attribute or input); else ``num_outputs`` chunks, the last smaller; else equal."""
+    x = inputs[0]
+    axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
+    sizes = ints_from(op, inputs, 1, "split")
+    count = len([name for name in op.outputs if name])
+    if not sizes:
+        length = x.shape[axis]
+        chunk = -(-length // int(op.attrs.get("num_outputs", count)))
+        sizes = [min(chunk, length - start) for start in range(0, length, chunk)]
+    return list(t.split(x, sizes, dim=axis))
+
+
+def torch_slice(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """ONNX clamps starts and ends as Python's slices do; a negative step gathers the indices."""
+    x = inputs[0]
+    if "starts" in op.attrs:  # opset < 10: attributes
+        starts, ends = [int(v) for v in op.attrs["starts"]], [int(v) for v in op.attrs["ends"]]
+        axes = [int(v) for v in op.attrs.get("axes", range(len(starts)))]
+        steps = [1] * len(starts)
+    else:
+        starts, ends = as_ints(inputs[1]), as_ints(inputs[2])
+        axes = ints_from(op, inputs, 3, "axes") or list(range(len(starts)))
+        steps = ints_from(op, inputs, 4, "steps") or [1] * len(starts)
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        axis = normalize_axis(axis, x.dim())
+        first, stop, stride = slice(start, end, step).indices(x.shape[axis])
+        if stride > 0:
+            x = (
+                x.narrow(axis, first, max(0, -(-(stop - first) // stride)))
+                if stride == 1
+                else x[(slice(None),) * axis + (slice(first, stop, stride),)]
+            )
+        else:
+            index = t.arange(first, stop, stride, device=x.device)
+            x = x.index_select(axis, index)
+    return [x]
+
+
+def torch_pad(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """Pad with a constant (negative pads crop), or reflect / edge on trailing axes."""
+    x = inputs[0]
+    pads = ints_from(op, inputs, 1, "pads") or []
+    rank = x.dim()
+    axes = [normalize_axis(a, rank) for a in (ints_from(op, inputs, 3, "axes") or range(len(pads) // 2))]
+    begin = dict(zip(axes, pads[: len(axes)]))
+    end = dict(zip(axes, pads[len(axes) :]))
+    flat: list[int] = []
+    for d in reversed(range(rank)):  # torch lists the last dimension first
+        flat += [begin.get(d, 0), end.get(d, 0)]
+    while len(flat) > 2 and flat[-2:] == [0, 0]:
+        flat = flat[:-2]
+    mode = op.attrs.get("mode", "constant")
+    if mode == "constant":
+        value = as_float(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else float(op.attrs.get("value", 0))
+        return [t.nn.functional.pad(x, flat, value=value)]
+    return [t.nn.functional.pad(x, flat, mode="reflect" if mode == "reflect" else "replicate")]
+
+
+def torch_tile(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    return [inputs[0].repeat(*as_ints(inputs[1]))]
+
+
+@register("Transpose", keeps=Keeps.NOTHING, torch_kernel=torch_transpose)
 def transpose(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     perm = [int(p) for p in op.attrs.get("perm", list(reversed(range(rank))))]
@@ -29,14 +101,14 @@ def transpose(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=(labels,), outputs=(tuple(labels[p] for p in perm),))
 
 
-@register("Concat", keeps=Keeps.NOTHING)
+@register("Concat", keeps=Keeps.NOTHING, torch_kernel=torch_concat)
 def concat(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.outputs[0]))
     labels = _except_axes(rank, {normalize_axis(int(op.attrs["axis"]), rank)})
     return OpSpec(inputs=tuple(labels if name else None for name in op.inputs), outputs=(labels,))
 
 
-@register("Split", keeps=Keeps.NOTHING)
+@register("Split", keeps=Keeps.NOTHING, torch_kernel=torch_split)
 def split(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     labels = _except_axes(rank, {normalize_axis(int(op.attrs.get("axis", 0)), rank)})
@@ -44,7 +116,7 @@ def split(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=tuple(labels if name else () for name in op.outputs))
 
 
-@register("Slice", keeps=Keeps.NOTHING)
+@register("Slice", keeps=Keeps.NOTHING, torch_kernel=torch_slice)
 def slice_(op: OpNode, graph: Graph) -> OpSpec:
     in_shape = shape(graph, op.inputs[0])
     out_shape = shape(graph, op.outputs[0])
@@ -71,8 +143,9 @@ def slice_(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=(labels,) + tuple(None for _ in op.inputs[1:]), outputs=(labels,))
 
 
-@register("Pad", keeps=Keeps.NOTHING, config_inputs=frozenset({1, 2}))  # pads and constant value
-@register("Tile", keeps=Keeps.NOTHING)
+# pads and constant value configure Pad
+@register("Pad", keeps=Keeps.NOTHING, config_inputs=frozenset({1, 2}), torch_kernel=torch_pad)
+@register("Tile", keeps=Keeps.NOTHING, torch_kernel=torch_tile)
 def resize_axes(op: OpNode, graph: Graph) -> OpSpec:
     """The axes Pad or Tile change in size stay whole; their pads/repeats inputs are constants."""
     in_shape = shape(graph, op.inputs[0])

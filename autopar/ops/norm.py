@@ -31,6 +31,73 @@ def batch_norm_flops(
 
 # scale (1) and running variance (4) are drawn positive for verification; the running mean and
 # variance (3, 4) are statistics, stored like parameters but never trained
+def _per_channel(value: Any, rank: int) -> Any:
+    return value.reshape([1, -1] + [1] * (rank - 2))
+
+
+def torch_batch_norm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """The inference form: running statistics are inputs; extra outputs pass them through."""
+    x, scale, bias, mean, var = inputs[:5]
+    eps = float(op.attrs.get("epsilon", 1e-5))
+    rank = x.dim()
+    y = (x - _per_channel(mean, rank)) / t.sqrt(_per_channel(var, rank) + eps)
+    outputs = [y * _per_channel(scale, rank) + _per_channel(bias, rank)]
+    return outputs + [mean, var][: len([name for name in op.outputs if name]) - 1]
+
+
+def torch_instance_norm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    x, scale, bias = inputs[:3]
+    axes = tuple(range(2, x.dim()))
+    mean = x.mean(dim=axes, keepdim=True)
+    var = ((x - mean) ** 2).mean(dim=axes, keepdim=True)
+    y = (x - mean) / t.sqrt(var + float(op.attrs.get("epsilon", 1e-5)))
+    return [y * _per_channel(scale, x.dim()) + _per_channel(bias, x.dim())]
+
+
+def torch_layer_norm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """Normalise over the axes from ``axis`` on; Mean and InvStdDev keep those axes as size 1."""
+    x = inputs[0]
+    axes = tuple(range(normalize_axis(int(op.attrs.get("axis", -1)), x.dim()), x.dim()))
+    mean = x.mean(dim=axes, keepdim=True)
+    inv = t.rsqrt(((x - mean) ** 2).mean(dim=axes, keepdim=True) + float(op.attrs.get("epsilon", 1e-5)))
+    y = (x - mean) * inv
+    if len(inputs) > 1 and inputs[1] is not None:
+        y = y * inputs[1]
+    if len(inputs) > 2 and inputs[2] is not None:
+        y = y + inputs[2]
+    return [y, mean, inv][: len([name for name in op.outputs if name])]
+
+
+def _flattened(x: Any, axis: int, function: Any) -> Any:
+    """Before opset 13 the axes from ``axis`` on are one: apply ``function`` to the 2-D view."""
+    return function(x.reshape(int(math.prod(x.shape[:axis])), -1), 1).reshape(x.shape)
+
+
+def _hardmax(t: Any, x: Any, dim: int) -> Any:
+    return t.nn.functional.one_hot(x.argmax(dim=dim), x.shape[dim]).movedim(-1, dim).to(x.dtype)
+
+
+def torch_softmax(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    x = inputs[0]
+    function = {
+        "Softmax": t.softmax,
+        "LogSoftmax": t.log_softmax,
+        "Hardmax": lambda value, dim: _hardmax(t, value, dim),
+    }[op.op_type]
+    axis = normalize_axis(int(op.attrs.get("axis", -1)), x.dim())
+    return [function(x, axis)]
+
+
+def torch_softmax_flattened(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    x = inputs[0]
+    function = {
+        "Softmax": t.softmax,
+        "LogSoftmax": t.log_softmax,
+        "Hardmax": lambda value, dim: _hardmax(t, value, dim),
+    }[op.op_type]
+    return [_flattened(x, normalize_axis(int(op.attrs.get("axis", 1)), x.dim()), function)]
+
+
 @register(
     "BatchNormalization",
     flops=batch_norm_flops,
@@ -38,6 +105,7 @@ def batch_norm_flops(
     weight_inputs=True,
     statistics_inputs=frozenset({3, 4}),
     positive_inputs=frozenset({1, 4}),
+    torch_kernel=torch_batch_norm,
 )
 def batch_norm(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
@@ -48,14 +116,16 @@ def batch_norm(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=outputs)
 
 
-@register("InstanceNormalization", keeps=Keeps.INPUTS | Keeps.STATISTICS)
+@register("InstanceNormalization", keeps=Keeps.INPUTS | Keeps.STATISTICS, torch_kernel=torch_instance_norm)
 def instance_norm(op: OpNode, graph: Graph) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     x = ("d0", "d1") + tuple(None for _ in range(rank - 2))
     return OpSpec(inputs=(x, ("d1",), ("d1",)), outputs=(x,))
 
 
-@register("LayerNormalization", keeps=Keeps.INPUTS | Keeps.STATISTICS, weight_inputs=True)
+@register(
+    "LayerNormalization", keeps=Keeps.INPUTS | Keeps.STATISTICS, weight_inputs=True, torch_kernel=torch_layer_norm
+)
 def layer_norm(op: OpNode, graph: Graph) -> OpSpec:
     """Leading axes split; the normalised axes (from ``axis`` on), scale and bias stay whole."""
     rank = len(shape(graph, op.inputs[0]))
@@ -73,8 +143,8 @@ def _softmax(op: OpNode, graph: Graph, axis: int, whole: set[int]) -> OpSpec:
     return OpSpec(inputs=(labels,), outputs=(labels,))
 
 
-@register("Softmax", "LogSoftmax", since=13, keeps=Keeps.OUTPUTS)
-@register("Hardmax", since=13, differentiable=False, keeps=Keeps.NOTHING)
+@register("Softmax", "LogSoftmax", since=13, keeps=Keeps.OUTPUTS, torch_kernel=torch_softmax)
+@register("Hardmax", since=13, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_softmax)
 def softmax(op: OpNode, graph: Graph) -> OpSpec:
     """Opset 13 on: one axis (default the last) is normalised; the others split."""
     rank = len(shape(graph, op.inputs[0]))
@@ -82,8 +152,8 @@ def softmax(op: OpNode, graph: Graph) -> OpSpec:
     return _softmax(op, graph, axis, {axis})
 
 
-@register("Softmax", "LogSoftmax", until=12, keeps=Keeps.OUTPUTS)
-@register("Hardmax", until=12, differentiable=False, keeps=Keeps.NOTHING)
+@register("Softmax", "LogSoftmax", until=12, keeps=Keeps.OUTPUTS, torch_kernel=torch_softmax_flattened)
+@register("Hardmax", until=12, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_softmax_flattened)
 def softmax_flattened(op: OpNode, graph: Graph) -> OpSpec:
     """Before opset 13: every axis from ``axis`` (default 1) on is flattened into one and normalised."""
     rank = len(shape(graph, op.inputs[0]))

@@ -8,12 +8,12 @@ ReduceMax/ReduceMin partials combine with max/min; ReduceSum/ReduceMean partials
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from autopar.layout import ReduceOp
-from autopar.ops.base import OpSpec, constant_value, dim_labels, normalize_axis, shape
+from autopar.ops.base import OpSpec, as_ints, constant_value, dim_labels, ints_from, normalize_axis, shape
 from autopar.ops.registry import Keeps, input_elements, register
 
 if TYPE_CHECKING:
@@ -61,12 +61,38 @@ def reduce(op: OpNode, graph: Graph) -> OpSpec:
     )
 
 
-register("ReduceSum", "ReduceMean", flops=input_elements, keeps=Keeps.NOTHING)(reduce)
+def torch_reduce(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """ReduceSum/Mean/Max/Min over ``axes`` (attribute or input; none: all, or none with noop_with_empty_axes)."""
+    x = inputs[0]
+    axes = ints_from(op, inputs, 1, "axes") or []
+    if not axes:
+        if int(op.attrs.get("noop_with_empty_axes", 0)):
+            return [x]
+        axes = list(range(x.dim()))
+    dims = tuple(sorted(normalize_axis(a, x.dim()) for a in axes))
+    keep = bool(int(op.attrs.get("keepdims", 1)))
+    function = {"ReduceSum": t.sum, "ReduceMean": t.mean, "ReduceMax": t.amax, "ReduceMin": t.amin}[op.op_type]
+    return [function(x, dim=dims, keepdim=keep) if dims else x]
+
+
+def torch_top_k(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    x = inputs[0]
+    k = as_ints(inputs[1])[0] if len(inputs) > 1 and inputs[1] is not None else int(op.attrs["k"])
+    axis = normalize_axis(int(op.attrs.get("axis", -1)), x.dim())
+    values, indices = t.topk(x, k, dim=axis, largest=bool(int(op.attrs.get("largest", 1))), sorted=True)
+    return [values, indices]
+
+
+register("ReduceSum", "ReduceMean", flops=input_elements, keeps=Keeps.NOTHING, torch_kernel=torch_reduce)(reduce)
 # the backward needs to know where the extreme was
-register("ReduceMax", "ReduceMin", flops=input_elements, keeps=Keeps.INPUTS | Keeps.OUTPUTS)(reduce)
+register("ReduceMax", "ReduceMin", flops=input_elements, keeps=Keeps.INPUTS | Keeps.OUTPUTS, torch_kernel=torch_reduce)(
+    reduce
+)
 
 
-@register("TopK", since=10, keeps=Keeps.OUTPUTS)  # the backward scatters into the positions it chose
+@register(
+    "TopK", since=10, keeps=Keeps.OUTPUTS, torch_kernel=torch_top_k
+)  # the backward scatters into the positions it chose
 def top_k(op: OpNode, graph: Graph) -> OpSpec:
     """The k largest (or smallest) along one axis: that axis stays whole, every other axis splits."""
     rank = len(shape(graph, op.inputs[0]))

@@ -26,8 +26,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:
     from autopar.graph.types import Graph, OpNode
     from autopar.ops.base import OpSpec
@@ -66,7 +64,8 @@ class LocalCall:
 
     ``bits`` maps each label of the operator's spec to the mesh bits splitting it under the
     chosen strategy; ``output_shapes`` are the rank's local output shapes; ``run`` executes
-    the operator as ONNX defines it on local inputs (onnxruntime on the local shapes).
+    the operator as ONNX defines it on local inputs (onnxruntime on the local shapes). Inputs
+    and outputs are numpy arrays for a `local_kernel`, torch tensors for a `torch_local_kernel`.
     """
 
     op: "OpNode"
@@ -74,12 +73,12 @@ class LocalCall:
     spec: "OpSpec"
     bits: Mapping[str, tuple[int, ...]]
     rank: int
-    inputs: list[np.ndarray | None]
+    inputs: list[Any]
     output_shapes: list[tuple[int, ...] | None]
-    run: Callable[[list[np.ndarray | None]], list[np.ndarray]]
+    run: Callable[[list[Any]], list[Any]]
 
 
-LocalKernel = Callable[[LocalCall], list[np.ndarray]]
+LocalKernel = Callable[[LocalCall], list[Any]]
 
 TorchKernel = Callable[[Any, "OpNode", list[Any]], list[Any]]
 """The operator as ONNX defines it, in torch: ``(torch module, op, inputs) -> outputs``.
@@ -154,8 +153,9 @@ def register(
 ) -> Callable[[RuleFn], RuleFn]:
     """Register a strategy rule, with the operator's other facts, for one or more op types.
 
-    ``fields`` are `OpDef`'s: ``flops``, ``local_kernel``, ``torch_kernel``, ``torch_local_kernel``, ``index_bounds``, ``differentiable``,
-    ``keeps``, ``config_inputs``, ``statistics_inputs``, ``positive_inputs``, ``weight_inputs``.
+    ``fields`` are `OpDef`'s: ``flops``, ``local_kernel``, ``torch_kernel``, ``torch_local_kernel``,
+    ``index_bounds``, ``differentiable``, ``keeps``, ``config_inputs``, ``statistics_inputs``,
+    ``positive_inputs``, ``weight_inputs``.
     """
 
     def decorate(rule: RuleFn) -> RuleFn:

@@ -7,12 +7,13 @@ Any other split must be gathered first (the rule gives those dimensions no label
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from autopar.ops.base import Labels, OpSpec, shape
+from autopar.ops.base import Labels, OpSpec, as_ints, ints_from, normalize_axis, shape
 from autopar.ops.registry import Keeps, LocalCall, no_flops, register
 
 if TYPE_CHECKING:
@@ -57,8 +58,40 @@ def local_target_shape(call: LocalCall) -> list[np.ndarray]:
     return call.run(local)
 
 
-@register("Reshape", flops=no_flops, keeps=Keeps.NOTHING, local_kernel=local_target_shape)
-@register("Flatten", "Squeeze", "Unsqueeze", flops=no_flops, keeps=Keeps.NOTHING)
+def torch_reshape(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    """Reshape (a 0 copies the input's dimension unless ``allowzero``), Flatten, Squeeze, Unsqueeze."""
+    x = inputs[0]
+    kind = op.op_type
+    if kind == "Reshape":
+        target = as_ints(inputs[1])
+        if not int(op.attrs.get("allowzero", 0)):
+            target = [x.shape[d] if size == 0 else size for d, size in enumerate(target)]
+        return [x.reshape(target)]
+    if kind == "Flatten":
+        axis = normalize_axis(int(op.attrs.get("axis", 1)), x.dim())
+        return [x.reshape(int(math.prod(x.shape[:axis])), -1)]
+    axes = ints_from(op, inputs, 1, "axes")
+    if kind == "Squeeze":
+        if not axes:
+            return [x.reshape([size for size in x.shape if size != 1])]
+        drop = {normalize_axis(a, x.dim()) for a in axes}
+        return [x.reshape([size for d, size in enumerate(x.shape) if d not in drop])]
+    out_rank = x.dim() + len(axes or [])
+    shape_out = list(x.shape)
+    for axis in sorted(normalize_axis(a, out_rank) for a in axes or []):
+        shape_out.insert(axis, 1)
+    return [x.reshape(shape_out)]
+
+
+@register(
+    "Reshape",
+    flops=no_flops,
+    keeps=Keeps.NOTHING,
+    local_kernel=local_target_shape,
+    torch_kernel=torch_reshape,
+    torch_local_kernel=local_target_shape,
+)
+@register("Flatten", "Squeeze", "Unsqueeze", flops=no_flops, keeps=Keeps.NOTHING, torch_kernel=torch_reshape)
 def reshape(op: OpNode, graph: Graph) -> OpSpec:
     in_labels, out_labels = reshape_labels(shape(graph, op.inputs[0]), shape(graph, op.outputs[0]))
     inputs = (in_labels,) + tuple(None for _ in op.inputs[1:])

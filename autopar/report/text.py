@@ -8,6 +8,7 @@ from typing import Any
 from autopar.graph import Graph
 from autopar.lowering import GRAPH_OUTPUT, Plan
 from autopar.spmd import VerifyReport
+from autopar.spmd.compare import PHASES
 from autopar.units import human_bytes
 
 
@@ -179,22 +180,40 @@ def inspect_table(summary: dict[str, Any]) -> str:
 
 def verify_table(report: VerifyReport) -> str:
     verdict = "VERIFIED" if report.ok else "FAILED"
-    lines = [f"autopar verify: {verdict} on {report.devices} virtual devices ({report.time_s:.1f} s)", ""]
+    where = (
+        f"{report.processes} torch.distributed processes"
+        if report.runtime == "torch"
+        else f"{report.devices} virtual devices"
+    )
+    what = "forward, backward and gradient sync" if report.gradients is not None else "forward"
+    lines = [f"autopar verify: {verdict}, {what} on {where} ({report.time_s:.1f} s)", ""]
     for name, entry in report.outputs.items():
         lines.append(
             f"output {name:<16} max abs error {_error(entry['max_abs_error'])}"
             f"  max rel error {_error(entry['max_rel_error'])}  {'ok' if entry['ok'] else 'MISMATCH'}"
         )
+    check = report.gradients
+    if check is not None:
+        lines.append(
+            f"gradients: {check.checked} parameters, max abs error {_error(check.max_abs_error)}"
+            f"  max rel error {_error(check.max_rel_error)}  {'ok' if check.ok else 'MISMATCH'}"
+            + (f"  (worst: {check.worst})" if check.worst else "")
+        )
     lines.append("")
     lines.append("collectives executed (plan lists):")
-    for kind in sorted(set(report.executed) | set(report.planned)):
-        done = report.executed.get(kind, {"count": 0, "bytes": 0})
-        listed = report.planned.get(kind, {"count": 0, "bytes": 0})
-        lines.append(
-            f"  {kind:<14} {done['count']:>5} x {human_bytes(done['bytes']):>10}"
-            f"   ({listed['count']} x {human_bytes(listed['bytes'])})"
-        )
-    if not report.executed and not report.planned:
+    executed, planned = report.collectives["executed"], report.collectives["planned"]
+    empty = True
+    for phase in PHASES:
+        ran, listed = executed.get(phase, {}), planned.get(phase, {})
+        for label in sorted(set(ran) | set(listed)):
+            empty = False
+            done = ran.get(label, {"count": 0, "bytes": 0})
+            want = listed.get(label, {"count": 0, "bytes": 0})
+            lines.append(
+                f"  {phase:<8} {label:<22} {done['count']:>5} x {human_bytes(done['bytes']):>10}"
+                f"   ({want['count']} x {human_bytes(want['bytes'])})"
+            )
+    if empty:
         lines.append("  none")
     for problem in report.problems:
         lines.append(f"problem: {problem}")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from autopar.redistribute import Step
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -57,25 +60,119 @@ def compare_output(
     return OutputCheck(worst_error, worst_error / magnitude if magnitude else worst_error, close, problem)
 
 
+PHASES = ("forward", "backward", "sync")
+
+
+@dataclass
+class Tally:
+    """Collectives by phase (forward, backward, sync), kind and group size: how many, and their bytes.
+
+    >>> from autopar.redistribute import Collective, Step
+    >>> tally = Tally()
+    >>> tally.add("forward", Step(Collective.ALL_REDUCE, (0, 1), 64), 64)
+    >>> tally.as_dict()["forward"]
+    {'AllReduce over 4': {'count': 1, 'bytes': 64}}
+    """
+
+    count: Counter[tuple[str, str, int]] = field(default_factory=Counter)
+    nbytes: Counter[tuple[str, str, int]] = field(default_factory=Counter)
+
+    def add(self, phase: str, step: Step, nbytes: int) -> None:
+        key = (phase, str(step.kind), step.group_size)
+        self.count[key] += 1
+        self.nbytes[key] += nbytes
+
+    def as_dict(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{phase: {"AllGather over 2": {"count", "bytes"}}}, every phase present."""
+        out: dict[str, dict[str, dict[str, int]]] = {phase: {} for phase in PHASES}
+        for key in sorted(self.count, key=lambda k: (PHASES.index(k[0]), k[1], k[2])):
+            phase, kind, size = key
+            out[phase][f"{kind} over {size}"] = {"count": self.count[key], "bytes": self.nbytes[key]}
+        return out
+
+
+def by_kind(phases: dict[str, dict[str, dict[str, int]]], phase: str = "forward") -> dict[str, dict[str, int]]:
+    """One phase's collectives summed over group sizes: {"AllGather": {"count", "bytes"}}."""
+    out: dict[str, dict[str, int]] = {}
+    for label, entry in phases.get(phase, {}).items():
+        kind = label.split(" over ")[0]
+        total = out.setdefault(kind, {"count": 0, "bytes": 0})
+        total["count"] += entry["count"]
+        total["bytes"] += entry["bytes"]
+    return out
+
+
+def collectives_differ(executed: dict[str, Any], planned: dict[str, Any]) -> str:
+    """One sentence naming the first phase and collective where execution and plan disagree."""
+    for phase in PHASES:
+        ran, listed = executed.get(phase, {}), planned.get(phase, {})
+        for label in sorted(set(ran) | set(listed)):
+            if ran.get(label) != listed.get(label):
+                done = ran.get(label, {"count": 0, "bytes": 0})
+                want = listed.get(label, {"count": 0, "bytes": 0})
+                return (
+                    f"the {phase} collectives executed differ from those the plan lists: {label} ran"
+                    f" {done['count']} time(s) ({done['bytes']} bytes), the plan lists {want['count']}"
+                    f" ({want['bytes']} bytes)"
+                )
+    return "the collectives executed differ from those the plan lists"
+
+
+@dataclass(frozen=True)
+class GradientCheck:
+    """Every trainable parameter's gradient, reassembled from its shards, against one device's."""
+
+    checked: int
+    max_abs_error: float
+    max_rel_error: float
+    worst: str | None
+    ok: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checked": self.checked,
+            "max_abs_error": _finite(self.max_abs_error),
+            "max_rel_error": _finite(self.max_rel_error),
+            "worst": self.worst,
+            "ok": self.ok,
+        }
+
+
 @dataclass(frozen=True)
 class VerifyReport:
-    """What a verification found: per-output errors and the collectives carried out."""
+    """What a verification found: per-output errors, gradients, and the collectives carried out.
+
+    ``collectives`` holds "executed" and "planned", each by phase (`Tally.as_dict`);
+    ``executed`` / ``planned`` are the forward ones by kind.
+    """
 
     ok: bool
     devices: int
     outputs: dict[str, dict[str, float | bool | None]]
-    executed: dict[str, dict[str, int]]
-    planned: dict[str, dict[str, int]]
+    collectives: dict[str, dict[str, dict[str, dict[str, int]]]]
     problems: list[str] = field(default_factory=list)
     time_s: float = 0.0
+    runtime: str = "virtual"
+    processes: int = 1
+    gradients: GradientCheck | None = None
+
+    @property
+    def executed(self) -> dict[str, dict[str, int]]:
+        return by_kind(self.collectives["executed"])
+
+    @property
+    def planned(self) -> dict[str, dict[str, int]]:
+        return by_kind(self.collectives["planned"])
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
+            "runtime": self.runtime,
             "devices": self.devices,
+            "processes": self.processes,
             "outputs": self.outputs,
-            "collectives_executed": self.executed,
-            "collectives_planned": self.planned,
+            "gradients": self.gradients.to_dict() if self.gradients is not None else None,
+            "collectives": self.collectives,
             "problems": self.problems,
             "time_s": round(self.time_s, 3),
         }

@@ -12,7 +12,6 @@ needs is reported by name before any arithmetic on that tensor.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -23,9 +22,9 @@ from autopar.limits import MAX_VERIFY_BYTES
 from autopar.lowering import GRAPH_OUTPUT, Plan, PlanFile
 from autopar.lowering.lower import check_context, redistributions
 from autopar.lowering.planfile import Redistribution
-from autopar.redistribute import Step, apply_steps
+from autopar.redistribute import Collective, Step, apply_steps
 from autopar.search.problem import SearchProblem
-from autopar.spmd.compare import ATOL, RTOL, VerifyReport, compare_output
+from autopar.spmd.compare import ATOL, RTOL, Tally, VerifyReport, collectives_differ, compare_output
 from autopar.spmd.devices import assemble, run_step, shard
 from autopar.spmd.kernels import Shards, run_operator
 from autopar.spmd.reference import reference_outputs, session
@@ -40,20 +39,6 @@ class _PlanBroken(Exception):
     """The plan's collectives do not lead where a consumer needs its input."""
 
 
-class _Tally:
-    def __init__(self) -> None:
-        self.count: Counter[str] = Counter()
-        self.nbytes: Counter[str] = Counter()
-
-    def add(self, steps: Sequence[Step]) -> None:
-        for step in steps:
-            self.count[str(step.kind)] += 1
-            self.nbytes[str(step.kind)] += step.nbytes
-
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        return {kind: {"count": self.count[kind], "bytes": self.nbytes[kind]} for kind in sorted(self.count)}
-
-
 class _Runner:
     """Executes one plan rank by rank; buffers map (tensor, holder) to (layout, per-rank arrays)."""
 
@@ -66,7 +51,7 @@ class _Runner:
     ) -> None:
         self.problem, self.choice, self.steps, self.values = problem, choice, steps, values
         self.buffers: dict[tuple[str, str], tuple[Layout, Shards]] = {}
-        self.executed = _Tally()
+        self.executed = Tally()
 
     def run(self) -> None:
         problem = self.problem
@@ -102,9 +87,12 @@ class _Runner:
                 f" in layout {reached.describe()} but {consumer!r} needs {dst.describe()}"
                 " (a collective is missing or wrong)"
             )
+        itemsize = self.problem.itemsize(self.problem.graph.tensor(tensor))
         for step in steps:
-            per_rank = run_step(per_rank, step)
-        self.executed.add(steps)
+            after = run_step(per_rank, step)
+            moved = after[0] if step.kind == Collective.ALL_GATHER else per_rank[0]
+            self.executed.add("forward", step, moved.size * itemsize)
+            per_rank = after
         return per_rank
 
     def _input(self, node: int, slot: int) -> Shards | None:
@@ -173,9 +161,10 @@ def verify_problem(
     choice, entries = resolve_plan(problem, plan)  # a plan for another problem is refused first
     check_verification_size(problem)
     steps = {entry.key: [s.step() for s in entry.steps] for entry in entries}
-    planned = _Tally()
+    planned = Tally()
     for entry in entries:
-        planned.add([s.step() for s in entry.steps])
+        for s in entry.steps:
+            planned.add("forward", s.step(), s.bytes)
     values = materialise(problem.graph, seed)
     reference = reference_outputs(problem.graph, values)
     runner = _Runner(problem, choice, steps, values)
@@ -192,13 +181,12 @@ def verify_problem(
         problems.append(str(exc))
     executed, planned_dict = runner.executed.as_dict(), planned.as_dict()
     if not problems and executed != planned_dict:
-        problems.append(f"the collectives executed {executed} differ from those the plan lists {planned_dict}")
+        problems.append(collectives_differ(executed, planned_dict))
     return VerifyReport(
         ok=not problems,
         devices=problem.num_devices,
         outputs=outputs,
-        executed=executed,
-        planned=planned_dict,
+        collectives={"executed": executed, "planned": planned_dict},
         problems=problems,
         time_s=time.perf_counter() - start,
     )

@@ -1,0 +1,304 @@
+"""A plan's training step as an SPMD program in torch: forward, backward, gradient synchronisation.
+
+The program is the same on virtual ranks (one process computes all N) and on a real runtime
+(each process computes its own rank); only `Collectives` differ. Each rank holds only its
+shards and runs every operator's registered torch kernel on them (`local`). The forward
+carries out the redistributions the plan lists. The backward walks the operators in reverse:
+each operator's local gradients come from torch autograd on that operator alone, and every
+collective a gradient needs is the one the plan lists for it (`PlanFile.gradients`, the
+gradient synchronisation), never one derived here. So a plan whose backward is wrong is
+caught by name, before its numbers are compared.
+
+Gradients follow one convention: a rank's gradient of a tensor it holds replicated is the
+whole gradient; a consumer whose strategy splits a label its input lacks leaves that
+input's gradient partial over those bits, and the plan's steps reduce it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from autopar.layout import Layout, ReduceOp
+from autopar.lowering.planfile import GRAPH_OUTPUT, GradientPath, GradientSync, Redistribution
+from autopar.redistribute import Collective, Step, apply_steps
+from autopar.runtime.collectives import Collectives
+from autopar.runtime.local import run_local
+from autopar.search.problem import SearchProblem
+from autopar.spmd.compare import Tally
+
+Buffers = list[torch.Tensor]
+
+
+class PlanBroken(Exception):
+    """The plan's collectives do not lead where the program needs a tensor or a gradient."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The collectives a plan lists, keyed the way the program looks them up."""
+
+    forward: Mapping[tuple[str, str, str], list[Step]]
+    backward: Mapping[tuple[str, str, str, int], list[Step]]
+    sync: Mapping[str, Step | None]
+    listed: tuple[tuple[str, Step], ...]  # (phase, step) of every entry: a tensor read twice is moved twice
+
+    @classmethod
+    def of(
+        cls, redistributions: Sequence[Redistribution], gradients: Sequence[GradientPath], syncs: Sequence[GradientSync]
+    ) -> "Schedule":
+        listed = [("forward", s.step()) for entry in redistributions for s in entry.steps]
+        listed += [("backward", s.step()) for entry in gradients for s in entry.steps]
+        listed += [("sync", step) for step in (entry.step() for entry in syncs) if step is not None]
+        return cls(
+            forward={entry.key: [s.step() for s in entry.steps] for entry in redistributions},
+            backward={entry.key: [s.step() for s in entry.steps] for entry in gradients},
+            sync={entry.parameter: entry.step() for entry in syncs},
+            listed=tuple(listed),
+        )
+
+    def planned(self, gradients: bool) -> Tally:
+        """What the plan lists: the forward alone, or with ``gradients`` the whole step."""
+        tally = Tally()
+        for phase, step in self.listed:
+            if gradients or phase == "forward":
+                tally.add(phase, step, step.nbytes)
+        return tally
+
+
+def payload_numel(step: Step, before: torch.Tensor, after: torch.Tensor) -> int:
+    """Elements of a step's per-rank payload, as `Step.nbytes` counts them."""
+    return after.numel() if step.kind == Collective.ALL_GATHER else before.numel()
+
+
+class TrainingStep:
+    """One training step of a plan on the ranks ``collectives`` computes."""
+
+    def __init__(
+        self,
+        problem: SearchProblem,
+        choice: Sequence[int],
+        schedule: Schedule,
+        values: Mapping[str, np.ndarray],
+        collectives: Collectives,
+    ) -> None:
+        self.problem, self.choice, self.schedule, self.values = problem, choice, schedule, values
+        self.collectives = collectives
+        self.ranks = collectives.ranks
+        self.device = collectives.device
+        self.buffers: dict[tuple[str, str], tuple[Layout, Buffers]] = {}
+        self.tape: dict[int, tuple[list[list[torch.Tensor | None]], list[list[torch.Tensor]]]] = {}
+        self.reduced: dict[tuple[str, str], Buffers] = {}  # partial max/min outputs after their AllReduce
+        self.grads: dict[tuple[str, str], tuple[Layout, Buffers]] = {}
+        self.executed = Tally()
+
+    # --- shards and collectives -----------------------------------------------------------
+
+    def _shard(self, name: str, layout: Layout) -> Buffers:
+        full = self.values[name]
+        if layout.partial:
+            raise PlanBroken(f"{name!r} is loaded in a partial layout {layout.describe()}")
+        return [self._tensor(full[layout.local_slices(r, full.shape)]) for r in self.ranks]
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(array, order="C", copy=True)).to(self.device)
+
+    def _itemsize(self, name: str, phase: str) -> int:
+        info = self.problem.graph.tensor(name)
+        if phase != "forward" and info.kind == "parameter":
+            return self.problem.cost.gradient_itemsize()
+        return self.problem.itemsize(info)
+
+    def _run(self, name: str, buffers: Buffers, steps: Sequence[Step], phase: str) -> Buffers:
+        itemsize = self._itemsize(name, phase)
+        for step in steps:
+            after = self.collectives.run(buffers, step)
+            self.executed.add(phase, step, payload_numel(step, buffers[0], after[0]) * itemsize)
+            buffers = after
+        return buffers
+
+    def _follow(self, src: Layout, steps: Sequence[Step], dst: Layout, what: str) -> None:
+        try:
+            reached = apply_steps(src, steps)
+        except ValueError as exc:
+            raise PlanBroken(f"the plan's {what} is malformed: {exc}") from None
+        if reached != dst:
+            raise PlanBroken(
+                f"the plan's {what} leaves it in layout {reached.describe()} but {dst.describe()} is needed"
+                " (a collective is missing or wrong)"
+            )
+
+    # --- forward --------------------------------------------------------------------------
+
+    def forward(self) -> None:
+        problem = self.problem
+        grad = problem.requires_grad
+        for node, rule in enumerate(problem.rules):
+            candidate = self.choice[node]
+            inputs = [self._input(node, slot) for slot in range(len(rule.op.inputs))]
+            out_layouts = rule.candidate_layouts(candidate)[1]
+            out_shapes = [
+                layout.local_shape(problem.graph.tensor(name).shape) if name and layout is not None else None
+                for name, layout in zip(rule.op.outputs, out_layouts)
+            ]
+            leaves: list[list[torch.Tensor | None]] = []
+            outputs: list[list[torch.Tensor]] = []
+            for index, rank in enumerate(self.ranks):
+                local: list[torch.Tensor | None] = []
+                for slot, buffers in enumerate(inputs):
+                    if buffers is None:
+                        local.append(None)
+                        continue
+                    leaf = buffers[index].detach()
+                    needs = rule.differentiable and grad.get(rule.op.inputs[slot], False) and leaf.is_floating_point()
+                    local.append(leaf.requires_grad_(True) if needs else leaf)
+                leaves.append(local)
+                outputs.append(run_local(rule, candidate, rank, list(local), out_shapes))
+            self.tape[node] = (leaves, outputs)
+            present = [(name, layout) for name, layout in zip(rule.op.outputs, out_layouts) if name]
+            for position, (name, layout) in enumerate(present):
+                assert layout is not None  # a present output has a layout
+                self.buffers[(name, rule.op.name)] = (layout, [out[position].detach() for out in outputs])
+
+    def _input(self, node: int, slot: int) -> Buffers | None:
+        problem = self.problem
+        rule = problem.rules[node]
+        name = rule.op.inputs[slot]
+        if not name:
+            return None
+        layout = rule.input_layout(self.choice[node], slot)
+        info = problem.graph.tensor(name)
+        if info.kind == "constant" or problem.owner.get(name) == (node, slot):
+            buffers = self._shard(name, layout)
+            if info.kind != "constant":
+                self.buffers[(name, rule.op.name)] = (layout, buffers)
+            return buffers
+        source = (
+            problem.graph.producer[name] if info.kind == "activation" else problem.rules[problem.owner[name][0]].op.name
+        )
+        return self._redistribute(name, source, rule.op.name, layout)
+
+    def _redistribute(self, name: str, producer: str, consumer: str, dst: Layout) -> Buffers:
+        src, held = self.buffers[(name, producer)]
+        steps = self.schedule.forward.get((name, producer, consumer), [])
+        self._follow(src, steps, dst, f"redistribution of {name!r} from {producer!r} to {consumer!r}")
+        after = self._run(name, held, steps, "forward")
+        if src.partial and src.partial_op != ReduceOp.SUM and dst == Layout(src.dims):
+            self.reduced[(name, producer)] = after  # the backward routes a max's gradient to the ranks holding it
+        return after
+
+    def output(self, name: str) -> tuple[Layout, Buffers]:
+        """A graph output on every rank: reduced where the producer left it partial."""
+        producer = self.problem.graph.producer[name]
+        layout, buffers = self.buffers[(name, producer)]
+        if not layout.partial:
+            return layout, buffers
+        return Layout(layout.dims), self._redistribute(name, producer, GRAPH_OUTPUT, Layout(layout.dims))
+
+    # --- backward -------------------------------------------------------------------------
+
+    def backward(self, cotangents: Mapping[str, np.ndarray]) -> None:
+        """Seed each output with its cotangent, then walk the operators in reverse."""
+        problem = self.problem
+        for name, full in cotangents.items():
+            producer = problem.graph.producer[name]
+            layout = Layout(self.buffers[(name, producer)][0].dims)
+            seeds = [self._tensor(full[layout.local_slices(r, full.shape)]) for r in self.ranks]
+            self._accumulate(name, producer, layout, seeds)
+        for node in reversed(range(len(problem.rules))):
+            self._backward_node(node)
+
+    def _accumulate(self, name: str, holder: str, layout: Layout, buffers: Buffers) -> None:
+        key = (name, holder)
+        if key in self.grads:
+            held_layout, held = self.grads[key]
+            if held_layout != layout:
+                raise PlanBroken(f"gradients of {name!r} arrive at {holder!r} in two layouts")
+            buffers = [a + b for a, b in zip(held, buffers)]
+        self.grads[key] = (layout, buffers)
+
+    def parameter_target(self, name: str, layout: Layout) -> Layout:
+        """A parameter's gradient layout after its synchronisation: whole, or split by the parallel optimizer."""
+        sync = self.schedule.sync.get(name)
+        if sync is None or sync.kind != Collective.REDUCE_SCATTER or sync.dim is None:
+            return Layout(layout.dims)
+        return Layout(tuple(bits + sync.bits if d == sync.dim else bits for d, bits in enumerate(layout.dims)))
+
+    def _backward_node(self, node: int) -> None:
+        problem = self.problem
+        rule = problem.rules[node]
+        op = rule.op
+        if not rule.differentiable or node not in self.tape:
+            return
+        leaves, outputs = self.tape[node]
+        present = [name for name in op.outputs if name]
+        seeded = [(position, name) for position, name in enumerate(present) if (name, op.name) in self.grads]
+        slots = [slot for slot, leaf in enumerate(leaves[0]) if leaf is not None and leaf.requires_grad]
+        if not seeded or not slots:
+            return
+        local_grads: list[list[torch.Tensor]] = []
+        for index in range(len(self.ranks)):
+            pairs = []
+            for position, name in seeded:
+                out = outputs[index][position]
+                if not out.requires_grad:
+                    continue
+                seed = self.grads[(name, op.name)][1][index]
+                reduced = self.reduced.get((name, op.name))
+                if reduced is not None:  # a partial max: only ranks holding the maximum pass its gradient
+                    seed = seed * (out.detach() == reduced[index]).to(seed.dtype)
+                pairs.append((out, seed.to(out.dtype)))
+            wrt = [leaf for leaf in (leaves[index][slot] for slot in slots) if leaf is not None]
+            found: Sequence[torch.Tensor | None] = (
+                torch.autograd.grad([out for out, _ in pairs], wrt, [seed for _, seed in pairs], allow_unused=True)
+                if pairs
+                else [None] * len(wrt)
+            )
+            local_grads.append([g if g is not None else torch.zeros_like(x) for g, x in zip(found, wrt)])
+        candidate = self.choice[node]
+        for column, slot in enumerate(slots):
+            name = op.inputs[slot]
+            layout = rule.input_layout(candidate, slot)
+            bits = problem.gradient_sync_bits(node, rule.candidates[candidate], slot)
+            source = Layout(layout.dims, bits) if bits else Layout(layout.dims)
+            buffers = [grads[column].detach() for grads in local_grads]
+            self._send_back(node, slot, name, source, buffers)
+
+    def _send_back(self, node: int, slot: int, name: str, source: Layout, buffers: Buffers) -> None:
+        """Take a consumer's gradient to its producer with the collectives the plan lists."""
+        problem = self.problem
+        consumer = problem.rules[node].op.name
+        info = problem.graph.tensor(name)
+        if info.kind == "activation":
+            producer = problem.graph.producer[name]
+            target = Layout(self.buffers[(name, producer)][0].dims)
+            steps = self.schedule.backward.get((name, producer, consumer, slot), [])
+            what, phase = f"gradient of {name!r} from {consumer!r} back to {producer!r}", "backward"
+        else:
+            owner_node, owner_slot = problem.owner[name]
+            producer = problem.rules[owner_node].op.name
+            target = self.parameter_target(name, self.buffers[(name, producer)][0])
+            if (owner_node, owner_slot) == (node, slot):
+                sync = self.schedule.sync.get(name)
+                steps = [sync] if sync is not None else []
+                what, phase = f"gradient synchronisation of parameter {name!r} (read by {consumer!r})", "sync"
+            else:
+                steps = self.schedule.backward.get((name, producer, consumer, slot), [])
+                what, phase = f"gradient of {name!r} from {consumer!r} back to {producer!r}", "backward"
+        self._follow(source, steps, target, what)
+        self._accumulate(name, producer, target, self._run(name, buffers, steps, phase))
+
+    def parameter_gradient(self, name: str) -> tuple[Layout, Buffers]:
+        """A trainable parameter's gradient as the ranks hold it after synchronisation."""
+        owner_node, _ = self.problem.owner[name]
+        producer = self.problem.rules[owner_node].op.name
+        held = self.grads.get((name, producer))
+        if held is not None:
+            return held
+        layout = self.parameter_target(name, self.buffers[(name, producer)][0])
+        shape = self.problem.graph.tensor(name).shape
+        dtype = self.buffers[(name, producer)][1][0].dtype
+        return layout, [torch.zeros(layout.local_shape(shape), dtype=dtype, device=self.device) for _ in self.ranks]
