@@ -142,6 +142,23 @@ def test_a_removed_gradient_sync_is_caught_by_name(tiny_resnet):
     assert f"gradient synchronisation of parameter {name!r}" in report.problems[0]
 
 
+def test_a_wrong_gradient_value_is_caught(monkeypatch, tiny_resnet):
+    from autopar.runtime import program
+
+    real = program.TrainingStep._send_back
+
+    def doubles_fc_weight(self, node, slot, name, source, buffers):
+        if name == "fc.weight":
+            buffers = [2 * buffer for buffer in buffers]
+        return real(self, node, slot, name, source, buffers)
+
+    monkeypatch.setattr(program.TrainingStep, "_send_back", doubles_fc_weight)
+    report = autopar.verify(tiny_resnet, autopar.plan(tiny_resnet, devices=4), gradients=True)
+    assert not report.ok
+    assert report.problems == [report.problems[0]]
+    assert report.problems[0].startswith("the gradient of 'fc.weight' differs from the single-device gradient")
+
+
 def test_forward_only_verification_is_unchanged_by_gradient_entries(tiny_resnet):
     plan = autopar.plan(tiny_resnet, devices=8)
     report = autopar.verify(tiny_resnet, plan)
@@ -213,3 +230,32 @@ def test_without_torch_the_sentence_says_how_to_install(monkeypatch, tiny_resnet
     monkeypatch.setattr(builtins, "__import__", no_torch)
     with pytest.raises(AutoparError, match=r"pip install 'autopar\[torch\]'"):
         autopar.verify(tiny_resnet, devices=4, runtime="torch")
+
+
+def _partial_max_model():
+    from onnx import TensorProto, helper
+
+    from tests.conftest import make_model, weight
+
+    nodes = [
+        helper.make_node("Mul", ["X", "D"], ["XD"], name="scale"),
+        helper.make_node("ReduceMax", ["XD"], ["Y"], name="rmax", axes=[1], keepdims=0),
+        helper.make_node("Mul", ["Y", "Y"], ["Z"], name="square"),
+    ]
+    return make_model(nodes, [("D", TensorProto.FLOAT, [8, 16])], ["Z"], [weight("X", [8, 16], 1)])
+
+
+def test_a_partial_maximum_sends_its_gradient_to_the_ranks_holding_it():
+    # the reduced axis split 4 ways: each rank's local maximum is partial; an AllReduce(max) completes it
+    strategies = {"scale": ((1, 1), (1, 1)), "rmax": ((1, 4),), "square": ((1,), (1,))}
+    report = autopar.verify(_partial_max_model(), strategies, devices=4, gradients=True)
+    assert report.ok, report.problems
+    assert report.collectives["executed"]["forward"]["AllReduce over 4"]["count"] == 2
+
+
+def test_a_partial_maximum_completed_by_a_reduce_scatter_is_a_stated_limit():
+    strategies = {"scale": ((1, 1), (1, 1)), "rmax": ((1, 4),), "square": ((4,), (4,))}
+    report = autopar.verify(_partial_max_model(), strategies, devices=4, gradients=True)
+    assert not report.ok
+    assert report.problems[0].startswith("autopar cannot yet check this plan's gradients: the partial max 'Y'")
+    assert autopar.verify(_partial_max_model(), strategies, devices=4).ok  # the forward alone verifies

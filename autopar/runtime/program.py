@@ -247,8 +247,15 @@ class TrainingStep:
                 if not out.requires_grad:
                     continue
                 seed = self.grads[(name, op.name)][1][index]
-                reduced = self.reduced.get((name, op.name))
-                if reduced is not None:  # a partial max: only ranks holding the maximum pass its gradient
+                layout = self.buffers[(name, op.name)][0]
+                if layout.partial and layout.partial_op != ReduceOp.SUM:  # only ranks holding the max pass its gradient
+                    reduced = self.reduced.get((name, op.name))
+                    if reduced is None:
+                        raise PlanBroken(
+                            f"autopar cannot yet check this plan's gradients: the partial {layout.partial_op} {name!r}"
+                            f" of {op.name!r} is completed by a ReduceScatter, and its backward needs the whole"
+                            f" {layout.partial_op} on every rank (the forward alone verifies without --gradients)"
+                        )
                     seed = seed * (out.detach() == reduced[index]).to(seed.dtype)
                 pairs.append((out, seed.to(out.dtype)))
             wrt = [leaf for leaf in (leaves[index][slot] for slot in slots) if leaf is not None]
