@@ -37,9 +37,7 @@ MODELS = {
         None,
     ),
     "bert_decomposed_layernorm": lambda: (
-        build_transformer(
-            kind="bert", layers=1, hidden=64, heads=8, seq=16, vocab=64, batch=2, weights="random", layernorm="decomposed"
-        ),
+        build_transformer(kind="bert", layers=1, hidden=64, heads=8, seq=16, vocab=64, batch=2, layernorm="decomposed"),
         None,
     ),
     "gpt_fused_gelu": lambda: (
