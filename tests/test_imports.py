@@ -23,6 +23,7 @@ CORE = (
     "autopar.search",
     "autopar.lowering",
     "autopar.spmd",
+    "autopar.runtime",
 )
 FACES = ("autopar.report", "autopar.cli", "autopar.api")
 

@@ -183,7 +183,8 @@ def test_cli_verify_torch_runtime_table(tmp_path, capsys, tiny_resnet):
     onnx.save(tiny_resnet, path)
     code, out, _ = run_cli(capsys, "verify", str(path), "--devices", "4", "--runtime", "torch")
     assert code == 0, out
-    assert "forward, backward and gradient sync on 4 torch.distributed processes" in out
+    assert out.startswith("autopar verify: VERIFIED on 4 torch.distributed processes (")
+    assert "): forward, backward and gradient sync" in out.splitlines()[0]
     assert "sync" in out
 
 
@@ -253,9 +254,22 @@ def test_a_partial_maximum_sends_its_gradient_to_the_ranks_holding_it():
     assert report.collectives["executed"]["forward"]["AllReduce over 4"]["count"] == 2
 
 
-def test_a_partial_maximum_completed_by_a_reduce_scatter_is_a_stated_limit():
+def test_a_partial_maximum_completed_by_a_reduce_scatter_gathers_it_back_for_the_backward():
+    # the consumer splits the rows: a ReduceScatter(max) leaves each rank a quarter of the maximum, and
+    # the plan lists the AllGather that brings the whole maximum back for the backward
+    model = _partial_max_model()
     strategies = {"scale": ((1, 1), (1, 1)), "rmax": ((1, 4),), "square": ((4,), (4,))}
-    report = autopar.verify(_partial_max_model(), strategies, devices=4, gradients=True)
-    assert not report.ok
-    assert report.problems[0].startswith("autopar cannot yet check this plan's gradients: the partial max 'Y'")
-    assert autopar.verify(_partial_max_model(), strategies, devices=4).ok  # the forward alone verifies
+    plan = _plan(model, strategies, devices=4)
+    (entry,) = [entry for entry in plan.file.gradients if entry.carries == "max"]
+    assert (entry.tensor, entry.producer) == ("Y", "rmax")
+    assert [step.collective for step in entry.steps] == ["AllGather"]
+    report = autopar.verify(model, plan, gradients=True)
+    assert report.ok, report.problems
+    assert report.collectives["executed"]["backward"]["AllGather over 4"]["count"] >= 1
+    data = plan.to_dict()
+    data["gradients"] = [e for e in data["gradients"] if e.get("carries") != "max"]
+    broken = autopar.verify(model, data, devices=4, gradients=True)
+    assert (
+        broken.problems[0]
+        == "the plan lists no collectives that bring the whole max 'Y' back to 'rmax' for its backward"
+    )

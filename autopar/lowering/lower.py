@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Sequence
 
 from autopar.errors import PlanFileError
-from autopar.layout import Layout
+from autopar.layout import Layout, ReduceOp
 from autopar.lowering.planfile import (
     GRAPH_OUTPUT,
     CollectiveStep,
@@ -31,9 +31,16 @@ from autopar.lowering.planfile import (
     TensorLayout,
     Totals,
 )
-from autopar.redistribute import BACKWARD_DUAL, Collective, redistribute
+from autopar.redistribute import BACKWARD_DUAL, Collective, Step, redistribute
 from autopar.search.driver import data_parallel_choice
-from autopar.search.problem import NO_MEMORY_CHOICES, MemoryChoices, SearchProblem, backward_passes, memory_items
+from autopar.search.problem import (
+    NO_MEMORY_CHOICES,
+    MemoryChoices,
+    SearchProblem,
+    TensorUse,
+    backward_passes,
+    memory_items,
+)
 
 
 def rounded(value: float) -> float:
@@ -159,12 +166,30 @@ def parameter_gradient_layout(
     return local, Layout(dims), dim
 
 
+def _collective_steps(problem: SearchProblem, steps: Sequence[Step]) -> list[CollectiveStep]:
+    cost = problem.cost
+    return [
+        CollectiveStep(
+            collective=step.kind,
+            group_size=step.group_size,
+            bits=list(step.bits),
+            bytes=step.nbytes,
+            dim=step.dim,
+            concat_dim=step.concat_dim,
+            reduce_op=step.reduce_op if step.reduces else None,
+            seconds=rounded(cost.collective_time(step.kind, step.bits, step.nbytes)),
+        )
+        for step in steps
+    ]
+
+
 def gradient_paths(
     problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
 ) -> list[GradientPath]:
-    """Every consumer's gradient that needs collectives to reach its producer (see `GradientPath`)."""
+    """Every consumer's gradient that needs collectives to reach its producer (see `GradientPath`),
+    and the maxima a partial max's backward needs back where no AllReduce completed them."""
     found = []
-    cost = problem.cost
+    completed: dict[tuple[str, int], bool] = {}  # partial max/min outputs: reduced whole by some consumer?
     for use in problem.uses:
         info = problem.graph.tensor(use.tensor)
         rule = problem.rules[use.dst_node]
@@ -172,43 +197,56 @@ def gradient_paths(
             continue
         layout = rule.candidate_layouts(choice[use.dst_node])[0][use.dst_slot]
         assert layout is not None  # a use reads a present input
+        produced = problem.source_layout(use, choice[use.src_node])
+        if produced.partial and produced.partial_op != ReduceOp.SUM and problem.rules[use.src_node].differentiable:
+            key = (use.tensor, use.src_node)
+            completed[key] = completed.get(key, False) or layout == Layout(produced.dims)
         bits = problem.gradient_sync_bits(use.dst_node, rule.candidates[choice[use.dst_node]], use.dst_slot)
         source = Layout(layout.dims, bits) if bits else Layout(layout.dims)
         if info.kind == "parameter":
             target = parameter_gradient_layout(problem, use.tensor, choice, choices)[1]
-            itemsize = cost.gradient_itemsize()
+            itemsize = problem.cost.gradient_itemsize()
         else:
-            target = Layout(problem.source_layout(use, choice[use.src_node]).dims)
+            target = Layout(produced.dims)
             itemsize = problem.itemsize(info)
-        steps = redistribute(source, target, info.shape, itemsize)
-        if not steps:
+        entries = _collective_steps(problem, redistribute(source, target, info.shape, itemsize))
+        if entries:
+            found.append(_path(problem, use, source, target, entries))
+    outputs = set(problem.graph.outputs)
+    for (tensor, node), whole in completed.items():
+        if whole or tensor in outputs:  # a graph output's AllReduce completes it too
             continue
-        entries = [
-            CollectiveStep(
-                collective=step.kind,
-                group_size=step.group_size,
-                bits=list(step.bits),
-                bytes=step.nbytes,
-                dim=step.dim,
-                concat_dim=step.concat_dim,
-                reduce_op=step.reduce_op if step.reduces else None,
-                seconds=rounded(cost.collective_time(step.kind, step.bits, step.nbytes)),
-            )
-            for step in steps
-        ]
+        use = next(u for u in problem.uses if (u.tensor, u.src_node) == (tensor, node))
+        source = problem.rules[use.dst_node].candidate_layouts(choice[use.dst_node])[0][use.dst_slot]
+        assert source is not None  # a use reads a present input
+        produced = problem.source_layout(use, choice[node])
+        info = problem.graph.tensor(tensor)
+        steps = redistribute(source, Layout(produced.dims), info.shape, problem.itemsize(info))
         found.append(
-            GradientPath(
-                tensor=use.tensor,
-                producer=problem.rules[use.src_node].op.name,
-                consumer=rule.op.name,
-                slot=use.dst_slot,
-                from_=LayoutEntry.of(source),
-                to=LayoutEntry.of(target),
-                steps=entries,
-                seconds=rounded(sum(entry.seconds for entry in entries)),
-            )
+            _path(problem, use, source, Layout(produced.dims), _collective_steps(problem, steps), produced.partial_op)
         )
     return found
+
+
+def _path(
+    problem: SearchProblem,
+    use: TensorUse,
+    source: Layout,
+    target: Layout,
+    steps: list[CollectiveStep],
+    maximum: ReduceOp | None = None,
+) -> GradientPath:
+    return GradientPath(
+        tensor=use.tensor,
+        producer=problem.rules[use.src_node].op.name,
+        consumer=problem.rules[use.dst_node].op.name,
+        slot=use.dst_slot,
+        carries=str(maximum) if maximum is not None else None,
+        from_=LayoutEntry.of(source),
+        to=LayoutEntry.of(target),
+        steps=steps,
+        seconds=rounded(sum(step.seconds for step in steps)),
+    )
 
 
 def gradient_sync(

@@ -145,7 +145,7 @@ class Redistribution(_Part):
         return self.tensor, self.producer, self.consumer
 
 
-class GradientPath(_Part):
+class GradientPath(_OmitsUnset):
     """How a consumer's gradient of a tensor reaches the tensor's producer (or a parameter's owner).
 
     The consumer's local gradient is partial over the bits of the labels its input lacks (a
@@ -153,12 +153,20 @@ class GradientPath(_Part):
     where every consumer's contribution is summed. This is the exact dual of the forward
     dataflow: a ReduceScatter where the forward gathered what the consumer splits, an AllReduce
     where an input is read whole, an AllGather where the forward sliced.
+
+    With ``carries`` "max" (or "min") the steps carry the reduced values instead: a partial
+    maximum completed only by a ReduceScatter leaves each rank a slice of it, and its backward
+    needs the whole maximum on every rank to send the gradient to the ranks that held it.
     """
 
+    _omit: ClassVar[tuple[str, ...]] = ("carries",)
     tensor: str
     producer: str = Field(description="the operator producing the tensor, or the one that loads a parameter")
     consumer: str
     slot: NonNegativeInt = Field(description="the consumer's input the gradient is of")
+    carries: Literal["max", "min"] | None = Field(
+        default=None, description="absent for a gradient; max or min: the reduced values a partial max's backward needs"
+    )
     from_: LayoutEntry = Field(alias="from", description="the gradient's layout as the consumer's backward leaves it")
     to: LayoutEntry = Field(description="the layout the producer's gradient is summed in")
     steps: list[CollectiveStep] = Field(min_length=1)

@@ -186,7 +186,7 @@ def verify_table(report: VerifyReport) -> str:
         else f"{report.devices} virtual devices"
     )
     what = "forward, backward and gradient sync" if report.gradients is not None else "forward"
-    lines = [f"autopar verify: {verdict}, {what} on {where} ({report.time_s:.1f} s)", ""]
+    lines = [f"autopar verify: {verdict} on {where} ({report.time_s:.1f} s): {what}", ""]
     for name, entry in report.outputs.items():
         lines.append(
             f"output {name:<16} max abs error {_error(entry['max_abs_error'])}"

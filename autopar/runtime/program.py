@@ -44,6 +44,7 @@ class Schedule:
     forward: Mapping[tuple[str, str, str], list[Step]]
     backward: Mapping[tuple[str, str, str, int], list[Step]]
     sync: Mapping[str, Step | None]
+    maxima: Mapping[tuple[str, str], tuple[str, list[Step]]]  # (tensor, producer) -> (consumer, steps)
     listed: tuple[tuple[str, Step], ...]  # (phase, step) of every entry: a tensor read twice is moved twice
 
     @classmethod
@@ -55,8 +56,13 @@ class Schedule:
         listed += [("sync", step) for step in (entry.step() for entry in syncs) if step is not None]
         return cls(
             forward={entry.key: [s.step() for s in entry.steps] for entry in redistributions},
-            backward={entry.key: [s.step() for s in entry.steps] for entry in gradients},
+            backward={entry.key: [s.step() for s in entry.steps] for entry in gradients if entry.carries is None},
             sync={entry.parameter: entry.step() for entry in syncs},
+            maxima={
+                (entry.tensor, entry.producer): (entry.consumer, [s.step() for s in entry.steps])
+                for entry in gradients
+                if entry.carries is not None
+            },
             listed=tuple(listed),
         )
 
@@ -92,6 +98,7 @@ class TrainingStep:
         self.buffers: dict[tuple[str, str], tuple[Layout, Buffers]] = {}
         self.tape: dict[int, tuple[list[list[torch.Tensor | None]], list[list[torch.Tensor]]]] = {}
         self.reduced: dict[tuple[str, str], Buffers] = {}  # partial max/min outputs after their AllReduce
+        self.sliced: dict[tuple[str, str, str], tuple[Layout, Buffers]] = {}  # ... or a consumer's slice of them
         self.grads: dict[tuple[str, str], tuple[Layout, Buffers]] = {}
         self.executed = Tally()
 
@@ -186,8 +193,11 @@ class TrainingStep:
         steps = self.schedule.forward.get((name, producer, consumer), [])
         self._follow(src, steps, dst, f"redistribution of {name!r} from {producer!r} to {consumer!r}")
         after = self._run(name, held, steps, "forward")
-        if src.partial and src.partial_op != ReduceOp.SUM and dst == Layout(src.dims):
-            self.reduced[(name, producer)] = after  # the backward routes a max's gradient to the ranks holding it
+        if src.partial and src.partial_op != ReduceOp.SUM:  # a max's backward needs the whole maximum
+            if dst == Layout(src.dims):
+                self.reduced[(name, producer)] = after
+            else:
+                self.sliced[(name, producer, consumer)] = (dst, after)
         return after
 
     def output(self, name: str) -> tuple[Layout, Buffers]:
@@ -220,6 +230,23 @@ class TrainingStep:
             buffers = [a + b for a, b in zip(held, buffers)]
         self.grads[key] = (layout, buffers)
 
+    def _maximum(self, name: str, producer: str, layout: Layout) -> Buffers:
+        """The reduced values of a partial max/min on every rank: kept from an AllReduce, or gathered
+        from a consumer's slice of them by the steps the plan lists (once)."""
+        if (name, producer) not in self.reduced:
+            consumer, steps = self.schedule.maxima.get((name, producer), ("", []))
+            if (name, producer, consumer) not in self.sliced:
+                raise PlanBroken(
+                    f"the plan lists no collectives that bring the whole {layout.partial_op} {name!r} back to"
+                    f" {producer!r} for its backward"
+                )
+            held, buffers = self.sliced[(name, producer, consumer)]
+            self._follow(
+                held, steps, Layout(layout.dims), f"{layout.partial_op} {name!r} from {consumer!r} back to {producer!r}"
+            )
+            self.reduced[(name, producer)] = self._run(name, buffers, steps, "backward")
+        return self.reduced[(name, producer)]
+
     def parameter_target(self, name: str, layout: Layout) -> Layout:
         """A parameter's gradient layout after its synchronisation: whole, or split by the parallel optimizer."""
         sync = self.schedule.sync.get(name)
@@ -249,14 +276,7 @@ class TrainingStep:
                 seed = self.grads[(name, op.name)][1][index]
                 layout = self.buffers[(name, op.name)][0]
                 if layout.partial and layout.partial_op != ReduceOp.SUM:  # only ranks holding the max pass its gradient
-                    reduced = self.reduced.get((name, op.name))
-                    if reduced is None:
-                        raise PlanBroken(
-                            f"autopar cannot yet check this plan's gradients: the partial {layout.partial_op} {name!r}"
-                            f" of {op.name!r} is completed by a ReduceScatter, and its backward needs the whole"
-                            f" {layout.partial_op} on every rank (the forward alone verifies without --gradients)"
-                        )
-                    seed = seed * (out.detach() == reduced[index]).to(seed.dtype)
+                    seed = seed * (out.detach() == self._maximum(name, op.name, layout)[index]).to(seed.dtype)
                 pairs.append((out, seed.to(out.dtype)))
             wrt = [leaf for leaf in (leaves[index][slot] for slot in slots) if leaf is not None]
             found: Sequence[torch.Tensor | None] = (
