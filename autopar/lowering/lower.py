@@ -114,18 +114,11 @@ def _redistribution(
     steps, forward, backward_s = problem.redistribution(tensor, src, dst)
     cost = problem.cost
     entries = []
-    for step in steps:
+    for step, entry in zip(steps, _collective_steps(problem, steps)):
         dual = BACKWARD_DUAL[step.kind] if backward and problem.requires_grad.get(tensor, False) else None
         entries.append(
             StepEntry(
-                collective=step.kind,
-                group_size=step.group_size,
-                bits=list(step.bits),
-                bytes=step.nbytes,
-                dim=step.dim,
-                concat_dim=step.concat_dim,
-                reduce_op=step.reduce_op if step.reduces else None,
-                seconds=rounded(cost.collective_time(step.kind, step.bits, step.nbytes)),
+                **entry.model_dump(),
                 backward=dual,
                 backward_seconds=rounded(cost.collective_time(dual, step.bits, step.nbytes)) if dual else 0.0,
             )

@@ -77,24 +77,21 @@ def _hardmax(t: Any, x: Any, dim: int) -> Any:
     return t.nn.functional.one_hot(x.argmax(dim=dim), x.shape[dim]).movedim(-1, dim).to(x.dtype)
 
 
+def _normaliser(t: Any, op: OpNode) -> Any:
+    """Softmax, LogSoftmax or Hardmax as a function of (tensor, dim)."""
+    if op.op_type == "Hardmax":
+        return lambda value, dim: _hardmax(t, value, dim)
+    return t.softmax if op.op_type == "Softmax" else t.log_softmax
+
+
 def torch_softmax(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     x = inputs[0]
-    function = {
-        "Softmax": t.softmax,
-        "LogSoftmax": t.log_softmax,
-        "Hardmax": lambda value, dim: _hardmax(t, value, dim),
-    }[op.op_type]
-    axis = normalize_axis(int(op.attrs.get("axis", -1)), x.dim())
-    return [function(x, axis)]
+    return [_normaliser(t, op)(x, normalize_axis(int(op.attrs.get("axis", -1)), x.dim()))]
 
 
 def torch_softmax_flattened(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     x = inputs[0]
-    function = {
-        "Softmax": t.softmax,
-        "LogSoftmax": t.log_softmax,
-        "Hardmax": lambda value, dim: _hardmax(t, value, dim),
-    }[op.op_type]
+    function = _normaliser(t, op)
     return [_flattened(x, normalize_axis(int(op.attrs.get("axis", 1)), x.dim()), function)]
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from autopar.runtime.single import run_op
 
 from autopar.layout import shard_index
 from autopar.ops import LocalCall
+from autopar.runtime.single import run_op
 from autopar.strategy import OpRule
 
 
