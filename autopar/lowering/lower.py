@@ -210,13 +210,12 @@ def gradient_paths(
         if whole or tensor in outputs:  # a graph output's AllReduce completes it too
             continue
         use = next(u for u in problem.uses if (u.tensor, u.src_node) == (tensor, node))
-        source = problem.rules[use.dst_node].candidate_layouts(choice[use.dst_node])[0][use.dst_slot]
-        assert source is not None  # a use reads a present input
+        held = problem.rules[use.dst_node].input_layout(choice[use.dst_node], use.dst_slot)
         produced = problem.source_layout(use, choice[node])
         info = problem.graph.tensor(tensor)
-        steps = redistribute(source, Layout(produced.dims), info.shape, problem.itemsize(info))
+        steps = redistribute(held, Layout(produced.dims), info.shape, problem.itemsize(info))
         found.append(
-            _path(problem, use, source, Layout(produced.dims), _collective_steps(problem, steps), produced.partial_op)
+            _path(problem, use, held, Layout(produced.dims), _collective_steps(problem, steps), produced.partial_op)
         )
     return found
 
