@@ -326,3 +326,16 @@ def test_every_primitive_in_the_table_exists_in_mindspore(mindspore_pb2):
     for op_type, primitive in export_ms.PRIMITIVES.items():
         if primitive is not None:
             assert hasattr(ops, primitive.name.removeprefix("ops.")), (op_type, primitive.name)
+
+
+def test_the_checkpoint_classes_load_under_either_protobuf():
+    # MindSpore selects pure-Python protobuf through the environment, which child processes inherit
+    import os
+    import subprocess
+    import sys
+
+    for implementation in ("python", "upb"):
+        env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": implementation}
+        code = "from autopar.export import node_strategy_pb2 as pb; print(pb.ParallelStrategyMap.DESCRIPTOR.name)"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+        assert done.stdout.strip() == "ParallelStrategyMap", done.stderr

@@ -87,7 +87,10 @@ def file_descriptor_proto() -> descriptor_pb2.FileDescriptorProto:
 
 
 POOL = descriptor_pool.DescriptorPool()
-DESCRIPTOR = POOL.Add(file_descriptor_proto())
+# by name, not Add()'s return value: the pure-Python protobuf (which MindSpore selects through
+# PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION, inherited by child processes) returns None there
+POOL.AddSerializedFile(file_descriptor_proto().SerializeToString())
+DESCRIPTOR = POOL.FindFileByName(file_descriptor_proto().name)
 _CLASSES = {name: message_factory.GetMessageClass(DESCRIPTOR.message_types_by_name[name]) for name in MESSAGES}
 
 # The message classes (typed Any: their fields are made at run time).
