@@ -64,9 +64,10 @@ def test_plan_gradients_verify_on_virtual_devices(tiny_resnet, mode):
         assert not executed["backward"]
 
 
-@pytest.mark.parametrize("name", ["tiny_resnet", "torch_gpt"])
+@pytest.mark.parametrize("name", ["tiny_resnet", "gpt_2_layers", "torch_gpt"])
 def test_random_candidate_assignments_train_correctly(name, tiny_resnet):
-    model = tiny_resnet if name == "tiny_resnet" else "tests/data/torch_gpt_dynamo.onnx"
+    models = {"tiny_resnet": tiny_resnet, "gpt_2_layers": small_gpt(), "torch_gpt": "tests/data/torch_gpt_dynamo.onnx"}
+    model = models[name]
     candidates = autopar.candidates(model, devices=8)
     rng = random.Random(sum(map(ord, name)))
     phases: set[str] = set()
