@@ -637,7 +637,7 @@ def _why(data: Mapping[str, Any], data_parallel: Mapping[str, Any] | None) -> st
 
 
 def collective_rows(data: Mapping[str, Any]) -> list[tuple[float, str, str, str]]:
-    """(seconds, sentence, where, backward) for every collective, costliest first."""
+    """(seconds, sentence, where, phase) for every collective the step runs, costliest first."""
     links = data["links"]
     rows: list[tuple[float, str, str, str]] = []
     for red in data["redistributions"]:
@@ -647,26 +647,31 @@ def collective_rows(data: Mapping[str, Any]) -> list[tuple[float, str, str, str]
             else f"{red['producer']} -> graph output"
         )
         for step in red["steps"]:
-            if step["collective"] == "Slice":
-                continue
-            sentence = (
-                f"{step['collective']} of {red['tensor']} over {step['group_size']} devices"
-                f" ({_levels(links, step['bits'])}), {human_bytes(step['bytes'])}"
-            )
-            backward = f"{step['backward']}, {_ms(step['backward_seconds'])}" if step["backward"] else "-"
-            rows.append((step["seconds"] + step["backward_seconds"], sentence, where, backward))
+            if step["collective"] != "Slice":
+                rows.append((step["seconds"], _sentence(links, step, red["tensor"]), where, "forward"))
+    for path in data.get("gradients", []):
+        what = f"the {path['carries']} {path['tensor']}" if path.get("carries") else f"the gradient of {path['tensor']}"
+        for step in path["steps"]:
+            if step["collective"] != "Slice":
+                where = f"{path['consumer']} -> {path['producer']}"
+                rows.append((step["seconds"], _sentence(links, step, what), where, "backward"))
     for sync in data["gradient_sync"]:
         if not sync["collective"]:
             continue
-        sentence = (
-            f"{sync['collective']} of the gradient of {sync['parameter']} over {sync['group_size']} devices"
-            f" ({_levels(links, sync['bits'])}), {human_bytes(sync['bytes'])}"
-        )
+        sentence = _sentence(links, sync, f"the gradient of {sync['parameter']}")
         if sync.get("optimizer_shards"):
             sentence += ", then AllGather of the updated weights"
-        rows.append((sync["seconds"], sentence, f"gradient sync of {sync['op']}", "-"))
+        rows.append((sync["seconds"], sentence, f"{sync['op']} (gradient sync)", "gradient sync"))
     rows.sort(key=lambda row: -row[0])
     return rows
+
+
+def _sentence(links: list[dict[str, Any]], step: Mapping[str, Any], what: str) -> str:
+    """The collective in words: AllReduce of the gradient of w over 8 devices (HCCS+PCIe), 1.05 MB."""
+    return (
+        f"{step['collective']} of {what} over {step['group_size']} devices"
+        f" ({_levels(links, step['bits'])}), {human_bytes(step['bytes'])}"
+    )
 
 
 def _collectives(data: Mapping[str, Any]) -> str:
@@ -674,16 +679,21 @@ def _collectives(data: Mapping[str, Any]) -> str:
     if not rows:
         return "<p>No collectives: nothing moves between devices.</p>"
     body = "".join(
-        f"<tr><td>{_e(sentence)}</td><td>{_e(where)}</td><td class='num'>{_ms(seconds)}</td>"
-        f"<td>{_e(backward)}</td></tr>"
-        for seconds, sentence, where, backward in rows
+        f"<tr><td>{_e(sentence)}</td><td>{_e(where)}</td><td>{_e(phase)}</td><td class='num'>{_ms(seconds)}</td></tr>"
+        for seconds, sentence, where, phase in rows
     )
-    slices = sum(1 for red in data["redistributions"] for s in red["steps"] if s["collective"] == "Slice")
+    slices = sum(
+        1
+        for entry in [*data["redistributions"], *data.get("gradients", [])]
+        for s in entry["steps"]
+        if s["collective"] == "Slice"
+    )
     note = f" {slices} local Slice steps (no communication) are left out." if slices else ""
     return (
-        f"<p>{len(rows)} collectives, costliest first; bytes are each rank's payload; seconds count forward and"
-        f" backward for redistributions, and the whole gradient sync (hidden or not).{_e(note)}</p>"
-        "<div class='scroll'><table><thead><tr><th>collective</th><th>where</th><th>seconds</th><th>backward</th></tr>"
+        f"<p>{len(rows)} collectives a step runs, costliest first: the forward redistributions, the backward"
+        " collectives that take each gradient to its producer's layout, and each parameter's gradient sync"
+        f" (hidden or not). Bytes are each rank's payload.{_e(note)}</p>"
+        "<div class='scroll'><table><thead><tr><th>collective</th><th>where</th><th>phase</th><th>seconds</th></tr>"
         f"</thead><tbody>{body}</tbody></table></div>"
     )
 

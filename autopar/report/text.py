@@ -72,6 +72,14 @@ def plan_table(plan: Plan, top: int | None = 20) -> str:
         + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
         + f"; {_ms(red_seconds)} ms forward+backward"
     )
+    paths = data.get("gradients", [])
+    if paths:
+        backward_kinds = Counter(s["collective"] for path in paths for s in path["steps"])
+        lines.append(
+            f"backward:         {len(paths)} gradients need collectives to reach their producers: "
+            + ", ".join(f"{n} {k}" for k, n in sorted(backward_kinds.items()))
+            + f"; {_ms(sum(path['seconds'] for path in paths))} ms"
+        )
     synced = [g for g in data["gradient_sync"] if g["collective"]]
     lines.append(
         f"gradient sync:    {len(synced)} of {len(data['gradient_sync'])} parameters synchronised,"

@@ -130,9 +130,8 @@ def run_processes(
         ]
         for worker in workers:
             worker.start()
-        deadline = time.monotonic() + timeout_s + 60.0
         try:
-            _wait(workers, folder, deadline, timeout_s)
+            _wait(workers, folder)
         finally:
             for worker in workers:
                 if worker.is_alive():
@@ -145,22 +144,25 @@ def run_processes(
     return merge(results)
 
 
-def _wait(workers: list[Any], folder: str, deadline: float, timeout_s: float) -> None:
+def _wait(workers: list[Any], folder: str) -> None:
+    """Until every worker is done, or one dies. A rank waiting on a dead or stuck peer leaves its
+    collective after the timeout and exits with the reason, so this never waits forever."""
     while True:
         dead = [(rank, w.exitcode) for rank, w in enumerate(workers) if w.exitcode not in (None, 0)]
         if dead:
-            rank, code = dead[0]
+            rank, code = min(dead, key=lambda item: _first_error(folder, item[0]))
             error = Path(folder) / f"rank{rank}.error"
             reason = error.read_text() if error.exists() else f"exit code {code}"
             raise RuntimeFailure(f"Rank {rank} of the torch runtime died: {reason}.")
         if all(w.exitcode == 0 for w in workers):
             return
-        if time.monotonic() > deadline:
-            raise RuntimeFailure(
-                f"The torch runtime did not finish within {timeout_s:.0f} s (a collective waits on a rank"
-                " that never joined it); the workers were stopped."
-            )
         time.sleep(0.05)
+
+
+def _first_error(folder: str, rank: int) -> float:
+    """When a rank wrote its error: the first to fail is the cause, the others its echoes."""
+    error = Path(folder) / f"rank{rank}.error"
+    return error.stat().st_mtime if error.exists() else float("inf")
 
 
 def merge(results: Sequence[RankResult]) -> RankResult:
