@@ -197,3 +197,48 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# --- the export tests' plans: ResNet-50 and a small GPT-2 on 8 devices, planned once per session
+# (a test module may define its own resnet_plan / gpt_plan fixture instead)
+
+RESNET50 = Path(__file__).resolve().parents[1] / "models" / "resnet50.onnx"
+
+
+def export_gpt() -> onnx.ModelProto:
+    """A 2-layer GPT-2 (hidden 128, sequence 64, batch 8): small, yet its plan splits several ways."""
+    from models.transformer import build_preset
+
+    return build_preset("gpt2", layers=2, hidden=128, heads=4, seq=64, batch=8)
+
+
+@pytest.fixture(scope="session")
+def resnet_plan():
+    import autopar
+
+    return autopar.plan(RESNET50, devices=8)
+
+
+@pytest.fixture(scope="session")
+def gpt_plan():
+    import autopar
+
+    return autopar.plan(export_gpt(), devices=8)
+
+
+def reordered(plan):
+    """A plan file with layouts autopar's strategies do not make: bits not highest first, a partial max."""
+    from autopar.lowering import read_plan_file
+
+    data = plan.to_dict()
+    odd = {"dims": [[0, 2], [1]]}
+    for op in data["ops"]:
+        if op["name"] == "embed.pos":
+            op["inputs"][1]["layout"] = odd  # embed.pos.weight [64, 128]
+            op["outputs"][0]["layout"] = {"dims": [[], [0, 2], [1]]}
+        if op["name"] == "layer0.ln1":
+            op["outputs"][0]["layout"] = {"dims": [[0], [], []], "partial": [2], "partial_op": "max"}
+    for sync in data["gradient_sync"]:
+        if sync["parameter"] == "embed.pos.weight":
+            sync["layout"] = odd
+    return read_plan_file(data)

@@ -13,50 +13,12 @@ from pathlib import Path
 
 import pytest
 
-import autopar
-from autopar.errors import PlanFileError
-from autopar.export import export
 from autopar.export.dtensor import axis_names, mesh_order, module_text, placements
-from autopar.graph import load_model
 from autopar.layout import Layout
-from autopar.lowering import read_plan_file
-from models.transformer import build_preset
-from tests.conftest import run_cli
+from tests.conftest import reordered
 
-REPO = Path(__file__).resolve().parents[1]
-RESNET50 = REPO / "models" / "resnet50.onnx"
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
-
-
-def gpt_model():
-    return build_preset("gpt2", layers=2, hidden=128, heads=4, seq=64, batch=8)
-
-
-@pytest.fixture(scope="module")
-def resnet_plan():
-    return autopar.plan(RESNET50, devices=8)
-
-
-@pytest.fixture(scope="module")
-def gpt_plan():
-    return autopar.plan(gpt_model(), devices=8)
-
-
-def reordered(plan):
-    """The GPT plan with layouts autopar's strategies do not make: bits not highest first, a partial max."""
-    data = plan.to_dict()
-    odd = {"dims": [[0, 2], [1]]}
-    for op in data["ops"]:
-        if op["name"] == "embed.pos":
-            op["inputs"][1]["layout"] = odd  # embed.pos.weight [64, 128]
-            op["outputs"][0]["layout"] = {"dims": [[], [0, 2], [1]]}
-        if op["name"] == "layer0.ln1":
-            op["outputs"][0]["layout"] = {"dims": [[0], [], []], "partial": [2], "partial_op": "max"}
-    for sync in data["gradient_sync"]:
-        if sync["parameter"] == "embed.pos.weight":
-            sync["layout"] = odd
-    return read_plan_file(data)
 
 
 def run_torchrun(path: Path, devices: int) -> subprocess.CompletedProcess[str]:
@@ -142,26 +104,6 @@ def test_module_compiles_and_names_every_parameter(fixture, request, tmp_path):
 def test_partial_values_are_partial_placements(resnet_plan):
     text = module_text(resnet_plan.file, resnet_plan.problem.graph.model)
     assert "'loss': Spec((), (Partial('sum'), Partial('sum'), Partial('sum')), dims=(), partial=(2, 1, 0)" in text
-
-
-def test_without_the_model_the_module_has_no_shapes(gpt_plan, tmp_path):
-    [path] = export(gpt_plan.file, "dtensor", tmp_path / "bare.py")
-    text = path.read_text(encoding="utf-8")
-    compile(text, str(path), "exec")
-    assert "SHAPES_KNOWN = False" in text and "'embed.tok.weight': Spec(None, " in text
-
-
-def test_another_model_is_refused(gpt_plan):
-    with pytest.raises(PlanFileError, match="another model"):
-        module_text(gpt_plan.file, load_model(RESNET50).model)
-
-
-def test_command_line(gpt_plan, tmp_path, capsys):
-    plan_path = tmp_path / "plan.json"
-    plan_path.write_text(gpt_plan.file.model_dump_json(by_alias=True), encoding="utf-8")
-    code, _, err = run_cli(capsys, "export", plan_path, "--to", "dtensor", "-o", tmp_path / "gpt_dtensor.py")
-    assert code == 0 and "gpt_dtensor.py" in err
-    compile((tmp_path / "gpt_dtensor.py").read_text(encoding="utf-8"), "gpt_dtensor.py", "exec")
 
 
 # --- running it ------------------------------------------------------------------------------------

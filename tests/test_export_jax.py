@@ -11,46 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import autopar
-from autopar.errors import PlanFileError
-from autopar.export import export
 from autopar.export.jax import module_text, partition_spec, unreduced_axes
-from autopar.graph import load_model
 from autopar.layout import Layout
-from autopar.lowering import read_plan_file
-from models.transformer import build_preset
-from tests.conftest import run_cli
+from tests.conftest import reordered
 
-REPO = Path(__file__).resolve().parents[1]
-RESNET50 = REPO / "models" / "resnet50.onnx"
 HAS_JAX = importlib.util.find_spec("jax") is not None
 needs_jax = pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
-
-
-@pytest.fixture(scope="module")
-def resnet_plan():
-    return autopar.plan(RESNET50, devices=8)
-
-
-@pytest.fixture(scope="module")
-def gpt_plan():
-    return autopar.plan(build_preset("gpt2", layers=2, hidden=128, heads=4, seq=64, batch=8), devices=8)
-
-
-def reordered(plan):
-    """The GPT plan with layouts autopar's strategies do not make: bits not highest first, a partial max."""
-    data = plan.to_dict()
-    odd = {"dims": [[0, 2], [1]]}
-    for op in data["ops"]:
-        if op["name"] == "embed.pos":
-            op["inputs"][1]["layout"] = odd  # embed.pos.weight [64, 128]
-            op["outputs"][0]["layout"] = {"dims": [[], [0, 2], [1]]}
-        if op["name"] == "layer0.ln1":
-            op["outputs"][0]["layout"] = {"dims": [[0], [], []], "partial": [2], "partial_op": "max"}
-    for sync in data["gradient_sync"]:
-        if sync["parameter"] == "embed.pos.weight":
-            sync["layout"] = odd
-    return read_plan_file(data)
 
 
 def run_module(path: Path, devices: int) -> subprocess.CompletedProcess[str]:
@@ -87,26 +53,6 @@ def test_partial_values_are_listed_as_unreduced(resnet_plan):
     assert "'loss': Spec((), P(), dims=(), unreduced=('b2', 'b1', 'b0'), reduce_op='sum')" in text
     assert "    ('loss.mean', 'loss'): ('sum', ('b2', 'b1', 'b0'))," in text
     assert "'images': Spec((256, 3, 224, 224), P(('b2', 'b1', 'b0'), None, None, None)" in text
-
-
-def test_without_the_model_the_module_has_no_shapes(gpt_plan, tmp_path):
-    [path] = export(gpt_plan.file, "jax", tmp_path / "bare.py")
-    text = path.read_text(encoding="utf-8")
-    compile(text, str(path), "exec")
-    assert "SHAPES_KNOWN = False" in text and "'embed.tok.weight': Spec(None, P(None, 'b0')" in text
-
-
-def test_another_model_is_refused(gpt_plan):
-    with pytest.raises(PlanFileError, match="another model"):
-        module_text(gpt_plan.file, load_model(RESNET50).model)
-
-
-def test_command_line(gpt_plan, tmp_path, capsys):
-    plan_path = tmp_path / "plan.json"
-    plan_path.write_text(gpt_plan.file.model_dump_json(by_alias=True), encoding="utf-8")
-    code, _, err = run_cli(capsys, "export", plan_path, "--to", "jax", "-o", tmp_path / "gpt_jax.py")
-    assert code == 0 and "gpt_jax.py" in err
-    compile((tmp_path / "gpt_jax.py").read_text(encoding="utf-8"), "gpt_jax.py", "exec")
 
 
 @needs_jax

@@ -22,26 +22,6 @@ from autopar.layout import Layout
 from tests.conftest import run_cli, simple_profile_dict, two_matmul_chain
 
 REPO = Path(__file__).resolve().parents[1]
-RESNET50 = REPO / "models" / "resnet50.onnx"
-
-
-def gpt_model():
-    sys.path.insert(0, str(REPO / "models"))
-    try:
-        from transformer import build_preset
-    finally:
-        sys.path.remove(str(REPO / "models"))
-    return build_preset("gpt2", layers=2, hidden=128, heads=4, seq=64, batch=8)
-
-
-@pytest.fixture(scope="module")
-def resnet_plan():
-    return autopar.plan(RESNET50, devices=8)
-
-
-@pytest.fixture(scope="module")
-def gpt_plan():
-    return autopar.plan(gpt_model(), devices=8)
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +312,6 @@ def test_the_checkpoint_classes_load_under_either_protobuf():
     # MindSpore selects pure-Python protobuf through the environment, which child processes inherit
     import os
     import subprocess
-    import sys
 
     for implementation in ("python", "upb"):
         env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": implementation}
