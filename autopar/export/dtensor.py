@@ -168,6 +168,14 @@ def _bindings(plan: PlanFile, model: onnx.ModelProto) -> tuple[int | None, dict[
 # --- autopar's mesh bits as mesh dimensions ---------------------------------------------------------
 
 
+def mesh_text(tensors: PlanTensors) -> tuple[tuple[str, ...], tuple[int, ...], str]:
+    """(axis names, highest bit first; the mesh shape; each axis's link as dict-literal source)."""
+    bits = tensors.mesh_bits
+    names = axis_names(bits)
+    links = ", ".join(f"{name!r}: {tensors.links.get(bit, '?')!r}" for name, bit in zip(names, range(bits - 1, -1, -1)))
+    return names, tuple(2 for _ in range(bits)) or (1,), links
+
+
 def axis_names(mesh_bits: int) -> tuple[str, ...]:
     """The mesh dimensions' names, highest bit first: ``("b2", "b1", "b0")`` for 8 devices."""
     if mesh_bits == 0:
@@ -366,9 +374,7 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
     """The generated module's source (``filename``: its name, in the command line it shows)."""
     tensors = plan_tensors(plan, model)
     bits = tensors.mesh_bits
-    names = axis_names(bits)
-    shape = tuple(2 for _ in range(bits)) or (1,)
-    links = ", ".join(f"{name!r}: {tensors.links.get(bit, '?')!r}" for name, bit in zip(names, range(bits - 1, -1, -1)))
+    names, shape, links = mesh_text(tensors)
     example = _example(bits)
     lines = [
         f'"""DTensor placements of autopar\'s plan for {plan.model!r} on {plan.devices} devices.',

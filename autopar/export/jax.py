@@ -43,7 +43,7 @@ from pathlib import Path
 import onnx
 
 from autopar.errors import AutoparError
-from autopar.export.dtensor import Boundary, axis_names, plan_tensors, spec_tables
+from autopar.export.dtensor import Boundary, mesh_text, plan_tensors, spec_tables
 from autopar.layout import Layout
 from autopar.lowering.planfile import PlanFile
 
@@ -181,9 +181,7 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
     """The generated module's source (``filename``: its name, in the command line it shows)."""
     tensors = plan_tensors(plan, model)
     bits = tensors.mesh_bits
-    names = axis_names(bits)
-    shape = tuple(2 for _ in range(bits)) or (1,)
-    links = ", ".join(f"{name!r}: {tensors.links.get(bit, '?')!r}" for name, bit in zip(names, range(bits - 1, -1, -1)))
+    names, shape, links = mesh_text(tensors)
     lines = [
         f'"""JAX shardings of autopar\'s plan for {plan.model!r} on {plan.devices} devices.',
         "",
