@@ -274,3 +274,11 @@ def test_a_partial_maximum_completed_by_a_reduce_scatter_gathers_it_back_for_the
         broken.problems[0]
         == "the plan lists no collectives that bring the whole max 'Y' back to 'rmax' for its backward"
     )
+
+
+def test_a_training_check_too_large_for_this_machine_is_refused_before_any_work(capsys):
+    # the forward alone verifies at batch 32; the training step would hold about 39 GB
+    code, out, err = run_cli(capsys, "verify", "models/resnet50.onnx", "--devices", "8", "--batch", "32", "--gradients")
+    assert code == 1 and out == ""
+    assert "Checking the training step of 'resnet50' on 8 devices would hold about" in err
+    assert "verify at a smaller batch, or the forward alone" in err and "Traceback" not in err
