@@ -189,7 +189,7 @@ def inspect_table(summary: dict[str, Any]) -> str:
 def verify_table(report: VerifyReport) -> str:
     verdict = "VERIFIED" if report.ok else "FAILED"
     where = (
-        f"{report.processes} torch.distributed processes"
+        f"{report.processes} torch.distributed process{'es' if report.processes > 1 else ''}"
         if report.runtime == "torch"
         else f"{report.devices} virtual devices"
     )
