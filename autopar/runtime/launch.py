@@ -4,8 +4,8 @@ The launcher forks N workers (they inherit the model, the plan and the seeded va
 each keeps only its shards), joins them in one torch.distributed job over TCP on localhost
 (gloo on CPU; NCCL when as many GPUs as ranks are present), and gives every collective a
 timeout. Each worker writes what it holds to a folder; the launcher reassembles. A worker
-that dies, a port that is taken or a job that outlives its time gives one sentence and the
-other workers are stopped: nothing hangs.
+that dies (a collective past its timeout ends its rank too) or a port that is taken gives one
+sentence and the other workers are stopped: nothing hangs.
 """
 
 from __future__ import annotations
