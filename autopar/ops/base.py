@@ -149,3 +149,9 @@ def ints_from(op: "OpNode", inputs: Sequence[Any], slot: int, attr: str) -> list
     if slot < len(inputs) and inputs[slot] is not None:
         return as_ints(inputs[slot])
     return None
+
+
+def tensors(t: Any, inputs: Sequence[Any]) -> list[Any]:
+    """The inputs as tensors: a numpy constant (a divisor, an index) moved where the first tensor is; None kept."""
+    device = next((x.device for x in inputs if isinstance(x, t.Tensor)), None)
+    return [x if x is None or isinstance(x, t.Tensor) else t.tensor(x, device=device) for x in inputs]

@@ -66,25 +66,39 @@ def torch_conv(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
 
 
 def torch_conv_transpose(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
-    """ConvTranspose with symmetric pads (the common case; asymmetric pads crop the end afterwards)."""
+    """ConvTranspose: the full transposed convolution, then ``output_padding`` added and ``pads`` cropped.
+
+    ONNX allows different begin and end pads, pads worked out from ``output_shape`` or ``auto_pad``,
+    and output padding at least the stride; torch's operator allows none of these, so the full
+    result is padded or cropped (`pad` with negative sizes crops) before the bias is added.
+    """
     x, w = inputs[0], inputs[1]
     spatial = x.dim() - 2
-    pads = [int(p) for p in op.attrs.get("pads", [0] * (2 * spatial))]
+    strides = [int(s) for s in op.attrs.get("strides", [1] * spatial)]
+    dilations = [int(d) for d in op.attrs.get("dilations", [1] * spatial)]
+    extra = [int(p) for p in op.attrs.get("output_padding", [0] * spatial)]
+    groups = int(op.attrs.get("group", 1))
     function = getattr(t.nn.functional, f"conv_transpose{spatial}d")
-    out = function(
-        x,
-        w,
-        inputs[2] if len(inputs) > 2 else None,
-        stride=[int(s) for s in op.attrs.get("strides", [1] * spatial)],
-        padding=pads[:spatial],
-        output_padding=[int(p) for p in op.attrs.get("output_padding", [0] * spatial)],
-        groups=int(op.attrs.get("group", 1)),
-        dilation=[int(d) for d in op.attrs.get("dilations", [1] * spatial)],
-    )
-    for d in range(spatial):
-        extra = pads[spatial + d] - pads[d]
-        if extra > 0:
-            out = out.narrow(2 + d, 0, out.shape[2 + d] - extra)
+    out = function(x, w, None, stride=strides, groups=groups, dilation=dilations)
+    full = [
+        (x.shape[2 + d] - 1) * strides[d] + extra[d] + (w.shape[2 + d] - 1) * dilations[d] + 1 for d in range(spatial)
+    ]
+    pads = [int(p) for p in op.attrs.get("pads", [0] * (2 * spatial))]
+    auto = op.attrs.get("auto_pad", "NOTSET")
+    if "output_shape" in op.attrs or auto in ("SAME_UPPER", "SAME_LOWER"):
+        shape = [int(s) for s in op.attrs.get("output_shape", [x.shape[2 + d] * strides[d] for d in range(spatial)])]
+        for d in range(spatial):
+            total = full[d] - shape[-spatial + d]
+            small, large = total // 2, total - total // 2
+            pads[d], pads[spatial + d] = (small, large) if auto == "SAME_UPPER" else (large, small)
+    elif auto == "VALID":
+        pads = [0] * (2 * spatial)
+    flat: list[int] = []
+    for d in reversed(range(spatial)):
+        flat += [-pads[d], extra[d] - pads[spatial + d]]
+    out = t.nn.functional.pad(out, flat)
+    if len(inputs) > 2 and inputs[2] is not None:
+        out = out + inputs[2].reshape([1, -1] + [1] * spatial)
     return [out]
 
 

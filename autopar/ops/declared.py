@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import normalize_axis
 from autopar.ops.registry import Keeps, declare
+from autopar.ops.resize import resize_kernel
 
 if TYPE_CHECKING:
     from autopar.graph.types import OpNode
@@ -42,8 +43,11 @@ declare(
     keeps=Keeps.NOTHING,
     torch_kernel=torch_shape_query,
 )
-declare("Resize", config_inputs=frozenset({1, 2, 3}))  # roi, scales, sizes
-declare("Upsample", config_inputs=frozenset({1}))  # scales
+# Resize's roi, scales and sizes (Upsample's and opset 10's scales) configure it
+declare("Resize", until=10, config_inputs=frozenset({1}), torch_kernel=resize_kernel(legacy=True))
+declare("Resize", since=11, config_inputs=frozenset({1, 2, 3}), torch_kernel=resize_kernel(legacy=False))
+declare("Upsample", config_inputs=frozenset({1}), torch_kernel=resize_kernel(legacy=True))
+# no torch kernel: a random draw matches neither onnxruntime's nor, without a shared seed, the other ranks'
 declare(
     "RandomNormal",
     "RandomUniform",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autopar.ops.base import OpSpec, as_float, as_ints, broadcast_labels, dim_labels, shape
-from autopar.ops.registry import Keeps, no_flops, register
+from autopar.ops.base import OpSpec, as_float, as_ints, broadcast_labels, dim_labels, shape, tensors
+from autopar.ops.registry import Keeps, TorchKernel, no_flops, register
 from autopar.ops.shape import local_target_shape
 
 if TYPE_CHECKING:
@@ -81,12 +81,15 @@ TORCH_DTYPES = {
     1: "float32",
     2: "uint8",
     3: "int8",
+    4: "uint16",
     5: "int16",
     6: "int32",
     7: "int64",
     9: "bool",
     10: "float16",
     11: "float64",
+    12: "uint32",
+    13: "uint64",
     16: "bfloat16",
 }
 SELU_ALPHA, SELU_GAMMA = 1.67326319217681884765625, 1.05070102214813232421875  # ONNX's defaults
@@ -139,17 +142,29 @@ def torch_unary(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     if kind == "Cast":
         return [x.to(getattr(t, TORCH_DTYPES[int(op.attrs["to"])]))]
     if kind == "CastLike":
-        return [x.to(inputs[1].dtype)]
+        return [x.to(tensors(t, inputs)[1].dtype)]
     if kind == "Clip":  # bounds as attributes before opset 11, as optional inputs after
         low = op.attrs.get("min", as_float(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else None)
         high = op.attrs.get("max", as_float(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else None)
+        if not x.is_floating_point():  # integer bounds keep an integer tensor integer
+            low, high = (None if bound is None else int(bound) for bound in (low, high))
         return [t.clamp(x, low, high)]
-    if kind == "Dropout":  # inference: the identity, and a mask of ones
-        outputs = [x]
-        if len([name for name in op.outputs if name]) > 1:
-            outputs.append(t.ones_like(x, dtype=t.bool))
-        return outputs
     return [_unary_math(t, op, x)]
+
+
+def dropout_kernel(mask: bool, typed_mask: bool = False) -> TorchKernel:
+    """Dropout in inference (these graphs never train through ONNX's random mask): the identity.
+
+    Its optional mask is all ``mask``: ones from opset 12; onnxruntime writes zeros before, in
+    the input's type (``typed_mask``) before opset 10.
+    """
+
+    def torch_dropout(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        fill = t.ones_like if mask else t.zeros_like
+        return [x, fill(x, dtype=x.dtype if typed_mask else t.bool)][: len([name for name in op.outputs if name])]
+
+    return torch_dropout
 
 
 _TORCH_BINARY = {
@@ -170,7 +185,7 @@ _TORCH_BINARY = {
 
 def torch_broadcast(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     kind = op.op_type
-    xs = [x for x in inputs if x is not None]
+    xs = [x for x in tensors(t, inputs) if x is not None]
     if kind in ("Sum", "Mean", "Max", "Min"):  # variadic
         out = xs[0]
         for x in xs[1:]:
@@ -205,9 +220,10 @@ register("Clip", keeps=Keeps.INPUTS, config_inputs=frozenset({1, 2}), torch_kern
 register(*UNARY_KEEPS_NOTHING, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
 register("Identity", flops=no_flops, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
 # Dropout's ratio and training mode configure it; its mask is what the backward keeps; never folded
-register("Dropout", keeps=Keeps.OUTPUTS, config_inputs=frozenset({1, 2}), foldable=False, torch_kernel=torch_unary)(
-    unary
-)
+_DROPOUT: dict[str, Any] = {"keeps": Keeps.OUTPUTS, "config_inputs": frozenset({1, 2}), "foldable": False}
+register("Dropout", until=9, torch_kernel=dropout_kernel(False, typed_mask=True), **_DROPOUT)(unary)
+register("Dropout", since=10, until=11, torch_kernel=dropout_kernel(False), **_DROPOUT)(unary)
+register("Dropout", since=12, torch_kernel=dropout_kernel(True), **_DROPOUT)(unary)
 register(*UNARY_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
 register(*BROADCAST_KEEPS_NOTHING, keeps=Keeps.NOTHING, torch_kernel=torch_broadcast)(broadcast)
 register(*BROADCAST_KEEPS_INPUTS, keeps=Keeps.INPUTS, torch_kernel=torch_broadcast)(broadcast)

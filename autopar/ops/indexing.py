@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from autopar.layout import shard_index
-from autopar.ops.base import OpSpec, as_ints, dim_labels, normalize_axis, shape
+from autopar.ops.base import OpSpec, as_ints, dim_labels, normalize_axis, shape, tensors
 from autopar.ops.registry import Keeps, LocalCall, register
 
 if TYPE_CHECKING:
@@ -78,13 +78,13 @@ def _take(x: Any, indices: Any, axis: int) -> Any:
 
 
 def torch_gather(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
-    x, indices = inputs[0], inputs[1].long()
+    x, indices = inputs[0], tensors(t, inputs)[1].long()
     axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
     return [_take(x, t.where(indices < 0, indices + x.shape[axis], indices), axis)]
 
 
 def torch_gather_elements(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
-    x, indices = inputs[0], inputs[1].long()
+    x, indices = inputs[0], tensors(t, inputs)[1].long()
     axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
     return [t.gather(x, axis, t.where(indices < 0, indices + x.shape[axis], indices))]
 
@@ -96,7 +96,7 @@ def torch_one_hot(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
 
 def _one_hot_torch(t: Any, op: OpNode, inputs: list[Any], first: int, depth: int, local_depth: int) -> list[Any]:
     indices = inputs[0].long()
-    values = inputs[2].reshape(-1)
+    values = tensors(t, inputs)[2].reshape(-1)  # (off, on), maybe a numpy constant
     rank = indices.dim() + 1
     axis = normalize_axis(int(op.attrs.get("axis", -1)), rank)
     indices = t.where(indices < 0, indices + depth, indices) - first

@@ -69,24 +69,36 @@ def torch_slice(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     return [x]
 
 
+def _border_indices(t: Any, size: int, begin: int, end: int, mode: str, device: Any) -> Any:
+    """The input positions a padded axis reads: reflected, repeated at the edge, or wrapped around."""
+    index = t.arange(-begin, size + end, device=device)
+    if mode == "edge":
+        return index.clamp(0, size - 1)
+    if mode == "wrap":
+        return index.remainder(size)
+    period = max(2 * (size - 1), 1)  # reflect: mirrored about the first and last element
+    index = index.remainder(period)
+    return t.where(index >= size, period - index, index)
+
+
 def torch_pad(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
-    """Pad with a constant (negative pads crop), or reflect / edge on trailing axes."""
+    """Pad with a constant (negative pads crop), or reflect, edge and wrap by indexing, on any axes."""
     x = inputs[0]
     pads = ints_from(op, inputs, 1, "pads") or []
     rank = x.dim()
     axes = [normalize_axis(a, rank) for a in (ints_from(op, inputs, 3, "axes") or range(len(pads) // 2))]
     begin = dict(zip(axes, pads[: len(axes)]))
     end = dict(zip(axes, pads[len(axes) :]))
+    mode = op.attrs.get("mode", "constant")
+    if mode != "constant":
+        for d in axes:
+            x = x.index_select(d, _border_indices(t, x.shape[d], begin[d], end[d], mode, x.device))
+        return [x]
     flat: list[int] = []
     for d in reversed(range(rank)):  # torch lists the last dimension first
         flat += [begin.get(d, 0), end.get(d, 0)]
-    while len(flat) > 2 and flat[-2:] == [0, 0]:
-        flat = flat[:-2]
-    mode = op.attrs.get("mode", "constant")
-    if mode == "constant":
-        value = as_float(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else float(op.attrs.get("value", 0))
-        return [t.nn.functional.pad(x, flat, value=value)]
-    return [t.nn.functional.pad(x, flat, mode="reflect" if mode == "reflect" else "replicate")]
+    value = as_float(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else float(op.attrs.get("value", 0))
+    return [t.nn.functional.pad(x, flat, value=value)]
 
 
 def torch_tile(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:

@@ -36,13 +36,24 @@ def _per_channel(value: Any, rank: int) -> Any:
 
 
 def torch_batch_norm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
-    """The inference form: running statistics are inputs; extra outputs pass them through."""
+    """The inference form normalises with the running statistics it reads, passed through as extra outputs.
+
+    With ``training_mode`` (opset 14) it normalises with the batch's own mean and (population)
+    variance and outputs the running statistics updated by ``momentum``.
+    """
     x, scale, bias, mean, var = inputs[:5]
     eps = float(op.attrs.get("epsilon", 1e-5))
     rank = x.dim()
+    extra = [mean, var]
+    if int(op.attrs.get("training_mode", 0)):
+        axes = (0,) + tuple(range(2, rank))
+        batch_mean, batch_var = x.mean(dim=axes), x.var(dim=axes, unbiased=False)
+        momentum = float(op.attrs.get("momentum", 0.9))
+        extra = [mean * momentum + batch_mean * (1 - momentum), var * momentum + batch_var * (1 - momentum)]
+        mean, var = batch_mean, batch_var
     y = (x - _per_channel(mean, rank)) / t.sqrt(_per_channel(var, rank) + eps)
     outputs = [y * _per_channel(scale, rank) + _per_channel(bias, rank)]
-    return outputs + [mean, var][: len([name for name in op.outputs if name]) - 1]
+    return outputs + extra[: len([name for name in op.outputs if name]) - 1]
 
 
 def torch_instance_norm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:

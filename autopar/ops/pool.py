@@ -54,35 +54,85 @@ def _pad_trailing(t: Any, x: Any, begin: list[int], end: list[int], value: float
     return t.nn.functional.pad(x, flat, value=value) if any(flat) else x
 
 
+def _out_sizes(op: OpNode, x: Any, window: tuple[list[int], ...]) -> list[int]:
+    """ONNX's output sizes; with ``ceil_mode`` a window starting past the input and its begin pad is dropped."""
+    kernel, strides, begin, end, dilations = window
+    ceil = bool(int(op.attrs.get("ceil_mode", 0)))
+    sizes = []
+    for d, size in enumerate(x.shape[2:]):
+        span = size + begin[d] + end[d] - (kernel[d] - 1) * dilations[d] - 1
+        out = (-(-span // strides[d]) if ceil else span // strides[d]) + 1
+        sizes.append(out - 1 if ceil and (out - 1) * strides[d] >= size + begin[d] else out)
+    return sizes
+
+
+def _window_sums(t: Any, x: Any, window: tuple[list[int], ...], sizes: list[int], value: float) -> Any:
+    """The sum over each window of x padded with ``value`` (zeros past the pads), as a depthwise convolution."""
+    kernel, strides, begin, end, dilations = window
+    needed = [(n - 1) * s + (k - 1) * d + 1 for n, s, k, d in zip(sizes, strides, kernel, dilations)]
+    x = _pad_trailing(t, x, begin, end, value)
+    x = _pad_trailing(t, x, [0] * len(sizes), [max(0, n - size) for n, size in zip(needed, x.shape[2:])], 0.0)
+    ones = x.new_ones((x.shape[1], 1, *kernel))
+    function = getattr(t.nn.functional, f"conv{len(sizes)}d")
+    return function(x, ones, None, stride=strides, dilation=dilations, groups=x.shape[1])
+
+
+def _max_pool(t: Any, op: OpNode, x: Any, window: tuple[list[int], ...], sizes: list[int]) -> list[Any]:
+    """MaxPool and its optional Indices: flat positions in the unpadded input, row- or column-major (storage_order)."""
+    kernel, strides, begin, end, dilations = window
+    spatial = len(sizes)
+    pool = getattr(t.nn.functional, f"max_pool{spatial}d")
+    padded = _pad_trailing(t, x, begin, end, float("-inf"))
+    values, where = pool(padded, kernel, strides, 0, dilations, ceil_mode=True, return_indices=True)
+    crop = tuple(slice(0, n) for n in sizes)
+    values, where = values[(..., *crop)], where[(..., *crop)]
+    if len([name for name in op.outputs if name]) < 2:
+        return [values]
+    dims = list(x.shape[2:])
+    coords: list[Any] = []
+    for d in reversed(range(spatial)):  # unravel in the padded plane, then shift by the begin pads
+        coords.insert(0, where % padded.shape[2 + d] - begin[d])
+        where = where // padded.shape[2 + d]
+    order = list(reversed(range(spatial))) if int(op.attrs.get("storage_order", 0)) else list(range(spatial))
+    index = t.zeros_like(coords[0])
+    for d in order:
+        index = index * dims[d] + coords[d]
+    plane = t.arange(x.shape[0] * x.shape[1], device=x.device).reshape(x.shape[0], x.shape[1], *[1] * spatial)
+    return [values, index + plane * math.prod(dims)]
+
+
+def _lrn(t: Any, op: OpNode, x: Any) -> Any:
+    """x / (bias + alpha / size x the sum of squares over ``size`` neighbouring channels) ** beta.
+
+    The window spans floor((size - 1) / 2) channels before and ceil((size - 1) / 2) after, as ONNX
+    says (torch's ``local_response_norm`` centres even windows the other way).
+    """
+    size = int(op.attrs["size"])
+    alpha, beta, bias = (float(op.attrs.get(k, v)) for k, v in (("alpha", 1e-4), ("beta", 0.75), ("bias", 1.0)))
+    flat = [0, 0] * (x.dim() - 2) + [(size - 1) // 2, size // 2]
+    squares = t.nn.functional.pad(x * x, flat)
+    total = sum(squares.narrow(1, i, x.shape[1]) for i in range(size))
+    return x / (bias + alpha / size * total) ** beta
+
+
 def torch_pool(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
-    """Pools through torch's, padded explicitly so ONNX's asymmetric pads and ceil_mode hold."""
-    x = inputs[0]
-    f, kind, spatial = t.nn.functional, op.op_type, x.dim() - 2
+    """Pools padded explicitly, so that ONNX's asymmetric pads, ``ceil_mode`` and dilations hold."""
+    x, kind = inputs[0], op.op_type
     if kind == "GlobalAveragePool":
         return [x.mean(dim=tuple(range(2, x.dim())), keepdim=True)]
     if kind == "GlobalMaxPool":
         return [x.amax(dim=tuple(range(2, x.dim())), keepdim=True)]
     if kind == "LRN":
-        alpha, beta = float(op.attrs.get("alpha", 1e-4)), float(op.attrs.get("beta", 0.75))
-        return [f.local_response_norm(x, int(op.attrs["size"]), alpha, beta, float(op.attrs.get("bias", 1.0)))]
-    kernel, strides, begin, end, dilations = _window(op, x)
-    ceil = bool(int(op.attrs.get("ceil_mode", 0)))
+        return [_lrn(t, op, x)]
+    window = _window(op, x)
+    sizes = _out_sizes(op, x, window)
     if kind == "MaxPool":
-        padded = _pad_trailing(t, x, begin, end, float("-inf"))
-        pool = getattr(f, f"max_pool{spatial}d")
-        return [pool(padded, kernel, strides, 0, dilations, ceil_mode=ceil)]
-    if kind == "AveragePool":
-        padded = _pad_trailing(t, x, begin, end, 0.0)
-        pool = getattr(f, f"avg_pool{spatial}d")
-        total = pool(padded, kernel, strides, 0, ceil_mode=ceil) * math.prod(kernel)
-        if int(op.attrs.get("count_include_pad", 0)):
-            return [total / math.prod(kernel)]
-        count = pool(_pad_trailing(t, t.ones_like(x), begin, end, 0.0), kernel, strides, 0, ceil_mode=ceil)
-        return [total / (count * math.prod(kernel))]
+        return _max_pool(t, op, x, window, sizes)
+    if kind == "AveragePool":  # divided by the window's count of input elements (and of pads, if counted)
+        count = _window_sums(t, t.ones_like(x[:1, :1]), window, sizes, float(int(op.attrs.get("count_include_pad", 0))))
+        return [_window_sums(t, x, window, sizes, 0.0) / count]
     p = int(op.attrs.get("p", 2))  # LpPool: (sum |x|^p)^(1/p) over each window
-    padded = _pad_trailing(t, x.abs() ** p, begin, end, 0.0)
-    pool = getattr(f, f"avg_pool{spatial}d")
-    return [(pool(padded, kernel, strides, 0, ceil_mode=ceil) * math.prod(kernel)) ** (1.0 / p)]
+    return [_window_sums(t, x.abs() ** p, window, sizes, 0.0) ** (1.0 / p)]
 
 
 register("MaxPool", flops=window_flops, keeps=Keeps.INPUTS | Keeps.OUTPUTS, torch_kernel=torch_pool)(

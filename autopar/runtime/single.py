@@ -41,7 +41,7 @@ def run_graph(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(graph outputs by name, the leaf tensors of ``requires_grad`` by name) of one forward pass."""
     leaves = {name: tensor(values[name]).requires_grad_(True) for name in requires_grad}
-    env: dict[str, torch.Tensor] = {name: leaves.get(name, tensor(value)) for name, value in values.items()}
+    env = {name: leaves[name] if name in leaves else tensor(value) for name, value in values.items()}
     last_read = {name: index for index, op in enumerate(graph.ops) for name in op.inputs if name}
     keep = set(graph.outputs)
     for index, op in enumerate(graph.ops):
