@@ -25,9 +25,13 @@ from autopar.ops.base import Labels
 InStrategy = tuple[tuple[int, ...], ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpRule:
-    """An operator bound to its spec and to the mesh: the source of candidates and layouts."""
+    """An operator bound to its spec and to the mesh: the source of candidates and layouts.
+
+    Frozen: what it derives (label sizes, candidates, layouts) is computed once on first use and
+    cached on the instance.
+    """
 
     op: OpNode
     spec: OpSpec

@@ -160,8 +160,8 @@ def test_resnet50_every_used_tensor_has_a_known_shape(resnet):
 
 
 def test_resnet50_inputs_and_outputs(resnet):
-    assert resnet.inputs == ["images", "labels"]
-    assert resnet.outputs == ["loss", "logits"]
+    assert resnet.inputs == ("images", "labels")
+    assert resnet.outputs == ("loss", "logits")
     assert resnet.tensor("images").shape == (256, 3, 224, 224)
     assert resnet.tensor("labels").shape == (256,)
     assert resnet.tensor("labels").dtype == "int64"
@@ -309,7 +309,7 @@ def test_roles_of_initializers():
         assert graph.tensor(name).kind == "parameter" and graph.tensor(name).trainable, name
     assert {p.name for p in graph.parameters} == {"scale", "w"}
     assert graph.tensor("x").kind == "input"
-    assert graph.inputs == ["x", "idx"]
+    assert graph.inputs == ("x", "idx")
     np.testing.assert_array_equal(graph.tensor("on_off").value, [0.0, 1.0])
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import fnmatch
+import graphlib
+import heapq
 import math
 from collections.abc import Iterable
 
@@ -26,7 +28,7 @@ from autopar.ops.registry import output_elements
 
 
 def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
-    """The `Graph` of a shape-inferred model."""
+    """The `Graph` of a shape-inferred model, each value built once in its final form."""
     infos = value_infos(proto)
     opset = opset_of(proto)
     tensors: dict[str, TensorInfo] = {}
@@ -41,7 +43,7 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
     # values that may be weights: stored or elided float tensors, and what is folded from them
     # (a Transpose of a weight is a weight; a causal mask built from Range and Where is not)
     weighty = {name for name, value in constants.items() if _may_be_weight(value)}
-    ops: list[OpNode] = []
+    nodes: list[onnx.NodeProto] = []  # the operators that stay, in the file's order
     graph_outputs = {o.name for o in proto.graph.output}
     for node in proto.graph.node:
         folded = None if set(node.output) & graph_outputs else fold_constant(node, constants, infos, proto)
@@ -51,23 +53,11 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
             if from_weight or (node.op_type in ("Constant", "ConstantOfShape") and _may_be_weight(folded)):
                 weighty.add(node.output[0])
             continue
-        ops.append(
-            OpNode(
-                name=node.name or f"{node.op_type}_{len(ops)}",
-                op_type=node.op_type,
-                inputs=tuple(node.input),
-                outputs=tuple(node.output),
-                attrs=attributes(node),
-                index=len(ops),
-                domain=node.domain,
-                proto=node,
-                source=framework_name(node),
-            )
-        )
-    renamed = _rename_duplicates(ops)
+        nodes.append(node)
+    names, renamed = _unique_names([node.name or f"{node.op_type}_{i}" for i, node in enumerate(nodes)])
 
-    roles = _constant_roles(ops, {name: v for name, v in constants.items() if name in weighty}, opset)
-    read = {inp for op in ops for inp in op.inputs} | graph_outputs
+    roles = _constant_roles(nodes, {name: v for name, v in constants.items() if name in weighty}, opset)
+    read = {inp for node in nodes for inp in node.input} | graph_outputs
     for cname, value in constants.items():
         if cname not in read:
             continue  # e.g. the shape initializers of folded weight-elided parameters
@@ -84,31 +74,46 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         tensors[vi.name] = TensorInfo(vi.name, shape, dtype, "input")
         graph_inputs.append(vi.name)
 
-    for op in ops:
-        # an unused optional output (e.g. an old Dropout's mask) may have no inferred type: drop it
-        op.outputs = tuple(o if (o in read or o in infos) else "" for o in op.outputs)
-        for out in op.outputs:
+    # an unused optional output (e.g. an old Dropout's mask) may have no inferred type: drop it
+    outputs_of = [tuple(o if (o in read or o in infos) else "" for o in node.output) for node in nodes]
+    for node, op_name, outs in zip(nodes, names, outputs_of):
+        for out in outs:
             if out and out not in tensors:
                 shape, dtype = shape_of(out, infos)
                 tensors[out] = TensorInfo(out, shape, dtype, "activation")
-        for inp in op.inputs:
+        for inp in node.input:
             if inp and inp not in tensors:
-                raise ModelImportError(f"Operator {op.name!r} reads tensor {inp!r}, which nothing produces.")
+                raise ModelImportError(f"Operator {op_name!r} reads tensor {inp!r}, which nothing produces.")
 
-    for op in ops:
-        in_shapes = [tensors[i].shape if i else None for i in op.inputs]
-        out_shapes = [tensors[o].shape for o in op.outputs if o]
-        definition = lookup(op.op_type, op.domain, opset)
+    ops = []
+    for position, file_position in enumerate(_topological([tuple(n.input) for n in nodes], outputs_of)):
+        node, outs = nodes[file_position], outputs_of[file_position]
+        attrs = attributes(node)
+        in_shapes = [tensors[i].shape if i else None for i in node.input]
+        out_shapes = [tensors[o].shape for o in outs if o]
+        definition = lookup(node.op_type, node.domain, opset)
         count = definition.flops if definition is not None else output_elements
-        op.flops = count(in_shapes, out_shapes, op.attrs)
+        ops.append(
+            OpNode(
+                name=names[file_position],
+                op_type=node.op_type,
+                inputs=tuple(node.input),
+                outputs=outs,
+                attrs=attrs,
+                index=position,
+                flops=count(in_shapes, out_shapes, attrs),
+                domain=node.domain,
+                proto=node,
+                source=framework_name(node),
+            )
+        )
 
-    outputs = [o.name for o in proto.graph.output]
     return Graph(
         name=name,
-        ops=_topological(ops),
+        ops=tuple(ops),
         tensors=tensors,
-        inputs=graph_inputs,
-        outputs=outputs,
+        inputs=tuple(graph_inputs),
+        outputs=tuple(o.name for o in proto.graph.output),
         model=proto,
         renamed_ops=renamed,
     )
@@ -144,7 +149,7 @@ def freeze(graph: Graph, patterns: Iterable[str]) -> Graph:
     is an error: a misspelt name must not silently train what the user meant to freeze.
 
     >>> from autopar.graph.types import TensorInfo
-    >>> g = Graph("g", [], {"w": TensorInfo("w", (2,), "float32", "parameter", True)}, [], [], onnx.ModelProto())
+    >>> g = Graph("g", (), {"w": TensorInfo("w", (2,), "float32", "parameter", True)}, (), (), onnx.ModelProto())
     >>> freeze(g, ["w*"]).tensor("w").trainable
     False
     """
@@ -162,9 +167,7 @@ def freeze(graph: Graph, patterns: Iterable[str]) -> Graph:
             )
         for name in matched:
             tensors[name] = dataclasses.replace(tensors[name], trainable=False)
-    return Graph(
-        graph.name, graph.ops, tensors, graph.inputs, graph.outputs, graph.model, renamed_ops=graph.renamed_ops
-    )
+    return dataclasses.replace(graph, tensors=tensors)
 
 
 def _may_be_weight(value: KnownValue) -> bool:
@@ -175,38 +178,44 @@ def _elided(dims: tuple[int, ...], data_type: int) -> KnownValue:
     return ElidedValue(dims, np.dtype(helper.tensor_dtype_to_np_dtype(data_type)))
 
 
-def _rename_duplicates(ops: list[OpNode]) -> dict[str, str]:
-    """Give every operator a unique name (a generated one never collides); new name -> the file's name."""
-    taken = {op.name for op in ops}
+def _unique_names(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Every operator's name made unique (a generated one never collides), and new name -> the file's name.
+
+    >>> _unique_names(["a", "b", "a", "a_1"])
+    (['a', 'b', 'a_2', 'a_1'], {'a_2': 'a'})
+    """
+    taken = set(names)
     seen: set[str] = set()
+    unique: list[str] = []
     renamed: dict[str, str] = {}
-    for op in ops:
-        if op.name in seen:
+    for name in names:
+        if name in seen:
             suffix = 1
-            while f"{op.name}_{suffix}" in taken:
+            while f"{name}_{suffix}" in taken:
                 suffix += 1
-            renamed[f"{op.name}_{suffix}"] = op.name
-            op.name = f"{op.name}_{suffix}"
-            taken.add(op.name)
-        seen.add(op.name)
-    return renamed
+            renamed[f"{name}_{suffix}"] = name
+            name = f"{name}_{suffix}"
+            taken.add(name)
+        seen.add(name)
+        unique.append(name)
+    return unique, renamed
 
 
 def _constant_roles(
-    ops: Iterable[OpNode], constants: dict[str, KnownValue], opset: int
+    nodes: Iterable[onnx.NodeProto], constants: dict[str, KnownValue], opset: int
 ) -> dict[str, tuple[TensorKind, bool]]:
     """Tell learned weights from configuration constants by how the registry says operators use them."""
-    uses: dict[str, list[tuple[OpNode, int]]] = {}
-    for op in ops:
-        for position, inp in enumerate(op.inputs):
+    uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in nodes:
+        for position, inp in enumerate(node.input):
             if inp in constants:
-                uses.setdefault(inp, []).append((op, position))
+                uses.setdefault(inp, []).append((node, position))
     roles: dict[str, tuple[TensorKind, bool]] = {}
     for cname, places in uses.items():
         value = constants[cname]
         if value.dtype not in FLOAT_TYPES or value.ndim == 0:
             continue
-        definitions = [(lookup(op.op_type, op.domain, opset), position) for op, position in places]
+        definitions = [(lookup(node.op_type, node.domain, opset), position) for node, position in places]
         weight_uses = [(d, p) for d, p in definitions if d is None or p not in d.config_inputs]
         if value.size <= 1 and not any(d is not None and d.weight_inputs for d, _ in weight_uses):
             continue  # a one-element scale fed to arithmetic is a constant; a layer's weight is not
@@ -217,23 +226,30 @@ def _constant_roles(
     return roles
 
 
-def _topological(ops: list[OpNode]) -> list[OpNode]:
-    """ONNX requires topological order; re-sort defensively, stable on the file's order."""
-    import networkx as nx  # only here: importing it costs a tenth of a second every run
+def _topological(inputs: list[tuple[str, ...]], outputs: list[tuple[str, ...]]) -> list[int]:
+    """ONNX requires topological order; re-sort defensively, stable on the file's order.
 
-    produced = {out: op.index for op in ops for out in op.outputs if out}
-    dag = nx.DiGraph()
-    dag.add_nodes_from(op.index for op in ops)
-    for op in ops:
-        for inp in op.inputs:
-            if inp in produced and produced[inp] != op.index:
-                dag.add_edge(produced[inp], op.index)
+    The positions (in the file) of the operators in order: of the operators ready to run, the
+    earliest in the file first (a lexicographic topological sort).
+
+    >>> _topological([("b",), ("x",)], [("c",), ("b",)])
+    [1, 0]
+    """
+    produced = {out: position for position, outs in enumerate(outputs) for out in outs if out}
+    sorter: graphlib.TopologicalSorter[int] = graphlib.TopologicalSorter()
+    for position, ins in enumerate(inputs):
+        sorter.add(position, *(produced[i] for i in ins if i in produced and produced[i] != position))
     try:
-        order = list(nx.lexicographical_topological_sort(dag))
-    except nx.NetworkXUnfeasible:
+        sorter.prepare()
+    except graphlib.CycleError:
         raise ModelImportError("The model graph has a cycle.") from None
-    by_index = {op.index: op for op in ops}
-    sorted_ops = [by_index[i] for i in order]
-    for position, op in enumerate(sorted_ops):
-        op.index = position
-    return sorted_ops
+    ready = list(sorter.get_ready())
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        position = heapq.heappop(ready)
+        order.append(position)
+        sorter.done(position)
+        for successor in sorter.get_ready():
+            heapq.heappush(ready, successor)
+    return order

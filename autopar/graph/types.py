@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
@@ -30,7 +32,7 @@ class ElidedValue:
         return math.prod(self.shape)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorInfo:
     """A tensor of the graph: its static shape, element type and role."""
 
@@ -50,15 +52,19 @@ class TensorInfo:
         return np.dtype(self.dtype) in FLOAT_TYPES
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpNode:
-    """One operator of the graph, in topological order (``index``)."""
+    """One operator of the graph, in topological order (``index``).
+
+    Frozen, so a rule, a cost or a plan can hold it without copying. ``attrs`` is read-only by
+    type; its values are kept as onnx decodes them (lists), which the fingerprint spells.
+    """
 
     name: str
     op_type: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    attrs: dict[str, Any]
+    attrs: Mapping[str, Any]
     index: int
     flops: float = 0.0
     domain: str = ""
@@ -66,31 +72,46 @@ class OpNode:
     source: str = ""  # the exporting framework's name for the layer ("blocks.0.qkv"), where it left one
 
 
-@dataclass
+@dataclass(frozen=True)
 class Graph:
-    """The imported model: operators, tensors and the dataflow between them."""
+    """The imported model: operators, tensors and the dataflow between them.
+
+    Frozen and built once by the importer; the dataflow maps (``producer``, ``consumers``) are
+    derived from the operators on first use.
+
+    >>> relu = OpNode("relu", "Relu", ("x",), ("y",), {}, 0)
+    >>> tensors = {n: TensorInfo(n, (2,), "float32", "activation") for n in ("x", "y")}
+    >>> g = Graph("g", (relu,), tensors, ("x",), ("y",), onnx.ModelProto())
+    >>> g.producer["y"], g.consumers["x"]
+    ('relu', ('relu',))
+    """
 
     name: str
-    ops: list[OpNode]
-    tensors: dict[str, TensorInfo]
-    inputs: list[str]
-    outputs: list[str]
+    ops: tuple[OpNode, ...]
+    tensors: Mapping[str, TensorInfo]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
     model: onnx.ModelProto = field(repr=False)
-    producer: dict[str, str] = field(default_factory=dict)
-    consumers: dict[str, list[str]] = field(default_factory=dict)
-    renamed_ops: dict[str, str] = field(default_factory=dict)  # a name given here -> the name in the file
+    renamed_ops: Mapping[str, str] = field(default_factory=dict)  # a name given here -> the name in the file
 
-    def __post_init__(self) -> None:
-        self._by_name = {op.name: op for op in self.ops}
+    @cached_property
+    def _by_name(self) -> Mapping[str, OpNode]:
+        return {op.name: op for op in self.ops}
+
+    @cached_property
+    def producer(self) -> Mapping[str, str]:
+        """The operator writing each computed tensor."""
+        return {out: op.name for op in self.ops for out in op.outputs if out}
+
+    @cached_property
+    def consumers(self) -> Mapping[str, tuple[str, ...]]:
+        """The operators reading each tensor, in graph order, each once."""
+        users: dict[str, list[str]] = {}
         for op in self.ops:
-            for out in op.outputs:
-                if out:
-                    self.producer[out] = op.name
             for inp in op.inputs:
-                if inp:
-                    users = self.consumers.setdefault(inp, [])
-                    if op.name not in users:
-                        users.append(op.name)
+                if inp and op.name not in users.setdefault(inp, []):
+                    users[inp].append(op.name)
+        return {name: tuple(names) for name, names in users.items()}
 
     def op(self, name: str) -> OpNode:
         return self._by_name[name]

@@ -14,15 +14,15 @@ from autopar.ops.base import OpSpec, fallback_spec
 from autopar.ops.registry import Keeps, LocalCall, OpDef, lookup, registered_op_types
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 
-def definition_for(op: OpNode, graph: Graph) -> OpDef | None:
+def definition_for(op: NodeView, graph: GraphView) -> OpDef | None:
     """The operator's registration for the model's opset, or None when autopar does not know it."""
     return lookup(op.op_type, op.domain, graph.opset)
 
 
-def spec_for(op: OpNode, graph: Graph) -> OpSpec:
+def spec_for(op: NodeView, graph: GraphView) -> OpSpec:
     """The rule's spec for this operator, or a replicated fallback when no rule applies."""
     definition = definition_for(op, graph)
     if definition is None or definition.rule is None:

@@ -21,7 +21,7 @@ import numpy as np
 from autopar.layout import ReduceOp
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 Labels = tuple[str | None, ...]
 OpClass = Literal["cube", "vector", "free"]
@@ -67,7 +67,7 @@ class OpSpec:
         return tuple(label for label in self.label_order if label not in out)
 
 
-def fallback_spec(op: "OpNode", graph: "Graph") -> OpSpec:
+def fallback_spec(op: "NodeView", graph: "GraphView") -> OpSpec:
     """Keep an unknown operator whole on every device: inputs gathered, outputs replicated."""
     inputs = tuple(tuple(None for _ in graph.tensor(name).shape) if name else None for name in op.inputs)
     outputs = tuple(tuple(None for _ in graph.tensor(name).shape) if name else () for name in op.outputs)
@@ -77,7 +77,7 @@ def fallback_spec(op: "OpNode", graph: "Graph") -> OpSpec:
 # --- helpers shared by the rule modules -----------------------------------------------------
 
 
-def shape(graph: "Graph", name: str) -> tuple[int, ...]:
+def shape(graph: "GraphView", name: str) -> tuple[int, ...]:
     return graph.tensor(name).shape
 
 
@@ -103,7 +103,7 @@ def normalize_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
-def constant_ints(graph: "Graph", op: "OpNode", slot: int, attr: str) -> list[int] | None:
+def constant_ints(graph: "GraphView", op: "NodeView", slot: int, attr: str) -> list[int] | None:
     """Integers given as an attribute (older opsets) or a constant input (newer ones).
 
     None when the input is present but computed at run time; [] when neither is given.
@@ -118,7 +118,7 @@ def constant_ints(graph: "Graph", op: "OpNode", slot: int, attr: str) -> list[in
     return []
 
 
-def constant_value(graph: "Graph", name: str) -> Any:
+def constant_value(graph: "GraphView", name: str) -> Any:
     """The value of a constant input (axes, shapes), or None when it is computed at run time."""
     if not name or name not in graph.tensors:
         return None
@@ -142,7 +142,7 @@ def as_float(value: Any) -> float:
     return float(np.asarray(value).reshape(-1)[0])
 
 
-def ints_from(op: "OpNode", inputs: Sequence[Any], slot: int, attr: str) -> list[int] | None:
+def ints_from(op: "NodeView", inputs: Sequence[Any], slot: int, attr: str) -> list[int] | None:
     """Integers given as an attribute (older opsets) or an input (newer ones); None when neither is."""
     if attr in op.attrs:
         return [int(v) for v in op.attrs[attr]]

@@ -14,7 +14,7 @@ from autopar.ops.base import OpSpec, no_split, shape
 from autopar.ops.registry import Keeps, declare, register
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 
 def conv_flops(
@@ -30,7 +30,7 @@ def conv_flops(
 
 
 def _padding(
-    t: Any, op: OpNode, x: Any, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
+    t: Any, op: NodeView, x: Any, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
 ) -> Any:
     """x padded as ``pads`` or ``auto_pad`` say (ONNX allows different begin and end pads)."""
     spatial = x.dim() - 2
@@ -53,7 +53,7 @@ def _padding(
     return t.nn.functional.pad(x, flat) if any(flat) else x
 
 
-def torch_conv(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_conv(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     x, w = inputs[0], inputs[1]
     spatial = x.dim() - 2
     kernel = [int(k) for k in op.attrs.get("kernel_shape", w.shape[2:])]
@@ -65,7 +65,7 @@ def torch_conv(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     return [function(x, w, bias, stride=strides, dilation=dilations, groups=int(op.attrs.get("group", 1)))]
 
 
-def torch_conv_transpose(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_conv_transpose(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """ConvTranspose: the full transposed convolution, then ``output_padding`` added and ``pads`` cropped.
 
     ONNX allows different begin and end pads, pads worked out from ``output_shape`` or ``auto_pad``,
@@ -103,7 +103,7 @@ def torch_conv_transpose(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
 
 
 @register("Conv", flops=conv_flops, keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_conv)
-def conv(op: OpNode, graph: Graph) -> OpSpec:
+def conv(op: NodeView, graph: GraphView) -> OpSpec:
     x_rank = len(shape(graph, op.inputs[0]))
     spatial = x_rank - 2
     grouped = int(op.attrs.get("group", 1)) != 1

@@ -13,10 +13,10 @@ from autopar.ops.registry import Keeps, declare
 from autopar.ops.resize import resize_kernel
 
 if TYPE_CHECKING:
-    from autopar.graph.types import OpNode
+    from autopar.ops.views import NodeView
 
 
-def torch_shape_query(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_shape_query(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """Shape (with opset 15's start/end), Size, ArgMax/ArgMin, NonZero: integer results, no gradient."""
     x, kind = inputs[0], op.op_type
     if kind == "Shape":

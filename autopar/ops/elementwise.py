@@ -14,7 +14,7 @@ from autopar.ops.registry import Keeps, TorchKernel, no_flops, register
 from autopar.ops.shape import local_target_shape
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 # What each backward needs: y' from the output (Relu, Exp, Sigmoid, Tanh, Sqrt, Reciprocal),
 # from the input (Log, Erf, Gelu, ...), or nothing (Add, Neg, Cast). A product keeps each factor
@@ -59,7 +59,7 @@ BROADCAST_NON_DIFFERENTIABLE = (
 )
 
 
-def unary(op: OpNode, graph: Graph) -> OpSpec:
+def unary(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.outputs[0]))
     labels = dim_labels(rank)
     if op.op_type == "CastLike":  # the second input only names a type
@@ -70,7 +70,7 @@ def unary(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=outputs)
 
 
-def broadcast(op: OpNode, graph: Graph) -> OpSpec:
+def broadcast(op: NodeView, graph: GraphView) -> OpSpec:
     out_shape = shape(graph, op.outputs[0])
     inputs = tuple(broadcast_labels(shape(graph, name), out_shape) if name else None for name in op.inputs)
     return OpSpec(inputs=inputs, outputs=(dim_labels(len(out_shape)),))
@@ -97,7 +97,7 @@ _TORCH_SAME_NAME = {"Relu", "Exp", "Sigmoid", "Tanh", "Sqrt", "Reciprocal", "Log
 _TORCH_ROUNDING = {"Floor", "Ceil", "Round", "Sign"}  # torch.round rounds half to even, as ONNX does
 
 
-def _unary_math(t: Any, op: OpNode, x: Any) -> Any:
+def _unary_math(t: Any, op: NodeView, x: Any) -> Any:
     """The element-wise functions, with ONNX's attribute defaults."""
     a, f, kind = op.attrs, t.nn.functional, op.op_type
     if kind in _TORCH_SAME_NAME or kind in _TORCH_ROUNDING:
@@ -136,7 +136,7 @@ def _unary_math(t: Any, op: OpNode, x: Any) -> Any:
     raise KeyError(kind)
 
 
-def torch_unary(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_unary(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     x = inputs[0]
     kind = op.op_type
     if kind == "Cast":
@@ -159,7 +159,7 @@ def dropout_kernel(mask: bool, typed_mask: bool = False) -> TorchKernel:
     the input's type (``typed_mask``) before opset 10.
     """
 
-    def torch_dropout(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    def torch_dropout(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
         x = inputs[0]
         fill = t.ones_like if mask else t.zeros_like
         return [x, fill(x, dtype=x.dtype if typed_mask else t.bool)][: len([name for name in op.outputs if name])]
@@ -183,7 +183,7 @@ _TORCH_BINARY = {
 }
 
 
-def torch_broadcast(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_broadcast(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     kind = op.op_type
     xs = [x for x in tensors(t, inputs) if x is not None]
     if kind in ("Sum", "Mean", "Max", "Min"):  # variadic
@@ -206,7 +206,7 @@ def torch_broadcast(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     return [getattr(t, _TORCH_BINARY[kind])(a, b)]
 
 
-def torch_expand(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_expand(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """Expand broadcasts both ways: the target may be smaller than the input in any dimension."""
     x = inputs[0]
     return [x.expand(*t.broadcast_shapes(tuple(x.shape), tuple(as_ints(inputs[1]))))]
@@ -250,7 +250,7 @@ register(*BROADCAST_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHIN
     torch_kernel=torch_expand,
     torch_local_kernel=local_target_shape,
 )
-def expand(op: OpNode, graph: Graph) -> OpSpec:
+def expand(op: NodeView, graph: GraphView) -> OpSpec:
     """Expand to the output shape; a rank's target shape is its local output shape."""
     out_shape = shape(graph, op.outputs[0])
     return OpSpec(

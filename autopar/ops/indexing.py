@@ -22,7 +22,7 @@ from autopar.ops.base import OpSpec, as_ints, dim_labels, normalize_axis, shape,
 from autopar.ops.registry import Keeps, LocalCall, register
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 GATHERED = "g"
 CLASSES = "cls"
@@ -43,12 +43,12 @@ def _one_hot_local(call: LocalCall) -> list[np.ndarray]:
     return [np.where(hot, on_value, off_value).astype(values.dtype)]
 
 
-def _one_hot_depth(op: OpNode, graph: Graph) -> int | None:
+def _one_hot_depth(op: NodeView, graph: GraphView) -> int | None:
     depth = graph.tensor(op.inputs[1]).value
     return None if depth is None else int(np.asarray(depth).reshape(-1)[0])
 
 
-def _gathered_axis_size(op: OpNode, graph: Graph) -> int:
+def _gathered_axis_size(op: NodeView, graph: GraphView) -> int:
     data_shape = graph.tensor(op.inputs[0]).shape
     return data_shape[int(op.attrs.get("axis", 0)) % len(data_shape)]
 
@@ -77,24 +77,24 @@ def _take(x: Any, indices: Any, axis: int) -> Any:
     return picked.reshape(tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1 :]))
 
 
-def torch_gather(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_gather(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     x, indices = inputs[0], tensors(t, inputs)[1].long()
     axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
     return [_take(x, t.where(indices < 0, indices + x.shape[axis], indices), axis)]
 
 
-def torch_gather_elements(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_gather_elements(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     x, indices = inputs[0], tensors(t, inputs)[1].long()
     axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
     return [t.gather(x, axis, t.where(indices < 0, indices + x.shape[axis], indices))]
 
 
-def torch_one_hot(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_one_hot(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """OneHot whole: the same as a rank holding every class."""
     return _one_hot_torch(t, op, inputs, first=0, depth=as_ints(inputs[1])[0], local_depth=as_ints(inputs[1])[0])
 
 
-def _one_hot_torch(t: Any, op: OpNode, inputs: list[Any], first: int, depth: int, local_depth: int) -> list[Any]:
+def _one_hot_torch(t: Any, op: NodeView, inputs: list[Any], first: int, depth: int, local_depth: int) -> list[Any]:
     indices = inputs[0].long()
     values = tensors(t, inputs)[2].reshape(-1)  # (off, on), maybe a numpy constant
     rank = indices.dim() + 1
@@ -146,7 +146,7 @@ def _gather_local_torch(call: LocalCall) -> list[Any]:
     index_bounds={0: _one_hot_depth},
     config_inputs=frozenset({1, 2}),
 )
-def one_hot(op: OpNode, graph: Graph) -> OpSpec:
+def one_hot(op: NodeView, graph: GraphView) -> OpSpec:
     indices = dim_labels(len(shape(graph, op.inputs[0])))
     out_rank = len(indices) + 1
     axis = normalize_axis(int(op.attrs.get("axis", -1)), out_rank)
@@ -164,7 +164,7 @@ def one_hot(op: OpNode, graph: Graph) -> OpSpec:
     torch_kernel=torch_gather,
     torch_local_kernel=_gather_local_torch,
 )
-def gather(op: OpNode, graph: Graph) -> OpSpec:
+def gather(op: NodeView, graph: GraphView) -> OpSpec:
     data_rank = len(shape(graph, op.inputs[0]))
     axis = normalize_axis(int(op.attrs.get("axis", 0)), data_rank)
     data = tuple(GATHERED if d == axis else f"d{d}" for d in range(data_rank))
@@ -176,7 +176,7 @@ def gather(op: OpNode, graph: Graph) -> OpSpec:
 @register(
     "GatherElements", keeps=Keeps.SELECTORS, index_bounds={1: _gathered_axis_size}, torch_kernel=torch_gather_elements
 )
-def gather_elements(op: OpNode, graph: Graph) -> OpSpec:
+def gather_elements(op: NodeView, graph: GraphView) -> OpSpec:
     data_shape = shape(graph, op.inputs[0])
     index_shape = shape(graph, op.inputs[1])
     axis = normalize_axis(int(op.attrs.get("axis", 0)), len(data_shape))

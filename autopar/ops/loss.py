@@ -15,15 +15,15 @@ from autopar.ops.base import OpSpec, shape
 from autopar.ops.registry import Keeps, register
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 
-def _class_count(op: OpNode, graph: Graph) -> int:
+def _class_count(op: NodeView, graph: GraphView) -> int:
     """Labels index the class axis (axis 1) of the scores."""
     return graph.tensor(op.inputs[0]).shape[1]
 
 
-def torch_class_loss(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_class_loss(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """Cross entropy from scores (SoftmaxCrossEntropyLoss) or from log-probabilities (NLL)."""
     scores, labels = inputs[0], inputs[1].long()
     weights = inputs[2] if len(inputs) > 2 else None
@@ -47,7 +47,7 @@ def torch_class_loss(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     index_bounds={1: _class_count},
     torch_kernel=torch_class_loss,
 )
-def class_loss(op: OpNode, graph: Graph) -> OpSpec:
+def class_loss(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     reduction = op.attrs.get("reduction", "mean")
     weighted = len(op.inputs) > 2 and bool(op.inputs[2])

@@ -14,7 +14,7 @@ from autopar.ops.base import OpSpec, broadcast_labels, shape
 from autopar.ops.registry import Keeps, register
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 
 def gemm_flops(
@@ -39,7 +39,7 @@ def matmul_flops(
     return 2.0 * math.prod(out_shapes[0]) * k
 
 
-def torch_gemm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_gemm(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """alpha A' B' + beta C, A' and B' transposed as the attributes say."""
     a, b = inputs[0], inputs[1]
     a = a.t() if int(op.attrs.get("transA", 0)) else a
@@ -50,12 +50,12 @@ def torch_gemm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     return [out]
 
 
-def torch_matmul(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_matmul(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     return [t.matmul(inputs[0], inputs[1])]
 
 
 @register("Gemm", flops=gemm_flops, keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_gemm)
-def gemm(op: OpNode, graph: Graph) -> OpSpec:
+def gemm(op: NodeView, graph: GraphView) -> OpSpec:
     a = ("k", "i") if int(op.attrs.get("transA", 0)) else ("i", "k")
     b = ("j", "k") if int(op.attrs.get("transB", 0)) else ("k", "j")
     out_shape = shape(graph, op.outputs[0])
@@ -73,7 +73,7 @@ def gemm(op: OpNode, graph: Graph) -> OpSpec:
 
 
 @register("MatMul", flops=matmul_flops, keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_matmul)
-def matmul(op: OpNode, graph: Graph) -> OpSpec:
+def matmul(op: NodeView, graph: GraphView) -> OpSpec:
     a_shape = shape(graph, op.inputs[0])
     b_shape = shape(graph, op.inputs[1])
     out_shape = shape(graph, op.outputs[0])

@@ -13,7 +13,7 @@ from autopar.ops.base import OpSpec, as_float, as_ints, constant_ints, dim_label
 from autopar.ops.registry import Keeps, register
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 
 def _except_axes(rank: int, axes: set[int] | None) -> tuple[str | None, ...]:
@@ -21,16 +21,16 @@ def _except_axes(rank: int, axes: set[int] | None) -> tuple[str | None, ...]:
     return tuple(None if axes is None or d in axes else f"d{d}" for d in range(rank))
 
 
-def torch_transpose(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_transpose(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     x = inputs[0]
     return [x.permute(*[int(p) for p in op.attrs.get("perm", list(reversed(range(x.dim()))))])]
 
 
-def torch_concat(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_concat(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     return [t.cat([x for x in inputs if x is not None], dim=int(op.attrs["axis"]))]
 
 
-def torch_split(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_split(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """Sizes from ``split`` (attribute or input); else ``num_outputs`` chunks, the last smaller; else equal."""
     x = inputs[0]
     axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
@@ -43,7 +43,7 @@ def torch_split(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     return list(t.split(x, sizes, dim=axis))
 
 
-def torch_slice(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_slice(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """ONNX clamps starts and ends as Python's slices do; a negative step gathers the indices."""
     x = inputs[0]
     if "starts" in op.attrs:  # opset < 10: attributes
@@ -81,7 +81,7 @@ def _border_indices(t: Any, size: int, begin: int, end: int, mode: str, device: 
     return t.where(index >= size, period - index, index)
 
 
-def torch_pad(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_pad(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """Pad with a constant (negative pads crop), or reflect, edge and wrap by indexing, on any axes."""
     x = inputs[0]
     pads = ints_from(op, inputs, 1, "pads") or []
@@ -101,12 +101,12 @@ def torch_pad(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     return [t.nn.functional.pad(x, flat, value=value)]
 
 
-def torch_tile(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_tile(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     return [inputs[0].repeat(*as_ints(inputs[1]))]
 
 
 @register("Transpose", keeps=Keeps.NOTHING, torch_kernel=torch_transpose)
-def transpose(op: OpNode, graph: Graph) -> OpSpec:
+def transpose(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     perm = [int(p) for p in op.attrs.get("perm", list(reversed(range(rank))))]
     labels = dim_labels(rank)
@@ -114,14 +114,14 @@ def transpose(op: OpNode, graph: Graph) -> OpSpec:
 
 
 @register("Concat", keeps=Keeps.NOTHING, torch_kernel=torch_concat)
-def concat(op: OpNode, graph: Graph) -> OpSpec:
+def concat(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.outputs[0]))
     labels = _except_axes(rank, {normalize_axis(int(op.attrs["axis"]), rank)})
     return OpSpec(inputs=tuple(labels if name else None for name in op.inputs), outputs=(labels,))
 
 
 @register("Split", keeps=Keeps.NOTHING, torch_kernel=torch_split)
-def split(op: OpNode, graph: Graph) -> OpSpec:
+def split(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     labels = _except_axes(rank, {normalize_axis(int(op.attrs.get("axis", 0)), rank)})
     inputs = (labels,) + tuple(None for _ in op.inputs[1:])
@@ -129,7 +129,7 @@ def split(op: OpNode, graph: Graph) -> OpSpec:
 
 
 @register("Slice", keeps=Keeps.NOTHING, torch_kernel=torch_slice)
-def slice_(op: OpNode, graph: Graph) -> OpSpec:
+def slice_(op: NodeView, graph: GraphView) -> OpSpec:
     in_shape = shape(graph, op.inputs[0])
     out_shape = shape(graph, op.outputs[0])
     rank = len(in_shape)
@@ -158,7 +158,7 @@ def slice_(op: OpNode, graph: Graph) -> OpSpec:
 # pads and constant value configure Pad
 @register("Pad", keeps=Keeps.NOTHING, config_inputs=frozenset({1, 2}), torch_kernel=torch_pad)
 @register("Tile", keeps=Keeps.NOTHING, torch_kernel=torch_tile)
-def resize_axes(op: OpNode, graph: Graph) -> OpSpec:
+def resize_axes(op: NodeView, graph: GraphView) -> OpSpec:
     """The axes Pad or Tile change in size stay whole; their pads/repeats inputs are constants."""
     in_shape = shape(graph, op.inputs[0])
     out_shape = shape(graph, op.outputs[0])

@@ -19,7 +19,7 @@ from autopar.ops.base import OpSpec, dim_labels, normalize_axis, shape
 from autopar.ops.registry import Keeps, register
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 
 def batch_norm_flops(
@@ -35,7 +35,7 @@ def _per_channel(value: Any, rank: int) -> Any:
     return value.reshape([1, -1] + [1] * (rank - 2))
 
 
-def torch_batch_norm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_batch_norm(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """The inference form normalises with the running statistics it reads, passed through as extra outputs.
 
     With ``training_mode`` (opset 14) it normalises with the batch's own mean and (population)
@@ -56,7 +56,7 @@ def torch_batch_norm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     return outputs + extra[: len([name for name in op.outputs if name]) - 1]
 
 
-def torch_instance_norm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_instance_norm(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     x, scale, bias = inputs[:3]
     axes = tuple(range(2, x.dim()))
     mean = x.mean(dim=axes, keepdim=True)
@@ -65,7 +65,7 @@ def torch_instance_norm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     return [y * _per_channel(scale, x.dim()) + _per_channel(bias, x.dim())]
 
 
-def torch_layer_norm(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_layer_norm(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """Normalise over the axes from ``axis`` on; Mean and InvStdDev keep those axes as size 1."""
     x = inputs[0]
     axes = tuple(range(normalize_axis(int(op.attrs.get("axis", -1)), x.dim()), x.dim()))
@@ -88,19 +88,19 @@ def _hardmax(t: Any, x: Any, dim: int) -> Any:
     return t.nn.functional.one_hot(x.argmax(dim=dim), x.shape[dim]).movedim(-1, dim).to(x.dtype)
 
 
-def _normaliser(t: Any, op: OpNode) -> Any:
+def _normaliser(t: Any, op: NodeView) -> Any:
     """Softmax, LogSoftmax or Hardmax as a function of (tensor, dim)."""
     if op.op_type == "Hardmax":
         return lambda value, dim: _hardmax(t, value, dim)
     return t.softmax if op.op_type == "Softmax" else t.log_softmax
 
 
-def torch_softmax(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_softmax(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     x = inputs[0]
     return [_normaliser(t, op)(x, normalize_axis(int(op.attrs.get("axis", -1)), x.dim()))]
 
 
-def torch_softmax_flattened(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_softmax_flattened(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     x = inputs[0]
     function = _normaliser(t, op)
     return [_flattened(x, normalize_axis(int(op.attrs.get("axis", 1)), x.dim()), function)]
@@ -115,7 +115,7 @@ def torch_softmax_flattened(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     positive_inputs=frozenset({1, 4}),
     torch_kernel=torch_batch_norm,
 )
-def batch_norm(op: OpNode, graph: Graph) -> OpSpec:
+def batch_norm(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     x = dim_labels(rank)
     channel = (x[1],)
@@ -125,7 +125,7 @@ def batch_norm(op: OpNode, graph: Graph) -> OpSpec:
 
 
 @register("InstanceNormalization", keeps=Keeps.INPUTS | Keeps.STATISTICS, torch_kernel=torch_instance_norm)
-def instance_norm(op: OpNode, graph: Graph) -> OpSpec:
+def instance_norm(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     x = ("d0", "d1") + tuple(None for _ in range(rank - 2))
     return OpSpec(inputs=(x, ("d1",), ("d1",)), outputs=(x,))
@@ -134,7 +134,7 @@ def instance_norm(op: OpNode, graph: Graph) -> OpSpec:
 @register(
     "LayerNormalization", keeps=Keeps.INPUTS | Keeps.STATISTICS, weight_inputs=True, torch_kernel=torch_layer_norm
 )
-def layer_norm(op: OpNode, graph: Graph) -> OpSpec:
+def layer_norm(op: NodeView, graph: GraphView) -> OpSpec:
     """Leading axes split; the normalised axes (from ``axis`` on), scale and bias stay whole."""
     rank = len(shape(graph, op.inputs[0]))
     axis = normalize_axis(int(op.attrs.get("axis", -1)), rank)
@@ -145,7 +145,7 @@ def layer_norm(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=outputs)
 
 
-def _softmax(op: OpNode, graph: Graph, axis: int, whole: set[int]) -> OpSpec:
+def _softmax(op: NodeView, graph: GraphView, axis: int, whole: set[int]) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     labels = tuple(None if d in whole else f"d{d}" for d in range(rank))
     return OpSpec(inputs=(labels,), outputs=(labels,))
@@ -153,7 +153,7 @@ def _softmax(op: OpNode, graph: Graph, axis: int, whole: set[int]) -> OpSpec:
 
 @register("Softmax", "LogSoftmax", since=13, keeps=Keeps.OUTPUTS, torch_kernel=torch_softmax)
 @register("Hardmax", since=13, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_softmax)
-def softmax(op: OpNode, graph: Graph) -> OpSpec:
+def softmax(op: NodeView, graph: GraphView) -> OpSpec:
     """Opset 13 on: one axis (default the last) is normalised; the others split."""
     rank = len(shape(graph, op.inputs[0]))
     axis = normalize_axis(int(op.attrs.get("axis", -1)), rank)
@@ -162,7 +162,7 @@ def softmax(op: OpNode, graph: Graph) -> OpSpec:
 
 @register("Softmax", "LogSoftmax", until=12, keeps=Keeps.OUTPUTS, torch_kernel=torch_softmax_flattened)
 @register("Hardmax", until=12, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_softmax_flattened)
-def softmax_flattened(op: OpNode, graph: Graph) -> OpSpec:
+def softmax_flattened(op: NodeView, graph: GraphView) -> OpSpec:
     """Before opset 13: every axis from ``axis`` (default 1) on is flattened into one and normalised."""
     rank = len(shape(graph, op.inputs[0]))
     axis = normalize_axis(int(op.attrs.get("axis", 1)), rank)

@@ -10,7 +10,7 @@ from autopar.ops.base import OpSpec, no_split, shape
 from autopar.ops.registry import Keeps, input_elements, register
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 
 def window_flops(
@@ -20,7 +20,7 @@ def window_flops(
     return float(math.prod(out_shapes[0]) * math.prod(attrs.get("kernel_shape", [1])))
 
 
-def pool(op: OpNode, graph: Graph) -> OpSpec:
+def pool(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     channel = None if op.op_type == "LRN" else "c"  # LRN mixes neighbouring channels
     labels = ("n", channel) + no_split(rank - 2)
@@ -28,7 +28,7 @@ def pool(op: OpNode, graph: Graph) -> OpSpec:
     return OpSpec(inputs=(labels,), outputs=outputs)
 
 
-def _window(op: OpNode, x: Any) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+def _window(op: NodeView, x: Any) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
     """(kernel, strides, begin pads, end pads, dilations) with ONNX's defaults and ``auto_pad``."""
     spatial = x.dim() - 2
     kernel = [int(k) for k in op.attrs["kernel_shape"]]
@@ -54,7 +54,7 @@ def _pad_trailing(t: Any, x: Any, begin: list[int], end: list[int], value: float
     return t.nn.functional.pad(x, flat, value=value) if any(flat) else x
 
 
-def _out_sizes(op: OpNode, x: Any, window: tuple[list[int], ...]) -> list[int]:
+def _out_sizes(op: NodeView, x: Any, window: tuple[list[int], ...]) -> list[int]:
     """ONNX's output sizes; with ``ceil_mode`` a window starting past the input and its begin pad is dropped."""
     kernel, strides, begin, end, dilations = window
     ceil = bool(int(op.attrs.get("ceil_mode", 0)))
@@ -77,7 +77,7 @@ def _window_sums(t: Any, x: Any, window: tuple[list[int], ...], sizes: list[int]
     return function(x, ones, None, stride=strides, dilation=dilations, groups=x.shape[1])
 
 
-def _max_pool(t: Any, op: OpNode, x: Any, window: tuple[list[int], ...], sizes: list[int]) -> list[Any]:
+def _max_pool(t: Any, op: NodeView, x: Any, window: tuple[list[int], ...], sizes: list[int]) -> list[Any]:
     """MaxPool and its optional Indices: flat positions in the unpadded input, row- or column-major (storage_order)."""
     kernel, strides, begin, end, dilations = window
     spatial = len(sizes)
@@ -101,7 +101,7 @@ def _max_pool(t: Any, op: OpNode, x: Any, window: tuple[list[int], ...], sizes: 
     return [values, index + plane * math.prod(dims)]
 
 
-def _lrn(t: Any, op: OpNode, x: Any) -> Any:
+def _lrn(t: Any, op: NodeView, x: Any) -> Any:
     """x / (bias + alpha / size x the sum of squares over ``size`` neighbouring channels) ** beta.
 
     The window spans floor((size - 1) / 2) channels before and ceil((size - 1) / 2) after, as ONNX
@@ -115,7 +115,7 @@ def _lrn(t: Any, op: OpNode, x: Any) -> Any:
     return x / (bias + alpha / size * total) ** beta
 
 
-def torch_pool(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_pool(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """Pools padded explicitly, so that ONNX's asymmetric pads, ``ceil_mode`` and dilations hold."""
     x, kind = inputs[0], op.op_type
     if kind == "GlobalAveragePool":

@@ -17,7 +17,7 @@ from autopar.ops.base import OpSpec, as_ints, constant_value, dim_labels, ints_f
 from autopar.ops.registry import Keeps, input_elements, register
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 _REDUCE_OP = {
     "ReduceMax": ReduceOp.MAX,
@@ -27,7 +27,7 @@ _REDUCE_OP = {
 }
 
 
-def reduced_axes(op: OpNode, graph: Graph, rank: int) -> list[int] | None:
+def reduced_axes(op: NodeView, graph: GraphView, rank: int) -> list[int] | None:
     """The reduced axes, or None when they are not known at planning time."""
     if "axes" in op.attrs:
         axes = list(op.attrs["axes"])
@@ -43,7 +43,7 @@ def reduced_axes(op: OpNode, graph: Graph, rank: int) -> list[int] | None:
     return sorted(normalize_axis(int(a), rank) for a in axes)
 
 
-def reduce(op: OpNode, graph: Graph) -> OpSpec:
+def reduce(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     axes = reduced_axes(op, graph, rank)
     labels = dim_labels(rank)
@@ -61,7 +61,7 @@ def reduce(op: OpNode, graph: Graph) -> OpSpec:
     )
 
 
-def torch_reduce(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_reduce(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """ReduceSum/Mean/Max/Min over ``axes`` (attribute or input; none: all, or none with noop_with_empty_axes)."""
     x = inputs[0]
     axes = ints_from(op, inputs, 1, "axes") or []
@@ -75,7 +75,7 @@ def torch_reduce(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     return [function(x, dim=dims, keepdim=keep) if dims else x]
 
 
-def torch_top_k(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_top_k(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     x = inputs[0]
     k = as_ints(inputs[1])[0] if len(inputs) > 1 and inputs[1] is not None else int(op.attrs["k"])
     axis = normalize_axis(int(op.attrs.get("axis", -1)), x.dim())
@@ -93,7 +93,7 @@ register("ReduceMax", "ReduceMin", flops=input_elements, keeps=Keeps.INPUTS | Ke
 @register(
     "TopK", since=10, keeps=Keeps.OUTPUTS, torch_kernel=torch_top_k
 )  # the backward scatters into the positions it chose
-def top_k(op: OpNode, graph: Graph) -> OpSpec:
+def top_k(op: NodeView, graph: GraphView) -> OpSpec:
     """The k largest (or smallest) along one axis: that axis stays whole, every other axis splits."""
     rank = len(shape(graph, op.inputs[0]))
     axis = normalize_axis(int(op.attrs.get("axis", -1)), rank)

@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
     from autopar.ops.base import OpSpec
+    from autopar.ops.views import GraphView, NodeView
 
 Shape = Sequence[int]
-RuleFn = Callable[["OpNode", "Graph"], "OpSpec"]
+RuleFn = Callable[["NodeView", "GraphView"], "OpSpec"]
 FlopsFn = Callable[[Sequence["Shape | None"], Sequence[Shape], Mapping[str, Any]], float]
-IndexBoundFn = Callable[["OpNode", "Graph"], "int | None"]
+IndexBoundFn = Callable[["NodeView", "GraphView"], "int | None"]
 
 
 class Keeps(enum.Flag):
@@ -68,8 +68,8 @@ class LocalCall:
     and outputs are numpy arrays for a `local_kernel`, torch tensors for a `torch_local_kernel`.
     """
 
-    op: "OpNode"
-    graph: "Graph"
+    op: "NodeView"
+    graph: "GraphView"
     spec: "OpSpec"
     bits: Mapping[str, tuple[int, ...]]
     rank: int
@@ -80,7 +80,7 @@ class LocalCall:
 
 LocalKernel = Callable[[LocalCall], list[Any]]
 
-TorchKernel = Callable[[Any, "OpNode", list[Any]], list[Any]]
+TorchKernel = Callable[[Any, "NodeView", list[Any]], list[Any]]
 """The operator as ONNX defines it, in torch: ``(torch module, op, inputs) -> outputs``.
 
 Inputs are tensors (None for an absent optional input); constant inputs (shapes, axes) may also

@@ -19,7 +19,7 @@ from autopar.ops.base import normalize_axis
 from autopar.ops.registry import TorchKernel
 
 if TYPE_CHECKING:
-    from autopar.graph.types import OpNode
+    from autopar.ops.views import NodeView
 
 
 def _floats(value: Any) -> list[float]:
@@ -76,7 +76,7 @@ def _cubic_weights(frac: np.ndarray, a: float) -> list[np.ndarray]:
 
 
 def _resize_axis(
-    t: Any, op: OpNode, x: Any, axis: int, out: int, scale: float, roi: tuple[float, float], legacy: bool
+    t: Any, op: NodeView, x: Any, axis: int, out: int, scale: float, roi: tuple[float, float], legacy: bool
 ) -> Any:
     """x resized along ``axis`` to ``out`` elements."""
     a, size = op.attrs, x.shape[axis]
@@ -120,7 +120,7 @@ def _resize_axis(
 def resize_kernel(legacy: bool) -> TorchKernel:
     """Resize (``legacy``: Upsample, Resize before opset 11, scales as attribute or second input)."""
 
-    def torch_resize(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+    def torch_resize(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
         x, rank = inputs[0], inputs[0].dim()
         a = op.attrs
         if int(a.get("antialias", 0)):

@@ -17,7 +17,7 @@ from autopar.ops.base import Labels, OpSpec, as_ints, ints_from, normalize_axis,
 from autopar.ops.registry import Keeps, LocalCall, no_flops, register
 
 if TYPE_CHECKING:
-    from autopar.graph.types import Graph, OpNode
+    from autopar.ops.views import GraphView, NodeView
 
 
 def reshape_labels(in_shape: Sequence[int], out_shape: Sequence[int]) -> tuple[Labels, Labels]:
@@ -58,7 +58,7 @@ def local_target_shape(call: LocalCall) -> list[np.ndarray]:
     return call.run(local)
 
 
-def torch_reshape(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
+def torch_reshape(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """Reshape (a 0 copies the input's dimension unless ``allowzero``), Flatten, Squeeze, Unsqueeze."""
     x = inputs[0]
     kind = op.op_type
@@ -92,7 +92,7 @@ def torch_reshape(t: Any, op: OpNode, inputs: list[Any]) -> list[Any]:
     torch_local_kernel=local_target_shape,
 )
 @register("Flatten", "Squeeze", "Unsqueeze", flops=no_flops, keeps=Keeps.NOTHING, torch_kernel=torch_reshape)
-def reshape(op: OpNode, graph: Graph) -> OpSpec:
+def reshape(op: NodeView, graph: GraphView) -> OpSpec:
     in_labels, out_labels = reshape_labels(shape(graph, op.inputs[0]), shape(graph, op.outputs[0]))
     inputs = (in_labels,) + tuple(None for _ in op.inputs[1:])
     return OpSpec(inputs=inputs, outputs=(out_labels,), op_class="free")
