@@ -38,15 +38,18 @@ from autopar.graph import Graph, freeze, load_model
 from autopar.layout import is_power_of_two, mesh_bits_for
 from autopar.limits import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_SEED
 from autopar.lowering import PLAN_FILE_FIELDS, Plan, PlanFile, read_plan_file
+from autopar.report.html import Comparison, plan_html
 from autopar.search.driver import (
     ALGORITHMS,
     MODES,
     SEARCHED_MODES,
     SearchResult,
+    data_parallel_choice,
     parameter_state_bytes,
     run_search,
+    stand_alone_choice,
 )
-from autopar.search.problem import SearchProblem, build_problem
+from autopar.search.problem import MemoryChoices, SearchProblem, backward_passes, build_problem
 from autopar.spmd import VerifyReport, verify_problem
 from autopar.strategy import OpRule
 
@@ -405,3 +408,58 @@ def _need_torch(runtime: str) -> None:
         raise AutoparError(
             f"{what} needs PyTorch: pip install 'autopar[torch]' (the CPU build, torch==2.13.0)."
         ) from None
+
+
+def _sibling(plan: Plan, choice: Sequence[int], mode: str) -> Plan:
+    """The plan of another choice on ``plan``'s own problem (same micro-batches, no other memory relief)."""
+    search = dataclasses.replace(
+        plan.search,
+        choice=tuple(choice),
+        method=mode,
+        lagrange_multiplier=0.0,
+        candidates_kept=None,
+        candidates_dropped=None,
+        choices=MemoryChoices(micro_batches=plan.search.choices.micro_batches),
+    )
+    return dataclasses.replace(plan, choice=tuple(choice), search=search, mode=mode, phases_s={})
+
+
+def compute_split(plan: Plan) -> tuple[float, float]:
+    """(forward seconds, recomputed forward seconds) of the step's compute.
+
+    Each operator's compute is its forward times (1 + backward factor x backward passes), as the cost
+    model charges it; micro-batches multiply both.
+    """
+    problem, choices = plan.problem, plan.search.choices
+    factor = problem.cost.backward_factor
+    forward = sum(
+        float(problem.node_compute[i][c]) / (1.0 + factor * backward_passes(problem, i))
+        for i, c in enumerate(plan.choice)
+    )
+    recompute = (
+        sum(float(problem.recompute_time[i][c]) for i, c in enumerate(plan.choice) if i in problem.recompute_time)
+        if choices.recompute
+        else 0.0
+    )
+    return forward * choices.micro_batches, recompute * choices.micro_batches
+
+
+def comparison(plan: Plan) -> Comparison:
+    """What the report compares a plan with, on the plan's own problem: one lowering each, no new search.
+
+    The data-parallel and stand-alone plans of the same problem (same micro-batches) and the
+    forward / recomputed share of the step's compute; the report reads them as plan files.
+    """
+    problem = plan.problem
+    dp_choice = data_parallel_choice(problem)
+    data_parallel = plan if list(plan.choice) == dp_choice else _sibling(plan, dp_choice, "data_parallel")
+    stand_alone = _sibling(plan, stand_alone_choice(problem), "stand_alone")
+    forward, recompute = compute_split(plan)
+    return Comparison(data_parallel.file, stand_alone.file, forward, recompute)
+
+
+def _jupyter_report(plan: Plan) -> str:
+    return plan_html(plan, comparison(plan))
+
+
+Plan.html_renderer = _jupyter_report  # a Plan displays as its report in Jupyter; the core never imports the faces

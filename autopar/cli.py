@@ -522,7 +522,7 @@ def _run_report(args: argparse.Namespace) -> int:
             dims=dict(args.dim),
             precision=args.precision,
         )
-        page = plan_report(result)
+        page = plan_report(result, autopar.api.comparison(result))
     for warning in caught:
         if issubclass(warning.category, AutoparWarning):
             print(f"autopar: warning: {warning.message}", file=sys.stderr)

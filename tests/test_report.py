@@ -99,7 +99,7 @@ def case(request):
     plan, data = request.getfixturevalue(request.param)
     from autopar.report.html import plan_report
 
-    return plan, data, plan_report(plan)
+    return plan, data, plan_report(plan, autopar.api.comparison(plan))
 
 
 def test_the_page_is_well_formed_and_self_contained(case):
@@ -192,7 +192,7 @@ def test_axis_kinds_come_from_the_layouts(resnet, gpt):
 
 def test_the_timeline_adds_up_to_the_step(case):
     plan, data, _ = case
-    from autopar.report.html import compute_split
+    from autopar.api import compute_split
 
     forward, recompute = compute_split(plan)
     phases = dict(timeline_phases(data, forward, recompute))
@@ -284,7 +284,7 @@ def test_a_browser_renders_the_page(resnet, tmp_path):
     from autopar.report.html import plan_report
 
     page = tmp_path / "report.html"
-    page.write_text(plan_report(resnet[0]), encoding="utf-8")
+    page.write_text(plan_report(resnet[0], autopar.api.comparison(resnet[0])), encoding="utf-8")
     shot = tmp_path / "report.png"
     subprocess.run(
         [

@@ -7,134 +7,112 @@ from typing import Any
 
 from autopar.graph import Graph
 from autopar.lowering import GRAPH_OUTPUT, Plan
+from autopar.lowering.planfile import CollectiveStep, LinkUse
+from autopar.report.format import figure_ms, link_levels, strategy_text
 from autopar.spmd import VerifyReport
 from autopar.spmd.compare import PHASES
 from autopar.units import human_bytes
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f}"
 
 
 def _error(value: float | bool | None) -> str:
     return "not finite" if value is None else f"{value:.3g}"
 
 
-def _strategy(entry: list[list[int]]) -> str:
-    return "(" + ",".join("(" + ",".join(str(f) for f in s) + ("," if len(s) == 1 else "") + ")" for s in entry) + ")"
-
-
-def _levels(links: list[dict[str, Any]], bits: list[int]) -> str:
-    """The link levels a collective's bits cross, fastest first ("HCCS+PCIe")."""
-    level_of = {bit: link["name"] for link in links for bit in link["bits"]}
-    names = []
-    for bit in sorted(bits):
-        if level_of.get(bit, "?") not in names:
-            names.append(level_of.get(bit, "?"))
-    return "+".join(names)
-
-
-def _step_text(step: dict[str, Any], links: list[dict[str, Any]]) -> str:
+def _step_text(step: CollectiveStep, links: list[LinkUse]) -> str:
     """A collective in plain words: "AllGather over 8 devices (HCCS+PCIe), 786.43 KB"."""
     return (
-        f"{step['collective']} over {step['group_size']} devices ({_levels(links, step['bits'])}),"
-        f" {human_bytes(step['bytes'])}"
+        f"{step.collective} over {step.group_size} devices ({link_levels(links, step.bits)}), {human_bytes(step.bytes)}"
     )
 
 
 def plan_table(plan: Plan, top: int | None = 20) -> str:
     """The summary first, then the ``top`` operators by cost (None: every operator, in graph order)."""
-    data = plan.to_dict()
-    links = data["links"]
-    devices = f"{data['devices']} device" + ("s" if data["devices"] != 1 else "")
+    data = plan.file
+    links = data.links
+    devices = f"{data.devices} device" + ("s" if data.devices != 1 else "")
     lines = [
-        f"autopar plan: {data['model']} on {devices}"
-        f" ({data['cost_model']}, {data['precision']} precision, {data['mode']})",
+        f"autopar plan: {data.model} on {devices} ({data.cost_model}, {data.precision} precision, {data.mode})",
         "",
     ]
-    totals = data["totals"]
-    breakdown = ", ".join(f"{key.replace('_', ' ')} {human_bytes(v)}" for key, v in totals["memory_breakdown"].items())
-    mesh = ", ".join(f"{link['name']} {len(link['bits'])} bit{'s' if len(link['bits']) > 1 else ''}" for link in links)
+    totals = data.totals
+    breakdown = ", ".join(f"{key.replace('_', ' ')} {human_bytes(v)}" for key, v in totals.memory_breakdown.items())
+    mesh = ", ".join(f"{link.name} {len(link.bits)} bit{'s' if len(link.bits) > 1 else ''}" for link in links)
     lines += [
-        f"step time:        {_ms(totals['step_time_s'])} ms predicted"
-        f"  (compute {_ms(totals['compute_s'])} ms, communication {_ms(totals['communication_s'])} ms exposed)",
-        f"vs data parallel: {_ms(totals['data_parallel_step_time_s'])} ms"
-        f"  -> this plan is x{totals['speedup_vs_data_parallel']:.3f}",
-        f"ideal step time:  {_ms(totals['ideal_step_time_s'])} ms (training FLOPs / (devices x peak))",
-        f"memory/device:    {human_bytes(totals['memory_per_device_bytes'])}"
-        f" of {human_bytes(totals['memory_capacity_bytes'])} ({breakdown})",
-        f"mesh:             {data['devices']} devices" + (f" over {mesh}" if mesh else ""),
+        f"step time:        {figure_ms(totals.step_time_s)} ms predicted"
+        f"  (compute {figure_ms(totals.compute_s)} ms, communication {figure_ms(totals.communication_s)} ms exposed)",
+        f"vs data parallel: {figure_ms(totals.data_parallel_step_time_s)} ms"
+        f"  -> this plan is x{totals.speedup_vs_data_parallel:.3f}",
+        f"ideal step time:  {figure_ms(totals.ideal_step_time_s)} ms (training FLOPs / (devices x peak))",
+        f"memory/device:    {human_bytes(totals.memory_per_device_bytes)}"
+        f" of {human_bytes(totals.memory_capacity_bytes)} ({breakdown})",
+        f"mesh:             {data.devices} devices" + (f" over {mesh}" if mesh else ""),
     ]
-    kinds = Counter(s["collective"] for red in data["redistributions"] for s in red["steps"])
-    red_seconds = sum(red["seconds"] for red in data["redistributions"])
+    kinds = Counter(str(s.collective) for red in data.redistributions for s in red.steps)
+    red_seconds = sum(red.seconds for red in data.redistributions)
     lines.append(
-        f"redistributions:  {len(data['redistributions'])} tensors, "
+        f"redistributions:  {len(data.redistributions)} tensors, "
         + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
-        + f"; {_ms(red_seconds)} ms forward+backward"
+        + f"; {figure_ms(red_seconds)} ms forward+backward"
     )
-    paths = data.get("gradients", [])
+    paths = data.gradients
     if paths:
-        backward_kinds = Counter(s["collective"] for path in paths for s in path["steps"])
+        backward_kinds = Counter(str(s.collective) for path in paths for s in path.steps)
         lines.append(
             f"backward:         {len(paths)} gradients need collectives to reach their producers: "
             + ", ".join(f"{n} {k}" for k, n in sorted(backward_kinds.items()))
-            + f"; {_ms(sum(path['seconds'] for path in paths))} ms"
+            + f"; {figure_ms(sum(path.seconds for path in paths))} ms"
         )
-    synced = [g for g in data["gradient_sync"] if g["collective"]]
+    synced = [g for g in data.gradient_sync if g.collective]
     lines.append(
-        f"gradient sync:    {len(synced)} of {len(data['gradient_sync'])} parameters synchronised,"
-        f" {human_bytes(sum(g['bytes'] for g in synced))}, {_ms(totals['gradient_sync_s'])} ms"
-        f" ({_ms(totals['hidden_communication_s'])} ms hidden behind the backward)"
+        f"gradient sync:    {len(synced)} of {len(data.gradient_sync)} parameters synchronised,"
+        f" {human_bytes(sum(g.bytes for g in synced))}, {figure_ms(totals.gradient_sync_s)} ms"
+        f" ({figure_ms(totals.hidden_communication_s)} ms hidden behind the backward)"
     )
-    memory_plan = data["memory_plan"]
+    memory_plan = data.memory_plan
     relief = []
-    if memory_plan["parallel_optimizer"]:
-        relief.append(f"parallel optimizer on {len(memory_plan['parallel_optimizer'])} parameters")
-    if memory_plan["recompute"]:
-        relief.append(f"recompute the repeated blocks from {', '.join(memory_plan['recompute'])}")
-    if memory_plan["micro_batches"] > 1:
-        relief.append(f"{memory_plan['micro_batches']} micro-batches (gradient accumulation)")
+    if memory_plan.parallel_optimizer:
+        relief.append(f"parallel optimizer on {len(memory_plan.parallel_optimizer)} parameters")
+    if memory_plan.recompute:
+        relief.append(f"recompute the repeated blocks from {', '.join(memory_plan.recompute)}")
+    if memory_plan.micro_batches > 1:
+        relief.append(f"{memory_plan.micro_batches} micro-batches (gradient accumulation)")
     if relief:
         lines.append(f"memory plan:      {'; '.join(relief)}")
-    if data["fallback_ops"]:
-        lines.append(
-            f"fallback ops:     {len(data['fallback_ops'])} kept replicated: {', '.join(data['fallback_ops'])}"
-        )
+    if data.fallback_ops:
+        lines.append(f"fallback ops:     {len(data.fallback_ops)} kept replicated: {', '.join(data.fallback_ops)}")
     lines.append(
-        f"search:           {data['search']['algorithm']} over {data['search']['candidates']} candidates"
-        f" of {data['search']['operators']} operators"
+        f"search:           {data.search.algorithm} over {data.search.candidates} candidates"
+        f" of {data.search.operators} operators"
     )
 
     incoming: dict[str, list[str]] = {}
-    for red in data["redistributions"]:
-        target = red["consumer"] if red["consumer"] != GRAPH_OUTPUT else red["producer"]
-        incoming.setdefault(target, []).extend(_step_text(s, links) for s in red["steps"] if s["collective"] != "Slice")
-    ops = list(data["ops"])
+    for red in data.redistributions:
+        target = red.consumer if red.consumer != GRAPH_OUTPUT else red.producer
+        incoming.setdefault(target, []).extend(_step_text(s, links) for s in red.steps if s.collective != "Slice")
+    ops = list(data.ops)
     if top is not None and top < len(ops):
-        ranked = sorted(
-            range(len(ops)), key=lambda i: -(ops[i]["cost"]["compute_s"] + ops[i]["cost"]["communication_s"])
-        )
+        ranked = sorted(range(len(ops)), key=lambda i: -(ops[i].cost.compute_s + ops[i].cost.communication_s))
         keep = sorted(ranked[:top])  # the costliest, in graph order
         title = f"the {top} costliest of {len(ops)} operators (--all for every one, --top N for more)"
         ops = [ops[i] for i in keep]
     else:
         title = f"all {len(ops)} operators"
-    if any(op.get("source") for op in ops):  # the framework's own layer names, where the exporter kept them
-        ops = [{**op, "name": f"{op['name']} [{op['source']}]" if op.get("source") else op["name"]} for op in ops]
-    name_width = max(12, min(48, max(len(op["name"]) for op in ops)))
-    type_width = max(4, max(len(op["op_type"]) for op in ops))
-    strategies = [_strategy(op["strategy"]) for op in ops]
+    # the framework's own layer names, where the exporter kept them
+    shown = [f"{op.name} [{op.source}]" if op.source else op.name for op in ops]
+    name_width = max(12, min(48, max(len(name) for name in shown)))
+    type_width = max(4, max(len(op.op_type) for op in ops))
+    strategies = [strategy_text(op.strategy) for op in ops]
     strategy_width = max(10, min(44, max(len(s) for s in strategies)))
     header = (
         f"{'operator':<{name_width}}  {'type':<{type_width}}  {'strategy':<{strategy_width}}  {'compute ms':>10}"
         f"  {'comm ms':>9}  collectives before this op"
     )
     lines += ["", f"{title}:", header, "-" * len(header)]
-    for op, strategy in zip(ops, strategies):
+    for op, name, strategy in zip(ops, shown, strategies):
         lines.append(
-            f"{op['name'][:name_width]:<{name_width}}  {op['op_type']:<{type_width}}  {strategy:<{strategy_width}}"
-            f"  {_ms(op['cost']['compute_s']):>10}  {_ms(op['cost']['communication_s']):>9}"
-            f"  {'; '.join(incoming.get(op['name'], [])) or '-'}"
+            f"{name[:name_width]:<{name_width}}  {op.op_type:<{type_width}}  {strategy:<{strategy_width}}"
+            f"  {figure_ms(op.cost.compute_s):>10}  {figure_ms(op.cost.communication_s):>9}"
+            f"  {'; '.join(incoming.get(op.name, [])) or '-'}"
         )
     return "\n".join(lines) + "\n"
 

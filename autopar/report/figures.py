@@ -1,0 +1,302 @@
+"""What the report reads off a plan file: axis kinds, folded rows, summary figures, warnings, traffic per level.
+
+Pure functions of the typed plan file (`PlanFile`), no HTML: the page draws them, notebooks and
+tests check them. Each public reader also takes the plan file's dict (``Plan.to_dict()``, a JSON
+file), validated into the typed model first, so a notebook can hand it either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from autopar.lowering import GRAPH_OUTPUT, PlanFile, read_plan_file
+from autopar.lowering.planfile import CollectiveStep, GradientSync, LinkUse, OpEntry
+from autopar.report.format import link_levels
+from autopar.units import human_bytes
+
+AXES = ("batch", "sequence", "channels/hidden", "heads", "contraction")
+AXIS_TITLES = {
+    "batch": "batch (leading dimension)",
+    "sequence": "sequence (or image space)",
+    "channels/hidden": "channels / hidden (features, output channels, vocabulary, head size)",
+    "heads": "attention heads",
+    "contraction": "contraction (a reduced axis: the output is a partial sum)",
+}
+IMAGE_OPS = frozenset({"Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool"})
+
+PlanLike = PlanFile | Mapping[str, Any]
+
+
+def as_plan_file(data: PlanLike) -> PlanFile:
+    """The typed plan file of ``data`` (a `PlanFile` as is; a dict validated: PlanFileError if it is none)."""
+    return data if isinstance(data, PlanFile) else read_plan_file(dict(data))
+
+
+def is_image_model(data: PlanFile) -> bool:
+    """A model with convolutions or pooling: its rank-4 tensors are (batch, channels, space, space)."""
+    return any(op.op_type in IMAGE_OPS for op in data.ops)
+
+
+def _kind_at(position: int, rank: int, image: bool) -> str:
+    """The axis kind of dimension ``position`` of a tensor of ``rank`` dimensions (the map's column rule)."""
+    if rank == 0 or position == 0:
+        return "batch"
+    if rank == 2:
+        return "channels/hidden"
+    if rank == 3:
+        return "sequence" if position == 1 else "channels/hidden"
+    if rank == 4 and image:
+        return "channels/hidden" if position == 1 else "sequence"
+    if rank == 4:
+        return ("heads", "sequence", "channels/hidden")[position - 1]
+    return "channels/hidden" if position == rank - 1 else "sequence"
+
+
+def axis_splits(op: OpEntry | Mapping[str, Any], image: bool) -> tuple[dict[str, int], int]:
+    """(split factor per axis kind, devices the operator divides its work over), from its layouts alone.
+
+    Every mesh bit the operator's layouts use is one factor of 2 on one axis. A bit is placed by
+    where it lands in the first output: on its dimension e of rank r -> the kind of position e; in the
+    output's partial bits -> contraction (a reduced axis), except for a full reduction to a scalar (a
+    loss), whose bits keep the kind of the input dimension they split. Positions: rank <= 1 and
+    dimension 0 of every tensor are batch; rank 2 is (batch, hidden); rank 3 (batch, sequence,
+    hidden); rank 4 (batch, channels, space, space) in a model with convolutions or pooling, otherwise
+    (batch, heads, sequence, hidden — for attention scores the last is the key sequence); higher
+    ranks put hidden last and sequence between. A bit no output holds keeps its input position's kind.
+    """
+    entry = op if isinstance(op, OpEntry) else OpEntry.model_validate(op)
+    where: dict[int, str] = {}
+    if entry.outputs:
+        layout = entry.outputs[0].layout
+        rank = len(layout.dims)
+        for position, bits in enumerate(layout.dims):
+            for bit in bits:
+                where[bit] = _kind_at(position, rank, image)
+        if rank:
+            for bit in layout.partial or []:
+                where[bit] = "contraction"
+    for tensor in entry.inputs:
+        dims = tensor.layout.dims
+        for position, bits in enumerate(dims):
+            for bit in bits:
+                where.setdefault(bit, _kind_at(position, len(dims), image))
+    bits_of: dict[str, int] = {}
+    for kind in where.values():
+        bits_of[kind] = bits_of.get(kind, 0) + 1
+    return {kind: 1 << count for kind, count in bits_of.items()}, 1 << len(where)
+
+
+def fold_groups(plan: PlanLike) -> list[list[int]]:
+    """Operator indices grouped by row: a repeated block's later copies join the first copy's operator.
+
+    ``search.repeated_blocks`` gives (first_op, operators per copy, copies); an operator of a later
+    copy folds into the first copy's operator at the same offset when type and strategy agree (a
+    fixed operator inside the blocks is no longer a copy: it keeps its own row).
+    """
+    data = as_plan_file(plan)
+    ops = data.ops
+    index = {op.name: i for i, op in enumerate(ops)}
+    representative: dict[int, int] = {}
+    for block in data.search.repeated_blocks:
+        start = index.get(block.first_op)
+        if start is None:
+            continue
+        period = block.operators
+        for copy in range(1, block.copies):
+            for offset in range(period):
+                i, first = start + copy * period + offset, start + offset
+                if i < len(ops) and (ops[i].op_type, ops[i].strategy) == (ops[first].op_type, ops[first].strategy):
+                    representative[i] = first
+    groups: dict[int, list[int]] = {}
+    for i in range(len(ops)):
+        groups.setdefault(representative.get(i, i), []).append(i)
+    return [groups[key] for key in sorted(groups)]
+
+
+def samples_per_step(data: PlanFile) -> int | None:
+    """The data inputs' common leading size times the micro-batches (None: no common batch)."""
+    shapes = data.context.inputs if data.context else {}
+    sizes = {shape[0] for shape in shapes.values() if shape}
+    if len(sizes) != 1:
+        return None
+    return int(sizes.pop()) * int(data.memory_plan.micro_batches)
+
+
+def summary_figures(plan: PlanLike, stand_alone: PlanLike | None = None) -> dict[str, float | None]:
+    """The numbers the summary cards show (None: not known)."""
+    data = as_plan_file(plan)
+    alone = as_plan_file(stand_alone) if stand_alone is not None else None
+    totals = data.totals
+    step = totals.step_time_s
+    samples = samples_per_step(data)
+    return {
+        "step_time_s": step,
+        "samples_per_s": samples / step if samples and step > 0 else None,
+        "mfu": totals.ideal_step_time_s / step if step > 0 else None,
+        "memory_per_device_bytes": totals.memory_per_device_bytes,
+        "memory_capacity_bytes": totals.memory_capacity_bytes,
+        "speedup_vs_data_parallel": totals.speedup_vs_data_parallel,
+        "speedup_vs_stand_alone": (alone.totals.step_time_s / step if alone is not None and step > 0 else None),
+    }
+
+
+def warnings_of(plan: PlanLike) -> list[str]:
+    """Plain sentences about what a reader should not miss."""
+    data = as_plan_file(plan)
+    devices = data.devices
+    image = is_image_model(data)
+    used = [axis_splits(op, image)[1] for op in data.ops]
+    found = []
+    if devices > 1 and max(used) == 1:
+        found.append(
+            f"The model is fully replicated: every operator runs whole on each of the {devices} devices,"
+            " which repeat one another's work."
+        )
+    elif max(used) < devices:
+        found.append(
+            f"Idle devices: the largest split uses {max(used)} of {devices} devices; the other"
+            f" {devices // max(used) - 1} of every {devices // max(used)} repeat the same calculation."
+        )
+    if data.fallback_ops:
+        named = ", ".join(data.fallback_ops[:8]) + (" and more" if len(data.fallback_ops) > 8 else "")
+        found.append(
+            f"{len(data.fallback_ops)} fallback operator(s) without a strategy rule run replicated with their"
+            f" inputs gathered: {named}."
+        )
+    memory_plan = data.memory_plan
+    if memory_plan.parallel_optimizer:
+        found.append(
+            f"To fit in memory, {len(memory_plan.parallel_optimizer)} parameters use the parallel optimizer"
+            " (gradient and optimizer state split, weights gathered after the update)."
+        )
+    if memory_plan.recompute:
+        found.append(
+            "To fit in memory, the repeated blocks from " + ", ".join(memory_plan.recompute) + " recompute"
+            " their forward pass in the backward."
+        )
+    if memory_plan.micro_batches > 1:
+        found.append(
+            f"To fit in memory, the step accumulates gradients over {memory_plan.micro_batches} micro-batches;"
+            " the operators' shapes and costs below are one micro-batch's."
+        )
+    totals = data.totals
+    if totals.memory_per_device_bytes > 0.9 * totals.memory_capacity_bytes:
+        found.append("Memory is over 90% of capacity: a larger batch or model will not fit.")
+    return found
+
+
+def level_traffic(plan: PlanLike) -> list[dict[str, Any]]:
+    """Per mesh level: its bits, devices per group, and the collectives whose bits cross it.
+
+    A collective over bits of two levels counts in both (its bytes cross both links), so the
+    levels' figures do not add up to the plan's. Redistributions count forward and backward
+    (their dual collective); local Slice steps cross nothing.
+    """
+    data = as_plan_file(plan)
+    levels: list[dict[str, Any]] = []
+    for link in data.links:
+        levels.append(
+            {
+                "name": link.name,
+                "bits": list(link.bits),
+                "devices_per_group": 1 << (max(link.bits) + 1) if link.bits else 1,
+                "collectives": 0,
+                "bytes": 0,
+                "seconds": 0.0,
+            }
+        )
+
+    def add(bits: Sequence[int], nbytes: int, seconds: float, count: int) -> None:
+        for level in levels:
+            if set(bits) & set(level["bits"]):
+                level["collectives"] += count
+                level["bytes"] += nbytes
+                level["seconds"] += seconds
+
+    for red in data.redistributions:
+        for step in red.steps:
+            if step.collective == "Slice":
+                continue
+            both = 2 if step.backward else 1
+            add(step.bits, step.bytes * both, step.seconds + step.backward_seconds, both)
+    for sync in data.gradient_sync:
+        if sync.collective:
+            add(sync.bits, sync.bytes, sync.seconds, 1)
+    return levels
+
+
+def timeline_phases(
+    plan: PlanLike, forward_s: float | None = None, recompute_s: float = 0.0
+) -> list[tuple[str, float]]:
+    """The step's critical path as (phase, seconds), summing to the step time, then the hidden sync.
+
+    Without ``forward_s`` (a plan file alone does not split compute) the compute is one phase.
+    Exposed communication splits into the gradient sync the backward could not hide and the rest
+    (redistributions, backward AllReduces of inputs read whole, weight gathers).
+    """
+    totals = as_plan_file(plan).totals
+    compute = totals.compute_s
+    phases: list[tuple[str, float]] = []
+    if forward_s is None:
+        phases.append(("compute", compute))
+    else:
+        forward = min(forward_s, compute)
+        recompute = min(recompute_s, compute - forward)
+        phases += [("forward", forward)]
+        if recompute > 0:
+            phases.append(("recompute", recompute))
+        phases.append(("backward", max(0.0, compute - forward - recompute)))
+    exposed_sync = min(max(0.0, totals.gradient_sync_s - totals.hidden_communication_s), totals.communication_s)
+    phases += [
+        ("exposed gradient sync", exposed_sync),
+        ("other exposed communication", max(0.0, totals.communication_s - exposed_sync)),
+        ("hidden gradient sync", totals.hidden_communication_s),
+    ]
+    return phases
+
+
+def incoming_seconds(data: PlanFile) -> dict[str, float]:
+    """Seconds of redistribution into each operator (a partial graph output's reduction: its producer)."""
+    seconds: dict[str, float] = {}
+    for red in data.redistributions:
+        target = red.consumer if red.consumer != GRAPH_OUTPUT else red.producer
+        seconds[target] = seconds.get(target, 0.0) + red.seconds
+    return seconds
+
+
+def collective_rows(plan: PlanLike) -> list[tuple[float, str, str, str]]:
+    """(seconds, sentence, where, phase) for every collective the step runs, costliest first."""
+    data = as_plan_file(plan)
+    links = data.links
+    rows: list[tuple[float, str, str, str]] = []
+    for red in data.redistributions:
+        where = (
+            f"{red.producer} -> {red.consumer}" if red.consumer != GRAPH_OUTPUT else f"{red.producer} -> graph output"
+        )
+        for step in red.steps:
+            if step.collective != "Slice":
+                rows.append((step.seconds, _sentence(links, step, red.tensor), where, "forward"))
+    for path in data.gradients:
+        what = f"the {path.carries} {path.tensor}" if path.carries else f"the gradient of {path.tensor}"
+        for path_step in path.steps:
+            if path_step.collective != "Slice":
+                where = f"{path.consumer} -> {path.producer}"
+                rows.append((path_step.seconds, _sentence(links, path_step, what), where, "backward"))
+    for sync in data.gradient_sync:
+        if not sync.collective:
+            continue
+        sentence = _sentence(links, sync, f"the gradient of {sync.parameter}")
+        if sync.optimizer_shards:
+            sentence += ", then AllGather of the updated weights"
+        rows.append((sync.seconds, sentence, f"{sync.op} (gradient sync)", "gradient sync"))
+    rows.sort(key=lambda row: -row[0])
+    return rows
+
+
+def _sentence(links: Sequence[LinkUse], step: CollectiveStep | GradientSync, what: str) -> str:
+    """The collective in words: AllReduce of the gradient of w over 8 devices (HCCS+PCIe), 1.05 MB."""
+    return (
+        f"{step.collective} of {what} over {step.group_size} devices"
+        f" ({link_levels(links, step.bits)}), {human_bytes(step.bytes)}"
+    )

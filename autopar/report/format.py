@@ -1,0 +1,41 @@
+"""Words and numbers both report faces print the same way: the terminal table and the HTML page.
+
+Kept in one place so a strategy, a link level or a time reads identically in both.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+
+from autopar.lowering.planfile import LinkUse
+
+
+def figure_ms(seconds: float) -> str:
+    """Seconds as milliseconds with three decimals, no unit ("16.208"): a table's column."""
+    return f"{seconds * 1e3:.3f}"
+
+
+def ms(seconds: float) -> str:
+    """Seconds as milliseconds with the unit ("16.208 ms"): prose."""
+    return f"{figure_ms(seconds)} ms"
+
+
+def escape(value: object) -> str:
+    """Text made safe inside HTML elements and quoted attributes."""
+    return html.escape(str(value), quote=True)
+
+
+def strategy_text(entry: Sequence[Sequence[int]]) -> str:
+    """An in_strategy as MindSpore writes it: ((8,1,1,1),(1,)) — a one-element tuple keeps its comma."""
+    return "(" + ",".join("(" + ",".join(str(f) for f in s) + ("," if len(s) == 1 else "") + ")" for s in entry) + ")"
+
+
+def link_levels(links: Sequence[LinkUse], bits: Sequence[int]) -> str:
+    """The link levels a collective's bits cross, fastest first ("HCCS+PCIe")."""
+    level_of = {bit: link.name for link in links for bit in link.bits}
+    names: list[str] = []
+    for bit in sorted(bits):
+        if level_of.get(bit, "?") not in names:
+            names.append(level_of.get(bit, "?"))
+    return "+".join(names)

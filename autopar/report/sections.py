@@ -1,0 +1,233 @@
+"""The report's sections in words and tables: summary cards, the strategy map, why not data parallel, collectives."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from autopar.lowering import PlanFile
+from autopar.report.charts import factor_colour
+from autopar.report.figures import (
+    AXES,
+    AXIS_TITLES,
+    axis_splits,
+    collective_rows,
+    fold_groups,
+    incoming_seconds,
+    is_image_model,
+    samples_per_step,
+    summary_figures,
+    warnings_of,
+)
+from autopar.report.format import escape, ms, strategy_text
+from autopar.units import human_bytes
+
+
+def _card(key: str, label: str, value: float | None, shown: str, note: str) -> str:
+    exact = "" if value is None else f" data-value='{value!r}'"
+    return (
+        f"<div class='card' data-key='{key}'{exact}><div class='label'>{escape(label)}</div>"
+        f"<div class='value'>{escape(shown)}</div><div class='note'>{escape(note)}</div></div>"
+    )
+
+
+def summary_section(data: PlanFile, stand_alone: PlanFile | None) -> str:
+    """The cards (step, throughput, MFU, memory, speed-ups) and the warnings."""
+    figures = summary_figures(data, stand_alone)
+    totals = data.totals
+    samples = samples_per_step(data)
+    step = totals.step_time_s
+    throughput = figures["samples_per_s"]
+    mfu = figures["mfu"]
+    used, capacity = totals.memory_per_device_bytes, totals.memory_capacity_bytes
+    vs_alone = figures["speedup_vs_stand_alone"]
+    cards = [
+        _card(
+            "step_time_s",
+            "predicted step time",
+            step,
+            ms(step),
+            f"compute {ms(totals.compute_s)}, exposed communication {ms(totals.communication_s)}",
+        ),
+        _card(
+            "samples_per_s",
+            "throughput",
+            throughput,
+            f"{throughput:,.1f} samples/s" if throughput is not None else "unknown",
+            f"{samples} samples a step" if samples else "the data inputs share no leading size",
+        ),
+        _card(
+            "mfu",
+            "MFU",
+            mfu,
+            f"{mfu:.1%}" if mfu is not None else "-",
+            f"ideal step {ms(totals.ideal_step_time_s)} (training FLOPs / devices x peak)",
+        ),
+        _card(
+            "memory_per_device_bytes",
+            "memory per device",
+            used,
+            human_bytes(used),
+            f"of {human_bytes(capacity)} ({used / capacity:.1%})" if capacity else "capacity unknown",
+        ),
+        _card(
+            "speedup_vs_data_parallel",
+            "speed-up vs data parallel",
+            totals.speedup_vs_data_parallel,
+            f"x{totals.speedup_vs_data_parallel:.3f}",
+            f"data parallel {ms(totals.data_parallel_step_time_s)}",
+        ),
+        _card(
+            "speedup_vs_stand_alone",
+            "speed-up vs stand-alone",
+            vs_alone,
+            f"x{vs_alone:.2f}" if vs_alone is not None else "not computed",
+            f"stand-alone {ms(stand_alone.totals.step_time_s)} (every operator whole on every device)"
+            if stand_alone is not None
+            else "needs the plan on its problem (a plan file alone cannot say)",
+        ),
+    ]
+    found = warnings_of(data)
+    warned = (
+        "<ul class='warnings'>" + "".join(f"<li>{escape(w)}</li>" for w in found) + "</ul>"
+        if found
+        else "<p class='ok'>No warnings: every device does distinct work and every operator has a strategy rule.</p>"
+    )
+    return f"<div class='cards'>{''.join(cards)}</div><h3>Warnings</h3>{warned}"
+
+
+def strategy_map_section(data: PlanFile) -> str:
+    """One row per operator (repeated blocks folded), one column per axis kind, coloured by split factor."""
+    ops = data.ops
+    devices = data.devices
+    image = is_image_model(data)
+    groups = fold_groups(data)
+    rows = []
+    for group in groups:
+        op = ops[group[0]]
+        splits, used = axis_splits(op, image)
+        strategy = strategy_text(op.strategy)
+        names = [ops[i].name for i in group]
+        title = f"in_strategy {strategy}" + (
+            f"; also {len(names) - 1} copies: {', '.join(names[1:])}" if len(names) > 1 else ""
+        )
+        cells = []
+        for axis in AXES:
+            factor = splits.get(axis, 1)
+            background, colour = factor_colour(factor, devices)
+            cells.append(
+                f"<td class='f' style='background:{background};color:{colour}'"
+                f" title='{escape(axis)}: split {factor} ways; in_strategy {escape(strategy)}'>"
+                f"{'x' + str(factor) if factor > 1 else '1'}</td>"
+            )
+        repeated = devices // used
+        flags = (" fallback" if op.fallback else "") + (" fixed" if op.fixed else "")
+        rows.append(
+            f"<tr data-op='{escape(op.name)}' data-count='{len(group)}' title='{escape(title)}'>"
+            f"<td class='name'>{escape(op.name)}{escape(flags)}</td><td>{escape(op.op_type)}</td>"
+            f"<td class='num'>{'x' + str(len(group)) if len(group) > 1 else ''}</td>{''.join(cells)}"
+            f"<td class='num'>{'x' + str(repeated) if repeated > 1 else '-'}</td>"
+            f"<td><code>{escape(strategy)}</code></td></tr>"
+        )
+    swatches = [(f, *factor_colour(f, devices)) for f in (1 << b for b in range(int(math.log2(devices)) + 1))]
+    legend = "".join(
+        f"<span class='swatch' style='background:{background};color:{colour}'>x{f}</span>"
+        for f, background, colour in swatches
+    )
+    heads = "".join(f"<th title='{escape(AXIS_TITLES[a])}'>{escape(a)}</th>" for a in AXES)
+    folded = sum(len(g) - 1 for g in groups)
+    note = (
+        f" {folded} operators of repeated blocks are folded into their first copy's row (the copies column)."
+        if folded
+        else ""
+    )
+    return (
+        f"<p>Split factor per axis kind; colour: {legend}. Hover a row for the exact in_strategy.{escape(note)}"
+        " Columns come from the layouts: a mesh bit counts for the axis of the output dimension it splits"
+        " (position in a tensor of that rank), or for contraction when the output is partial over it."
+        " <i>repeated</i>: devices that compute the same shard.</p>"
+        "<div class='scroll'><table class='map'><thead><tr><th>operator</th><th>type</th><th>copies</th>"
+        f"{heads}<th>repeated</th><th>in_strategy</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
+    )
+
+
+def _splits_in_words(splits: Mapping[str, int]) -> str:
+    words = [f"{axis} x{splits[axis]}" for axis in AXES if splits.get(axis, 1) > 1]
+    return ", ".join(words) if words else "nothing (replicated)"
+
+
+def why_section(data: PlanFile, data_parallel: PlanFile | None) -> str:
+    """Every operator off data parallel, its costs beside data parallel's (needs that plan)."""
+    ops = data.ops
+    image = is_image_model(data)
+    if data_parallel is None:
+        return (
+            "<p>The comparison needs the data-parallel plan of the same problem (the report of a `Plan`, or"
+            " <code>autopar report</code>, works it out).</p>"
+        )
+    reference = {op.name: op for op in data_parallel.ops}
+    mine, theirs = incoming_seconds(data), incoming_seconds(data_parallel)
+    rows, differ = [], 0
+    for group in fold_groups(data):
+        op = ops[group[0]]
+        other = reference.get(op.name)
+        if other is None or other.strategy == op.strategy:
+            continue
+        differ += len(group)
+        cost, base = op.cost, other.cost
+        here = cost.compute_s + cost.communication_s + mine.get(op.name, 0.0)
+        there = base.compute_s + base.communication_s + theirs.get(op.name, 0.0)
+        delta = there - here
+        verdict = (
+            f"{ms(delta)} faster here" if delta > 1e-12 else f"{ms(-delta)} slower here" if delta < -1e-12 else "even"
+        )
+        if delta < -1e-12:
+            verdict += " (repaid by its neighbours: fewer redistributions or gradient sync elsewhere)"
+        copies = f" (each of {len(group)} copies)" if len(group) > 1 else ""
+        memory = (
+            f"; memory {human_bytes(cost.memory_bytes)} vs {human_bytes(base.memory_bytes)}"
+            if cost.memory_bytes != base.memory_bytes
+            else ""
+        )
+        sentence = (
+            f"splits {_splits_in_words(axis_splits(op, image)[0])} where data parallel splits"
+            f" {_splits_in_words(axis_splits(other, image)[0])}. Compute {ms(cost.compute_s)}"
+            f" (data parallel {ms(base.compute_s)}), own communication {ms(cost.communication_s)}"
+            f" ({ms(base.communication_s)}), redistribution into it {ms(mine.get(op.name, 0.0))}"
+            f" ({ms(theirs.get(op.name, 0.0))}){memory}: {verdict}{copies}."
+        )
+        rows.append(
+            f"<tr data-op='{escape(op.name)}' title='in_strategy {escape(strategy_text(op.strategy))}'>"
+            f"<td class='name'>{escape(op.name)}</td><td>{escape(op.op_type)}</td><td>{escape(sentence)}</td></tr>"
+        )
+    if not rows:
+        return "<p>Every operator takes the data-parallel strategy: the batch split over all devices.</p>"
+    return (
+        f"<p>{differ} of {len(ops)} operators leave data parallel (the batch split over all devices). Own"
+        " communication counts the operator's gradient sync before any overlap and backward AllReduces of"
+        " inputs it reads whole; redistribution counts forward and backward.</p>"
+        f"<table><thead><tr><th>operator</th><th>type</th><th>why, against data parallel</th></tr></thead>"
+        f"<tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
+def collectives_section(data: PlanFile) -> str:
+    """Every collective the step runs, in words, costliest first (local Slice steps counted, not listed)."""
+    rows = collective_rows(data)
+    if not rows:
+        return "<p>No collectives: nothing moves between devices.</p>"
+    body = "".join(
+        f"<tr><td>{escape(sentence)}</td><td>{escape(where)}</td><td>{escape(phase)}</td>"
+        f"<td class='num'>{ms(seconds)}</td></tr>"
+        for seconds, sentence, where, phase in rows
+    )
+    steps = [*(s for red in data.redistributions for s in red.steps), *(s for g in data.gradients for s in g.steps)]
+    slices = sum(1 for s in steps if s.collective == "Slice")
+    note = f" {slices} local Slice steps (no communication) are left out." if slices else ""
+    return (
+        f"<p>{len(rows)} collectives a step runs, costliest first: the forward redistributions, the backward"
+        " collectives that take each gradient to its producer's layout, and each parameter's gradient sync"
+        f" (hidden or not). Bytes are each rank's payload.{escape(note)}</p>"
+        "<div class='scroll'><table><thead><tr><th>collective</th><th>where</th><th>phase</th><th>seconds</th></tr>"
+        f"</thead><tbody>{body}</tbody></table></div>"
+    )
