@@ -29,7 +29,7 @@ flat form, so a 1-D tensor split over two axes reads back ambiguously there too)
 
 ONNX node names are not MindSpore primitive names: the checkpoint keys strategies by the ONNX
 name, and the snippet names, per node, the ONNX op type and the primitive it corresponds to
-(`PRIMITIVES`).
+(`PRIMITIVES`, read from the operator registry: each operator's registration names its primitive).
 
 >>> from autopar.layout import Layout
 >>> x, w, y = Layout(((2,), ())), Layout(((), (1, 0))), Layout(((2,), (1, 0)))
@@ -46,7 +46,7 @@ from __future__ import annotations
 import keyword
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,126 +57,17 @@ from autopar.errors import AutoparError
 from autopar.export import node_strategy_pb2 as pb
 from autopar.layout import Layout
 from autopar.lowering.planfile import OpEntry, PlanFile
+from autopar.ops.registry import MindSporePrimitive, mindspore_primitives
 
 TensorMapEntry = int | list[int]
 
 
-@dataclass(frozen=True)
-class Primitive:
-    """The MindSpore primitive an ONNX operator corresponds to.
-
-    ``inputs``: how many leading ONNX inputs are the primitive's tensor inputs (the shard strategy
-    covers only those; ONNX passes shapes, axes and pads as inputs where MindSpore takes them as
-    constructor arguments), None for all. ``needs_args``: the constructor has required arguments
-    the plan does not hold, so the snippet writes the call as a comment.
-    """
-
-    name: str
-    inputs: int | None = None
-    needs_args: bool = False
-    note: str = ""
-
-
-# ONNX op type -> MindSpore primitive (mindspore.ops). MatMul of two matrices is ops.MatMul, with
-# batch dimensions ops.BatchMatMul; Conv of 4-D data is ops.Conv2D, of 5-D ops.Conv3D; Gemm is
-# ops.MatMul then ops.BiasAdd (or ops.Add for a 2-D bias). None: no primitive does the same.
-PRIMITIVES: dict[str, Primitive | None] = {
-    "MatMul": Primitive("ops.MatMul", note="ops.BatchMatMul with batch dimensions"),
-    "Gemm": Primitive("ops.MatMul", 2, note="then ops.BiasAdd (ops.Add for a 2-D bias) on the output's layout"),
-    "Conv": Primitive("ops.Conv2D", 2, needs_args=True, note="ops.Conv3D for 5-D data; the bias is a BiasAdd"),
-    "ConvTranspose": Primitive("ops.Conv2DTranspose", 2, needs_args=True),
-    "Relu": Primitive("ops.ReLU"),
-    "Sigmoid": Primitive("ops.Sigmoid"),
-    "Tanh": Primitive("ops.Tanh"),
-    "Erf": Primitive("ops.Erf"),
-    "Gelu": Primitive("ops.GeLU"),
-    "Sqrt": Primitive("ops.Sqrt"),
-    "Exp": Primitive("ops.Exp"),
-    "Log": Primitive("ops.Log"),
-    "Abs": Primitive("ops.Abs"),
-    "Neg": Primitive("ops.Neg"),
-    "Reciprocal": Primitive("ops.Reciprocal"),
-    "Floor": Primitive("ops.Floor"),
-    "Ceil": Primitive("ops.Ceil"),
-    "Round": Primitive("ops.Round"),
-    "Sign": Primitive("ops.Sign"),
-    "Sin": Primitive("ops.Sin"),
-    "Cos": Primitive("ops.Cos"),
-    "Softplus": Primitive("ops.Softplus"),
-    "Softsign": Primitive("ops.Softsign"),
-    "Elu": Primitive("ops.Elu"),
-    "Selu": Primitive("ops.SeLU"),
-    "Celu": Primitive("ops.CeLU"),
-    "Mish": Primitive("ops.Mish"),
-    "HardSigmoid": Primitive("ops.HSigmoid"),
-    "HardSwish": Primitive("ops.HSwish"),
-    "PRelu": Primitive("ops.PReLU"),
-    "IsInf": Primitive("ops.IsInf"),
-    "IsNaN": Primitive("ops.IsNan"),
-    "Cast": Primitive("ops.Cast", 1),
-    "CastLike": Primitive("ops.Cast", 1),
-    "Not": Primitive("ops.LogicalNot"),
-    "Dropout": Primitive("ops.Dropout", 1),
-    "Identity": Primitive("ops.Identity"),
-    "Add": Primitive("ops.Add"),
-    "Sub": Primitive("ops.Sub"),
-    "Mul": Primitive("ops.Mul"),
-    "Div": Primitive("ops.RealDiv", note="ops.Div for integers"),
-    "Pow": Primitive("ops.Pow"),
-    "Max": Primitive("ops.Maximum"),
-    "Min": Primitive("ops.Minimum"),
-    "Sum": Primitive("ops.AddN"),
-    "Mod": Primitive("ops.FloorMod"),
-    "Where": Primitive("ops.Select"),
-    "Equal": Primitive("ops.Equal"),
-    "Greater": Primitive("ops.Greater"),
-    "GreaterOrEqual": Primitive("ops.GreaterEqual"),
-    "Less": Primitive("ops.Less"),
-    "LessOrEqual": Primitive("ops.LessEqual"),
-    "And": Primitive("ops.LogicalAnd"),
-    "Or": Primitive("ops.LogicalOr"),
-    "Xor": Primitive("ops.LogicalXor"),
-    "Expand": Primitive("ops.BroadcastTo", 1, needs_args=True),
-    "BatchNormalization": Primitive("ops.BatchNorm", 5),
-    "LayerNormalization": Primitive("ops.LayerNorm", 3),
-    "Softmax": Primitive("ops.Softmax"),
-    "LogSoftmax": Primitive("ops.LogSoftmax"),
-    "ReduceSum": Primitive("ops.ReduceSum", 1),
-    "ReduceMean": Primitive("ops.ReduceMean", 1),
-    "ReduceMax": Primitive("ops.ReduceMax", 1),
-    "ReduceMin": Primitive("ops.ReduceMin", 1),
-    "ArgMax": Primitive("ops.Argmax"),
-    "ArgMin": Primitive("ops.Argmin"),
-    "TopK": Primitive("ops.TopK", 1),
-    "SoftmaxCrossEntropyLoss": Primitive(
-        "ops.SparseSoftmaxCrossEntropyWithLogits", 2, note="logits [N, C] and integer labels"
-    ),
-    "NegativeLogLikelihoodLoss": Primitive("ops.NLLLoss", 2),
-    "Gather": Primitive("ops.Gather", 2),
-    "GatherElements": Primitive("ops.GatherD", 2),
-    "Concat": Primitive("ops.Concat", note="axis as a constructor argument"),
-    "Split": Primitive("ops.Split", 1),
-    "Slice": Primitive("ops.StridedSlice", 1),
-    "Pad": Primitive("ops.PadV3", 1),
-    "Tile": Primitive("ops.Tile", 1),
-    "Transpose": Primitive("ops.Transpose", 1),
-    "Reshape": Primitive("ops.Reshape", 1),
-    "Flatten": Primitive("ops.Flatten", 1),
-    "Squeeze": Primitive("ops.Squeeze", 1),
-    "Unsqueeze": Primitive("ops.ExpandDims", 1),
-    "MaxPool": Primitive("ops.MaxPool", 1),
-    "AveragePool": Primitive("ops.AvgPool", 1),
-    "GlobalAveragePool": Primitive("ops.ReduceMean", 1, note="keep_dims=True over the spatial axes"),
-    "GlobalMaxPool": Primitive("ops.ReduceMax", 1, note="keep_dims=True over the spatial axes"),
-    "LRN": Primitive("ops.LRN", 1),
-    "OneHot": Primitive("ops.OneHot", 1, note="MindSpore's OneHot strategy names the output"),
-    "Resize": Primitive("ops.ResizeNearestNeighbor", 1, needs_args=True),
-    "Upsample": Primitive("ops.ResizeNearestNeighbor", 1, needs_args=True),
-    "InstanceNormalization": None,
-    "Hardmax": None,
-    "Mean": None,
-    "Clip": None,
-}
+# ONNX op type -> MindSpore primitive (mindspore.ops), as each operator's registration names it
+# (`autopar.ops.registry.MindSporePrimitive`). MatMul of two matrices is ops.MatMul, with batch
+# dimensions ops.BatchMatMul; Conv of 4-D data is ops.Conv2D, of 5-D ops.Conv3D; Gemm is ops.MatMul
+# then ops.BiasAdd (or ops.Add for a 2-D bias). None: no primitive does the same.
+Primitive = MindSporePrimitive
+PRIMITIVES: Mapping[str, Primitive | None] = mindspore_primitives()
 
 
 # --- the device matrix and tensor map -------------------------------------------------------------

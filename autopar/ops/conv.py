@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, no_split, shape
-from autopar.ops.registry import Keeps, declare, register
+from autopar.ops.registry import Keeps, MindSporePrimitive, declare, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -102,7 +102,16 @@ def torch_conv_transpose(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     return [out]
 
 
-@register("Conv", flops=conv_flops, keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_conv)
+@register(
+    "Conv",
+    mindspore=MindSporePrimitive(
+        "ops.Conv2D", 2, needs_args=True, note="ops.Conv3D for 5-D data; the bias is a BiasAdd"
+    ),
+    flops=conv_flops,
+    keeps=Keeps.OPERANDS,
+    weight_inputs=True,
+    torch_kernel=torch_conv,
+)
 def conv(op: NodeView, graph: GraphView) -> OpSpec:
     x_rank = len(shape(graph, op.inputs[0]))
     spatial = x_rank - 2
@@ -118,4 +127,10 @@ def conv(op: NodeView, graph: GraphView) -> OpSpec:
     return OpSpec(inputs=tuple(inputs), outputs=(y,), op_class="cube", local_once_inputs=(2,))
 
 
-declare("ConvTranspose", keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_conv_transpose)
+declare(
+    "ConvTranspose",
+    mindspore=MindSporePrimitive("ops.Conv2DTranspose", 2, needs_args=True),
+    keeps=Keeps.OPERANDS,
+    weight_inputs=True,
+    torch_kernel=torch_conv_transpose,
+)

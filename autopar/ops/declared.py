@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import normalize_axis
-from autopar.ops.registry import Keeps, declare
+from autopar.ops.registry import Keeps, MindSporePrimitive, declare
 from autopar.ops.resize import resize_kernel
 
 if TYPE_CHECKING:
@@ -39,14 +39,18 @@ declare(
     "ArgMax",
     "ArgMin",
     "NonZero",
+    mindspore={"ArgMax": "ops.Argmax", "ArgMin": "ops.Argmin"},
     differentiable=False,
     keeps=Keeps.NOTHING,
     torch_kernel=torch_shape_query,
 )
+_RESIZE = MindSporePrimitive("ops.ResizeNearestNeighbor", 1, needs_args=True)
 # Resize's roi, scales and sizes (Upsample's and opset 10's scales) configure it
-declare("Resize", until=10, config_inputs=frozenset({1}), torch_kernel=resize_kernel(legacy=True))
-declare("Resize", since=11, config_inputs=frozenset({1, 2, 3}), torch_kernel=resize_kernel(legacy=False))
-declare("Upsample", config_inputs=frozenset({1}), torch_kernel=resize_kernel(legacy=True))
+declare("Resize", until=10, mindspore=_RESIZE, config_inputs=frozenset({1}), torch_kernel=resize_kernel(legacy=True))
+declare(
+    "Resize", since=11, mindspore=_RESIZE, config_inputs=frozenset({1, 2, 3}), torch_kernel=resize_kernel(legacy=False)
+)
+declare("Upsample", mindspore=_RESIZE, config_inputs=frozenset({1}), torch_kernel=resize_kernel(legacy=True))
 # no torch kernel: a random draw matches neither onnxruntime's nor, without a shared seed, the other ranks'
 declare(
     "RandomNormal",

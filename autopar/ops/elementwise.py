@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, as_float, as_ints, broadcast_labels, dim_labels, shape, tensors
-from autopar.ops.registry import Keeps, TorchKernel, no_flops, register
+from autopar.ops.registry import Keeps, MindSporePrimitive, TorchKernel, no_flops, register
 from autopar.ops.shape import local_target_shape
 
 if TYPE_CHECKING:
@@ -21,42 +21,62 @@ if TYPE_CHECKING:
 # for the other's gradient (Mul by a constant keeps nothing); a quotient always keeps its divisor
 # and, for the divisor's gradient, its numerator; Where keeps only its condition; Max and Min
 # keep both to know which one won.
-UNARY_KEEPS_OUTPUT = ("Relu", "Exp", "Sigmoid", "Tanh", "Sqrt", "Reciprocal")
-UNARY_KEEPS_INPUT = (
-    "Log",
-    "Abs",
-    "Erf",
-    "Gelu",
-    "Softplus",
-    "Softsign",
-    "LeakyRelu",
-    "Elu",
-    "Selu",
-    "Celu",
-    "HardSigmoid",
-    "HardSwish",
-    "Mish",
-    "ThresholdedRelu",
-    "Sin",
-    "Cos",
-)
-UNARY_KEEPS_NOTHING = ("Neg", "Cast", "CastLike")
-UNARY_NON_DIFFERENTIABLE = ("Not", "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf")
-BROADCAST_KEEPS_NOTHING = ("Add", "Sub", "Sum", "Mean")
-BROADCAST_KEEPS_INPUTS = ("Max", "Min")
-BROADCAST_KEEPS_OPERANDS = ("Mul",)
-BROADCAST_NON_DIFFERENTIABLE = (
-    "Equal",
-    "Less",
-    "LessOrEqual",
-    "Greater",
-    "GreaterOrEqual",
-    "And",
-    "Or",
-    "Xor",
-    "Mod",
-    "BitShift",
-)
+# Each table maps an op type to its MindSpore primitive (None: no primitive does the same).
+UNARY_KEEPS_OUTPUT: dict[str, str | None] = {
+    "Relu": "ops.ReLU",
+    "Exp": "ops.Exp",
+    "Sigmoid": "ops.Sigmoid",
+    "Tanh": "ops.Tanh",
+    "Sqrt": "ops.Sqrt",
+    "Reciprocal": "ops.Reciprocal",
+}
+UNARY_KEEPS_INPUT: dict[str, str | None] = {
+    "Log": "ops.Log",
+    "Abs": "ops.Abs",
+    "Erf": "ops.Erf",
+    "Gelu": "ops.GeLU",
+    "Softplus": "ops.Softplus",
+    "Softsign": "ops.Softsign",
+    "LeakyRelu": None,
+    "Elu": "ops.Elu",
+    "Selu": "ops.SeLU",
+    "Celu": "ops.CeLU",
+    "HardSigmoid": "ops.HSigmoid",
+    "HardSwish": "ops.HSwish",
+    "Mish": "ops.Mish",
+    "ThresholdedRelu": None,
+    "Sin": "ops.Sin",
+    "Cos": "ops.Cos",
+}
+UNARY_KEEPS_NOTHING: dict[str, MindSporePrimitive | None] = {
+    "Neg": MindSporePrimitive("ops.Neg"),
+    "Cast": MindSporePrimitive("ops.Cast", 1),
+    "CastLike": MindSporePrimitive("ops.Cast", 1),
+}
+UNARY_NON_DIFFERENTIABLE: dict[str, str | None] = {
+    "Not": "ops.LogicalNot",
+    "Floor": "ops.Floor",
+    "Ceil": "ops.Ceil",
+    "Round": "ops.Round",
+    "Sign": "ops.Sign",
+    "IsNaN": "ops.IsNan",
+    "IsInf": "ops.IsInf",
+}
+BROADCAST_KEEPS_NOTHING: dict[str, str | None] = {"Add": "ops.Add", "Sub": "ops.Sub", "Sum": "ops.AddN", "Mean": None}
+BROADCAST_KEEPS_INPUTS: dict[str, str | None] = {"Max": "ops.Maximum", "Min": "ops.Minimum"}
+BROADCAST_KEEPS_OPERANDS: dict[str, str | None] = {"Mul": "ops.Mul"}
+BROADCAST_NON_DIFFERENTIABLE: dict[str, str | None] = {
+    "Equal": "ops.Equal",
+    "Less": "ops.Less",
+    "LessOrEqual": "ops.LessEqual",
+    "Greater": "ops.Greater",
+    "GreaterOrEqual": "ops.GreaterEqual",
+    "And": "ops.LogicalAnd",
+    "Or": "ops.LogicalOr",
+    "Xor": "ops.LogicalXor",
+    "Mod": "ops.FloorMod",
+    "BitShift": None,
+}
 
 
 def unary(op: NodeView, graph: GraphView) -> OpSpec:
@@ -212,39 +232,64 @@ def torch_expand(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     return [x.expand(*t.broadcast_shapes(tuple(x.shape), tuple(as_ints(inputs[1]))))]
 
 
-register(*UNARY_KEEPS_OUTPUT, keeps=Keeps.OUTPUTS, torch_kernel=torch_unary)(unary)
-register(*UNARY_KEEPS_INPUT, keeps=Keeps.INPUTS, torch_kernel=torch_unary)(unary)
-register("Clip", keeps=Keeps.INPUTS, config_inputs=frozenset({1, 2}), torch_kernel=torch_unary)(
+register(*UNARY_KEEPS_OUTPUT, mindspore=UNARY_KEEPS_OUTPUT, keeps=Keeps.OUTPUTS, torch_kernel=torch_unary)(unary)
+register(*UNARY_KEEPS_INPUT, mindspore=UNARY_KEEPS_INPUT, keeps=Keeps.INPUTS, torch_kernel=torch_unary)(unary)
+register("Clip", mindspore=None, keeps=Keeps.INPUTS, config_inputs=frozenset({1, 2}), torch_kernel=torch_unary)(
     unary
 )  # its bounds are not weights
-register(*UNARY_KEEPS_NOTHING, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
-register("Identity", flops=no_flops, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
+register(*UNARY_KEEPS_NOTHING, mindspore=UNARY_KEEPS_NOTHING, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
+register("Identity", mindspore="ops.Identity", flops=no_flops, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
 # Dropout's ratio and training mode configure it; its mask is what the backward keeps; never folded
-_DROPOUT: dict[str, Any] = {"keeps": Keeps.OUTPUTS, "config_inputs": frozenset({1, 2}), "foldable": False}
+_DROPOUT: dict[str, Any] = {
+    "mindspore": MindSporePrimitive("ops.Dropout", 1),
+    "keeps": Keeps.OUTPUTS,
+    "config_inputs": frozenset({1, 2}),
+    "foldable": False,
+}
 register("Dropout", until=9, torch_kernel=dropout_kernel(False, typed_mask=True), **_DROPOUT)(unary)
 register("Dropout", since=10, until=11, torch_kernel=dropout_kernel(False), **_DROPOUT)(unary)
 register("Dropout", since=12, torch_kernel=dropout_kernel(True), **_DROPOUT)(unary)
-register(*UNARY_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
-register(*BROADCAST_KEEPS_NOTHING, keeps=Keeps.NOTHING, torch_kernel=torch_broadcast)(broadcast)
-register(*BROADCAST_KEEPS_INPUTS, keeps=Keeps.INPUTS, torch_kernel=torch_broadcast)(broadcast)
-register("PRelu", keeps=Keeps.INPUTS, weight_inputs=True, torch_kernel=torch_broadcast)(
-    broadcast
-)  # its slope is learned, even a scalar one
-register(*BROADCAST_KEEPS_OPERANDS, keeps=Keeps.OPERANDS, torch_kernel=torch_broadcast)(broadcast)
-register("Div", keeps=Keeps.OPERANDS | Keeps.DIVISOR, torch_kernel=torch_broadcast)(
-    broadcast
-)  # d(a/b)/db = -a/b^2: b always, a for b's gradient
-register("Where", keeps=Keeps.SELECTORS, torch_kernel=torch_broadcast)(broadcast)
-register("Pow", keeps=Keeps.INPUTS, config_inputs=frozenset({1}), torch_kernel=torch_broadcast)(
-    broadcast
-)  # a scalar exponent
-register(*BROADCAST_NON_DIFFERENTIABLE, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_broadcast)(
+register(
+    *UNARY_NON_DIFFERENTIABLE,
+    mindspore=UNARY_NON_DIFFERENTIABLE,
+    differentiable=False,
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_unary,
+)(unary)
+register(
+    *BROADCAST_KEEPS_NOTHING, mindspore=BROADCAST_KEEPS_NOTHING, keeps=Keeps.NOTHING, torch_kernel=torch_broadcast
+)(broadcast)
+register(*BROADCAST_KEEPS_INPUTS, mindspore=BROADCAST_KEEPS_INPUTS, keeps=Keeps.INPUTS, torch_kernel=torch_broadcast)(
     broadcast
 )
+register("PRelu", mindspore="ops.PReLU", keeps=Keeps.INPUTS, weight_inputs=True, torch_kernel=torch_broadcast)(
+    broadcast
+)  # its slope is learned, even a scalar one
+register(
+    *BROADCAST_KEEPS_OPERANDS, mindspore=BROADCAST_KEEPS_OPERANDS, keeps=Keeps.OPERANDS, torch_kernel=torch_broadcast
+)(broadcast)
+register(
+    "Div",
+    mindspore=MindSporePrimitive("ops.RealDiv", note="ops.Div for integers"),
+    keeps=Keeps.OPERANDS | Keeps.DIVISOR,
+    torch_kernel=torch_broadcast,
+)(broadcast)  # d(a/b)/db = -a/b^2: b always, a for b's gradient
+register("Where", mindspore="ops.Select", keeps=Keeps.SELECTORS, torch_kernel=torch_broadcast)(broadcast)
+register("Pow", mindspore="ops.Pow", keeps=Keeps.INPUTS, config_inputs=frozenset({1}), torch_kernel=torch_broadcast)(
+    broadcast
+)  # a scalar exponent
+register(
+    *BROADCAST_NON_DIFFERENTIABLE,
+    mindspore=BROADCAST_NON_DIFFERENTIABLE,
+    differentiable=False,
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_broadcast,
+)(broadcast)
 
 
 @register(
     "Expand",
+    mindspore=MindSporePrimitive("ops.BroadcastTo", 1, needs_args=True),
     keeps=Keeps.NOTHING,
     local_kernel=local_target_shape,
     torch_kernel=torch_expand,

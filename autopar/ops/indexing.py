@@ -19,7 +19,7 @@ import numpy as np
 
 from autopar.layout import shard_index
 from autopar.ops.base import OpSpec, as_ints, dim_labels, normalize_axis, shape, tensors
-from autopar.ops.registry import Keeps, LocalCall, register
+from autopar.ops.registry import Keeps, LocalCall, MindSporePrimitive, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -138,6 +138,7 @@ def _gather_local_torch(call: LocalCall) -> list[Any]:
 
 @register(
     "OneHot",
+    mindspore=MindSporePrimitive("ops.OneHot", 1, note="MindSpore's OneHot strategy names the output"),
     differentiable=False,
     keeps=Keeps.NOTHING,
     local_kernel=_one_hot_local,
@@ -158,6 +159,7 @@ def one_hot(op: NodeView, graph: GraphView) -> OpSpec:
 
 @register(
     "Gather",
+    mindspore=MindSporePrimitive("ops.Gather", 2),
     keeps=Keeps.SELECTORS,
     local_kernel=_gather_local,
     index_bounds={1: _gathered_axis_size},
@@ -174,7 +176,11 @@ def gather(op: NodeView, graph: GraphView) -> OpSpec:
 
 
 @register(
-    "GatherElements", keeps=Keeps.SELECTORS, index_bounds={1: _gathered_axis_size}, torch_kernel=torch_gather_elements
+    "GatherElements",
+    mindspore=MindSporePrimitive("ops.GatherD", 2),
+    keeps=Keeps.SELECTORS,
+    index_bounds={1: _gathered_axis_size},
+    torch_kernel=torch_gather_elements,
 )
 def gather_elements(op: NodeView, graph: GraphView) -> OpSpec:
     data_shape = shape(graph, op.inputs[0])

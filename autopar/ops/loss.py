@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, shape
-from autopar.ops.registry import Keeps, register
+from autopar.ops.registry import Keeps, MindSporePrimitive, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -43,6 +43,12 @@ def torch_class_loss(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
 @register(
     "SoftmaxCrossEntropyLoss",
     "NegativeLogLikelihoodLoss",
+    mindspore={
+        "SoftmaxCrossEntropyLoss": MindSporePrimitive(
+            "ops.SparseSoftmaxCrossEntropyWithLogits", 2, note="logits [N, C] and integer labels"
+        ),
+        "NegativeLogLikelihoodLoss": MindSporePrimitive("ops.NLLLoss", 2),
+    },
     keeps=Keeps.INPUTS,
     index_bounds={1: _class_count},
     torch_kernel=torch_class_loss,

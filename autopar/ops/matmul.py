@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, broadcast_labels, shape
-from autopar.ops.registry import Keeps, register
+from autopar.ops.registry import Keeps, MindSporePrimitive, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -54,7 +54,16 @@ def torch_matmul(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     return [t.matmul(inputs[0], inputs[1])]
 
 
-@register("Gemm", flops=gemm_flops, keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_gemm)
+@register(
+    "Gemm",
+    mindspore=MindSporePrimitive(
+        "ops.MatMul", 2, note="then ops.BiasAdd (ops.Add for a 2-D bias) on the output's layout"
+    ),
+    flops=gemm_flops,
+    keeps=Keeps.OPERANDS,
+    weight_inputs=True,
+    torch_kernel=torch_gemm,
+)
 def gemm(op: NodeView, graph: GraphView) -> OpSpec:
     a = ("k", "i") if int(op.attrs.get("transA", 0)) else ("i", "k")
     b = ("j", "k") if int(op.attrs.get("transB", 0)) else ("k", "j")
@@ -72,7 +81,14 @@ def gemm(op: NodeView, graph: GraphView) -> OpSpec:
     )
 
 
-@register("MatMul", flops=matmul_flops, keeps=Keeps.OPERANDS, weight_inputs=True, torch_kernel=torch_matmul)
+@register(
+    "MatMul",
+    mindspore=MindSporePrimitive("ops.MatMul", note="ops.BatchMatMul with batch dimensions"),
+    flops=matmul_flops,
+    keeps=Keeps.OPERANDS,
+    weight_inputs=True,
+    torch_kernel=torch_matmul,
+)
 def matmul(op: NodeView, graph: GraphView) -> OpSpec:
     a_shape = shape(graph, op.inputs[0])
     b_shape = shape(graph, op.inputs[1])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, as_float, as_ints, constant_ints, dim_labels, ints_from, normalize_axis, shape
-from autopar.ops.registry import Keeps, register
+from autopar.ops.registry import Keeps, MindSporePrimitive, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -105,7 +105,9 @@ def torch_tile(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     return [inputs[0].repeat(*as_ints(inputs[1]))]
 
 
-@register("Transpose", keeps=Keeps.NOTHING, torch_kernel=torch_transpose)
+@register(
+    "Transpose", mindspore=MindSporePrimitive("ops.Transpose", 1), keeps=Keeps.NOTHING, torch_kernel=torch_transpose
+)
 def transpose(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     perm = [int(p) for p in op.attrs.get("perm", list(reversed(range(rank))))]
@@ -113,14 +115,19 @@ def transpose(op: NodeView, graph: GraphView) -> OpSpec:
     return OpSpec(inputs=(labels,), outputs=(tuple(labels[p] for p in perm),))
 
 
-@register("Concat", keeps=Keeps.NOTHING, torch_kernel=torch_concat)
+@register(
+    "Concat",
+    mindspore=MindSporePrimitive("ops.Concat", note="axis as a constructor argument"),
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_concat,
+)
 def concat(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.outputs[0]))
     labels = _except_axes(rank, {normalize_axis(int(op.attrs["axis"]), rank)})
     return OpSpec(inputs=tuple(labels if name else None for name in op.inputs), outputs=(labels,))
 
 
-@register("Split", keeps=Keeps.NOTHING, torch_kernel=torch_split)
+@register("Split", mindspore=MindSporePrimitive("ops.Split", 1), keeps=Keeps.NOTHING, torch_kernel=torch_split)
 def split(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     labels = _except_axes(rank, {normalize_axis(int(op.attrs.get("axis", 0)), rank)})
@@ -128,7 +135,7 @@ def split(op: NodeView, graph: GraphView) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=tuple(labels if name else () for name in op.outputs))
 
 
-@register("Slice", keeps=Keeps.NOTHING, torch_kernel=torch_slice)
+@register("Slice", mindspore=MindSporePrimitive("ops.StridedSlice", 1), keeps=Keeps.NOTHING, torch_kernel=torch_slice)
 def slice_(op: NodeView, graph: GraphView) -> OpSpec:
     in_shape = shape(graph, op.inputs[0])
     out_shape = shape(graph, op.outputs[0])
@@ -156,8 +163,14 @@ def slice_(op: NodeView, graph: GraphView) -> OpSpec:
 
 
 # pads and constant value configure Pad
-@register("Pad", keeps=Keeps.NOTHING, config_inputs=frozenset({1, 2}), torch_kernel=torch_pad)
-@register("Tile", keeps=Keeps.NOTHING, torch_kernel=torch_tile)
+@register(
+    "Pad",
+    mindspore=MindSporePrimitive("ops.PadV3", 1),
+    keeps=Keeps.NOTHING,
+    config_inputs=frozenset({1, 2}),
+    torch_kernel=torch_pad,
+)
+@register("Tile", mindspore=MindSporePrimitive("ops.Tile", 1), keeps=Keeps.NOTHING, torch_kernel=torch_tile)
 def resize_axes(op: NodeView, graph: GraphView) -> OpSpec:
     """The axes Pad or Tile change in size stay whole; their pads/repeats inputs are constants."""
     in_shape = shape(graph, op.inputs[0])

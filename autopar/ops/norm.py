@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, dim_labels, normalize_axis, shape
-from autopar.ops.registry import Keeps, register
+from autopar.ops.registry import Keeps, MindSporePrimitive, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -108,6 +108,7 @@ def torch_softmax_flattened(t: Any, op: NodeView, inputs: list[Any]) -> list[Any
 
 @register(
     "BatchNormalization",
+    mindspore=MindSporePrimitive("ops.BatchNorm", 5),
     flops=batch_norm_flops,
     keeps=Keeps.INPUTS,
     weight_inputs=True,
@@ -124,7 +125,9 @@ def batch_norm(op: NodeView, graph: GraphView) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=outputs)
 
 
-@register("InstanceNormalization", keeps=Keeps.INPUTS | Keeps.STATISTICS, torch_kernel=torch_instance_norm)
+@register(
+    "InstanceNormalization", mindspore=None, keeps=Keeps.INPUTS | Keeps.STATISTICS, torch_kernel=torch_instance_norm
+)
 def instance_norm(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     x = ("d0", "d1") + tuple(None for _ in range(rank - 2))
@@ -132,7 +135,11 @@ def instance_norm(op: NodeView, graph: GraphView) -> OpSpec:
 
 
 @register(
-    "LayerNormalization", keeps=Keeps.INPUTS | Keeps.STATISTICS, weight_inputs=True, torch_kernel=torch_layer_norm
+    "LayerNormalization",
+    mindspore=MindSporePrimitive("ops.LayerNorm", 3),
+    keeps=Keeps.INPUTS | Keeps.STATISTICS,
+    weight_inputs=True,
+    torch_kernel=torch_layer_norm,
 )
 def layer_norm(op: NodeView, graph: GraphView) -> OpSpec:
     """Leading axes split; the normalised axes (from ``axis`` on), scale and bias stay whole."""
@@ -151,8 +158,11 @@ def _softmax(op: NodeView, graph: GraphView, axis: int, whole: set[int]) -> OpSp
     return OpSpec(inputs=(labels,), outputs=(labels,))
 
 
-@register("Softmax", "LogSoftmax", since=13, keeps=Keeps.OUTPUTS, torch_kernel=torch_softmax)
-@register("Hardmax", since=13, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_softmax)
+_SOFTMAX = {"Softmax": "ops.Softmax", "LogSoftmax": "ops.LogSoftmax"}
+
+
+@register("Softmax", "LogSoftmax", since=13, mindspore=_SOFTMAX, keeps=Keeps.OUTPUTS, torch_kernel=torch_softmax)
+@register("Hardmax", since=13, mindspore=None, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_softmax)
 def softmax(op: NodeView, graph: GraphView) -> OpSpec:
     """Opset 13 on: one axis (default the last) is normalised; the others split."""
     rank = len(shape(graph, op.inputs[0]))
@@ -160,8 +170,12 @@ def softmax(op: NodeView, graph: GraphView) -> OpSpec:
     return _softmax(op, graph, axis, {axis})
 
 
-@register("Softmax", "LogSoftmax", until=12, keeps=Keeps.OUTPUTS, torch_kernel=torch_softmax_flattened)
-@register("Hardmax", until=12, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_softmax_flattened)
+@register(
+    "Softmax", "LogSoftmax", until=12, mindspore=_SOFTMAX, keeps=Keeps.OUTPUTS, torch_kernel=torch_softmax_flattened
+)
+@register(
+    "Hardmax", until=12, mindspore=None, differentiable=False, keeps=Keeps.NOTHING, torch_kernel=torch_softmax_flattened
+)
 def softmax_flattened(op: NodeView, graph: GraphView) -> OpSpec:
     """Before opset 13: every axis from ``axis`` (default 1) on is flattened into one and normalised."""
     rank = len(shape(graph, op.inputs[0]))

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, no_split, shape
-from autopar.ops.registry import Keeps, input_elements, register
+from autopar.ops.registry import Keeps, MindSporePrimitive, input_elements, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -135,10 +135,38 @@ def torch_pool(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     return [_window_sums(t, x.abs() ** p, window, sizes, 0.0) ** (1.0 / p)]
 
 
-register("MaxPool", flops=window_flops, keeps=Keeps.INPUTS | Keeps.OUTPUTS, torch_kernel=torch_pool)(
-    pool
-)  # the argmax of each window
-register("AveragePool", flops=window_flops, keeps=Keeps.NOTHING, torch_kernel=torch_pool)(pool)
-register("GlobalAveragePool", flops=input_elements, keeps=Keeps.NOTHING, torch_kernel=torch_pool)(pool)
-register("GlobalMaxPool", flops=input_elements, keeps=Keeps.INPUTS | Keeps.OUTPUTS, torch_kernel=torch_pool)(pool)
-register("LpPool", "LRN", keeps=Keeps.INPUTS | Keeps.OUTPUTS, torch_kernel=torch_pool)(pool)
+register(
+    "MaxPool",
+    mindspore=MindSporePrimitive("ops.MaxPool", 1),
+    flops=window_flops,
+    keeps=Keeps.INPUTS | Keeps.OUTPUTS,
+    torch_kernel=torch_pool,
+)(pool)  # the argmax of each window
+register(
+    "AveragePool",
+    mindspore=MindSporePrimitive("ops.AvgPool", 1),
+    flops=window_flops,
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_pool,
+)(pool)
+register(
+    "GlobalAveragePool",
+    mindspore=MindSporePrimitive("ops.ReduceMean", 1, note="keep_dims=True over the spatial axes"),
+    flops=input_elements,
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_pool,
+)(pool)
+register(
+    "GlobalMaxPool",
+    mindspore=MindSporePrimitive("ops.ReduceMax", 1, note="keep_dims=True over the spatial axes"),
+    flops=input_elements,
+    keeps=Keeps.INPUTS | Keeps.OUTPUTS,
+    torch_kernel=torch_pool,
+)(pool)
+register(
+    "LpPool",
+    "LRN",
+    mindspore={"LRN": MindSporePrimitive("ops.LRN", 1)},
+    keeps=Keeps.INPUTS | Keeps.OUTPUTS,
+    torch_kernel=torch_pool,
+)(pool)

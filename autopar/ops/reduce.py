@@ -14,7 +14,7 @@ import numpy as np
 
 from autopar.layout import ReduceOp
 from autopar.ops.base import OpSpec, as_ints, constant_value, dim_labels, ints_from, normalize_axis, shape
-from autopar.ops.registry import Keeps, input_elements, register
+from autopar.ops.registry import Keeps, MindSporePrimitive, input_elements, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -83,15 +83,33 @@ def torch_top_k(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     return [values, indices]
 
 
-register("ReduceSum", "ReduceMean", flops=input_elements, keeps=Keeps.NOTHING, torch_kernel=torch_reduce)(reduce)
+register(
+    "ReduceSum",
+    "ReduceMean",
+    mindspore={
+        "ReduceSum": MindSporePrimitive("ops.ReduceSum", 1),
+        "ReduceMean": MindSporePrimitive("ops.ReduceMean", 1),
+    },
+    flops=input_elements,
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_reduce,
+)(reduce)
 # the backward needs to know where the extreme was
-register("ReduceMax", "ReduceMin", flops=input_elements, keeps=Keeps.INPUTS | Keeps.OUTPUTS, torch_kernel=torch_reduce)(
-    reduce
-)
+register(
+    "ReduceMax",
+    "ReduceMin",
+    mindspore={
+        "ReduceMax": MindSporePrimitive("ops.ReduceMax", 1),
+        "ReduceMin": MindSporePrimitive("ops.ReduceMin", 1),
+    },
+    flops=input_elements,
+    keeps=Keeps.INPUTS | Keeps.OUTPUTS,
+    torch_kernel=torch_reduce,
+)(reduce)
 
 
 @register(
-    "TopK", since=10, keeps=Keeps.OUTPUTS, torch_kernel=torch_top_k
+    "TopK", since=10, mindspore=MindSporePrimitive("ops.TopK", 1), keeps=Keeps.OUTPUTS, torch_kernel=torch_top_k
 )  # the backward scatters into the positions it chose
 def top_k(op: NodeView, graph: GraphView) -> OpSpec:
     """The k largest (or smallest) along one axis: that axis stays whole, every other axis splits."""

@@ -4,8 +4,9 @@ An `OpDef` is keyed by (domain, op type, opset range), as onnxscript keys its re
 holds the strategy rule (the einsum-like `OpSpec`), the forward FLOP count, the local kernel
 the SPMD verifier runs on a rank's shards (None: the operator as ONNX defines it, run on the
 local shapes), the valid range of integer inputs (for random test values), whether the
-operator is differentiable, which of its tensors its backward keeps, and the roles of its
-inputs at import (configuration scalars, running statistics, layer weights).
+operator is differentiable, which of its tensors its backward keeps, the roles of its
+inputs at import (configuration scalars, running statistics, layer weights), and what an
+exporter needs per operator (the MindSpore primitive it corresponds to).
 
 Operators without a strategy rule may still be declared (`declare`): the importer and the
 search need to know that ``RandomNormal`` must never be folded or that ``ArgMax`` carries no
@@ -105,6 +106,28 @@ def no_flops(in_shapes: Sequence[Shape | None], out_shapes: Sequence[Shape], att
 
 
 @dataclass(frozen=True)
+class MindSporePrimitive:
+    """The MindSpore primitive (``mindspore.ops``) an ONNX operator corresponds to.
+
+    ``inputs``: how many leading ONNX inputs are the primitive's tensor inputs (the shard strategy
+    covers only those; ONNX passes shapes, axes and pads as inputs where MindSpore takes them as
+    constructor arguments), None for all. ``needs_args``: the constructor has required arguments
+    the plan does not hold, so the exported snippet writes the call as a comment.
+    """
+
+    name: str
+    inputs: int | None = None
+    needs_args: bool = False
+    note: str = ""
+
+
+MindSporeField = MindSporePrimitive | str | None | Mapping[str, "MindSporePrimitive | str | None"]
+"""How a registration names its MindSpore primitive: a primitive, its name alone (all inputs are
+tensors, no required arguments), None (no primitive does the same), or, for a registration of
+several op types, one of those per op type."""
+
+
+@dataclass(frozen=True)
 class OpDef:
     """Everything about one ONNX operator over a range of opset versions."""
 
@@ -125,6 +148,7 @@ class OpDef:
     positive_inputs: frozenset[int] = frozenset()
     weight_inputs: bool = False
     foldable: bool = True
+    mindspore: MindSporePrimitive | None = None
 
     def covers(self, opset: int) -> bool:
         return self.since <= opset and (self.until is None or opset <= self.until)
@@ -155,12 +179,12 @@ def register(
 
     ``fields`` are `OpDef`'s: ``flops``, ``local_kernel``, ``torch_kernel``, ``torch_local_kernel``,
     ``index_bounds``, ``differentiable``, ``keeps``, ``config_inputs``, ``statistics_inputs``,
-    ``positive_inputs``, ``weight_inputs``.
+    ``positive_inputs``, ``weight_inputs``, ``foldable``, ``mindspore`` (a `MindSporeField`).
     """
 
     def decorate(rule: RuleFn) -> RuleFn:
         for op_type in op_types:
-            _add(OpDef(op_type, _domain(domain), since, until, rule, **fields))
+            _add(OpDef(op_type, _domain(domain), since, until, rule, **_fields_for(op_type, fields)))
         return rule
 
     return decorate
@@ -169,7 +193,17 @@ def register(
 def declare(*op_types: str, domain: str = "", since: int = 1, until: int | None = None, **fields: Any) -> None:
     """Declare operators that have no strategy rule (they run replicated) but known facts."""
     for op_type in op_types:
-        _add(OpDef(op_type, _domain(domain), since, until, None, **fields))
+        _add(OpDef(op_type, _domain(domain), since, until, None, **_fields_for(op_type, fields)))
+
+
+def _fields_for(op_type: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """One op type's fields of a registration: its own MindSpore primitive picked out of a mapping."""
+    named: MindSporeField = fields.get("mindspore")
+    if isinstance(named, Mapping):
+        named = named.get(op_type)
+    if isinstance(named, str):
+        named = MindSporePrimitive(named)
+    return {**fields, "mindspore": named} if "mindspore" in fields else dict(fields)
 
 
 def lookup(op_type: str, domain: str, opset: int) -> OpDef | None:
@@ -178,6 +212,17 @@ def lookup(op_type: str, domain: str, opset: int) -> OpDef | None:
         if definition.covers(opset):
             return definition
     return None
+
+
+def mindspore_primitives() -> dict[str, MindSporePrimitive | None]:
+    """Op type (default domain) -> the MindSpore primitive of its newest registration, for every
+    operator autopar knows (None: no primitive does the same).
+
+    >>> primitives = mindspore_primitives()
+    >>> primitives["MatMul"].name, primitives["InstanceNormalization"]
+    ('ops.MatMul', None)
+    """
+    return {op_type: versions[-1].mindspore for (domain, op_type), versions in sorted(_REGISTRY.items()) if not domain}
 
 
 def registered_op_types() -> list[str]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from autopar.ops.base import Labels, OpSpec, as_ints, ints_from, normalize_axis, shape
-from autopar.ops.registry import Keeps, LocalCall, no_flops, register
+from autopar.ops.registry import Keeps, LocalCall, MindSporePrimitive, no_flops, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -85,13 +85,26 @@ def torch_reshape(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
 
 @register(
     "Reshape",
+    mindspore=MindSporePrimitive("ops.Reshape", 1),
     flops=no_flops,
     keeps=Keeps.NOTHING,
     local_kernel=local_target_shape,
     torch_kernel=torch_reshape,
     torch_local_kernel=local_target_shape,
 )
-@register("Flatten", "Squeeze", "Unsqueeze", flops=no_flops, keeps=Keeps.NOTHING, torch_kernel=torch_reshape)
+@register(
+    "Flatten",
+    "Squeeze",
+    "Unsqueeze",
+    mindspore={
+        "Flatten": MindSporePrimitive("ops.Flatten", 1),
+        "Squeeze": MindSporePrimitive("ops.Squeeze", 1),
+        "Unsqueeze": MindSporePrimitive("ops.ExpandDims", 1),
+    },
+    flops=no_flops,
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_reshape,
+)
 def reshape(op: NodeView, graph: GraphView) -> OpSpec:
     in_labels, out_labels = reshape_labels(shape(graph, op.inputs[0]), shape(graph, op.outputs[0]))
     inputs = (in_labels,) + tuple(None for _ in op.inputs[1:])
