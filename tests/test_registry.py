@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from onnx import TensorProto, helper
 
@@ -140,3 +143,24 @@ def test_declared_non_differentiable_ops():
 )
 def test_what_the_backward_keeps(op_type, keeps):
     assert lookup(op_type, "", 17).keeps == keeps
+
+
+def _readme_operator_table() -> set[str]:
+    """The operator names in the first column of README's "what may split" table."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("| operators | what may split |")
+    rows = text[start : text.index("\n\n", start)].splitlines()[2:]
+    return {name for row in rows for name in re.findall(r"\b[A-Z][A-Za-z]+\b", row.split("|")[1])}
+
+
+def test_the_readme_operator_table_names_every_operator_with_a_rule():
+    named = _readme_operator_table()
+    assert sorted(set(registered_op_types()) - named) == []  # a new operator needs its row (or its name in one)
+    assert sorted(named - set(registered_op_types())) == []  # and the table names no operator autopar lacks
+
+
+def test_every_operator_with_a_rule_has_a_case_in_its_module():
+    from autopar.ops.cases import KERNEL, STRATEGIES, all_cases
+
+    cased = {case.op_type for check in (KERNEL, STRATEGIES) for case in all_cases(check).values()}
+    assert sorted(set(registered_op_types()) - cased) == []

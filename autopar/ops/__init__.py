@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopar.ops import conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool, reduce, shape  # noqa: F401
+from autopar.ops import conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool, reduce, shape
 from autopar.ops.base import OpSpec, fallback_spec
 from autopar.ops.registry import Keeps, LocalCall, OpDef, lookup, registered_op_types
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
+
+# the operator families: importing one registers its operators; each lists its test cases (`cases`)
+FAMILIES = (conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool, reduce, shape)
 
 
 def definition_for(op: NodeView, graph: GraphView) -> OpDef | None:
@@ -31,6 +34,7 @@ def spec_for(op: NodeView, graph: GraphView) -> OpSpec:
 
 
 __all__ = [
+    "FAMILIES",
     "Keeps",
     "LocalCall",
     "OpDef",

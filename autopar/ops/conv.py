@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, no_split, shape
+from autopar.ops.cases import X4, F, named, one, ones
 from autopar.ops.registry import Keeps, MindSporePrimitive, declare, register
 
 if TYPE_CHECKING:
@@ -133,4 +134,43 @@ declare(
     keeps=Keeps.OPERANDS,
     weight_inputs=True,
     torch_kernel=torch_conv_transpose,
+)
+
+
+# --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
+
+CASES = named(
+    kernel={
+        "conv_pads": one(
+            "Conv", ["X", "W", "b"], X4, [ones("W", [4, 3, 3, 2]), ones("b", [4])], pads=[1, 0, 0, 1], strides=[2, 1]
+        ),
+        "conv_same_lower": one(
+            "Conv", ["X", "W"], X4, [ones("W", [4, 3, 3, 3])], auto_pad="SAME_LOWER", strides=[2, 2]
+        ),
+        "conv_grouped_dilated": one(
+            "Conv", ["X", "W"], [("X", F, [2, 4, 7, 7])], [ones("W", [6, 2, 3, 3])], group=2, dilations=[2, 1]
+        ),
+        "conv_1d": one("Conv", ["X", "W"], [("X", F, [2, 3, 9])], [ones("W", [4, 3, 3])], auto_pad="SAME_UPPER"),
+        "conv_transpose": one(
+            "ConvTranspose",
+            ["X", "W", "b"],
+            X4,
+            [ones("W", [3, 2, 3, 3]), ones("b", [2])],
+            strides=[2, 2],
+            pads=[1, 0, 0, 1],
+            output_padding=[1, 0],
+        ),
+        "conv_transpose_same": one(
+            "ConvTranspose", ["X", "W"], X4, [ones("W", [3, 2, 3, 3])], strides=[2, 2], auto_pad="SAME_UPPER"
+        ),
+        "conv_transpose_shape": one(
+            "ConvTranspose",
+            ["X", "W"],
+            X4,
+            [ones("W", [3, 2, 3, 3])],
+            strides=[2, 2],
+            output_shape=[10, 12],
+            dilations=[1, 2],
+        ),
+    },
 )

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+from onnx import TensorProto
+
 from autopar.ops.base import OpSpec, as_float, as_ints, broadcast_labels, dim_labels, shape, tensors
+from autopar.ops.cases import BOOLS, I64, U8, X2, XZ, B, F, const, floats, ints, named, node, one
 from autopar.ops.registry import Keeps, MindSporePrimitive, TorchKernel, no_flops, register
 from autopar.ops.shape import local_target_shape
 
@@ -301,3 +305,109 @@ def expand(op: NodeView, graph: GraphView) -> OpSpec:
     return OpSpec(
         inputs=(broadcast_labels(shape(graph, op.inputs[0]), out_shape), None), outputs=(dim_labels(len(out_shape)),)
     )
+
+
+# --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
+
+CASES = named(
+    kernel={
+        "relu": one("Relu", ["X"], X2, opset=18),
+        "exp": one("Exp", ["X"], X2, opset=18),
+        "sigmoid": one("Sigmoid", ["X"], X2, opset=18),
+        "tanh": one("Tanh", ["X"], X2, opset=18),
+        "sqrt": one("Sqrt", ["X"], X2, opset=18),
+        "reciprocal": one("Reciprocal", ["X"], X2, opset=18),
+        "log": one("Log", ["X"], X2, opset=18),
+        "abs": one("Abs", ["X"], X2, opset=18),
+        "erf": one("Erf", ["X"], X2, opset=18),
+        "softplus": one("Softplus", ["X"], X2, opset=18),
+        "softsign": one("Softsign", ["X"], X2, opset=18),
+        "sin": one("Sin", ["X"], X2, opset=18),
+        "cos": one("Cos", ["X"], X2, opset=18),
+        "neg": one("Neg", ["X"], X2, opset=18),
+        "floor": one("Floor", ["X"], X2, opset=18),
+        "ceil": one("Ceil", ["X"], X2, opset=18),
+        "round": one("Round", ["X"], X2, opset=18),
+        "sign": one("Sign", ["X"], X2, opset=18),
+        "identity": one("Identity", ["X"], X2, opset=18),
+        "hardswish": one("HardSwish", ["X"], X2, opset=18),
+        "mish": one("Mish", ["X"], X2, opset=18),
+        "isnan": one("IsNaN", ["X"], X2, opset=18),
+        "isinf": one("IsInf", ["X"], X2, opset=18),
+        "not": one("Not", ["X"], [("X", B, [3, 4])]),
+        "gelu": one("Gelu", ["X"], X2, opset=20),
+        "gelu_tanh": one("Gelu", ["X"], X2, opset=20, approximate="tanh"),
+        "leaky_relu": one("LeakyRelu", ["X"], X2, alpha=0.3),
+        "elu": one("Elu", ["X"], X2, alpha=0.7),
+        "selu": one("Selu", ["X"], X2, alpha=1.5, gamma=2.0),
+        "celu": one("Celu", ["X"], X2, alpha=0.5),
+        "hard_sigmoid": one("HardSigmoid", ["X"], X2, alpha=0.3, beta=0.4),
+        "thresholded_relu": one("ThresholdedRelu", ["X"], X2, alpha=0.5),
+        "is_inf_negative": one("IsInf", ["X"], X2, detect_positive=0),
+        "cast_int": one("Cast", ["X"], X2, to=TensorProto.INT32),
+        "cast_bool": one("Cast", ["X"], X2, to=TensorProto.BOOL),
+        "cast_half": one("Cast", ["X"], X2, to=TensorProto.FLOAT16),
+        "cast_like": one("CastLike", ["X", "t"], X2, [const("t", [1], np.int32)]),
+        "clip_inputs": one(
+            "Clip", ["X", "lo", "hi"], X2, [const("lo", -0.5, np.float32), const("hi", 0.5, np.float32)]
+        ),
+        "clip_max_only": one("Clip", ["X", "", "hi"], X2, [const("hi", 0.5, np.float32)]),
+        "clip_attributes": one("Clip", ["X"], X2, opset=6, min=-0.3, max=0.2),
+        "clip_int": one("Clip", ["X", "lo", "hi"], [("X", I64, [3, 4])], [const("lo", 0), const("hi", 1)]),
+        "dropout_mask": one("Dropout", ["X"], X2, outputs=("Y", "M")),
+        "dropout_mask_opset10": one("Dropout", ["X"], X2, outputs=("Y", "M"), opset=10),
+        "add": one("Add", ["X", "Z"], XZ),
+        "sub": one("Sub", ["X", "Z"], XZ),
+        "mul": one("Mul", ["X", "Z"], XZ),
+        "div": one("Div", ["X", "Z"], XZ),
+        "div_int": one("Div", ["X", "d"], [("X", I64, [3, 4])], [const("d", [3, -2, 5, 7])]),
+        "pow": one("Pow", ["X", "p"], X2, [const("p", 3.0, np.float32)]),
+        "pow_int_exponent": one("Pow", ["X", "p"], X2, [const("p", 2)]),
+        "sum": one("Sum", ["X", "Z", "X"], XZ),
+        "mean": one("Mean", ["X", "Z", "X"], XZ),
+        "max": one("Max", ["X", "Z", "X"], XZ),
+        "min": one("Min", ["X", "Z"], XZ),
+        "prelu": one("PRelu", ["X", "s"], [("X", F, [2, 3, 4])], [const("s", [[0.1], [0.2], [0.3]], np.float32)]),
+        "where": one("Where", ["C", "X", "Z"], [("C", B, [3, 1]), ("X", F, [3, 4]), ("Z", F, [4])]),
+        "mod": one("Mod", ["X", "d"], [("X", I64, [2, 4])], [const("d", [3, -3, 2, -5])]),
+        "fmod": one("Mod", ["X", "d"], X2, [const("d", [0.7, -0.4, 1.5, 2.0], np.float32)], fmod=1),
+        "bit_shift_left": one(
+            "BitShift", ["X", "s"], [("X", U8, [2, 4])], [const("s", [1, 2, 3, 0], np.uint8)], direction="LEFT"
+        ),
+        "bit_shift_right": one(
+            "BitShift", ["X", "s"], [("X", U8, [2, 4])], [const("s", [1, 0, 1, 0], np.uint8)], direction="RIGHT"
+        ),
+        "expand": one("Expand", ["X", "s"], [("X", F, [3, 1])], [const("s", [2, 1, 4])]),
+        "equal": one("Equal", ["X", "Z"], XZ),
+        "less": one("Less", ["X", "Z"], XZ),
+        "lessorequal": one("LessOrEqual", ["X", "Z"], XZ),
+        "greater": one("Greater", ["X", "Z"], XZ),
+        "greaterorequal": one("GreaterOrEqual", ["X", "Z"], XZ),
+        "and": one("And", ["A", "Z"], BOOLS),
+        "or": one("Or", ["A", "Z"], BOOLS),
+        "xor": one("Xor", ["A", "Z"], BOOLS),
+    },
+    strategies={
+        "expand": one("Expand", ["X", "s"], [("X", F, [4, 1, 8])], consts=[ints("s", [2, 4, 4, 8])]),
+        "gelu": one("Gelu", ["X"], [("X", F, [4, 8])], opset=20),
+        "erf": one("Erf", ["X"], [("X", F, [4, 8])]),
+        "tanh": one("Tanh", ["X"], [("X", F, [4, 8])]),
+        "sigmoid": one("Sigmoid", ["X"], [("X", F, [4, 8])]),
+        "pow": one("Pow", ["X", "two"], [("X", F, [4, 8])], consts=[floats("two", 2.0)]),
+        "where": one("Where", ["c", "X", "Z"], [("c", B, [1, 8]), ("X", F, [4, 8]), ("Z", F, [4, 1])]),
+        "clip": one("Clip", ["X", "lo", "hi"], [("X", F, [4, 8])], consts=[floats("lo", -0.5), floats("hi", 0.5)]),
+        "sqrt_abs": one("Sqrt", ["A"], [("X", F, [4, 8])], before=[node("Abs", ["X"], ["A"], "abs")]),
+        "equal_and_not": one(
+            "And",
+            ["n", "c"],
+            [("a", I64, [4, 8]), ("b", I64, [4, 8]), ("c", B, [4, 8])],
+            before=[node("Equal", ["a", "b"], ["e"], "eq"), node("Not", ["e"], ["n"], "not")],
+        ),
+        "dropout_cast": one(
+            "Cast", ["d"], [("X", F, [4, 8])], before=[node("Dropout", ["X"], ["d"], "drop")], to=TensorProto.DOUBLE
+        ),
+        "max_min": one(
+            "Min", ["m", "X"], [("X", F, [4, 8]), ("Z", F, [8])], before=[node("Max", ["X", "Z"], ["m"], "max")]
+        ),
+    },
+)

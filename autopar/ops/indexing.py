@@ -19,6 +19,7 @@ import numpy as np
 
 from autopar.layout import shard_index
 from autopar.ops.base import OpSpec, as_ints, dim_labels, normalize_axis, shape, tensors
+from autopar.ops.cases import I64, X2, X4, F, const, ints, named, one, ones, weight
 from autopar.ops.registry import Keeps, LocalCall, MindSporePrimitive, register
 
 if TYPE_CHECKING:
@@ -188,3 +189,23 @@ def gather_elements(op: NodeView, graph: GraphView) -> OpSpec:
     axis = normalize_axis(int(op.attrs.get("axis", 0)), len(data_shape))
     labels = tuple(None if d == axis or data_shape[d] != index_shape[d] else f"d{d}" for d in range(len(data_shape)))
     return OpSpec(inputs=(labels, labels), outputs=(labels,))
+
+
+# --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
+
+CASES = named(
+    kernel={
+        "gather": one("Gather", ["E", "i"], [("i", I64, [2, 3])], [ones("E", [5, 4])]),
+        "gather_negative": one("Gather", ["X", "i"], X4, [const("i", [[-1, 0], [2, -3]])], axis=3),
+        "gather_elements": one("GatherElements", ["X", "i"], X2, [const("i", [[0, -1, 2, 1], [3, 3, 0, 0]])], axis=1),
+        "one_hot": one(
+            "OneHot", ["i", "d", "v"], [("i", I64, [2, 3])], [const("d", 5), const("v", [0.5, 2.0], np.float32)], axis=1
+        ),
+        "one_hot_int": one("OneHot", ["i", "d", "v"], [("i", I64, [2, 3])], [const("d", [4]), const("v", [0, 3])]),
+    },
+    strategies={
+        "gather_embedding": one("Gather", ["E", "ids"], [("ids", I64, [4, 8])], consts=[weight("E", [16, 8])]),
+        "gather_token": one("Gather", ["X", "k"], [("X", F, [4, 8, 8])], axis=1, consts=[ints("k", 3)]),
+        "gather_elements": one("GatherElements", ["X", "idx"], [("X", F, [4, 8]), ("idx", I64, [4, 8])], axis=1),
+    },
+)

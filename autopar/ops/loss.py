@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from autopar.ops.base import OpSpec, shape
+from autopar.ops.cases import I64, F, const, named, one
 from autopar.ops.registry import Keeps, MindSporePrimitive, register
 
 if TYPE_CHECKING:
@@ -67,3 +70,43 @@ def class_loss(op: NodeView, graph: GraphView) -> OpSpec:
     loss = samples if reduction == "none" else ()
     outputs = (loss,) + ((scores,) if second_output else ())
     return OpSpec(inputs=inputs, outputs=outputs, local_mean=reduction == "mean")
+
+
+# --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
+
+CASES = named(
+    kernel={
+        "cross_entropy_weighted_log_prob": one(
+            "SoftmaxCrossEntropyLoss",
+            ["X", "t", "w"],
+            [("X", F, [4, 5, 3]), ("t", I64, [4, 3])],
+            [const("w", [1, 2, 0.5, 1, 3], np.float32)],
+            outputs=("Y", "L"),
+        ),
+        "cross_entropy_ignored_none": one(
+            "SoftmaxCrossEntropyLoss", ["X", "t"], [("X", F, [6, 5]), ("t", I64, [6])], reduction="none", ignore_index=1
+        ),
+        "nll_weighted_mean_ignored": one(
+            "NegativeLogLikelihoodLoss",
+            ["X", "t", "w"],
+            [("X", F, [4, 5]), ("t", I64, [4])],
+            [const("w", [1, 2, 0.5, 1, 3], np.float32)],
+            ignore_index=2,
+        ),
+        "nll_sum": one(
+            "NegativeLogLikelihoodLoss", ["X", "t"], [("X", F, [4, 5, 2]), ("t", I64, [4, 2])], reduction="sum"
+        ),
+    },
+    strategies={
+        "sce_mean": one("SoftmaxCrossEntropyLoss", ["X", "t"], [("X", F, [8, 16]), ("t", I64, [8])]),
+        "sce_sum_3d": one(
+            "SoftmaxCrossEntropyLoss", ["X", "t"], [("X", F, [4, 16, 8]), ("t", I64, [4, 8])], reduction="sum"
+        ),
+        "sce_ignore_index": one(
+            "SoftmaxCrossEntropyLoss", ["X", "t"], [("X", F, [8, 16]), ("t", I64, [8])], ignore_index=1
+        ),
+        "nll_none": one(
+            "NegativeLogLikelihoodLoss", ["X", "t"], [("X", F, [8, 16]), ("t", I64, [8])], reduction="none"
+        ),
+    },
+)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, broadcast_labels, shape
+from autopar.ops.cases import F, named, one, ones, weight
 from autopar.ops.registry import Keeps, MindSporePrimitive, register
 
 if TYPE_CHECKING:
@@ -115,3 +116,35 @@ def matmul(op: NodeView, graph: GraphView) -> OpSpec:
         out += ("j",)
     order = tuple(f"b{i}" for i in range(batch_rank)) + ("i", "k", "j")
     return OpSpec(inputs=(a, b), outputs=(out,), op_class="cube", label_order=order)
+
+
+# --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
+
+CASES = named(
+    kernel={
+        "gemm": one(
+            "Gemm",
+            ["A", "W", "C"],
+            [("A", F, [4, 3])],
+            [ones("W", [5, 3]), ones("C", [1, 5])],
+            transB=1,
+            alpha=0.5,
+            beta=2.0,
+        ),
+        "gemm_trans_a": one("Gemm", ["A", "W"], [("A", F, [3, 4])], [ones("W", [3, 5])], transA=1),
+        "matmul": one("MatMul", ["A", "W"], [("A", F, [2, 3, 4]), ("W", F, [4, 5])]),
+        "matmul_vector": one("MatMul", ["v", "W"], [("v", F, [4]), ("W", F, [2, 4, 5])]),
+    },
+    strategies={
+        "matmul_broadcast": one("MatMul", ["A", "Bm"], [("A", F, [2, 1, 4, 8]), ("Bm", F, [4, 8, 4])]),
+        "matmul_vector": one("MatMul", ["A", "v"], [("A", F, [4, 8, 8]), ("v", F, [8])]),
+        "gemm_trans": one(
+            "Gemm",
+            ["A", "W", "C"],
+            [("A", F, [8, 4])],
+            transA=1,
+            transB=1,
+            consts=[weight("W", [8, 8]), weight("C", [8])],
+        ),
+    },
+)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from autopar.ops.base import OpSpec, as_float, as_ints, constant_ints, dim_labels, ints_from, normalize_axis, shape
+from autopar.ops.cases import I64, X4, F, const, ints, named, one
 from autopar.ops.registry import Keeps, MindSporePrimitive, register
 
 if TYPE_CHECKING:
@@ -177,3 +180,64 @@ def resize_axes(op: NodeView, graph: GraphView) -> OpSpec:
     out_shape = shape(graph, op.outputs[0])
     labels = _except_axes(len(in_shape), {d for d in range(len(in_shape)) if in_shape[d] != out_shape[d]})
     return OpSpec(inputs=(labels,) + tuple(None for _ in op.inputs[1:]), outputs=(labels,))
+
+
+# --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
+
+CASES = named(
+    kernel={
+        "transpose_reversed": one("Transpose", ["X"], X4),
+        "transpose": one("Transpose", ["X"], X4, perm=[2, 0, 3, 1]),
+        "concat": one("Concat", ["X", "Z"], [("X", F, [2, 3]), ("Z", F, [2, 5])], axis=-1),
+        "split_attribute": one("Split", ["X"], X4, outputs=("A", "B"), axis=3, split=[2, 4], opset=11),
+        "split_equal": one("Split", ["X"], X4, outputs=("A", "B", "C"), axis=3),
+        "split_input": one("Split", ["X", "s"], X4, [const("s", [1, 4])], outputs=("A", "B"), axis=2),
+        "split_num_outputs": one(
+            "Split", ["X"], [("X", F, [2, 7])], outputs=("A", "B", "C"), axis=1, num_outputs=3, opset=18
+        ),
+        "slice_steps": one(
+            "Slice",
+            ["X", "s", "e", "a", "st"],
+            X4,
+            [const("s", [-1, 0]), const("e", [-100, 9]), const("a", [3, 2]), const("st", [-2, 2])],
+        ),
+        "slice_clamped": one("Slice", ["X", "s", "e"], X4, [const("s", [1, -10]), const("e", [100, -1])]),
+        "slice_attributes": one("Slice", ["X"], X4, starts=[1], ends=[3], axes=[3], opset=9),
+        "pad_constant": one(
+            "Pad", ["X", "p", "v"], X4, [const("p", [0, 0, 1, -1, 0, 1, 2, 0]), const("v", 1.5, np.float32)]
+        ),
+        "pad_int": one("Pad", ["X", "p", "v"], [("X", I64, [2, 3])], [const("p", [1, 0, 0, 1]), const("v", 7)]),
+        "pad_reflect": one("Pad", ["X", "p"], X4, [const("p", [1, 2, 1, 0, 0, 1, 2, 4])], mode="reflect"),
+        "pad_edge": one("Pad", ["X", "p"], X4, [const("p", [1, 0, -1, 2, 0, 2, 0, -2])], mode="edge"),
+        "pad_wrap": one("Pad", ["X", "p"], X4, [const("p", [0, 2, 1, 7, 0, 2, 6, 0])], mode="wrap", opset=19),
+        "pad_axes": one("Pad", ["X", "p", "", "a"], X4, [const("p", [1, 2, 0, 3]), const("a", [1, -1])], opset=18),
+        "pad_attributes": one("Pad", ["X"], X4, pads=[0, 1, 0, 0, 0, 1, 0, 0], value=2.0, opset=2),
+        "tile": one("Tile", ["X", "r"], X4, [const("r", [1, 2, 1, 3])]),
+    },
+    strategies={
+        "transpose": one("Transpose", ["X"], [("X", F, [2, 4, 8, 4])], perm=[0, 2, 1, 3]),
+        "concat": one("Concat", ["X", "Z"], [("X", F, [4, 2, 8]), ("Z", F, [4, 6, 8])], axis=1),
+        "split": one(
+            "Split",
+            ["X", "sizes"],
+            [("X", F, [4, 8, 8])],
+            outputs=("Y1", "Y2"),
+            axis=2,
+            consts=[ints("sizes", [2, 6])],
+        ),
+        "slice": one(
+            "Slice",
+            ["X", "s", "e", "ax"],
+            [("X", F, [4, 8, 8])],
+            consts=[ints("s", [1]), ints("e", [5]), ints("ax", [1])],
+        ),
+        "slice_whole_axis": one(
+            "Slice",
+            ["X", "s", "e", "ax"],
+            [("X", F, [4, 8, 8])],
+            consts=[ints("s", [0, 0]), ints("e", [8, 3]), ints("ax", [1, 2])],
+        ),
+        "pad": one("Pad", ["X", "p"], [("X", F, [4, 4, 6])], consts=[ints("p", [0, 0, 1, 0, 0, 2])]),
+        "tile": one("Tile", ["X", "r"], [("X", F, [4, 4])], consts=[ints("r", [1, 2])]),
+    },
+)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, dim_labels, normalize_axis, shape
+from autopar.ops.cases import X4, F, named, one, ones, weight
 from autopar.ops.registry import Keeps, MindSporePrimitive, register
 
 if TYPE_CHECKING:
@@ -181,3 +182,60 @@ def softmax_flattened(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     axis = normalize_axis(int(op.attrs.get("axis", 1)), rank)
     return _softmax(op, graph, axis, set(range(axis, rank)))
+
+
+# --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
+
+CASES = named(
+    kernel={
+        "batch_norm": one(
+            "BatchNormalization", ["X", "s", "b", "m", "v"], X4, [ones(n, [3]) for n in "sbmv"], epsilon=1e-3
+        ),
+        "batch_norm_training": one(
+            "BatchNormalization",
+            ["X", "s", "b", "m", "v"],
+            X4,
+            [ones(n, [3]) for n in "sbmv"],
+            outputs=("Y", "RM", "RV"),
+            training_mode=1,
+            momentum=0.8,
+        ),
+        "instance_norm": one(
+            "InstanceNormalization", ["X", "s", "b"], X4, [ones("s", [3]), ones("b", [3])], epsilon=1e-3
+        ),
+        "layer_norm_statistics": one(
+            "LayerNormalization",
+            ["X", "s", "b"],
+            X4,
+            [ones("s", [5, 6]), ones("b", [5, 6])],
+            axis=2,
+            outputs=("Y", "M", "I"),
+        ),
+        "layer_norm_no_bias": one("LayerNormalization", ["X", "s"], X4, [ones("s", [6])], epsilon=0.1),
+        "softmax": one("Softmax", ["X"], X4, axis=1),
+        "log_softmax": one("LogSoftmax", ["X"], X4),
+        "hardmax": one("Hardmax", ["X"], X4, axis=2),
+        "softmax_opset11": one("Softmax", ["X"], X4, opset=11),
+        "log_softmax_opset11": one("LogSoftmax", ["X"], X4, axis=2, opset=11),
+        "hardmax_opset11": one("Hardmax", ["X"], X4, opset=11),
+    },
+    strategies={
+        "layer_norm": one(
+            "LayerNormalization",
+            ["X", "g", "b"],
+            [("X", F, [4, 8, 16])],
+            consts=[weight("g", [16]), weight("b", [16], 1)],
+            axis=-1,
+            epsilon=1e-5,
+        ),
+        "instance_norm": one(
+            "InstanceNormalization",
+            ["X", "g", "b"],
+            [("X", F, [4, 8, 6])],
+            consts=[weight("g", [8]), weight("b", [8], 1)],
+        ),
+        "softmax": one("Softmax", ["X"], [("X", F, [4, 8, 16])], axis=1),
+        "softmax_opset11": one("Softmax", ["X"], [("X", F, [4, 8, 16])], axis=1, opset=11),
+        "log_softmax": one("LogSoftmax", ["X"], [("X", F, [4, 8, 16])]),
+    },
+)

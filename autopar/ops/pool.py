@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from autopar.ops.base import OpSpec, no_split, shape
+from autopar.ops.cases import X4, F, named, one
 from autopar.ops.registry import Keeps, MindSporePrimitive, input_elements, register
 
 if TYPE_CHECKING:
@@ -170,3 +171,61 @@ register(
     keeps=Keeps.INPUTS | Keeps.OUTPUTS,
     torch_kernel=torch_pool,
 )(pool)
+
+
+# --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
+
+CASES = named(
+    kernel={
+        "max_pool": one("MaxPool", ["X"], X4, kernel_shape=[3, 2], pads=[1, 0, 1, 1], strides=[2, 2]),
+        "max_pool_ceil": one("MaxPool", ["X"], X4, kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1),
+        "max_pool_dilated": one("MaxPool", ["X"], X4, kernel_shape=[2, 2], dilations=[2, 1], pads=[1, 1, 0, 1]),
+        "max_pool_1d": one("MaxPool", ["X"], [("X", F, [2, 3, 9])], kernel_shape=[3], strides=[2]),
+        "max_pool_indices": one("MaxPool", ["X"], X4, kernel_shape=[2, 3], pads=[1, 1, 0, 1], outputs=("Y", "I")),
+        "max_pool_indices_ceil": one(
+            "MaxPool",
+            ["X"],
+            X4,
+            kernel_shape=[3, 3],
+            strides=[2, 2],
+            pads=[1, 1, 1, 1],
+            ceil_mode=1,
+            outputs=("Y", "I"),
+        ),
+        "max_pool_indices_3d": one(
+            "MaxPool",
+            ["X"],
+            [("X", F, [2, 2, 4, 5, 3])],
+            kernel_shape=[2, 2, 2],
+            pads=[1, 0, 0, 0, 1, 1],
+            outputs=("Y", "I"),
+        ),
+        "max_pool_indices_column_major": one(
+            "MaxPool", ["X"], [("X", F, [2, 2, 4, 5, 3])], kernel_shape=[2, 2, 2], outputs=("Y", "I"), storage_order=1
+        ),
+        "average_pool": one("AveragePool", ["X"], X4, kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[2, 2]),
+        "average_pool_counting_pads": one(
+            "AveragePool", ["X"], X4, kernel_shape=[3, 3], pads=[1, 0, 1, 2], count_include_pad=1
+        ),
+        "average_pool_ceil": one("AveragePool", ["X"], X4, kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1),
+        "average_pool_ceil_counting_pads": one(
+            "AveragePool", ["X"], X4, kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1, count_include_pad=1
+        ),
+        "average_pool_same": one("AveragePool", ["X"], X4, kernel_shape=[2, 3], auto_pad="SAME_LOWER"),
+        "average_pool_dilated": one(
+            "AveragePool", ["X"], X4, kernel_shape=[2, 2], dilations=[2, 1], pads=[1, 0, 0, 1], opset=19
+        ),
+        "average_pool_1d": one("AveragePool", ["X"], [("X", F, [2, 3, 9])], kernel_shape=[3], strides=[2]),
+        "global_average_pool": one("GlobalAveragePool", ["X"], X4),
+        "global_max_pool": one("GlobalMaxPool", ["X"], X4),
+        "lp_pool": one("LpPool", ["X"], X4, kernel_shape=[2, 2], strides=[2, 1], pads=[0, 1, 1, 0]),
+        "lp_pool_p1": one("LpPool", ["X"], X4, kernel_shape=[3, 2], p=1),
+        "lp_pool_ceil": one("LpPool", ["X"], X4, kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1, opset=18),
+        "lp_pool_dilated": one("LpPool", ["X"], X4, kernel_shape=[2, 2], dilations=[2, 2], p=3, opset=18),
+        "lrn": one("LRN", ["X"], [("X", F, [2, 6, 3, 3])], size=3, alpha=0.01, beta=0.6, bias=2.0),
+        "lrn_5": one("LRN", ["X"], [("X", F, [2, 7, 3, 2])], size=5),
+    },
+    strategies={
+        "lrn": one("LRN", ["X"], [("X", F, [4, 8, 4, 4])], size=3),
+    },
+)

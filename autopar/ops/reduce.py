@@ -14,6 +14,7 @@ import numpy as np
 
 from autopar.layout import ReduceOp
 from autopar.ops.base import OpSpec, as_ints, constant_value, dim_labels, ints_from, normalize_axis, shape
+from autopar.ops.cases import X4, F, const, ints, named, one
 from autopar.ops.registry import Keeps, MindSporePrimitive, input_elements, register
 
 if TYPE_CHECKING:
@@ -118,3 +119,24 @@ def top_k(op: NodeView, graph: GraphView) -> OpSpec:
     labels = dim_labels(rank)
     labels = tuple(None if d == axis else label for d, label in enumerate(labels))
     return OpSpec(inputs=(labels, None), outputs=(labels, labels))
+
+
+# --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
+
+CASES = named(
+    kernel={
+        "reduce_sum_axes_input": one("ReduceSum", ["X", "a"], X4, [const("a", [1, -1])], keepdims=0),
+        "reduce_sum_all": one("ReduceSum", ["X"], X4),
+        "reduce_sum_noop": one("ReduceSum", ["X"], X4, noop_with_empty_axes=1),
+        "reduce_mean_attribute": one("ReduceMean", ["X"], X4, axes=[2], opset=13),
+        "reduce_mean_opset18": one("ReduceMean", ["X", "a"], X4, [const("a", [0, 3])], opset=18),
+        "reduce_max": one("ReduceMax", ["X"], X4, axes=[1], keepdims=0),
+        "reduce_min": one("ReduceMin", ["X"], X4),
+        "top_k": one("TopK", ["X", "k"], X4, [const("k", [2])], outputs=("Y", "I"), axis=2),
+        "top_k_smallest": one("TopK", ["X", "k"], X4, [const("k", [3])], outputs=("Y", "I"), largest=0),
+    },
+    strategies={
+        "reduce_mean_last": one("ReduceMean", ["X"], [("X", F, [4, 8])], axes=[-1]),
+        "top_k": one("TopK", ["X", "k"], [("X", F, [4, 8, 6])], outputs=("Y", "I"), axis=1, consts=[ints("k", [3])]),
+    },
+)

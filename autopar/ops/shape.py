@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from autopar.ops.base import Labels, OpSpec, as_ints, ints_from, normalize_axis, shape
+from autopar.ops.cases import X2, X4, F, const, ints, named, node, one
 from autopar.ops.registry import Keeps, LocalCall, MindSporePrimitive, no_flops, register
 
 if TYPE_CHECKING:
@@ -109,3 +110,31 @@ def reshape(op: NodeView, graph: GraphView) -> OpSpec:
     in_labels, out_labels = reshape_labels(shape(graph, op.inputs[0]), shape(graph, op.outputs[0]))
     inputs = (in_labels,) + tuple(None for _ in op.inputs[1:])
     return OpSpec(inputs=inputs, outputs=(out_labels,), op_class="free")
+
+
+# --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
+
+CASES = named(
+    kernel={
+        "reshape": one("Reshape", ["X", "s"], X4, [const("s", [0, -1, 6])]),
+        "reshape_allowzero": one("Reshape", ["X", "s"], X4, [const("s", [6, -1, 2, 5])], allowzero=1, opset=14),
+        "flatten_0": one("Flatten", ["X"], X4, axis=0),
+        "flatten_negative": one("Flatten", ["X"], X4, axis=-1),
+        "squeeze_input": one("Squeeze", ["X", "a"], [("X", F, [1, 3, 1, 4])], [const("a", [-2])]),
+        "squeeze_all": one("Squeeze", ["X"], [("X", F, [1, 3, 1, 4])]),
+        "squeeze_attribute": one("Squeeze", ["X"], [("X", F, [1, 3, 1, 4])], axes=[0], opset=11),
+        "unsqueeze_input": one("Unsqueeze", ["X", "a"], X2, [const("a", [0, -1])]),
+        "unsqueeze_attribute": one("Unsqueeze", ["X"], X2, axes=[1, 3], opset=11),
+    },
+    strategies={
+        "flatten": one("Flatten", ["X"], [("X", F, [4, 2, 4])], axis=1),
+        "reshape_heads": one("Reshape", ["X", "s"], [("X", F, [2, 4, 16])], consts=[ints("s", [2, 4, 4, 4])]),
+        "unsqueeze_squeeze": one(
+            "Squeeze",
+            ["u", "a"],
+            [("X", F, [4, 8])],
+            [ints("a", [1])],
+            before=[node("Unsqueeze", ["X", "a"], ["u"], "unsq")],
+        ),
+    },
+)
