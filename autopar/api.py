@@ -23,8 +23,7 @@ from typing import Any
 import onnx
 
 from autopar import progress
-from autopar.cost import PRECISIONS, CostModel, HardwareProfile, load_profile
-from autopar.cost.rank_table import read_rank_table
+from autopar.cost import CostModel
 from autopar.errors import (
     AutoparError,
     FallbackWarning,
@@ -35,14 +34,24 @@ from autopar.errors import (
     TooLargeError,
 )
 from autopar.graph import Graph, freeze, load_model
-from autopar.layout import is_power_of_two, mesh_bits_for
-from autopar.limits import MAX_DEVICES, MAX_MICRO_BATCHES, MAX_SEED
+from autopar.layout import mesh_bits_for
+from autopar.limits import MAX_MICRO_BATCHES, MAX_SEED
 from autopar.lowering import PLAN_FILE_FIELDS, Plan, PlanFile, read_plan_file
+from autopar.options import (
+    DEFAULT_COST_MODEL,
+    DEFAULT_DEVICES,
+    CostModelLike,
+    Mode,
+    PlanOptions,
+    Precision,
+    RankTable,
+    Runtime,
+    SearchAlgorithm,
+    check_devices,
+    runtime_of,
+)
 from autopar.report.html import Comparison, plan_html
 from autopar.search.driver import (
-    ALGORITHMS,
-    MODES,
-    SEARCHED_MODES,
     SearchResult,
     data_parallel_choice,
     parameter_state_bytes,
@@ -54,26 +63,6 @@ from autopar.spmd import VerifyReport, verify_problem
 from autopar.strategy import OpRule
 
 ModelLike = str | Path | onnx.ModelProto | Graph
-RankTable = str | Path | Mapping[str, Any]
-
-
-def _check_devices(devices: int) -> None:
-    if isinstance(devices, bool) or not isinstance(devices, int) or not is_power_of_two(devices):
-        raise AutoparError(f"The device count must be a power of two (1, 2, 4, 8, ...), got {devices!r}.")
-    if devices > MAX_DEVICES:
-        raise AutoparError(f"The device count {devices:,} is too large (at most {MAX_DEVICES:,}).")
-
-
-def _cluster(
-    devices: int | None, cost_model: str | Path | HardwareProfile, rank_table: RankTable | None
-) -> tuple[int, str | Path | HardwareProfile]:
-    """The device count and cost model: as given (8 devices by default), or a rank table's count and the
-    profile with its links re-derived for the table's servers (``devices``, when given, must agree)."""
-    if rank_table is None:
-        return (8 if devices is None else devices), cost_model
-    profile = cost_model if isinstance(cost_model, HardwareProfile) else load_profile(cost_model)
-    cluster = read_rank_table(rank_table, profile)
-    return cluster.devices_for(devices), cluster.profile
 
 
 def _graph(model: ModelLike, batch: int | None, dims: Mapping[str, int] | None, frozen: Sequence[str] = ()) -> Graph:
@@ -84,42 +73,48 @@ def _graph(model: ModelLike, batch: int | None, dims: Mapping[str, int] | None, 
     return load_model(model, batch=batch, dims=dict(dims or {}), frozen=frozen)
 
 
-def _cost_model(cost_model: str | Path | HardwareProfile, precision: str, overlap: bool = True) -> CostModel:
-    if precision not in PRECISIONS:
-        raise AutoparError(f"Unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}.")
-    profile = cost_model if isinstance(cost_model, HardwareProfile) else load_profile(cost_model)
-    return CostModel(profile, "mixed" if precision == "mixed" else "fp32", overlap=bool(overlap))
-
-
 def build(
     model: ModelLike,
     devices: int | None = None,
-    cost_model: str | Path | HardwareProfile = "ascend910",
+    cost_model: CostModelLike = DEFAULT_COST_MODEL,
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
-    precision: str = "mixed",
+    precision: Precision | str = Precision.MIXED,
     *,
     frozen: Sequence[str] = (),
     overlap: bool = True,
     rank_table: RankTable | None = None,
 ) -> SearchProblem:
     """The search problem for a model on a device count (costs of every candidate and edge)."""
-    devices, cost_model = _cluster(devices, cost_model, rank_table)
-    _check_devices(devices)
-    graph = _graph(model, batch, dims, frozen)
-    return build_problem(graph, _cost_model(cost_model, precision, overlap), devices)
+    options = PlanOptions.resolve(
+        devices,
+        cost_model,
+        rank_table,
+        batch=batch,
+        dims=dims or {},
+        precision=precision,
+        frozen=frozen,
+        overlap=overlap,
+    )
+    return build_with(model, options)
+
+
+def build_with(model: ModelLike, options: PlanOptions) -> SearchProblem:
+    """The search problem for a model under checked options."""
+    graph = _graph(model, options.batch, options.dims, options.frozen)
+    return build_problem(graph, options.costs(), options.num_devices)
 
 
 def plan(
     model: ModelLike,
     devices: int | None = None,
-    cost_model: str | Path | HardwareProfile = "ascend910",
+    cost_model: CostModelLike = DEFAULT_COST_MODEL,
     batch: int | None = None,
-    mode: str = "auto_parallel",
+    mode: Mode | str = Mode.AUTO_PARALLEL,
     *,
     dims: Mapping[str, int] | None = None,
-    precision: str = "mixed",
-    search: str = "dp",
+    precision: Precision | str = Precision.MIXED,
+    search: SearchAlgorithm | str = SearchAlgorithm.DP,
     frozen: Sequence[str] = (),
     overlap: bool = True,
     rank_table: RankTable | None = None,
@@ -139,21 +134,29 @@ def plan(
     ``fixed`` maps operator names to the in_strategy each must keep; every other operator is searched
     around them (MindSpore's ``semi_auto_parallel`` with sharding propagation, but exact).
     """
-    if mode not in MODES:
-        raise AutoparError(f"Unknown mode {mode!r}; choose one of: {', '.join(MODES)}.")
-    if fixed and mode not in SEARCHED_MODES:
-        raise AutoparError(f"Fixed strategies need a searched mode (semi_auto_parallel or auto_parallel), not {mode}.")
-    if search not in ALGORITHMS:
-        raise AutoparError(f"Unknown search algorithm {search!r}; choose one of: {', '.join(ALGORITHMS)}.")
-    if micro_batches is not None and (
-        isinstance(micro_batches, bool)
-        or not isinstance(micro_batches, int)
-        or not 0 < micro_batches <= MAX_MICRO_BATCHES
-    ):
-        raise AutoparError(f"micro_batches must be an integer from 1 to {MAX_MICRO_BATCHES}, got {micro_batches!r}.")
-    devices, cost_model = _cluster(devices, cost_model, rank_table)
-    _check_devices(devices)
-    cost = _cost_model(cost_model, precision, overlap)
+    options = PlanOptions.resolve(
+        devices,
+        cost_model,
+        rank_table,
+        batch=batch,
+        dims=dims or {},
+        mode=mode,
+        precision=precision,
+        search=search,
+        frozen=frozen,
+        overlap=overlap,
+        micro_batches=micro_batches,
+        fixed=fixed,
+    )
+    return plan_with(model, options)
+
+
+def plan_with(model: ModelLike, options: PlanOptions) -> Plan:
+    """The plan for a model under checked options (`plan` with its keywords gathered)."""
+    batch, dims, frozen, fixed = options.batch, options.dims, options.frozen, options.fixed
+    micro_batches, devices = options.micro_batches, options.num_devices
+    mode, search = options.mode.value, options.search.value
+    cost = options.costs()
     started = time.perf_counter()
     progress.report("import", 0, 1)
     graph = _graph(model, batch, dims, frozen)
@@ -170,16 +173,16 @@ def plan(
             f"{len(problem.graph.renamed_ops)} operator(s) repeat a name used earlier in the file (ONNX"
             f" requires unique names); the plan calls them {pairs}{more}.",
             RenamedOperatorsWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     try:
         found = run_search(problem, mode, search)
     except InfeasibleError:
-        if micro_batches is not None or mode not in SEARCHED_MODES or isinstance(model, Graph) or step_batch is None:
+        if micro_batches is not None or not options.mode.searched or isinstance(model, Graph) or step_batch is None:
             raise
         if parameter_state_bytes(problem) / devices > cost.capacity:
             raise  # the parameters alone do not fit: smaller micro-batches cannot help
-        accumulated = _accumulate(model, step_batch, dims, frozen, cost, devices, search, fixed)
+        accumulated = _accumulate(model, step_batch, options, cost)
         if accumulated is None:
             raise
         problem, found = accumulated
@@ -188,7 +191,7 @@ def plan(
     phases = {"import": imported - started, "costing": costed - imported, "search": found.time_s}
     result = Plan.lower(problem, found, mode, phases)
     if result.fallback_ops:
-        warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=2)
+        warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=3)
     return result
 
 
@@ -211,27 +214,23 @@ def _micro_batch(step_batch: int | None, micro_batches: int, graph: Graph) -> in
 def _accumulate(
     model: ModelLike,
     step_batch: int,
-    dims: Mapping[str, int] | None,
-    frozen: Sequence[str],
+    options: PlanOptions,
     cost: CostModel,
-    devices: int,
-    search: str,
-    fixed: Mapping[str, Sequence[Sequence[int]]] | None,
 ) -> tuple[SearchProblem, SearchResult] | None:
     """Nothing fits in one batch: the fewest micro-batches (2, 4, ...) with a plan that fits (None: none)."""
     k = 2
     while k <= MAX_MICRO_BATCHES and step_batch % k == 0:
         progress.report("micro-batches", k, MAX_MICRO_BATCHES)
         try:
-            graph = _graph(model, step_batch // k, dims, frozen)
+            graph = _graph(model, step_batch // k, options.dims, options.frozen)
         except ModelImportError:
             return None  # the model does not import at another batch (a shape hard-coded for its own)
         try:
-            problem = build_problem(graph, cost, devices, fixed=fixed)
+            problem = build_problem(graph, cost, options.num_devices, fixed=options.fixed)
         except FixedStrategyError:
             return None  # a fixed split that does not divide the smaller batch
         try:
-            found = run_search(problem, "auto_parallel", search)
+            found = run_search(problem, "auto_parallel", options.search.value)
         except InfeasibleError:
             k *= 2
             continue
@@ -242,11 +241,11 @@ def _accumulate(
 def sweep(
     model: ModelLike,
     devices: Sequence[int] = (1, 8, 64, 512),
-    cost_model: str | Path | HardwareProfile = "ascend910",
+    cost_model: CostModelLike = DEFAULT_COST_MODEL,
     batch: int | None = None,
     *,
     dims: Mapping[str, int] | None = None,
-    precision: str = "mixed",
+    precision: Precision | str = Precision.MIXED,
     overlap: bool = True,
 ) -> list[dict[str, Any]]:
     """Plan ``model`` at each device count: step time, throughput, scaling efficiency, MFU, memory.
@@ -256,22 +255,17 @@ def sweep(
     """
     counts = sorted(set(devices))
     for count in counts:
-        _check_devices(count)
+        check_devices(count)
+    options = PlanOptions.resolve(
+        cost_model=cost_model, batch=batch, dims=dims or {}, precision=precision, overlap=overlap
+    )
     step_batch = _common_batch(_graph(model, batch, dims))
     points: list[dict[str, Any]] = []
     base: tuple[int, float] | None = None  # (devices, samples per second per device) of the first that fits
     for count in counts:
         progress.report("sweep", counts.index(count), len(counts))
         try:
-            found = plan(
-                model,
-                devices=count,
-                cost_model=cost_model,
-                batch=batch,
-                dims=dims,
-                precision=precision,
-                overlap=overlap,
-            )
+            found = plan_with(model, options.replace(num_devices=count))
         except (InfeasibleError, TooLargeError) as exc:
             points.append({"devices": count, "error": str(exc)})
             continue
@@ -300,10 +294,10 @@ def sweep(
 
 
 def candidates(
-    model: ModelLike, devices: int = 8, batch: int | None = None, dims: Mapping[str, int] | None = None
+    model: ModelLike, devices: int = DEFAULT_DEVICES, batch: int | None = None, dims: Mapping[str, int] | None = None
 ) -> dict[str, list[tuple[tuple[int, ...], ...]]]:
     """Every operator's candidate strategies (data parallel first)."""
-    _check_devices(devices)
+    check_devices(devices)
     graph = _graph(model, batch, dims)
     mesh_bits = mesh_bits_for(devices)
     rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
@@ -319,10 +313,10 @@ def evaluate(
     model: ModelLike,
     devices: int | None,
     strategies: Mapping[str, Sequence[Sequence[int]]],
-    cost_model: str | Path | HardwareProfile = "ascend910",
+    cost_model: CostModelLike = DEFAULT_COST_MODEL,
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
-    precision: str = "mixed",
+    precision: Precision | str = Precision.MIXED,
     *,
     frozen: Sequence[str] = (),
     overlap: bool = True,
@@ -350,11 +344,11 @@ def verify(
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
     seed: int = 0,
-    cost_model: str | Path | HardwareProfile = "ascend910",
-    precision: str = "mixed",
+    cost_model: CostModelLike = DEFAULT_COST_MODEL,
+    precision: Precision | str = Precision.MIXED,
     *,
     rank_table: RankTable | None = None,
-    runtime: str = "virtual",
+    runtime: Runtime | str = Runtime.VIRTUAL,
     gradients: bool | None = None,
     port: int | None = None,
     timeout_s: float | None = None,
@@ -371,8 +365,7 @@ def verify(
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise AutoparError(f"The seed must be an integer from 0 to {MAX_SEED:,}, got {seed!r}.")
-    if runtime not in ("virtual", "torch"):
-        raise AutoparError(f"The runtime must be 'virtual' or 'torch', got {runtime!r}.")
+    runtime = runtime_of(runtime)
     if runtime == "torch" and gradients is False:
         raise AutoparError("The torch runtime always checks gradients; leave gradients unset or True.")
     training = runtime == "torch" or bool(gradients)

@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autopar import progress
 from autopar.errors import (
@@ -24,11 +24,7 @@ from autopar.errors import (
     UnknownSymbolError,
 )
 from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_MICRO_BATCHES, MAX_SEED
-from autopar.search.driver import ALGORITHMS, MODES
-
-if TYPE_CHECKING:
-    from autopar.cost import HardwareProfile
-    from autopar.cost.rank_table import Cluster
+from autopar.options import DEFAULT_COST_MODEL, Mode, PlanOptions, Precision, Runtime, SearchAlgorithm
 
 
 class _Parser(argparse.ArgumentParser):
@@ -130,16 +126,17 @@ DEVICES_HELP = "number of devices, a power of two (default 8, or the rank table'
 RANK_TABLE_HELP = "MindSpore's rank_table.json: the device count and the servers that set the link levels"
 
 
-def _cluster(args: argparse.Namespace) -> tuple[int, str | HardwareProfile, Cluster | None]:
-    """(devices, cost model, Cluster or None): as the flags say, or from --rank-table (--devices must agree)."""
-    cost_model = getattr(args, "cost_model", "ascend910")
-    if not args.rank_table:
-        return args.devices or 8, cost_model, None
-    from autopar.cost import load_profile
-    from autopar.cost.rank_table import read_rank_table
+def _options(args: argparse.Namespace, **fields: Any) -> PlanOptions:
+    """The checked options the flags ask for: --devices (default 8), or --rank-table's count and servers."""
+    cost_model = getattr(args, "cost_model", DEFAULT_COST_MODEL)
+    return PlanOptions.resolve(
+        args.devices, cost_model, args.rank_table or None, devices_said_as="--devices ", **fields
+    )
 
-    cluster = read_rank_table(args.rank_table, load_profile(cost_model))
-    return cluster.devices_for(args.devices, "--devices "), cluster.profile, cluster
+
+def _names(kind: type[Mode] | type[Precision] | type[SearchAlgorithm] | type[Runtime]) -> list[str]:
+    """A flag's choices: the enum's names, as argparse lists them in its one-sentence error."""
+    return [member.value for member in kind]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--devices", type=_devices, help=DEVICES_HELP)
     plan.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
     plan.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
-    plan.add_argument("--mode", choices=MODES, default="auto_parallel")
-    plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    plan.add_argument("--mode", choices=_names(Mode), default=Mode.AUTO_PARALLEL.value)
+    plan.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value)
     plan.add_argument(
         "--fix",
         type=_fixed_strategy,
@@ -167,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--search",
-        choices=ALGORITHMS,
-        default="dp",
+        choices=_names(SearchAlgorithm),
+        default=SearchAlgorithm.DP.value,
         help="dp (elimination DP, default) or ilp (exact ILP cross-check, needs autopar[ilp])",
     )
     plan.add_argument(
@@ -215,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument(
         "--runtime",
-        choices=("virtual", "torch"),
-        default="virtual",
+        choices=_names(Runtime),
+        default=Runtime.VIRTUAL.value,
         help="virtual: every rank in this process (default); torch: one torch.distributed process per rank"
         " (gloo on CPU, NCCL on GPUs), gradients always checked",
     )
@@ -232,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices", type=_device_list, default=[1, 8, 64, 512], help="device counts, e.g. 1,8,64,512 (the default)"
     )
     sweep.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
-    sweep.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    sweep.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value)
     sweep.add_argument("--format", choices=("table", "json"), default="table")
     sweep.add_argument("-o", "--out", help="write a self-contained HTML page with the charts to this file")
     sweep.add_argument("--quiet", action="store_true", help="no progress line on stderr")
@@ -242,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--devices", type=_devices, help=DEVICES_HELP)
     report.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
     report.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
-    report.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    report.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value)
     report.add_argument("-o", "--out", help="the page to write (default: MODEL.report.html in this folder)")
     report.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
@@ -348,11 +345,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     line = _ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
     with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
         warnings.simplefilter("always", AutoparWarning)  # said below as one line each, in the CLI's words
-        devices, cost_model, cluster = _cluster(args)
-        result = autopar.plan(
-            args.model,
-            devices=devices,
-            cost_model=cost_model,
+        options = _options(
+            args,
             batch=args.batch,
             mode=args.mode,
             dims=dict(args.dim),
@@ -363,6 +357,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             micro_batches=args.micro_batches,
             fixed=_fixed(args),
         )
+        cluster = options.cluster
+        result = autopar.api.plan_with(args.model, options)
         top = None if args.all else args.top
         text = result.to_json() + "\n" if args.format == "json" else plan_table(result, top)  # lowering reports too
     if cluster is not None and args.format == "table":  # the levels the rank table implies, under the title
@@ -433,7 +429,8 @@ def _run_verify(args: argparse.Namespace) -> int:
     from autopar.report import verify_table
 
     plan_file = load_plan_file(args.plan) if args.plan else None
-    devices, cost_model, _ = _cluster(args)
+    options = _options(args)
+    devices, cost_model = options.num_devices, options.cost_model
     if plan_file is None:  # a model exported with --to onnx carries its plan: verify that one
         from autopar.export.onnx_sharding import annotated_devices
         from autopar.graph.read import read_model
@@ -513,15 +510,8 @@ def _run_report(args: argparse.Namespace) -> int:
     line = _ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
     with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
         warnings.simplefilter("always", AutoparWarning)
-        devices, cost_model, _ = _cluster(args)
-        result = autopar.plan(
-            args.model,
-            devices=devices,
-            cost_model=cost_model,
-            batch=args.batch,
-            dims=dict(args.dim),
-            precision=args.precision,
-        )
+        options = _options(args, batch=args.batch, dims=dict(args.dim), precision=args.precision)
+        result = autopar.api.plan_with(args.model, options)
         page = plan_report(result, autopar.api.comparison(result))
     for warning in caught:
         if issubclass(warning.category, AutoparWarning):

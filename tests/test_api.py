@@ -242,6 +242,29 @@ def test_unknown_precision_and_search(tiny_graph):
         autopar.plan(tiny_graph, devices=4, search="beam")
 
 
+def test_options_are_one_checked_frozen_value(tiny_graph):
+    import dataclasses
+
+    from autopar.options import DEFAULT_DEVICES, Mode, PlanOptions, Precision, SearchAlgorithm
+
+    options = PlanOptions.resolve(mode="data_parallel", precision="fp32", frozen="w*")
+    assert options.num_devices == DEFAULT_DEVICES == 8
+    assert (options.mode, options.precision, options.search) == (Mode.DATA_PARALLEL, Precision.FP32, SearchAlgorithm.DP)
+    assert options.mode == "data_parallel" and options.frozen == ("w*",)  # str-valued: the names still compare
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.num_devices = 16  # type: ignore[misc]
+    with pytest.raises(AutoparError, match=r"^Unknown mode 'hybrid'; choose one of: auto_parallel, "):
+        PlanOptions(mode="hybrid")  # type: ignore[arg-type]
+    with pytest.raises(AutoparError, match="power of two"):
+        options.replace(num_devices=6)
+    with pytest.raises(AutoparError, match=r"^The runtime must be 'virtual' or 'torch', got 'cuda'\.$"):
+        autopar.verify(tiny_graph, None, devices=4, runtime="cuda")
+    by_enum = autopar.plan(tiny_graph, devices=4, mode=Mode.DATA_PARALLEL)
+    by_name = autopar.plan(tiny_graph, devices=4, mode="data_parallel")
+    assert (by_enum.strategies, by_enum.objective) == (by_name.strategies, by_name.objective)
+    assert by_enum.mode == by_name.mode == "data_parallel"
+
+
 # --- the bundled ResNet-50 ----------------------------------------------------------------------
 
 

@@ -1,0 +1,199 @@
+"""What a plan is asked for, as one frozen, validated value (Alpa's ``AutoShardingOption``).
+
+The API's functions take these as keyword arguments (``autopar.plan(model, devices=8,
+mode="data_parallel")``) and the CLI as flags; both build one `PlanOptions` and pass it on, so
+the checks, the default device count and the rank-table reading happen in one place. The kinds
+a user picks by name are str-valued enums: ``mode="data_parallel"`` and ``Mode.DATA_PARALLEL``
+are the same value, and a bad name is one sentence (`AutoparError`), never a traceback.
+
+>>> PlanOptions.resolve(mode="data_parallel").mode is Mode.DATA_PARALLEL
+True
+>>> PlanOptions.resolve(precision="fp8")
+Traceback (most recent call last):
+...
+autopar.errors.AutoparError: Unknown precision 'fp8'; choose one of: mixed, fp32.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal, TypeVar
+
+from autopar.cost import CostModel, HardwareProfile, load_profile
+from autopar.cost.rank_table import Cluster, read_rank_table
+from autopar.errors import AutoparError
+from autopar.layout import is_power_of_two
+from autopar.limits import MAX_DEVICES, MAX_MICRO_BATCHES
+
+DEFAULT_DEVICES = 8
+"""Devices when neither a count nor a rank table is given: one Ascend 910 server."""
+
+DEFAULT_COST_MODEL = "ascend910"
+
+RankTable = str | Path | Mapping[str, Any]
+CostModelLike = str | Path | HardwareProfile
+
+
+class Mode(enum.StrEnum):
+    """MindSpore's parallel modes: search everything, search around fixed operators, or fix every strategy."""
+
+    AUTO_PARALLEL = "auto_parallel"
+    SEMI_AUTO_PARALLEL = "semi_auto_parallel"
+    DATA_PARALLEL = "data_parallel"
+    STAND_ALONE = "stand_alone"
+
+    @property
+    def searched(self) -> bool:
+        """The search chooses strategies (the other modes fix every one)."""
+        return self in (Mode.AUTO_PARALLEL, Mode.SEMI_AUTO_PARALLEL)
+
+
+class Precision(enum.StrEnum):
+    """Mixed precision (FP16 compute, FP32 master weights) or FP32 throughout."""
+
+    MIXED = "mixed"
+    FP32 = "fp32"
+
+
+class SearchAlgorithm(enum.StrEnum):
+    """The exact elimination DP, or the ILP that cross-checks it (needs ``autopar[ilp]``)."""
+
+    DP = "dp"
+    ILP = "ilp"
+
+
+class Runtime(enum.StrEnum):
+    """Where verification runs: every rank in this process, or one torch.distributed process per rank."""
+
+    VIRTUAL = "virtual"
+    TORCH = "torch"
+
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def choose(kind: type[E], value: object, what: str) -> E:
+    """``value`` as a member of ``kind``; AutoparError "Unknown <what> 'x'; choose one of: ..." otherwise."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)  # type: ignore[arg-type]  # any value: a bad one is the sentence below
+    except ValueError:
+        names = ", ".join(member.value for member in kind)
+        raise AutoparError(f"Unknown {what} {value!r}; choose one of: {names}.") from None
+
+
+def runtime_of(value: object) -> Runtime:
+    """The verify runtime by name; one sentence when it is neither."""
+    if isinstance(value, Runtime):
+        return value
+    try:
+        return Runtime(value)  # type: ignore[arg-type]  # any value: a bad one is the sentence below
+    except ValueError:
+        raise AutoparError(f"The runtime must be 'virtual' or 'torch', got {value!r}.") from None
+
+
+def check_devices(devices: object) -> int:
+    """A device count the search takes: a power of two up to `MAX_DEVICES` (one sentence otherwise)."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or not is_power_of_two(devices):
+        raise AutoparError(f"The device count must be a power of two (1, 2, 4, 8, ...), got {devices!r}.")
+    if devices > MAX_DEVICES:
+        raise AutoparError(f"The device count {devices:,} is too large (at most {MAX_DEVICES:,}).")
+    return devices
+
+
+def _micro_batches(value: object) -> int | None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_MICRO_BATCHES
+    ):
+        raise AutoparError(f"micro_batches must be an integer from 1 to {MAX_MICRO_BATCHES}, got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Everything a plan is asked for besides the model, checked once.
+
+    ``cost_model`` is a bundled profile's name, a .toml file or a `HardwareProfile`; with a rank
+    table it is the profile with its links re-derived for the table's servers (``cluster``).
+    ``fixed`` maps operator names to the in_strategy each keeps (checked against the model later).
+    """
+
+    num_devices: int = DEFAULT_DEVICES
+    cost_model: CostModelLike = DEFAULT_COST_MODEL
+    batch: int | None = None
+    dims: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    precision: Precision = Precision.MIXED
+    mode: Mode = Mode.AUTO_PARALLEL
+    search: SearchAlgorithm = SearchAlgorithm.DP
+    frozen: tuple[str, ...] = ()
+    overlap: bool = True
+    micro_batches: int | None = None
+    fixed: Mapping[str, Sequence[Sequence[int]]] | None = None
+    cluster: Cluster | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # a frozen value canonicalises its own fields once, here
+        set_(self, "mode", choose(Mode, self.mode, "mode"))
+        if self.fixed and not self.mode.searched:
+            raise AutoparError(
+                f"Fixed strategies need a searched mode (semi_auto_parallel or auto_parallel), not {self.mode}."
+            )
+        set_(self, "search", choose(SearchAlgorithm, self.search, "search algorithm"))
+        _micro_batches(self.micro_batches)
+        check_devices(self.num_devices)
+        set_(self, "precision", choose(Precision, self.precision, "precision"))
+        set_(self, "dims", MappingProxyType(dict(self.dims)))
+        set_(self, "frozen", (self.frozen,) if isinstance(self.frozen, str) else tuple(self.frozen))
+        set_(self, "overlap", bool(self.overlap))
+        set_(self, "fixed", MappingProxyType(dict(self.fixed)) if self.fixed else None)
+
+    @classmethod
+    def resolve(
+        cls,
+        devices: int | None = None,
+        cost_model: CostModelLike = DEFAULT_COST_MODEL,
+        rank_table: RankTable | None = None,
+        *,
+        devices_said_as: str = "devices=",
+        **rest: Any,
+    ) -> PlanOptions:
+        """The options as given: ``devices`` (8 by default), or a rank table's count and servers.
+
+        With ``rank_table`` (MindSpore's rank_table.json: a path or its parsed JSON) the device count
+        is the table's (``devices``, when given, must agree; a disagreement names it ``devices_said_as``)
+        and the cost model's links are re-derived for its servers. ``rest``: the other fields.
+        """
+        # the choices first, as the API always checked them, then the cluster
+        for name, kind, what in (("mode", Mode, "mode"), ("search", SearchAlgorithm, "search algorithm")):
+            if name in rest:
+                rest[name] = choose(kind, rest[name], what)
+        if rest.get("fixed") and not rest.get("mode", Mode.AUTO_PARALLEL).searched:
+            raise AutoparError(
+                f"Fixed strategies need a searched mode (semi_auto_parallel or auto_parallel), not {rest['mode']}."
+            )
+        _micro_batches(rest.get("micro_batches"))
+        if rank_table is None:
+            return cls(DEFAULT_DEVICES if devices is None else devices, cost_model, **rest)
+        profile = cost_model if isinstance(cost_model, HardwareProfile) else load_profile(cost_model)
+        cluster = read_rank_table(rank_table, profile)
+        return cls(cluster.devices_for(devices, devices_said_as), cluster.profile, cluster=cluster, **rest)
+
+    def profile(self) -> HardwareProfile:
+        """The hardware profile (a bundled name or a file loaded; errors as one sentence)."""
+        return self.cost_model if isinstance(self.cost_model, HardwareProfile) else load_profile(self.cost_model)
+
+    def costs(self) -> CostModel:
+        """The cost model these options ask for."""
+        precision: Literal["mixed", "fp32"] = "mixed" if self.precision is Precision.MIXED else "fp32"
+        return CostModel(self.profile(), precision, overlap=self.overlap)
+
+    def replace(self, **changes: Any) -> PlanOptions:
+        """A copy with some fields changed (checked again)."""
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values.update(changes)
+        return PlanOptions(**values)
