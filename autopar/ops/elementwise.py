@@ -34,7 +34,7 @@ UNARY_KEEPS_OUTPUT: dict[str, str | None] = {
     "Sqrt": "ops.Sqrt",
     "Reciprocal": "ops.Reciprocal",
 }
-UNARY_KEEPS_INPUT: dict[str, str | None] = {
+UNARY_KEEPS_INPUT: dict[str, MindSporePrimitive | str | None] = {
     "Log": "ops.Log",
     "Abs": "ops.Abs",
     "Erf": "ops.Erf",
@@ -49,6 +49,7 @@ UNARY_KEEPS_INPUT: dict[str, str | None] = {
     "HardSwish": "ops.HSwish",
     "Mish": "ops.Mish",
     "ThresholdedRelu": None,
+    "Shrink": MindSporePrimitive("ops.SoftShrink", needs_args=True, note="bias = lambd; ops.HShrink for bias 0"),
     "Sin": "ops.Sin",
     "Cos": "ops.Cos",
 }
@@ -148,6 +149,9 @@ def _unary_math(t: Any, op: NodeView, x: Any) -> Any:
         return f.mish(x)
     if kind == "ThresholdedRelu":
         return t.where(x > a.get("alpha", 1.0), x, t.zeros_like(x))
+    if kind == "Shrink":  # x - bias above lambd, x + bias below -lambd, 0 between
+        lambd, bias = a.get("lambd", 0.5), a.get("bias", 0.0)
+        return t.where(x > lambd, x - bias, t.where(x < -lambd, x + bias, t.zeros_like(x)))
     if kind == "Not":
         return t.logical_not(x)
     if kind == "IsNaN":
@@ -310,6 +314,7 @@ def expand(op: NodeView, graph: GraphView) -> OpSpec:
 # --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
 
 CASES = named(
+    both={"shrink": one("Shrink", ["X"], [("X", F, [4, 8])], lambd=0.3, bias=0.1)},
     kernel={
         "relu": one("Relu", ["X"], X2, opset=18),
         "exp": one("Exp", ["X"], X2, opset=18),
