@@ -86,3 +86,26 @@ def test_profile_errors_are_one_sentence(tmp_path):
         HardwareProfile.model_validate(data)
     with pytest.raises(CostModelError):
         CostModel(load_profile("ascend910"), "fp8")  # type: ignore[arg-type]
+
+
+def test_the_mesh_is_the_plan_files_devices_bits_and_links():
+    """`Mesh` (cost/mesh.py) carries what the plan file lists: devices, mesh bits, each level's bits."""
+    from pathlib import Path
+
+    import autopar
+    from autopar.cost import load_profile
+    from autopar.cost.mesh import Mesh
+    from autopar.cost.rank_table import read_rank_table
+
+    tables = Path(__file__).resolve().parent / "data"
+    cases = [(load_profile("ascend910"), 8, None), (load_profile("ascend910"), 64, None)]
+    cluster = read_rank_table(tables / "rank_table_16.json", load_profile("ascend910"))
+    cases.append((cluster.profile, 16, tables / "rank_table_16.json"))
+    for profile, devices, table in cases:
+        mesh = Mesh.of(profile, devices)
+        file = autopar.plan("models/resnet50.onnx", devices=devices, rank_table=table, mode="data_parallel").file
+        assert (mesh.num_devices, mesh.mesh_bits) == (file.devices, file.mesh_bits)
+        assert [(level.name, list(level.bits)) for level in mesh.levels] == [(use.name, use.bits) for use in file.links]
+        for level in mesh.levels:
+            link = profile.level_of_bit(level.bits[0])
+            assert (level.latency_s, level.bandwidth_bytes_per_s) == (link.latency.value, link.bandwidth.value)
