@@ -33,10 +33,19 @@ from autopar.errors import (
     RenamedOperatorsWarning,
     TooLargeError,
 )
+from autopar.export import export
 from autopar.graph import Graph, freeze, load_model
 from autopar.layout import mesh_bits_for
 from autopar.limits import MAX_MICRO_BATCHES, MAX_SEED
-from autopar.lowering import PLAN_FILE_FIELDS, Plan, PlanFile, read_plan_file
+from autopar.lowering import (
+    PLAN_FILE_FIELDS,
+    Plan,
+    PlanFile,
+    PlanProgram,
+    program_from_file,
+    program_of,
+    read_plan_file,
+)
 from autopar.options import (
     DEFAULT_COST_MODEL,
     DEFAULT_DEVICES,
@@ -59,7 +68,7 @@ from autopar.search.driver import (
     stand_alone_choice,
 )
 from autopar.search.problem import MemoryChoices, SearchProblem, backward_passes, build_problem
-from autopar.spmd import VerifyReport, verify_problem
+from autopar.spmd import VerifyReport, verify_program
 from autopar.strategy import OpRule
 
 ModelLike = str | Path | onnx.ModelProto | Graph
@@ -329,11 +338,11 @@ def evaluate(
     return problem.objective(problem.choice_for(strategies))
 
 
-def _is_plan_file(data: Mapping[str, Any], problem: SearchProblem) -> bool:
+def _is_plan_file(data: Mapping[str, Any], graph: Graph) -> bool:
     """A plan file's dict, not {op: strategy}: it has a schema, or plan-file keys and no operator's name."""
     if "schema" in data:
         return True
-    operators = {rule.op.name for rule in problem.rules}
+    operators = {op.name for op in graph.ops}
     return not (set(data) & operators) and bool(set(data) & set(PLAN_FILE_FIELDS))
 
 
@@ -371,26 +380,58 @@ def verify(
     training = runtime == "torch" or bool(gradients)
     if training:
         _need_torch(runtime)
-    if isinstance(plan_or_strategies, Plan):
-        problem = plan_or_strategies.problem
-    else:
-        problem = build(model, devices, cost_model, batch, dims, precision, rank_table=rank_table)
-        if plan_or_strategies is None:  # a model exported with `--to onnx` carries its plan
-            from autopar.export.onnx_sharding import annotated_strategies
-
-            plan_or_strategies = annotated_strategies(problem.graph.model, problem.num_devices)
-        if plan_or_strategies is None:
-            plan_or_strategies = Plan.lower(problem, run_search(problem), "auto_parallel")
-        elif isinstance(plan_or_strategies, Mapping) and _is_plan_file(plan_or_strategies, problem):
-            plan_or_strategies = read_plan_file(plan_or_strategies)
+    program = _program(model, plan_or_strategies, devices, batch, dims, cost_model, precision, rank_table)
     if not training:
-        return verify_problem(problem, plan_or_strategies, seed=seed)
+        return verify_program(program, seed=seed)
     from autopar.runtime.launch import DEFAULT_TIMEOUT_S
     from autopar.runtime.verify import verify_training
 
-    return verify_training(
-        problem, plan_or_strategies, seed=seed, runtime=runtime, port=port, timeout_s=timeout_s or DEFAULT_TIMEOUT_S
-    )
+    return verify_training(program, seed=seed, runtime=runtime, port=port, timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
+
+
+def _program(
+    model: ModelLike,
+    given: Plan | PlanFile | Mapping[str, Any] | None,
+    devices: int | None,
+    batch: int | None,
+    dims: Mapping[str, int] | None,
+    cost_model: CostModelLike,
+    precision: Precision | str,
+    rank_table: RankTable | None,
+) -> PlanProgram:
+    """What `verify` runs: a `Plan`'s program; a plan file's, read without costing anything (its own
+    precision sizes the collectives); or that of strategies (given, annotated, or searched), lowered
+    on the model's costed problem."""
+    if isinstance(given, Plan):
+        return given.program
+    options = PlanOptions.resolve(devices, cost_model, rank_table, batch=batch, dims=dims or {}, precision=precision)
+    graph = _graph(model, options.batch, options.dims)
+    if isinstance(given, Mapping) and _is_plan_file(given, graph):
+        given = read_plan_file(given)
+    if isinstance(given, PlanFile):
+        costs = options.replace(precision=given.precision).costs()
+        return program_from_file(graph, given, options.num_devices, costs)
+    problem = build_problem(graph, options.costs(), options.num_devices)
+    if given is None:  # a model exported with `--to onnx` carries its plan
+        from autopar.export.onnx_sharding import annotated_strategies
+
+        given = annotated_strategies(graph.model, options.num_devices)
+    if given is None:
+        return Plan.lower(problem, run_search(problem), "auto_parallel").program
+    return program_of(problem, problem.choice_for(given))
+
+
+def export_plan(
+    plan: Plan | PlanFile, to: str, out: str | Path | None = None, model: onnx.ModelProto | None = None
+) -> list[Path]:
+    """Write a plan for a framework (``to``: onnx, mindspore, dtensor or jax); the files written.
+
+    The exporters (`autopar.export`) read the plan file; a `Plan` brings the model it was made
+    for (ONNX in, ONNX out, and the shapes the DTensor and JAX checks use), a plan file takes ``model``.
+    """
+    if isinstance(plan, Plan):
+        return export(plan.file, to, out, plan.problem.graph.model)
+    return export(plan, to, out, model)
 
 
 def _need_torch(runtime: str) -> None:

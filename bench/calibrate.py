@@ -1,6 +1,6 @@
 """Calibrate and check a bundled profile against its published ResNet-50 figures.
 
-Anchors (autopar.cost.calibration.ANCHORS), ResNet-50 v1.5 training, data-parallel plan:
+Anchors (autopar.search.calibration.ANCHORS), ResNet-50 v1.5 training, data-parallel plan:
 - ascend910: MindSpore, Ascend 910, batch 256 per chip, mixed precision: 2115 images/s on 1 chip,
   16,600 on 8 (scaling 0.98).
 - a100: NVIDIA DeepLearningExamples (PyTorch), DGX A100 80GB, AMP, batch 256 per GPU: 2470 images/s
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autopar.cost import load_profile  # noqa: E402
-from autopar.cost.calibration import (  # noqa: E402
+from autopar.search.calibration import (  # noqa: E402
     ANCHORS,
     data_parallel_throughput,
     fit_cube_efficiency,

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from autopar.cost import load_profile
-from autopar.cost.calibration import (
+from autopar.errors import CostModelError
+from autopar.search.calibration import (
     ANCHORS,
     PUBLISHED_RESNET50_IMAGES_PER_S,
     anchor_for,
@@ -24,7 +25,6 @@ from autopar.cost.calibration import (
     fit_cube_efficiency,
     predicted_throughput,
 )
-from autopar.errors import CostModelError
 
 RESNET50 = Path(__file__).resolve().parents[1] / "models" / "resnet50.onnx"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import autopar
 from autopar.export.dtensor import axis_names, mesh_order, module_text, placements
 from autopar.layout import Layout
 from tests.conftest import reordered
@@ -89,7 +90,7 @@ def test_bits_in_another_order_take_a_permuted_mesh():
 @pytest.mark.parametrize("fixture", ["resnet_plan", "gpt_plan"])
 def test_module_compiles_and_names_every_parameter(fixture, request, tmp_path):
     plan = request.getfixturevalue(fixture)
-    [path] = plan.export("dtensor", tmp_path / "placed.py")
+    [path] = autopar.export_plan(plan, "dtensor", tmp_path / "placed.py")
     text = path.read_text(encoding="utf-8")
     compile(text, str(path), "exec")
     assert "torchrun --nproc-per-node 8 placed.py" in text
@@ -113,7 +114,7 @@ def test_partial_values_are_partial_placements(resnet_plan):
 @pytest.mark.parametrize("fixture", ["resnet_plan", "gpt_plan"])
 def test_torchrun_places_every_parameter(fixture, request, tmp_path):
     plan = request.getfixturevalue(fixture)
-    [path] = plan.export("dtensor", tmp_path / f"{fixture}_dtensor.py")
+    [path] = autopar.export_plan(plan, "dtensor", tmp_path / f"{fixture}_dtensor.py")
     result = run_torchrun(path, 8)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.search(r"OK: \d+ parameters and \d+ distinct operator boundaries", result.stdout)

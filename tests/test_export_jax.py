@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import autopar
 from autopar.export.jax import module_text, partition_spec, unreduced_axes
 from autopar.layout import Layout
 from tests.conftest import reordered
@@ -37,7 +38,7 @@ def test_partition_specs_name_the_bits_major_first():
 @pytest.mark.parametrize("fixture", ["resnet_plan", "gpt_plan"])
 def test_module_compiles_and_names_every_parameter(fixture, request, tmp_path):
     plan = request.getfixturevalue(fixture)
-    [path] = plan.export("jax", tmp_path / "sharded.py")
+    [path] = autopar.export_plan(plan, "jax", tmp_path / "sharded.py")
     text = path.read_text(encoding="utf-8")
     compile(text, str(path), "exec")
     assert "xla_force_host_platform_device_count=8 python sharded.py" in text
@@ -59,7 +60,7 @@ def test_partial_values_are_listed_as_unreduced(resnet_plan):
 @pytest.mark.parametrize("fixture", ["resnet_plan", "gpt_plan"])
 def test_module_places_every_parameter(fixture, request, tmp_path):
     plan = request.getfixturevalue(fixture)
-    [path] = plan.export("jax", tmp_path / f"{fixture}_jax.py")
+    [path] = autopar.export_plan(plan, "jax", tmp_path / f"{fixture}_jax.py")
     result = run_module(path, 8)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.search(r"OK: \d+ parameters and \d+ distinct operator boundaries", result.stdout)

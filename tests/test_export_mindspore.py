@@ -39,7 +39,7 @@ PLANS = ["resnet_plan", "gpt_plan", "optimizer_plan"]
 
 
 def exported(plan, tmp_path: Path) -> tuple[Path, Path]:
-    written = plan.export("mindspore", tmp_path / "plan.strategy.ckpt")
+    written = autopar.export_plan(plan, "mindspore", tmp_path / "plan.strategy.ckpt")
     assert written == [tmp_path / "plan.strategy.ckpt", tmp_path / "plan.strategy.py"]
     return written[0], written[1]
 
@@ -200,7 +200,7 @@ def test_gemm_is_a_matmul_and_a_bias_add(resnet_plan, tmp_path):
 
 
 def test_a_py_out_is_the_snippet_and_the_checkpoint_goes_beside(gpt_plan, tmp_path):
-    written = gpt_plan.export("mindspore", tmp_path / "gpt.py")
+    written = autopar.export_plan(gpt_plan, "mindspore", tmp_path / "gpt.py")
     assert written == [tmp_path / "gpt.ckpt", tmp_path / "gpt.py"]
     assert export_ms.read_strategies((tmp_path / "gpt.ckpt").read_bytes()) == gpt_plan.strategies
 
@@ -222,7 +222,7 @@ def test_cli_exports_a_plan_file(resnet_plan, tmp_path, capsys):
 
 def test_an_unwritable_out_is_one_sentence(gpt_plan, tmp_path):
     with pytest.raises(autopar.AutoparError, match="Cannot write"):
-        gpt_plan.export("mindspore", tmp_path / "missing" / "plan.ckpt")
+        autopar.export_plan(gpt_plan, "mindspore", tmp_path / "missing" / "plan.ckpt")
 
 
 # --- MindSpore's own module (skipped where MindSpore is not installed) -----------------------------

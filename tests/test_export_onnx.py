@@ -45,7 +45,7 @@ def gpt_plan(gpt_model) -> Plan:
 
 def exported(plan: Plan, tmp_path: Path) -> tuple[Path, onnx.ModelProto]:
     path = tmp_path / "model.sharded.onnx"
-    assert plan.export("onnx", path) == [path]
+    assert autopar.export_plan(plan, "onnx", path) == [path]
     model = onnx.load(str(path), load_external_data=False)
     onnx.checker.check_model(model)
     return path, model

@@ -98,3 +98,44 @@ def test_plan_for_other_device_count_is_refused(tmp_path, tiny_resnet):
     data = autopar.plan(tiny_resnet, devices=4).to_dict()
     with pytest.raises(autopar.AutoparError, match="4 devices"):
         autopar.verify(tiny_resnet, data, devices=8)
+
+
+def test_a_plan_file_is_verified_without_costing_the_model(monkeypatch, tiny_resnet):
+    import autopar.api
+    import autopar.search.problem
+
+    data = autopar.plan(tiny_resnet, devices=8).to_dict()
+
+    def no_costing(*args, **kwargs):
+        raise AssertionError("verifying a plan file costed the model")
+
+    monkeypatch.setattr(autopar.api, "build_problem", no_costing)
+    monkeypatch.setattr(autopar.search.problem, "build_problem", no_costing)
+    report = autopar.verify(tiny_resnet, data, devices=8)
+    assert report.ok, report.problems
+
+
+def test_a_plan_files_program_is_the_plans_own(tiny_resnet):
+    from autopar.cost import CostModel
+    from autopar.lowering import program_from_file
+
+    plan = autopar.plan(tiny_resnet, devices=8)
+    mine = plan.program
+    read = program_from_file(mine.graph, plan.file, 8, CostModel(plan.problem.cost.profile, "mixed"))
+    assert [op.exponents for op in read.ops] == [op.exponents for op in mine.ops]
+    assert [(op.inputs, op.outputs) for op in read.ops] == [(op.inputs, op.outputs) for op in mine.ops]
+    assert [op.gradient_bits for op in read.ops] == [op.gradient_bits for op in mine.ops]
+    assert dict(read.owner) == dict(mine.owner) and dict(read.requires_grad) == dict(mine.requires_grad)
+    assert dict(read.activation_itemsizes) == dict(mine.activation_itemsizes)
+    assert read.gradient_itemsize == mine.gradient_itemsize
+    assert (read.redistributions, read.gradients, read.gradient_sync) == (
+        mine.redistributions,
+        mine.gradients,
+        mine.gradient_sync,
+    )
+
+
+def test_an_fp32_plan_file_verifies_at_its_own_precision(tiny_resnet):
+    data = autopar.plan(tiny_resnet, devices=8, precision="fp32").to_dict()
+    report = autopar.verify(tiny_resnet, data, devices=8)  # the collectives' bytes are the plan's, in fp32
+    assert report.ok, report.problems

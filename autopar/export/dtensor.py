@@ -25,8 +25,8 @@ come in the plan's order (``mesh=("b0", "b1", "b2")``; `mesh_order`): plain ``Sh
 never the private ``_StridedShard``.
 
 Shapes come from the model the plan was made for (``--model`` on the command line;
-``Plan.export`` passes it): without one, the module holds placements and layouts only and checks
-which shard each rank holds, not the local shapes.
+``autopar.export_plan`` passes a `Plan`'s): without one, the module holds placements and layouts
+only and checks which shard each rank holds, not the local shapes.
 
 >>> from autopar.layout import Layout
 >>> placements(Layout(((2, 1), (0,))), mesh_order(Layout(((2, 1), (0,))), 3))

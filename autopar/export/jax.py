@@ -26,8 +26,8 @@ dimensions, and ``Spec.unreduced`` / ``Spec.reduce_op`` plus the module's ``UNRE
 reduced. (For sums, JAX >= 0.7 can also spell this as ``P(..., unreduced={...})`` on a mesh with
 ``AxisType.Explicit`` axes; the module does not, so it works with the default mesh.)
 
-Shapes come from the model the plan was made for (``--model``; ``Plan.export`` passes it): without
-one the module holds specs and layouts only and checks which shard each device holds.
+Shapes come from the model the plan was made for (``--model``; ``autopar.export_plan`` passes a
+`Plan`'s): without one the module holds specs and layouts only and checks which shard each device holds.
 
 >>> from autopar.layout import Layout
 >>> partition_spec(Layout(((2, 1), (0,), ())))

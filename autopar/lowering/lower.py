@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Sequence
 
 from autopar.errors import PlanFileError
+from autopar.graph import Graph
 from autopar.layout import Layout, ReduceOp
 from autopar.lowering.planfile import (
     GRAPH_OUTPUT,
@@ -318,13 +319,12 @@ def plan_context(problem: SearchProblem) -> PlanContext:
     )
 
 
-def check_context(plan: PlanFile, problem: SearchProblem, action: str = "verify") -> None:
+def check_context(plan: PlanFile, graph: Graph, devices: int, action: str = "verify") -> None:
     """PlanFileError, in one sentence, when ``plan`` was made for another model, batch or device count."""
-    if plan.devices != problem.num_devices:
-        raise PlanFileError(f"The plan is for {plan.devices} devices, so it cannot {action} on {problem.num_devices}.")
+    if plan.devices != devices:
+        raise PlanFileError(f"The plan is for {plan.devices} devices, so it cannot {action} on {devices}.")
     if plan.context is None:
         return  # a plan file from before plans recorded what they were made for
-    graph = problem.graph
     if plan.context.model_fingerprint != graph.fingerprint:
         raise PlanFileError(
             f"The plan was made for another model ({plan.model!r}, fingerprint {plan.context.model_fingerprint}),"

@@ -2,7 +2,8 @@
 
 A plan is one search result on one problem. Its plan file (`Plan.file`, typed; `to_dict`,
 `to_json`) lists every operator's strategy and layouts, every redistribution, each
-parameter's gradient synchronisation, and totals (schema "autopar.plan/1").
+parameter's gradient synchronisation, and totals (schema "autopar.plan/1"); its program
+(`Plan.program`) is what the verifiers run. Exporters read the file (`autopar.api.export_plan`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import Any, ClassVar
 
 from autopar import progress
@@ -29,6 +29,7 @@ from autopar.lowering.lower import (
     totals,
 )
 from autopar.lowering.planfile import SCHEMA, PlanFile, RepeatedBlock, SearchSummary
+from autopar.lowering.program import PlanProgram, program_of
 from autopar.search.driver import SearchResult, data_parallel_choice
 from autopar.search.problem import SearchProblem
 
@@ -157,6 +158,11 @@ class Plan:
             ),
         )
 
+    @cached_property
+    def program(self) -> PlanProgram:
+        """What verifying or running this plan executes (computed once, from its file)."""
+        return program_of(self.problem, self.choice, self.file)
+
     def redistributions(self) -> list[dict[str, Any]]:
         """Every producer/consumer pair whose layouts differ, with its collective steps."""
         return self.to_dict()["redistributions"]
@@ -164,12 +170,6 @@ class Plan:
     def gradient_sync(self) -> list[dict[str, Any]]:
         """The AllReduce of each trainable parameter over the bits its gradient is partial on."""
         return self.to_dict()["gradient_sync"]
-
-    def export(self, to: str, path: str | Path | None = None) -> list[Path]:
-        """Write this plan for a framework: ``to`` is onnx, mindspore, dtensor or jax (`autopar.export`)."""
-        from autopar.export import export  # the exporters read the plan; imported only when asked
-
-        return export(self.file, to, path, self.problem.graph.model)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe plan (schema autopar.plan/1); a fresh copy each call."""

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from autopar.lowering.program import PlanProgram
 from autopar.runtime.collectives import Collectives
 from autopar.runtime.program import PlanBroken, Schedule, TrainingStep
-from autopar.search.problem import SearchProblem
 
 Held = tuple[dict[str, Any], list[np.ndarray]]  # (layout as a dict, one array per rank computed here)
 
@@ -32,8 +32,7 @@ class RankResult:
 
 
 def execute(
-    problem: SearchProblem,
-    choice: Sequence[int],
+    program: PlanProgram,
     schedule: Schedule,
     values: Mapping[str, np.ndarray],
     cotangents: Mapping[str, np.ndarray] | None,
@@ -41,11 +40,11 @@ def execute(
     parameters: Sequence[str],
 ) -> RankResult:
     """Forward, then (with ``cotangents``) backward and gradient synchronisation."""
-    step = TrainingStep(problem, choice, schedule, values, collectives)
+    step = TrainingStep(program, schedule, values, collectives)
     result = RankResult(list(collectives.ranks))
     try:
         step.forward()
-        for name in problem.graph.outputs:
+        for name in program.graph.outputs:
             layout, buffers = step.output(name)
             result.outputs[name] = (layout.to_dict(), [b.detach().cpu().numpy() for b in buffers])
         if cotangents is not None:

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from autopar.errors import AutoparError
+from autopar.lowering.program import PlanProgram
 from autopar.runtime.execute import RankResult, execute
 from autopar.runtime.program import Schedule
-from autopar.search.problem import SearchProblem
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -76,7 +76,7 @@ def _worker(
     code = 0
     try:
         torch.set_num_threads(1)  # N ranks share the machine's cores; one thread each
-        problem, choice, schedule, values, cotangents, parameters = job
+        program, schedule, values, cotangents, parameters = job
         use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
         backend = "nccl" if use_cuda else "gloo"
         device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
@@ -90,7 +90,7 @@ def _worker(
             timeout=timedelta(seconds=timeout_s),
         )
         collectives = DistributedCollectives(rank, world, _bit_sets(schedule), device)
-        result = execute(problem, choice, schedule, values, cotangents, collectives, parameters)
+        result = execute(program, schedule, values, cotangents, collectives, parameters)
         with open(Path(folder) / f"rank{rank}.pkl", "wb") as out:
             pickle.dump(result, out)
         dist.barrier()
@@ -104,8 +104,7 @@ def _worker(
 
 
 def run_processes(
-    problem: SearchProblem,
-    choice: Sequence[int],
+    program: PlanProgram,
     schedule: Schedule,
     values: Mapping[str, np.ndarray],
     cotangents: Mapping[str, np.ndarray] | None,
@@ -113,16 +112,16 @@ def run_processes(
     port: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> RankResult:
-    """Run the step on ``problem.num_devices`` processes; the ranks' results merged in rank order."""
+    """Run the step on ``program.num_devices`` processes; the ranks' results merged in rank order."""
     import multiprocessing
 
-    world = problem.num_devices
+    world = program.num_devices
     if port is None:
         port = free_port()
     else:
         check_port(port)
     context = multiprocessing.get_context("fork")
-    job = (problem, choice, schedule, values, cotangents, parameters)
+    job = (program, schedule, values, cotangents, parameters)
     with tempfile.TemporaryDirectory(prefix="autopar-runtime-") as folder:
         workers = [
             context.Process(target=_worker, args=(rank, world, port, folder, timeout_s, job), daemon=True)

@@ -20,14 +20,14 @@ from autopar.strategy import OpRule
 
 def run_local(
     rule: OpRule,
-    candidate: int,
+    exponents: Sequence[int],
     rank: int,
     inputs: list[torch.Tensor | None],
     output_shapes: Sequence[tuple[int, ...] | None],
 ) -> list[torch.Tensor]:
-    """``rule.op``'s outputs on ``rank`` from its local inputs under candidate ``candidate``."""
+    """``rule.op``'s outputs on ``rank`` from its local inputs under the strategy ``exponents``."""
     op, graph, spec = rule.op, rule.graph, rule.spec
-    bits = rule.label_bits(rule.candidates[candidate])
+    bits = rule.label_bits(exponents)
     reduced = [label for label in spec.reduced_labels if bits[label]]
     if reduced and not all(shard_index(rank, bits[label]) == 0 for label in reduced):
         for slot in spec.local_once_inputs:

@@ -24,10 +24,10 @@ import torch
 
 from autopar.layout import Layout, ReduceOp
 from autopar.lowering.planfile import GRAPH_OUTPUT, GradientPath, GradientSync, Redistribution
+from autopar.lowering.program import PlanProgram
 from autopar.redistribute import Collective, Step, apply_steps
 from autopar.runtime.collectives import Collectives
 from autopar.runtime.local import run_local
-from autopar.search.problem import SearchProblem
 from autopar.spmd.compare import Tally
 
 Buffers = list[torch.Tensor]
@@ -85,13 +85,12 @@ class TrainingStep:
 
     def __init__(
         self,
-        problem: SearchProblem,
-        choice: Sequence[int],
+        program: PlanProgram,
         schedule: Schedule,
         values: Mapping[str, np.ndarray],
         collectives: Collectives,
     ) -> None:
-        self.problem, self.choice, self.schedule, self.values = problem, choice, schedule, values
+        self.program, self.schedule, self.values = program, schedule, values
         self.collectives = collectives
         self.ranks = collectives.ranks
         self.device = collectives.device
@@ -114,10 +113,10 @@ class TrainingStep:
         return torch.from_numpy(np.array(array, order="C", copy=True)).to(self.device)
 
     def _itemsize(self, name: str, phase: str) -> int:
-        info = self.problem.graph.tensor(name)
+        info = self.program.graph.tensor(name)
         if phase != "forward" and info.kind == "parameter":
-            return self.problem.cost.gradient_itemsize()
-        return self.problem.itemsize(info)
+            return self.program.gradient_itemsize
+        return self.program.itemsize(info)
 
     def _run(self, name: str, buffers: Buffers, steps: Sequence[Step], phase: str) -> Buffers:
         itemsize = self._itemsize(name, phase)
@@ -141,14 +140,14 @@ class TrainingStep:
     # --- forward --------------------------------------------------------------------------
 
     def forward(self) -> None:
-        problem = self.problem
-        grad = problem.requires_grad
-        for node, rule in enumerate(problem.rules):
-            candidate = self.choice[node]
+        program = self.program
+        grad = program.requires_grad
+        for node, planned in enumerate(program.ops):
+            rule = planned.rule
             inputs = [self._input(node, slot) for slot in range(len(rule.op.inputs))]
-            out_layouts = rule.candidate_layouts(candidate)[1]
+            out_layouts = planned.outputs
             out_shapes = [
-                layout.local_shape(problem.graph.tensor(name).shape) if name and layout is not None else None
+                layout.local_shape(program.graph.tensor(name).shape) if name and layout is not None else None
                 for name, layout in zip(rule.op.outputs, out_layouts)
             ]
             leaves: list[list[torch.Tensor | None]] = []
@@ -163,7 +162,7 @@ class TrainingStep:
                     needs = rule.differentiable and grad.get(rule.op.inputs[slot], False) and leaf.is_floating_point()
                     local.append(leaf.requires_grad_(True) if needs else leaf)
                 leaves.append(local)
-                outputs.append(run_local(rule, candidate, rank, list(local), out_shapes))
+                outputs.append(run_local(rule, planned.exponents, rank, list(local), out_shapes))
             self.tape[node] = (leaves, outputs)
             present = [(name, layout) for name, layout in zip(rule.op.outputs, out_layouts) if name]
             for position, (name, layout) in enumerate(present):
@@ -171,22 +170,19 @@ class TrainingStep:
                 self.buffers[(name, rule.op.name)] = (layout, [out[position].detach() for out in outputs])
 
     def _input(self, node: int, slot: int) -> Buffers | None:
-        problem = self.problem
-        rule = problem.rules[node]
-        name = rule.op.inputs[slot]
+        program = self.program
+        planned = program.ops[node]
+        name = planned.rule.op.inputs[slot]
         if not name:
             return None
-        layout = rule.input_layout(self.choice[node], slot)
-        info = problem.graph.tensor(name)
-        if info.kind == "constant" or problem.owner.get(name) == (node, slot):
+        layout = planned.input_layout(slot)
+        info = program.graph.tensor(name)
+        if info.kind == "constant" or program.owner.get(name) == (node, slot):
             buffers = self._shard(name, layout)
             if info.kind != "constant":
-                self.buffers[(name, rule.op.name)] = (layout, buffers)
+                self.buffers[(name, planned.name)] = (layout, buffers)
             return buffers
-        source = (
-            problem.graph.producer[name] if info.kind == "activation" else problem.rules[problem.owner[name][0]].op.name
-        )
-        return self._redistribute(name, source, rule.op.name, layout)
+        return self._redistribute(name, program.producer_of(name), planned.name, layout)
 
     def _redistribute(self, name: str, producer: str, consumer: str, dst: Layout) -> Buffers:
         src, held = self.buffers[(name, producer)]
@@ -202,7 +198,7 @@ class TrainingStep:
 
     def output(self, name: str) -> tuple[Layout, Buffers]:
         """A graph output on every rank: reduced where the producer left it partial."""
-        producer = self.problem.graph.producer[name]
+        producer = self.program.graph.producer[name]
         layout, buffers = self.buffers[(name, producer)]
         if not layout.partial:
             return layout, buffers
@@ -212,13 +208,13 @@ class TrainingStep:
 
     def backward(self, cotangents: Mapping[str, np.ndarray]) -> None:
         """Seed each output with its cotangent, then walk the operators in reverse."""
-        problem = self.problem
+        program = self.program
         for name, full in cotangents.items():
-            producer = problem.graph.producer[name]
+            producer = program.graph.producer[name]
             layout = Layout(self.buffers[(name, producer)][0].dims)
             seeds = [self._tensor(full[layout.local_slices(r, full.shape)]) for r in self.ranks]
             self._accumulate(name, producer, layout, seeds)
-        for node in reversed(range(len(problem.rules))):
+        for node in reversed(range(len(program.ops))):
             self._backward_node(node)
 
     def _accumulate(self, name: str, holder: str, layout: Layout, buffers: Buffers) -> None:
@@ -255,8 +251,8 @@ class TrainingStep:
         return Layout(tuple(bits + sync.bits if d == sync.dim else bits for d, bits in enumerate(layout.dims)))
 
     def _backward_node(self, node: int) -> None:
-        problem = self.problem
-        rule = problem.rules[node]
+        planned = self.program.ops[node]
+        rule = planned.rule
         op = rule.op
         if not rule.differentiable or node not in self.tape:
             return
@@ -285,28 +281,27 @@ class TrainingStep:
                 else [None] * len(wrt)
             )
             local_grads.append([g if g is not None else torch.zeros_like(x) for g, x in zip(found, wrt)])
-        candidate = self.choice[node]
         for column, slot in enumerate(slots):
             name = op.inputs[slot]
-            layout = rule.input_layout(candidate, slot)
-            bits = problem.gradient_sync_bits(node, rule.candidates[candidate], slot)
+            layout = planned.input_layout(slot)
+            bits = planned.gradient_bits[slot]
             source = Layout(layout.dims, bits) if bits else Layout(layout.dims)
             buffers = [grads[column].detach() for grads in local_grads]
             self._send_back(node, slot, name, source, buffers)
 
     def _send_back(self, node: int, slot: int, name: str, source: Layout, buffers: Buffers) -> None:
         """Take a consumer's gradient to its producer with the collectives the plan lists."""
-        problem = self.problem
-        consumer = problem.rules[node].op.name
-        info = problem.graph.tensor(name)
+        program = self.program
+        consumer = program.ops[node].name
+        info = program.graph.tensor(name)
         if info.kind == "activation":
-            producer = problem.graph.producer[name]
+            producer = program.graph.producer[name]
             target = Layout(self.buffers[(name, producer)][0].dims)
             steps = self.schedule.backward.get((name, producer, consumer, slot), [])
             what, phase = f"gradient of {name!r} from {consumer!r} back to {producer!r}", "backward"
         else:
-            owner_node, owner_slot = problem.owner[name]
-            producer = problem.rules[owner_node].op.name
+            owner_node, owner_slot = program.owner[name]
+            producer = program.ops[owner_node].name
             target = self.parameter_target(name, self.buffers[(name, producer)][0])
             if (owner_node, owner_slot) == (node, slot):
                 sync = self.schedule.sync.get(name)
@@ -320,12 +315,11 @@ class TrainingStep:
 
     def parameter_gradient(self, name: str) -> tuple[Layout, Buffers]:
         """A trainable parameter's gradient as the ranks hold it after synchronisation."""
-        owner_node, _ = self.problem.owner[name]
-        producer = self.problem.rules[owner_node].op.name
+        producer = self.program.producer_of(name)
         held = self.grads.get((name, producer))
         if held is not None:
             return held
         layout = self.parameter_target(name, self.buffers[(name, producer)][0])
-        shape = self.problem.graph.tensor(name).shape
+        shape = self.program.graph.tensor(name).shape
         dtype = self.buffers[(name, producer)][1][0].dtype
         return layout, [torch.zeros(layout.local_shape(shape), dtype=dtype, device=self.device) for _ in self.ranks]

@@ -17,53 +17,36 @@ import numpy as np
 import torch
 
 from autopar.errors import TooLargeError
+from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_VERIFY_BYTES
-from autopar.lowering import Plan, PlanFile
-from autopar.lowering.lower import check_context, gradient_paths, gradient_sync, redistributions
+from autopar.lowering import PlanProgram
 from autopar.runtime.collectives import VirtualCollectives
 from autopar.runtime.execute import RankResult, execute
 from autopar.runtime.launch import DEFAULT_TIMEOUT_S, run_processes
 from autopar.runtime.program import Schedule
 from autopar.runtime.single import run_graph
-from autopar.search.problem import SearchProblem
 from autopar.spmd.compare import ATOL, RTOL, GradientCheck, VerifyReport, collectives_differ, compare_output
 from autopar.spmd.devices import assemble
 from autopar.spmd.reference import reference_outputs
-from autopar.spmd.runner import PlanLike, check_verification_size
+from autopar.spmd.runner import check_verification_size
 from autopar.spmd.values import materialise
 from autopar.units import human_bytes
 
 RUNTIMES = ("virtual", "torch")
 
 
-def training_schedule(problem: SearchProblem, plan: PlanLike) -> tuple[list[int], Schedule]:
-    """(candidate per operator, the collectives the plan lists) of a `Plan`, a plan file or {op: strategy}."""
-    if isinstance(plan, Plan):
-        file = plan.file
-        return list(plan.choice), Schedule.of(file.redistributions, file.gradients, file.gradient_sync)
-    if isinstance(plan, PlanFile):
-        check_context(plan, problem)
-        return problem.choice_for(plan.strategies), Schedule.of(
-            plan.redistributions, plan.gradients, plan.gradient_sync
-        )
-    choice = problem.choice_for(plan)
-    return choice, Schedule.of(
-        redistributions(problem, choice), gradient_paths(problem, choice), gradient_sync(problem, choice)
-    )
+def trainable_parameters(program: PlanProgram) -> list[str]:
+    return sorted(p.name for p in program.graph.parameters if p.trainable and p.name in program.owner)
 
 
-def trainable_parameters(problem: SearchProblem) -> list[str]:
-    return sorted(p.name for p in problem.graph.parameters if p.trainable and p.name in problem.owner)
-
-
-def cotangents(problem: SearchProblem, seed: int) -> dict[str, np.ndarray]:
+def cotangents(program: PlanProgram, seed: int) -> dict[str, np.ndarray]:
     """The seed gradient of each graph output that carries one: 1 for a scalar, else seeded normals."""
     rng = np.random.default_rng(seed + 1)
     seeds = {}
-    for name in problem.graph.outputs:
-        info = problem.graph.tensor(name)
-        if not problem.requires_grad.get(name, False):
+    for name in program.graph.outputs:
+        info = program.graph.tensor(name)
+        if not program.requires_grad.get(name, False):
             continue
         if info.numel == 1:
             seeds[name] = np.ones(info.shape, dtype=np.dtype(info.dtype))
@@ -73,10 +56,10 @@ def cotangents(problem: SearchProblem, seed: int) -> dict[str, np.ndarray]:
 
 
 def reference_gradients(
-    problem: SearchProblem, values: Mapping[str, np.ndarray], seeds: Mapping[str, np.ndarray], parameters: Sequence[str]
+    graph: Graph, values: Mapping[str, np.ndarray], seeds: Mapping[str, np.ndarray], parameters: Sequence[str]
 ) -> dict[str, np.ndarray]:
     """Every trainable parameter's gradient on one device: torch autograd through the same kernels."""
-    outputs, leaves = run_graph(problem.graph, values, requires_grad=parameters)
+    outputs, leaves = run_graph(graph, values, requires_grad=parameters)
     pairs = [(outputs[name], torch.from_numpy(seed)) for name, seed in seeds.items() if outputs[name].requires_grad]
     if pairs:
         torch.autograd.backward([out for out, _ in pairs], [seed.to(out.dtype) for out, seed in pairs])
@@ -93,8 +76,7 @@ def _assembled(held: tuple[dict, list[np.ndarray]], shape: Sequence[int]) -> np.
 
 
 def verify_training(
-    problem: SearchProblem,
-    plan: PlanLike,
+    program: PlanProgram,
     seed: int = 0,
     runtime: str = "virtual",
     gradients: bool = True,
@@ -105,43 +87,43 @@ def verify_training(
 ) -> VerifyReport:
     """Run a plan's training step (``runtime`` "virtual" or "torch") and compare it with one device."""
     start = time.perf_counter()
-    choice, schedule = training_schedule(problem, plan)  # a plan for another problem is refused first
-    check_verification_size(problem)
-    check_training_size(problem, choice)
-    values = materialise(problem.graph, seed)
+    schedule = Schedule.of(program.redistributions, program.gradients, program.gradient_sync)
+    check_verification_size(program.graph)
+    check_training_size(program)
+    values = materialise(program.graph, seed)
     precise = in_float64(values)
-    parameters = trainable_parameters(problem) if gradients else []
-    seeds = in_float64(cotangents(problem, seed)) if gradients else None
+    parameters = trainable_parameters(program) if gradients else []
+    seeds = in_float64(cotangents(program, seed)) if gradients else None
     if runtime == "torch":
-        result = run_processes(problem, choice, schedule, precise, seeds, parameters, port=port, timeout_s=timeout_s)
+        result = run_processes(program, schedule, precise, seeds, parameters, port=port, timeout_s=timeout_s)
     else:
-        result = execute(problem, choice, schedule, precise, seeds, VirtualCollectives(problem.num_devices), parameters)
-    return _judge(problem, result, values, seeds, parameters, schedule, runtime, rtol, atol, start)
+        result = execute(program, schedule, precise, seeds, VirtualCollectives(program.num_devices), parameters)
+    return _judge(program, result, values, seeds, parameters, schedule, runtime, rtol, atol, start)
 
 
-def training_bytes(problem: SearchProblem, choice: Sequence[int]) -> int:
+def training_bytes(program: PlanProgram) -> int:
     """About how much a training step's check holds, in float64: the values (and a float32 copy)
     and their gradients, the single-device reference's activations twice (kept for its backward),
     and every rank's shards of every activation twice (outputs kept for the backward, inputs after
     their collectives). Measured peaks: ResNet-50 at batch 8 on 8 devices 10.2 GB (this says 12.0),
     Inception v2 18.7 GB (20.1)."""
-    graph = problem.graph
+    graph = program.graph
     values = sum(t.numel for t in graph.tensors.values() if t.kind != "activation")
     activations = sum(t.numel for t in graph.tensors.values() if t.kind == "activation")
     sharded = 0
-    for node, rule in enumerate(problem.rules):
-        for name, layout in zip(rule.op.outputs, rule.candidate_layouts(choice[node])[1]):
+    for planned in program.ops:
+        for name, layout in zip(planned.rule.op.outputs, planned.outputs):
             if name and layout is not None:
-                sharded += layout.local_numel(graph.tensor(name).shape) * problem.num_devices
+                sharded += layout.local_numel(graph.tensor(name).shape) * program.num_devices
     return 8 * (2 * values + 2 * activations + 2 * sharded) + 4 * values
 
 
-def check_training_size(problem: SearchProblem, choice: Sequence[int]) -> None:
+def check_training_size(program: PlanProgram) -> None:
     """Refuse, before drawing any value, a training-step check this machine could not hold."""
-    need = training_bytes(problem, choice)
+    need = training_bytes(program)
     if need > MAX_VERIFY_BYTES:
         raise TooLargeError(
-            f"Checking the training step of {problem.graph.name!r} on {problem.num_devices} devices would hold"
+            f"Checking the training step of {program.graph.name!r} on {program.num_devices} devices would hold"
             f" about {human_bytes(need)} (weights, every rank's activations and the single-device reference,"
             f" in float64; limit {human_bytes(MAX_VERIFY_BYTES)}); verify at a smaller batch, or the forward"
             " alone (without --gradients or --runtime torch)."
@@ -155,7 +137,7 @@ def in_float64(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _judge(
-    problem: SearchProblem,
+    program: PlanProgram,
     result: RankResult,
     values: Mapping[str, np.ndarray],
     seeds: Mapping[str, np.ndarray] | None,
@@ -170,7 +152,7 @@ def _judge(
     outputs: dict[str, dict[str, float | bool | None]] = {}
     check = None
     if not problems:
-        graph = problem.graph
+        graph = program.graph
         for name, expected in reference_outputs(graph, values).items():
             found = compare_output(
                 name, _assembled(result.outputs[name], graph.tensor(name).shape), expected, rtol, atol
@@ -179,7 +161,7 @@ def _judge(
             if found.problem:
                 problems.append(found.problem)
         if seeds is not None:
-            check = _compare_gradients(problem, result, values, seeds, parameters, rtol, atol)
+            check = _compare_gradients(program, result, values, seeds, parameters, rtol, atol)
             if not check.ok:
                 problems.append(
                     f"the gradient of {check.worst!r} differs from the single-device gradient: max abs error"
@@ -193,19 +175,19 @@ def _judge(
         problems.append(collectives_differ(result.executed, planned))
     return VerifyReport(
         ok=not problems,
-        devices=problem.num_devices,
+        devices=program.num_devices,
         outputs=outputs,
         collectives={"executed": result.executed, "planned": planned},
         problems=problems,
         time_s=time.perf_counter() - start,
         runtime=runtime,
-        processes=problem.num_devices if runtime == "torch" else 1,
+        processes=program.num_devices if runtime == "torch" else 1,
         gradients=check,
     )
 
 
 def _compare_gradients(
-    problem: SearchProblem,
+    program: PlanProgram,
     result: RankResult,
     values: Mapping[str, np.ndarray],
     seeds: Mapping[str, np.ndarray],
@@ -213,13 +195,13 @@ def _compare_gradients(
     rtol: float,
     atol: float,
 ) -> GradientCheck:
-    expected = reference_gradients(problem, in_float64(values), seeds, parameters)
+    expected = reference_gradients(program.graph, in_float64(values), seeds, parameters)
     worst_name, worst_score, worst_abs, worst_rel, ok = None, -1.0, 0.0, 0.0, True
     for name in parameters:
         want = expected[name]
         magnitude = float(np.abs(want).max(initial=0.0))
         try:
-            got = _assembled(result.gradients[name], problem.graph.tensor(name).shape)
+            got = _assembled(result.gradients[name], program.graph.tensor(name).shape)
         except ValueError:  # replicas of a gradient disagree: a synchronisation is missing or wrong
             got = np.full(want.shape, np.inf)
         found = compare_output(name, got, want, rtol, atol)

@@ -20,6 +20,7 @@ from onnx import helper
 
 from autopar.graph import Graph
 from autopar.layout import shard_index
+from autopar.lowering.program import PlannedOp
 from autopar.ops import LocalCall
 from autopar.strategy import OpRule
 
@@ -56,16 +57,16 @@ def _mini_model(rule: OpRule, graph: Graph, local_inputs: list[np.ndarray | None
 
 
 def run_operator(
-    rule: OpRule, candidate: int, inputs: list[Shards | None], ranks: int, make_session: SessionFactory
+    planned: PlannedOp, inputs: list[Shards | None], ranks: int, make_session: SessionFactory
 ) -> list[Shards]:
-    """Each output's per-rank buffers after running ``rule.op`` on the ranks' local inputs."""
+    """Each output's per-rank buffers after running the operator on the ranks' local inputs."""
+    rule = planned.rule
     op, graph, spec = rule.op, rule.graph, rule.spec
-    bits = rule.label_bits(rule.candidates[candidate])
+    bits = rule.label_bits(planned.exponents)
     reduced = tuple(label for label in spec.reduced_labels if bits[label])
-    out_layouts = rule.candidate_layouts(candidate)[1]
     out_shapes = [
         layout.local_shape(graph.tensor(name).shape) if name and layout is not None else None
-        for name, layout in zip(op.outputs, out_layouts)
+        for name, layout in zip(op.outputs, planned.outputs)
     ]
     kernel = rule.definition.local_kernel if rule.definition is not None else None
     sessions: list[Any] = []

@@ -12,18 +12,16 @@ needs is reported by name before any arithmetic on that tensor.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 
 from autopar.errors import TooLargeError
+from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_VERIFY_BYTES
-from autopar.lowering import GRAPH_OUTPUT, Plan, PlanFile
-from autopar.lowering.lower import check_context, redistributions
-from autopar.lowering.planfile import Redistribution
+from autopar.lowering import GRAPH_OUTPUT, PlanProgram
 from autopar.redistribute import Collective, Step, apply_steps
-from autopar.search.problem import SearchProblem
 from autopar.spmd.compare import ATOL, RTOL, Tally, VerifyReport, collectives_differ, compare_output
 from autopar.spmd.devices import assemble, run_step, shard
 from autopar.spmd.kernels import Shards, run_operator
@@ -31,7 +29,6 @@ from autopar.spmd.reference import reference_outputs, session
 from autopar.spmd.values import materialise
 from autopar.units import human_bytes
 
-PlanLike = Plan | PlanFile | Mapping[str, Sequence[Sequence[int]]]
 Key = tuple[str, str, str]
 
 
@@ -42,31 +39,25 @@ class _PlanBroken(Exception):
 class _Runner:
     """Executes one plan rank by rank; buffers map (tensor, holder) to (layout, per-rank arrays)."""
 
-    def __init__(
-        self,
-        problem: SearchProblem,
-        choice: Sequence[int],
-        steps: Mapping[Key, list[Step]],
-        values: Mapping[str, np.ndarray],
-    ) -> None:
-        self.problem, self.choice, self.steps, self.values = problem, choice, steps, values
+    def __init__(self, program: PlanProgram, steps: Mapping[Key, list[Step]], values: Mapping[str, np.ndarray]) -> None:
+        self.program, self.steps, self.values = program, steps, values
         self.buffers: dict[tuple[str, str], tuple[Layout, Shards]] = {}
         self.executed = Tally()
 
     def run(self) -> None:
-        problem = self.problem
-        last_read = {name: node for node, rule in enumerate(problem.rules) for name in rule.op.inputs if name}
-        keep = set(problem.graph.outputs)
-        for node, rule in enumerate(problem.rules):
-            inputs = [self._input(node, slot) for slot in range(len(rule.op.inputs))]
-            outputs = run_operator(rule, self.choice[node], inputs, problem.num_devices, session)
-            out_layouts = rule.candidate_layouts(self.choice[node])[1]
+        program = self.program
+        last_read = {name: node for node, planned in enumerate(program.ops) for name in planned.rule.op.inputs if name}
+        keep = set(program.graph.outputs)
+        for node, planned in enumerate(program.ops):
+            op = planned.rule.op
+            inputs = [self._input(node, slot) for slot in range(len(op.inputs))]
+            outputs = run_operator(planned, inputs, program.num_devices, session)
             for name, layout, per_rank in zip(
-                [o for o in rule.op.outputs if o], [lay for o, lay in zip(rule.op.outputs, out_layouts) if o], outputs
+                [o for o in op.outputs if o], [lay for o, lay in zip(op.outputs, planned.outputs) if o], outputs
             ):
                 assert layout is not None
-                self.buffers[(name, rule.op.name)] = (layout, per_rank)
-            for name in set(rule.op.inputs):  # free what no later operator reads (large models, big batches)
+                self.buffers[(name, op.name)] = (layout, per_rank)
+            for name in set(op.inputs):  # free what no later operator reads (large models, big batches)
                 if name and last_read[name] == node and name not in keep:
                     for key in [key for key in self.buffers if key[0] == name]:
                         del self.buffers[key]
@@ -87,7 +78,7 @@ class _Runner:
                 f" in layout {reached.describe()} but {consumer!r} needs {dst.describe()}"
                 " (a collective is missing or wrong)"
             )
-        itemsize = self.problem.itemsize(self.problem.graph.tensor(tensor))
+        itemsize = self.program.itemsize(self.program.graph.tensor(tensor))
         for step in steps:
             after = run_step(per_rank, step)
             moved = after[0] if step.kind == Collective.ALL_GATHER else per_rank[0]
@@ -96,78 +87,61 @@ class _Runner:
         return per_rank
 
     def _input(self, node: int, slot: int) -> Shards | None:
-        problem = self.problem
-        rule = problem.rules[node]
-        name = rule.op.inputs[slot]
+        program = self.program
+        planned = program.ops[node]
+        name = planned.rule.op.inputs[slot]
         if not name:  # an absent optional input: the spec may have no entry for it
             return None
-        layout = rule.input_layout(self.choice[node], slot)
-        info = problem.graph.tensor(name)
-        if info.kind == "constant" or problem.owner.get(name) == (node, slot):
-            per_rank = shard(self.values[name], layout, problem.mesh_bits)  # stored or loaded as this op wants
+        layout = planned.input_layout(slot)
+        info = program.graph.tensor(name)
+        if info.kind == "constant" or program.owner.get(name) == (node, slot):
+            per_rank = shard(self.values[name], layout, program.mesh_bits)  # stored or loaded as this op wants
             if info.kind != "constant":
-                self.buffers[(name, rule.op.name)] = (layout, per_rank)
+                self.buffers[(name, planned.name)] = (layout, per_rank)
             return per_rank
-        if info.kind == "activation":
-            source = problem.graph.producer[name]
-        else:
-            source = problem.rules[problem.owner[name][0]].op.name
+        source = program.producer_of(name)
         src_layout, held = self.buffers[(name, source)]
-        return self._redistribute(name, source, rule.op.name, src_layout, layout, held)
+        return self._redistribute(name, source, planned.name, src_layout, layout, held)
 
     def output(self, name: str) -> np.ndarray:
-        producer = self.problem.graph.producer[name]
+        producer = self.program.graph.producer[name]
         layout, per_rank = self.buffers[(name, producer)]
         if layout.partial:
             target = Layout(layout.dims)
             per_rank = self._redistribute(name, producer, GRAPH_OUTPUT, layout, target, per_rank)
             layout = target
-        return assemble(per_rank, layout, self.problem.graph.tensor(name).shape)
+        return assemble(per_rank, layout, self.program.graph.tensor(name).shape)
 
 
-def resolve_plan(problem: SearchProblem, plan: PlanLike) -> tuple[list[int], list[Redistribution]]:
-    """(candidate per operator, redistributions) of a `Plan`, a plan file, or {op: strategy}."""
-    if isinstance(plan, Plan):
-        return list(plan.choice), plan.file.redistributions
-    if isinstance(plan, PlanFile):
-        check_context(plan, problem)
-        return problem.choice_for(plan.strategies), plan.redistributions
-    choice = problem.choice_for(plan)
-    return choice, redistributions(problem, choice)
-
-
-def check_verification_size(problem: SearchProblem) -> None:
+def check_verification_size(graph: Graph) -> None:
     """Refuse a run whose full values would not fit this machine, before drawing any of them.
 
     Every weight and input is materialised whole (for the reference) and again as shards; the
     activations are bounded by their sum (onnxruntime and the ranks free what is no longer read).
     """
-    tensors = problem.graph.tensors.values()
+    tensors = graph.tensors.values()
     values = sum(t.numel * np.dtype(t.dtype).itemsize for t in tensors if t.kind != "activation")
     activations = sum(t.numel * np.dtype(t.dtype).itemsize for t in tensors if t.kind == "activation")
     need = 3 * values + activations
     if need > MAX_VERIFY_BYTES:
         raise TooLargeError(
-            f"Verifying {problem.graph.name!r} would hold about {human_bytes(need)} of weights, inputs and"
+            f"Verifying {graph.name!r} would hold about {human_bytes(need)} of weights, inputs and"
             f" activations (limit {human_bytes(MAX_VERIFY_BYTES)}); verify at a smaller batch or model size."
         )
 
 
-def verify_problem(
-    problem: SearchProblem, plan: PlanLike, seed: int = 0, rtol: float = RTOL, atol: float = ATOL
-) -> VerifyReport:
-    """Verify a plan (a `Plan`, a `PlanFile`, or {op: strategy}) for ``problem``."""
+def verify_program(program: PlanProgram, seed: int = 0, rtol: float = RTOL, atol: float = ATOL) -> VerifyReport:
+    """Run a plan's forward pass on its virtual devices and compare every output with one device."""
     start = time.perf_counter()
-    choice, entries = resolve_plan(problem, plan)  # a plan for another problem is refused first
-    check_verification_size(problem)
-    steps = {entry.key: [s.step() for s in entry.steps] for entry in entries}
+    check_verification_size(program.graph)
+    steps = {entry.key: [s.step() for s in entry.steps] for entry in program.redistributions}
     planned = Tally()
-    for entry in entries:
+    for entry in program.redistributions:
         for s in entry.steps:
             planned.add("forward", s.step(), s.bytes)
-    values = materialise(problem.graph, seed)
-    reference = reference_outputs(problem.graph, values)
-    runner = _Runner(problem, choice, steps, values)
+    values = materialise(program.graph, seed)
+    reference = reference_outputs(program.graph, values)
+    runner = _Runner(program, steps, values)
     outputs: dict[str, dict[str, float | bool | None]] = {}
     problems: list[str] = []
     try:
@@ -184,7 +158,7 @@ def verify_problem(
         problems.append(collectives_differ(executed, planned_dict))
     return VerifyReport(
         ok=not problems,
-        devices=problem.num_devices,
+        devices=program.num_devices,
         outputs=outputs,
         collectives={"executed": executed, "planned": planned_dict},
         problems=problems,

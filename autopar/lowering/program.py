@@ -1,0 +1,196 @@
+"""The program a plan describes: what verifying or running it reads, and nothing of the search.
+
+A `PlanProgram` is frozen: the graph, each operator with its chosen strategy and layouts
+(`PlannedOp`), which rank loads each parameter and which tensors carry a gradient, and the
+collectives the plan lists (forward redistributions, backward gradient paths, gradient
+synchronisation). The SPMD verifier and the torch runtime execute it; they never see costs.
+
+It comes from a searched problem (`program_of`: a `Plan`, or a full assignment of strategies
+scored on its problem) or from a plan file alone (`program_from_file`): a plan file lists every
+collective already, so reading it builds the operators' rules and nothing is costed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from autopar.cost.model import CostModel
+from autopar.errors import StrategyError
+from autopar.graph import Graph, TensorInfo
+from autopar.layout import Layout, mesh_bits_for
+from autopar.lowering.lower import check_context, gradient_paths, gradient_sync, redistributions
+from autopar.lowering.planfile import GradientPath, GradientSync, PlanFile, Redistribution
+from autopar.search.problem import SearchProblem
+from autopar.strategy import OpRule
+
+
+@dataclass(frozen=True)
+class PlannedOp:
+    """One operator as the plan runs it: its rule (spec, kernels), the chosen exponents, the
+    layouts they give, and per input the mesh bits its gradient comes out partial on."""
+
+    rule: OpRule
+    exponents: tuple[int, ...]
+    inputs: tuple[Layout | None, ...]
+    outputs: tuple[Layout | None, ...]
+    gradient_bits: tuple[tuple[int, ...], ...]
+
+    @property
+    def name(self) -> str:
+        return self.rule.op.name
+
+    def input_layout(self, slot: int) -> Layout:
+        """The layout this operator reads a present input in."""
+        layout = self.inputs[slot]
+        if layout is None:
+            raise ValueError(f"operator {self.name!r} has no input {slot}")
+        return layout
+
+
+@dataclass(frozen=True)
+class PlanProgram:
+    """A plan as the verifiers execute it (see the module docstring); built by lowering only."""
+
+    graph: Graph
+    ops: tuple[PlannedOp, ...]
+    num_devices: int
+    mesh_bits: int
+    owner: Mapping[str, tuple[int, int]]  # parameter or input -> (operator, slot) that loads it
+    requires_grad: Mapping[str, bool]
+    activation_itemsizes: Mapping[str, int]  # element type -> bytes as the device computes it
+    gradient_itemsize: int
+    redistributions: tuple[Redistribution, ...]
+    gradients: tuple[GradientPath, ...]
+    gradient_sync: tuple[GradientSync, ...]
+
+    def itemsize(self, tensor: TensorInfo) -> int:
+        """Bytes of one element of ``tensor`` in a collective (the plan's precision)."""
+        return self.activation_itemsizes[tensor.dtype]
+
+    def producer_of(self, name: str) -> str:
+        """The operator holding a non-constant tensor first: its producer, or the one that loads it."""
+        info = self.graph.tensor(name)
+        if info.kind == "activation":
+            return self.graph.producer[name]
+        return self.ops[self.owner[name][0]].name
+
+
+def program_of(problem: SearchProblem, choice: Sequence[int], file: PlanFile | None = None) -> PlanProgram:
+    """The program of ``choice`` on its searched problem; its collectives are ``file``'s (a `Plan`'s
+    own file) or, for a bare assignment of strategies, lowered here without memory choices."""
+    ops = []
+    for node, (rule, c) in enumerate(zip(problem.rules, choice)):
+        exponents = rule.candidates[c]
+        bits = [
+            problem.gradient_sync_bits(node, exponents, slot) if name else ()
+            for slot, name in enumerate(rule.op.inputs)
+        ]
+        ops.append(_planned(rule, exponents, bits))
+    if file is not None:
+        moves, paths, syncs = file.redistributions, file.gradients, file.gradient_sync
+    else:
+        moves, paths = redistributions(problem, choice), gradient_paths(problem, choice)
+        syncs = gradient_sync(problem, choice)
+    return _program(
+        problem.graph, ops, problem.num_devices, problem.owner, problem.requires_grad, problem.cost, moves, paths, syncs
+    )
+
+
+def program_from_file(graph: Graph, plan: PlanFile, devices: int, cost: CostModel) -> PlanProgram:
+    """The program a plan file lists for ``graph`` on ``devices``; ``cost`` gives the element sizes.
+
+    A plan made for another model, batch or device count is refused first (PlanFileError, one
+    sentence); then each operator's rule is built and its strategy read. Nothing is costed.
+    """
+    check_context(plan, graph, devices)
+    rules = [OpRule.build(op, graph, mesh_bits_for(devices)) for op in graph.ops]
+    ops = []
+    for rule, exponents in zip(rules, exponents_for(rules, plan.strategies)):
+        bits = [gradient_bits(rule, exponents, slot) if name else () for slot, name in enumerate(rule.op.inputs)]
+        ops.append(_planned(rule, exponents, bits))
+    owner, requires_grad = owners(graph, rules), tensors_needing_gradients(graph, rules)
+    return _program(
+        graph, ops, devices, owner, requires_grad, cost, plan.redistributions, plan.gradients, plan.gradient_sync
+    )
+
+
+def exponents_for(rules: Sequence[OpRule], strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[tuple[int, ...]]:
+    """Each operator's exponents under a full assignment of strategies; StrategyError on anything invalid."""
+    names = {rule.op.name for rule in rules}
+    unknown = sorted(set(strategies) - names)
+    if unknown:
+        raise StrategyError(f"Strategies name operators the model does not have: {', '.join(unknown[:5])}.")
+    missing = [rule.op.name for rule in rules if rule.op.name not in strategies]
+    if missing:
+        raise StrategyError(f"No strategy given for {len(missing)} operator(s), e.g. {missing[0]!r}.")
+    return [rule.parse(strategies[rule.op.name]) for rule in rules]
+
+
+def gradient_bits(rule: OpRule, exponents: Sequence[int], slot: int) -> tuple[int, ...]:
+    """Bits over which input ``slot``'s gradient comes out partial: the split labels it lacks
+    (as the search's `SearchProblem.gradient_sync_bits` charges them)."""
+    labels = rule.spec.inputs[slot] or ()
+    bits = rule.label_bits(exponents)
+    return tuple(
+        sorted((b for label in rule.spec.label_order if label not in labels for b in bits[label]), reverse=True)
+    )
+
+
+def owners(graph: Graph, rules: Sequence[OpRule]) -> dict[str, tuple[int, int]]:
+    """The (operator, slot) that loads each parameter and data input: its first reader."""
+    found: dict[str, tuple[int, int]] = {}
+    for node, rule in enumerate(rules):
+        for slot, name in enumerate(rule.op.inputs):
+            if name and graph.tensor(name).kind not in ("constant", "activation"):
+                found.setdefault(name, (node, slot))
+    return found
+
+
+def tensors_needing_gradients(graph: Graph, rules: Sequence[OpRule]) -> dict[str, bool]:
+    """Trainable parameters, and the float outputs of differentiable operators reading one."""
+    grad = {name: info.kind == "parameter" and info.trainable for name, info in graph.tensors.items()}
+    for rule in rules:
+        needs = rule.differentiable and any(grad.get(name, False) for name in rule.op.inputs if name)
+        for out in rule.op.outputs:
+            if out:
+                grad[out] = needs and graph.tensor(out).is_float
+    return grad
+
+
+def _planned(rule: OpRule, exponents: tuple[int, ...], bits: Sequence[tuple[int, ...]]) -> PlannedOp:
+    return PlannedOp(
+        rule,
+        tuple(exponents),
+        tuple(rule.input_layouts(exponents)),
+        tuple(rule.output_layouts(exponents)),
+        tuple(tuple(b) for b in bits),
+    )
+
+
+def _program(
+    graph: Graph,
+    ops: Sequence[PlannedOp],
+    devices: int,
+    owner: Mapping[str, tuple[int, int]],
+    requires_grad: Mapping[str, bool],
+    cost: CostModel,
+    moves: Sequence[Redistribution],
+    paths: Sequence[GradientPath],
+    syncs: Sequence[GradientSync],
+) -> PlanProgram:
+    dtypes = sorted({info.dtype for info in graph.tensors.values()})
+    return PlanProgram(
+        graph,
+        tuple(ops),
+        devices,
+        mesh_bits_for(devices),
+        MappingProxyType(dict(owner)),
+        MappingProxyType(dict(requires_grad)),
+        MappingProxyType({dtype: cost.activation_itemsize(dtype) for dtype in dtypes}),
+        cost.gradient_itemsize(),
+        tuple(moves),
+        tuple(paths),
+        tuple(syncs),
+    )
