@@ -1,18 +1,33 @@
-"""The package's import graph: no cycle (function-level imports included), and the core never imports its faces."""
+"""The package's layering, read from the source: which package imports which, and no cycle.
+
+A package is a top-level subpackage or module of autopar (``autopar.search``, ``autopar.api``;
+``autopar`` itself is the root). Every import counts wherever it is written (module level, inside
+a function, ``importlib.import_module`` of a module named in a string), except under
+``if TYPE_CHECKING:``, which never runs. The rules (DESIGN.md, "Layout"):
+
+- the core (graph, ops, layout, redistribute, strategy, cost, search, lowering, and the small
+  shared modules and values) never imports a verifier (spmd, runtime), an exporter or a face
+  (report, api, cli), not even through another package;
+- the cost model never depends on the search;
+- the verifiers, the exporters and the report read the plan lowering gives them, never the search;
+- no cycle between packages.
+"""
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import importlib
 import types
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import networkx as nx
 import pytest
 
 import autopar
 
 PACKAGE_DIR = Path(autopar.__file__).resolve().parent
+ROOT = "autopar"
 CORE = (
     "autopar.graph",
     "autopar.ops",
@@ -22,10 +37,16 @@ CORE = (
     "autopar.cost",
     "autopar.search",
     "autopar.lowering",
-    "autopar.spmd",
-    "autopar.runtime",
+    "autopar.errors",
+    "autopar.units",
+    "autopar.limits",
+    "autopar.progress",
+    "autopar.options",
 )
-FACES = ("autopar.report", "autopar.cli", "autopar.api")
+READERS = ("autopar.spmd", "autopar.runtime", "autopar.export", "autopar.report")
+FACES = ("autopar.spmd", "autopar.runtime", "autopar.export", "autopar.report", "autopar.api", "autopar.cli")
+
+Graph = Mapping[str, set[str]]
 
 
 def _module_name(path: Path) -> str:
@@ -36,6 +57,11 @@ def _module_name(path: Path) -> str:
 
 
 MODULES = {_module_name(path): path for path in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def package_of(module: str) -> str:
+    """``autopar.search.dp`` -> ``autopar.search``; the root stays ``autopar``."""
+    return ".".join(module.split(".")[:2])
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -81,26 +107,122 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
     return {name for name in names if name in MODULES}
 
 
-def import_graph() -> nx.DiGraph:
-    graph = nx.DiGraph()
-    graph.add_nodes_from(MODULES)
-    for module, path in MODULES.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for node in _imports(tree):
-            for target in _targets(module, node):
-                if target != module:
-                    graph.add_edge(module, target)
-    return graph
+def _lazy_targets(tree: ast.AST) -> set[str]:
+    """Modules a file loads by name at run time: where it calls ``import_module``, every string
+    naming an autopar module counts (the exporters' table of formats is such a list)."""
+    calls = any(
+        isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+            or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))
+        )
+        for node in ast.walk(tree)
+    )
+    if not calls:
+        return set()
+    return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in MODULES}
+
+
+def module_imports(module: str, source: str) -> set[str]:
+    """The autopar modules ``module`` imports, written as ``source``."""
+    tree = ast.parse(source)
+    found = set().union(*(_targets(module, node) for node in _imports(tree)), _lazy_targets(tree))
+    return found - {module}
+
+
+def module_graph() -> dict[str, set[str]]:
+    return {module: module_imports(module, path.read_text(encoding="utf-8")) for module, path in MODULES.items()}
+
+
+def package_graph(modules: Graph) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import."""
+    packages: dict[str, set[str]] = {package_of(module): set() for module in modules}
+    for module, targets in modules.items():
+        mine = package_of(module)
+        packages[mine] |= {package_of(target) for target in targets} - {mine}
+    return packages
+
+
+def reachable(graph: Graph, start: str) -> set[str]:
+    """Every node ``start`` reaches (itself excluded unless on a cycle)."""
+    seen: set[str] = set()
+    todo = list(graph.get(start, ()))
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return seen
+
+
+def cycle(graph: Graph) -> list[str] | None:
+    """One cycle of ``graph`` (first node repeated at the end), or None."""
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        return list(exc.args[1])
+    return None
+
+
+def _in(name: str, packages: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def violations(modules: Graph) -> list[str]:
+    """Every broken layering rule, one line each (empty: the layering holds)."""
+    packages = package_graph(modules)
+    found = []
+    for package in sorted(p for p in packages if _in(p, CORE)):
+        for target in sorted(t for t in reachable(packages, package) if _in(t, FACES)):
+            how = "imports" if target in packages[package] else "reaches"
+            found.append(f"the core's {package} {how} {target}")
+    if "autopar.search" in reachable(packages, "autopar.cost"):
+        found.append("autopar.cost depends on autopar.search")
+    for package in READERS:
+        if "autopar.search" in packages.get(package, set()):
+            found.append(f"{package} imports autopar.search (it reads the plan, not the search)")
+    loop = cycle(packages)
+    if loop is not None:
+        found.append("package cycle: " + " -> ".join(loop))
+    return found
+
+
+def _edited(module: str, source: str) -> dict[str, set[str]]:
+    """The module graph with one module's source replaced (to prove the rules catch a change)."""
+    modules = module_graph()
+    modules[module] = module_imports(module, source)
+    return modules
+
+
+# --- the layering holds ------------------------------------------------------------------------
+
+
+def test_the_layering_holds():
+    assert violations(module_graph()) == []
+
+
+def test_no_import_cycle_between_modules():
+    loop = cycle(module_graph())
+    assert loop is None, "module cycle: " + " -> ".join(loop or [])
+
+
+def test_the_packages_are_all_seen():
+    packages = package_graph(module_graph())
+    assert {ROOT, "autopar.api", "autopar.cli", *CORE, *READERS} <= set(packages)
+    assert len([module for module in MODULES if _in(module, CORE)]) > 30
+
+
+# --- the walk sees every kind of import ------------------------------------------------------
 
 
 def test_the_walk_sees_the_package():
-    graph = import_graph()
-    assert {"autopar", "autopar.api", "autopar.cli", "autopar.ops.registry", "autopar.lowering.planfile"} <= set(graph)
-    # a module-level import, a function-level import and a relative-free `from package import module`
-    assert graph.has_edge("autopar.lowering.planfile", "autopar.layout")
-    assert graph.has_edge("autopar.cli", "autopar.lowering")  # inside _run_verify
-    assert graph.has_edge("autopar.ops", "autopar.ops.conv")  # from autopar.ops import conv, ...
-    assert not graph.has_edge("autopar.ops.loss", "autopar.graph.types")  # under `if TYPE_CHECKING:`
+    modules = module_graph()
+    # a module-level import, a function-level import and a `from package import module`
+    assert "autopar.layout" in modules["autopar.lowering.planfile"]
+    assert "autopar.lowering" in modules["autopar.cli"]  # inside _run_verify
+    assert "autopar.ops.conv" in modules["autopar.ops"]  # from autopar.ops import conv, ...
+    # importlib.import_module of a name in the formats table
+    assert "autopar.export.onnx_sharding" in modules["autopar.export"]
 
 
 def test_the_walk_resolves_relative_imports():
@@ -117,35 +239,51 @@ def test_type_checking_imports_are_skipped_but_function_imports_are_not():
         "if TYPE_CHECKING:\n    import autopar.api\n"
         "def f():\n    import autopar.cli\n"
     )
-    found = set().union(*(_targets("autopar.layout", node) for node in _imports(ast.parse(source))))
-    assert found == {"autopar.cli"}
+    assert module_imports("autopar.layout", source) == {"autopar.cli"}
 
 
-def test_no_import_cycle():
-    graph = import_graph()
-    try:
-        cycle = nx.find_cycle(graph)
-    except nx.NetworkXNoCycle:
-        cycle = None
-    assert cycle is None, "import cycle: " + " -> ".join(f"{a} -> {b}" for a, b in cycle)
-    assert nx.is_directed_acyclic_graph(graph)
+def test_a_lazy_import_by_name_counts():
+    source = "import importlib\ndef f():\n    return importlib.import_module('autopar.report.text')\n"
+    assert module_imports("autopar.layout", source) == {"autopar.report.text"}
 
 
-def _in(module: str, prefixes: tuple[str, ...]) -> bool:
-    return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
+# --- each rule fails when broken ---------------------------------------------------------------
 
 
-def test_core_never_imports_the_faces():
-    graph = import_graph()
-    core = [module for module in graph if _in(module, CORE)]
-    assert len(core) > 30
-    bad = sorted((module, target) for module in core for target in graph.successors(module) if _in(target, FACES))
-    assert bad == []
-    # not even indirectly
-    reached = sorted(
-        (module, target) for module in core for target in nx.descendants(graph, module) if _in(target, FACES)
-    )
-    assert reached == []
+def _with_function_import(module: str, statement: str) -> str:
+    return MODULES[module].read_text(encoding="utf-8") + f"\n\ndef _added():\n    {statement}\n"
+
+
+@pytest.mark.parametrize(
+    ("module", "statement", "expected"),
+    [
+        ("autopar.cost.model", "from autopar.search import driver", "autopar.cost depends on autopar.search"),
+        ("autopar.search.dp", "from autopar.export import export", "the core's autopar.search imports autopar.export"),
+        ("autopar.graph", "import autopar.api", "the core's autopar.graph imports autopar.api"),
+        ("autopar.lowering.plan", "from autopar.report import text", "the core's autopar.lowering imports"),
+        (
+            "autopar.spmd.runner",
+            "from autopar.search.problem import SearchProblem",
+            "autopar.spmd imports autopar.search",
+        ),
+        ("autopar.runtime.program", "import autopar.search.driver", "autopar.runtime imports autopar.search"),
+        ("autopar.export.jax", "from autopar.search import driver", "autopar.export imports autopar.search"),
+        ("autopar.report.text", "from autopar.search.problem import MemoryChoices", "autopar.report imports autopar."),
+        ("autopar.layout", "from autopar.strategy import OpRule", "package cycle"),
+    ],
+)
+def test_a_forbidden_import_is_caught(module, statement, expected):
+    found = violations(_edited(module, _with_function_import(module, statement)))
+    assert any(expected in line for line in found), found
+
+
+def test_an_indirect_path_from_the_core_to_a_face_is_caught():
+    # cost -> limits is allowed; limits -> cli makes the core reach a face through it
+    found = violations(_edited("autopar.limits", _with_function_import("autopar.limits", "from autopar import cli")))
+    assert "the core's autopar.cost reaches autopar.cli" in found
+
+
+# --- names ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["autopar.lowering.plan", "autopar.api"])
@@ -158,7 +296,6 @@ def test_modules_import_as_modules(name):
 def test_api_function_names_are_not_modules():
     assert callable(autopar.plan) and not isinstance(autopar.plan, types.ModuleType)
     assert callable(autopar.verify) and not isinstance(autopar.verify, types.ModuleType)
-    assert not (Path(autopar.__file__).parent / "plan.py").exists()
-    assert not (Path(autopar.__file__).parent / "verify.py").exists()
-    assert not (Path(autopar.__file__).parent / "plan").exists()
-    assert not (Path(autopar.__file__).parent / "verify").exists()
+    for name in ("plan", "verify", "export_plan"):
+        assert not (PACKAGE_DIR / f"{name}.py").exists()
+        assert not (PACKAGE_DIR / name).exists()
