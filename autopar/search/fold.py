@@ -43,11 +43,17 @@ class Repeat:
 
     Copy 0 reads operator ``start - 1`` (in the main graph, and structurally the same operator as
     every copy's last, so its candidates and layouts are theirs); copy k reads copy k-1's last.
+    Every copy may also read the same tensors of the ``shared`` operators, all before ``start - 1``.
     """
 
     start: int
     period: int
     copies: int
+    shared: tuple[int, ...] = ()  # operators before the run whose tensors every copy reads alike
+
+    def shift(self, scope: tuple[int, ...], k: int) -> tuple[int, ...]:
+        """A scope of copy 0 moved to copy k: shared operators before the run stay where they are."""
+        return tuple(u + k * self.period if u >= self.start - 1 else u for u in scope)
 
     def block(self, k: int) -> range:
         first = self.start + k * self.period
@@ -63,6 +69,31 @@ class Repeat:
         return range(self.start, self.start + self.copies * self.period)
 
 
+@dataclass(frozen=True)
+class Structure:
+    """Each operator's structure, for finding copies: equal entries mean structurally identical.
+
+    ``whole`` is one id per operator with every input's source written relative to the operator
+    (how many operators back, which slot): copies of a block that reads only its predecessor
+    have equal ids. ``local`` leaves the sources out; ``relative`` and ``absolute`` write each
+    input slot's source both ways (-1: none, an owned or constant input), so a copy may also read
+    the *same* tensor as every other copy from outside the run (a mask, a rotary table, a shared
+    weight) and still match.
+    """
+
+    whole: np.ndarray
+    local: np.ndarray
+    relative: np.ndarray
+    absolute: np.ndarray
+
+    def same(self, period: int) -> np.ndarray:
+        """Per operator i: is operator i + period a copy of it (each input from the same relative
+        place, or from the very same tensor)?"""
+        relative, absolute = self.relative, self.absolute
+        sources = (relative[:-period] == relative[period:]) | (absolute[:-period] == absolute[period:])
+        return (self.local[:-period] == self.local[period:]) & sources.all(axis=1)
+
+
 def signatures(
     graph: Graph,
     uses: Sequence,
@@ -71,31 +102,38 @@ def signatures(
     kept: frozenset[str],
     outputs: set,
     pinned: dict | None = None,
-) -> list[int]:
-    """One small integer per operator: equal integers mean structurally identical operators.
-
-    Everything a cost depends on is in the signature; where an input comes from is written
-    relative to the operator (how many operators back, which slot), so copies match.
-    """
-    source: dict[tuple[int, int], tuple] = {}
+) -> Structure:
+    """Every operator's `Structure`: everything a cost depends on, never a name."""
+    source: dict[tuple[int, int], tuple[int, int, bool]] = {}
     for use in uses:
-        source[(use.dst_node, use.dst_slot)] = (use.dst_node - use.src_node, use.src_slot, use.src_is_output)
-    ids: dict[tuple, int] = {}
-    found = []
+        source[(use.dst_node, use.dst_slot)] = (use.src_node, use.src_slot, use.src_is_output)
+    whole_ids: dict[tuple, int] = {}
+    local_ids: dict[tuple, int] = {}
+    source_ids: dict[tuple, int] = {}
+    whole, local = [], []
+    width = max((len(op.inputs) for op in graph.ops), default=0)
+    relative = np.full((len(graph.ops), max(width, 1)), -1, dtype=np.int64)
+    absolute = np.full((len(graph.ops), max(width, 1)), -1, dtype=np.int64)
     for node, op in enumerate(graph.ops):
         inputs: list[tuple | None] = []
+        wheres: list[object] = []
         for slot, name in enumerate(op.inputs):
             if not name:
                 inputs.append(None)
+                wheres.append(None)
                 continue
             info = graph.tensor(name)
-            where: object = source.get((node, slot))
-            if where is None:
-                where = "owned" if owner.get(name) == (node, slot) else "constant"
+            found = source.get((node, slot))
+            if found is None:
+                where: object = "owned" if owner.get(name) == (node, slot) else "constant"
+            else:
+                src, src_slot, is_output = found
+                where = (node - src, src_slot, is_output)
+                relative[node, slot] = source_ids.setdefault(("relative", *where), len(source_ids))
+                absolute[node, slot] = source_ids.setdefault(("absolute", *found), len(source_ids))
             value = info.value.tobytes() if info.kind == "constant" and info.value is not None else None
-            inputs.append(
-                (info.shape, info.dtype, info.kind, info.trainable, requires_grad.get(name, False), where, value)
-            )
+            inputs.append((info.shape, info.dtype, info.kind, info.trainable, requires_grad.get(name, False), value))
+            wheres.append(where if found is None else "used")
         outputs_ = tuple(
             (graph.tensor(n).shape, graph.tensor(n).dtype, requires_grad.get(n, False), n in kept, n in outputs)
             if n
@@ -103,9 +141,12 @@ def signatures(
             for n in op.outputs
         )
         attributes = tuple(sorted((k, _exact(v)) for k, v in op.attrs.items()))
-        key = (op.op_type, op.domain, attributes, op.flops, tuple(inputs), outputs_, (pinned or {}).get(node))
-        found.append(ids.setdefault(key, len(ids)))
-    return found
+        key = (op.op_type, op.domain, attributes, op.flops, tuple(inputs), tuple(wheres), outputs_)
+        key = key + ((pinned or {}).get(node),)
+        local.append(local_ids.setdefault(key, len(local_ids)))
+        full = (key, tuple(relative[node].tolist()))
+        whole.append(whole_ids.setdefault(full, len(whole_ids)))
+    return Structure(np.asarray(whole, dtype=np.int64), np.asarray(local, dtype=np.int64), relative, absolute)
 
 
 def _exact(value: object) -> object:
@@ -117,20 +158,20 @@ def _exact(value: object) -> object:
     return repr(value)
 
 
-def find_repeats(size: int, uses: Sequence, signature: Sequence[int]) -> list[Repeat]:
+def find_repeats(size: int, uses: Sequence, structure: Structure) -> list[Repeat]:
     """Non-overlapping runs of identical consecutive blocks that can be folded, in graph order.
 
     Candidate periods are the distances between repeated signatures, most frequent (weighted by
     length) first; where runs overlap, the one folding the most operators wins.
     """
-    seq = np.asarray(signature, dtype=np.int64)
+    seq = structure.whole
     if size < 3:
         return []
-    reads: list[list[int]] = [[] for _ in range(size)]  # producers each operator reads
+    reads: list[list[tuple[int, int]]] = [[] for _ in range(size)]  # (producer, slot) each operator reads
     readers: list[list[int]] = [[] for _ in range(size)]
     for use in uses:
         if use.src_node != use.dst_node:
-            reads[use.dst_node].append(use.src_node)
+            reads[use.dst_node].append((use.src_node, use.dst_slot))
             readers[use.src_node].append(use.dst_node)
     last_seen: dict[int, int] = {}
     distances: dict[int, int] = {}
@@ -144,7 +185,7 @@ def find_repeats(size: int, uses: Sequence, signature: Sequence[int]) -> list[Re
     for period in periods:
         if MIN_FOLDED_COPIES * period + 1 > size:
             continue  # no room for the copies and the operator before them
-        same = seq[:-period] == seq[period:]
+        same = structure.same(period)
         i = 0
         while i < len(same):
             if not same[i]:
@@ -173,24 +214,41 @@ def find_repeats(size: int, uses: Sequence, signature: Sequence[int]) -> list[Re
         if not taken[span].any():
             taken[span] = True
             chosen.append(repeat)
-    return sorted(chosen, key=lambda r: r.start)
+    interior = {u for r in chosen for u in r.folded if u != r.last(r.copies - 1)}
+    # a run may read what another run computes only from that run's last operator (the main graph sees no other)
+    return sorted((r for r in chosen if not interior.intersection(r.shared)), key=lambda r: r.start)
 
 
-def _valid_prefix(repeat: Repeat, reads: list[list[int]], readers: list[list[int]]) -> Repeat | None:
-    """The longest prefix of the run whose copies have a clean boundary, or None."""
+def _valid_prefix(repeat: Repeat, reads: list[list[tuple[int, int]]], readers: list[list[int]]) -> Repeat | None:
+    """The longest prefix of the run whose copies have a clean boundary, or None.
+
+    A copy reads only its own operators, the previous copy's last, and tensors from before the
+    run that every copy reads alike (the same producer at the same operator and slot).
+    """
     copies = 0
+    shared: dict[tuple[int, int], int] = {}  # (offset in the block, slot) -> the producer every copy reads there
     for k in range(repeat.copies):
         block = repeat.block(k)
         q_prev, q = repeat.last(k - 1), repeat.last(k)
-        clean = all(src in block or src == q_prev for node in block for src in reads[node])
+        outside: dict[tuple[int, int], int] = {}
+        clean = True
+        for node in block:
+            for src, slot in reads[node]:
+                if src in block or src == q_prev:
+                    continue
+                if src >= repeat.start - 1:
+                    clean = False
+                outside[(node - block[0], slot)] = src
+        clean = clean and (k == 0 or outside == shared)
         clean = clean and all(dst in block for node in block if node != q for dst in readers[node])
         if not clean:
             break
+        shared = outside if k == 0 else shared
         copies = k + 1
     # every copy's last operator but the run's last is read only by the next copy
     while copies >= MIN_FOLDED_COPIES:
         if all(dst in repeat.block(k + 1) for k in range(copies - 1) for dst in readers[repeat.last(k)]):
-            return Repeat(repeat.start, repeat.period, copies)
+            return Repeat(repeat.start, repeat.period, copies, tuple(sorted(set(shared.values()))))
         copies -= 1
     return None
 
@@ -253,7 +311,13 @@ def _unfold(tree: _Product, a: int, b: int) -> list[int]:
 
 
 class FoldedRun:
-    """A folded run: its representative copy's elimination and how the main graph sees it."""
+    """A folded run: its representative copy's elimination and how the main graph sees it.
+
+    The representative copy is eliminated down to factors over the operator before the run (p),
+    its own last operator (q) and the shared operators every copy reads (x). With the shared
+    operators' classes fixed, the copies form a chain, so the run is one min-plus power per
+    joint class of the shared operators: exact, and as cheap as before when nothing is shared.
+    """
 
     def __init__(self, repeat: Repeat, factors: list[Factor], sizes: Sequence[int]) -> None:
         self.repeat = repeat
@@ -262,52 +326,93 @@ class FoldedRun:
         self.p, self.q = repeat.last(-1), repeat.last(0)
         keep = [u for u in range(len(sizes)) if u not in block or u == self.q]
         self.elimination = Elimination(sizes, factors, keep)
-        maps = [m[s.index(self.p)] for s, m in self.elimination.leftover_structure() if self.p in s]
-        if maps:
-            self.boundary, _ = joint_classes(maps, [int(m.max()) + 1 for m in maps])
-        else:
-            self.boundary = np.zeros(sizes[self.p], dtype=np.int64)
+        structure = self.elimination.leftover_structure()
+        self.boundary, self._first = self._classes(self.p, structure, sizes)
         self.classes = int(self.boundary.max()) + 1
         self._members = np.argsort(self.boundary, kind="stable")
         self._starts = np.searchsorted(self.boundary[self._members], np.arange(self.classes))
-        self._first = np.zeros(self.classes, dtype=np.int64)
-        self._first[self.boundary[::-1]] = np.arange(len(self.boundary) - 1, -1, -1)
+        self.shared = tuple(sorted({u for scope, _ in structure for u in scope} - {self.p, self.q}))
+        shared = [self._classes(x, structure, sizes) for x in self.shared]
+        self.shared_maps = tuple(m for m, _ in shared)
+        self._shared_first = tuple(first for _, first in shared)
+        self.shared_counts = tuple(int(m.max()) + 1 for m in self.shared_maps)
+
+    @staticmethod
+    def _classes(node: int, structure: list, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(class per candidate, first candidate per class) of one kept operator, as the leftover factors see it."""
+        maps = [m[s.index(node)] for s, m in structure if node in s]
+        if maps:
+            classes, _ = joint_classes(maps, [int(m.max()) + 1 for m in maps])
+        else:
+            classes = np.zeros(sizes[node], dtype=np.int64)
+        first = np.zeros(int(classes.max()) + 1, dtype=np.int64)
+        first[classes[::-1]] = np.arange(len(classes) - 1, -1, -1)
+        return classes, first
 
     @property
     def last(self) -> int:
         return self.repeat.last(self.repeat.copies - 1)
 
     def placeholder(self, q_candidates: int) -> Factor:
-        """The main graph's factor between the operator before the run and its last one (table set per solve)."""
-        maps = (self.boundary, np.arange(q_candidates, dtype=np.int64))
-        return Factor((self.p, self.last), maps, np.zeros((self.classes, q_candidates)))
+        """The main graph's factor over the operator before the run, its last one and the shared ones
+        (table set per solve)."""
+        maps = (self.boundary, np.arange(q_candidates, dtype=np.int64), *self.shared_maps)
+        table = np.zeros((self.classes, q_candidates, *self.shared_counts))
+        return Factor((self.p, self.last, *self.shared), maps, table)
+
+    def _boundary_table(self, solved: Solved, unary: np.ndarray) -> np.ndarray:
+        """F[shared classes..., class of p, candidate of q]: one copy's cost with its boundaries fixed."""
+        p, q = self.p, self.q
+        axes = {x: i for i, x in enumerate(self.shared)} | {p: len(self.shared), q: len(self.shared) + 1}
+        firsts = dict(zip(self.shared, self._shared_first)) | {p: self._first}
+        shape = (*self.shared_counts, self.classes, len(unary))
+        table = np.zeros(shape) + np.asarray(unary, dtype=float)
+        for factor in solved.leftover:
+            index = [m if u == q else m[firsts[u]] for u, m in zip(factor.scope, factor.maps)]
+            part = factor.table[np.ix_(*index)]
+            order = np.argsort([axes[u] for u in factor.scope])
+            part = part.transpose(order)
+            present = sorted(axes[u] for u in factor.scope)
+            table = table + part.reshape([shape[a] if a in present else 1 for a in range(len(shape))])
+        return table
 
     def solve(self, unary: Sequence[np.ndarray]) -> "SolvedRun":
-        """G[class of the operator before the run, candidate of the run's last] for these unary costs."""
-        p, q = self.p, self.q
+        """G[class of the operator before the run, candidate of the run's last, shared classes...]."""
         solved = self.elimination.run(unary)
-        first = self._first
-        table = np.zeros((self.classes, 1)) + np.asarray(unary[q], dtype=float)[None, :]
-        for factor in solved.leftover:
-            if factor.scope == (p, q):
-                part = factor.table[np.ix_(factor.maps[0][first], factor.maps[1])]
-            elif factor.scope == (p,):
-                part = factor.table[factor.maps[0][first]][:, None]
-            else:
-                part = factor.table[factor.maps[0]][None, :]
-            table = table + part
+        tables = self._boundary_table(solved, unary[self.q])
+        chains: dict[tuple[int, ...], _Chain] = {}
+        joined = np.empty(tables.shape)
+        for shared in np.ndindex(*self.shared_counts):
+            chain = _Chain.of(tables[shared], self._members, self._starts, self.repeat.copies - 1)
+            chains[shared] = chain
+            joined[shared] = chain.joined
+        joined = np.moveaxis(joined, (-2, -1), (0, 1)) if self.shared else joined
+        return SolvedRun(self, solved, np.ascontiguousarray(joined), chains)
+
+
+@dataclass
+class _Chain:
+    """The copies' chain with the shared operators' classes fixed: S^(copies-1) (x) F, to unfold."""
+
+    joined: np.ndarray  # G[class of p, candidate of the run's last]
+    tree: _Product | None
+    middle: np.ndarray | None
+    best_q: np.ndarray  # [class a, class b]: the candidate of a copy's last that shows class b, from a
+
+    @classmethod
+    def of(cls, table: np.ndarray, members: np.ndarray, starts: np.ndarray, exponent: int) -> "_Chain":
         # S[a, b]: q reduced to the class the next copy reads, and which q candidate achieves it
-        ordered = table[:, self._members]
-        square = np.minimum.reduceat(ordered, self._starts, axis=1)
-        counts = np.diff(np.append(self._starts, len(self._members)))
+        ordered = table[:, members]
+        square = np.minimum.reduceat(ordered, starts, axis=1)
+        counts = np.diff(np.append(starts, len(members)))
         is_best = ordered == np.repeat(square, counts, axis=1)
-        positions = np.where(is_best, np.arange(len(self._members))[None, :], len(self._members))
-        best_q = self._members[np.minimum.reduceat(positions, self._starts, axis=1)]
-        power, tree = _power(square, self.repeat.copies - 1)
+        positions = np.where(is_best, np.arange(len(members))[None, :], len(members))
+        best_q = members[np.minimum.reduceat(positions, starts, axis=1)]
+        power, tree = _power(square, exponent)
         if power is None:
-            return SolvedRun(self, solved, table, None, None, best_q)
+            return cls(table, None, None, best_q)
         joined, middle = min_plus(power, table)
-        return SolvedRun(self, solved, joined, tree, middle, best_q)
+        return cls(joined, tree, middle, best_q)
 
 
 @dataclass
@@ -316,29 +421,29 @@ class SolvedRun:
 
     run: FoldedRun
     solved: Solved
-    joined: np.ndarray  # G
-    tree: _Product | None
-    middle: np.ndarray | None
-    best_q: np.ndarray
+    joined: np.ndarray  # G, the main graph's factor table
+    chains: dict[tuple[int, ...], _Chain]
 
     def unfold(self, choice: list[int]) -> None:
-        """Fill in every copy of ``choice`` given the operator before the run and the run's last one."""
+        """Fill in every copy of ``choice`` given the operators around the run and the shared ones."""
         run = self.run
         repeat = run.repeat
+        chain = self.chains[tuple(int(m[choice[x]]) for x, m in zip(run.shared, run.shared_maps))]
         start = int(run.boundary[choice[run.p]])
         end_candidate = choice[run.last]
-        if self.tree is None or self.middle is None:
+        if chain.tree is None or chain.middle is None:
             classes = [start]
         else:
-            before_last = int(self.middle[start, end_candidate])
-            classes = [start] + _unfold(self.tree, start, before_last) + [before_last]
+            before_last = int(chain.middle[start, end_candidate])
+            classes = [start] + _unfold(chain.tree, start, before_last) + [before_last]
         # boundaries: the one before the run is given; copy k's last from the classes; the run's last is given
         q_choice = [choice[run.p]]
         for k in range(1, repeat.copies):
-            q_choice.append(int(self.best_q[classes[k - 1], classes[k]]))
+            q_choice.append(int(chain.best_q[classes[k - 1], classes[k]]))
         q_choice.append(end_candidate)
+        shared = {x: choice[x] for x in run.shared}
         for k in range(repeat.copies):
-            inner = self.solved.assign({run.p: q_choice[k], run.q: q_choice[k + 1]})
+            inner = self.solved.assign({run.p: q_choice[k], run.q: q_choice[k + 1], **shared})
             for node in repeat.block(0):
                 choice[node + k * repeat.period] = inner[node]
 

@@ -126,8 +126,8 @@ class SearchProblem:
         With k micro-batches the step is k micro-steps, the gradient sync paid once.
         """
         total = sum(float(self.node_arrays(i, choices)[0][c]) for i, c in enumerate(choice))
-        for factor, shift in self._all_factors(choices.recompute):
-            total += factor.value([choice[u + shift] for u in factor.scope])
+        for factor, scope in self._all_factors(choices.recompute):
+            total += factor.value([choice[u] for u in scope])
         if choices.micro_batches == 1:
             return total
         once = sum(
@@ -136,11 +136,11 @@ class SearchProblem:
         )
         return choices.micro_batches * (total - once) + once
 
-    def _all_factors(self, recompute: bool = False) -> list[tuple[Factor, int]]:
-        """Every edge factor with the node shift of its copy (0 outside folded runs)."""
-        found = [(factor, 0) for factor in self.factors]
+    def _all_factors(self, recompute: bool = False) -> list[tuple[Factor, tuple[int, ...]]]:
+        """Every edge factor with the operators it joins in its copy (its own scope outside folded runs)."""
+        found = [(factor, factor.scope) for factor in self.factors]
         for repeat, factors in self.recompute_folds if recompute else self.folds:
-            found += [(f, k * repeat.period) for k in range(repeat.copies) for f in factors]
+            found += [(f, repeat.shift(f.scope, k)) for k in range(repeat.copies) for f in factors]
         return found
 
     def node_arrays(self, node: int, choices: MemoryChoices = NO_MEMORY_CHOICES) -> tuple[np.ndarray, np.ndarray]:
@@ -198,8 +198,8 @@ class SearchProblem:
     def edges_for(self, recompute: bool) -> dict[tuple[int, int], np.ndarray]:
         """`edges`, with the forward redistributions inside repeated blocks paid twice if ``recompute``."""
         edges: dict[tuple[int, int], np.ndarray] = {}
-        for factor, shift in self._all_factors(recompute):
-            (i, j), (rows, cols) = (u + shift for u in factor.scope), factor.maps
+        for factor, (i, j) in self._all_factors(recompute):
+            rows, cols = factor.maps
             matrix = factor.table[np.ix_(rows, cols)]
             edges[(i, j)] = edges[(i, j)] + matrix if (i, j) in edges else matrix
         return edges
