@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 import autopar
 from autopar.errors import FallbackWarning
 from autopar.graph import load_model
-from autopar.ops import registered_op_types
+from autopar.ops import FAMILIES, registered_op_types
 from autopar.ops.cases import STRATEGIES, all_cases
 from autopar.strategy import OpRule
 from tests.conftest import make_model
@@ -74,7 +74,7 @@ def ints(name, values):
 
 # Each operator module lists its cases next to its registration (`autopar.ops.cases`); the ones
 # that split are checked here, as "op" in a tiny model, under its candidate strategies.
-CASES = {name: case.model for name, case in all_cases(STRATEGIES).items()}
+CASES = {name: case.model for name, case in all_cases(FAMILIES, STRATEGIES).items()}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 import autopar
 from autopar.errors import AutoparError
 from autopar.graph import load_model
-from autopar.ops import registered_op_types
+from autopar.ops import FAMILIES, registered_op_types
 from autopar.ops.cases import KERNEL, all_cases
 from autopar.ops.registry import _REGISTRY
 from autopar.spmd.compare import compare_output
@@ -124,7 +124,7 @@ def test_operator_gradients_under_candidate_strategies(case):
 F = TensorProto.FLOAT
 # Each operator module lists its cases next to its registration (`autopar.ops.cases`), under its
 # attributes and opset variants; the ones checked as kernels are run here.
-KERNELS = {name: case.model for name, case in all_cases(KERNEL).items()}
+KERNELS = {name: case.model for name, case in all_cases(FAMILIES, KERNEL).items()}
 
 
 def const(name, values, dtype=np.int64):

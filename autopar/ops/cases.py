@@ -1,7 +1,7 @@
 """Each operator's test cases, kept next to its registration: tiny models built from a declarative spec.
 
 Every family module lists its ``CASES`` (`named`); the operator tests gather them from the
-registered families (`all_cases`), so adding an operator is its module, cases included. A case
+registered families (`all_cases(FAMILIES, check)`), so adding an operator is its module, cases included. A case
 is checked one way or both: ``"kernel"`` — the operator alone, its torch kernel equal to
 onnxruntime on one device (small odd shapes, every attribute and opset variant);
 ``"strategies"`` — the operator verified on virtual devices under its candidate strategies,
@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -119,12 +120,11 @@ def named(
     )
 
 
-def all_cases(check: str) -> dict[str, OpCase]:
-    """Every registered family's cases that are checked as ``check``, by name."""
-    from autopar.ops import FAMILIES
-
+def all_cases(families: Iterable[ModuleType], check: str) -> dict[str, OpCase]:
+    """The families' cases that are checked as ``check``, by name (the caller passes
+    ``autopar.ops.FAMILIES``: this module is imported by each family, so it cannot import them)."""
     found: dict[str, OpCase] = {}
-    for family in FAMILIES:
+    for family in families:
         for case in getattr(family, "CASES", ()):
             if check in case.checks:
                 if case.name in found:
