@@ -45,7 +45,7 @@ import onnx
 from onnx import shape_inference
 
 from autopar.errors import AutoparError, PlanFileError
-from autopar.layout import Layout, ReduceOp, shard_index
+from autopar.layout import Layout, ReduceOp, mesh_bits_for, shard_index
 from autopar.lowering.planfile import PlanFile
 
 CONFIGURATION = "autopar"
@@ -81,8 +81,7 @@ def annotate(plan: PlanFile, model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` with ``plan``'s shardings as ONNX multi-device annotations."""
     if not hasattr(onnx, "DeviceConfigurationProto"):
         raise AutoparError(f"ONNX sharding annotations need onnx >= 1.18 (this is onnx {onnx.__version__}).")
-    if plan.devices != 1 << plan.mesh_bits:
-        raise PlanFileError(f"The plan says {plan.devices} devices but {plan.mesh_bits} mesh bits.")
+    mesh = plan.mesh  # PlanFileError when its devices, mesh bits and links disagree
     result = onnx.ModelProto()
     result.CopyFrom(model)
     nodes = _nodes_for(plan, result)
@@ -91,7 +90,7 @@ def annotate(plan: PlanFile, model: onnx.ModelProto) -> onnx.ModelProto:
     kept = [c for c in result.configuration if c.name != CONFIGURATION]
     del result.configuration[:]
     result.configuration.extend(kept)
-    result.configuration.append(onnx.DeviceConfigurationProto(name=CONFIGURATION, num_devices=plan.devices))
+    result.configuration.append(onnx.DeviceConfigurationProto(name=CONFIGURATION, num_devices=mesh.num_devices))
     ranks = {tensor: len(shape) for tensor, shape in shapes.items()}
     for node in result.graph.node:
         _clear(node)
@@ -102,7 +101,7 @@ def annotate(plan: PlanFile, model: onnx.ModelProto) -> onnx.ModelProto:
         for entry in [*op.inputs, *op.outputs]:
             layout = entry.layout.layout()
             config.sharding_spec.append(
-                sharding_spec(entry.tensor, layout, plan.mesh_bits, shapes.get(entry.tensor, [None] * layout.ndim))
+                sharding_spec(entry.tensor, layout, mesh.mesh_bits, shapes.get(entry.tensor, [None] * layout.ndim))
             )
             if layout.partial:
                 partial[entry.tensor] = {"bits": list(layout.partial), "op": str(layout.partial_op)}
@@ -174,7 +173,7 @@ def decode_spec(spec: onnx.ShardingSpecProto, num_devices: int) -> Layout:
             owner[rank] = tuple(reversed(shard))
     if len(owner) != num_devices:
         raise AutoparError(f"{where} leaves some of the {num_devices} devices out.")
-    mesh_bits = num_devices.bit_length() - 1
+    mesh_bits = mesh_bits_for(num_devices)
     dims: list[tuple[int, ...]] = []
     for axis, count in enumerate(counts):
         bits = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from autopar.cost.mesh import Mesh
 from autopar.errors import PlanFileError
 from autopar.graph import Graph
 from autopar.layout import Layout, ReduceOp
@@ -343,12 +344,9 @@ def check_context(plan: PlanFile, graph: Graph, devices: int, action: str = "ver
         )
 
 
-def mesh_links(problem: SearchProblem) -> list[LinkUse]:
-    """The profile's link levels over the plan's mesh bits (levels the mesh does not reach are left out)."""
-    levels: dict[str, list[int]] = {}
-    for bit in range(problem.mesh_bits):
-        levels.setdefault(problem.cost.profile.level_of_bit(bit).name, []).append(bit)
-    return [LinkUse(name=name, bits=bits) for name, bits in levels.items()]
+def mesh_links(mesh: Mesh) -> list[LinkUse]:
+    """The mesh's link levels as the plan file lists them (levels the mesh does not reach are left out)."""
+    return [LinkUse(name=level.name, bits=list(level.bits)) for level in mesh.levels]
 
 
 def memory_plan(problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices) -> MemoryPlan:

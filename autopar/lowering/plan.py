@@ -16,6 +16,7 @@ from functools import cached_property
 from typing import Any, ClassVar
 
 from autopar import progress
+from autopar.cost.mesh import Mesh
 from autopar.layout import Layout
 from autopar.lowering.lower import (
     gradient_paths,
@@ -66,9 +67,14 @@ class Plan:
             dict(phases_s or {}),
         )
 
+    @cached_property
+    def mesh(self) -> Mesh:
+        """The devices, mesh bits and links the plan was searched on (built once, from its cost model)."""
+        return Mesh.of(self.problem.cost, self.problem.num_devices)
+
     @property
     def devices(self) -> int:
-        return self.problem.num_devices
+        return self.mesh.num_devices
 
     @property
     def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -123,9 +129,9 @@ class Plan:
         return PlanFile(
             schema_=SCHEMA,
             model=self.model_name,
-            devices=self.devices,
-            mesh_bits=problem.mesh_bits,
-            links=mesh_links(problem),
+            devices=self.mesh.num_devices,
+            mesh_bits=self.mesh.mesh_bits,
+            links=mesh_links(self.mesh),
             cost_model=self.cost_model,
             precision=self.precision,
             mode=self.mode,
@@ -161,7 +167,7 @@ class Plan:
     @cached_property
     def program(self) -> PlanProgram:
         """What verifying or running this plan executes (computed once, from its file)."""
-        return program_of(self.problem, self.choice, self.file)
+        return program_of(self.problem, self.choice, self.file, self.mesh)
 
     def redistributions(self) -> list[dict[str, Any]]:
         """Every producer/consumer pair whose layouts differ, with its collective steps."""

@@ -28,7 +28,8 @@ from pydantic import (
     model_serializer,
 )
 
-from autopar.errors import PlanFileError, first_problem
+from autopar.cost.mesh import Mesh
+from autopar.errors import AutoparError, PlanFileError, first_problem
 from autopar.layout import Layout, ReduceOp
 from autopar.redistribute import Collective, Step
 
@@ -325,6 +326,16 @@ class PlanFile(_Part):
     @property
     def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         return {op.name: tuple(tuple(s) for s in op.strategy) for op in self.ops}
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh the plan was made for, as its file lists it (link names and bits, no speeds)."""
+        if self.devices != 1 << self.mesh_bits:
+            raise PlanFileError(f"The plan says {self.devices} devices but {self.mesh_bits} mesh bits.")
+        try:
+            return Mesh.named(self.devices, ((link.name, link.bits) for link in self.links), self.cost_model)
+        except AutoparError as exc:
+            raise PlanFileError(str(exc)) from None
 
 
 PLAN_FILE_FIELDS = tuple(field.alias or name for name, field in PlanFile.model_fields.items())

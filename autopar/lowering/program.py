@@ -16,10 +16,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from autopar.cost.mesh import Mesh
 from autopar.cost.model import CostModel
 from autopar.errors import StrategyError
 from autopar.graph import Graph, TensorInfo
-from autopar.layout import Layout, mesh_bits_for
+from autopar.layout import Layout
 from autopar.lowering.lower import check_context, gradient_paths, gradient_sync, redistributions
 from autopar.lowering.planfile import GradientPath, GradientSync, PlanFile, Redistribution
 from autopar.search.problem import SearchProblem
@@ -77,9 +78,12 @@ class PlanProgram:
         return self.ops[self.owner[name][0]].name
 
 
-def program_of(problem: SearchProblem, choice: Sequence[int], file: PlanFile | None = None) -> PlanProgram:
+def program_of(
+    problem: SearchProblem, choice: Sequence[int], file: PlanFile | None = None, mesh: Mesh | None = None
+) -> PlanProgram:
     """The program of ``choice`` on its searched problem; its collectives are ``file``'s (a `Plan`'s
-    own file) or, for a bare assignment of strategies, lowered here without memory choices."""
+    own file, with its ``mesh``) or, for a bare assignment of strategies, lowered here without memory
+    choices."""
     ops = []
     for node, (rule, c) in enumerate(zip(problem.rules, choice)):
         exponents = rule.candidates[c]
@@ -93,9 +97,8 @@ def program_of(problem: SearchProblem, choice: Sequence[int], file: PlanFile | N
     else:
         moves, paths = redistributions(problem, choice), gradient_paths(problem, choice)
         syncs = gradient_sync(problem, choice)
-    return _program(
-        problem.graph, ops, problem.num_devices, problem.owner, problem.requires_grad, problem.cost, moves, paths, syncs
-    )
+    mesh = mesh or Mesh.of(problem.cost, problem.num_devices)
+    return _program(problem.graph, ops, mesh, problem.owner, problem.requires_grad, problem.cost, moves, paths, syncs)
 
 
 def program_from_file(graph: Graph, plan: PlanFile, devices: int, cost: CostModel) -> PlanProgram:
@@ -105,14 +108,15 @@ def program_from_file(graph: Graph, plan: PlanFile, devices: int, cost: CostMode
     sentence); then each operator's rule is built and its strategy read. Nothing is costed.
     """
     check_context(plan, graph, devices)
-    rules = [OpRule.build(op, graph, mesh_bits_for(devices)) for op in graph.ops]
+    mesh = plan.mesh
+    rules = [OpRule.build(op, graph, mesh.mesh_bits) for op in graph.ops]
     ops = []
     for rule, exponents in zip(rules, exponents_for(rules, plan.strategies)):
         bits = [gradient_bits(rule, exponents, slot) if name else () for slot, name in enumerate(rule.op.inputs)]
         ops.append(_planned(rule, exponents, bits))
     owner, requires_grad = owners(graph, rules), tensors_needing_gradients(graph, rules)
     return _program(
-        graph, ops, devices, owner, requires_grad, cost, plan.redistributions, plan.gradients, plan.gradient_sync
+        graph, ops, mesh, owner, requires_grad, cost, plan.redistributions, plan.gradients, plan.gradient_sync
     )
 
 
@@ -172,7 +176,7 @@ def _planned(rule: OpRule, exponents: tuple[int, ...], bits: Sequence[tuple[int,
 def _program(
     graph: Graph,
     ops: Sequence[PlannedOp],
-    devices: int,
+    mesh: Mesh,
     owner: Mapping[str, tuple[int, int]],
     requires_grad: Mapping[str, bool],
     cost: CostModel,
@@ -184,8 +188,8 @@ def _program(
     return PlanProgram(
         graph,
         tuple(ops),
-        devices,
-        mesh_bits_for(devices),
+        mesh.num_devices,
+        mesh.mesh_bits,
         MappingProxyType(dict(owner)),
         MappingProxyType(dict(requires_grad)),
         MappingProxyType({dtype: cost.activation_itemsize(dtype) for dtype in dtypes}),

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from autopar.cost.mesh import Mesh
 from autopar.lowering import GRAPH_OUTPUT, PlanFile, read_plan_file
-from autopar.lowering.planfile import CollectiveStep, GradientSync, LinkUse, OpEntry
+from autopar.lowering.planfile import CollectiveStep, GradientSync, OpEntry
 from autopar.report.format import link_levels
 from autopar.units import human_bytes
 
@@ -195,12 +196,12 @@ def level_traffic(plan: PlanLike) -> list[dict[str, Any]]:
     """
     data = as_plan_file(plan)
     levels: list[dict[str, Any]] = []
-    for link in data.links:
+    for level in data.mesh.levels:
         levels.append(
             {
-                "name": link.name,
-                "bits": list(link.bits),
-                "devices_per_group": 1 << (max(link.bits) + 1) if link.bits else 1,
+                "name": level.name,
+                "bits": list(level.bits),
+                "devices_per_group": level.devices_per_group,
                 "collectives": 0,
                 "bytes": 0,
                 "seconds": 0.0,
@@ -268,7 +269,7 @@ def incoming_seconds(data: PlanFile) -> dict[str, float]:
 def collective_rows(plan: PlanLike) -> list[tuple[float, str, str, str]]:
     """(seconds, sentence, where, phase) for every collective the step runs, costliest first."""
     data = as_plan_file(plan)
-    links = data.links
+    mesh = data.mesh
     rows: list[tuple[float, str, str, str]] = []
     for red in data.redistributions:
         where = (
@@ -276,17 +277,17 @@ def collective_rows(plan: PlanLike) -> list[tuple[float, str, str, str]]:
         )
         for step in red.steps:
             if step.collective != "Slice":
-                rows.append((step.seconds, _sentence(links, step, red.tensor), where, "forward"))
+                rows.append((step.seconds, _sentence(mesh, step, red.tensor), where, "forward"))
     for path in data.gradients:
         what = f"the {path.carries} {path.tensor}" if path.carries else f"the gradient of {path.tensor}"
         for path_step in path.steps:
             if path_step.collective != "Slice":
                 where = f"{path.consumer} -> {path.producer}"
-                rows.append((path_step.seconds, _sentence(links, path_step, what), where, "backward"))
+                rows.append((path_step.seconds, _sentence(mesh, path_step, what), where, "backward"))
     for sync in data.gradient_sync:
         if not sync.collective:
             continue
-        sentence = _sentence(links, sync, f"the gradient of {sync.parameter}")
+        sentence = _sentence(mesh, sync, f"the gradient of {sync.parameter}")
         if sync.optimizer_shards:
             sentence += ", then AllGather of the updated weights"
         rows.append((sync.seconds, sentence, f"{sync.op} (gradient sync)", "gradient sync"))
@@ -294,9 +295,9 @@ def collective_rows(plan: PlanLike) -> list[tuple[float, str, str, str]]:
     return rows
 
 
-def _sentence(links: Sequence[LinkUse], step: CollectiveStep | GradientSync, what: str) -> str:
+def _sentence(mesh: Mesh, step: CollectiveStep | GradientSync, what: str) -> str:
     """The collective in words: AllReduce of the gradient of w over 8 devices (HCCS+PCIe), 1.05 MB."""
     return (
         f"{step.collective} of {what} over {step.group_size} devices"
-        f" ({link_levels(links, step.bits)}), {human_bytes(step.bytes)}"
+        f" ({link_levels(mesh, step.bits)}), {human_bytes(step.bytes)}"
     )

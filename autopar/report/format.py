@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-from autopar.lowering.planfile import LinkUse
+from autopar.cost.mesh import Mesh
 
 
 def figure_ms(seconds: float) -> str:
@@ -31,9 +31,9 @@ def strategy_text(entry: Sequence[Sequence[int]]) -> str:
     return "(" + ",".join("(" + ",".join(str(f) for f in s) + ("," if len(s) == 1 else "") + ")" for s in entry) + ")"
 
 
-def link_levels(links: Sequence[LinkUse], bits: Sequence[int]) -> str:
-    """The link levels a collective's bits cross, fastest first ("HCCS+PCIe")."""
-    level_of = {bit: link.name for link in links for bit in link.bits}
+def link_levels(mesh: Mesh, bits: Sequence[int]) -> str:
+    """The link levels a collective's bits cross on ``mesh``, fastest first ("HCCS+PCIe")."""
+    level_of = mesh.link_names()
     names: list[str] = []
     for bit in sorted(bits):
         if level_of.get(bit, "?") not in names:

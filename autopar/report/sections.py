@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 from autopar.lowering import PlanFile
@@ -129,7 +128,7 @@ def strategy_map_section(data: PlanFile) -> str:
             f"<td class='num'>{'x' + str(repeated) if repeated > 1 else '-'}</td>"
             f"<td><code>{escape(strategy)}</code></td></tr>"
         )
-    swatches = [(f, *factor_colour(f, devices)) for f in (1 << b for b in range(int(math.log2(devices)) + 1))]
+    swatches = [(f, *factor_colour(f, devices)) for f in (1 << b for b in range(data.mesh.mesh_bits + 1))]
     legend = "".join(
         f"<span class='swatch' style='background:{background};color:{colour}'>x{f}</span>"
         for f, background, colour in swatches

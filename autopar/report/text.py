@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from autopar.cost.mesh import Mesh
 from autopar.graph import Graph
 from autopar.lowering import GRAPH_OUTPUT, Plan
-from autopar.lowering.planfile import CollectiveStep, LinkUse
+from autopar.lowering.planfile import CollectiveStep
 from autopar.report.format import figure_ms, link_levels, strategy_text
 from autopar.spmd import VerifyReport
 from autopar.spmd.compare import PHASES
@@ -18,17 +19,17 @@ def _error(value: float | bool | None) -> str:
     return "not finite" if value is None else f"{value:.3g}"
 
 
-def _step_text(step: CollectiveStep, links: list[LinkUse]) -> str:
+def _step_text(step: CollectiveStep, mesh: Mesh) -> str:
     """A collective in plain words: "AllGather over 8 devices (HCCS+PCIe), 786.43 KB"."""
     return (
-        f"{step.collective} over {step.group_size} devices ({link_levels(links, step.bits)}), {human_bytes(step.bytes)}"
+        f"{step.collective} over {step.group_size} devices ({link_levels(mesh, step.bits)}), {human_bytes(step.bytes)}"
     )
 
 
 def plan_table(plan: Plan, top: int | None = 20) -> str:
     """The summary first, then the ``top`` operators by cost (None: every operator, in graph order)."""
     data = plan.file
-    links = data.links
+    mesh = plan.mesh
     devices = f"{data.devices} device" + ("s" if data.devices != 1 else "")
     lines = [
         f"autopar plan: {data.model} on {devices} ({data.cost_model}, {data.precision} precision, {data.mode})",
@@ -36,7 +37,9 @@ def plan_table(plan: Plan, top: int | None = 20) -> str:
     ]
     totals = data.totals
     breakdown = ", ".join(f"{key.replace('_', ' ')} {human_bytes(v)}" for key, v in totals.memory_breakdown.items())
-    mesh = ", ".join(f"{link.name} {len(link.bits)} bit{'s' if len(link.bits) > 1 else ''}" for link in links)
+    levels = ", ".join(
+        f"{level.name} {len(level.bits)} bit{'s' if len(level.bits) > 1 else ''}" for level in mesh.levels
+    )
     lines += [
         f"step time:        {figure_ms(totals.step_time_s)} ms predicted"
         f"  (compute {figure_ms(totals.compute_s)} ms, communication {figure_ms(totals.communication_s)} ms exposed)",
@@ -45,7 +48,7 @@ def plan_table(plan: Plan, top: int | None = 20) -> str:
         f"ideal step time:  {figure_ms(totals.ideal_step_time_s)} ms (training FLOPs / (devices x peak))",
         f"memory/device:    {human_bytes(totals.memory_per_device_bytes)}"
         f" of {human_bytes(totals.memory_capacity_bytes)} ({breakdown})",
-        f"mesh:             {data.devices} devices" + (f" over {mesh}" if mesh else ""),
+        f"mesh:             {mesh.num_devices} devices" + (f" over {levels}" if levels else ""),
     ]
     kinds = Counter(str(s.collective) for red in data.redistributions for s in red.steps)
     red_seconds = sum(red.seconds for red in data.redistributions)
@@ -88,7 +91,7 @@ def plan_table(plan: Plan, top: int | None = 20) -> str:
     incoming: dict[str, list[str]] = {}
     for red in data.redistributions:
         target = red.consumer if red.consumer != GRAPH_OUTPUT else red.producer
-        incoming.setdefault(target, []).extend(_step_text(s, links) for s in red.steps if s.collective != "Slice")
+        incoming.setdefault(target, []).extend(_step_text(s, mesh) for s in red.steps if s.collective != "Slice")
     ops = list(data.ops)
     if top is not None and top < len(ops):
         ranked = sorted(range(len(ops)), key=lambda i: -(ops[i].cost.compute_s + ops[i].cost.communication_s))
