@@ -4,11 +4,11 @@ ONNX graph in; a sharding strategy per operator out, scored by a hardware cost m
 (Ascend 910 by default) and found by exact elimination dynamic programming.
 
 The package's face: `plan`, `verify`, `export_plan`, `candidates`, `evaluate` and `build` (in `autopar.api`),
-the `Plan` they return, and the report that shows a plan in Jupyter. No module of the package
+the `Plan` they return, and the report that shows a plan in Jupyter (`autopar.api` registers
+that display when it is imported, as it is here). No module of the package
 is named like these functions, so ``import autopar.<module>`` always finds the module.
 """
 
-from autopar import report as _report  # noqa: F401  (registers the Jupyter display of a Plan)
 from autopar.api import build, candidates, evaluate, export_plan, plan, sweep, verify
 from autopar.errors import AutoparError
 from autopar.graph import Graph, load_model

@@ -23,7 +23,8 @@ from typing import Any
 import onnx
 
 from autopar import progress
-from autopar.cost import CostModel
+from autopar.cost import CostModel, load_profile
+from autopar.cost.mesh import Mesh
 from autopar.errors import (
     AutoparError,
     FallbackWarning,
@@ -35,7 +36,6 @@ from autopar.errors import (
 )
 from autopar.export import export
 from autopar.graph import Graph, freeze, load_model
-from autopar.layout import mesh_bits_for
 from autopar.limits import MAX_MICRO_BATCHES, MAX_SEED
 from autopar.lowering import (
     PLAN_FILE_FIELDS,
@@ -305,11 +305,14 @@ def sweep(
 def candidates(
     model: ModelLike, devices: int = DEFAULT_DEVICES, batch: int | None = None, dims: Mapping[str, int] | None = None
 ) -> dict[str, list[tuple[tuple[int, ...], ...]]]:
-    """Every operator's candidate strategies (data parallel first)."""
+    """Every operator's candidate strategies (data parallel first).
+
+    Candidates depend on the mesh's bits, not its links' speeds: the default profile's mesh does.
+    """
     check_devices(devices)
     graph = _graph(model, batch, dims)
-    mesh_bits = mesh_bits_for(devices)
-    rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
+    mesh = Mesh.of(load_profile(DEFAULT_COST_MODEL), devices)
+    rules = [OpRule.build(op, graph, mesh.mesh_bits) for op in graph.ops]
     return {rule.op.name: [rule.in_strategy(exponents) for exponents in rule.candidates] for rule in rules}
 
 
