@@ -60,6 +60,7 @@ from autopar.options import (
     runtime_of,
 )
 from autopar.report.html import Comparison, plan_html
+from autopar.search.costing import build_problem
 from autopar.search.driver import (
     SearchResult,
     data_parallel_choice,
@@ -67,7 +68,8 @@ from autopar.search.driver import (
     run_search,
     stand_alone_choice,
 )
-from autopar.search.problem import MemoryChoices, SearchProblem, backward_passes, build_problem
+from autopar.search.memory import MemoryChoices
+from autopar.search.problem import SearchProblem
 from autopar.spmd import VerifyReport, verify_program
 from autopar.strategy import OpRule
 
@@ -470,7 +472,7 @@ def compute_split(plan: Plan) -> tuple[float, float]:
     problem, choices = plan.problem, plan.search.choices
     factor = problem.cost.backward_factor
     forward = sum(
-        float(problem.node_compute[i][c]) / (1.0 + factor * backward_passes(problem, i))
+        float(problem.node_compute[i][c]) / (1.0 + factor * problem.backward_passes(i))
         for i, c in enumerate(plan.choice)
     )
     recompute = (

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -30,7 +30,7 @@ class OpRule:
     """An operator bound to its spec and to the mesh: the source of candidates and layouts.
 
     Frozen: what it derives (label sizes, candidates, layouts) is computed once on first use and
-    cached on the instance.
+    cached on the instance. ``given`` replaces the enumerated candidates (`with_candidates`).
     """
 
     op: OpNode
@@ -38,10 +38,16 @@ class OpRule:
     graph: Graph
     mesh_bits: int
     definition: OpDef | None = None
+    given: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def build(cls, op: OpNode, graph: Graph, mesh_bits: int) -> "OpRule":
         return cls(op, spec_for(op, graph), graph, mesh_bits, definition_for(op, graph))
+
+    def with_candidates(self, candidates: Sequence[tuple[int, ...]]) -> "OpRule":
+        """The same rule with these candidates only: a strategy the user fixed, or a repeated block's
+        copy that shares its first copy's list (`candidate_count` still counts them all)."""
+        return replace(self, given=tuple(candidates))
 
     @property
     def differentiable(self) -> bool:
@@ -97,7 +103,9 @@ class OpRule:
 
     @cached_property
     def candidates(self) -> list[tuple[int, ...]]:
-        """All label exponent vectors with total split <= devices, data parallel first."""
+        """All label exponent vectors with total split <= devices, data parallel first (or ``given``)."""
+        if self.given is not None:
+            return list(self.given)
         labels = self.spec.label_order
         limits = [self.max_exponent(label) for label in labels]
         found: list[tuple[int, ...]] = []

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from autopar.cost import CostModel, HardwareProfile
 from autopar.graph import load_model
-from autopar.search.problem import MemoryChoices
+from autopar.search.memory import MemoryChoices
 from autopar.strategy import OpRule
 
 

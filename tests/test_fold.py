@@ -13,9 +13,9 @@ from onnx import TensorProto, helper
 from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.search import fold
+from autopar.search.costing import build_problem
 from autopar.search.driver import run_search
 from autopar.search.fold import min_plus
-from autopar.search.problem import build_problem
 from models.transformer import build_preset
 from tests.conftest import make_model, profile, weight
 

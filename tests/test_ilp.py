@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 import autopar
 from autopar.cost import CostModel, load_profile
 from autopar.graph import load_model
+from autopar.search.costing import build_problem
 from autopar.search.driver import run_search
-from autopar.search.problem import build_problem
 from tests.conftest import every_plan, profile, random_model
 
 pytest.importorskip("highspy")

@@ -26,7 +26,8 @@ from autopar.cost import HardwareProfile
 from autopar.lowering.lower import gradient_sync
 from autopar.search.driver import run_search
 from autopar.search.fold import minimise
-from autopar.search.problem import MemoryChoices, SearchProblem, memory_items
+from autopar.search.memory import MemoryChoices
+from autopar.search.problem import SearchProblem
 from tests.conftest import (
     every_plan,
     make_model,
@@ -47,7 +48,7 @@ def simple(capacity: float = 1e12) -> HardwareProfile:
 
 
 def items_total(problem: SearchProblem, choice, choices: MemoryChoices) -> float:
-    return sum(nbytes for node, c in enumerate(choice) for _, _, nbytes in memory_items(problem, node, c, choices))
+    return sum(nbytes for node, c in enumerate(choice) for _, _, nbytes in problem.memory_items(node, c, choices))
 
 
 # --- the parallel optimizer ---------------------------------------------------------------------
@@ -151,7 +152,7 @@ def test_with_ample_memory_the_parallel_optimizer_is_never_chosen(make, devices)
     # the same plan as a search that has no parallel optimizer to offer
     bare = autopar.build(model, devices, profile(peak=1e9))
     assert bare.sharded, "a parallel optimizer is on offer"
-    bare.sharded.clear()
+    bare = dataclasses.replace(bare, sharded={})
     assert tuple(run_search(bare).choice) == tuple(plan.choice)
     # brute force: no plan with a parallel optimizer is faster than the best without
     problem = plan.problem
@@ -164,9 +165,13 @@ def test_with_ample_memory_the_parallel_optimizer_is_never_chosen(make, devices)
 def test_time_ties_keep_the_plain_allreduce():
     """A parallel optimizer exactly as fast as the AllReduce (and leaner) is not taken when memory is ample."""
     problem = autopar.build(two_matmul_chain(**CHAIN), 4, simple())
-    for node, alternative in list(problem.sharded.items()):
-        problem.sharded[node] = dataclasses.replace(alternative, time=problem.node_time[node].copy())
+    tied = {
+        node: dataclasses.replace(alternative, time=problem.node_time[node].copy())
+        for node, alternative in problem.sharded.items()
+    }
+    for node, alternative in problem.sharded.items():
         assert (alternative.memory < problem.node_memory[node]).any()
+    problem = dataclasses.replace(problem, sharded=tied)
     unary, takes = problem.lagrangian(0.0, False)
     assert takes == [None] * problem.size
     for node in range(problem.size):

@@ -13,10 +13,10 @@ from onnx import TensorProto, helper
 import autopar
 from autopar.cost import CostModel
 from autopar.graph import load_model
+from autopar.search.costing import build_problem
 from autopar.search.dp import tie_break_unary
 from autopar.search.driver import data_parallel_choice, run_search
 from autopar.search.fold import minimise
-from autopar.search.problem import build_problem
 from tests.conftest import every_plan, make_model, profile, random_model
 
 BRUTE_FORCE_LIMIT = 3000
@@ -117,6 +117,6 @@ def test_data_parallel_choice_is_the_first_candidate():
 def test_tie_break_never_outweighs_a_real_difference():
     problem = build_problem(load_model(random_model(5)), CostModel(profile()), 2)
     base = problem.objective(data_parallel_choice(problem))
-    unary = tie_break_unary(problem, base)
+    unary = tie_break_unary(problem.node_time, base)
     total_penalty = sum(float(u[-1] - t[-1]) for u, t in zip(unary, problem.node_time))
     assert 0 <= total_penalty <= 1e-9 * base * 1.0000001

@@ -11,7 +11,7 @@ import autopar
 from autopar.cost import CostModel
 from autopar.errors import FixedStrategyError
 from autopar.graph import load_model
-from autopar.search.problem import build_problem
+from autopar.search.costing import build_problem
 from tests.conftest import profile, random_model, run_cli, two_matmul_chain
 
 RESNET50 = "models/resnet50.onnx"

@@ -34,15 +34,10 @@ from autopar.lowering.planfile import (
     Totals,
 )
 from autopar.redistribute import BACKWARD_DUAL, Collective, Step, redistribute
+from autopar.search.dataflow import TensorUse
 from autopar.search.driver import data_parallel_choice
-from autopar.search.problem import (
-    NO_MEMORY_CHOICES,
-    MemoryChoices,
-    SearchProblem,
-    TensorUse,
-    backward_passes,
-    memory_items,
-)
+from autopar.search.memory import NO_MEMORY_CHOICES, MemoryChoices
+from autopar.search.problem import SearchProblem
 
 
 def rounded(value: float) -> float:
@@ -287,7 +282,7 @@ def training_flops(problem: SearchProblem) -> float:
     total = 0.0
     for node, rule in enumerate(problem.rules):
         if rule.spec.op_class != "free":
-            total += rule.op.flops * (1.0 + problem.cost.backward_factor * backward_passes(problem, node))
+            total += rule.op.flops * (1.0 + problem.cost.backward_factor * problem.backward_passes(node))
     return float(total)
 
 
@@ -298,7 +293,7 @@ def memory_breakdown(
     keys = {"parameter": "parameter_state", "activation": "activations", "input": "inputs"}
     found = dict.fromkeys(keys.values(), 0.0)
     for node, c in enumerate(choice):
-        for _, role, nbytes in memory_items(problem, node, c, choices):
+        for _, role, nbytes in problem.memory_items(node, c, choices):
             found[keys[role]] += nbytes
     return {key: round(value) for key, value in found.items()}
 

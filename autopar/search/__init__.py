@@ -1,1 +1,3 @@
-"""Strategy search: the problem (costs), the elimination DP, and the memory-constrained driver."""
+"""Strategy search, one job a module: `dataflow` (uses, gradients, what the backward keeps), `memory`,
+`costing` (fills the arrays), `problem` (the frozen costed problem), `fold` (repeated blocks), `dp`
+(elimination), `ilp` (the exact cross-check) and `driver` (modes, the memory walk; owns the solver)."""

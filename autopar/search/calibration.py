@@ -24,8 +24,8 @@ from autopar.cost.model import CostModel, Precision
 from autopar.cost.profile import HardwareProfile
 from autopar.errors import CostModelError
 from autopar.graph import Graph, load_model
+from autopar.search.costing import build_problem
 from autopar.search.driver import data_parallel_choice
-from autopar.search.problem import build_problem
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ the (source, target) layouts only. `redistribute.symbolic_steps` plans one pair 
 Python (tens of microseconds); a model on 1024 devices has millions of distinct pairs. This
 module runs the same planner on every pair in lockstep: each round takes one step (one bit)
 for every pair still moving, and fuses consecutive steps exactly as `_merge` does. The
-summation order of each pair's terms is the one `SearchProblem.redistribution_coefficients`
+summation order of each pair's terms is the one `costing.redistribution_coefficients`
 uses, so the results are identical to the last bit (`tests/test_coefficients.py` checks it).
 
 A dimension's bits are packed into one integer, four bits per mesh bit, most significant

@@ -32,16 +32,12 @@ import heapq
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from autopar import progress
 from autopar.errors import TooLargeError
 from autopar.limits import MAX_TABLE_ENTRIES, MAX_TABLE_LEFT, WORKERS
-
-if TYPE_CHECKING:
-    from autopar.search.problem import SearchProblem
 
 TIE_BREAK_FRACTION = 1e-9
 
@@ -366,14 +362,15 @@ class Solved:
         return choice
 
 
-def tie_break_offsets(problem: "SearchProblem", base_objective: float) -> list[np.ndarray]:
+def tie_break_offsets(node_time: Sequence[np.ndarray], base_objective: float) -> list[np.ndarray]:
     """A position penalty per candidate, small enough never to beat a real difference: among
     exactly equal plans the DP takes the earliest candidates (data parallel first)."""
-    positions = sum(max(len(t) - 1, 0) for t in problem.node_time) or 1
+    positions = sum(max(len(t) - 1, 0) for t in node_time) or 1
     epsilon = TIE_BREAK_FRACTION * max(base_objective, 1e-12) / positions
-    return [epsilon * np.arange(len(t)) for t in problem.node_time]
+    return [epsilon * np.arange(len(t)) for t in node_time]
 
 
-def tie_break_unary(problem: "SearchProblem", base_objective: float) -> list[np.ndarray]:
-    """Unary costs plus the tie-break position penalty (`tie_break_offsets`)."""
-    return [t + o for t, o in zip(problem.node_time, tie_break_offsets(problem, base_objective))]
+def tie_break_unary(node_time: Sequence[np.ndarray], base_objective: float) -> list[np.ndarray]:
+    """Unary costs (seconds per candidate of each operator) plus the tie-break position penalty
+    (`tie_break_offsets`)."""
+    return [t + o for t, o in zip(node_time, tie_break_offsets(node_time, base_objective))]

@@ -1,4 +1,7 @@
-"""Run a search mode on a problem, with device memory as a constraint.
+"""Run a search mode on a costed problem, with device memory as a constraint.
+
+The driver owns the solver: it plans one (`fold.Solver`) on the problem's arrays for each DP
+search and binds it to the tables each memory choice needs; nothing is stored on the problem.
 
 Memory enters through a Lagrangian weight: if the fastest plan does not fit, the DP is rerun
 with ``time + lambda * memory``, walking the lower hull of (time, memory) to the best plan on
@@ -19,7 +22,8 @@ from autopar.errors import InfeasibleError
 from autopar.limits import MAX_DEVICES
 from autopar.search.dp import tie_break_offsets
 from autopar.search.fold import Solver
-from autopar.search.problem import NO_MEMORY_CHOICES, MemoryChoices, SearchProblem, memory_items
+from autopar.search.memory import NO_MEMORY_CHOICES, MemoryChoices
+from autopar.search.problem import SearchProblem
 from autopar.units import human_bytes
 
 MODES = ("auto_parallel", "semi_auto_parallel", "data_parallel", "stand_alone")
@@ -102,7 +106,7 @@ def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> 
     the model has repeated blocks, with it, and the faster plan that fits wins.
     """
     base = problem.objective(data_parallel_choice(problem))
-    offsets = tie_break_offsets(problem, base)
+    offsets = tie_break_offsets(problem.node_time, base)
 
     def solve(weight: float, recompute: bool, time_scale: float = 1.0) -> _Point:
         unary, takes = problem.lagrangian(weight, recompute, time_scale)
@@ -186,7 +190,7 @@ def _infeasible_message(
 ) -> str:
     """Say that nothing fits, what dominates, and what would make it fit."""
     need = problem.memory(choice, choices)
-    items = [item for i, c in enumerate(choice) for item in memory_items(problem, i, c, choices)]
+    items = [item for i, c in enumerate(choice) for item in problem.memory_items(i, c, choices)]
     roles = ("parameter", "activation", "input")
     by_role = {role: sum(nbytes for _, r, nbytes in items if r == role) for role in roles}
     heavy = ", ".join(

@@ -22,15 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from autopar.graph import Graph
 from autopar.search.dp import Elimination, Factor, Solved, joint_classes
-
-if TYPE_CHECKING:
-    from autopar.search.problem import SearchProblem
 
 MIN_FOLDED_COPIES = 4  # below this, repeated squaring saves less than the boundary tables cost
 MAX_PERIODS_TRIED = 12
@@ -448,21 +445,29 @@ class SolvedRun:
                 choice[node + k * repeat.period] = inner[node]
 
 
+class Costed(Protocol):
+    """What a solver reads of a costed problem (`problem.SearchProblem`): arrays, never the problem."""
+
+    @property
+    def node_time(self) -> Sequence[np.ndarray]: ...
+    @property
+    def factors(self) -> Sequence[Factor]: ...
+    @property
+    def folds(self) -> Sequence[tuple[Repeat, list[Factor]]]: ...
+
+
 class Solver:
     """The exact search of one problem: the main graph's elimination plus one per folded run."""
 
     def __init__(
         self,
-        problem: "SearchProblem | None" = None,
         *,
         sizes: Sequence[int] = (),
         factors: Sequence[Factor] = (),
         folds: Sequence[tuple[Repeat, list[Factor]]] = (),
     ) -> None:
-        """The solver of ``problem``, or of bare ``sizes``, ``factors`` and ``folds`` (whose tables
+        """The solver of ``sizes`` candidates per operator, ``factors`` and ``folds`` (whose tables
         may be placeholders of the right shape: planning reads shapes only)."""
-        if problem is not None:
-            sizes, factors, folds = [len(t) for t in problem.node_time], problem.factors, problem.folds
         self.sizes = list(sizes)
         self.runs = [FoldedRun(repeat, run_factors, self.sizes) for repeat, run_factors in folds]
         placeholders = [run.placeholder(self.sizes[run.last]) for run in self.runs]
@@ -479,9 +484,9 @@ class Solver:
             run.factors = run_factors
 
     @classmethod
-    def of(cls, problem: "SearchProblem") -> "Solver":
-        """The solver `build_problem` planned before costing, or a new one for a problem built by hand."""
-        return problem.solver if problem.solver is not None else cls(problem)
+    def of(cls, problem: Costed) -> "Solver":
+        """The solver planned on a costed problem's arrays (bound to its tables without recomputation)."""
+        return cls(sizes=[len(t) for t in problem.node_time], factors=problem.factors, folds=problem.folds)
 
     def states(self) -> tuple[int, int]:
         """(candidates kept as states, candidates dropped as exactly dominated), over every operator.
@@ -510,6 +515,6 @@ class Solver:
         return choice
 
 
-def minimise(problem: "SearchProblem", unary: Sequence[np.ndarray]) -> list[int]:
+def minimise(problem: Costed, unary: Sequence[np.ndarray]) -> list[int]:
     """Exact argmin of the problem's objective with these unary costs (repeated blocks folded)."""
     return Solver.of(problem).minimise(unary)

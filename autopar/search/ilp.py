@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from autopar.errors import AutoparError, InfeasibleError
-from autopar.search.problem import MemoryChoices, SearchProblem
+from autopar.search.memory import MemoryChoices
+from autopar.search.problem import SearchProblem
 
 TIME_SCALE = 1e6  # solve in microseconds: keeps coefficients well inside HiGHS' tolerances
 

@@ -1,0 +1,481 @@
+"""Costing: every candidate of every operator and every edge between them, as arrays.
+
+`build_problem` binds the operators to the mesh, traces the dataflow, finds the repeated
+blocks, refuses a search too large to run (before anything is costed), then fills the node
+arrays (`_node_costs`, `_compose`) and the edge tables (`_edge_costs`) and returns the frozen
+`SearchProblem`. Edge tables are computed from the coefficients of each distinct pair of
+layouts, once (`coefficients`); runs of repeated blocks are costed once, every copy sharing
+copy 0's arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from autopar import progress
+from autopar.cost import CostModel
+from autopar.errors import FixedStrategyError, StrategyError, TooLargeError
+from autopar.graph import Graph
+from autopar.layout import Layout
+from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
+from autopar.redistribute import BACKWARD_DUAL, Collective, symbolic_steps
+from autopar.search.coefficients import LayoutTable, pair_coefficients
+from autopar.search.dataflow import Dataflow, TensorUse
+from autopar.search.dp import Factor
+from autopar.search.fold import Repeat, Solver, find_repeats, signatures
+from autopar.search.memory import Alternative, CandidateSplits, recompute_savings, resident
+from autopar.search.problem import SearchProblem
+from autopar.strategy import OpRule
+
+
+def build_problem(
+    graph: Graph,
+    cost: CostModel,
+    num_devices: int,
+    fold: bool = True,
+    fixed: Mapping[str, Sequence[Sequence[int]]] | None = None,
+) -> SearchProblem:
+    """Cost every candidate of every operator and every edge between them.
+
+    With ``fold``, runs of structurally identical blocks (`autopar.search.fold`) are costed
+    once: every copy shares copy 0's node costs and edge tables. ``fixed`` maps operator names to
+    the in_strategy each must keep (semi-auto mode): those operators have that one candidate,
+    and a block holding one is no longer a copy of the others.
+    """
+    mesh_bits = num_devices.bit_length() - 1
+    rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
+    pinned = _pin(rules, fixed or {})
+    flow = Dataflow.of(graph, rules, cost, num_devices, frozenset(pinned))
+    # repeated blocks bound the overlap windows whether or not they are folded, so folding never
+    # changes the objective
+    owner, grad = dict(flow.owner), dict(flow.requires_grad)
+    signature = signatures(graph, flow.uses, owner, grad, flow.kept, set(graph.outputs), pinned)
+    blocks = find_repeats(len(rules), flow.uses, signature)
+    repeats = blocks if fold else []
+    copy_of: dict[int, int] = {}  # operators of copies 1.. -> the same operator of copy 0
+    run_of: dict[int, int] = {}  # operators of copy 0 -> their run
+    for index, repeat in enumerate(repeats):
+        for node in repeat.block(0):
+            run_of[node] = index
+        for k in range(1, repeat.copies):
+            for node in repeat.block(k):
+                copy_of[node] = node - k * repeat.period
+                rules[node] = rules[node].with_candidates(rules[copy_of[node]].candidates)
+    flow = dataclasses.replace(flow, rules=tuple(rules))
+    costed = [use for use in flow.uses if use.dst_node not in copy_of]
+    _check_size(flow, costed)
+    layouts = _Layouts(flow.rules)
+    _check_search(flow.rules, layouts, costed, repeats, run_of)
+    every = max(1, len(rules) // 100)
+    costs: list[NodeCosts] = []
+    for node in range(len(rules)):
+        if node % every == 0:
+            progress.report("costing operators", node, len(rules))
+        costs.append(costs[copy_of[node]] if node in copy_of else _node_costs(flow, node))
+    main: list[Factor] = []
+    per_run: list[list[Factor]] = [[] for _ in repeats]
+    per_run_again: list[list[Factor]] = [[] for _ in repeats]
+    own: dict[int, np.ndarray] = {}  # operators reading their own output pay that redistribution themselves
+    edges, layouts_costed, pairs_costed = _edge_costs(flow, costed, layouts)
+    for use, (factor, forward) in zip(costed, edges):
+        if factor is None:
+            own[use.src_node] = own.get(use.src_node, 0.0) + forward
+        elif use.dst_node in run_of:
+            per_run[run_of[use.dst_node]].append(factor)
+            per_run_again[run_of[use.dst_node]].append(Factor(factor.scope, factor.maps, factor.table + forward))
+        else:
+            main.append(factor)
+    own_by_node = {node: own[copy_of.get(node, node)] for node in range(len(rules)) if copy_of.get(node, node) in own}
+    arrays = _compose(cost, costs, own_by_node, repeats, blocks)
+    flow_fields: dict[str, Any] = {f.name: getattr(flow, f.name) for f in dataclasses.fields(Dataflow)}
+    return SearchProblem(
+        **flow_fields,
+        node_time=tuple(arrays.time),
+        node_compute=tuple(c.compute for c in costs),
+        node_communication=tuple(arrays.communication),
+        node_memory=tuple(arrays.memory),
+        node_hidden=tuple(arrays.hidden),
+        node_sync=tuple(arrays.sync),
+        sharded=MappingProxyType(arrays.sharded),
+        recompute_time=MappingProxyType(arrays.recompute_time),
+        recompute_memory=MappingProxyType(arrays.recompute_memory),
+        recompute_share=MappingProxyType(arrays.recompute_share),
+        factors=tuple(main),
+        folds=list(zip(repeats, per_run)),
+        recompute_folds=list(zip(repeats, per_run_again)),
+        layouts_costed=layouts_costed,
+        pairs_costed=pairs_costed,
+    )
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """One operator's figures per candidate, before overlap and the memory choices apply."""
+
+    compute: np.ndarray  # forward and backward seconds
+    forward: np.ndarray  # forward seconds, paid again when the operator is recomputed
+    communication: np.ndarray  # collectives on the critical path (backward AllReduce of inputs read whole, ...)
+    gradient_sync: np.ndarray  # the AllReduce of the trainable parameters it owns
+    scatter: np.ndarray  # with a parallel optimizer: their gradients' ReduceScatter instead ...
+    gather: np.ndarray  # ... and the AllGather of the updated weights before the next forward
+    memory: np.ndarray  # bytes per device: parameter state, inputs, activations kept for backward
+    state_saving: np.ndarray  # bytes a parallel optimizer saves (0 where the parameters are split everywhere)
+    activations: np.ndarray  # bytes of its outputs kept for backward (dropped when recomputed)
+    parameter_elements: int  # of the trainable parameters it owns (their sync starts after its backward)
+
+
+@dataclass(frozen=True)
+class _NodeArrays:
+    """What `_compose` makes of the node costs: the problem's per-operator arrays."""
+
+    time: list[np.ndarray]
+    communication: list[np.ndarray]
+    memory: list[np.ndarray]
+    hidden: list[np.ndarray]
+    sync: list[np.ndarray]
+    sharded: dict[int, Alternative]
+    recompute_time: dict[int, np.ndarray]
+    recompute_memory: dict[int, np.ndarray]
+    recompute_share: dict[int, float]
+
+
+def _compose(
+    cost: CostModel,
+    costs: list[NodeCosts],
+    own: Mapping[int, np.ndarray],
+    repeats: Sequence[Repeat],
+    blocks: Sequence[Repeat],
+) -> _NodeArrays:
+    """Each operator's time and memory arrays: overlap, the parallel optimizer and recomputation.
+
+    Overlap: the gradient sync of an operator's parameters starts once its backward is done and
+    runs beside the backward of the operators before it, back to the previous operator with large
+    parameters, whose sync comes next (one bucket at a time, in backward order). Small parameters
+    (under 1% of the elements of the largest operator's: biases, norm scales) ride in the next
+    bucket and hide nothing. The backward a bucket hides behind is taken at each operator's
+    fastest candidate, so the objective stays additive and the DP exact; a plan that leaves
+    devices idle hides somewhat more than this says, and slack in one window never covers the
+    next (an upper bound on what the queue of buckets exposes). Inside a run of repeated blocks
+    (``blocks``, folded or not) the window stops at the block's start, so every copy costs the
+    same. ``repeats`` are the runs folded: recomputation applies to them.
+    """
+    backward = [float(np.min(c.compute - c.forward)) if len(c.compute) else 0.0 for c in costs]
+    copy_start: dict[int, int] = {}
+    for repeat in blocks:
+        for k in range(repeat.copies):
+            for node in repeat.block(k):
+                copy_start[node] = repeat.block(k)[0]
+    last_of_copy = {repeat.last(k) for repeat in repeats for k in range(repeat.copies)}
+    previous = 0
+    cumulative = np.concatenate([[0.0], np.cumsum(backward)])
+    hide = [0.0] * len(costs)
+    largest = max((c.parameter_elements for c in costs), default=0)
+    for node, c in enumerate(costs):
+        if not c.parameter_elements or 100 * c.parameter_elements < largest:
+            continue
+        start = max(previous, copy_start.get(node, 0))
+        hide[node] = float(cumulative[node] - cumulative[start]) if cost.overlap else 0.0
+        previous = node
+
+    def exposed(sync: np.ndarray, node: int) -> np.ndarray:
+        return np.maximum(sync - hide[node], 0.0)
+
+    arrays = _NodeArrays([], [], [], [], [], {}, {}, {}, {})
+    cache: dict[int, tuple] = {}  # copies share their first copy's arrays
+    for node, c in enumerate(costs):
+        key = id(c)
+        if key not in cache:
+            extra = own.get(node, 0.0)
+            shown = exposed(c.gradient_sync, node)
+            communication = c.communication + extra + shown
+            entry: list = [c.compute + communication, communication, c.memory, c.gradient_sync - shown, shown, None]
+            if c.parameter_elements and c.state_saving.any():
+                shown = exposed(c.scatter, node)
+                communication = c.communication + extra + shown + c.gather
+                entry[5] = Alternative(
+                    c.compute + communication,
+                    communication,
+                    c.memory - c.state_saving,
+                    c.scatter - shown,
+                    shown + c.gather,
+                )
+            cache[key] = tuple(entry)
+        time, communication, memory, hidden, sync, alternative = cache[key]
+        arrays.communication.append(communication)
+        arrays.time.append(time)
+        arrays.memory.append(memory)
+        arrays.hidden.append(hidden)
+        arrays.sync.append(sync)
+        if alternative is not None:
+            arrays.sharded[node] = alternative
+    activations = [c.activations for c in costs]
+    for repeat in repeats:
+        nodes = range(repeat.start, repeat.start + repeat.copies * repeat.period)
+        for node in nodes:
+            arrays.recompute_time[node] = costs[node].forward
+        freed, share = recompute_savings(activations, repeat.copies, nodes, last_of_copy)
+        arrays.recompute_memory.update(freed)
+        arrays.recompute_share.update(share)
+    return arrays
+
+
+def _pin(rules: list[OpRule], fixed: Mapping[str, Sequence[Sequence[int]]]) -> dict[int, tuple[int, ...]]:
+    """Give each fixed operator (in ``rules``) a rule with its one candidate; FixedStrategyError for a
+    strategy that cannot be."""
+    index = {rule.op.name: node for node, rule in enumerate(rules)}
+    pinned: dict[int, tuple[int, ...]] = {}
+    for name, strategy in fixed.items():
+        if name not in index:
+            close = difflib.get_close_matches(str(name), list(index), n=1)
+            hint = f"; did you mean {close[0]!r}" if close else ""
+            raise FixedStrategyError(f"A strategy is fixed for {name!r}, which the model does not have{hint}.")
+        rule = rules[index[name]]
+        try:
+            exponents = rule.parse(strategy)
+        except StrategyError as exc:
+            raise FixedStrategyError(str(exc)) from None
+        rules[index[name]] = rule.with_candidates([exponents])
+        pinned[index[name]] = exponents
+    return pinned
+
+
+def _check_size(flow: Dataflow, uses: Sequence[TensorUse]) -> None:
+    """Refuse, before anything is built, a problem whose candidates or cost tables exceed the limits."""
+    devices = f"{flow.num_devices:,} devices"
+    for rule in flow.rules:
+        if rule.candidate_count > MAX_CANDIDATES_PER_OPERATOR:
+            raise TooLargeError(
+                f"Operator {rule.op.name!r} ({rule.op.op_type}) has {rule.candidate_count:,} candidate strategies on"
+                f" {devices} (limit {MAX_CANDIDATES_PER_OPERATOR:,}); use fewer devices."
+            )
+    cells = sum(flow.rules[u.src_node].candidate_count * flow.rules[u.dst_node].candidate_count for u in uses)
+    if cells > MAX_EDGE_CELLS:
+        raise TooLargeError(
+            f"The cost tables between operators would hold {cells:,} entries on {devices} (limit {MAX_EDGE_CELLS:,});"
+            " use fewer devices."
+        )
+
+
+def _node_costs(flow: Dataflow, node: int) -> NodeCosts:
+    """Per candidate: compute and communication seconds the node owns, memory bytes.
+
+    Vectorised over candidates (`memory.CandidateSplits`): every figure is the one
+    `memory.memory_items` and `Dataflow.gradient_sync_bits` give for the candidate, term for term.
+    """
+    rule = flow.rules[node]
+    op, graph, cost, spec = rule.op, flow.graph, flow.cost, rule.spec
+    splits = CandidateSplits(rule.candidates, spec.label_order)
+    count = splits.count
+    traffic = np.zeros(count, dtype=np.int64)
+    for labels, name in list(zip(spec.inputs, op.inputs)) + list(zip(spec.outputs, op.outputs)):
+        if name:
+            info = graph.tensor(name)
+            traffic += splits.local(info, labels) * flow.itemsize(info)
+    op_class = spec.op_class
+    if op_class == "free":
+        forward = np.zeros(count)
+    else:
+        rate = cost.cube_flops if op_class == "cube" else cost.vector_flops
+        work = op.flops / np.ldexp(1.0, splits.split(spec.label_order)) / rate
+        forward = np.maximum(work, traffic / cost.memory_bandwidth)
+    compute = forward * (1.0 + cost.backward_factor * flow.backward_passes(node))
+
+    communication = np.zeros(count)
+    gradient_sync, scatter, gather = np.zeros(count), np.zeros(count), np.zeros(count)
+    gradient_bytes = cost.gradient_itemsize()
+    parameter_elements = 0
+    for slot, name in enumerate(op.inputs):
+        if not name:
+            continue
+        labels = spec.inputs[slot] if slot < len(spec.inputs) else None
+        owns = flow.owner.get(name) == (node, slot)
+        info = graph.tensor(name)
+        if flow.requires_grad.get(name, False) and not (owns and info.kind == "parameter"):
+            latency, per_byte = _collective_coefficients(Collective.ALL_REDUCE, splits.absent_mask(labels), cost)
+            communication = communication + (latency * 1.0 + per_byte * (splits.local(info, labels) * gradient_bytes))
+        if not (owns and info.kind == "parameter" and info.trainable):
+            continue
+        parameter_elements += info.numel
+        mask = splits.absent_mask(labels)
+        nbytes = splits.local(info, labels) * gradient_bytes
+        scale = np.minimum(1.0, nbytes / cost.fusion_bytes)  # fused buckets pay the latency once
+        for kind, total in (
+            (Collective.ALL_REDUCE, gradient_sync),
+            (Collective.REDUCE_SCATTER, scatter),
+            (Collective.ALL_GATHER, gather),
+        ):
+            latency, per_byte = _collective_coefficients(kind, mask, cost)
+            total += latency * scale + per_byte * nbytes
+    outputs_graph = set(graph.outputs)
+    if any(name in outputs_graph for name in op.outputs) and spec.reduced_labels:
+        for c in range(count):  # a partial graph output is reduced: rare, costed one candidate at a time
+            for name, layout in zip(op.outputs, rule.candidate_layouts(c)[1]):
+                if name and name in outputs_graph and layout is not None and layout.partial:
+                    communication[c] += flow.redistribution(name, layout, Layout(layout.dims))[1]
+    held = resident(flow, node, splits)
+    return NodeCosts(
+        compute,
+        forward,
+        communication,
+        gradient_sync,
+        scatter,
+        gather,
+        held.memory,
+        held.state_saving,
+        held.activations,
+        parameter_elements,
+    )
+
+
+def _collective_coefficients(kind: Collective, masks: np.ndarray, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """(latency, per byte) of a collective over each candidate's bit mask, each distinct mask once."""
+    unique, inverse = np.unique(masks, return_inverse=True)
+    latency = np.empty(len(unique))
+    per_byte = np.empty(len(unique))
+    for index, mask in enumerate(unique.tolist()):
+        bits = tuple(b for b in range(mask.bit_length() - 1, -1, -1) if (mask >> b) & 1)
+        latency[index], per_byte[index] = cost.collective_coefficients(kind, bits)
+    return latency[inverse.reshape(-1)], per_byte[inverse.reshape(-1)]
+
+
+class _Layouts:
+    """Each tensor end's distinct layouts, numbered across the model, and every candidate's among them."""
+
+    def __init__(self, rules: Sequence[OpRule]) -> None:
+        self.rules = rules
+        self.ids: dict[bytes, int] = {}  # a packed layout row -> its number
+        self.rows: list[tuple[np.ndarray, np.ndarray, int]] = []  # (lengths, codes, partial mask) by number
+        self._cache: dict[tuple[int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def of(self, node: int, is_output: bool, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(numbers of the distinct layouts, each candidate's position among them)."""
+        key = (node, is_output, slot)
+        if key not in self._cache:
+            length, code, partial = self.rules[node].encoded_layouts(is_output, slot)
+            packed = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
+            unique, first, positions = np.unique(packed, axis=0, return_index=True, return_inverse=True)
+            ids = []
+            for row, at in zip(unique, first):
+                index = self.ids.setdefault(row.tobytes(), len(self.ids))
+                if index == len(self.rows):
+                    self.rows.append((length[at], code[at], int(partial[at])))
+                ids.append(index)
+            self._cache[key] = (np.asarray(ids, dtype=np.int64), positions.reshape(-1).astype(np.int64))
+        return self._cache[key]
+
+    def factor_shape(self, use: TensorUse) -> Factor | None:
+        """The use's factor with a placeholder table of the right shape (None for a node reading itself)."""
+        src_ids, src_pos = self.of(use.src_node, use.src_is_output, use.src_slot)
+        dst_ids, dst_pos = self.of(use.dst_node, False, use.dst_slot)
+        if use.src_node == use.dst_node:
+            return None
+        table = np.broadcast_to(np.zeros(()), (len(src_ids), len(dst_ids)))
+        if use.src_node < use.dst_node:
+            return Factor((use.src_node, use.dst_node), (src_pos, dst_pos), table)
+        return Factor((use.dst_node, use.src_node), (dst_pos, src_pos), table.T)
+
+
+def _check_search(
+    rules: Sequence[OpRule], layouts: _Layouts, uses: list[TensorUse], repeats: Sequence[Repeat], run_of: dict[int, int]
+) -> None:
+    """Plan the search on placeholder tables before any cost is computed, and drop the plan: a
+    table too large is refused now, in a second, not after a minute of costing. Planning reads
+    shapes only, so the driver's solver, planned on the costed problem, is this one."""
+    main: list[Factor] = []
+    per_run: list[list[Factor]] = [[] for _ in repeats]
+    for use in uses:
+        factor = layouts.factor_shape(use)
+        if factor is not None:
+            (per_run[run_of[use.dst_node]] if use.dst_node in run_of else main).append(factor)
+    Solver(sizes=[len(rule.candidates) for rule in rules], factors=main, folds=list(zip(repeats, per_run)))
+
+
+def _edge_costs(
+    flow: Dataflow, uses: Sequence[TensorUse], layouts: _Layouts
+) -> tuple[list[tuple[Factor | None, np.ndarray]], int, int]:
+    """Each use's cost table and the table of its forward part alone (paid again when the consumer
+    is recomputed), from the coefficients of each distinct layout pair computed once. An operator
+    reading its own output has no table (None) and its cost per candidate instead. Then how many
+    distinct layouts and layout pairs were costed."""
+    distinct_layouts = layouts.of
+    rows, layout_ids = layouts.rows, layouts.ids
+    groups: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray]] = {}
+    for use in uses:
+        src_ids = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)[0]
+        dst_ids = distinct_layouts(use.dst_node, False, use.dst_slot)[0]
+        groups.setdefault((src_ids.tobytes(), dst_ids.tobytes()), (src_ids, dst_ids))
+    cells = sum(len(a) * len(b) for a, b in groups.values())
+    if cells > 2 * MAX_LAYOUT_PAIRS:
+        raise TooLargeError(
+            f"The edges between operators pair {cells:,} layouts on {flow.num_devices:,} devices (limit"
+            f" {2 * MAX_LAYOUT_PAIRS:,}): costing them would take minutes and gigabytes; use fewer devices."
+        )
+    keys = np.empty(cells, dtype=np.int64)
+    at = 0
+    for src_ids, dst_ids in groups.values():
+        size = len(src_ids) * len(dst_ids)
+        keys[at : at + size] = (src_ids[:, None] * len(layout_ids) + dst_ids[None, :]).reshape(-1)
+        at += size
+    unique, inverse = np.unique(keys, return_inverse=True)
+    if len(unique) > MAX_LAYOUT_PAIRS:
+        raise TooLargeError(
+            f"{len(unique):,} distinct redistributions between layouts would have to be costed on"
+            f" {flow.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}, about a minute); use fewer devices."
+        )
+    width = max((len(length) for length, _, _ in rows), default=1) or 1
+    lengths = np.zeros((len(rows), width), dtype=np.int64)
+    codes = np.zeros((len(rows), width), dtype=np.uint64)
+    for index, (length, code, _) in enumerate(rows):
+        lengths[index, : len(length)] = length
+        codes[index, : len(code)] = code
+    table = LayoutTable(lengths, codes, np.array([partial for _, _, partial in rows], dtype=np.int64))
+    coefficients = pair_coefficients(table, unique // len(layout_ids), unique % len(layout_ids), flow.cost)
+    per_group: dict[tuple[bytes, bytes], tuple[np.ndarray, ...]] = {}
+    at = 0
+    for key, (src_ids, dst_ids) in groups.items():
+        size = len(src_ids) * len(dst_ids)
+        where = inverse[at : at + size]
+        per_group[key] = tuple(c[where].reshape(len(src_ids), len(dst_ids)) for c in coefficients)
+        at += size
+
+    factors: list[tuple[Factor | None, np.ndarray]] = []
+    for use in uses:
+        src_ids, src_pos = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)
+        dst_ids, dst_pos = distinct_layouts(use.dst_node, False, use.dst_slot)
+        info = flow.graph.tensor(use.tensor)
+        total_bytes = info.numel * flow.itemsize(info)
+        forward_latency, forward_per_byte, latency, per_byte = per_group[(src_ids.tobytes(), dst_ids.tobytes())]
+        forward = forward_latency + forward_per_byte * total_bytes
+        small = latency + per_byte * total_bytes if flow.requires_grad.get(use.tensor, False) else forward
+        i, j = use.src_node, use.dst_node
+        if i == j:
+            factors.append((None, small[src_pos, dst_pos]))
+        elif i < j:
+            factors.append((Factor((i, j), (src_pos, dst_pos), small), forward))
+        else:
+            factors.append(
+                (Factor((j, i), (dst_pos, src_pos), np.ascontiguousarray(small.T)), np.ascontiguousarray(forward.T))
+            )
+    return factors, len(rows), len(unique)
+
+
+def redistribution_coefficients(cost: CostModel, src: Layout, dst: Layout, with_backward: bool) -> tuple[float, float]:
+    """(latency, seconds per byte of the whole tensor) of a redistribution, forward plus backward.
+
+    Shape-free, one pair at a time: the scalar reference `coefficients.pair_coefficients` equals.
+    """
+    latency = per_byte = 0.0
+    for kind, bits, shift, *_ in symbolic_steps(src, dst):
+        dual = BACKWARD_DUAL[kind] if with_backward else None
+        for k in (kind, dual) if dual is not None else (kind,):
+            lat, coef = cost.collective_coefficients(k, bits)
+            latency += lat
+            per_byte += coef / (1 << shift)
+    return latency, per_byte

@@ -1,0 +1,191 @@
+"""The model as the search sees it before any cost: who reads what from where, what needs a gradient,
+what the backward keeps.
+
+Parameters and data inputs are owned by their first consumer, which stores or loads them in the
+layout it wants; every later consumer redistributes from there (a `TensorUse`, as an activation
+read from its producer is). Constants are held whole by every rank and sliced locally: no use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from autopar.cost import CostModel
+from autopar.graph import Graph, TensorInfo
+from autopar.layout import Layout
+from autopar.ops import Keeps
+from autopar.redistribute import BACKWARD_DUAL, Step, redistribute
+from autopar.strategy import OpRule
+
+
+@dataclass(frozen=True)
+class TensorUse:
+    """A consumer reading a tensor from a source layout: a producer's output or an owner's input."""
+
+    tensor: str
+    src_node: int
+    src_slot: int
+    src_is_output: bool
+    dst_node: int
+    dst_slot: int
+
+
+@dataclass(frozen=True, eq=False)
+class Dataflow:
+    """Operators bound to the mesh (candidates fixed), the uses between them, and the cost model
+    and device count they are planned for: what costing reads, and what lowering explains with.
+
+    ``fixed`` names the operators whose strategy the user fixed (semi-auto); ``kept`` the
+    activations some backward needs.
+    """
+
+    graph: Graph
+    rules: tuple[OpRule, ...]
+    cost: CostModel
+    num_devices: int
+    mesh_bits: int
+    uses: tuple[TensorUse, ...]
+    owner: Mapping[str, tuple[int, int]]  # a parameter or data input -> the (operator, slot) that holds it
+    requires_grad: Mapping[str, bool]
+    kept: frozenset[str]
+    fixed: frozenset[int]
+
+    @classmethod
+    def of(
+        cls, graph: Graph, rules: Sequence[OpRule], cost: CostModel, num_devices: int, fixed: frozenset[int]
+    ) -> Dataflow:
+        """Trace the uses, the gradients and what the backward keeps."""
+        grad = _requires_grad(graph, rules)
+        uses, owner = _uses(graph, rules)
+        kept = _kept_for_backward(graph, rules, grad)
+        mesh_bits = num_devices.bit_length() - 1
+        frozen_grad, frozen_owner = MappingProxyType(grad), MappingProxyType(owner)
+        return cls(graph, tuple(rules), cost, num_devices, mesh_bits, uses, frozen_owner, frozen_grad, kept, fixed)
+
+    @property
+    def size(self) -> int:
+        return len(self.rules)
+
+    def candidates(self, node: int) -> list[tuple[int, ...]]:
+        return self.rules[node].candidates
+
+    def source_layout(self, use: TensorUse, choice_of_src: int) -> Layout:
+        rule = self.rules[use.src_node]
+        if use.src_is_output:
+            return rule.output_layout(choice_of_src, use.src_slot)
+        return rule.input_layout(choice_of_src, use.src_slot)
+
+    def itemsize(self, tensor: TensorInfo) -> int:
+        return self.cost.activation_itemsize(tensor.dtype)
+
+    def redistribution(self, tensor: str, src: Layout, dst: Layout) -> tuple[tuple[Step, ...], float, float]:
+        """Steps and their forward / backward seconds."""
+        info = self.graph.tensor(tensor)
+        steps = redistribute(src, dst, info.shape, self.itemsize(info))
+        forward = sum(self.cost.collective_time(s.kind, s.bits, s.nbytes) for s in steps)
+        backward = 0.0
+        if self.requires_grad.get(tensor, False):
+            for s in steps:
+                dual = BACKWARD_DUAL[s.kind]
+                if dual is not None:
+                    backward += self.cost.collective_time(dual, s.bits, s.nbytes)
+        return steps, forward, backward
+
+    def gradient_sync_bits(self, node: int, exponents: Sequence[int], slot: int) -> tuple[int, ...]:
+        """Bits over which an input's gradient comes out partial: split labels the input lacks.
+
+        For a parameter this is the gradient AllReduce (MindSpore's mirror operator); for an
+        activation read whole by an operator that splits another axis (a column-split MatMul's
+        input, say) it is the backward AllReduce dual to the forward identity.
+        """
+        rule = self.rules[node]
+        labels = rule.spec.inputs[slot] or ()
+        bits = rule.label_bits(exponents)
+        return tuple(
+            sorted((b for label in rule.spec.label_order if label not in labels for b in bits[label]), reverse=True)
+        )
+
+    def backward_runs(self, node: int) -> bool:
+        """Whether the operator has a backward pass (some input needs a gradient)."""
+        return backward_runs(self.rules[node], self.requires_grad)
+
+    def backward_passes(self, node: int) -> int:
+        """Backward work in units of the forward: a matmul/conv pays once per operand needing a gradient."""
+        rule = self.rules[node]
+        op = rule.op
+        if not rule.differentiable:
+            return 0
+        grad_inputs = [slot for slot, name in enumerate(op.inputs) if name and self.requires_grad.get(name, False)]
+        if rule.spec.op_class == "cube":
+            return len([slot for slot in grad_inputs if slot < 2])
+        return 1 if grad_inputs else 0
+
+
+def backward_runs(rule: OpRule, requires_grad: Mapping[str, bool]) -> bool:
+    return rule.differentiable and any(requires_grad.get(name, False) for name in rule.op.inputs if name)
+
+
+def _requires_grad(graph: Graph, rules: Sequence[OpRule]) -> dict[str, bool]:
+    grad = {name: info.kind == "parameter" and info.trainable for name, info in graph.tensors.items()}
+    for rule in rules:
+        op = rule.op
+        needs = rule.differentiable and any(grad.get(name, False) for name in op.inputs if name)
+        for out in op.outputs:
+            if out:
+                grad[out] = needs and graph.tensor(out).is_float
+    return grad
+
+
+def _kept_for_backward(graph: Graph, rules: Sequence[OpRule], requires_grad: Mapping[str, bool]) -> frozenset[str]:
+    """The activations some backward needs (`Keeps`): each counted once, however many keep it.
+
+    Parameters, inputs and constants are resident anyway and are counted as such.
+    """
+    kept: set[str] = set()
+    for rule in rules:
+        if not backward_runs(rule, requires_grad):
+            continue
+        op, keeps = rule.op, rule.keeps
+        inputs = [name for name in op.inputs if name]
+        if Keeps.INPUTS in keeps:
+            kept.update(inputs)
+        if Keeps.OUTPUTS in keeps:
+            kept.update(name for name in op.outputs if name)
+        if Keeps.DIVISOR in keeps and len(op.inputs) > 1 and op.inputs[1]:
+            kept.add(op.inputs[1])
+        if Keeps.SELECTORS in keeps:
+            kept.update(name for name in inputs if not graph.tensor(name).is_float)
+        if Keeps.OPERANDS in keeps:
+            factors = list(op.inputs[:2])
+            for slot, name in enumerate(factors):
+                other = factors[1 - slot] if len(factors) == 2 else None
+                if name and other and requires_grad.get(other, False):
+                    kept.add(name)
+    return frozenset(name for name in kept if graph.tensor(name).kind == "activation")
+
+
+def _uses(graph: Graph, rules: Sequence[OpRule]) -> tuple[tuple[TensorUse, ...], dict[str, tuple[int, int]]]:
+    """Every use of a tensor from a source layout, and the owner of each parameter and data input."""
+    node_of = {rule.op.name: i for i, rule in enumerate(rules)}
+    uses: list[TensorUse] = []
+    owner: dict[str, tuple[int, int]] = {}
+    for node, rule in enumerate(rules):
+        for slot, name in enumerate(rule.op.inputs):
+            if not name:
+                continue
+            info = graph.tensor(name)
+            if info.kind == "constant":
+                continue  # every rank holds constants whole and slices them locally
+            if info.kind == "activation":
+                producer = rules[node_of[graph.producer[name]]]
+                src = node_of[producer.op.name]
+                out_slot = producer.op.outputs.index(name)
+                uses.append(TensorUse(name, src, out_slot, True, node, slot))
+            elif name not in owner:
+                owner[name] = (node, slot)
+            else:
+                src, src_slot = owner[name]
+                uses.append(TensorUse(name, src, src_slot, False, node, slot))
+    return tuple(uses), owner
