@@ -109,3 +109,29 @@ def test_the_mesh_is_the_plan_files_devices_bits_and_links():
         for level in mesh.levels:
             link = profile.level_of_bit(level.bits[0])
             assert (level.latency_s, level.bandwidth_bytes_per_s) == (link.latency.value, link.bandwidth.value)
+        plan = autopar.plan("models/resnet50.onnx", devices=devices, rank_table=table, mode="data_parallel")
+        assert plan.mesh == mesh  # the plan's own mesh is the one built from its profile
+        read = file.mesh  # read back from the file: the same devices, bits and link names, no speeds
+        assert (read.num_devices, read.mesh_bits, read.link_names()) == (devices, mesh.mesh_bits, mesh.link_names())
+        assert read.axis_names == mesh.axis_names and read.shape == mesh.shape
+
+
+def test_a_mesh_read_from_a_plan_file_refuses_what_it_cannot_know():
+    import pytest
+
+    import autopar
+    from autopar.cost.mesh import Mesh
+    from autopar.errors import AutoparError, PlanFileError
+    from autopar.lowering import read_plan_file
+
+    mesh = Mesh.named(8, [("HCCS", [0, 1]), ("PCIe", [2])], "ascend910")
+    with pytest.raises(AutoparError, match=r"^The HCCS link's speed is unknown: this mesh was read from a plan file"):
+        _ = mesh.levels[0].latency_s
+    with pytest.raises(AutoparError, match="names mesh bit 3, which is outside the 8-device mesh"):
+        Mesh.named(8, [("HCCS", [0, 1]), ("PCIe", [3])], "ascend910")
+    with pytest.raises(AutoparError, match=r"names mesh bit 1, which is outside .* or on another link too"):
+        Mesh.named(8, [("HCCS", [0, 1]), ("PCIe", [1])], "ascend910")
+    data = autopar.plan("models/resnet50.onnx", devices=2, mode="data_parallel").to_dict()
+    data["devices"] = 4
+    with pytest.raises(PlanFileError, match=r"^The plan says 4 devices but 1 mesh bits\.$"):
+        _ = read_plan_file(data).mesh
