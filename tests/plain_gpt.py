@@ -70,10 +70,15 @@ def build_plain_gpt(
     vocab: int = 1024,
     batch: int = 8,
     tied: bool = False,
+    shared_bias: bool = False,
     stored: bool = True,
     seed: int = 0,
 ) -> onnx.ModelProto:
-    """A pre-LN GPT with its loss; ``stored=False`` writes weights as external data that is never read."""
+    """A pre-LN GPT with its loss; ``stored=False`` writes weights as external data that is never read.
+
+    ``shared_bias`` adds one trained bias, shared by every layer, to each attention output (ALBERT
+    shares whole layers this way): a parameter every copy of the block reads from outside it.
+    """
     g = _Graph(stored, seed)
     head_dim = hidden // heads
     sqrt2 = g.value("c_sqrt2", np.array(math.sqrt(2.0), dtype=np.float32))
@@ -84,6 +89,7 @@ def build_plain_gpt(
     split = g.value("c_split", np.array([batch, seq, heads, head_dim], dtype=np.int64))
     merge = g.value("c_merge", np.array([batch, seq, hidden], dtype=np.int64))
 
+    shared = g.weight("shared_bias", [hidden]) if shared_bias else None
     wte = g.weight("wte", [vocab, hidden])
     x = g.op("Gather", [wte, "ids"], axis=0)
     x = g.op("Add", [x, g.weight("wpe", [seq, hidden])])
@@ -109,7 +115,10 @@ def build_plain_gpt(
         scores = g.op("Div", [g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])]), scale])
         probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
         context = g.op("Reshape", [g.op("Transpose", [g.op("MatMul", [probs, v])], perm=[0, 2, 1, 3]), merge])
-        x = g.op("Add", [x, dense("o", context, hidden, hidden)])
+        attended = dense("o", context, hidden, hidden)
+        if shared is not None:
+            attended = g.op("Add", [attended, shared])
+        x = g.op("Add", [x, attended])
         h = dense("fc", norm("ln2", x), hidden, 4 * hidden)
         h = g.op("Mul", [g.op("Mul", [h, g.op("Add", [g.op("Erf", [g.op("Div", [h, sqrt2])]), one])]), half])
         x = g.op("Add", [x, dense("proj", h, 4 * hidden, hidden)])

@@ -223,11 +223,34 @@ def _constant_roles(
         weight_uses = [(d, p) for d, p in definitions if d is None or p not in d.config_inputs]
         if value.size <= 1 and not any(d is not None and d.weight_inputs for d, _ in weight_uses):
             continue  # a one-element scale fed to arithmetic is a constant; a layer's weight is not
-        if not weight_uses:
+        if not weight_uses or _is_mask(value, {node.op_type for node, _ in places}):
             continue
         statistics = all(d is not None and p in d.statistics_inputs for d, p in weight_uses)
         roles[cname] = ("parameter", not statistics)
     return roles
+
+
+MASK_FLOOR = -1e4
+"""An additive mask hides a position with a value at or below this (PyTorch uses -inf or the dtype's minimum)."""
+
+
+def _is_mask(value: KnownValue, readers: set[str]) -> bool:
+    """A stored attention mask, which no framework trains: only added, and holding only zeros and
+    very negative numbers; or only multiplied, and holding only zeros and ones (both present).
+
+    >>> _is_mask(np.triu(np.full((4, 4), -1e4, dtype=np.float32), 1), {"Add"})
+    True
+    >>> _is_mask(np.zeros((4,), dtype=np.float32), {"Add"})  # a bias initialised to zero
+    False
+    """
+    if not isinstance(value, np.ndarray):
+        return False
+    if readers == {"Add"}:
+        hidden = value <= MASK_FLOOR
+        return bool(hidden.any() and np.all(hidden | (value == 0)))
+    if readers == {"Mul"}:
+        return bool((value == 0).any() and (value == 1).any() and np.all((value == 0) | (value == 1)))
+    return False
 
 
 def _topological(inputs: list[tuple[str, ...]], outputs: list[tuple[str, ...]]) -> list[int]:
