@@ -223,7 +223,8 @@ def _constant_roles(
         weight_uses = [(d, p) for d, p in definitions if d is None or p not in d.config_inputs]
         if value.size <= 1 and not any(d is not None and d.weight_inputs for d, _ in weight_uses):
             continue  # a one-element scale fed to arithmetic is a constant; a layer's weight is not
-        if not weight_uses or _is_mask(value, {node.op_type for node, _ in places}):
+        readers = [node.op_type for node, _ in places]
+        if not weight_uses or _is_mask(value, set(readers)) or _is_shared_table(readers):
             continue
         statistics = all(d is not None and p in d.statistics_inputs for d, p in weight_uses)
         roles[cname] = ("parameter", not statistics)
@@ -251,6 +252,17 @@ def _is_mask(value: KnownValue, readers: set[str]) -> bool:
     if readers == {"Mul"}:
         return bool((value == 0).any() and (value == 1).any() and np.all((value == 0) | (value == 1)))
     return False
+
+
+def _is_shared_table(readers: list[str]) -> bool:
+    """A table several products read (rotary cos/sin, read by every query and key rotation): no
+    framework trains it. A trained scale (a norm's weight) belongs to one operator; a weight shared
+    between layers (ALBERT, a tied embedding) is read by matrix products and lookups.
+
+    >>> _is_shared_table(["Mul", "Mul"]), _is_shared_table(["Mul"]), _is_shared_table(["MatMul", "MatMul"])
+    (True, False, False)
+    """
+    return len(readers) >= 2 and set(readers) == {"Mul"}
 
 
 def _topological(inputs: list[tuple[str, ...]], outputs: list[tuple[str, ...]]) -> list[int]:
