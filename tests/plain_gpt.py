@@ -70,14 +70,14 @@ def build_plain_gpt(
     vocab: int = 1024,
     batch: int = 8,
     tied: bool = False,
-    shared_bias: bool = False,
+    shared_weight: bool = False,
     stored: bool = True,
     seed: int = 0,
 ) -> onnx.ModelProto:
     """A pre-LN GPT with its loss; ``stored=False`` writes weights as external data that is never read.
 
-    ``shared_bias`` adds one trained bias, shared by every layer, to each attention output (ALBERT
-    shares whole layers this way): a parameter every copy of the block reads from outside it.
+    ``shared_weight`` applies one trained projection, shared by every layer, to each attention output
+    (ALBERT shares its layers' weights): a parameter every copy of the block reads from outside it.
     """
     g = _Graph(stored, seed)
     head_dim = hidden // heads
@@ -89,7 +89,7 @@ def build_plain_gpt(
     split = g.value("c_split", np.array([batch, seq, heads, head_dim], dtype=np.int64))
     merge = g.value("c_merge", np.array([batch, seq, hidden], dtype=np.int64))
 
-    shared = g.weight("shared_bias", [hidden]) if shared_bias else None
+    shared = g.weight("shared_weight", [hidden, hidden]) if shared_weight else None
     wte = g.weight("wte", [vocab, hidden])
     x = g.op("Gather", [wte, "ids"], axis=0)
     x = g.op("Add", [x, g.weight("wpe", [seq, hidden])])
@@ -117,7 +117,7 @@ def build_plain_gpt(
         context = g.op("Reshape", [g.op("Transpose", [g.op("MatMul", [probs, v])], perm=[0, 2, 1, 3]), merge])
         attended = dense("o", context, hidden, hidden)
         if shared is not None:
-            attended = g.op("Add", [attended, shared])
+            attended = g.op("MatMul", [attended, shared])
         x = g.op("Add", [x, attended])
         h = dense("fc", norm("ln2", x), hidden, 4 * hidden)
         h = g.op("Mul", [g.op("Mul", [h, g.op("Add", [g.op("Erf", [g.op("Div", [h, sqrt2])]), one])]), half])

@@ -255,14 +255,15 @@ def _is_mask(value: KnownValue, readers: set[str]) -> bool:
 
 
 def _is_shared_table(readers: list[str]) -> bool:
-    """A table several products read (rotary cos/sin, read by every query and key rotation): no
-    framework trains it. A trained scale (a norm's weight) belongs to one operator; a weight shared
-    between layers (ALBERT, a tied embedding) is read by matrix products and lookups.
+    """A table that several element-wise products or sums read, and nothing else: rotary cos/sin (read
+    by every query and key rotation), an ALiBi bias (added to every layer's scores). No framework
+    trains one: a trained scale or bias belongs to one operator, and a weight shared between layers
+    (ALBERT, a tied embedding) is read by matrix products and lookups.
 
-    >>> _is_shared_table(["Mul", "Mul"]), _is_shared_table(["Mul"]), _is_shared_table(["MatMul", "MatMul"])
+    >>> _is_shared_table(["Mul", "Mul"]), _is_shared_table(["Add"]), _is_shared_table(["MatMul", "MatMul"])
     (True, False, False)
     """
-    return len(readers) >= 2 and set(readers) == {"Mul"}
+    return len(readers) >= 2 and set(readers) <= {"Mul", "Add"}
 
 
 def _topological(inputs: list[tuple[str, ...]], outputs: list[tuple[str, ...]]) -> list[int]:
