@@ -1,0 +1,105 @@
+"""Repeated blocks in graphs this project did not build: torch's exports of a Llama-style module and a
+second hand builder, with tensors every layer reads from outside its block.
+
+Folded == unfolded == ILP on each; the blocks are found from structure alone (scrambled names give the
+same runs); buffers (rotary tables, masks) are constants, not trained weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import autopar
+from autopar.cost import CostModel
+from autopar.graph import load_model
+from autopar.search import fold
+from autopar.search.driver import run_search
+from autopar.search.problem import build_problem
+from tests.conftest import profile
+from tests.plain_gpt import build_plain_gpt
+from tests.torch_llama import CONFIG, DATA
+
+pytest.importorskip("highspy")
+
+LLAMA_EXPORTS = ("torch_llama_dynamo", "torch_llama_legacy", "torch_llama_interleaved_dynamo")
+
+
+def _objectives(graph, devices: int, ilp: bool = True) -> tuple[float, ...]:
+    """The folded DP's plan, the unfolded DP's and the ILP's, each scored by the unfolded problem."""
+    cost = CostModel(profile())
+    folded, unfolded = build_problem(graph, cost, devices), build_problem(graph, cost, devices, fold=False)
+    assert folded.folds, "nothing folded"
+    found = [unfolded.objective(run_search(folded).choice), unfolded.objective(run_search(unfolded).choice)]
+    if ilp:
+        found.append(unfolded.objective(run_search(unfolded, algorithm="ilp").choice))
+    return tuple(found)
+
+
+@pytest.mark.parametrize("name", LLAMA_EXPORTS)
+def test_torch_exports_fold_every_layer_but_the_first(name):
+    plan = autopar.plan(DATA / f"{name}.onnx", devices=8)
+    blocks = plan.to_dict()["search"]["repeated_blocks"]
+    assert [(b["copies"]) for b in blocks] == [CONFIG["layers"] - 1]
+
+
+@pytest.mark.parametrize("name", LLAMA_EXPORTS)
+def test_torch_exports_buffers_are_constants_and_parameters_match_torch(name):
+    graph = load_model(DATA / f"{name}.onnx")
+    hidden, ffn, vocab, layers = CONFIG["hidden"], CONFIG["ffn"], CONFIG["vocab"], CONFIG["layers"]
+    kv = hidden * CONFIG["kv_heads"] // CONFIG["heads"]
+    per_layer = 2 * hidden + 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn
+    expected = 2 * vocab * hidden + layers * per_layer + hidden
+    assert sum(p.numel for p in graph.parameters if p.trainable) == expected
+    assert all(p.shape[-1] != hidden // CONFIG["heads"] for p in graph.parameters), "a rotary table is trained"
+
+
+@pytest.mark.parametrize("name", ["torch_llama_dynamo", "torch_llama_legacy"])
+def test_torch_exports_folded_equals_unfolded_and_ilp(name):
+    folded, unfolded, ilp = _objectives(load_model(DATA / f"{name}.onnx"), devices=4)
+    assert folded == pytest.approx(unfolded, rel=1e-12)
+    assert unfolded == pytest.approx(ilp, rel=1e-9)
+
+
+def test_torch_export_folds_the_same_with_scrambled_names():
+    model = onnx.load(str(DATA / "torch_llama_dynamo.onnx"), load_external_data=False)
+    plain = autopar.plan(model, devices=8).to_dict()["search"]["repeated_blocks"]
+    order = np.random.default_rng(0).permutation(len(model.graph.node))
+    for node, index in zip(model.graph.node, order):
+        node.name = f"op{index}"
+    scrambled = autopar.plan(model, devices=8).to_dict()["search"]["repeated_blocks"]
+    assert [(b["operators"], b["copies"]) for b in scrambled] == [(b["operators"], b["copies"]) for b in plain]
+
+
+@pytest.fixture
+def fold_short_runs(monkeypatch):
+    monkeypatch.setattr(fold, "MIN_FOLDED_COPIES", 2)
+
+
+@pytest.mark.usefixtures("fold_short_runs")
+@pytest.mark.parametrize("devices", [4, 8])
+def test_a_weight_every_layer_shares_folds_exactly(devices):
+    """Every copy reads one projection weight owned before the run, and a tied embedding is read at both ends."""
+    model = build_plain_gpt(layers=4, hidden=64, heads=4, seq=16, vocab=128, batch=8, tied=True, shared_weight=True)
+    graph = load_model(model)
+    problem = build_problem(graph, CostModel(profile()), devices)
+    (repeat, _), *_ = problem.folds
+    assert repeat.shared, "the shared weight's owner is not read as a shared operator"
+    folded, unfolded, ilp = _objectives(graph, devices)
+    assert folded == pytest.approx(unfolded, rel=1e-12)
+    assert unfolded == pytest.approx(ilp, rel=1e-9)
+
+
+def test_the_second_builders_mask_initializer_is_a_constant():
+    graph = load_model(build_plain_gpt(layers=6, hidden=64, heads=4, seq=16, vocab=128, batch=8))
+    assert graph.tensor("causal_mask").kind == "constant"
+    plan = autopar.plan(graph, devices=8)
+    assert [b["copies"] for b in plan.to_dict()["search"]["repeated_blocks"]] == [5]
+
+
+def test_a_torch_export_plan_verifies():
+    path = DATA / "torch_llama_dynamo.onnx"
+    plan = autopar.plan(path, devices=8)
+    report = autopar.verify(path, plan)
+    assert report.ok, report.problems
