@@ -15,8 +15,8 @@ import autopar
 from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.search import fold
+from autopar.search.costing import build_problem
 from autopar.search.driver import run_search
-from autopar.search.problem import build_problem
 from tests.conftest import profile
 from tests.plain_gpt import build_plain_gpt
 from tests.torch_llama import CONFIG, DATA

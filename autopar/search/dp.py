@@ -49,6 +49,9 @@ SMALL_WORK = 20_000_000
 """An order summing fewer entries than this (a tenth of a second) is kept without trying the others."""
 
 
+_Live = tuple[tuple[int, ...], tuple[np.ndarray, ...], tuple[int, ...]]  # a factor's scope, class maps, shape
+
+
 @dataclass(frozen=True)
 class Factor:
     """A cost table over a few operators, each seen through a class map (candidate -> class).
@@ -140,12 +143,12 @@ class Elimination:
             raise refusal
         self.steps, self.work, self.largest, self.leftover, self._leftover = best
 
-    def _plan(self, rule: str) -> tuple:
+    def _plan(self, rule: str) -> tuple[list[_Step], int, int, list[int], dict[int, _Live]]:
         """(steps, entries summed in all, the largest step, leftover factor ids, their structure) of one order."""
         steps: list[_Step] = []
         largest = work_done = 0
         sizes = self.sizes
-        live: dict[int, tuple[tuple[int, ...], tuple[np.ndarray, ...], tuple[int, ...]]] = {}
+        live: dict[int, _Live] = {}
         touching: list[set[int]] = [set() for _ in sizes]
         for fid, factor in enumerate(self.initial):
             live[fid] = (factor.scope, factor.maps, factor.table.shape)
@@ -301,7 +304,8 @@ class Elimination:
             if step.rest:
                 tables[step.output] = _sum_min(parts)
             records.append((step, parts, step.members[first]))
-        leftover = [Factor(*self._leftover[fid][:2], tables[fid]) for fid in self.leftover]
+        structure = self.leftover_structure()
+        leftover = [Factor(*structure[i], tables[fid]) for i, fid in enumerate(self.leftover)]
         return Solved(len(self.sizes), records, leftover)
 
 

@@ -138,8 +138,8 @@ def signatures(
             for n in op.outputs
         )
         attributes = tuple(sorted((k, _exact(v)) for k, v in op.attrs.items()))
-        key = (op.op_type, op.domain, attributes, op.flops, tuple(inputs), tuple(wheres), outputs_)
-        key = key + ((pinned or {}).get(node),)
+        fixed = (pinned or {}).get(node)
+        key = (op.op_type, op.domain, attributes, op.flops, tuple(inputs), tuple(wheres), outputs_, fixed)
         local.append(local_ids.setdefault(key, len(local_ids)))
         full = (key, tuple(relative[node].tolist()))
         whole.append(whole_ids.setdefault(full, len(whole_ids)))
