@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from autopar.cost import CostModel
 from autopar.graph import load_model
-from autopar.search import fold
+from autopar.search import repeats
 from autopar.search.costing import build_problem
 from autopar.search.driver import run_search
 from autopar.search.fold import min_plus
@@ -42,7 +42,7 @@ def residual_stack(blocks: int, width: int = 8, batch: int = 8, widths: list[int
 @pytest.fixture(autouse=True)
 def fold_short_runs(monkeypatch):
     """Fold runs of two copies too: small stacks exercise every part of the folding."""
-    monkeypatch.setattr(fold, "MIN_FOLDED_COPIES", 2)
+    monkeypatch.setattr(repeats, "MIN_FOLDED_COPIES", 2)
 
 
 def folded_and_unfolded(model, devices: int, peak: float = 1e9):
@@ -70,7 +70,7 @@ def test_two_blocks_are_not_folded():
 
 
 def test_by_default_only_runs_long_enough_to_pay_are_folded(monkeypatch):
-    monkeypatch.setattr(fold, "MIN_FOLDED_COPIES", 4)
+    monkeypatch.setattr(repeats, "MIN_FOLDED_COPIES", 4)
     assert folded_and_unfolded(residual_stack(4), 4)[0].folds == []
     assert [(r.period, r.copies) for r, _ in folded_and_unfolded(residual_stack(5), 4)[0].folds] == [(5, 4)]
 
@@ -141,11 +141,11 @@ def test_min_plus_product_matches_its_definition():
 
 def test_overlap_windows_do_not_depend_on_folding(monkeypatch):
     """A gradient sync hides behind the backward back to its block's start, folded or not: same optimum."""
-    from autopar.search import fold as fold_module
+    from autopar.search import repeats as repeats_module
     from autopar.search.driver import run_search
     from models.transformer import build_preset
 
-    monkeypatch.setattr(fold_module, "MIN_FOLDED_COPIES", 2)
+    monkeypatch.setattr(repeats_module, "MIN_FOLDED_COPIES", 2)
     graph = load_model(build_preset("gpt2", layers=4, hidden=64, heads=2, seq=16, vocab=128, batch=8))
     folded = build_problem(graph, CostModel(profile()), 8)
     unfolded = build_problem(graph, CostModel(profile()), 8, fold=False)

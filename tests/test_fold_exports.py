@@ -14,7 +14,7 @@ import pytest
 import autopar
 from autopar.cost import CostModel
 from autopar.graph import load_model
-from autopar.search import fold
+from autopar.search import repeats
 from autopar.search.costing import build_problem
 from autopar.search.driver import run_search
 from tests.conftest import profile
@@ -74,7 +74,7 @@ def test_torch_export_folds_the_same_with_scrambled_names():
 
 @pytest.fixture
 def fold_short_runs(monkeypatch):
-    monkeypatch.setattr(fold, "MIN_FOLDED_COPIES", 2)
+    monkeypatch.setattr(repeats, "MIN_FOLDED_COPIES", 2)
 
 
 @pytest.mark.usefixtures("fold_short_runs")
@@ -103,3 +103,44 @@ def test_a_torch_export_plan_verifies():
     plan = autopar.plan(path, devices=8)
     report = autopar.verify(path, plan)
     assert report.ok, report.problems
+
+
+def _skip_chain(blocks: int):
+    """y_k = Relu(MatMul(y_{k-1}, W_k) + y_{k-2}): every block also reads the block before the previous one."""
+    from onnx import TensorProto, helper
+
+    from tests.conftest import make_model, weight
+
+    nodes, inits, before, x = [], [], "X", "X"
+    for k in range(blocks):
+        nodes += [
+            helper.make_node("MatMul", [x, f"W{k}"], [f"m{k}"], name=f"mm{k}"),
+            helper.make_node("Add", [f"m{k}", before], [f"a{k}"], name=f"add{k}"),
+            helper.make_node("Relu", [f"a{k}"], [f"y{k}"], name=f"relu{k}"),
+        ]
+        inits.append(weight(f"W{k}", [16, 16], k))
+        before, x = x, f"y{k}"
+    nodes.append(helper.make_node("ReduceSum", [x], ["loss"], name="loss", keepdims=0))
+    return make_model(nodes, [("X", TensorProto.FLOAT, [8, 16])], ["loss"], inits)
+
+
+def test_a_plan_says_why_identical_blocks_were_not_folded():
+    search = autopar.plan(_skip_chain(8), devices=4).to_dict()["search"]
+    assert search["repeated_blocks"] == []
+    (run,) = search["unfolded_runs"]
+    assert run["operators"] == 3 and run["copies"] >= 4
+    assert "outside" in run["reason"] and "'" in run["reason"], run["reason"]
+
+
+def test_a_plan_says_when_too_few_blocks_repeat_to_fold():
+    from models.transformer import build_transformer
+
+    search = autopar.plan(build_transformer(layers=4, hidden=64, heads=4, seq=16, vocab=128), devices=8)
+    (run,) = search.to_dict()["search"]["unfolded_runs"]
+    assert run["reason"] == "fewer than 4 copies line up with a clean boundary"
+    assert (
+        "unfolded_runs"
+        not in autopar.plan(build_transformer(layers=6, hidden=64, heads=4, seq=16, vocab=128), devices=8).to_dict()[
+            "search"
+        ]
+    )

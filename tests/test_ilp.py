@@ -49,14 +49,14 @@ def test_ilp_equals_dp_on_resnet50_at_8_devices():
 
 
 def test_a_four_layer_gpt_on_sixteen_devices_folded_or_not_equals_the_ilp(monkeypatch):
-    from autopar.search import fold
+    from autopar.search import repeats
     from models.transformer import build_preset
 
     graph = load_model(build_preset("gpt2", layers=4, hidden=256, heads=4, seq=128, batch=8))
     problem = build_problem(graph, CostModel(load_profile("ascend910")), 16)
     exact = problem.objective(run_search(problem, algorithm="ilp").choice)
     assert problem.objective(run_search(problem).choice) == pytest.approx(exact, rel=1e-9)
-    monkeypatch.setattr(fold, "MIN_FOLDED_COPIES", 2)  # fold the three identical layers after the first
+    monkeypatch.setattr(repeats, "MIN_FOLDED_COPIES", 2)  # fold the three identical layers after the first
     folded = build_problem(graph, CostModel(load_profile("ascend910")), 16)
     assert [(r.period, r.copies) for r, _ in folded.folds] == [(37, 3)]
     assert problem.objective(run_search(folded).choice) == pytest.approx(exact, rel=1e-9)

@@ -36,10 +36,10 @@ def test_a_fixed_operator_keeps_its_strategy_and_the_rest_is_the_exact_best_arou
 
 
 def test_a_fixed_operator_inside_repeated_blocks_splits_the_run(monkeypatch):
-    from autopar.search import fold
+    from autopar.search import repeats
     from models.transformer import build_preset
 
-    monkeypatch.setattr(fold, "MIN_FOLDED_COPIES", 2)
+    monkeypatch.setattr(repeats, "MIN_FOLDED_COPIES", 2)
     graph = load_model(build_preset("gpt2", layers=4, hidden=64, heads=2, seq=16, vocab=128, batch=8))
     fixed = {"layer2.mlp.fc1": ((8, 1, 1), (1, 1))}
     folded = build_problem(graph, CostModel(profile()), 8, fixed=fixed)

@@ -29,7 +29,7 @@ from autopar.lowering.lower import (
     rounded,
     totals,
 )
-from autopar.lowering.planfile import SCHEMA, PlanFile, RepeatedBlock, SearchSummary
+from autopar.lowering.planfile import SCHEMA, PlanFile, RepeatedBlock, SearchSummary, UnfoldedRun
 from autopar.lowering.program import PlanProgram, program_of
 from autopar.search.driver import SearchResult, data_parallel_choice
 from autopar.search.problem import SearchProblem
@@ -161,6 +161,16 @@ class Plan:
                     )
                     for repeat, _ in problem.folds
                 ],
+                unfolded_runs=[
+                    UnfoldedRun(
+                        first_op=problem.rules[run.start].op.name,
+                        operators=run.period,
+                        copies=run.copies,
+                        reason=run.reason.format(op=repr(problem.rules[run.op].op.name)),
+                    )
+                    for run in problem.unfolded
+                ]
+                or None,
             ),
         )
 

@@ -257,6 +257,15 @@ class RepeatedBlock(_Part):
     copies: PositiveInt
 
 
+class UnfoldedRun(_Part):
+    """A stretch of structurally identical blocks the search could not fold, and why."""
+
+    first_op: str = Field(description="the first operator of the first copy")
+    operators: PositiveInt = Field(description="operators per copy")
+    copies: PositiveInt
+    reason: str = Field(description="why the copies are searched one by one")
+
+
 class SearchSummary(_OmitsUnset):
     """How the plan was found. Seconds are measured, so only they differ between two runs."""
 
@@ -266,6 +275,7 @@ class SearchSummary(_OmitsUnset):
         "layout_pairs",
         "candidates_kept",
         "candidates_dropped",
+        "unfolded_runs",
     )
     algorithm: str = Field(description="how the strategies were chosen: dp, ilp, data_parallel, stand_alone, given")
     time_s: NonNegativeFloat
@@ -284,6 +294,9 @@ class SearchSummary(_OmitsUnset):
         default=None, description="candidates dropped as exactly dominated (same layouts, never cheaper)"
     )
     repeated_blocks: list[RepeatedBlock] = Field(default_factory=list)
+    unfolded_runs: list[UnfoldedRun] | None = Field(
+        default=None, description="stretches of identical blocks searched one by one, with the reason"
+    )
 
 
 class PlanContext(_Part):

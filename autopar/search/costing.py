@@ -29,9 +29,10 @@ from autopar.redistribute import BACKWARD_DUAL, Collective, symbolic_steps
 from autopar.search.coefficients import LayoutTable, pair_coefficients
 from autopar.search.dataflow import Dataflow, TensorUse
 from autopar.search.dp import Factor
-from autopar.search.fold import Repeat, Solver, find_repeats, signatures
+from autopar.search.fold import Solver
 from autopar.search.memory import Alternative, CandidateSplits, recompute_savings, resident
 from autopar.search.problem import SearchProblem
+from autopar.search.repeats import Repeat, find_repeats, signatures
 from autopar.strategy import OpRule
 
 
@@ -57,7 +58,7 @@ def build_problem(
     # changes the objective
     owner, grad = dict(flow.owner), dict(flow.requires_grad)
     signature = signatures(graph, flow.uses, owner, grad, flow.kept, set(graph.outputs), pinned)
-    blocks = find_repeats(len(rules), flow.uses, signature)
+    blocks, unfolded = find_repeats(len(rules), flow.uses, signature)
     repeats = blocks if fold else []
     copy_of: dict[int, int] = {}  # operators of copies 1.. -> the same operator of copy 0
     run_of: dict[int, int] = {}  # operators of copy 0 -> their run
@@ -112,6 +113,7 @@ def build_problem(
         recompute_folds=list(zip(repeats, per_run_again)),
         layouts_costed=layouts_costed,
         pairs_costed=pairs_costed,
+        unfolded=tuple(unfolded),
     )
 
 

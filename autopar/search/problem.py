@@ -23,8 +23,8 @@ import numpy as np
 from autopar.errors import StrategyError
 from autopar.search.dataflow import Dataflow
 from autopar.search.dp import Factor
-from autopar.search.fold import Repeat
 from autopar.search.memory import NO_MEMORY_CHOICES, Alternative, MemoryChoices, memory_items
+from autopar.search.repeats import Repeat, Unfolded
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,7 +38,8 @@ class SearchProblem(Dataflow):
     figures under a parallel optimizer, where it saves memory; ``recompute_*``: for the operators
     of folded runs, the forward paid again, the bytes freed (<= 0) and the share of their
     activations that stays. ``factors`` are the main graph's edges; ``folds`` each folded run's
-    copy-0 edges, and ``recompute_folds`` the same with their forward paid twice.
+    copy-0 edges, and ``recompute_folds`` the same with their forward paid twice; ``unfolded`` the
+    stretches of identical blocks that could not be folded, with the reason.
     """
 
     node_time: tuple[np.ndarray, ...]
@@ -56,6 +57,7 @@ class SearchProblem(Dataflow):
     recompute_folds: list[tuple[Repeat, list[Factor]]]
     layouts_costed: int = 0
     pairs_costed: int = 0
+    unfolded: tuple[Unfolded, ...] = ()  # stretches of copies left unfolded, with the reason
 
     def objective(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
         """Predicted step time of one assignment (candidate index per node).
