@@ -9,7 +9,7 @@ import pytest
 
 import autopar
 from autopar import progress
-from autopar.cli import _ProgressLine
+from autopar.cli.output import ProgressLine
 from autopar.lowering import read_plan_file
 
 MODEL = "models/resnet50.onnx"
@@ -42,8 +42,8 @@ def test_a_plan_file_written_before_the_accounting_still_reads():
 def test_the_progress_line_shows_the_phase_unless_quiet(monkeypatch, enabled):
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
-    monkeypatch.setattr(_ProgressLine, "DELAY_S", 0.0)
-    with _ProgressLine(enabled=enabled) as line:
+    monkeypatch.setattr(ProgressLine, "DELAY_S", 0.0)
+    with ProgressLine(enabled=enabled) as line:
         line("costing redistributions", 0, 4)
         line("costing redistributions", 4, 4)
     assert ("autopar: costing redistributions" in stream.getvalue()) == enabled
@@ -52,6 +52,6 @@ def test_the_progress_line_shows_the_phase_unless_quiet(monkeypatch, enabled):
 def test_a_fast_run_shows_no_line(monkeypatch):
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
-    with _ProgressLine(enabled=True) as line:  # the default delay: nothing within two seconds
+    with ProgressLine(enabled=True) as line:  # the default delay: nothing within two seconds
         line("search", 1, 2)
     assert stream.getvalue() == ""

@@ -1,0 +1,225 @@
+"""One function a command, from its parsed flags to what it prints or writes; `COMMANDS` names them.
+
+Each returns the exit status; an `AutoparError` it raises is worded and counted by `autopar.cli.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from autopar import progress
+from autopar.cli.output import ProgressLine, emit, say_warnings
+from autopar.errors import AutoparWarning, FixedStrategyError
+from autopar.options import DEFAULT_COST_MODEL, PlanOptions
+
+
+def _options(args: argparse.Namespace, **fields: Any) -> PlanOptions:
+    """The checked options the flags ask for: --devices (default 8), or --rank-table's count and servers."""
+    cost_model = getattr(args, "cost_model", DEFAULT_COST_MODEL)
+    return PlanOptions.resolve(
+        args.devices, cost_model, args.rank_table or None, devices_said_as="--devices ", **fields
+    )
+
+
+def _fixed(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The strategies ``--strategies FILE`` and ``--fix`` fix (``--fix`` wins for the same operator)."""
+    fixed: dict[str, Any] = {}
+    if args.strategies:
+        try:
+            data = json.loads(Path(args.strategies).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise FixedStrategyError(
+                f"Strategies file {args.strategies!r} cannot be read: {exc.strerror or exc}."
+            ) from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raise FixedStrategyError(f"Strategies file {args.strategies!r} is not JSON.") from None
+        if not isinstance(data, dict):
+            raise FixedStrategyError(
+                f"Strategies file {args.strategies!r} must be a JSON object {{operator: in_strategy}}."
+            )
+        fixed.update(data)
+    fixed.update(dict(args.fix))
+    if fixed and args.mode not in ("auto_parallel", "semi_auto_parallel"):
+        raise FixedStrategyError(f"--fix and --strategies need --mode semi_auto_parallel, not {args.mode}.")
+    return fixed or None
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.report import plan_table
+
+    line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
+    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
+        warnings.simplefilter("always", AutoparWarning)  # said below as one line each, in the CLI's words
+        options = _options(
+            args,
+            batch=args.batch,
+            mode=args.mode,
+            dims=dict(args.dim),
+            precision=args.precision,
+            search=args.search,
+            frozen=args.frozen,
+            overlap=args.overlap,
+            micro_batches=args.micro_batches,
+            fixed=_fixed(args),
+        )
+        cluster = options.cluster
+        result = autopar.api.plan_with(args.model, options)
+        top = None if args.all else args.top
+        text = result.to_json() + "\n" if args.format == "json" else plan_table(result, top)  # lowering reports too
+    if cluster is not None and args.format == "table":  # the levels the rank table implies, under the title
+        title, _, rest = text.partition("\n")
+        text = f"{title}\ncluster: {cluster.describe()}\n{rest}"
+    say_warnings(caught)
+    emit(text, args.out)
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from autopar.graph import load_model
+    from autopar.report import inspect_summary, inspect_table
+
+    graph = load_model(args.model, batch=args.batch, dims=dict(args.dim))
+    summary = inspect_summary(graph)
+    text = json.dumps(summary, indent=2) + "\n" if args.format == "json" else inspect_table(summary)
+    sys.stdout.write(text)
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.lowering import load_plan_file
+    from autopar.report import verify_table
+
+    plan_file = load_plan_file(args.plan) if args.plan else None
+    options = _options(args)
+    devices, cost_model = options.num_devices, options.cost_model
+    if plan_file is None:  # a model exported with --to onnx carries its plan: verify that one
+        from autopar.export.onnx_sharding import annotated_devices
+        from autopar.graph.read import read_model
+
+        annotated = annotated_devices(read_model(args.model))
+        if annotated is not None and args.devices is None and args.rank_table is None:
+            devices = annotated
+        if annotated == devices:
+            print(f"autopar: verifying the plan annotated in {args.model} ({annotated} devices)", file=sys.stderr)
+    report = autopar.verify(
+        args.model,
+        plan_file,
+        devices=devices,
+        batch=args.batch,
+        dims=dict(args.dim),
+        seed=args.seed,
+        cost_model=cost_model,
+        runtime=args.runtime,
+        gradients=True if args.gradients or args.runtime == "torch" else None,
+        port=args.port,
+        timeout_s=args.timeout,
+    )
+    text = (
+        json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"
+        if args.format == "json"
+        else verify_table(report)
+    )
+    sys.stdout.write(text)
+    if not report.ok:
+        print(f"autopar: error: the plan does not verify: {report.problems[0]}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from autopar.export import export
+    from autopar.graph import load_model
+    from autopar.lowering import load_plan_file
+
+    plan_file = load_plan_file(args.plan)
+    model = None
+    if args.model:  # imported at the batch the plan was made for, as the plan saw it
+        shapes = list(plan_file.context.inputs.values()) if plan_file.context else []
+        batch = shapes[0][0] if shapes and shapes[0] and all(s and s[0] == shapes[0][0] for s in shapes) else None
+        model = load_model(args.model, batch=batch).model
+    for path in export(plan_file, args.to, args.out, model):
+        print(f"autopar: wrote {path}", file=sys.stderr)
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.report.sweep import sweep_html, sweep_table
+
+    line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
+    with warnings.catch_warnings(), progress.listening(line), line:
+        warnings.simplefilter("ignore", AutoparWarning)
+        points = autopar.sweep(
+            args.model,
+            args.devices,
+            cost_model=args.cost_model,
+            batch=args.batch,
+            dims=dict(args.dim),
+            precision=args.precision,
+        )
+    if args.out:
+        emit(sweep_html(Path(args.model).stem, points), args.out)
+        print(f"autopar: wrote {args.out}", file=sys.stderr)
+    text = json.dumps(points, indent=2, allow_nan=False) + "\n" if args.format == "json" else sweep_table(points)
+    sys.stdout.write(text)
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.report.html import plan_report
+
+    line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
+    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
+        warnings.simplefilter("always", AutoparWarning)
+        options = _options(args, batch=args.batch, dims=dict(args.dim), precision=args.precision)
+        result = autopar.api.plan_with(args.model, options)
+        page = plan_report(result, autopar.api.comparison(result))
+    say_warnings(caught)
+    out = args.out or f"{Path(args.model).stem}.report.html"
+    emit(page, out)
+    print(f"autopar: wrote {out} ({len(page.encode('utf-8')):,} bytes)", file=sys.stderr)
+    return 0
+
+
+def run_schema(args: argparse.Namespace) -> int:
+    from autopar.lowering import json_schema
+
+    sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+    return 0
+
+
+def run_profiles(args: argparse.Namespace) -> int:
+    """``profiles``: one line per bundled profile; ``profiles show NAME``: that profile's TOML, checked first."""
+    from autopar.cost.profile import available_profiles, load_profile, profile_path
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AutoparWarning)  # a number without a source: said below
+        if getattr(args, "name", None) is None:
+            names = available_profiles()
+            width = max(map(len, names))
+            text = "".join(f"{name:<{width}}  {load_profile(name).description}\n" for name in names)
+        else:
+            load_profile(args.name)  # a malformed profile is one sentence, not a listing
+            text = profile_path(args.name).read_text(encoding="utf-8")
+    say_warnings(caught)
+    sys.stdout.write(text)
+    return 0
+
+
+COMMANDS = {
+    "plan": run_plan,
+    "verify": run_verify,
+    "inspect": run_inspect,
+    "schema": run_schema,
+    "profiles": run_profiles,
+    "export": run_export,
+    "sweep": run_sweep,
+    "report": run_report,
+}

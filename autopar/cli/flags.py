@@ -1,0 +1,248 @@
+"""The command line's flags: one parser, every command's flags and help, each value checked into one sentence.
+
+A bad flag exits 2 with ``autopar: error: ...`` and a pointer to ``--help``, never a usage dump.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from typing import Any
+
+from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_MICRO_BATCHES, MAX_SEED
+from autopar.options import Mode, Precision, Runtime, SearchAlgorithm
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one sentence instead of a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"autopar: error: {message} (see '{self.prog} --help').\n")
+
+
+def _integer(flag: str, text: str, low: int, high: int) -> int:
+    """An integer flag within [low, high], or one sentence saying what is wrong (exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{flag} must be from {low:,} to {high:,}, got {value}")
+    return value
+
+
+def _dim_binding(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--dim expects name=value, got {text!r}")
+    return name, _integer(f"--dim {name}", value, 1, MAX_DIMENSION)
+
+
+def _devices(text: str) -> int:
+    value = _integer("--devices", text, -(1 << 62), 1 << 62)
+    if not 1 <= value <= MAX_DEVICES or value & (value - 1):
+        raise argparse.ArgumentTypeError(
+            f"--devices must be a power of two from 1 to {MAX_DEVICES:,} (1, 2, 4, 8, ...), got {value}"
+        )
+    return value
+
+
+def _device_list(text: str) -> list[int]:
+    """``1,8,64``: device counts, each a power of two (exit 2 otherwise)."""
+    counts = [_devices(part.strip()) for part in text.split(",") if part.strip()]
+    if not counts:
+        raise argparse.ArgumentTypeError(f"--devices expects device counts such as 1,8,64, got {text!r}")
+    return counts
+
+
+def _batch(text: str) -> int:
+    return _integer("--batch", text, 1, MAX_DIMENSION)
+
+
+def _top(text: str) -> int:
+    return _integer("--top", text, 1, MAX_DIMENSION)
+
+
+def _micro_batches(text: str) -> int:
+    return _integer("--micro-batches", text, 1, MAX_MICRO_BATCHES)
+
+
+def _fixed_strategy(text: str) -> tuple[str, Any]:
+    """``OP=((2,4,1,1),(1,4,1,1))``: an operator and the in_strategy it must keep (exit 2 when malformed)."""
+    name, sep, value = text.rpartition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(
+            f"--fix expects OP=STRATEGY such as 'conv1=((8,1,1,1),(1,1,1,1))', got {text!r}"
+        )
+    try:
+        strategy = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        raise argparse.ArgumentTypeError(
+            f"--fix {name}: the strategy must be a tuple of integer tuples such as ((8,1,1,1),(1,1,1,1)), got {value!r}"
+        ) from None
+    return name, strategy
+
+
+def _seed(text: str) -> int:
+    return _integer("--seed", text, 0, MAX_SEED)
+
+
+def _port(text: str) -> int:
+    return _integer("--port", text, 1024, 65535)
+
+
+def _timeout(text: str) -> float:
+    return float(_integer("--timeout", text, 1, 24 * 3600))
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="ONNX model file")
+    parser.add_argument("--batch", type=_batch, help="override the leading dimension of the data inputs")
+    parser.add_argument(
+        "--dim",
+        type=_dim_binding,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="bind a symbolic input dimension (repeatable)",
+    )
+
+
+DEVICES_HELP = "number of devices, a power of two (default 8, or the rank table's count)"
+RANK_TABLE_HELP = "MindSpore's rank_table.json: the device count and the servers that set the link levels"
+
+
+def _names(kind: type[Mode] | type[Precision] | type[SearchAlgorithm] | type[Runtime]) -> list[str]:
+    """A flag's choices: the enum's names, as argparse lists them in its one-sentence error."""
+    return [member.value for member in kind]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="autopar", description="Auto-parallel strategy search for ONNX models.")
+    parser.add_argument("--version", action="version", version=f"autopar {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    plan = commands.add_parser("plan", help="search a sharding plan")
+    _add_model_arguments(plan)
+    plan.add_argument("--devices", type=_devices, help=DEVICES_HELP)
+    plan.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
+    plan.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
+    plan.add_argument("--mode", choices=_names(Mode), default=Mode.AUTO_PARALLEL.value)
+    plan.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value)
+    plan.add_argument(
+        "--fix",
+        type=_fixed_strategy,
+        action="append",
+        default=[],
+        metavar="OP=STRATEGY",
+        help="keep this operator's in_strategy, search the rest (semi_auto_parallel; repeatable)",
+    )
+    plan.add_argument(
+        "--strategies", metavar="FILE.json", help="fixed strategies as a JSON object {operator: in_strategy}"
+    )
+    plan.add_argument(
+        "--search",
+        choices=_names(SearchAlgorithm),
+        default=SearchAlgorithm.DP.value,
+        help="dp (elimination DP, default) or ilp (exact ILP cross-check, needs autopar[ilp])",
+    )
+    plan.add_argument(
+        "--frozen",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a parameter not to train (a name or a shell glob such as 'embed.*'; repeatable)",
+    )
+    plan.add_argument(
+        "--micro-batches",
+        type=_micro_batches,
+        help="accumulate gradients over this many micro-batches of the batch (default: 1, or the fewest of"
+        " 2, 4, ... that fit when nothing fits in one)",
+    )
+    plan.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="add every gradient synchronisation to the step (default: it overlaps the backward pass)",
+    )
+    plan.add_argument("--format", choices=("table", "json"), default="table")
+    plan.add_argument(
+        "--top", type=_top, default=20, metavar="N", help="the table lists the N costliest operators (default 20)"
+    )
+    plan.add_argument("--all", action="store_true", help="the table lists every operator, in graph order")
+    plan.add_argument("--out", help="write the output to this file instead of stdout")
+    plan.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+
+    verify = commands.add_parser("verify", help="run a plan on virtual devices and compare with one device")
+    _add_model_arguments(verify)
+    verify.add_argument("--devices", type=_devices, help=DEVICES_HELP)
+    verify.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
+    verify.add_argument(
+        "--plan",
+        help="a plan JSON file (from 'autopar plan --format json'); default: the model's sharding annotations"
+        " (from 'autopar export --to onnx'), else search one",
+    )
+    verify.add_argument("--seed", type=_seed, default=0, help="seed for random weights and inputs")
+    verify.add_argument(
+        "--gradients",
+        action="store_true",
+        help="run the backward pass and the gradient synchronisation too, and check every parameter's gradient",
+    )
+    verify.add_argument(
+        "--runtime",
+        choices=_names(Runtime),
+        default=Runtime.VIRTUAL.value,
+        help="virtual: every rank in this process (default); torch: one torch.distributed process per rank"
+        " (gloo on CPU, NCCL on GPUs), gradients always checked",
+    )
+    verify.add_argument("--port", type=_port, help="the torch runtime's TCP port on localhost (default: a free one)")
+    verify.add_argument(
+        "--timeout", type=_timeout, default=300.0, metavar="SECONDS", help="the torch runtime's limit per collective"
+    )
+    verify.add_argument("--format", choices=("table", "json"), default="table")
+
+    sweep = commands.add_parser("sweep", help="plan at several device counts: throughput, scaling, MFU, memory")
+    _add_model_arguments(sweep)
+    sweep.add_argument(
+        "--devices", type=_device_list, default=[1, 8, 64, 512], help="device counts, e.g. 1,8,64,512 (the default)"
+    )
+    sweep.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
+    sweep.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value)
+    sweep.add_argument("--format", choices=("table", "json"), default="table")
+    sweep.add_argument("-o", "--out", help="write a self-contained HTML page with the charts to this file")
+    sweep.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+
+    report = commands.add_parser("report", help="plan, then write the plan's report as one self-contained HTML page")
+    _add_model_arguments(report)
+    report.add_argument("--devices", type=_devices, help=DEVICES_HELP)
+    report.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
+    report.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
+    report.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value)
+    report.add_argument("-o", "--out", help="the page to write (default: MODEL.report.html in this folder)")
+    report.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+
+    inspect = commands.add_parser("inspect", help="summarise a model: operators, parameters, FLOPs")
+    _add_model_arguments(inspect)
+    inspect.add_argument("--format", choices=("table", "json"), default="table")
+
+    export = commands.add_parser(
+        "export", help="write a plan in a framework's own form (onnx, mindspore, dtensor, jax)"
+    )
+    export.add_argument("plan", help="a plan JSON file (from 'autopar plan --format json')")
+    export.add_argument("--to", required=True, choices=("onnx", "mindspore", "dtensor", "jax"), help="the format")
+    export.add_argument("-o", "--out", help="the file to write (default: named after the model, here)")
+    export.add_argument("--model", help="the ONNX model the plan was made for (needed by --to onnx)")
+
+    commands.add_parser("schema", help="print the JSON Schema of plan files")
+
+    profiles = commands.add_parser("profiles", help="list the bundled hardware profiles ('profiles show NAME': one)")
+    shown = profiles.add_subparsers(dest="profiles_command", metavar="show", parser_class=_Parser)
+    show = shown.add_parser("show", help="check a profile and print it (its TOML, every number with its source)")
+    show.add_argument("name", metavar="NAME", help="a bundled profile (see 'autopar profiles') or a .toml file")
+    return parser
+
+
+def _version() -> str:
+    from autopar import __version__
+
+    return __version__
