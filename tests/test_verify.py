@@ -101,7 +101,7 @@ def test_plan_for_other_device_count_is_refused(tmp_path, tiny_resnet):
 
 
 def test_a_plan_file_is_verified_without_costing_the_model(monkeypatch, tiny_resnet):
-    import autopar.api
+    import autopar.api.verification
     import autopar.search.costing
 
     data = autopar.plan(tiny_resnet, devices=8).to_dict()
@@ -109,7 +109,7 @@ def test_a_plan_file_is_verified_without_costing_the_model(monkeypatch, tiny_res
     def no_costing(*args, **kwargs):
         raise AssertionError("verifying a plan file costed the model")
 
-    monkeypatch.setattr(autopar.api, "build_problem", no_costing)
+    monkeypatch.setattr(autopar.api.verification, "build_problem", no_costing)
     monkeypatch.setattr(autopar.search.costing, "build_problem", no_costing)
     report = autopar.verify(tiny_resnet, data, devices=8)
     assert report.ok, report.problems

@@ -1,0 +1,60 @@
+"""What the report compares a plan with: the data-parallel and stand-alone plans of its own problem, and the
+forward / recomputed share of its compute. One lowering each, no new search."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from autopar.lowering import Plan
+from autopar.report.html import Comparison
+from autopar.search.driver import data_parallel_choice, stand_alone_choice
+from autopar.search.memory import MemoryChoices
+
+
+def _sibling(plan: Plan, choice: Sequence[int], mode: str) -> Plan:
+    """The plan of another choice on ``plan``'s own problem (same micro-batches, no other memory relief)."""
+    search = dataclasses.replace(
+        plan.search,
+        choice=tuple(choice),
+        method=mode,
+        lagrange_multiplier=0.0,
+        candidates_kept=None,
+        candidates_dropped=None,
+        choices=MemoryChoices(micro_batches=plan.search.choices.micro_batches),
+    )
+    return dataclasses.replace(plan, choice=tuple(choice), search=search, mode=mode, phases_s={})
+
+
+def compute_split(plan: Plan) -> tuple[float, float]:
+    """(forward seconds, recomputed forward seconds) of the step's compute.
+
+    Each operator's compute is its forward times (1 + backward factor x backward passes), as the cost
+    model charges it; micro-batches multiply both.
+    """
+    problem, choices = plan.problem, plan.search.choices
+    factor = problem.cost.backward_factor
+    forward = sum(
+        float(problem.node_compute[i][c]) / (1.0 + factor * problem.backward_passes(i))
+        for i, c in enumerate(plan.choice)
+    )
+    recompute = (
+        sum(float(problem.recompute_time[i][c]) for i, c in enumerate(plan.choice) if i in problem.recompute_time)
+        if choices.recompute
+        else 0.0
+    )
+    return forward * choices.micro_batches, recompute * choices.micro_batches
+
+
+def comparison(plan: Plan) -> Comparison:
+    """What the report compares a plan with, on the plan's own problem: one lowering each, no new search.
+
+    The data-parallel and stand-alone plans of the same problem (same micro-batches) and the
+    forward / recomputed share of the step's compute; the report reads them as plan files.
+    """
+    problem = plan.problem
+    dp_choice = data_parallel_choice(problem)
+    data_parallel = plan if list(plan.choice) == dp_choice else _sibling(plan, dp_choice, "data_parallel")
+    stand_alone = _sibling(plan, stand_alone_choice(problem), "stand_alone")
+    forward, recompute = compute_split(plan)
+    return Comparison(data_parallel.file, stand_alone.file, forward, recompute)

@@ -1,0 +1,121 @@
+"""Verification: run a plan on virtual devices (or torch.distributed) and compare it with one device.
+
+What runs is lowering's `PlanProgram`: a `Plan`'s own, a plan file's (read without costing the model), or
+that of strategies given, annotated in the model, or searched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from autopar.api.planning import ModelLike, model_graph
+from autopar.errors import AutoparError
+from autopar.graph import Graph
+from autopar.limits import MAX_SEED
+from autopar.lowering import (
+    PLAN_FILE_FIELDS,
+    Plan,
+    PlanFile,
+    PlanProgram,
+    program_from_file,
+    program_of,
+    read_plan_file,
+)
+from autopar.options import DEFAULT_COST_MODEL, CostModelLike, PlanOptions, Precision, RankTable, Runtime, runtime_of
+from autopar.search.costing import build_problem
+from autopar.search.driver import run_search
+from autopar.spmd import VerifyReport, verify_program
+
+
+def _is_plan_file(data: Mapping[str, Any], graph: Graph) -> bool:
+    """A plan file's dict, not {op: strategy}: it has a schema, or plan-file keys and no operator's name."""
+    if "schema" in data:
+        return True
+    operators = {op.name for op in graph.ops}
+    return not (set(data) & operators) and bool(set(data) & set(PLAN_FILE_FIELDS))
+
+
+def verify(
+    model: ModelLike,
+    plan_or_strategies: Plan | PlanFile | Mapping[str, Any] | None = None,
+    devices: int | None = None,
+    batch: int | None = None,
+    dims: Mapping[str, int] | None = None,
+    seed: int = 0,
+    cost_model: CostModelLike = DEFAULT_COST_MODEL,
+    precision: Precision | str = Precision.MIXED,
+    *,
+    rank_table: RankTable | None = None,
+    runtime: Runtime | str = Runtime.VIRTUAL,
+    gradients: bool | None = None,
+    port: int | None = None,
+    timeout_s: float | None = None,
+) -> VerifyReport:
+    """Run a plan on ``devices`` devices and compare every output (and gradient) with one device.
+
+    ``plan_or_strategies`` is a `Plan`, a plan file (a `PlanFile`, or a dict as `Plan.to_dict()`
+    or a JSON file gives it), a plain {op: strategy} mapping, or None to verify the plan the
+    model's autopar sharding annotations hold (``autopar export --to onnx``), else the plan
+    autopar finds. ``runtime`` is "virtual" (every rank in this process) or "torch" (one
+    torch.distributed process per rank: needs ``autopar[torch]``). ``gradients`` runs the
+    backward pass and the gradient synchronisation too and checks every trainable parameter's
+    gradient; the torch runtime always does, the virtual one when asked.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise AutoparError(f"The seed must be an integer from 0 to {MAX_SEED:,}, got {seed!r}.")
+    runtime = runtime_of(runtime)
+    if runtime == "torch" and gradients is False:
+        raise AutoparError("The torch runtime always checks gradients; leave gradients unset or True.")
+    training = runtime == "torch" or bool(gradients)
+    if training:
+        _need_torch(runtime)
+    program = _program(model, plan_or_strategies, devices, batch, dims, cost_model, precision, rank_table)
+    if not training:
+        return verify_program(program, seed=seed)
+    from autopar.runtime.launch import DEFAULT_TIMEOUT_S
+    from autopar.runtime.verify import verify_training
+
+    return verify_training(program, seed=seed, runtime=runtime, port=port, timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
+
+
+def _program(
+    model: ModelLike,
+    given: Plan | PlanFile | Mapping[str, Any] | None,
+    devices: int | None,
+    batch: int | None,
+    dims: Mapping[str, int] | None,
+    cost_model: CostModelLike,
+    precision: Precision | str,
+    rank_table: RankTable | None,
+) -> PlanProgram:
+    """What `verify` runs: a `Plan`'s program; a plan file's, read without costing anything (its own
+    precision sizes the collectives); or that of strategies (given, annotated, or searched), lowered
+    on the model's costed problem."""
+    if isinstance(given, Plan):
+        return given.program
+    options = PlanOptions.resolve(devices, cost_model, rank_table, batch=batch, dims=dims or {}, precision=precision)
+    graph = model_graph(model, options.batch, options.dims)
+    if isinstance(given, Mapping) and _is_plan_file(given, graph):
+        given = read_plan_file(given)
+    if isinstance(given, PlanFile):
+        costs = options.replace(precision=given.precision).costs()
+        return program_from_file(graph, given, options.num_devices, costs)
+    problem = build_problem(graph, options.costs(), options.num_devices)
+    if given is None:  # a model exported with `--to onnx` carries its plan
+        from autopar.export.onnx_sharding import annotated_strategies
+
+        given = annotated_strategies(graph.model, options.num_devices)
+    if given is None:
+        return Plan.lower(problem, run_search(problem), "auto_parallel").program
+    return program_of(problem, problem.choice_for(given))
+
+
+def _need_torch(runtime: str) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        what = "The torch runtime" if runtime == "torch" else "Checking gradients"
+        raise AutoparError(
+            f"{what} needs PyTorch: pip install 'autopar[torch]' (the CPU build, torch==2.13.0)."
+        ) from None
