@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from autopar.cost.mesh import Mesh
 from autopar.lowering import PlanFile
 from autopar.report.figures import level_traffic, timeline_phases
 from autopar.report.format import escape, ms
@@ -28,11 +29,11 @@ COLOURS = {
 }
 
 
-def factor_colour(factor: int, devices: int) -> tuple[str, str]:
-    """(background, text colour) for a split factor: grey for 1, light to dark blue up to ``devices``."""
+def factor_colour(factor: int, mesh: Mesh) -> tuple[str, str]:
+    """(background, text colour) for a split factor: grey for 1, light to dark blue up to the mesh's devices."""
     if factor <= 1:
         return "#f3f4f6", "#9ca3af"
-    share = math.log2(factor) / max(1.0, math.log2(devices))
+    share = math.log2(factor) / max(1, mesh.mesh_bits)
     low, high = (198, 219, 239), (8, 48, 107)
     rgb = tuple(round(a + (b - a) * share) for a, b in zip(low, high))
     return "#{:02x}{:02x}{:02x}".format(*rgb), "#fff" if share > 0.45 else "#111"

@@ -98,7 +98,7 @@ def summary_section(data: PlanFile, stand_alone: PlanFile | None) -> str:
 def strategy_map_section(data: PlanFile) -> str:
     """One row per operator (repeated blocks folded), one column per axis kind, coloured by split factor."""
     ops = data.ops
-    devices = data.devices
+    devices, mesh = data.devices, data.mesh
     image = is_image_model(data)
     groups = fold_groups(data)
     rows = []
@@ -113,7 +113,7 @@ def strategy_map_section(data: PlanFile) -> str:
         cells = []
         for axis in AXES:
             factor = splits.get(axis, 1)
-            background, colour = factor_colour(factor, devices)
+            background, colour = factor_colour(factor, mesh)
             cells.append(
                 f"<td class='f' style='background:{background};color:{colour}'"
                 f" title='{escape(axis)}: split {factor} ways; in_strategy {escape(strategy)}'>"
@@ -128,7 +128,7 @@ def strategy_map_section(data: PlanFile) -> str:
             f"<td class='num'>{'x' + str(repeated) if repeated > 1 else '-'}</td>"
             f"<td><code>{escape(strategy)}</code></td></tr>"
         )
-    swatches = [(f, *factor_colour(f, devices)) for f in (1 << b for b in range(data.mesh.mesh_bits + 1))]
+    swatches = [(f, *factor_colour(f, mesh)) for f in (1 << b for b in range(mesh.mesh_bits + 1))]
     legend = "".join(
         f"<span class='swatch' style='background:{background};color:{colour}'>x{f}</span>"
         for f, background, colour in swatches
