@@ -26,9 +26,6 @@ from autopar.graph.types import FLOAT_TYPES, ElidedValue, Graph, OpNode, TensorI
 from autopar.ops import lookup
 from autopar.ops.registry import output_elements
 
-WEIGHT_LAYOUT_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast"})
-"""Folded operators whose output is still the weight they read: they move its elements, computing nothing."""
-
 
 def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
     """The `Graph` of a shape-inferred model, each value built once in its final form."""
@@ -43,9 +40,8 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         else:
             constants[init.name] = numpy_helper.to_array(init)
 
-    # values that may be weights: stored or elided float tensors, and what a layout change makes of them
-    # (a Transpose of a weight is a weight; a causal mask built from Range and Where is not, nor are
-    # rotary cos/sin tables sliced, gathered and concatenated from a stored frequency table)
+    # values that may be weights: stored or elided float tensors, and what is folded from them
+    # (a Transpose of a weight is a weight; a causal mask built from Range and Where is not)
     weighty = {name for name, value in constants.items() if _may_be_weight(value)}
     nodes: list[onnx.NodeProto] = []  # the operators that stay, in the file's order
     graph_outputs = {o.name for o in proto.graph.output}
@@ -53,7 +49,7 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         folded = None if set(node.output) & graph_outputs else fold_constant(node, constants, infos, proto)
         if folded is not None:
             constants[node.output[0]] = folded
-            from_weight = node.op_type in WEIGHT_LAYOUT_OPS and bool(node.input) and node.input[0] in weighty
+            from_weight = any(name in weighty for name in node.input)
             if from_weight or (node.op_type in ("Constant", "ConstantOfShape") and _may_be_weight(folded)):
                 weighty.add(node.output[0])
             continue
