@@ -501,3 +501,30 @@ def test_a_reshape_target_merging_the_batch_with_the_sequence_is_rebatched():
 )
 def test_pytorch_module_paths_are_kept_as_the_layer_name(path, node, source):
     assert load_model(path).op(node).source == source
+
+
+def test_stored_masks_and_shared_tables_are_constants_but_scales_and_shared_weights_are_trained():
+    """An additive mask, a multiplicative 0/1 mask and a table several products read (rotary cos) are
+    buffers no framework trains; a norm's scale (one product) and a weight two matrix products share
+    (ALBERT) are trained."""
+    seq = 4
+    nodes = [
+        helper.make_node("Add", ["X", "causal"], ["a"], name="add_mask"),
+        helper.make_node("Mul", ["a", "keep"], ["b"], name="mul_mask"),
+        helper.make_node("Mul", ["b", "cos"], ["c"], name="rotate_q"),
+        helper.make_node("Mul", ["X", "cos"], ["d"], name="rotate_k"),
+        helper.make_node("Mul", ["c", "scale"], ["e"], name="norm_scale"),
+        helper.make_node("MatMul", ["e", "W"], ["f"], name="layer1"),
+        helper.make_node("MatMul", ["d", "W"], ["g"], name="layer2"),
+        helper.make_node("Add", ["f", "g"], ["Y"], name="sum"),
+    ]
+    inits = [
+        numpy_helper.from_array(np.triu(np.full((seq, seq), -1e9, dtype=np.float32), 1), "causal"),
+        numpy_helper.from_array(np.tril(np.ones((seq, seq), dtype=np.float32)), "keep"),
+        numpy_helper.from_array(np.cos(np.arange(seq * seq, dtype=np.float32)).reshape(seq, seq), "cos"),
+        weight("scale", [seq], 1),
+        weight("W", [seq, seq], 2),
+    ]
+    graph = load_model(make_model(nodes, [("X", TensorProto.FLOAT, [2, seq, seq])], ["Y"], inits))
+    assert [graph.tensor(name).kind for name in ("causal", "keep", "cos")] == ["constant"] * 3
+    assert graph.tensor("scale").trainable and graph.tensor("W").trainable
