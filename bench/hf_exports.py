@@ -1,0 +1,113 @@
+"""Plan small language models that Hugging Face's transformers builds and torch's dynamo exporter writes.
+
+Usage: python bench/hf_exports.py [--kinds qwen3,phi3,gpt_neox,bloom] [--devices 64,256] [--layers 2]
+                                  [--hidden 256] [--batch 128] [--seq 128]
+
+Needs torch, onnxscript and transformers (not autopar's dependencies: install them in a scratch
+environment). Each model is built from a random-initialised configuration of its family (grouped-
+query attention for Qwen3, rotary in Qwen3, Phi-3 and GPT-NeoX, ALiBi in BLOOM), given its token loss,
+exported by ``torch.onnx.export(dynamo=True)`` with its parameters moved out to a file that is not
+kept (buffers and folded tables stay stored, as a user's export has them), then planned by the real
+command line in a fresh process. Printed per model and device count: wall time and peak memory of
+``autopar plan``, the predicted step time, or the refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def configuration(kind: str, layers: int, hidden: int, seq: int, vocab: int = 1024):
+    import transformers as hf
+
+    common = dict(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+        intermediate_size=4 * hidden,
+    )
+    if kind == "qwen3":
+        return hf.Qwen3Config(**common, num_key_value_heads=2, head_dim=hidden // 4)
+    if kind == "phi3":
+        return hf.Phi3Config(**common, num_key_value_heads=4, pad_token_id=0)
+    if kind == "gpt_neox":
+        return hf.GPTNeoXConfig(**common)
+    if kind == "bloom":
+        return hf.BloomConfig(n_layer=layers, hidden_size=hidden, n_head=4, vocab_size=vocab)
+    raise SystemExit(f"unknown kind {kind!r}: choose qwen3, phi3, gpt_neox or bloom")
+
+
+def export(kind: str, layers: int, hidden: int, batch: int, seq: int, path: Path) -> None:
+    import onnx
+    import torch
+    import transformers as hf
+    from onnx.external_data_helper import set_external_data
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, labels=labels, use_cache=False).loss
+
+    torch.manual_seed(0)
+    config = configuration(kind, layers, hidden, seq)
+    config._attn_implementation = "eager"
+    model = WithLoss(hf.AutoModelForCausalLM.from_config(config)).eval()
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    torch.onnx.export(model, (ids, ids), str(path), dynamo=True, input_names=["ids", "labels"])
+    proto = onnx.load(str(path))
+    buffers = {name for name, _ in model.named_buffers()}
+    for tensor in proto.graph.initializer:
+        if tensor.name not in buffers and tensor.data_type == onnx.TensorProto.FLOAT and math.prod(tensor.dims) > 1:
+            set_external_data(tensor, path.name + ".weights")
+    onnx.save(proto, str(path))
+    for stray in (path.parent / (path.name + ".weights"), path.parent / (path.name + ".data")):
+        stray.unlink(missing_ok=True)
+
+
+def plan(path: Path, devices: int) -> str:
+    argv = [sys.executable, "-m", "autopar.cli", "plan", str(path), "--devices", str(devices), "--quiet"]
+    start = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        return f"{wall:.1f} s | refused: {done.stderr.strip().splitlines()[-1][:150]}"
+    step = next((line for line in done.stdout.splitlines() if "step" in line.lower()), "").strip()
+    return f"{wall:.1f} s | {step[:80]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default="qwen3,phi3,gpt_neox,bloom")
+    parser.add_argument("--devices", default="64,256")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=128)
+    args = parser.parse_args()
+    print("| model | devices | autopar plan wall | predicted step |")
+    print("|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        for kind in args.kinds.split(","):
+            path = Path(folder) / f"{kind}.onnx"
+            export(kind, args.layers, args.hidden, args.batch, args.seq, path)
+            for devices in (int(d) for d in args.devices.split(",")):
+                print(
+                    f"| {kind} ({args.layers} layers, hidden {args.hidden}, batch {args.batch}) | {devices} | "
+                    f"{plan(path, devices)} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
