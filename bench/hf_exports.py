@@ -22,6 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# bench/transformers.py would shadow Hugging Face's package of that name
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 
 def configuration(kind: str, layers: int, hidden: int, seq: int, vocab: int = 1024):
     import transformers as hf
