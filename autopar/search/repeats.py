@@ -209,13 +209,13 @@ def find_repeats(size: int, uses: Sequence, structure: Structure) -> tuple[list[
                     break
                 if seq[start - 1] != seq[start + period - 1]:
                     continue  # the operator before the run must be a copy of each copy's last (same candidates)
-                repeat, refusal = _valid_prefix(Repeat(start, period, copies), reads, readers)
-                if repeat is not None:
-                    candidates.append(repeat)
+                found = _valid_prefix(Repeat(start, period, copies), reads, readers)
+                if isinstance(found, Repeat):
+                    candidates.append(found)
                     best_refusal = None
                     break
-                if best_refusal is None or refusal.clean > best_refusal.clean:
-                    best_refusal = refusal  # the phase whose copies line up longest says the most
+                if best_refusal is None or found.clean > best_refusal.clean:
+                    best_refusal = found  # the phase whose copies line up longest says the most
             if best_refusal is not None:
                 refused.append(best_refusal)
             i = j
@@ -245,10 +245,8 @@ def find_repeats(size: int, uses: Sequence, structure: Structure) -> tuple[list[
     return folded, sorted(unfolded, key=lambda u: u.start)
 
 
-def _valid_prefix(
-    repeat: Repeat, reads: list[list[tuple[int, int]]], readers: list[list[int]]
-) -> tuple[Repeat | None, Unfolded]:
-    """The longest prefix of the run whose copies have a clean boundary (or None), and why it stops.
+def _valid_prefix(repeat: Repeat, reads: list[list[tuple[int, int]]], readers: list[list[int]]) -> Repeat | Unfolded:
+    """The longest prefix of the run whose copies have a clean boundary, or why there is none.
 
     A copy reads only its own operators, the previous copy's last, and tensors from before the
     run that every copy reads alike (the same producer at the same operator and slot).
@@ -286,12 +284,9 @@ def _valid_prefix(
             if dst not in repeat.block(k + 1)
         ]
         if not leaks:
-            return Repeat(repeat.start, repeat.period, copies, tuple(sorted(set(shared.values())))), _NONE
+            return Repeat(repeat.start, repeat.period, copies, tuple(sorted(set(shared.values()))))
         why = ("{op}, the last operator of a copy, is read outside the next copy", leaks[0])
         copies -= 1
     if not why[0]:
         why = (f"fewer than {MIN_FOLDED_COPIES} copies have a clean boundary", repeat.start)
-    return None, Unfolded(repeat.start, repeat.period, repeat.copies, why[0], why[1], copies)
-
-
-_NONE = Unfolded(0, 0, 0, "", -1)
+    return Unfolded(repeat.start, repeat.period, repeat.copies, why[0], why[1], copies)
