@@ -1,7 +1,10 @@
 """Plan small language models that Hugging Face's transformers builds and torch's dynamo exporter writes.
 
 Usage: python bench/hf_exports.py [--kinds qwen3,phi3,gpt_neox,bloom] [--devices 64,256] [--layers 2]
-                                  [--hidden 256] [--batch 128] [--seq 128]
+                                  [--hidden 256] [--batch 128] [--seq 128] [--out FOLDER]
+
+tests/data/hf_{qwen3,bloom}_dynamo.onnx were written by
+``python bench/hf_exports.py --kinds qwen3,bloom --hidden 64 --batch 4 --seq 32 --devices 8 --out tests/data``.
 
 Needs torch, onnxscript and transformers (not autopar's dependencies: install them in a scratch
 environment). Each model is built from a random-initialised configuration of its family (grouped-
@@ -97,12 +100,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--out", type=Path, help="keep the exports in this folder (as hf_KIND_dynamo.onnx)")
     args = parser.parse_args()
     print("| model | devices | autopar plan wall | predicted step |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         for kind in args.kinds.split(","):
-            path = Path(folder) / f"{kind}.onnx"
+            path = (args.out or Path(folder)) / f"hf_{kind}_dynamo.onnx"
             export(kind, args.layers, args.hidden, args.batch, args.seq, path)
             for devices in (int(d) for d in args.devices.split(",")):
                 print(

@@ -144,3 +144,33 @@ def test_a_plan_says_when_too_few_blocks_repeat_to_fold():
             "search"
         ]
     )
+
+
+HF_EXPORTS = ("hf_qwen3_dynamo", "hf_bloom_dynamo")
+# torch's own count for each module: sum(p.numel() for p in model.parameters()) and how many tensors
+TORCH_PARAMETERS = {"hf_qwen3_dynamo": (254336, 25), "hf_bloom_dynamo": (165760, 29)}
+
+
+@pytest.mark.parametrize("name", HF_EXPORTS)
+def test_hugging_face_exports_plan_at_64_devices_with_their_tables_constant(name):
+    """Modules this project did not write (transformers' Qwen3 with rotary and GQA, BLOOM with ALiBi),
+    exported by dynamo from random configurations (bench/hf_exports.py). The exporter merged the fresh
+    norms' identical scales and biases; the import gives each layer its own again."""
+    graph = load_model(DATA / f"{name}.onnx")
+    trained = [p for p in graph.parameters if p.trainable]
+    assert (sum(p.numel for p in trained), len(trained)) == TORCH_PARAMETERS[name]
+    # a transformer's trained weights are matrices and vectors; rotary tables ([1, 1, seq, head]) and
+    # ALiBi biases ([batch x heads, 1, seq]) are the higher-rank initializers
+    tables = [p.name for p in graph.parameters if len(p.shape) > 2 and p.trainable]
+    assert tables == [], f"position tables taken for trained weights: {tables}"
+    assert {len(p.shape) for p in graph.parameters} == {1, 2}
+    plan = autopar.plan(graph, devices=64)
+    assert not plan.fallback_ops
+
+
+@pytest.mark.parametrize("name", HF_EXPORTS)
+def test_hugging_face_export_plans_verify_with_gradients(name):
+    path = DATA / f"{name}.onnx"
+    report = autopar.verify(path, autopar.plan(path, devices=8), gradients=True)
+    assert report.ok, report.problems
+    assert report.gradients is not None and report.gradients.checked > 0

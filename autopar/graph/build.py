@@ -28,7 +28,9 @@ from autopar.ops.registry import output_elements
 
 
 def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
-    """The `Graph` of a shape-inferred model, each value built once in its final form."""
+    """The `Graph` of a shape-inferred model, each value built once in its final form (the model may be
+    rewritten first: see `_unshare_vectors`)."""
+    _unshare_vectors(proto)
     infos = value_infos(proto)
     opset = opset_of(proto)
     tensors: dict[str, TensorInfo] = {}
@@ -220,11 +222,57 @@ def _constant_roles(
         if value.size <= 1 and not any(d is not None and d.weight_inputs for d, _ in weight_uses):
             continue  # a one-element scale fed to arithmetic is a constant; a layer's weight is not
         readers = [node.op_type for node, _ in places]
-        if not weight_uses or _is_mask(value, set(readers)) or _is_shared_table(readers):
+        if not weight_uses or _is_mask(value, set(readers)) or _is_shared_table(value, readers):
             continue
         statistics = all(d is not None and p in d.statistics_inputs for d, p in weight_uses)
         roles[cname] = ("parameter", not statistics)
     return roles
+
+
+FLOAT_DATA_TYPES = (
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.BFLOAT16,
+    onnx.TensorProto.DOUBLE,
+)
+
+
+PER_LAYER_READERS = frozenset({"Mul", "Add", "LayerNormalization", "RMSNormalization", "BatchNormalization"})
+"""Operators that read a vector as their own per-feature scale, bias or statistic."""
+
+
+def _unshare_vectors(proto: onnx.ModelProto) -> None:
+    """Give each reader its own copy of a float vector that several element-wise products or sums, or
+    normalisations, read and nothing else.
+
+    Exporters merge initializers that hold identical values, so a fresh model's norm scales and
+    biases (all ones, all zeros) arrive as one tensor that every layer reads, where the framework
+    trains one per layer. Left merged, one layer would own them all and tie every layer to it.
+    """
+    initializers = {tensor.name: tensor for tensor in proto.graph.initializer}
+    places: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in proto.graph.node:
+        for slot, name in enumerate(node.input):
+            if name in initializers:
+                places.setdefault(name, []).append((node, slot))
+    outputs = {o.name for o in proto.graph.output}
+    taken = set(initializers) | {out for node in proto.graph.node for out in node.output}
+    for name, readers in places.items():
+        tensor = initializers[name]
+        if len(readers) < 2 or len(tensor.dims) != 1 or tensor.data_type not in FLOAT_DATA_TYPES or name in outputs:
+            continue
+        if any(node.op_type not in PER_LAYER_READERS for node, _ in readers):
+            continue
+        for copy_index, (node, slot) in enumerate(readers[1:], start=1):
+            new_name = f"{name}.{copy_index}"
+            while new_name in taken:
+                new_name += "_"
+            taken.add(new_name)
+            copy = onnx.TensorProto()
+            copy.CopyFrom(tensor)
+            copy.name = new_name
+            proto.graph.initializer.append(copy)
+            node.input[slot] = new_name
 
 
 MASK_FLOOR = -1e4
@@ -250,16 +298,20 @@ def _is_mask(value: KnownValue, readers: set[str]) -> bool:
     return False
 
 
-def _is_shared_table(readers: list[str]) -> bool:
-    """A table that several element-wise products or sums read, and nothing else: rotary cos/sin (read
-    by every query and key rotation), an ALiBi bias (added to every layer's scores). No framework
-    trains one: a trained scale or bias belongs to one operator, and a weight shared between layers
+def _is_shared_table(value: KnownValue, readers: list[str]) -> bool:
+    """A table over positions that several element-wise products or sums read, and nothing else: rotary
+    cos/sin (read by every query and key rotation), an ALiBi bias (added to every layer's scores). No
+    framework trains one. A trained scale or bias is a vector, which an exporter may share between
+    layers only because a fresh model's norms hold identical values; a weight shared between layers
     (ALBERT, a tied embedding) is read by matrix products and lookups.
 
-    >>> _is_shared_table(["Mul", "Mul"]), _is_shared_table(["Add"]), _is_shared_table(["MatMul", "MatMul"])
-    (True, False, False)
+    >>> table, scale = np.zeros((16, 8), np.float32), np.ones(8, np.float32)
+    >>> _is_shared_table(table, ["Mul", "Mul"]), _is_shared_table(scale, ["Mul", "Mul"])
+    (True, False)
+    >>> _is_shared_table(table, ["Add"]), _is_shared_table(table, ["MatMul", "MatMul"])
+    (False, False)
     """
-    return len(readers) >= 2 and set(readers) <= {"Mul", "Add"}
+    return value.ndim >= 2 and len(readers) >= 2 and set(readers) <= {"Mul", "Add"}
 
 
 def _topological(inputs: list[tuple[str, ...]], outputs: list[tuple[str, ...]]) -> list[int]:
