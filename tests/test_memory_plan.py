@@ -221,6 +221,14 @@ def leanest(problem: SearchProblem, recompute: bool) -> float:
     return sum(float(u[c]) for u, c in zip(unary, choice))
 
 
+def test_memory_floor_is_the_leanest_plans_memory():
+    """The driver skips a kind of plan whose floor does not fit without running the DP: the floor must
+    be exactly what the DP's leanest plan needs."""
+    problem = autopar.build(block_stack(), 2, profile(peak=1e9))
+    for recompute in (False, True):
+        assert problem.memory_floor(recompute) == pytest.approx(leanest(problem, recompute), rel=1e-12)
+
+
 RC_DEVICES, RC_PEAK = 2, 1e9
 RUN = range(2, 2 + 4 * 3)  # the folded operators: 4 copies of 3, from b0_mm2
 

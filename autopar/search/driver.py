@@ -120,26 +120,33 @@ def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> 
     if fast.memory <= capacity:
         return fast.choice, fast.choices, 0.0
     best: tuple[_Point, float] | None = None
-    leanest = fast
-    for recompute in (False, True) if problem.recompute_time else (False,):
+    kinds = (False, True) if problem.recompute_time else (False,)
+    leans: dict[bool, _Point] = {}
+    for recompute in kinds:
         bound = best[0].seen if best is not None else math.inf
         if recompute and fast.seen + sum(float(t.min()) for t in problem.recompute_time.values()) >= bound:
             continue  # every recomputing plan pays at least the fastest forward of every block again
+        if problem.memory_floor(recompute) > capacity * (1 + 1e-12):
+            continue  # not even each operator's leanest candidate fits: no run of the DP needed to see it
         start = fast if not recompute else solve(0.0, True)
         if start.seen >= bound:
             continue  # no plan of this kind is faster than the one found (so none is needed for the message)
-        lean = solve(1.0, recompute, time_scale=1e-9)
-        if lean.memory < leanest.memory:
-            leanest = lean
+        lean = leans[recompute] = solve(1.0, recompute, time_scale=1e-9)
         if lean.memory > capacity:
             continue
         walked = _walk(start, lean, capacity, functools.partial(solve, recompute=recompute), bound)
         if walked is not None and walked[0].seen < bound:
             best = walked
-    solver.bind(problem.factors, problem.folds)
-    if best is None:
+    if best is None:  # nothing fits: the message describes the leanest plan of every kind
+        leanest = fast
+        for recompute in kinds:
+            lean = leans[recompute] if recompute in leans else solve(1.0, recompute, time_scale=1e-9)
+            if lean.memory < leanest.memory:
+                leanest = lean
+        solver.bind(problem.factors, problem.folds)
         message = _infeasible_message(problem, leanest.choice, capacity, "auto_parallel", leanest.choices)
         raise InfeasibleError(message)
+    solver.bind(problem.factors, problem.folds)
     return best[0].choice, best[0].choices, best[1]
 
 

@@ -146,6 +146,18 @@ class SearchProblem(Dataflow):
     def memory(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
         return sum(float(self.node_arrays(i, choices)[1][c]) for i, c in enumerate(choice))
 
+    def memory_floor(self, recompute: bool) -> float:
+        """The least memory any plan needs, with or without recomputation: memory is a sum over
+        operators, so no plan needs less than each operator's leanest candidate (with its parameters
+        under a parallel optimizer where that is leaner)."""
+        total = 0.0
+        for node in range(self.size):
+            memory = self.node_arrays(node, MemoryChoices(recompute=recompute))[1]
+            if node in self.sharded:
+                memory = np.minimum(memory, self.node_arrays(node, MemoryChoices(frozenset({node}), recompute))[1])
+            total += float(memory.min())
+        return total
+
     def memory_items(
         self, node: int, choice: int, choices: MemoryChoices = NO_MEMORY_CHOICES
     ) -> list[tuple[str, str, float]]:
