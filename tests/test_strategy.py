@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from onnx import TensorProto, helper
 
 from autopar.errors import StrategyError
-from tests.conftest import conv_model, rule_for
+from tests.conftest import conv_model, make_model, rule_for, weight
 
 
 @pytest.mark.parametrize(
@@ -39,3 +40,22 @@ def test_repeated_calculation_is_allowed():
     assert rule.shards(exponents) == 2
     bits = rule.label_bits(exponents)
     assert bits["n"] == (0,) and bits["o"] == () and bits["c"] == ()
+
+
+@pytest.mark.parametrize("bias_first", [True, False])
+def test_a_broadcast_operator_lays_out_its_output_in_the_output_s_dim_order(bias_first):
+    """``Add(bias, x)`` gives the layout ``Add(x, bias)`` gives: a bias written first leaves the
+    batch on the highest mesh bits, so the MatMul before it needs no AllToAll (the second builder's
+    GPT-3 was 60 % slower than the first's for this alone)."""
+    inputs = ["B", "X"] if bias_first else ["X", "B"]
+    model = make_model(
+        [helper.make_node("Add", inputs, ["Y"], name="add")],
+        [("X", TensorProto.FLOAT, [16, 8, 32])],
+        ["Y"],
+        [weight("B", [32])],
+    )
+    rule = rule_for(model, "add", devices=64)
+    strategy = ((4,), (16, 1, 4)) if bias_first else ((16, 1, 4), (4,))
+    exponents = rule.parse(strategy)
+    assert rule.output_layouts(exponents)[0].dims == ((5, 4, 3, 2), (), (1, 0))
+    assert rule.input_layouts(exponents)[inputs.index("B")].dims == ((1, 0),)

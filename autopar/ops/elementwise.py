@@ -96,9 +96,13 @@ def unary(op: NodeView, graph: GraphView) -> OpSpec:
 
 
 def broadcast(op: NodeView, graph: GraphView) -> OpSpec:
+    """The device matrix follows the output's dims (MindSpore's rule for broadcasting operators), so
+    ``Add(bias, x)`` lays out its output as ``Add(x, bias)`` does: a bias written first must not move
+    the batch to lower mesh bits than the producer of ``x`` gave it."""
     out_shape = shape(graph, op.outputs[0])
     inputs = tuple(broadcast_labels(shape(graph, name), out_shape) if name else None for name in op.inputs)
-    return OpSpec(inputs=inputs, outputs=(dim_labels(len(out_shape)),))
+    labels = dim_labels(len(out_shape))
+    return OpSpec(inputs=inputs, outputs=(labels,), label_order=labels)
 
 
 # ONNX TensorProto element types as torch dtype names (Cast's ``to``)
