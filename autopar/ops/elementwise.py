@@ -101,8 +101,8 @@ def broadcast(op: NodeView, graph: GraphView) -> OpSpec:
     the batch to lower mesh bits than the producer of ``x`` gave it."""
     out_shape = shape(graph, op.outputs[0])
     inputs = tuple(broadcast_labels(shape(graph, name), out_shape) if name else None for name in op.inputs)
-    labels = dim_labels(len(out_shape))
-    return OpSpec(inputs=inputs, outputs=(labels,), label_order=labels)
+    order = tuple(label for label in dim_labels(len(out_shape)) if label is not None)
+    return OpSpec(inputs=inputs, outputs=(order,), label_order=order)
 
 
 # ONNX TensorProto element types as torch dtype names (Cast's ``to``)

@@ -29,7 +29,7 @@ from autopar.redistribute import BACKWARD_DUAL, Collective, symbolic_steps
 from autopar.search.coefficients import LayoutTable, pair_coefficients
 from autopar.search.dataflow import Dataflow, TensorUse
 from autopar.search.dp import Factor
-from autopar.search.fold import Solver
+from autopar.search.fold import RunEdges, Solver
 from autopar.search.memory import Alternative, CandidateSplits, recompute_savings, resident
 from autopar.search.problem import SearchProblem
 from autopar.search.repeats import Repeat, find_repeats, signatures
@@ -71,9 +71,15 @@ def build_problem(
                 rules[node] = rules[node].with_candidates(rules[copy_of[node]].candidates)
     flow = dataclasses.replace(flow, rules=tuple(rules))
     costed = [use for use in flow.uses if use.dst_node not in copy_of]
+    # copy 0 reads the operator before its run where every later copy reads the previous copy's last
+    entry_of = {
+        index: repeats[run_of[use.dst_node]].last(0)
+        for index, use in enumerate(costed)
+        if use.dst_node in run_of and use.src_node == repeats[run_of[use.dst_node]].start - 1
+    }
     _check_size(flow, costed)
     layouts = _Layouts(flow.rules)
-    _check_search(flow.rules, layouts, costed, repeats, run_of)
+    _check_search(flow.rules, layouts, costed, entry_of, repeats, run_of)
     every = max(1, len(rules) // 100)
     costs: list[NodeCosts] = []
     for node in range(len(rules)):
@@ -81,18 +87,24 @@ def build_problem(
             progress.report("costing operators", node, len(rules))
         costs.append(costs[copy_of[node]] if node in copy_of else _node_costs(flow, node))
     main: list[Factor] = []
-    per_run: list[list[Factor]] = [[] for _ in repeats]
-    per_run_again: list[list[Factor]] = [[] for _ in repeats]
+    first: list[list[Factor]] = [[] for _ in repeats]
+    later: list[list[Factor]] = [[] for _ in repeats]
+    forwards: list[list[np.ndarray]] = [[] for _ in repeats]
     own: dict[int, np.ndarray] = {}  # operators reading their own output pay that redistribution themselves
-    edges, layouts_costed, pairs_costed = _edge_costs(flow, costed, layouts)
-    for use, (factor, forward) in zip(costed, edges):
+    edges, layouts_costed, pairs_costed = _edge_costs(flow, costed, layouts, entry_of)
+    for use, (factor, forward, twin) in zip(costed, edges):
         if factor is None:
             own[use.src_node] = own.get(use.src_node, 0.0) + forward
         elif use.dst_node in run_of:
-            per_run[run_of[use.dst_node]].append(factor)
-            per_run_again[run_of[use.dst_node]].append(Factor(factor.scope, factor.maps, factor.table + forward))
+            assert twin is not None  # every edge with a table has its twin
+            run = run_of[use.dst_node]
+            first[run].append(factor)
+            later[run].append(twin)
+            forwards[run].append(factor.table + forward)
         else:
             main.append(factor)
+    folds = [RunEdges(tuple(f), tuple(g)) for f, g in zip(first, later)]
+    again = [edges.with_tables(tables) for edges, tables in zip(folds, forwards)]
     own_by_node = {node: own[copy_of.get(node, node)] for node in range(len(rules)) if copy_of.get(node, node) in own}
     arrays = _compose(cost, costs, own_by_node, repeats, blocks)
     flow_fields: dict[str, Any] = {f.name: getattr(flow, f.name) for f in dataclasses.fields(Dataflow)}
@@ -109,8 +121,8 @@ def build_problem(
         recompute_memory=MappingProxyType(arrays.recompute_memory),
         recompute_share=MappingProxyType(arrays.recompute_share),
         factors=tuple(main),
-        folds=list(zip(repeats, per_run)),
-        recompute_folds=list(zip(repeats, per_run_again)),
+        folds=list(zip(repeats, folds)),
+        recompute_folds=list(zip(repeats, again)),
         layouts_costed=layouts_costed,
         pairs_costed=pairs_costed,
         unfolded=tuple(unfolded),
@@ -372,45 +384,76 @@ class _Layouts:
             self._cache[key] = (np.asarray(ids, dtype=np.int64), positions.reshape(-1).astype(np.int64))
         return self._cache[key]
 
-    def factor_shape(self, use: TensorUse) -> Factor | None:
-        """The use's factor with a placeholder table of the right shape (None for a node reading itself)."""
-        src_ids, src_pos = self.of(use.src_node, use.src_is_output, use.src_slot)
-        dst_ids, dst_pos = self.of(use.dst_node, False, use.dst_slot)
+    def source(self, use: TensorUse, entry: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(numbers of the distinct layouts at the use's source, the source's candidates' positions
+        among them, the entry's). With ``entry`` (the operator later copies read instead), the layouts
+        are the source's then the entry's others, so the table has a row for each."""
+        ids, positions = self.of(use.src_node, use.src_is_output, use.src_slot)
+        if entry is None:
+            return ids, positions, positions
+        entry_ids, entry_positions = self.of(entry, use.src_is_output, use.src_slot)
+        union = np.concatenate([ids, np.setdiff1d(entry_ids, ids)])
+        where = {int(layout): at for at, layout in enumerate(union.tolist())}
+        return union, positions, np.asarray([where[int(i)] for i in entry_ids], dtype=np.int64)[entry_positions]
+
+    def factor_shape(self, use: TensorUse, entry: int | None) -> tuple[Factor, Factor] | None:
+        """The use's factor and its twin for later copies (`fold.RunEdges`), with placeholder tables of
+        the right shape (None for a node reading itself)."""
         if use.src_node == use.dst_node:
             return None
+        src_ids, src_pos, entry_pos = self.source(use, entry)
+        dst_ids, dst_pos = self.of(use.dst_node, False, use.dst_slot)
         table = np.broadcast_to(np.zeros(()), (len(src_ids), len(dst_ids)))
-        if use.src_node < use.dst_node:
-            return Factor((use.src_node, use.dst_node), (src_pos, dst_pos), table)
-        return Factor((use.dst_node, use.src_node), (dst_pos, src_pos), table.T)
+        return _factor(use, src_pos, dst_pos, table), _factor(use, entry_pos, dst_pos, table)
+
+
+def _factor(use: TensorUse, src_pos: np.ndarray, dst_pos: np.ndarray, table: np.ndarray) -> Factor:
+    """The use's edge as a factor over its two operators, the lower-numbered first."""
+    if use.src_node < use.dst_node:
+        return Factor((use.src_node, use.dst_node), (src_pos, dst_pos), table)
+    return Factor((use.dst_node, use.src_node), (dst_pos, src_pos), table.T)
 
 
 def _check_search(
-    rules: Sequence[OpRule], layouts: _Layouts, uses: list[TensorUse], repeats: Sequence[Repeat], run_of: dict[int, int]
+    rules: Sequence[OpRule],
+    layouts: _Layouts,
+    uses: list[TensorUse],
+    entry_of: Mapping[int, int],
+    repeats: Sequence[Repeat],
+    run_of: dict[int, int],
 ) -> None:
     """Plan the search on placeholder tables before any cost is computed, and drop the plan: a
     table too large is refused now, in a second, not after a minute of costing. Planning reads
     shapes only, so the driver's solver, planned on the costed problem, is this one."""
     main: list[Factor] = []
-    per_run: list[list[Factor]] = [[] for _ in repeats]
-    for use in uses:
-        factor = layouts.factor_shape(use)
-        if factor is not None:
-            (per_run[run_of[use.dst_node]] if use.dst_node in run_of else main).append(factor)
-    Solver(sizes=[len(rule.candidates) for rule in rules], factors=main, folds=list(zip(repeats, per_run)))
+    first: list[list[Factor]] = [[] for _ in repeats]
+    later: list[list[Factor]] = [[] for _ in repeats]
+    for index, use in enumerate(uses):
+        found = layouts.factor_shape(use, entry_of.get(index))
+        if found is None:
+            continue
+        if use.dst_node in run_of:
+            first[run_of[use.dst_node]].append(found[0])
+            later[run_of[use.dst_node]].append(found[1])
+        else:
+            main.append(found[0])
+    folds = [(repeat, RunEdges(tuple(f), tuple(g))) for repeat, f, g in zip(repeats, first, later)]
+    Solver(sizes=[len(rule.candidates) for rule in rules], factors=main, folds=folds)
 
 
 def _edge_costs(
-    flow: Dataflow, uses: Sequence[TensorUse], layouts: _Layouts
-) -> tuple[list[tuple[Factor | None, np.ndarray]], int, int]:
-    """Each use's cost table and the table of its forward part alone (paid again when the consumer
-    is recomputed), from the coefficients of each distinct layout pair computed once. An operator
-    reading its own output has no table (None) and its cost per candidate instead. Then how many
-    distinct layouts and layout pairs were costed."""
+    flow: Dataflow, uses: Sequence[TensorUse], layouts: _Layouts, entry_of: Mapping[int, int]
+) -> tuple[list[tuple[Factor | None, np.ndarray, Factor | None]], int, int]:
+    """Each use's cost table, the table of its forward part alone (paid again when the consumer
+    is recomputed) and the table's twin for later copies of a run (`fold.RunEdges`), from the
+    coefficients of each distinct layout pair computed once. An operator reading its own output
+    has no table (None) and its cost per candidate instead. Then how many distinct layouts and
+    layout pairs were costed."""
     distinct_layouts = layouts.of
     rows, layout_ids = layouts.rows, layouts.ids
     groups: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray]] = {}
-    for use in uses:
-        src_ids = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)[0]
+    for index, use in enumerate(uses):
+        src_ids = layouts.source(use, entry_of.get(index))[0]
         dst_ids = distinct_layouts(use.dst_node, False, use.dst_slot)[0]
         groups.setdefault((src_ids.tobytes(), dst_ids.tobytes()), (src_ids, dst_ids))
     cells = sum(len(a) * len(b) for a, b in groups.values())
@@ -447,24 +490,24 @@ def _edge_costs(
         per_group[key] = tuple(c[where].reshape(len(src_ids), len(dst_ids)) for c in coefficients)
         at += size
 
-    factors: list[tuple[Factor | None, np.ndarray]] = []
-    for use in uses:
-        src_ids, src_pos = distinct_layouts(use.src_node, use.src_is_output, use.src_slot)
+    factors: list[tuple[Factor | None, np.ndarray, Factor | None]] = []
+    for index, use in enumerate(uses):
+        src_ids, src_pos, entry_pos = layouts.source(use, entry_of.get(index))
         dst_ids, dst_pos = distinct_layouts(use.dst_node, False, use.dst_slot)
         info = flow.graph.tensor(use.tensor)
         total_bytes = info.numel * flow.itemsize(info)
         forward_latency, forward_per_byte, latency, per_byte = per_group[(src_ids.tobytes(), dst_ids.tobytes())]
         forward = forward_latency + forward_per_byte * total_bytes
         small = latency + per_byte * total_bytes if flow.requires_grad.get(use.tensor, False) else forward
-        i, j = use.src_node, use.dst_node
-        if i == j:
-            factors.append((None, small[src_pos, dst_pos]))
-        elif i < j:
-            factors.append((Factor((i, j), (src_pos, dst_pos), small), forward))
+        if use.src_node == use.dst_node:
+            factors.append((None, small[src_pos, dst_pos], None))
+            continue
+        if use.src_node > use.dst_node:  # tables in scope order, contiguous
+            scope, small, forward = (use.dst_node, use.src_node), np.ascontiguousarray(small.T), forward.T
+            pair = (Factor(scope, (dst_pos, src_pos), small), Factor(scope, (dst_pos, entry_pos), small))
         else:
-            factors.append(
-                (Factor((j, i), (dst_pos, src_pos), np.ascontiguousarray(small.T)), np.ascontiguousarray(forward.T))
-            )
+            pair = _factor(use, src_pos, dst_pos, small), _factor(use, entry_pos, dst_pos, small)
+        factors.append((pair[0], np.ascontiguousarray(forward), pair[1]))
     return factors, len(rows), len(unique)
 
 

@@ -4,8 +4,11 @@
 solves them.
 
 For a run of L copies, one copy is eliminated down to a table F[p, q] over its input class p
-(the previous block's last operator, seen through the layouts the copy reads) and its last
-operator's candidate q. Its square form S[p, p'] (q reduced to the class the next copy reads)
+(the layouts the copy reads) and its last operator's candidate q. Copy 0 reads the operator
+before the run and every later copy the previous copy's last, which need not be the same kind of
+operator (an embedding's output feeds the first layer, a residual sum every other): the copy is
+eliminated once with the tensor it reads in every layout either of them gives (`RunEdges`), so
+F has a row for each. Its square form S[p, p'] (q reduced to the class the next copy reads)
 is raised to the (L-1)-th min-plus power by repeated squaring, and G = S^(L-1) (x) F joins the
 main graph as one factor between the operator before the run and the run's last operator.
 After the main search, the argmin is unfolded: the class of every intermediate boundary from
@@ -29,6 +32,29 @@ _PRODUCT_CHUNK_CELLS = 1 << 22  # cells of the temporary in one block of a min-p
 
 
 # --- solving a folded run -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunEdges:
+    """A folded run's edges, costed once: copy 0's (``first``), whose edges from the operator
+    before the run index its candidates, and the same edges as every later copy sees them
+    (``later``), indexing the previous copy's last operator's candidates instead. Both are written
+    in copy 0's scopes and share their tables, which cover the layouts either operator gives."""
+
+    first: tuple[Factor, ...]
+    later: tuple[Factor, ...]
+
+    @classmethod
+    def same(cls, factors: Sequence[Factor]) -> "RunEdges":
+        """Edges of a run whose copies all read the same kind of operator."""
+        return cls(tuple(factors), tuple(factors))
+
+    def with_tables(self, tables: Sequence[np.ndarray]) -> "RunEdges":
+        """The same edges with other tables of the same shapes (one per edge, in order)."""
+        return RunEdges(
+            tuple(Factor(f.scope, f.maps, t) for f, t in zip(self.first, tables)),
+            tuple(Factor(f.scope, f.maps, t) for f, t in zip(self.later, tables)),
+        )
 
 
 @dataclass
@@ -88,29 +114,46 @@ def _unfold(tree: _Product, a: int, b: int) -> list[int]:
 class FoldedRun:
     """A folded run: its representative copy's elimination and how the main graph sees it.
 
-    The representative copy is eliminated down to factors over the operator before the run (p),
-    its own last operator (q) and the shared operators every copy reads (x). With the shared
-    operators' classes fixed, the copies form a chain, so the run is one min-plus power per
-    joint class of the shared operators: exact, and as cheap as before when nothing is shared.
+    The representative copy is eliminated down to factors over the tensor it reads (through a
+    virtual operator, ``entry``, whose candidates are those of the operator before the run and then
+    those of a copy's last, so one elimination serves copy 0 and every later copy), its own last
+    operator (q) and the shared operators every copy reads (x). With the shared operators'
+    classes fixed, the copies form a chain, so the run is one min-plus power per joint class of
+    the shared operators: exact, and as cheap as before when nothing is shared.
     """
 
-    def __init__(self, repeat: Repeat, factors: list[Factor], sizes: Sequence[int]) -> None:
+    def __init__(self, repeat: Repeat, edges: RunEdges, sizes: Sequence[int]) -> None:
         self.repeat = repeat
-        self.factors = factors  # the representative copy's edges (copy 0, reading operator start - 1)
+        self.edges = edges
         block = set(repeat.block(0))
         self.p, self.q = repeat.last(-1), repeat.last(0)
-        keep = [u for u in range(len(sizes)) if u not in block or u == self.q]
-        self.elimination = Elimination(sizes, factors, keep)
+        self.entry = len(sizes)
+        self.p_candidates = sizes[self.p]
+        run_sizes = [*sizes, sizes[self.p] + sizes[self.q]]
+        factors = [self._entry_factor(first, later) for first, later in zip(edges.first, edges.later)]
+        keep = [u for u in range(len(run_sizes)) if u not in block or u == self.q]
+        self.elimination = Elimination(run_sizes, factors, keep)
         structure = self.elimination.leftover_structure()
-        self.boundary, self._first = self._classes(self.p, structure, sizes)
-        self.classes = int(self.boundary.max()) + 1
-        self._members = np.argsort(self.boundary, kind="stable")
-        self._starts = np.searchsorted(self.boundary[self._members], np.arange(self.classes))
-        self.shared = tuple(sorted({u for scope, _ in structure for u in scope} - {self.p, self.q}))
-        shared = [self._classes(x, structure, sizes) for x in self.shared]
+        entry, self._first = self._classes(self.entry, structure, run_sizes)
+        self.classes = int(entry.max()) + 1
+        self.boundary = entry[: self.p_candidates]  # class per candidate of the operator before the run
+        self.follows = entry[self.p_candidates :]  # class per candidate of a copy's last: what the next copy reads
+        self._members = np.argsort(self.follows, kind="stable")
+        self._starts = np.searchsorted(self.follows[self._members], np.arange(self.classes))
+        self.shared = tuple(sorted({u for scope, _ in structure for u in scope} - {self.entry, self.q}))
+        shared = [self._classes(x, structure, run_sizes) for x in self.shared]
         self.shared_maps = tuple(m for m, _ in shared)
         self._shared_first = tuple(first for _, first in shared)
         self.shared_counts = tuple(int(m.max()) + 1 for m in self.shared_maps)
+
+    def _entry_factor(self, first: Factor, later: Factor) -> Factor:
+        """An edge of the representative copy, the operator before the run replaced by the entry."""
+        if self.p not in first.scope:
+            return first
+        at = first.scope.index(self.p)
+        entry_map = np.concatenate([first.maps[at], later.maps[at]])
+        maps = (*first.maps[:at], entry_map, *first.maps[at + 1 :])
+        return Factor((*first.scope[:at], self.entry, *first.scope[at + 1 :]), maps, first.table)
 
     @staticmethod
     def _classes(node: int, structure: list, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -137,7 +180,7 @@ class FoldedRun:
 
     def _boundary_table(self, solved: Solved, unary: np.ndarray) -> np.ndarray:
         """F[shared classes..., class of p, candidate of q]: one copy's cost with its boundaries fixed."""
-        p, q = self.p, self.q
+        p, q = self.entry, self.q
         axes = {x: i for i, x in enumerate(self.shared)} | {p: len(self.shared), q: len(self.shared) + 1}
         firsts = dict(zip(self.shared, self._shared_first)) | {p: self._first}
         shape = (*self.shared_counts, self.classes, len(unary))
@@ -176,13 +219,17 @@ class _Chain:
 
     @classmethod
     def of(cls, table: np.ndarray, members: np.ndarray, starts: np.ndarray, exponent: int) -> "_Chain":
-        # S[a, b]: q reduced to the class the next copy reads, and which q candidate achieves it
+        # S[a, b]: q reduced to the class the next copy reads, and which q candidate achieves it;
+        # a class only the operator before the run shows is never read again (infinite)
         ordered = table[:, members]
-        square = np.minimum.reduceat(ordered, starts, axis=1)
         counts = np.diff(np.append(starts, len(members)))
+        shown = counts > 0
+        square = np.full((table.shape[0], len(starts)), np.inf)
+        square[:, shown] = np.minimum.reduceat(ordered, starts[shown], axis=1)
         is_best = ordered == np.repeat(square, counts, axis=1)
         positions = np.where(is_best, np.arange(len(members))[None, :], len(members))
-        best_q = members[np.minimum.reduceat(positions, starts, axis=1)]
+        best_q = np.full(square.shape, -1, dtype=np.int64)
+        best_q[:, shown] = members[np.minimum.reduceat(positions, starts[shown], axis=1)]
         power, tree = _power(square, exponent)
         if power is None:
             return cls(table, None, None, best_q)
@@ -218,7 +265,8 @@ class SolvedRun:
         q_choice.append(end_candidate)
         shared = {x: choice[x] for x in run.shared}
         for k in range(repeat.copies):
-            inner = self.solved.assign({run.p: q_choice[k], run.q: q_choice[k + 1], **shared})
+            entry = q_choice[k] if k == 0 else run.p_candidates + q_choice[k]  # copy 0 reads p, the rest a q
+            inner = self.solved.assign({run.entry: entry, run.q: q_choice[k + 1], **shared})
             for node in repeat.block(0):
                 choice[node + k * repeat.period] = inner[node]
 
@@ -231,7 +279,7 @@ class Costed(Protocol):
     @property
     def factors(self) -> Sequence[Factor]: ...
     @property
-    def folds(self) -> Sequence[tuple[Repeat, list[Factor]]]: ...
+    def folds(self) -> Sequence[tuple[Repeat, RunEdges]]: ...
 
 
 class Solver:
@@ -242,24 +290,24 @@ class Solver:
         *,
         sizes: Sequence[int] = (),
         factors: Sequence[Factor] = (),
-        folds: Sequence[tuple[Repeat, list[Factor]]] = (),
+        folds: Sequence[tuple[Repeat, RunEdges]] = (),
     ) -> None:
         """The solver of ``sizes`` candidates per operator, ``factors`` and ``folds`` (whose tables
         may be placeholders of the right shape: planning reads shapes only)."""
         self.sizes = list(sizes)
-        self.runs = [FoldedRun(repeat, run_factors, self.sizes) for repeat, run_factors in folds]
+        self.runs = [FoldedRun(repeat, edges, self.sizes) for repeat, edges in folds]
         placeholders = [run.placeholder(self.sizes[run.last]) for run in self.runs]
         self.first_placeholder = len(factors)
         folded = {u for run in self.runs for u in run.repeat.folded if u != run.last}
         self.main = Elimination(self.sizes, list(factors) + placeholders, sorted(folded))
         self.largest = max([self.main.largest] + [run.elimination.largest for run in self.runs])
 
-    def bind(self, factors: Sequence[Factor], folds: Sequence[tuple[Repeat, list[Factor]]]) -> None:
+    def bind(self, factors: Sequence[Factor], folds: Sequence[tuple[Repeat, RunEdges]]) -> None:
         """Swap the placeholder tables this solver was planned on for the costed ones."""
         self.main.bind(factors)
-        for run, (_, run_factors) in zip(self.runs, folds):
-            run.elimination.bind(run_factors)
-            run.factors = run_factors
+        for run, (_, edges) in zip(self.runs, folds):
+            run.elimination.bind([run._entry_factor(f, g) for f, g in zip(edges.first, edges.later)])
+            run.edges = edges
 
     @classmethod
     def of(cls, problem: Costed) -> "Solver":
@@ -275,8 +323,9 @@ class Solver:
         kept, dropped = self.main.states()
         for run in self.runs:
             block_kept, block_dropped = run.elimination.states()
-            boundary = len(run.boundary) - run.classes  # copy k's last operator, reduced to the classes read
-            kept += run.repeat.copies * block_kept + (run.repeat.copies - 1) * run.classes
+            read = len(np.unique(run.follows))
+            boundary = len(run.follows) - read  # copy k's last operator, reduced to the classes read
+            kept += run.repeat.copies * block_kept + (run.repeat.copies - 1) * read
             dropped += run.repeat.copies * block_dropped + (run.repeat.copies - 1) * boundary
         return kept, dropped
 

@@ -23,6 +23,7 @@ import numpy as np
 from autopar.errors import StrategyError
 from autopar.search.dataflow import Dataflow
 from autopar.search.dp import Factor
+from autopar.search.fold import RunEdges
 from autopar.search.memory import NO_MEMORY_CHOICES, Alternative, MemoryChoices, memory_items
 from autopar.search.repeats import Repeat, Unfolded
 
@@ -53,8 +54,8 @@ class SearchProblem(Dataflow):
     recompute_memory: Mapping[int, np.ndarray]
     recompute_share: Mapping[int, float]
     factors: tuple[Factor, ...]
-    folds: list[tuple[Repeat, list[Factor]]]
-    recompute_folds: list[tuple[Repeat, list[Factor]]]
+    folds: list[tuple[Repeat, RunEdges]]
+    recompute_folds: list[tuple[Repeat, RunEdges]]
     layouts_costed: int = 0
     pairs_costed: int = 0
     unfolded: tuple[Unfolded, ...] = ()  # stretches of copies left unfolded, with the reason
@@ -78,8 +79,9 @@ class SearchProblem(Dataflow):
     def _all_factors(self, recompute: bool = False) -> list[tuple[Factor, tuple[int, ...]]]:
         """Every edge factor with the operators it joins in its copy (its own scope outside folded runs)."""
         found = [(factor, factor.scope) for factor in self.factors]
-        for repeat, factors in self.recompute_folds if recompute else self.folds:
-            found += [(f, repeat.shift(f.scope, k)) for k in range(repeat.copies) for f in factors]
+        for repeat, edges in self.recompute_folds if recompute else self.folds:
+            found += [(f, f.scope) for f in edges.first]
+            found += [(f, repeat.shift(f.scope, k)) for k in range(1, repeat.copies) for f in edges.later]
         return found
 
     def node_arrays(self, node: int, choices: MemoryChoices = NO_MEMORY_CHOICES) -> tuple[np.ndarray, np.ndarray]:

@@ -27,8 +27,9 @@ MAX_PERIODS_TRIED = 12
 class Repeat:
     """Operators ``start + k * period`` .. ``+ period - 1``, k in 0..copies-1, are copies of one block.
 
-    Copy 0 reads operator ``start - 1`` (in the main graph, and structurally the same operator as
-    every copy's last, so its candidates and layouts are theirs); copy k reads copy k-1's last.
+    Copy 0 reads operator ``start - 1`` (in the main graph; it may be another kind of operator than
+    the copies' last, such as the embedding before the first layer, as long as the tensors read are
+    alike); copy k reads copy k-1's last.
     Every copy may also read the same tensors of the ``shared`` operators, all before ``start - 1``.
     """
 
@@ -199,6 +200,7 @@ def find_repeats(size: int, uses: Sequence, structure: Structure) -> tuple[list[
                 j += 1
             # operators i .. j + period - 1 repeat with this period
             best_refusal: Unfolded | None = None
+            phases: list[Repeat] = []  # the earliest clean phase, then the earliest read from a copy's like
             for offset in range(2 * period):  # the first copy may need the run's second block as its input
                 start = max(i + offset, 1)
                 copies = (j + period - start) // period
@@ -207,16 +209,24 @@ def find_repeats(size: int, uses: Sequence, structure: Structure) -> tuple[list[
                         reason = f"fewer than {MIN_FOLDED_COPIES} copies line up with a clean boundary"
                         best_refusal = Unfolded(i, period, (j - i) // period + 1, reason, i)
                     break
-                if seq[start - 1] != seq[start + period - 1]:
-                    continue  # the operator before the run must be a copy of each copy's last (same candidates)
+                alike = seq[start - 1] == seq[start + period - 1]
+                if phases and not alike:
+                    continue
                 found = _valid_prefix(Repeat(start, period, copies), reads, readers)
                 if isinstance(found, Repeat):
-                    candidates.append(found)
-                    best_refusal = None
-                    break
-                if best_refusal is None or found.clean > best_refusal.clean:
+                    phases.append(found)
+                    if alike:
+                        best_refusal = None
+                        break
+                elif alike and (best_refusal is None or found.clean > best_refusal.clean):
                     best_refusal = found  # the phase whose copies line up longest says the most
-            if best_refusal is not None:
+            if phases and _alike(phases[-1], seq):
+                # the copies keep the block boundaries the graph's repetition shows (the first copy reads
+                # an operator like every copy's last); the first copy may read an unlike one (the
+                # embedding before the first layer) only to extend such a run: every copy's start
+                # bounds an overlap window, so a run found nowhere else would change the cost model
+                candidates.append(max(reversed(phases), key=lambda r: r.copies))
+            elif best_refusal is not None:
                 refused.append(best_refusal)
             i = j
     chosen: list[Repeat] = []
@@ -243,6 +253,11 @@ def find_repeats(size: int, uses: Sequence, structure: Structure) -> tuple[list[
             taken[span] = True
             unfolded.append(stretch)
     return folded, sorted(unfolded, key=lambda u: u.start)
+
+
+def _alike(repeat: Repeat, seq: np.ndarray) -> bool:
+    """Is the operator before the run structurally every copy's last?"""
+    return bool(seq[repeat.start - 1] == seq[repeat.last(0)])
 
 
 def _valid_prefix(repeat: Repeat, reads: list[list[tuple[int, int]]], readers: list[list[int]]) -> Repeat | Unfolded:
