@@ -367,3 +367,69 @@ def test_module_entry_point_subprocess():
     assert 0 < totals["step_time_s"] <= totals["data_parallel_step_time_s"]
     assert math.isfinite(totals["memory_per_device_bytes"])
     assert totals["memory_per_device_bytes"] <= totals["memory_capacity_bytes"]
+
+
+# --- stdout carries the output alone ------------------------------------------------------------
+
+# every command that takes --format json, with the arguments that make it run on a small model
+JSON_COMMANDS = {
+    "plan": ["plan", "{model}", "--devices", "4"],
+    "plan --search ilp": ["plan", "{model}", "--devices", "4", "--search", "ilp"],
+    "plan semi-auto": ["plan", "{model}", "--devices", "4", "--fix", "conv1=((4,1,1,1),(1,1,1,1))"],
+    "verify": ["verify", "{model}", "--devices", "4"],
+    "sweep": ["sweep", "{model}", "--devices", "1,4,65536"],
+    "inspect": ["inspect", "{model}"],
+}
+
+
+def _commands_taking_format_json() -> set[str]:
+    from autopar.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command")
+    return {
+        name
+        for name, sub in commands.choices.items()
+        if any("--format" in a.option_strings and "json" in (a.choices or ()) for a in sub._actions)
+    }
+
+
+def test_every_json_command_is_checked():
+    assert {argv[0] for argv in JSON_COMMANDS.values()} == _commands_taking_format_json()
+
+
+@pytest.mark.parametrize("case", sorted(JSON_COMMANDS))
+def test_format_json_writes_only_json_on_stdout(case, tiny_path):
+    # a real process, so that what a compiled library writes to descriptor 1 (HiGHS' banner) is seen too
+    if "ilp" in case:
+        pytest.importorskip("highspy")
+    argv = [part.format(model=tiny_path) for part in JSON_COMMANDS[case]]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("AUTOPAR_DEBUG", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "autopar", *argv, "--format", "json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    json.loads(proc.stdout)  # the whole of stdout, nothing before or after
+    assert "HiGHS" not in proc.stderr + proc.stdout
+
+
+def test_a_library_writing_to_descriptor_1_reaches_stderr_not_stdout(capfd):
+    from autopar.stdio import stdout_elsewhere
+
+    print("before", flush=True)
+    with stdout_elsewhere(True):
+        os.write(1, b"from C\n")
+        print("from Python")
+    with stdout_elsewhere():
+        os.write(1, b"dropped\n")
+        print("dropped too")
+    print("after")
+    out, err = capfd.readouterr()
+    assert out == "before\nafter\n"
+    assert err == "from C\nfrom Python\n"

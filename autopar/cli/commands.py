@@ -16,6 +16,7 @@ from autopar import progress
 from autopar.cli.output import ProgressLine, emit, say_warnings
 from autopar.errors import AutoparWarning, FixedStrategyError
 from autopar.options import DEFAULT_COST_MODEL, PlanOptions
+from autopar.stdio import stdout_elsewhere
 
 
 def _options(args: argparse.Namespace, **fields: Any) -> PlanOptions:
@@ -54,7 +55,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from autopar.report import plan_table
 
     line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
-    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
+    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line, stdout_elsewhere(True):
         warnings.simplefilter("always", AutoparWarning)  # said below as one line each, in the CLI's words
         options = _options(
             args,
@@ -84,8 +85,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     from autopar.graph import load_model
     from autopar.report import inspect_summary, inspect_table
 
-    graph = load_model(args.model, batch=args.batch, dims=dict(args.dim))
-    summary = inspect_summary(graph)
+    with stdout_elsewhere(True):  # stdout carries the summary alone
+        graph = load_model(args.model, batch=args.batch, dims=dict(args.dim))
+        summary = inspect_summary(graph)
     text = json.dumps(summary, indent=2) + "\n" if args.format == "json" else inspect_table(summary)
     sys.stdout.write(text)
     return 0
@@ -108,19 +110,20 @@ def run_verify(args: argparse.Namespace) -> int:
             devices = annotated
         if annotated == devices:
             print(f"autopar: verifying the plan annotated in {args.model} ({annotated} devices)", file=sys.stderr)
-    report = autopar.verify(
-        args.model,
-        plan_file,
-        devices=devices,
-        batch=args.batch,
-        dims=dict(args.dim),
-        seed=args.seed,
-        cost_model=cost_model,
-        runtime=args.runtime,
-        gradients=True if args.gradients or args.runtime == "torch" else None,
-        port=args.port,
-        timeout_s=args.timeout,
-    )
+    with stdout_elsewhere(True):  # stdout carries the verdict alone, whatever the ranks or libraries print
+        report = autopar.verify(
+            args.model,
+            plan_file,
+            devices=devices,
+            batch=args.batch,
+            dims=dict(args.dim),
+            seed=args.seed,
+            cost_model=cost_model,
+            runtime=args.runtime,
+            gradients=True if args.gradients or args.runtime == "torch" else None,
+            port=args.port,
+            timeout_s=args.timeout,
+        )
     text = (
         json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"
         if args.format == "json"
@@ -143,7 +146,9 @@ def run_export(args: argparse.Namespace) -> int:
         shapes = list(plan_file.context.inputs.values()) if plan_file.context else []
         batch = shapes[0][0] if shapes and shapes[0] and all(s and s[0] == shapes[0][0] for s in shapes) else None
         model = load_model(args.model, batch=batch).model
-    for path in export(plan_file, args.to, args.out, model):
+    with stdout_elsewhere(True):
+        written = export(plan_file, args.to, args.out, model)
+    for path in written:
         print(f"autopar: wrote {path}", file=sys.stderr)
     return 0
 
@@ -153,7 +158,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from autopar.report.sweep import sweep_html, sweep_table
 
     line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
-    with warnings.catch_warnings(), progress.listening(line), line:
+    with warnings.catch_warnings(), progress.listening(line), line, stdout_elsewhere(True):
         warnings.simplefilter("ignore", AutoparWarning)
         points = autopar.sweep(
             args.model,
@@ -176,7 +181,7 @@ def run_report(args: argparse.Namespace) -> int:
     from autopar.report.html import plan_report
 
     line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
-    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
+    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line, stdout_elsewhere(True):
         warnings.simplefilter("always", AutoparWarning)
         options = _options(args, batch=args.batch, dims=dict(args.dim), precision=args.precision)
         result = autopar.api.plan_with(args.model, options)
