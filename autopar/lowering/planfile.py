@@ -207,7 +207,8 @@ class GradientSync(_OmitsUnset):
         return Step(Collective(self.collective), tuple(self.bits), self.bytes, self.dim)
 
 
-class Totals(_Part):
+class Totals(_OmitsUnset):
+    _omit: ClassVar[tuple[str, ...]] = ("free_step_time_s", "fixed_cost_s")
     step_time_s: NonNegativeFloat
     compute_s: NonNegativeFloat
     communication_s: float = Field(description="communication the step waits for (exposed)")
@@ -223,8 +224,18 @@ class Totals(_Part):
     )
     training_flops: NonNegativeFloat
     ideal_step_time_s: NonNegativeFloat
-    data_parallel_step_time_s: NonNegativeFloat
-    speedup_vs_data_parallel: NonNegativeFloat
+    data_parallel_step_time_s: NonNegativeFloat = Field(
+        description="the step of pure data parallel (the batch split over every device, nothing fixed)"
+    )
+    speedup_vs_data_parallel: NonNegativeFloat = Field(description="data_parallel_step_time_s / step_time_s")
+    free_step_time_s: NonNegativeFloat | None = Field(
+        default=None,
+        description="with fixed strategies (semi-auto): the step of the plan the search finds with nothing fixed",
+    )
+    fixed_cost_s: float | None = Field(
+        default=None,
+        description="with fixed strategies (semi-auto): what they cost, step_time_s - free_step_time_s",
+    )
 
 
 class LinkUse(_Part):
