@@ -73,7 +73,8 @@ def assert_one_line_error(err: str) -> None:
 def test_plan_table(capsys, tiny_path, tiny_ops):
     code, out, err = run(capsys, "plan", tiny_path, "--devices", "4", "--all")
     assert code == 0, err
-    assert err == ""
+    # a batch of 4 and 8 channels: too little work to split, and stderr says so (the report's warning)
+    assert err.startswith("autopar: warning: The model is fully replicated") and err.count("\n") == 1, err
     assert out.startswith("autopar plan: tiny on 4 devices")
     for label in ("step time", "vs data parallel", "memory/device"):
         assert re.search(rf"^{re.escape(label)}:", out, re.MULTILINE), label
@@ -138,7 +139,7 @@ def test_out_table(capsys, tiny_path, tmp_path):
 
 
 def test_out_to_unwritable_place(capsys, tiny_path, tmp_path):
-    code, out, err = run(capsys, "plan", tiny_path, "--out", tmp_path / "no" / "such" / "dir.json")
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "1", "--out", tmp_path / "no" / "such" / "dir.json")
     assert code == 1
     assert out == ""
     assert_one_line_error(err)
@@ -200,7 +201,7 @@ def test_cost_model_missing_source(capsys, tiny_path, tmp_path):
     assert removed == 1
     unsourced = tmp_path / "unsourced.toml"
     unsourced.write_text(unsourced_text, encoding="utf-8")
-    code, out, err = run(capsys, "plan", tiny_path, "--cost-model", unsourced)
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "1", "--cost-model", unsourced)
     assert code == 0 and out
     assert err.startswith("autopar: warning:") and err.count("\n") == 1, err
     assert "compute.peak_flops_fp16 has no source" in err
@@ -433,3 +434,50 @@ def test_a_library_writing_to_descriptor_1_reaches_stderr_not_stdout(capfd):
     out, err = capfd.readouterr()
     assert out == "before\nafter\n"
     assert err == "from C\nfrom Python\n"
+
+
+# --- the report's warnings on the terminal ------------------------------------------------------
+
+
+def _warned(err: str, prefix: str = "") -> list[str]:
+    return [line.removeprefix(f"autopar: warning: {prefix}") for line in err.splitlines() if line.startswith("autopar")]
+
+
+def test_plan_and_report_say_the_reports_warnings_on_stderr(capsys, tiny_path, tmp_path):
+    from autopar.report.html import warnings_of
+
+    # a batch of 4 on 64 devices: too little work to split, every device runs the whole model
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "64", "--format", "json")
+    assert code == 0, err
+    expected = warnings_of(json.loads(out))
+    assert expected and expected[0].startswith("The model is fully replicated")
+    assert _warned(err) == expected
+    code, out, table_err = run(capsys, "plan", tiny_path, "--devices", "64")
+    assert code == 0 and table_err == err
+    page = tmp_path / "tiny.html"
+    code, _, err = run(capsys, "report", tiny_path, "--devices", "64", "-o", page)
+    assert code == 0, err
+    assert _warned(err)[: len(expected)] == expected
+    html = page.read_text(encoding="utf-8")
+    assert all(f"<li>{sentence.replace(chr(39), '&#x27;')}</li>" in html for sentence in expected)
+    # and a plan without any says nothing
+    code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--format", "json")
+    assert code == 0 and err == ""
+
+
+def test_resnet50_at_512_devices_warns_of_repeated_work(capsys):
+    code, _, err = run(capsys, "plan", RESNET50, "--devices", "512", "--format", "json")
+    assert code == 0
+    assert _warned(err) == [
+        "Idle devices: the largest split uses 256 of 512 devices; the other 1 of every 2 repeat the same calculation."
+    ]
+
+
+def test_sweep_says_each_counts_warnings_on_stderr(capsys, tiny_path):
+    code, out, err = run(capsys, "sweep", tiny_path, "--devices", "1,4,64", "--format", "json")
+    assert code == 0, err
+    points = json.loads(out)
+    assert points[0]["warnings"] == []  # one device repeats nothing
+    assert points[2]["warnings"][0].startswith("The model is fully replicated")
+    said = [f"{p['devices']} devices: {sentence}" for p in points for sentence in p["warnings"]]
+    assert _warned(err) == said

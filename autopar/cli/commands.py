@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from autopar import progress
-from autopar.cli.output import ProgressLine, emit, say_warnings
+from autopar.cli.output import ProgressLine, emit, say_plan_warnings, say_warnings
 from autopar.errors import AutoparWarning, FixedStrategyError
+from autopar.lowering.advice import plan_warnings
 from autopar.options import DEFAULT_COST_MODEL, PlanOptions
 from autopar.stdio import stdout_elsewhere
 
@@ -76,7 +77,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if cluster is not None and args.format == "table":  # the levels the rank table implies, under the title
         title, _, rest = text.partition("\n")
         text = f"{title}\ncluster: {cluster.describe()}\n{rest}"
-    say_warnings(caught)
+    say_warnings(caught, plan_says=True)
+    say_plan_warnings(plan_warnings(result.file))
     emit(text, args.out)
     return 0
 
@@ -168,6 +170,8 @@ def run_sweep(args: argparse.Namespace) -> int:
             dims=dict(args.dim),
             precision=args.precision,
         )
+    for point in points:
+        say_plan_warnings(point.get("warnings", []), f"{point['devices']:,} devices: ")
     if args.out:
         emit(sweep_html(Path(args.model).stem, points), args.out)
         print(f"autopar: wrote {args.out}", file=sys.stderr)
@@ -186,7 +190,8 @@ def run_report(args: argparse.Namespace) -> int:
         options = _options(args, batch=args.batch, dims=dict(args.dim), precision=args.precision)
         result = autopar.api.plan_with(args.model, options)
         page = plan_report(result, autopar.api.comparison(result))
-    say_warnings(caught)
+    say_warnings(caught, plan_says=True)
+    say_plan_warnings(plan_warnings(result.file))
     out = args.out or f"{Path(args.model).stem}.report.html"
     emit(page, out)
     print(f"autopar: wrote {out} ({len(page.encode('utf-8')):,} bytes)", file=sys.stderr)

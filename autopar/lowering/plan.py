@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from autopar import progress
 from autopar.cost.mesh import Mesh
 from autopar.layout import Layout
+from autopar.lowering.advice import fallback_sentence
 from autopar.lowering.lower import (
     gradient_paths,
     gradient_sync,
@@ -106,12 +107,8 @@ class Plan:
 
     def fallback_summary(self) -> str:
         """One sentence naming the operators kept replicated for want of a rule."""
-        rules = [rule for rule in self.problem.rules if rule.spec.fallback]
-        named = ", ".join(f"{rule.op.name} ({rule.op.op_type})" for rule in rules[:5])
-        more = f" and {len(rules) - 5} more" if len(rules) > 5 else ""
-        return (
-            f"{len(rules)} operator(s) have no strategy rule and are kept replicated with their inputs gathered:"
-            f" {named}{more}."
+        return fallback_sentence(
+            [f"{rule.op.name} ({rule.op.op_type})" for rule in self.problem.rules if rule.spec.fallback]
         )
 
     @property
