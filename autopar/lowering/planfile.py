@@ -25,6 +25,7 @@ from pydantic import (
     PositiveInt,
     SerializerFunctionWrapHandler,
     ValidationError,
+    field_validator,
     model_serializer,
 )
 
@@ -342,6 +343,17 @@ class PlanFile(_Part):
     memory_plan: MemoryPlan
     search: SearchSummary
     context: PlanContext | None = Field(default=None, description="what the plan was made for (absent in old files)")
+
+    @field_validator("ops")
+    @classmethod
+    def _each_operator_once(cls, ops: list[OpEntry]) -> list[OpEntry]:
+        """One strategy an operator: a file listing one twice says two things about it."""
+        seen: set[str] = set()
+        for op in ops:
+            if op.name in seen:
+                raise ValueError(f"operator {op.name!r} is listed twice")
+            seen.add(op.name)
+        return ops
 
     def dump(self) -> dict[str, Any]:
         """The JSON-safe dict (enums as their strings)."""
