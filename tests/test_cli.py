@@ -481,3 +481,133 @@ def test_sweep_says_each_counts_warnings_on_stderr(capsys, tiny_path):
     assert points[2]["warnings"][0].startswith("The model is fully replicated")
     said = [f"{p['devices']} devices: {sentence}" for p in points for sentence in p["warnings"]]
     assert _warned(err) == said
+
+
+# --- flags that agree ---------------------------------------------------------------------------
+
+
+def test_plan_takes_o_as_every_command_does(capsys, tiny_path, tmp_path):
+    short, long = tmp_path / "short.json", tmp_path / "long.json"
+    for flag, target in (("-o", short), ("--out", long)):
+        code, out, err = run(capsys, "plan", tiny_path, "--devices", "1", "--format", "json", flag, target)
+        assert code == 0 and out == "", err
+    assert json.loads(short.read_text())["totals"] == json.loads(long.read_text())["totals"]
+
+
+def test_plan_and_report_share_the_flags_that_choose_a_plan():
+    from autopar.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    choosing = {"--mode", "--fix", "--strategies", "--search", "--frozen", "--micro-batches", "--no-overlap"}
+    choosing |= {"--devices", "--rank-table", "--cost-model", "--precision", "--batch", "--dim"}
+
+    def flags(command: str) -> dict:
+        return {
+            option: (a.dest, a.default, a.choices, a.help, a.type)
+            for a in commands[command]._actions
+            for option in a.option_strings
+        }
+
+    plan, report = flags("plan"), flags("report")
+    assert {flag: plan[flag] for flag in choosing} == {flag: report[flag] for flag in choosing}
+    for command in ("plan", "verify", "sweep", "report", "inspect"):
+        for action in commands[command]._actions:
+            assert action.help, (command, action.option_strings or action.dest)
+
+
+def test_report_reports_a_semi_auto_plan_and_a_plan_file(capsys, tiny_path, tmp_path):
+    fixed = "conv1=((2,1,1,1),(2,1,1,1))"
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "4", "--mode", "semi_auto_parallel", "--fix", fixed,
+                         "--no-overlap", "--format", "json")  # fmt: skip
+    assert code == 0, err
+    plan = json.loads(out)
+    page = tmp_path / "semi.html"
+    code, _, err = run(capsys, "report", tiny_path, "--devices", "4", "--mode", "semi_auto_parallel", "--fix", fixed,
+                       "--no-overlap", "-o", page)  # fmt: skip
+    assert code == 0, err
+    html = page.read_text(encoding="utf-8")
+    assert "semi_auto_parallel" in html and "cost of the fixed strategies" in html
+    assert f"data-value='{plan['totals']['step_time_s']!r}'" in html  # the very plan `plan` found
+
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(out, encoding="utf-8")
+    code, _, err = run(capsys, "report", tiny_path, "--plan", plan_path, "-o", tmp_path / "file.html")
+    assert code == 0, err
+    assert f"data-value='{plan['totals']['step_time_s']!r}'" in (tmp_path / "file.html").read_text(encoding="utf-8")
+    code, out, err = run(capsys, "report", tiny_path, "--plan", plan_path, "--mode", "data_parallel")
+    assert code == 2 and out == ""
+    assert_one_line_error(err)
+    assert "--plan reports the plan file as it was made, so it takes no --mode." in err
+    code, out, err = run(capsys, "report", RESNET50, "--plan", plan_path, "-o", tmp_path / "other.html")
+    assert code == 1 and out == ""
+    assert_one_line_error(err)
+    assert "made for another model" in err and not (tmp_path / "other.html").exists()
+
+
+@pytest.mark.parametrize("name", ["A100", "Ascend910", "H100"])
+def test_cost_model_names_in_any_case(capsys, tiny_path, name):
+    data = plan_json(capsys, tiny_path, "--devices", "1", "--cost-model", name)
+    assert data["cost_model"] == name.lower()
+
+
+def test_devices_error_names_the_flag_once(capsys, tiny_path):
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "6")
+    assert code == 2 and out == ""
+    assert err == (
+        "autopar: error: --devices must be a power of two from 1 to 65,536 (1, 2, 4, 8, ...), got 6"
+        " (see 'autopar plan --help').\n"
+    )
+
+
+def test_a_directory_as_the_model_says_so(capsys, tmp_path):
+    for command in ("plan", "inspect", "verify", "report", "sweep"):
+        code, out, err = run(capsys, command, tmp_path)
+        assert code == 1 and out == ""
+        assert_one_line_error(err)
+        assert f"'{tmp_path}' is a directory; give the ONNX model file in it." in err
+
+
+def test_dim_batch_points_to_the_batch_flag(capsys, tiny_path):
+    code, out, err = run(capsys, "plan", tiny_path, "--dim", "batch=8")
+    assert code == 1 and out == ""
+    assert_one_line_error(err)
+    assert err.rstrip().endswith("set the batch, the inputs' leading dimension, with --batch 8.")
+
+
+def test_export_names_files_in_one_style(capsys, tiny_path, tmp_path, monkeypatch):
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "2", "--format", "json")
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(out, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    written = []
+    for to in ("mindspore", "onnx", "dtensor", "jax"):
+        code, _, err = run(capsys, "export", plan_path, "--to", to, "--model", tiny_path)
+        assert code == 0, err
+        written += [line.removeprefix("autopar: wrote ") for line in err.splitlines() if "wrote" in line]
+    assert sorted(written) == sorted(
+        ["tiny_strategy.ckpt", "tiny_strategy.py", "tiny_sharded.onnx", "tiny_dtensor.py", "tiny_jax.py"]
+    )
+
+
+def test_bench_scripts_run_as_the_readme_writes_them():
+    # `python bench/transformers.py` as written: not as a module, not with the repository on PYTHONPATH
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    for script in sorted((REPO / "bench").glob("*.py")):
+        if script.name == "__init__.py":
+            continue
+        proc = subprocess.run(
+            [sys.executable, str(script), "--help"],
+            cwd=REPO.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, (script.name, proc.stderr[-500:])
+        assert proc.stdout.startswith("usage:"), script.name
+    proc = subprocess.run(
+        [sys.executable, "bench/transformers.py", "--presets", "gpt2", "--devices", "8", "--layers", "2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-500:]
+    assert "layer0.mlp.fc1" in proc.stdout
