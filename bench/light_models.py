@@ -10,12 +10,16 @@ Verification runs every rank on this machine's CPU: at batch 32 the big CNNs tak
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import onnx
 
-import autopar
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's autopar, however the script is run
+
+import autopar  # noqa: E402
 
 
 def light_models() -> list[Path]:

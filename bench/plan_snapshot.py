@@ -20,11 +20,10 @@ from pathlib import Path
 
 import onnx
 
-import autopar
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import autopar  # noqa: E402
 from models.transformer import build_preset, build_transformer  # noqa: E402
 
 MEASURED = {"time_s", "phases_s"}

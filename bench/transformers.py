@@ -9,11 +9,18 @@ predicted step time against data parallel, and the memory per device.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-import autopar
-from autopar.errors import InfeasibleError
-from models.transformer import build_preset
+# run as a script (python bench/transformers.py): the repository first, and this folder off the path, where
+# this file would shadow Hugging Face's package of the same name
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import autopar  # noqa: E402
+from autopar.errors import InfeasibleError  # noqa: E402
+from models.transformer import build_preset  # noqa: E402
 
 SHOWN = ("layer0.attn.q", "layer0.attn.scores", "layer0.attn.out", "layer0.mlp.fc1", "layer0.mlp.fc2")
 

@@ -311,3 +311,82 @@ def test_a_search_table_too_large_is_refused_before_costing(capsys):
     code, _out, err = run(capsys, "plan", str(REPO / "models" / "resnet50.onnx"), "--devices", "65536")
     assert code == 1
     assert "table of" in one_sentence(err) and "use fewer devices" in one_sentence(err)
+
+
+def _declared_model(tmp_path, edit) -> Path:
+    """ResNet-50's first operators with the types inference gives them declared in the file, then ``edit``ed."""
+    from onnx import shape_inference
+
+    from models.resnet50 import build_resnet50
+
+    model = shape_inference.infer_shapes(
+        build_resnet50(batch=4, num_classes=10, image_size=32, width=8, blocks=(1, 1, 1, 1))
+    )
+    edit({vi.name: vi for vi in [*model.graph.value_info, *model.graph.input]}, model)
+    path = tmp_path / "declared.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def _swap(first: str, second: str):
+    def edit(infos, _model) -> None:
+        a, b = infos[first].type.tensor_type, infos[second].type.tensor_type
+        a.elem_type, b.elem_type = b.elem_type, a.elem_type
+
+    return edit
+
+
+def test_declarations_whose_element_types_were_swapped_are_refused(capsys, tmp_path):
+    # the file as written plans: its declarations agree with what each operator yields
+    code, _, err = run(capsys, "plan", _declared_model(tmp_path, lambda infos, model: None), "--devices", "1")
+    assert code == 0, err
+
+    # an activation and a label column swap their declared types: float16 and int64 where float is yielded
+    def as_float16(infos, model):
+        infos["relu1"].type.tensor_type.elem_type = TensorProto.FLOAT16
+
+    cases = [
+        (_swap("labels", "conv1"), "Tensor 'conv1' is declared int64 but operator 'conv1' (Conv) yields float."),
+        (as_float16, "Tensor 'relu1' is declared float16 but operator 'relu1' (Relu) yields float."),
+    ]
+    for edit, sentence in cases:
+        path = _declared_model(tmp_path, edit)
+        for argv in (["plan", path, "--devices", "1"], ["inspect", path], ["verify", path, "--devices", "1"]):
+            code, out, err = run(capsys, *argv)
+            assert code == 1 and out == "", (argv, err)
+            assert one_sentence(err) == f"autopar: error: {sentence}"
+
+
+def test_an_initializer_declared_with_another_type_is_refused(capsys, tmp_path):
+    weight = helper.make_tensor_value_info("W", TensorProto.FLOAT16, [4, 4])
+    path = save(tmp_path, [MATMUL], [x_input([4, 4])], [Y], [W])
+    model = onnx.load(path)
+    model.graph.value_info.append(weight)
+    onnx.save(model, path)
+    code, out, err = run(capsys, "plan", path, "--devices", "2")
+    assert code == 1 and out == ""
+    assert one_sentence(err) == "autopar: error: Initializer 'W' holds float but the model declares it float16."
+
+
+def test_a_plan_file_listing_an_operator_twice_is_refused(capsys, tmp_path):
+    path = save(tmp_path, [MATMUL, helper.make_node("Relu", ["y"], ["z"], name="relu")], [x_input([4, 4])],
+                [helper.make_tensor_value_info("z", FLOAT, None)], [W])  # fmt: skip
+    code, out, err = run(capsys, "plan", path, "--devices", "2", "--format", "json")
+    assert code == 0, err
+    plan = json.loads(out)
+    twice = dict(plan, ops=[plan["ops"][0], plan["ops"][0], plan["ops"][1]])
+    renamed = dict(plan, ops=[plan["ops"][0], dict(plan["ops"][1], name="mm")])
+    for i, data in enumerate((twice, renamed)):
+        plan_path = tmp_path / f"twice{i}.json"
+        plan_path.write_text(json.dumps(data), encoding="utf-8")
+        expected = (
+            f"autopar: error: Plan file '{plan_path}' is not a valid autopar plan: ops: operator 'mm' is listed twice."
+        )
+        code, out, err = run(capsys, "verify", path, "--devices", "2", "--plan", plan_path)
+        assert code == 1 and out == ""
+        assert one_sentence(err) == expected
+        for to in ("mindspore", "dtensor"):
+            code, out, err = run(capsys, "export", plan_path, "--to", to, "-o", tmp_path / f"out{i}.{to}")
+            assert code == 1 and out == ""
+            assert one_sentence(err) == expected
+        assert not list(tmp_path.glob(f"out{i}.*"))

@@ -73,7 +73,8 @@ def assert_one_line_error(err: str) -> None:
 def test_plan_table(capsys, tiny_path, tiny_ops):
     code, out, err = run(capsys, "plan", tiny_path, "--devices", "4", "--all")
     assert code == 0, err
-    assert err == ""
+    # a batch of 4 and 8 channels: too little work to split, and stderr says so (the report's warning)
+    assert err.startswith("autopar: warning: The model is fully replicated") and err.count("\n") == 1, err
     assert out.startswith("autopar plan: tiny on 4 devices")
     for label in ("step time", "vs data parallel", "memory/device"):
         assert re.search(rf"^{re.escape(label)}:", out, re.MULTILINE), label
@@ -138,7 +139,7 @@ def test_out_table(capsys, tiny_path, tmp_path):
 
 
 def test_out_to_unwritable_place(capsys, tiny_path, tmp_path):
-    code, out, err = run(capsys, "plan", tiny_path, "--out", tmp_path / "no" / "such" / "dir.json")
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "1", "--out", tmp_path / "no" / "such" / "dir.json")
     assert code == 1
     assert out == ""
     assert_one_line_error(err)
@@ -200,7 +201,7 @@ def test_cost_model_missing_source(capsys, tiny_path, tmp_path):
     assert removed == 1
     unsourced = tmp_path / "unsourced.toml"
     unsourced.write_text(unsourced_text, encoding="utf-8")
-    code, out, err = run(capsys, "plan", tiny_path, "--cost-model", unsourced)
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "1", "--cost-model", unsourced)
     assert code == 0 and out
     assert err.startswith("autopar: warning:") and err.count("\n") == 1, err
     assert "compute.peak_flops_fp16 has no source" in err
@@ -367,3 +368,246 @@ def test_module_entry_point_subprocess():
     assert 0 < totals["step_time_s"] <= totals["data_parallel_step_time_s"]
     assert math.isfinite(totals["memory_per_device_bytes"])
     assert totals["memory_per_device_bytes"] <= totals["memory_capacity_bytes"]
+
+
+# --- stdout carries the output alone ------------------------------------------------------------
+
+# every command that takes --format json, with the arguments that make it run on a small model
+JSON_COMMANDS = {
+    "plan": ["plan", "{model}", "--devices", "4"],
+    "plan --search ilp": ["plan", "{model}", "--devices", "4", "--search", "ilp"],
+    "plan semi-auto": ["plan", "{model}", "--devices", "4", "--fix", "conv1=((4,1,1,1),(1,1,1,1))"],
+    "verify": ["verify", "{model}", "--devices", "4"],
+    "sweep": ["sweep", "{model}", "--devices", "1,4,65536"],
+    "inspect": ["inspect", "{model}"],
+}
+
+
+def _commands_taking_format_json() -> set[str]:
+    from autopar.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command")
+    return {
+        name
+        for name, sub in commands.choices.items()
+        if any("--format" in a.option_strings and "json" in (a.choices or ()) for a in sub._actions)
+    }
+
+
+def test_every_json_command_is_checked():
+    assert {argv[0] for argv in JSON_COMMANDS.values()} == _commands_taking_format_json()
+
+
+@pytest.mark.parametrize("case", sorted(JSON_COMMANDS))
+def test_format_json_writes_only_json_on_stdout(case, tiny_path):
+    # a real process, so that what a compiled library writes to descriptor 1 (HiGHS' banner) is seen too
+    if "ilp" in case:
+        pytest.importorskip("highspy")
+    argv = [part.format(model=tiny_path) for part in JSON_COMMANDS[case]]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("AUTOPAR_DEBUG", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "autopar", *argv, "--format", "json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    json.loads(proc.stdout)  # the whole of stdout, nothing before or after
+    assert "HiGHS" not in proc.stderr + proc.stdout
+
+
+def test_a_library_writing_to_descriptor_1_reaches_stderr_not_stdout(capfd):
+    from autopar.stdio import stdout_elsewhere
+
+    print("before", flush=True)
+    with stdout_elsewhere(True):
+        os.write(1, b"from C\n")
+        print("from Python")
+    with stdout_elsewhere():
+        os.write(1, b"dropped\n")
+        print("dropped too")
+    print("after")
+    out, err = capfd.readouterr()
+    assert out == "before\nafter\n"
+    assert err == "from C\nfrom Python\n"
+
+
+# --- the report's warnings on the terminal ------------------------------------------------------
+
+
+def _warned(err: str, prefix: str = "") -> list[str]:
+    return [line.removeprefix(f"autopar: warning: {prefix}") for line in err.splitlines() if line.startswith("autopar")]
+
+
+def test_plan_and_report_say_the_reports_warnings_on_stderr(capsys, tiny_path, tmp_path):
+    from autopar.report.html import warnings_of
+
+    # a batch of 4 on 64 devices: too little work to split, every device runs the whole model
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "64", "--format", "json")
+    assert code == 0, err
+    expected = warnings_of(json.loads(out))
+    assert expected and expected[0].startswith("The model is fully replicated")
+    assert _warned(err) == expected
+    code, out, table_err = run(capsys, "plan", tiny_path, "--devices", "64")
+    assert code == 0 and table_err == err
+    page = tmp_path / "tiny.html"
+    code, _, err = run(capsys, "report", tiny_path, "--devices", "64", "-o", page)
+    assert code == 0, err
+    assert _warned(err)[: len(expected)] == expected
+    html = page.read_text(encoding="utf-8")
+    assert all(f"<li>{sentence.replace(chr(39), '&#x27;')}</li>" in html for sentence in expected)
+    # and a plan without any says nothing
+    code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--format", "json")
+    assert code == 0 and err == ""
+
+
+def test_resnet50_at_512_devices_warns_of_repeated_work(capsys):
+    code, _, err = run(capsys, "plan", RESNET50, "--devices", "512", "--format", "json")
+    assert code == 0
+    assert _warned(err) == [
+        "Idle devices: the largest split uses 256 of 512 devices; the other 1 of every 2 repeat the same calculation."
+    ]
+
+
+def test_sweep_says_each_counts_warnings_on_stderr(capsys, tiny_path):
+    code, out, err = run(capsys, "sweep", tiny_path, "--devices", "1,4,64", "--format", "json")
+    assert code == 0, err
+    points = json.loads(out)
+    assert points[0]["warnings"] == []  # one device repeats nothing
+    assert points[2]["warnings"][0].startswith("The model is fully replicated")
+    said = [f"{p['devices']} devices: {sentence}" for p in points for sentence in p["warnings"]]
+    assert _warned(err) == said
+
+
+# --- flags that agree ---------------------------------------------------------------------------
+
+
+def test_plan_takes_o_as_every_command_does(capsys, tiny_path, tmp_path):
+    short, long = tmp_path / "short.json", tmp_path / "long.json"
+    for flag, target in (("-o", short), ("--out", long)):
+        code, out, err = run(capsys, "plan", tiny_path, "--devices", "1", "--format", "json", flag, target)
+        assert code == 0 and out == "", err
+    assert json.loads(short.read_text())["totals"] == json.loads(long.read_text())["totals"]
+
+
+def test_plan_and_report_share_the_flags_that_choose_a_plan():
+    from autopar.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    choosing = {"--mode", "--fix", "--strategies", "--search", "--frozen", "--micro-batches", "--no-overlap"}
+    choosing |= {"--devices", "--rank-table", "--cost-model", "--precision", "--batch", "--dim"}
+
+    def flags(command: str) -> dict:
+        return {
+            option: (a.dest, a.default, a.choices, a.help, a.type)
+            for a in commands[command]._actions
+            for option in a.option_strings
+        }
+
+    plan, report = flags("plan"), flags("report")
+    assert {flag: plan[flag] for flag in choosing} == {flag: report[flag] for flag in choosing}
+    for command in ("plan", "verify", "sweep", "report", "inspect"):
+        for action in commands[command]._actions:
+            assert action.help, (command, action.option_strings or action.dest)
+
+
+def test_report_reports_a_semi_auto_plan_and_a_plan_file(capsys, tiny_path, tmp_path):
+    fixed = "conv1=((2,1,1,1),(2,1,1,1))"
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "4", "--mode", "semi_auto_parallel", "--fix", fixed,
+                         "--no-overlap", "--format", "json")  # fmt: skip
+    assert code == 0, err
+    plan = json.loads(out)
+    page = tmp_path / "semi.html"
+    code, _, err = run(capsys, "report", tiny_path, "--devices", "4", "--mode", "semi_auto_parallel", "--fix", fixed,
+                       "--no-overlap", "-o", page)  # fmt: skip
+    assert code == 0, err
+    html = page.read_text(encoding="utf-8")
+    assert "semi_auto_parallel" in html and "cost of the fixed strategies" in html
+    assert f"data-value='{plan['totals']['step_time_s']!r}'" in html  # the very plan `plan` found
+
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(out, encoding="utf-8")
+    code, _, err = run(capsys, "report", tiny_path, "--plan", plan_path, "-o", tmp_path / "file.html")
+    assert code == 0, err
+    assert f"data-value='{plan['totals']['step_time_s']!r}'" in (tmp_path / "file.html").read_text(encoding="utf-8")
+    code, out, err = run(capsys, "report", tiny_path, "--plan", plan_path, "--mode", "data_parallel")
+    assert code == 2 and out == ""
+    assert_one_line_error(err)
+    assert "--plan reports the plan file as it was made, so it takes no --mode." in err
+    code, out, err = run(capsys, "report", RESNET50, "--plan", plan_path, "-o", tmp_path / "other.html")
+    assert code == 1 and out == ""
+    assert_one_line_error(err)
+    assert "made for another model" in err and not (tmp_path / "other.html").exists()
+
+
+@pytest.mark.parametrize("name", ["A100", "Ascend910", "H100"])
+def test_cost_model_names_in_any_case(capsys, tiny_path, name):
+    data = plan_json(capsys, tiny_path, "--devices", "1", "--cost-model", name)
+    assert data["cost_model"] == name.lower()
+
+
+def test_devices_error_names_the_flag_once(capsys, tiny_path):
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "6")
+    assert code == 2 and out == ""
+    assert err == (
+        "autopar: error: --devices must be a power of two from 1 to 65,536 (1, 2, 4, 8, ...), got 6"
+        " (see 'autopar plan --help').\n"
+    )
+
+
+def test_a_directory_as_the_model_says_so(capsys, tmp_path):
+    for command in ("plan", "inspect", "verify", "report", "sweep"):
+        code, out, err = run(capsys, command, tmp_path)
+        assert code == 1 and out == ""
+        assert_one_line_error(err)
+        assert f"'{tmp_path}' is a directory; give the ONNX model file in it." in err
+
+
+def test_dim_batch_points_to_the_batch_flag(capsys, tiny_path):
+    code, out, err = run(capsys, "plan", tiny_path, "--dim", "batch=8")
+    assert code == 1 and out == ""
+    assert_one_line_error(err)
+    assert err.rstrip().endswith("set the batch, the inputs' leading dimension, with --batch 8.")
+
+
+def test_export_names_files_in_one_style(capsys, tiny_path, tmp_path, monkeypatch):
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "2", "--format", "json")
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(out, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    written = []
+    for to in ("mindspore", "onnx", "dtensor", "jax"):
+        code, _, err = run(capsys, "export", plan_path, "--to", to, "--model", tiny_path)
+        assert code == 0, err
+        written += [line.removeprefix("autopar: wrote ") for line in err.splitlines() if "wrote" in line]
+    assert sorted(written) == sorted(
+        ["tiny_strategy.ckpt", "tiny_strategy.py", "tiny_sharded.onnx", "tiny_dtensor.py", "tiny_jax.py"]
+    )
+
+
+def test_bench_scripts_run_as_the_readme_writes_them():
+    # `python bench/transformers.py` as written: not as a module, not with the repository on PYTHONPATH
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    for script in sorted((REPO / "bench").glob("*.py")):
+        if script.name == "__init__.py":
+            continue
+        proc = subprocess.run(
+            [sys.executable, str(script), "--help"],
+            cwd=REPO.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, (script.name, proc.stderr[-500:])
+        assert proc.stdout.startswith("usage:"), script.name
+    proc = subprocess.run(
+        [sys.executable, "bench/transformers.py", "--presets", "gpt2", "--devices", "8", "--layers", "2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-500:]
+    assert "layer0.mlp.fc1" in proc.stdout

@@ -42,6 +42,7 @@ CORE = (
     "autopar.limits",
     "autopar.progress",
     "autopar.options",
+    "autopar.stdio",
 )
 READERS = ("autopar.spmd", "autopar.runtime", "autopar.export", "autopar.report")
 FACES = ("autopar.spmd", "autopar.runtime", "autopar.export", "autopar.report", "autopar.api", "autopar.cli")

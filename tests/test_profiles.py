@@ -243,7 +243,7 @@ def tiny_path(tmp_path_factory) -> Path:
 def test_plan_with_a_plain_number_warns_once(capsys, tiny_path, tmp_path):
     plain = tmp_path / "plain.toml"
     plain.write_text(_edit(r"peak_flops_fp16 = \{ value = 256e12, source = \"[^\"]*\" \}", "peak_flops_fp16 = 256e12"))
-    code, out, err = run(capsys, "plan", tiny_path, "--devices", "4", "--cost-model", plain, "--format", "json")
+    code, out, err = run(capsys, "plan", tiny_path, "--devices", "1", "--cost-model", plain, "--format", "json")
     assert code == 0 and out.startswith("{")
     assert_one_line(err, "autopar: warning:")
     assert "compute.peak_flops_fp16 has no source" in err
@@ -252,5 +252,6 @@ def test_plan_with_a_plain_number_warns_once(capsys, tiny_path, tmp_path):
 @pytest.mark.parametrize("name", ["a100", "h100"])
 def test_plan_on_gpu_profiles(capsys, tiny_path, name):
     code, out, err = run(capsys, "plan", tiny_path, "--devices", "16", "--cost-model", name, "--format", "json")
-    assert code == 0 and err == ""
+    assert code == 0  # stderr only says that the tiny model is too small to split over 16 devices
+    assert all(line.startswith("autopar: warning: The model is fully replicated") for line in err.splitlines()), err
     assert f'"cost_model": "{name}"' in out

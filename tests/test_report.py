@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 import autopar
+from autopar.report.figures import as_plan_file, is_image_model
 from autopar.report.html import SECTIONS, axis_splits, fold_groups, report_html, timeline_phases, warnings_of
 from models.transformer import build_preset
-from tests.conftest import run_cli
+from tests.conftest import export_gpt, run_cli
 
 RESNET50 = "models/resnet50.onnx"
 BALANCED = ("svg", "table", "section", "tr", "td", "th", "div", "thead", "tbody", "ul", "li", "text", "title")
@@ -242,8 +243,18 @@ def test_warnings_name_idle_devices_replication_and_fallbacks(resnet):
     assert "Idle devices: the largest split uses 8 of 16 devices" in warnings_of({**data, "devices": 16})[0]
     alone = autopar.plan(RESNET50, devices=8, mode="stand_alone").to_dict()
     assert "fully replicated" in warnings_of(alone)[0]
-    assert "1 fallback operator(s)" in " ".join(warnings_of({**data, "fallback_ops": ["odd"]}))
+    assert "1 operator(s) have no strategy rule" in " ".join(warnings_of({**data, "fallback_ops": ["odd"]}))
     assert "fully replicated" in report_html(alone)
+
+
+def test_the_plans_warnings_count_devices_as_the_strategy_map_does(resnet):
+    from autopar.lowering.advice import devices_used
+
+    _, data = resnet
+    gpt = autopar.plan(export_gpt(), devices=8).file
+    for plan_file in (as_plan_file(data), gpt):
+        image = is_image_model(plan_file)
+        assert [devices_used(op) for op in plan_file.ops] == [axis_splits(op, image)[1] for op in plan_file.ops]
 
 
 def test_jupyter_shows_the_report(resnet):

@@ -67,6 +67,38 @@ def test_resnet50_semi_auto_keeps_the_fixed_conv():
     assert plan.objective > autopar.plan(RESNET50, devices=8).objective
 
 
+def test_semi_auto_compares_with_pure_data_parallel_and_states_the_cost_of_what_was_fixed(capsys):
+    fixed = {"layer1.0.conv1": ((2, 4, 1, 1), (1, 4, 1, 1))}
+    plan = autopar.plan(RESNET50, devices=8, mode="semi_auto_parallel", fixed=fixed)
+    free = autopar.plan(RESNET50, devices=8)
+    pure = autopar.plan(RESNET50, devices=8, mode="data_parallel")
+    totals = plan.to_dict()["totals"]
+    assert totals["data_parallel_step_time_s"] == pytest.approx(pure.objective, rel=1e-11)
+    assert plan.data_parallel_objective == pytest.approx(pure.objective, rel=1e-12)
+    assert totals["speedup_vs_data_parallel"] == pytest.approx(pure.objective / plan.objective, rel=1e-11)
+    assert totals["speedup_vs_data_parallel"] < 1  # the fixed conv makes it slower than pure data parallel
+    assert totals["free_step_time_s"] == pytest.approx(free.objective, rel=1e-11)
+    assert totals["fixed_cost_s"] == pytest.approx(plan.objective - free.objective, rel=1e-9)
+    assert totals["fixed_cost_s"] > 1e-3  # about 4.9 ms
+    assert "free_step_time_s" not in free.to_dict()["totals"] and "fixed_cost_s" not in free.to_dict()["totals"]
+
+    # the report's baselines are pure too: data parallel splits the fixed conv's batch only
+    compared = autopar.api.comparison(plan)
+    assert compared.data_parallel.totals.step_time_s == pytest.approx(pure.objective, rel=1e-11)
+    assert compared.data_parallel.strategies["layer1.0.conv1"] == ((8, 1, 1, 1), (1, 1, 1, 1))
+    assert compared.stand_alone.strategies["layer1.0.conv1"] == ((1, 1, 1, 1), (1, 1, 1, 1))
+
+    code, out, err = run_cli(
+        capsys, "plan", RESNET50, "--devices", "8", "--mode", "semi_auto_parallel", "--fix",
+        "layer1.0.conv1=((2,4,1,1),(1,4,1,1))",
+    )  # fmt: skip
+    assert code == 0, err
+    ms = f"{pure.objective * 1e3:.3f} ms"
+    assert f"vs data parallel: {ms}" in out and "pure data parallel: nothing fixed" in out
+    cost, free_ms = (plan.objective - free.objective) * 1e3, free.objective * 1e3
+    assert f"fixed:            1 operator cost {cost:.3f} ms a step (this plan minus the {free_ms:.3f} ms" in out
+
+
 @pytest.mark.parametrize(
     "fix, words",
     [

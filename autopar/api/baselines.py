@@ -50,11 +50,15 @@ def comparison(plan: Plan) -> Comparison:
     """What the report compares a plan with, on the plan's own problem: one lowering each, no new search.
 
     The data-parallel and stand-alone plans of the same problem (same micro-batches) and the
-    forward / recomputed share of the step's compute; the report reads them as plan files.
+    forward / recomputed share of the step's compute; the report reads them as plan files. With fixed
+    strategies both are pure: they are lowered on the problem without them (``plan.free``'s), since a
+    fixed operator's one candidate is neither data parallel nor stand-alone.
     """
-    problem = plan.problem
+    base = plan.free if plan.free is not None else plan
+    problem = base.problem
     dp_choice = data_parallel_choice(problem)
-    data_parallel = plan if list(plan.choice) == dp_choice else _sibling(plan, dp_choice, "data_parallel")
-    stand_alone = _sibling(plan, stand_alone_choice(problem), "stand_alone")
+    same = base is plan and list(plan.choice) == dp_choice
+    data_parallel = plan if same else _sibling(base, dp_choice, "data_parallel")
+    stand_alone = _sibling(base, stand_alone_choice(problem), "stand_alone")
     forward, recompute = compute_split(plan)
     return Comparison(data_parallel.file, stand_alone.file, forward, recompute)

@@ -9,6 +9,7 @@ from typing import Any
 from autopar import progress
 from autopar.api.planning import ModelLike, common_batch, model_graph, plan_with
 from autopar.errors import InfeasibleError, TooLargeError
+from autopar.lowering.advice import plan_warnings
 from autopar.options import DEFAULT_COST_MODEL, CostModelLike, PlanOptions, Precision, check_devices
 
 
@@ -24,8 +25,9 @@ def sweep(
 ) -> list[dict[str, Any]]:
     """Plan ``model`` at each device count: step time, throughput, scaling efficiency, MFU, memory.
 
-    A count whose plan is no faster than a smaller count's is flagged (``warning``); one where
-    nothing fits, or that is too large to search, has ``error`` instead of figures.
+    ``warnings`` lists the plan's own (`autopar.lowering.advice`: devices that repeat one another's
+    work, the memory plan, ...). A count whose plan is no faster than a smaller count's is flagged
+    (``warning``); one where nothing fits, or that is too large to search, has ``error`` instead of figures.
     """
     counts = sorted(set(devices))
     for count in counts:
@@ -56,6 +58,7 @@ def sweep(
             "mfu": totals["ideal_step_time_s"] / step if step > 0 else 0.0,
             "memory_per_device_bytes": totals["memory_per_device_bytes"],
             "memory_plan": found.to_dict()["memory_plan"],
+            "warnings": plan_warnings(found.file),
         }
         faster = [p for p in points if "step_time_s" in p and p["step_time_s"] <= step * (1 + 1e-9)]
         if faster:

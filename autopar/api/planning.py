@@ -180,10 +180,25 @@ def plan_with(model: ModelLike, options: PlanOptions) -> Plan:
     if micro_batches is not None and micro_batches > 1:
         found = dataclasses.replace(found, choices=dataclasses.replace(found.choices, micro_batches=micro_batches))
     phases = {"import": imported - started, "costing": costed - imported, "search": found.time_s}
-    result = Plan.lower(problem, found, mode, phases)
+    free = _free_plan(problem, found, options, cost) if fixed else None
+    result = Plan.lower(problem, found, mode, phases, free)
     if result.fallback_ops:
         warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=3)
     return result
+
+
+def _free_plan(problem: SearchProblem, found: SearchResult, options: PlanOptions, cost: CostModel) -> Plan | None:
+    """With fixed strategies: the plan the search finds with nothing fixed, on the same graph (so at the
+    same micro-batch size) and micro-batches, which the plan is compared with (None: nothing fits)."""
+    free = build_problem(problem.graph, cost, options.num_devices)
+    try:
+        result = run_search(free, "auto_parallel", options.search.value)
+    except InfeasibleError:
+        return None
+    k = found.choices.micro_batches
+    if k > 1:
+        result = dataclasses.replace(result, choices=dataclasses.replace(result.choices, micro_batches=k))
+    return Plan.lower(free, result, "auto_parallel")
 
 
 def common_batch(graph: Graph) -> int | None:

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from autopar.cli.commands import COMMANDS
-from autopar.cli.flags import build_parser
+from autopar.cli.flags import UsageError, build_parser
 from autopar.errors import AutoparError, FixedStrategyError, UnknownDimensionError, UnknownSymbolError
 
 __all__ = ["build_parser", "main"]
@@ -31,11 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except FixedStrategyError as exc:  # the user's own strategy: a flag's fault
+    except (FixedStrategyError, UsageError) as exc:  # the user's own strategy, or flags that do not go together
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
     except AutoparError as exc:
-        print(f"autopar: error: {_in_flag_words(exc)}", file=sys.stderr)
+        print(f"autopar: error: {_in_flag_words(exc, dict(getattr(args, 'dim', None) or []))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
@@ -52,7 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
 
 
-def _in_flag_words(exc: AutoparError) -> str:
+_BATCH_NAMES = ("batch", "n", "b", "bs")
+
+
+def _in_flag_words(exc: AutoparError, dims: dict[str, int]) -> str:
     """The core's sentence, with the flags a command-line user types instead of Python arguments."""
     if isinstance(exc, UnknownDimensionError) and exc.dimension is not None:
         return (
@@ -62,6 +65,13 @@ def _in_flag_words(exc: AutoparError) -> str:
     if isinstance(exc, UnknownDimensionError):
         return f"Tensor {exc.tensor!r} has an unknown shape; bind its dimensions with --batch or --dim."
     if isinstance(exc, UnknownSymbolError):
-        have = f" (they have: {', '.join(exc.known)})." if exc.known else "."
-        return f"--dim names {', '.join(exc.unknown)} but the model's inputs have no such symbolic dimension{have}"
+        have = f" (they have: {', '.join(exc.known)})" if exc.known else ""
+        batch = next((name for name in exc.unknown if "batch" in name.lower() or name.lower() in _BATCH_NAMES), None)
+        if batch is not None:  # the leading dimension has its own flag, symbolic or not
+            value = dims.get(batch, "B")
+            return (
+                f"--dim names {', '.join(exc.unknown)} but the model's inputs have no such symbolic dimension{have};"
+                f" set the batch, the inputs' leading dimension, with --batch {value}."
+            )
+        return f"--dim names {', '.join(exc.unknown)} but the model's inputs have no such symbolic dimension{have}."
     return str(exc)

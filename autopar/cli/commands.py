@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from autopar import progress
-from autopar.cli.output import ProgressLine, emit, say_warnings
+from autopar.cli.flags import UsageError, defaults_of
+from autopar.cli.output import ProgressLine, emit, say_plan_warnings, say_warnings
 from autopar.errors import AutoparWarning, FixedStrategyError
+from autopar.lowering.advice import plan_warnings
 from autopar.options import DEFAULT_COST_MODEL, PlanOptions
+from autopar.stdio import stdout_elsewhere
 
 
 def _options(args: argparse.Namespace, **fields: Any) -> PlanOptions:
@@ -49,25 +52,36 @@ def _fixed(args: argparse.Namespace) -> dict[str, Any] | None:
     return fixed or None
 
 
+def _searched_options(args: argparse.Namespace) -> PlanOptions:
+    """The options of a command that searches a plan (``plan``, ``report``): the same flags, read once."""
+    return _options(
+        args,
+        batch=args.batch,
+        mode=args.mode,
+        dims=dict(args.dim),
+        precision=args.precision,
+        search=args.search,
+        frozen=args.frozen,
+        overlap=args.overlap,
+        micro_batches=args.micro_batches,
+        fixed=_fixed(args),
+    )
+
+
+def _plan_batch(plan_file: Any) -> int | None:
+    """The batch a plan file was made for: its data inputs' common leading size (None: they share none)."""
+    shapes = list(plan_file.context.inputs.values()) if plan_file.context else []
+    return shapes[0][0] if shapes and shapes[0] and all(s and s[0] == shapes[0][0] for s in shapes) else None
+
+
 def run_plan(args: argparse.Namespace) -> int:
     import autopar
     from autopar.report import plan_table
 
     line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
-    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
+    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line, stdout_elsewhere(True):
         warnings.simplefilter("always", AutoparWarning)  # said below as one line each, in the CLI's words
-        options = _options(
-            args,
-            batch=args.batch,
-            mode=args.mode,
-            dims=dict(args.dim),
-            precision=args.precision,
-            search=args.search,
-            frozen=args.frozen,
-            overlap=args.overlap,
-            micro_batches=args.micro_batches,
-            fixed=_fixed(args),
-        )
+        options = _searched_options(args)
         cluster = options.cluster
         result = autopar.api.plan_with(args.model, options)
         top = None if args.all else args.top
@@ -75,7 +89,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if cluster is not None and args.format == "table":  # the levels the rank table implies, under the title
         title, _, rest = text.partition("\n")
         text = f"{title}\ncluster: {cluster.describe()}\n{rest}"
-    say_warnings(caught)
+    say_warnings(caught, plan_says=True)
+    say_plan_warnings(plan_warnings(result.file))
     emit(text, args.out)
     return 0
 
@@ -84,8 +99,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     from autopar.graph import load_model
     from autopar.report import inspect_summary, inspect_table
 
-    graph = load_model(args.model, batch=args.batch, dims=dict(args.dim))
-    summary = inspect_summary(graph)
+    with stdout_elsewhere(True):  # stdout carries the summary alone
+        graph = load_model(args.model, batch=args.batch, dims=dict(args.dim))
+        summary = inspect_summary(graph)
     text = json.dumps(summary, indent=2) + "\n" if args.format == "json" else inspect_table(summary)
     sys.stdout.write(text)
     return 0
@@ -108,19 +124,20 @@ def run_verify(args: argparse.Namespace) -> int:
             devices = annotated
         if annotated == devices:
             print(f"autopar: verifying the plan annotated in {args.model} ({annotated} devices)", file=sys.stderr)
-    report = autopar.verify(
-        args.model,
-        plan_file,
-        devices=devices,
-        batch=args.batch,
-        dims=dict(args.dim),
-        seed=args.seed,
-        cost_model=cost_model,
-        runtime=args.runtime,
-        gradients=True if args.gradients or args.runtime == "torch" else None,
-        port=args.port,
-        timeout_s=args.timeout,
-    )
+    with stdout_elsewhere(True):  # stdout carries the verdict alone, whatever the ranks or libraries print
+        report = autopar.verify(
+            args.model,
+            plan_file,
+            devices=devices,
+            batch=args.batch,
+            dims=dict(args.dim),
+            seed=args.seed,
+            cost_model=cost_model,
+            runtime=args.runtime,
+            gradients=True if args.gradients or args.runtime == "torch" else None,
+            port=args.port,
+            timeout_s=args.timeout,
+        )
     text = (
         json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"
         if args.format == "json"
@@ -140,10 +157,10 @@ def run_export(args: argparse.Namespace) -> int:
     plan_file = load_plan_file(args.plan)
     model = None
     if args.model:  # imported at the batch the plan was made for, as the plan saw it
-        shapes = list(plan_file.context.inputs.values()) if plan_file.context else []
-        batch = shapes[0][0] if shapes and shapes[0] and all(s and s[0] == shapes[0][0] for s in shapes) else None
-        model = load_model(args.model, batch=batch).model
-    for path in export(plan_file, args.to, args.out, model):
+        model = load_model(args.model, batch=_plan_batch(plan_file)).model
+    with stdout_elsewhere(True):
+        written = export(plan_file, args.to, args.out, model)
+    for path in written:
         print(f"autopar: wrote {path}", file=sys.stderr)
     return 0
 
@@ -153,7 +170,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from autopar.report.sweep import sweep_html, sweep_table
 
     line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
-    with warnings.catch_warnings(), progress.listening(line), line:
+    with warnings.catch_warnings(), progress.listening(line), line, stdout_elsewhere(True):
         warnings.simplefilter("ignore", AutoparWarning)
         points = autopar.sweep(
             args.model,
@@ -163,6 +180,8 @@ def run_sweep(args: argparse.Namespace) -> int:
             dims=dict(args.dim),
             precision=args.precision,
         )
+    for point in points:
+        say_plan_warnings(point.get("warnings", []), f"{point['devices']:,} devices: ")
     if args.out:
         emit(sweep_html(Path(args.model).stem, points), args.out)
         print(f"autopar: wrote {args.out}", file=sys.stderr)
@@ -176,16 +195,54 @@ def run_report(args: argparse.Namespace) -> int:
     from autopar.report.html import plan_report
 
     line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
-    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line:
+    with warnings.catch_warnings(record=True) as caught, progress.listening(line), line, stdout_elsewhere(True):
         warnings.simplefilter("always", AutoparWarning)
-        options = _options(args, batch=args.batch, dims=dict(args.dim), precision=args.precision)
-        result = autopar.api.plan_with(args.model, options)
-        page = plan_report(result, autopar.api.comparison(result))
-    say_warnings(caught)
+        if args.plan:
+            plan_file = _reported_plan_file(args)
+            page, said = plan_report(plan_file), plan_warnings(plan_file)
+        else:
+            result = autopar.api.plan_with(args.model, _searched_options(args))
+            page, said = plan_report(result, autopar.api.comparison(result)), plan_warnings(result.file)
+    say_warnings(caught, plan_says=True)
+    say_plan_warnings(said)
     out = args.out or f"{Path(args.model).stem}.report.html"
     emit(page, out)
     print(f"autopar: wrote {out} ({len(page.encode('utf-8')):,} bytes)", file=sys.stderr)
     return 0
+
+
+_SEARCH_FLAGS = {  # what --plan cannot take: each would search or cost another plan
+    "rank_table": "--rank-table",
+    "cost_model": "--cost-model",
+    "precision": "--precision",
+    "mode": "--mode",
+    "fix": "--fix",
+    "strategies": "--strategies",
+    "search": "--search",
+    "frozen": "--frozen",
+    "micro_batches": "--micro-batches",
+    "overlap": "--no-overlap",
+}
+
+
+def _reported_plan_file(args: argparse.Namespace) -> Any:
+    """``report --plan FILE``: the plan file, checked to be made for the model (at its batch, on its devices).
+
+    It is reported as it is: the comparisons that need its problem (stand-alone, each operator against data
+    parallel) say they are not computed. Flags that would search another plan are a flag error (exit 2).
+    """
+    from autopar.graph import load_model
+    from autopar.lowering import load_plan_file
+    from autopar.lowering.lower import check_context
+
+    defaults = defaults_of("report")
+    given = [flag for dest, flag in _SEARCH_FLAGS.items() if getattr(args, dest) != defaults[dest]]
+    if given:
+        raise UsageError(f"--plan reports the plan file as it was made, so it takes no {', '.join(given)}.")
+    plan_file = load_plan_file(args.plan)
+    graph = load_model(args.model, batch=args.batch or _plan_batch(plan_file), dims=dict(args.dim))
+    check_context(plan_file, graph, args.devices or plan_file.devices, action="be reported")
+    return plan_file
 
 
 def run_schema(args: argparse.Namespace) -> int:

@@ -7,16 +7,24 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 from typing import Any
 
+from autopar.errors import AutoparError
 from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_MICRO_BATCHES, MAX_SEED
 from autopar.options import Mode, Precision, Runtime, SearchAlgorithm
+
+
+class UsageError(AutoparError):
+    """Flags that cannot go together, found once they are read: exit 2, as argparse's own errors."""
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one sentence instead of a usage dump."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse prefixes "argument --devices: " to a sentence that already names the flag
+        message = re.sub(r"^argument (?:\S+/)?(\S+): (?=\1\b)", "", message)
         self.exit(2, f"autopar: error: {message} (see '{self.prog} --help').\n")
 
 
@@ -110,11 +118,79 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 DEVICES_HELP = "number of devices, a power of two (default 8, or the rank table's count)"
 RANK_TABLE_HELP = "MindSpore's rank_table.json: the device count and the servers that set the link levels"
+COST_MODEL_HELP = "a bundled profile's name (ascend910, a100, h100; any case) or a .toml file (default ascend910)"
+PRECISION_HELP = "mixed: fp16 compute with fp32 master weights (default); fp32: everything in fp32"
+FORMAT_HELP = "table: for people (default); json: for programs, on stdout alone"
 
 
 def _names(kind: type[Mode] | type[Precision] | type[SearchAlgorithm] | type[Runtime]) -> list[str]:
     """A flag's choices: the enum's names, as argparse lists them in its one-sentence error."""
     return [member.value for member in kind]
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser, rank_table: bool = True) -> None:
+    """What a plan is made for besides the model: the hardware profile and the precision (and the devices)."""
+    if rank_table:
+        parser.add_argument("--devices", type=_devices, help=DEVICES_HELP)
+        parser.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
+    parser.add_argument("--cost-model", default="ascend910", metavar="NAME|FILE.toml", help=COST_MODEL_HELP)
+    parser.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value, help=PRECISION_HELP)
+
+
+def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a plan is searched: mode, fixed strategies, solver, frozen parameters, micro-batches, overlap."""
+    parser.add_argument(
+        "--mode",
+        choices=_names(Mode),
+        default=Mode.AUTO_PARALLEL.value,
+        help="MindSpore's parallel mode: auto_parallel searches every operator (default); semi_auto_parallel"
+        " searches around the strategies --fix and --strategies give; data_parallel splits the batch"
+        " everywhere; stand_alone runs every operator whole on every device",
+    )
+    parser.add_argument(
+        "--fix",
+        type=_fixed_strategy,
+        action="append",
+        default=[],
+        metavar="OP=STRATEGY",
+        help="keep this operator's in_strategy, search the rest (semi_auto_parallel; repeatable)",
+    )
+    parser.add_argument(
+        "--strategies", metavar="FILE.json", help="fixed strategies as a JSON object {operator: in_strategy}"
+    )
+    parser.add_argument(
+        "--search",
+        choices=_names(SearchAlgorithm),
+        default=SearchAlgorithm.DP.value,
+        help="dp (elimination DP, default) or ilp (exact ILP cross-check, needs autopar[ilp])",
+    )
+    parser.add_argument(
+        "--frozen",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a parameter not to train (a name or a shell glob such as 'embed.*'; repeatable)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=_micro_batches,
+        help="accumulate gradients over this many micro-batches of the batch (default: 1, or the fewest of"
+        " 2, 4, ... that fit when nothing fits in one)",
+    )
+    parser.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="add every gradient synchronisation to the step (default: it overlaps the backward pass)",
+    )
+
+
+def _add_format_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=("table", "json"), default="table", help=FORMAT_HELP)
+
+
+def _add_quiet_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,54 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="search a sharding plan")
     _add_model_arguments(plan)
-    plan.add_argument("--devices", type=_devices, help=DEVICES_HELP)
-    plan.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
-    plan.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
-    plan.add_argument("--mode", choices=_names(Mode), default=Mode.AUTO_PARALLEL.value)
-    plan.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value)
-    plan.add_argument(
-        "--fix",
-        type=_fixed_strategy,
-        action="append",
-        default=[],
-        metavar="OP=STRATEGY",
-        help="keep this operator's in_strategy, search the rest (semi_auto_parallel; repeatable)",
-    )
-    plan.add_argument(
-        "--strategies", metavar="FILE.json", help="fixed strategies as a JSON object {operator: in_strategy}"
-    )
-    plan.add_argument(
-        "--search",
-        choices=_names(SearchAlgorithm),
-        default=SearchAlgorithm.DP.value,
-        help="dp (elimination DP, default) or ilp (exact ILP cross-check, needs autopar[ilp])",
-    )
-    plan.add_argument(
-        "--frozen",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a parameter not to train (a name or a shell glob such as 'embed.*'; repeatable)",
-    )
-    plan.add_argument(
-        "--micro-batches",
-        type=_micro_batches,
-        help="accumulate gradients over this many micro-batches of the batch (default: 1, or the fewest of"
-        " 2, 4, ... that fit when nothing fits in one)",
-    )
-    plan.add_argument(
-        "--no-overlap",
-        dest="overlap",
-        action="store_false",
-        help="add every gradient synchronisation to the step (default: it overlaps the backward pass)",
-    )
-    plan.add_argument("--format", choices=("table", "json"), default="table")
+    _add_target_arguments(plan)
+    _add_search_arguments(plan)
+    _add_format_argument(plan)
     plan.add_argument(
         "--top", type=_top, default=20, metavar="N", help="the table lists the N costliest operators (default 20)"
     )
     plan.add_argument("--all", action="store_true", help="the table lists every operator, in graph order")
-    plan.add_argument("--out", help="write the output to this file instead of stdout")
-    plan.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    plan.add_argument("-o", "--out", help="write the output to this file instead of stdout")
+    _add_quiet_argument(plan)
 
     verify = commands.add_parser("verify", help="run a plan on virtual devices and compare with one device")
     _add_model_arguments(verify)
@@ -199,31 +236,34 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--timeout", type=_timeout, default=300.0, metavar="SECONDS", help="the torch runtime's limit per collective"
     )
-    verify.add_argument("--format", choices=("table", "json"), default="table")
+    _add_format_argument(verify)
 
     sweep = commands.add_parser("sweep", help="plan at several device counts: throughput, scaling, MFU, memory")
     _add_model_arguments(sweep)
     sweep.add_argument(
         "--devices", type=_device_list, default=[1, 8, 64, 512], help="device counts, e.g. 1,8,64,512 (the default)"
     )
-    sweep.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
-    sweep.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value)
-    sweep.add_argument("--format", choices=("table", "json"), default="table")
+    _add_target_arguments(sweep, rank_table=False)
+    _add_format_argument(sweep)
     sweep.add_argument("-o", "--out", help="write a self-contained HTML page with the charts to this file")
-    sweep.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    _add_quiet_argument(sweep)
 
     report = commands.add_parser("report", help="plan, then write the plan's report as one self-contained HTML page")
     _add_model_arguments(report)
-    report.add_argument("--devices", type=_devices, help=DEVICES_HELP)
-    report.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
-    report.add_argument("--cost-model", default="ascend910", help="bundled profile name or a .toml file")
-    report.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value)
+    _add_target_arguments(report)
+    _add_search_arguments(report)
+    report.add_argument(
+        "--plan",
+        metavar="FILE",
+        help="report this plan file (from 'autopar plan --format json') instead of searching one; it must be"
+        " made for the model",
+    )
     report.add_argument("-o", "--out", help="the page to write (default: MODEL.report.html in this folder)")
-    report.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    _add_quiet_argument(report)
 
     inspect = commands.add_parser("inspect", help="summarise a model: operators, parameters, FLOPs")
     _add_model_arguments(inspect)
-    inspect.add_argument("--format", choices=("table", "json"), default="table")
+    _add_format_argument(inspect)
 
     export = commands.add_parser(
         "export", help="write a plan in a framework's own form (onnx, mindspore, dtensor, jax)"
@@ -240,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     show = shown.add_parser("show", help="check a profile and print it (its TOML, every number with its source)")
     show.add_argument("name", metavar="NAME", help="a bundled profile (see 'autopar profiles') or a .toml file")
     return parser
+
+
+def defaults_of(command: str) -> dict[str, Any]:
+    """Every flag's default value for ``command`` (by destination), as its parser holds them."""
+    return vars(build_parser().parse_args([command, "MODEL"]))
 
 
 def _version() -> str:

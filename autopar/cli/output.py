@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from autopar.errors import AutoparError, AutoparWarning
+from autopar.errors import AutoparError, AutoparWarning, FallbackWarning
 
 
 def emit(text: str, out: str | None) -> None:
@@ -101,8 +101,17 @@ class ProgressLine:
         self.close()
 
 
-def say_warnings(caught: Iterable[warnings.WarningMessage]) -> None:
-    """autopar's warnings, one line each on stderr, in the command line's words."""
+def say_warnings(caught: Iterable[warnings.WarningMessage], plan_says: bool = False) -> None:
+    """autopar's warnings, one line each on stderr, in the command line's words (``plan_says``: the plan's
+    own warnings are said from it, `say_plan_warnings`, so a fallback operator is not named twice)."""
     for warning in caught:
+        if plan_says and issubclass(warning.category, FallbackWarning):
+            continue
         if issubclass(warning.category, AutoparWarning):
             print(f"autopar: warning: {warning.message}", file=sys.stderr)
+
+
+def say_plan_warnings(sentences: Iterable[str], where: str = "") -> None:
+    """The plan's warnings (`autopar.lowering.advice`, the report's list), one line each on stderr."""
+    for sentence in sentences:
+        print(f"autopar: warning: {where}{sentence}", file=sys.stderr)

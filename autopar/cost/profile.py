@@ -183,10 +183,11 @@ def available_profiles() -> list[str]:
 
 
 def profile_path(name_or_path: str | Path) -> Path:
-    """The file of a bundled profile (``a100``) or of a TOML path; a sentence if there is none."""
+    """The file of a bundled profile (``a100``, any case) or of a TOML path; a sentence if there is none."""
     path = Path(name_or_path)
     if not path.suffix:
-        candidate = profiles_dir() / f"{name_or_path}.toml"
+        bundled = {name.lower(): name for name in available_profiles()}
+        candidate = profiles_dir() / f"{bundled.get(str(name_or_path).lower(), name_or_path)}.toml"
         if not candidate.is_file():
             raise CostModelError(
                 f"Unknown cost model {str(name_or_path)!r}; bundled: {', '.join(available_profiles())},"

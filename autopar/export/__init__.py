@@ -19,10 +19,10 @@ import onnx
 from autopar.errors import AutoparError
 from autopar.lowering.planfile import PlanFile
 
-# format -> (module, what ``out`` defaults to beside the plan)
+# format -> (module, what ``out`` defaults to in the working folder: the model's name, then the format)
 FORMATS: dict[str, tuple[str, str]] = {
-    "onnx": ("autopar.export.onnx_sharding", "{model}.sharded.onnx"),
-    "mindspore": ("autopar.export.mindspore", "{model}.strategy.ckpt"),
+    "onnx": ("autopar.export.onnx_sharding", "{model}_sharded.onnx"),
+    "mindspore": ("autopar.export.mindspore", "{model}_strategy.ckpt"),
     "dtensor": ("autopar.export.dtensor", "{model}_dtensor.py"),
     "jax": ("autopar.export.jax", "{model}_jax.py"),
 }

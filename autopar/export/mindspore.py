@@ -2,7 +2,7 @@
 
 `write` makes two files from a plan:
 
-* ``OUT`` (``{model}.strategy.ckpt`` by default): the protobuf ``ParallelStrategyMap`` of MindSpore's
+* ``OUT`` (``{model}_strategy.ckpt`` by default): the protobuf ``ParallelStrategyMap`` of MindSpore's
   ``node_strategy.proto`` (`autopar.export.node_strategy_pb2`), the file MindSpore reads with
   ``set_auto_parallel_context(strategy_ckpt_config={"load_file": ...})``. One
   ``ParallelStrategyItem`` per operator: the ONNX node's name, stage 0, and one ``ParallelStrategy``
@@ -12,7 +12,7 @@
   ``field`` 0, an empty ``param_split_shape`` / ``indices_offset`` (autopar has no manual field
   split), and ``opt_weight_shard_size`` / ``opt_weight_shard_step`` from the parallel optimizer
   (0 / 0 where it does not split the parameter, as MindSpore writes).
-* ``OUT`` with the suffix ``.py`` (``{model}.strategy.py``): a readable Python module of MindSpore
+* ``OUT`` with the suffix ``.py`` (``{model}_strategy.py``): a readable Python module of MindSpore
   primitives with their ``.shard(in_strategy)``, one per ONNX node. Given an ``OUT`` ending in
   ``.py``, that is the snippet and the checkpoint goes to ``OUT`` with the suffix ``.ckpt``.
 
@@ -409,8 +409,8 @@ def snippet(plan: PlanFile, model: onnx.ModelProto | None = None, checkpoint: st
 def output_paths(out: Path) -> tuple[Path, Path]:
     """(checkpoint, snippet): ``OUT`` and ``OUT`` as ``.py``; for an ``OUT`` ending in .py, ``OUT`` as ``.ckpt``.
 
-    >>> [str(path) for path in output_paths(Path("resnet50.strategy.ckpt"))]
-    ['resnet50.strategy.ckpt', 'resnet50.strategy.py']
+    >>> [str(path) for path in output_paths(Path("resnet50_strategy.ckpt"))]
+    ['resnet50_strategy.ckpt', 'resnet50_strategy.py']
     >>> [str(path) for path in output_paths(Path("plan.py"))]
     ['plan.ckpt', 'plan.py']
     """

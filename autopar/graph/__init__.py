@@ -32,7 +32,14 @@ from autopar.graph.bind import (
 from autopar.graph.build import build_graph, freeze
 from autopar.graph.read import read_model
 from autopar.graph.types import ElidedValue, Graph, OpNode, TensorInfo, TensorKind
-from autopar.graph.validate import check_data_inputs, check_dimensions, check_input_types, check_model
+from autopar.graph.validate import (
+    check_data_inputs,
+    check_declared_types,
+    check_dimensions,
+    check_input_types,
+    check_model,
+    declared_types,
+)
 
 
 def load_model(
@@ -49,10 +56,12 @@ def load_model(
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
     check_bindings(batch, dims or {})
     check_declared_sizes(proto, batch)
+    declared = declared_types(proto)
     if batch is not None:
         rebatch_reshapes(proto, batch)
     proto = bind_dimensions(proto, batch, dims or {})
     proto = infer_shapes(proto)
+    check_declared_types(proto, declared)
     check_model(proto)
     check_data_inputs(proto)
     check_input_types(proto)

@@ -9,6 +9,7 @@ silently wrong plan later.
 from __future__ import annotations
 
 import math
+import re
 
 import onnx
 from onnx import numpy_helper, shape_inference
@@ -134,7 +135,19 @@ def infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
         return shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
     except Exception as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = re.sub(r"elem type differs from existing elem type: \((\d+)\) vs \((\d+)\)", _type_names, message)
         raise ModelImportError(f"ONNX shape inference failed: {message.rstrip('.')}.") from None
+
+
+def _type_names(match: re.Match[str]) -> str:
+    """ONNX's numbered element types in words: "(1) vs (10)" -> "float (inferred) vs float16 (declared)"."""
+    inferred, declared = (_type_name(int(number)) for number in match.groups())
+    return f"elem type differs from the declared one: {inferred} (inferred) vs {declared} (declared)"
+
+
+def _type_name(elem_type: int) -> str:
+    names = onnx.TensorProto.DataType
+    return names.Name(elem_type).lower() if elem_type in names.values() else str(elem_type)
 
 
 def check_reshapes(proto: onnx.ModelProto) -> None:

@@ -16,6 +16,8 @@ def read_model(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
         proto.CopyFrom(model)
     else:
         path = Path(model)
+        if path.is_dir():
+            raise ModelImportError(f"{str(path)!r} is a directory; give the ONNX model file in it.")
         if not path.is_file():
             raise ModelImportError(f"Model file {str(path)!r} does not exist.")
         try:

@@ -115,6 +115,49 @@ def check_dimensions(proto: onnx.ModelProto) -> None:
                 )
 
 
+def declared_types(proto: onnx.ModelProto) -> dict[str, int]:
+    """The element types the file declares for its intermediate tensors, read before binding drops those
+    declarations (their shapes follow the new sizes) so that `check_declared_types` can hold them to what
+    inference finds."""
+    return {
+        vi.name: vi.type.tensor_type.elem_type
+        for vi in proto.graph.value_info
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type
+    }
+
+
+def check_declared_types(proto: onnx.ModelProto, declared: dict[str, int]) -> None:
+    """Every declaration of a tensor's element type agrees with what the tensor holds.
+
+    An initializer is what its data says; any other tensor what inference gives its producer. A
+    declaration that disagrees (a float16 value info for a float activation, an initializer declared
+    as an input of another type) would cost and run the wrong bytes.
+    """
+    initializers = {init.name: init.data_type for init in proto.graph.initializer}
+    claims = [(vi.name, vi.type.tensor_type.elem_type) for vi in proto.graph.input if vi.type.HasField("tensor_type")]
+    claims += list(declared.items())
+    infos = value_infos(proto)
+    producers = {out: node for node in proto.graph.node for out in node.output if out}
+    for name, claimed in claims:
+        if not claimed:
+            continue
+        if name in initializers:
+            if initializers[name] != claimed:
+                raise ModelImportError(
+                    f"Initializer {name!r} holds {_type_name(initializers[name])} but the model declares it"
+                    f" {_type_name(claimed)}."
+                )
+            continue
+        vi = infos.get(name)
+        found = vi.type.tensor_type.elem_type if vi is not None and vi.type.HasField("tensor_type") else 0
+        if found and found != claimed:
+            node = producers.get(name)
+            source = f"operator {node.name or node.output[0]!r} ({node.op_type}) yields" if node else "it is"
+            raise ModelImportError(
+                f"Tensor {name!r} is declared {_type_name(claimed)} but {source} {_type_name(found)}."
+            )
+
+
 def _type_name(elem_type: int) -> str:
     """ONNX's spelling in type constraints: FLOAT -> 'float', INT64 -> 'int64'."""
     return onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type in onnx.TensorProto.DataType.values() else "?"

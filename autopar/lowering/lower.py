@@ -350,15 +350,26 @@ def memory_plan(problem: SearchProblem, choice: Sequence[int], choices: MemoryCh
     return MemoryPlan(parallel_optimizer=names, recompute=recomputed, micro_batches=choices.micro_batches)
 
 
-def totals(problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> Totals:
-    """The plan's figures for a whole step (with k micro-batches: k micro-steps, one gradient sync)."""
+def totals(
+    problem: SearchProblem,
+    choice: Sequence[int],
+    choices: MemoryChoices = NO_MEMORY_CHOICES,
+    free: tuple[SearchProblem, float] | None = None,
+) -> Totals:
+    """The plan's figures for a whole step (with k micro-batches: k micro-steps, one gradient sync).
+
+    ``free`` (with fixed strategies): the problem with nothing fixed and the step of its searched plan;
+    data parallel is then that problem's (a fixed operator's one candidate is not data parallel), and
+    the fixed strategies' cost is this step minus the free one.
+    """
     k = choices.micro_batches
     compute = sum(float(problem.node_compute[i][c]) for i, c in enumerate(choice))
     if choices.recompute:
         compute += sum(float(problem.recompute_time[i][c]) for i, c in enumerate(choice) if i in problem.recompute_time)
     compute *= k
     step = problem.objective(choice, choices)
-    data_parallel = problem.objective(data_parallel_choice(problem), MemoryChoices(micro_batches=k))
+    unfixed = free[0] if free is not None else problem
+    data_parallel = unfixed.objective(data_parallel_choice(unfixed), MemoryChoices(micro_batches=k))
     flops = training_flops(problem) * k
     return Totals(
         step_time_s=rounded(step),
@@ -373,4 +384,6 @@ def totals(problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices
         ideal_step_time_s=rounded(flops / (problem.num_devices * problem.cost.peak_flops)),
         data_parallel_step_time_s=rounded(data_parallel),
         speedup_vs_data_parallel=rounded(data_parallel / step) if step > 0 else 1.0,
+        free_step_time_s=rounded(free[1]) if free is not None else None,
+        fixed_cost_s=rounded(step - free[1]) if free is not None else None,
     )

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from autopar import progress
 from autopar.cost.mesh import Mesh
 from autopar.layout import Layout
+from autopar.lowering.advice import fallback_sentence
 from autopar.lowering.lower import (
     gradient_paths,
     gradient_sync,
@@ -47,15 +48,24 @@ class Plan:
     cost_model: str
     precision: str
     phases_s: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+    # with fixed strategies: the plan the search finds with nothing fixed, on the same graph and
+    # micro-batches; what the plan is compared with (pure data parallel, the cost of what was fixed)
+    free: "Plan | None" = field(default=None, repr=False, compare=False)
 
     # The faces register the Jupyter renderer (autopar.report); the core never imports them.
     html_renderer: ClassVar[Callable[["Plan"], str] | None] = None
 
     @classmethod
     def lower(
-        cls, problem: SearchProblem, result: SearchResult, mode: str, phases_s: dict[str, float] | None = None
+        cls,
+        problem: SearchProblem,
+        result: SearchResult,
+        mode: str,
+        phases_s: dict[str, float] | None = None,
+        free: "Plan | None" = None,
     ) -> "Plan":
-        """The plan of one search result on one problem (``phases_s``: measured seconds so far)."""
+        """The plan of one search result on one problem (``phases_s``: measured seconds so far; ``free``:
+        with fixed strategies, the plan found with nothing fixed)."""
         return cls(
             problem,
             tuple(result.choice),
@@ -65,6 +75,7 @@ class Plan:
             problem.cost.profile.name,
             problem.cost.precision,
             dict(phases_s or {}),
+            free,
         )
 
     @cached_property
@@ -96,17 +107,15 @@ class Plan:
 
     def fallback_summary(self) -> str:
         """One sentence naming the operators kept replicated for want of a rule."""
-        rules = [rule for rule in self.problem.rules if rule.spec.fallback]
-        named = ", ".join(f"{rule.op.name} ({rule.op.op_type})" for rule in rules[:5])
-        more = f" and {len(rules) - 5} more" if len(rules) > 5 else ""
-        return (
-            f"{len(rules)} operator(s) have no strategy rule and are kept replicated with their inputs gathered:"
-            f" {named}{more}."
+        return fallback_sentence(
+            [f"{rule.op.name} ({rule.op.op_type})" for rule in self.problem.rules if rule.spec.fallback]
         )
 
     @property
     def data_parallel_objective(self) -> float:
-        return self.problem.objective(data_parallel_choice(self.problem))
+        """Pure data parallel's step on this plan's problem (with fixed strategies: on the problem without them)."""
+        problem = self.free.problem if self.free is not None else self.problem
+        return problem.objective(data_parallel_choice(problem))
 
     def layouts(self, node: int) -> tuple[list[Layout | None], list[Layout | None]]:
         """(input layouts, output layouts) of operator ``node`` under this plan."""
@@ -124,7 +133,8 @@ class Plan:
         ops = op_entries(problem, choice, choices)
         moves = redistributions(problem, choice)
         syncs = gradient_sync(problem, choice, choices)
-        total = totals(problem, choice, choices)
+        free = (self.free.problem, self.free.objective) if self.free is not None else None
+        total = totals(problem, choice, choices, free)
         phases = {**self.phases_s, "lowering": time.perf_counter() - started} if self.phases_s else None
         return PlanFile(
             schema_=SCHEMA,

@@ -25,6 +25,7 @@ from pydantic import (
     PositiveInt,
     SerializerFunctionWrapHandler,
     ValidationError,
+    field_validator,
     model_serializer,
 )
 
@@ -207,7 +208,8 @@ class GradientSync(_OmitsUnset):
         return Step(Collective(self.collective), tuple(self.bits), self.bytes, self.dim)
 
 
-class Totals(_Part):
+class Totals(_OmitsUnset):
+    _omit: ClassVar[tuple[str, ...]] = ("free_step_time_s", "fixed_cost_s")
     step_time_s: NonNegativeFloat
     compute_s: NonNegativeFloat
     communication_s: float = Field(description="communication the step waits for (exposed)")
@@ -223,8 +225,18 @@ class Totals(_Part):
     )
     training_flops: NonNegativeFloat
     ideal_step_time_s: NonNegativeFloat
-    data_parallel_step_time_s: NonNegativeFloat
-    speedup_vs_data_parallel: NonNegativeFloat
+    data_parallel_step_time_s: NonNegativeFloat = Field(
+        description="the step of pure data parallel (the batch split over every device, nothing fixed)"
+    )
+    speedup_vs_data_parallel: NonNegativeFloat = Field(description="data_parallel_step_time_s / step_time_s")
+    free_step_time_s: NonNegativeFloat | None = Field(
+        default=None,
+        description="with fixed strategies (semi-auto): the step of the plan the search finds with nothing fixed",
+    )
+    fixed_cost_s: float | None = Field(
+        default=None,
+        description="with fixed strategies (semi-auto): what they cost, step_time_s - free_step_time_s",
+    )
 
 
 class LinkUse(_Part):
@@ -331,6 +343,17 @@ class PlanFile(_Part):
     memory_plan: MemoryPlan
     search: SearchSummary
     context: PlanContext | None = Field(default=None, description="what the plan was made for (absent in old files)")
+
+    @field_validator("ops")
+    @classmethod
+    def _each_operator_once(cls, ops: list[OpEntry]) -> list[OpEntry]:
+        """One strategy an operator: a file listing one twice says two things about it."""
+        seen: set[str] = set()
+        for op in ops:
+            if op.name in seen:
+                raise ValueError(f"operator {op.name!r} is listed twice")
+            seen.add(op.name)
+        return ops
 
     def dump(self) -> dict[str, Any]:
         """The JSON-safe dict (enums as their strings)."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from autopar.cost.mesh import Mesh
 from autopar.lowering import GRAPH_OUTPUT, PlanFile, read_plan_file
+from autopar.lowering.advice import plan_warnings
 from autopar.lowering.planfile import CollectiveStep, GradientSync, OpEntry
 from autopar.report.format import link_levels
 from autopar.units import human_bytes
@@ -143,48 +144,8 @@ def summary_figures(plan: PlanLike, stand_alone: PlanLike | None = None) -> dict
 
 
 def warnings_of(plan: PlanLike) -> list[str]:
-    """Plain sentences about what a reader should not miss."""
-    data = as_plan_file(plan)
-    devices = data.devices
-    image = is_image_model(data)
-    used = [axis_splits(op, image)[1] for op in data.ops]
-    found = []
-    if devices > 1 and max(used) == 1:
-        found.append(
-            f"The model is fully replicated: every operator runs whole on each of the {devices} devices,"
-            " which repeat one another's work."
-        )
-    elif max(used) < devices:
-        found.append(
-            f"Idle devices: the largest split uses {max(used)} of {devices} devices; the other"
-            f" {devices // max(used) - 1} of every {devices // max(used)} repeat the same calculation."
-        )
-    if data.fallback_ops:
-        named = ", ".join(data.fallback_ops[:8]) + (" and more" if len(data.fallback_ops) > 8 else "")
-        found.append(
-            f"{len(data.fallback_ops)} fallback operator(s) without a strategy rule run replicated with their"
-            f" inputs gathered: {named}."
-        )
-    memory_plan = data.memory_plan
-    if memory_plan.parallel_optimizer:
-        found.append(
-            f"To fit in memory, {len(memory_plan.parallel_optimizer)} parameters use the parallel optimizer"
-            " (gradient and optimizer state split, weights gathered after the update)."
-        )
-    if memory_plan.recompute:
-        found.append(
-            "To fit in memory, the repeated blocks from " + ", ".join(memory_plan.recompute) + " recompute"
-            " their forward pass in the backward."
-        )
-    if memory_plan.micro_batches > 1:
-        found.append(
-            f"To fit in memory, the step accumulates gradients over {memory_plan.micro_batches} micro-batches;"
-            " the operators' shapes and costs below are one micro-batch's."
-        )
-    totals = data.totals
-    if totals.memory_per_device_bytes > 0.9 * totals.memory_capacity_bytes:
-        found.append("Memory is over 90% of capacity: a larger batch or model will not fit.")
-    return found
+    """Plain sentences about what a reader should not miss (`autopar.lowering.advice`: the terminal says them too)."""
+    return plan_warnings(as_plan_file(plan))
 
 
 def level_traffic(plan: PlanLike) -> list[dict[str, Any]]:

@@ -74,7 +74,8 @@ def summary_section(data: PlanFile, stand_alone: PlanFile | None) -> str:
             "speed-up vs data parallel",
             totals.speedup_vs_data_parallel,
             f"x{totals.speedup_vs_data_parallel:.3f}",
-            f"data parallel {ms(totals.data_parallel_step_time_s)}",
+            f"data parallel {ms(totals.data_parallel_step_time_s)}"
+            + (" (pure: nothing fixed)" if totals.free_step_time_s is not None else ""),
         ),
         _card(
             "speedup_vs_stand_alone",
@@ -86,6 +87,18 @@ def summary_section(data: PlanFile, stand_alone: PlanFile | None) -> str:
             else "needs the plan on its problem (a plan file alone cannot say)",
         ),
     ]
+    if totals.fixed_cost_s is not None and totals.free_step_time_s is not None:
+        fixed = sum(1 for op in data.ops if op.fixed)
+        cards.append(
+            _card(
+                "fixed_cost_s",
+                "cost of the fixed strategies",
+                totals.fixed_cost_s,
+                ms(max(0.0, totals.fixed_cost_s)),
+                f"{fixed} operator{'s' if fixed != 1 else ''} fixed; with nothing fixed the search finds"
+                f" {ms(totals.free_step_time_s)}",
+            )
+        )
     found = warnings_of(data)
     warned = (
         "<ul class='warnings'>" + "".join(f"<li>{escape(w)}</li>" for w in found) + "</ul>"

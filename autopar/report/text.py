@@ -8,7 +8,7 @@ from typing import Any
 from autopar.cost.mesh import Mesh
 from autopar.graph import Graph
 from autopar.lowering import GRAPH_OUTPUT, Plan
-from autopar.lowering.planfile import CollectiveStep
+from autopar.lowering.planfile import CollectiveStep, PlanFile
 from autopar.report.format import figure_ms, link_levels, strategy_text
 from autopar.spmd import VerifyReport
 from autopar.spmd.compare import PHASES
@@ -24,6 +24,24 @@ def _step_text(step: CollectiveStep, mesh: Mesh) -> str:
     return (
         f"{step.collective} over {step.group_size} devices ({link_levels(mesh, step.bits)}), {human_bytes(step.bytes)}"
     )
+
+
+def _fixed_cost_lines(data: PlanFile) -> list[str]:
+    """With fixed strategies: what they cost, against the plan the search finds with nothing fixed."""
+    totals = data.totals
+    fixed = sum(1 for op in data.ops if op.fixed)
+    if not fixed:
+        return []
+    named = f"{fixed} operator{'s' if fixed != 1 else ''}"
+    if totals.fixed_cost_s is None or totals.free_step_time_s is None:
+        return [f"fixed:            {named}; with nothing fixed no plan fits, so their cost is not known"]
+    free = figure_ms(totals.free_step_time_s)
+    if totals.fixed_cost_s <= 0:
+        return [f"fixed:            {named}, at no cost (the search with nothing fixed finds {free} ms)"]
+    return [
+        f"fixed:            {named} cost {figure_ms(totals.fixed_cost_s)} ms a step"
+        f" (this plan minus the {free} ms the search finds with nothing fixed)"
+    ]
 
 
 def plan_table(plan: Plan, top: int | None = 20) -> str:
@@ -44,7 +62,9 @@ def plan_table(plan: Plan, top: int | None = 20) -> str:
         f"step time:        {figure_ms(totals.step_time_s)} ms predicted"
         f"  (compute {figure_ms(totals.compute_s)} ms, communication {figure_ms(totals.communication_s)} ms exposed)",
         f"vs data parallel: {figure_ms(totals.data_parallel_step_time_s)} ms"
-        f"  -> this plan is x{totals.speedup_vs_data_parallel:.3f}",
+        f"  -> this plan is x{totals.speedup_vs_data_parallel:.3f}"
+        + ("  (pure data parallel: nothing fixed)" if totals.fixed_cost_s is not None else ""),
+        *_fixed_cost_lines(data),
         f"ideal step time:  {figure_ms(totals.ideal_step_time_s)} ms (training FLOPs / (devices x peak))",
         f"memory/device:    {human_bytes(totals.memory_per_device_bytes)}"
         f" of {human_bytes(totals.memory_capacity_bytes)} ({breakdown})",

@@ -19,6 +19,7 @@ import numpy as np
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.search.memory import MemoryChoices
 from autopar.search.problem import SearchProblem
+from autopar.stdio import stdout_elsewhere
 
 TIME_SCALE = 1e6  # solve in microseconds: keeps coefficients well inside HiGHS' tolerances
 
@@ -124,8 +125,9 @@ def _solve(
         memory = np.concatenate([np.concatenate(node_memory), extra_memory]) / capacity  # in capacity units
         add_row(list(range(n_binary)), list(memory), -np.inf, 1.0)
 
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
+    with stdout_elsewhere():  # HiGHS prints its banner on descriptor 1 when made, before any option is read
+        highs = highspy.Highs()
+        highs.setOptionValue("output_flag", False)
     highs.setOptionValue("mip_rel_gap", 1e-9)
     highs.setOptionValue("mip_abs_gap", 1e-12)
     highs.setOptionValue("time_limit", float(time_limit))
@@ -149,7 +151,8 @@ def _solve(
         index,
         np.concatenate(rows_value),
     )
-    highs.run()
+    with stdout_elsewhere():  # output_flag keeps the solve quiet; this keeps a future banner off stdout too
+        highs.run()
     status = highs.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
         raise InfeasibleError("Nothing fits in device memory: the ILP finds no plan within the capacity.")
