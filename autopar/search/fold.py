@@ -16,7 +16,7 @@ between equally fast plans may resolve differently).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,13 +94,15 @@ class FoldedRun:
     joint class of the shared operators: exact, and as cheap as before when nothing is shared.
     """
 
-    def __init__(self, repeat: Repeat, factors: list[Factor], sizes: Sequence[int]) -> None:
+    def __init__(
+        self, repeat: Repeat, factors: list[Factor], sizes: Sequence[int], ties: Mapping[int, int] | None = None
+    ) -> None:
         self.repeat = repeat
         self.factors = factors  # the representative copy's edges (copy 0, reading operator start - 1)
         block = set(repeat.block(0))
         self.p, self.q = repeat.last(-1), repeat.last(0)
         keep = [u for u in range(len(sizes)) if u not in block or u == self.q]
-        self.elimination = Elimination(sizes, factors, keep)
+        self.elimination = Elimination(sizes, factors, keep, ties)
         structure = self.elimination.leftover_structure()
         self.boundary, self._first = self._classes(self.p, structure, sizes)
         self.classes = int(self.boundary.max()) + 1
@@ -232,6 +234,8 @@ class Costed(Protocol):
     def factors(self) -> Sequence[Factor]: ...
     @property
     def folds(self) -> Sequence[tuple[Repeat, list[Factor]]]: ...
+    @property
+    def ties(self) -> Mapping[int, int]: ...
 
 
 class Solver:
@@ -243,15 +247,17 @@ class Solver:
         sizes: Sequence[int] = (),
         factors: Sequence[Factor] = (),
         folds: Sequence[tuple[Repeat, list[Factor]]] = (),
+        ties: Mapping[int, int] | None = None,
     ) -> None:
         """The solver of ``sizes`` candidates per operator, ``factors`` and ``folds`` (whose tables
-        may be placeholders of the right shape: planning reads shapes only)."""
+        may be placeholders of the right shape: planning reads shapes only); ``ties`` maps the
+        operators of twin branches to the one whose candidate they take (`autopar.search.twins`)."""
         self.sizes = list(sizes)
-        self.runs = [FoldedRun(repeat, run_factors, self.sizes) for repeat, run_factors in folds]
+        self.runs = [FoldedRun(repeat, run_factors, self.sizes, ties) for repeat, run_factors in folds]
         placeholders = [run.placeholder(self.sizes[run.last]) for run in self.runs]
         self.first_placeholder = len(factors)
         folded = {u for run in self.runs for u in run.repeat.folded if u != run.last}
-        self.main = Elimination(self.sizes, list(factors) + placeholders, sorted(folded))
+        self.main = Elimination(self.sizes, list(factors) + placeholders, sorted(folded), ties)
         self.largest = max([self.main.largest] + [run.elimination.largest for run in self.runs])
 
     def bind(self, factors: Sequence[Factor], folds: Sequence[tuple[Repeat, list[Factor]]]) -> None:
@@ -264,7 +270,8 @@ class Solver:
     @classmethod
     def of(cls, problem: Costed) -> "Solver":
         """The solver planned on a costed problem's arrays (bound to its tables without recomputation)."""
-        return cls(sizes=[len(t) for t in problem.node_time], factors=problem.factors, folds=problem.folds)
+        sizes = [len(t) for t in problem.node_time]
+        return cls(sizes=sizes, factors=problem.factors, folds=problem.folds, ties=problem.ties)
 
     def states(self) -> tuple[int, int]:
         """(candidates kept as states, candidates dropped as exactly dominated), over every operator.
