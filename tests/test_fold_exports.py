@@ -27,9 +27,10 @@ LLAMA_EXPORTS = ("torch_llama_dynamo", "torch_llama_legacy", "torch_llama_interl
 
 
 def _objectives(graph, devices: int, ilp: bool = True) -> tuple[float, ...]:
-    """The folded DP's plan, the unfolded DP's and the ILP's, each scored by the unfolded problem."""
+    """The folded DP's plan, the unfolded DP's (twin branches untied) and the ILP's, each scored by the
+    unfolded problem."""
     cost = CostModel(profile())
-    folded, unfolded = build_problem(graph, cost, devices), build_problem(graph, cost, devices, fold=False)
+    folded, unfolded = build_problem(graph, cost, devices), build_problem(graph, cost, devices, fold=False, twins=False)
     assert folded.folds, "nothing folded"
     found = [unfolded.objective(run_search(folded).choice), unfolded.objective(run_search(unfolded).choice)]
     if ilp:

@@ -303,7 +303,8 @@ class SearchSummary(_OmitsUnset):
         default=None, description="candidates the exact search kept as states (one per distinct set of layouts)"
     )
     candidates_dropped: NonNegativeInt | None = Field(
-        default=None, description="candidates dropped as exactly dominated (same layouts, never cheaper)"
+        default=None,
+        description="candidates dropped as exactly dominated (same layouts, never cheaper) or taken from a twin branch",
     )
     repeated_blocks: list[RepeatedBlock] = Field(default_factory=list)
     unfolded_runs: list[UnfoldedRun] | None = Field(

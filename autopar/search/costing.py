@@ -33,6 +33,7 @@ from autopar.search.fold import RunEdges, Solver
 from autopar.search.memory import Alternative, CandidateSplits, recompute_savings, resident
 from autopar.search.problem import SearchProblem
 from autopar.search.repeats import Repeat, find_repeats, signatures
+from autopar.search.twins import find_twins
 from autopar.strategy import OpRule
 
 
@@ -42,13 +43,15 @@ def build_problem(
     num_devices: int,
     fold: bool = True,
     fixed: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    twins: bool = True,
 ) -> SearchProblem:
     """Cost every candidate of every operator and every edge between them.
 
     With ``fold``, runs of structurally identical blocks (`autopar.search.fold`) are costed
     once: every copy shares copy 0's node costs and edge tables. ``fixed`` maps operator names to
     the in_strategy each must keep (semi-auto mode): those operators have that one candidate,
-    and a block holding one is no longer a copy of the others.
+    and a block holding one is no longer a copy of the others. With ``twins``, twin branches
+    (`autopar.search.twins`) are tied: the search takes one candidate for both.
     """
     mesh_bits = num_devices.bit_length() - 1
     rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
@@ -78,14 +81,15 @@ def build_problem(
         if use.dst_node in run_of and use.src_node == repeats[run_of[use.dst_node]].start - 1
     }
     _check_size(flow, costed)
-    layouts = _Layouts(flow.rules)
-    _check_search(flow.rules, layouts, costed, entry_of, repeats, run_of)
     every = max(1, len(rules) // 100)
     costs: list[NodeCosts] = []
     for node in range(len(rules)):
         if node % every == 0:
             progress.report("costing operators", node, len(rules))
         costs.append(costs[copy_of[node]] if node in copy_of else _node_costs(flow, node))
+    layouts = _Layouts(flow.rules)
+    ties = _twins(flow, costed, layouts, costs, repeats) if twins else {}
+    _check_search(flow.rules, layouts, costed, entry_of, repeats, run_of, ties)
     main: list[Factor] = []
     first: list[list[Factor]] = [[] for _ in repeats]
     later: list[list[Factor]] = [[] for _ in repeats]
@@ -126,6 +130,7 @@ def build_problem(
         layouts_costed=layouts_costed,
         pairs_costed=pairs_costed,
         unfolded=tuple(unfolded),
+        ties=MappingProxyType(ties),
     )
 
 
@@ -421,6 +426,7 @@ def _check_search(
     entry_of: Mapping[int, int],
     repeats: Sequence[Repeat],
     run_of: dict[int, int],
+    ties: Mapping[int, int],
 ) -> None:
     """Plan the search on placeholder tables before any cost is computed, and drop the plan: a
     table too large is refused now, in a second, not after a minute of costing. Planning reads
@@ -438,7 +444,47 @@ def _check_search(
         else:
             main.append(found[0])
     folds = [(repeat, RunEdges(tuple(f), tuple(g))) for repeat, f, g in zip(repeats, first, later)]
-    Solver(sizes=[len(rule.candidates) for rule in rules], factors=main, folds=folds)
+    Solver(sizes=[len(rule.candidates) for rule in rules], factors=main, folds=folds, ties=ties)
+
+
+def _twins(
+    flow: Dataflow, uses: Sequence[TensorUse], layouts: _Layouts, costs: Sequence[NodeCosts], repeats: Sequence[Repeat]
+) -> dict[int, int]:
+    """Twin branches (`autopar.search.twins`): each operator tied to a twin -> the one whose candidate it takes.
+
+    A table's key is what fills it: the layouts and candidate maps at both ends, the bytes and
+    whether a gradient flows back (`_edge_costs`). An operator's key is its costs per candidate;
+    operators owning trained parameters (their gradient sync hides behind a window that depends on
+    where they are) and operators reading their own output are never tied. Twins lie in one part
+    of the search: the main graph, or the first copy of a folded run without its boundaries.
+    """
+    region = [0] * flow.size
+    for index, repeat in enumerate(repeats):
+        for node in repeat.folded:
+            region[node] = index + 1 if node in repeat.block(0) else -1
+    for repeat in repeats:
+        for node in (repeat.last(-1), repeat.last(0), repeat.last(repeat.copies - 1), *repeat.shared):
+            region[node] = -1
+    keys: dict[tuple, int] = {}
+    edges: list[tuple[int, int, int]] = []
+    for use in uses:
+        if use.src_node == use.dst_node:
+            region[use.src_node] = -1
+            continue
+        src_ids, src_pos = layouts.of(use.src_node, use.src_is_output, use.src_slot)
+        dst_ids, dst_pos = layouts.of(use.dst_node, False, use.dst_slot)
+        info = flow.graph.tensor(use.tensor)
+        table = (info.numel * flow.itemsize(info), flow.requires_grad.get(use.tensor, False))
+        ends = (src_ids.tobytes(), src_pos.tobytes(), dst_ids.tobytes(), dst_pos.tobytes())
+        edges.append((use.src_node, use.dst_node, keys.setdefault((*ends, *table), len(keys))))
+    node_keys: list[tuple | None] = []
+    for c in costs:
+        if c.parameter_elements:
+            node_keys.append(None)
+            continue
+        arrays = (c.compute, c.forward, c.communication, c.gradient_sync, c.scatter, c.gather, c.memory)
+        node_keys.append(tuple(a.tobytes() for a in (*arrays, c.state_saving, c.activations)))
+    return find_twins(flow.size, edges, node_keys, region)
 
 
 def _edge_costs(

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -115,13 +115,25 @@ class Elimination:
     """A structural elimination plan: which node when, and how every table is gathered.
 
     ``keep`` names operators never eliminated: their leftover factors come back from `run`
-    (a repeated block keeps its boundary operators, see `autopar.search.fold`).
+    (a repeated block keeps its boundary operators, see `autopar.search.fold`). ``ties`` maps an
+    operator to the one whose candidate it takes (twin branches, `autopar.search.twins`): its
+    factors join the other's and its unary costs add to the other's; ties of kept operators are
+    left to the search that eliminates them.
     """
 
-    def __init__(self, sizes: Sequence[int], factors: Sequence[Factor], keep: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        factors: Sequence[Factor],
+        keep: Sequence[int] = (),
+        ties: Mapping[int, int] | None = None,
+    ) -> None:
         self.sizes = list(sizes)
-        self.initial = list(factors)
         self.keep = tuple(keep)
+        kept = set(self.keep)
+        self.ties = tuple(sorted((t, r) for t, r in (ties or {}).items() if t not in kept and r not in kept))
+        self._tied = dict(self.ties)
+        self.initial = [self._tie(f) for f in factors]
         self.steps: list[_Step] = []
         self.largest = 0
         self.work = 0
@@ -142,6 +154,12 @@ class Elimination:
             assert refusal is not None
             raise refusal
         self.steps, self.work, self.largest, self.leftover, self._leftover = best
+
+    def _tie(self, factor: Factor) -> Factor:
+        """The factor with every tied operator replaced by the one it is tied to (same candidates)."""
+        if not any(u in self._tied for u in factor.scope):
+            return factor
+        return Factor(tuple(self._tied.get(u, u) for u in factor.scope), factor.maps, factor.table)
 
     def _plan(self, rule: str) -> tuple[list[_Step], int, int, list[int], dict[int, _Live]]:
         """(steps, entries summed in all, the largest step, leftover factor ids, their structure) of one order."""
@@ -181,7 +199,7 @@ class Elimination:
                 fill += sum(1 for b in neighbours[i + 1 :] if b not in near)
             return fill, left
 
-        heap = [(*estimate(v), v) for v in range(len(sizes)) if v not in keep]
+        heap = [(*estimate(v), v) for v in range(len(sizes)) if v not in keep and v not in self._tied]
         heapq.heapify(heap)
         current = {v: (left, work) for left, work, v in heap}
         done: set[int] = set()
@@ -270,15 +288,18 @@ class Elimination:
 
     def bind(self, factors: Sequence[Factor]) -> None:
         """Give the first initial factors their real tables (the plan was made on same-shaped placeholders)."""
+        factors = [self._tie(f) for f in factors]
         for old, new in zip(self.initial, factors):
             if old.scope != new.scope or old.table.shape != new.table.shape:
                 raise ValueError("a bound factor differs from the one the elimination was planned on")
         self.initial[: len(factors)] = factors
 
     def states(self) -> tuple[int, int]:
-        """(classes kept, candidates dropped) over the eliminated operators."""
+        """(classes kept, candidates dropped) over the eliminated and tied operators (a tied operator's
+        candidates are its twin's: none is a state of its own)."""
         kept = sum(len(step.starts) for step in self.steps)
-        return kept, sum(len(step.members) for step in self.steps) - kept
+        tied = sum(self.sizes[t] for t, _ in self.ties)
+        return kept, sum(len(step.members) for step in self.steps) - kept + tied
 
     def leftover_structure(self) -> list[tuple[tuple[int, ...], tuple[np.ndarray, ...]]]:
         """(scope, class maps) of each factor `run` leaves over the kept operators."""
@@ -290,6 +311,10 @@ class Elimination:
         ``tables`` replaces the tables of some initial factors (by position), same shapes.
         """
         tables = {fid: f.table for fid, f in enumerate(self.initial)} | (tables or {})
+        if self.ties:
+            unary = list(unary)
+            for twin, partner in self.ties:
+                unary[partner] = np.asarray(unary[partner], dtype=float) + unary[twin]
         records: list[tuple[_Step, list[np.ndarray], np.ndarray]] = []
         every = max(1, len(self.steps) // 100)
         for done, step in enumerate(self.steps):
@@ -306,7 +331,7 @@ class Elimination:
             records.append((step, parts, step.members[first]))
         structure = self.leftover_structure()
         leftover = [Factor(*structure[i], tables[fid]) for i, fid in enumerate(self.leftover)]
-        return Solved(len(self.sizes), records, leftover)
+        return Solved(len(self.sizes), records, leftover, self.ties)
 
 
 def _merge_parts(parts: list[np.ndarray]) -> list[np.ndarray]:
@@ -380,6 +405,7 @@ class Solved:
     size: int
     records: list[tuple[_Step, list[np.ndarray], np.ndarray]]
     leftover: list[Factor]
+    ties: tuple[tuple[int, int], ...] = ()  # (tied operator, the one whose candidate it takes)
 
     def backtrack(self, kept: dict[int, int] | None = None) -> list[int]:
         """A candidate per operator: kept operators as given, every eliminated one at its argmin."""
@@ -389,7 +415,7 @@ class Solved:
         return choice
 
     def assign(self, kept: dict[int, int]) -> dict[int, int]:
-        """The eliminated operators' argmin given the kept ones (and the kept ones), as a mapping."""
+        """The eliminated (and tied) operators' argmin given the kept ones (and the kept ones), as a mapping."""
         choice = dict(kept)
         for step, parts, representative in reversed(self.records):
             at = tuple(int(m[choice[u]]) for m, u in zip(step.rest_maps, step.rest))
@@ -397,6 +423,8 @@ class Solved:
             # here on one row instead of stored for the whole table
             row = sum(part[tuple(a if n > 1 else 0 for a, n in zip(at, part.shape))] for part in parts)
             choice[step.node] = int(representative[int(np.argmin(row))])
+        for twin, partner in self.ties:
+            choice[twin] = choice[partner]
         return choice
 
 

@@ -19,7 +19,7 @@ between equally fast plans may resolve differently).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -122,7 +122,9 @@ class FoldedRun:
     the shared operators: exact, and as cheap as before when nothing is shared.
     """
 
-    def __init__(self, repeat: Repeat, edges: RunEdges, sizes: Sequence[int]) -> None:
+    def __init__(
+        self, repeat: Repeat, edges: RunEdges, sizes: Sequence[int], ties: Mapping[int, int] | None = None
+    ) -> None:
         self.repeat = repeat
         self.edges = edges
         block = set(repeat.block(0))
@@ -132,7 +134,7 @@ class FoldedRun:
         run_sizes = [*sizes, sizes[self.p] + sizes[self.q]]
         factors = [self._entry_factor(first, later) for first, later in zip(edges.first, edges.later)]
         keep = [u for u in range(len(run_sizes)) if u not in block or u == self.q]
-        self.elimination = Elimination(run_sizes, factors, keep)
+        self.elimination = Elimination(run_sizes, factors, keep, ties)
         structure = self.elimination.leftover_structure()
         entry, self._first = self._classes(self.entry, structure, run_sizes)
         self.classes = int(entry.max()) + 1
@@ -280,6 +282,8 @@ class Costed(Protocol):
     def factors(self) -> Sequence[Factor]: ...
     @property
     def folds(self) -> Sequence[tuple[Repeat, RunEdges]]: ...
+    @property
+    def ties(self) -> Mapping[int, int]: ...
 
 
 class Solver:
@@ -291,15 +295,17 @@ class Solver:
         sizes: Sequence[int] = (),
         factors: Sequence[Factor] = (),
         folds: Sequence[tuple[Repeat, RunEdges]] = (),
+        ties: Mapping[int, int] | None = None,
     ) -> None:
         """The solver of ``sizes`` candidates per operator, ``factors`` and ``folds`` (whose tables
-        may be placeholders of the right shape: planning reads shapes only)."""
+        may be placeholders of the right shape: planning reads shapes only); ``ties`` maps the
+        operators of twin branches to the one whose candidate they take (`autopar.search.twins`)."""
         self.sizes = list(sizes)
-        self.runs = [FoldedRun(repeat, edges, self.sizes) for repeat, edges in folds]
+        self.runs = [FoldedRun(repeat, edges, self.sizes, ties) for repeat, edges in folds]
         placeholders = [run.placeholder(self.sizes[run.last]) for run in self.runs]
         self.first_placeholder = len(factors)
         folded = {u for run in self.runs for u in run.repeat.folded if u != run.last}
-        self.main = Elimination(self.sizes, list(factors) + placeholders, sorted(folded))
+        self.main = Elimination(self.sizes, list(factors) + placeholders, sorted(folded), ties)
         self.largest = max([self.main.largest] + [run.elimination.largest for run in self.runs])
 
     def bind(self, factors: Sequence[Factor], folds: Sequence[tuple[Repeat, RunEdges]]) -> None:
@@ -312,7 +318,8 @@ class Solver:
     @classmethod
     def of(cls, problem: Costed) -> "Solver":
         """The solver planned on a costed problem's arrays (bound to its tables without recomputation)."""
-        return cls(sizes=[len(t) for t in problem.node_time], factors=problem.factors, folds=problem.folds)
+        sizes = [len(t) for t in problem.node_time]
+        return cls(sizes=sizes, factors=problem.factors, folds=problem.folds, ties=problem.ties)
 
     def states(self) -> tuple[int, int]:
         """(candidates kept as states, candidates dropped as exactly dominated), over every operator.

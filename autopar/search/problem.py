@@ -15,8 +15,9 @@ additive too and is kept beside the time, for the capacity constraint.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from types import MappingProxyType
 
 import numpy as np
 
@@ -40,7 +41,8 @@ class SearchProblem(Dataflow):
     of folded runs, the forward paid again, the bytes freed (<= 0) and the share of their
     activations that stays. ``factors`` are the main graph's edges; ``folds`` each folded run's
     copy-0 edges, and ``recompute_folds`` the same with their forward paid twice; ``unfolded`` the
-    stretches of identical blocks that could not be folded, with the reason.
+    stretches of identical blocks that could not be folded, with the reason; ``ties`` the operators of
+    twin branches (`twins`) the DP gives the candidate of their twin.
     """
 
     node_time: tuple[np.ndarray, ...]
@@ -59,6 +61,7 @@ class SearchProblem(Dataflow):
     layouts_costed: int = 0
     pairs_costed: int = 0
     unfolded: tuple[Unfolded, ...] = ()  # stretches of copies left unfolded, with the reason
+    ties: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))  # operator -> its twin
 
     def objective(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
         """Predicted step time of one assignment (candidate index per node).
