@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from autopar.errors import InfeasibleError
 from autopar.limits import MAX_DEVICES
 from autopar.search.dp import tie_break_offsets
@@ -116,35 +118,42 @@ def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> 
         seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(offsets, choice))
         return _Point(choice, choices, seen, problem.memory(choice, choices))
 
-    fast = solve(0.0, False)
-    if fast.memory <= capacity:
+    def leanest(recompute: bool) -> _Point:
+        """The plan of least memory, the faster of equally lean ones: memory is a sum over operators,
+        so each takes its leanest candidate (no DP run); the walk needs it only as a plan that fits."""
+        unary, takes = problem.lagrangian(1.0, recompute, 1e-9)
+        choice = [int(np.argmin(u + 1e-9 * o)) for u, o in zip(unary, offsets)]
+        choices = problem.choices_at(choice, takes, recompute)
+        seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(offsets, choice))
+        return _Point(choice, choices, seen, problem.memory(choice, choices))
+
+    fits_without = problem.memory_floor(False) <= capacity * (1 + 1e-12)
+    fast = solve(0.0, False) if fits_without else None  # a plan that cannot fit needs no run to say so
+    if fast is not None and fast.memory <= capacity:
         return fast.choice, fast.choices, 0.0
     best: tuple[_Point, float] | None = None
     kinds = (False, True) if problem.recompute_time else (False,)
     leans: dict[bool, _Point] = {}
     for recompute in kinds:
         bound = best[0].seen if best is not None else math.inf
-        if recompute and fast.seen + sum(float(t.min()) for t in problem.recompute_time.values()) >= bound:
+        again = sum(float(t.min()) for t in problem.recompute_time.values())
+        if recompute and fast is not None and fast.seen + again >= bound:
             continue  # every recomputing plan pays at least the fastest forward of every block again
         if problem.memory_floor(recompute) > capacity * (1 + 1e-12):
             continue  # not even each operator's leanest candidate fits: no run of the DP needed to see it
-        start = fast if not recompute else solve(0.0, True)
+        start = fast if not recompute and fast is not None else solve(0.0, recompute)
         if start.seen >= bound:
             continue  # no plan of this kind is faster than the one found (so none is needed for the message)
-        lean = leans[recompute] = solve(1.0, recompute, time_scale=1e-9)
+        lean = leans[recompute] = leanest(recompute)
         if lean.memory > capacity:
             continue
         walked = _walk(start, lean, capacity, functools.partial(solve, recompute=recompute), bound)
         if walked is not None and walked[0].seen < bound:
             best = walked
     if best is None:  # nothing fits: the message describes the leanest plan of every kind
-        leanest = fast
-        for recompute in kinds:
-            lean = leans[recompute] if recompute in leans else solve(1.0, recompute, time_scale=1e-9)
-            if lean.memory < leanest.memory:
-                leanest = lean
+        least = min((leans.get(recompute) or leanest(recompute) for recompute in kinds), key=lambda p: p.memory)
         solver.bind(problem.factors, problem.folds)
-        message = _infeasible_message(problem, leanest.choice, capacity, "auto_parallel", leanest.choices)
+        message = _infeasible_message(problem, least.choice, capacity, "auto_parallel", least.choices)
         raise InfeasibleError(message)
     solver.bind(problem.factors, problem.folds)
     return best[0].choice, best[0].choices, best[1]
