@@ -77,10 +77,12 @@ def min_plus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows = max(1, _PRODUCT_CHUNK_CELLS // max(1, a.shape[1] * b.shape[1]))
     out = np.empty((a.shape[0], b.shape[1]))
     arg = np.empty((a.shape[0], b.shape[1]), dtype=np.int64)
+    columns = np.ascontiguousarray(b.T)  # the summed index last: one contiguous pass finds the argmin
     for start in range(0, a.shape[0], rows):
-        block = a[start : start + rows, :, None] + b[None, :, :]
-        arg[start : start + rows] = np.argmin(block, axis=1)
-        out[start : start + rows] = np.min(block, axis=1)
+        block = a[start : start + rows, None, :] + columns[None, :, :]
+        best = np.argmin(block, axis=2)
+        arg[start : start + rows] = best
+        out[start : start + rows] = np.take_along_axis(block, best[..., None], axis=2)[..., 0]
     return out, arg
 
 
