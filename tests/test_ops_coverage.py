@@ -165,14 +165,60 @@ def test_unknown_operator_runs_replicated_and_is_reported(tmp_path, capsys):
 
     nodes = [
         helper.make_node("Relu", ["X"], ["r"], name="relu"),
-        helper.make_node("CumSum", ["r", "axis"], ["Y"], name="cumsum"),
+        helper.make_node("Det", ["r"], ["Y"], name="det"),
     ]
-    model = make_model(nodes, [("X", F, [8, 8])], ["Y"], [ints("axis", 1)])
-    with pytest.warns(FallbackWarning, match=r"cumsum \(CumSum\)"):
+    model = make_model(nodes, [("X", F, [4, 8, 8])], ["Y"])
+    with pytest.warns(FallbackWarning, match=r"det \(Det\)"):
         plan = autopar.plan(model, devices=8)
-    assert plan.fallback_ops == ["cumsum"]
+    assert plan.fallback_ops == ["det"]
     assert autopar.verify(model, plan).ok
-    path = tmp_path / "cumsum.onnx"
+    path = tmp_path / "det.onnx"
     onnx.save(model, path)
     assert main(["plan", str(path), "--devices", "8"]) == 0
-    assert "cumsum" in capsys.readouterr().err
+    assert "det" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "case, axes",
+    [
+        ("reduce_prod", (0, 2)),  # the reduced axis 1 stays whole: partial products have no reduction
+        ("reduce_l2", (0,)),
+        ("reduce_log_sum_exp", (1,)),
+        ("reduce_l1", (0, 1)),  # a partial sum of |x| sums
+        ("reduce_sum_square", (0, 1, 2)),
+        ("cumsum", (0, 2)),  # the scanned axis stays whole
+        ("trilu", (0, 1)),  # the triangle's axes stay whole
+        ("depth_to_space", (0, 2, 3)),  # DCR: channels interleave the blocks
+        ("depth_to_space_crd", (0, 1, 2, 3)),  # CRD: an output channel reads a contiguous run of input channels
+        ("space_to_depth", (0, 2, 3)),
+        ("group_norm", (0, 1)),  # one channel a group: channels split by whole groups
+        ("group_norm_even_groups", (0,)),  # two channels a group: a split by 8 would cut groups
+        ("rms_norm", (0, 1)),
+        ("gather_nd", (2,)),  # data: the indexed axes (0, 1) stay whole
+        ("gather_nd_batch", (0, 2)),
+        ("scatter_nd", (1, 2)),
+        ("scatter_elements", (0,)),
+    ],
+)
+def test_what_each_new_operator_splits(case, axes):
+    assert split_axes(CASES[case]())[0] == axes
+
+
+def test_einsum_splits_every_label_and_a_contracted_one_leaves_a_partial_sum():
+    r = rule(CASES["einsum_experts"]())  # etd,edf->etf
+    assert r.spec.inputs == (("e", "t", "d"), ("e", "d", "f")) and r.spec.reduced_labels == ("d",)
+    assert r.spec.op_class == "cube"
+    assert split_axes(CASES["einsum_experts"]()) == [(0, 1, 2), (0, 1, 2)]  # experts split too
+    contracted = next(e for e in r.candidates if r.in_strategy(e) == ((1, 1, 4), (1, 4, 1)))
+    out = r.output_layouts(contracted)[0]
+    assert out.partial and out.partial_op == "sum"
+    diagonal = rule(CASES["einsum_diagonal"]())  # bii,i->b: the diagonal's label stays whole
+    assert diagonal.spec.inputs == (("b", None, None), (None,)) and split_axes(CASES["einsum_diagonal"]())[1] == ()
+    broadcast = rule(CASES["einsum_broadcast"]())  # a size-1 ellipsis dimension is not split
+    assert broadcast.spec.inputs[0][0] is None and broadcast.spec.inputs[1][0] == "...0"
+
+
+def test_gather_nd_splits_index_rows_and_batch():
+    assert split_axes(CASES["gather_nd"]())[1] == (0,)
+    assert split_axes(CASES["gather_nd_batch"]())[1] == (0, 1)
+    assert split_axes(CASES["scatter_nd"]())[1:] == [(), (1, 2)]  # indices whole; updates' slice axes

@@ -129,8 +129,50 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
         node.input[1] = new_name
 
 
+# Operators ONNX defines as functions without a shape-inference rule (GroupNormalization): their
+# output has their first input's type and shape, which inference then follows.
+SHAPE_OF_FIRST_INPUT = frozenset({"GroupNormalization"})
+
+
 def infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """Strict ONNX shape inference with data propagation (shape arithmetic is followed)."""
+    """Strict ONNX shape inference with data propagation (shape arithmetic is followed).
+
+    An output of an operator in `SHAPE_OF_FIRST_INPUT` that inference leaves untyped is typed as
+    that operator's first input, and inference runs again from there.
+    """
+    inferred = _strict_inference(proto)
+    while _type_like_first_input(inferred):
+        inferred = _strict_inference(inferred)
+    return inferred
+
+
+def _type_like_first_input(proto: onnx.ModelProto) -> bool:
+    """Type the untyped outputs of `SHAPE_OF_FIRST_INPUT` operators; whether any was."""
+    infos = value_infos(proto)
+    for init in proto.graph.initializer:
+        infos.setdefault(init.name, onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    outputs = {vi.name: vi for vi in proto.graph.output}
+    typed = False
+    for node in proto.graph.node:
+        if node.domain or node.op_type not in SHAPE_OF_FIRST_INPUT or not node.input or not node.output:
+            continue
+        source, name = infos.get(node.input[0]), node.output[0]
+        known = infos.get(name)
+        if source is None or not source.type.tensor_type.HasField("shape"):
+            continue
+        if known is not None and known.type.tensor_type.HasField("shape"):
+            continue
+        if name in outputs:
+            outputs[name].type.CopyFrom(source.type)
+        else:
+            info = proto.graph.value_info.add()
+            info.name = name
+            info.type.CopyFrom(source.type)
+        typed = True
+    return typed
+
+
+def _strict_inference(proto: onnx.ModelProto) -> onnx.ModelProto:
     try:
         return shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
     except Exception as exc:

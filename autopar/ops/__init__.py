@@ -9,7 +9,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopar.ops import conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool, reduce, shape
+from autopar.ops import (
+    conv,
+    declared,
+    elementwise,
+    indexing,
+    loss,
+    matmul,
+    movement,
+    norm,
+    pool,
+    reduce,
+    scan,
+    shape,
+)
 from autopar.ops.base import OpSpec, fallback_spec
 from autopar.ops.registry import Keeps, LocalCall, OpDef, lookup, registered_op_types
 
@@ -17,7 +30,7 @@ if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
 
 # the operator families: importing one registers its operators; each lists its test cases (`cases`)
-FAMILIES = (conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool, reduce, shape)
+FAMILIES = (conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool, reduce, scan, shape)
 
 
 def definition_for(op: NodeView, graph: GraphView) -> OpDef | None:

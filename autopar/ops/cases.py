@@ -51,7 +51,9 @@ class Node:
 @dataclass(frozen=True)
 class OpCase:
     """A tiny model around one operator: graph inputs ``data`` (name, element type, shape), constant
-    initializers, the nodes ``before`` it, and the opset."""
+    initializers, the nodes ``before`` it, and the opset. ``declared`` types outputs that ONNX's
+    shape inference leaves untyped (function operators without an inference rule, such as
+    GroupNormalization)."""
 
     op: Node
     data: tuple[Data, ...]
@@ -60,6 +62,7 @@ class OpCase:
     before: tuple[Node, ...] = ()
     name: str = ""
     checks: frozenset[str] = frozenset({KERNEL, STRATEGIES})
+    declared: tuple[Data, ...] = ()
 
     @property
     def op_type(self) -> str:
@@ -75,7 +78,8 @@ class OpCase:
             graph, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=8 if self.opset <= 17 else 9
         )
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
-        known = {vi.name: vi for vi in inferred.graph.value_info}
+        known = {n: helper.make_tensor_value_info(n, t, list(s)) for n, t, s in self.declared}
+        known.update({vi.name: vi for vi in inferred.graph.value_info})
         model.graph.output.extend(known[n] for n in self.op.outputs)
         onnx.checker.check_model(model)
         return model
@@ -89,6 +93,7 @@ def one(
     outputs: Sequence[str] = ("Y",),
     opset: int = 17,
     before: Iterable[Node] = (),
+    declared: Iterable[tuple[str, int, Sequence[int]]] = (),
     **attrs: Any,
 ) -> OpCase:
     """A case of ``op_type`` reading ``inputs`` (graph inputs ``data`` and constants ``consts``)."""
@@ -98,6 +103,7 @@ def one(
         tuple(consts),
         opset,
         tuple(before),
+        declared=tuple((n, t, tuple(s)) for n, t, s in declared),
     )
 
 

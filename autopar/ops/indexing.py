@@ -1,4 +1,4 @@
-"""Indexing operators: OneHot, Gather, GatherElements.
+"""Indexing operators: OneHot, Gather, GatherElements, GatherND, ScatterND, ScatterElements.
 
 OneHot splits the indices' dimensions and the new class dimension. A rank holding classes
 [c0, c0 + depth/f) writes ones where ``index - c0`` falls in its range. The strategy names the
@@ -8,10 +8,17 @@ Gather may split the gathered axis too (an embedding table split by vocabulary r
 looks up only the rows it holds and writes zeros for the others, so the output is a partial
 sum across the split, exactly one rank contributing each row (Megatron's vocab-parallel
 embedding).
+
+GatherND and ScatterND index their leading data axes with the last axis of ``indices``: those
+axes stay whole, the batch axes (GatherND's ``batch_dims``), the indices' other axes (GatherND)
+and the trailing slice axes split. ScatterND keeps its indices and their updates' leading axes
+whole: a rank writes every update into its slices. ScatterElements, like GatherElements, splits
+every axis but the one it indexes where data, indices and updates have the same size.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +198,126 @@ def gather_elements(op: NodeView, graph: GraphView) -> OpSpec:
     return OpSpec(inputs=(labels, labels), outputs=(labels,))
 
 
+def _linear_index(t: Any, indices: Any, sizes: tuple[int, ...]) -> Any:
+    """Each index tuple (the last axis of ``indices``) as one position over ``sizes``, negatives wrapped."""
+    linear = t.zeros(indices.shape[:-1], dtype=t.long, device=indices.device)
+    for position, size in enumerate(sizes):
+        index = indices[..., position]
+        linear = linear * size + t.where(index < 0, index + size, index)
+    return linear
+
+
+def torch_gather_nd(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
+    """Slices of ``data`` at the index tuples of ``indices``, per batch entry when ``batch_dims`` > 0."""
+    data, indices = inputs[0], tensors(t, inputs)[1].long()
+    batch_dims = int(op.attrs.get("batch_dims", 0))
+    depth = indices.shape[-1]
+    batch = int(math.prod(data.shape[:batch_dims]))
+    sizes = tuple(data.shape[batch_dims : batch_dims + depth])
+    rest = tuple(data.shape[batch_dims + depth :])
+    flat = data.reshape((batch, int(math.prod(sizes))) + rest)
+    linear = _linear_index(t, indices, sizes).reshape(batch, -1)
+    picked = flat[t.arange(batch, device=flat.device).unsqueeze(1), linear]
+    return [picked.reshape(tuple(indices.shape[:-1]) + rest)]
+
+
+_SCATTER_REDUCE = {"mul": "prod", "max": "amax", "min": "amin"}
+
+
+def torch_scatter_nd(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
+    """``data`` with the slices at the index tuples replaced by (or combined with) ``updates``."""
+    data, indices, updates = inputs[0], tensors(t, inputs)[1].long(), inputs[2]
+    depth = indices.shape[-1]
+    sizes, rest = tuple(data.shape[:depth]), tuple(data.shape[depth:])
+    flat = data.reshape((int(math.prod(sizes)),) + rest)
+    linear = _linear_index(t, indices, sizes).reshape(-1)
+    values = updates.reshape((-1,) + rest)
+    reduction = op.attrs.get("reduction", "none")
+    if reduction in ("none", "add"):
+        out = flat.index_put((linear,), values, accumulate=reduction == "add")
+    else:
+        index = linear.reshape((-1,) + (1,) * len(rest)).expand_as(values)
+        out = flat.scatter_reduce(0, index, values, reduce=_SCATTER_REDUCE[reduction], include_self=True)
+    return [out.reshape(data.shape)]
+
+
+def torch_scatter_elements(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
+    """``data`` with ``updates`` written (or combined) along ``axis`` at ``indices``."""
+    data, indices, updates = inputs[0], tensors(t, inputs)[1].long(), inputs[2]
+    axis = normalize_axis(int(op.attrs.get("axis", 0)), data.dim())
+    indices = t.where(indices < 0, indices + data.shape[axis], indices)
+    reduction = op.attrs.get("reduction", "none")
+    if reduction == "none":
+        return [data.scatter(axis, indices, updates)]
+    if reduction == "add":
+        return [data.scatter_add(axis, indices, updates)]
+    return [data.scatter_reduce(axis, indices, updates, reduce=_SCATTER_REDUCE[reduction], include_self=True)]
+
+
+def _indexed_size(op: NodeView, graph: GraphView, first: int) -> int:
+    """The smallest of the data axes the index tuples address, from axis ``first`` on."""
+    depth = shape(graph, op.inputs[1])[-1]
+    return min(shape(graph, op.inputs[0])[first : first + depth])
+
+
+@register(
+    "GatherND",
+    since=11,
+    mindspore=MindSporePrimitive("ops.GatherNd", 2, note="batch_dims 0 only"),
+    keeps=Keeps.SELECTORS,
+    index_bounds={1: lambda op, graph: _indexed_size(op, graph, int(op.attrs.get("batch_dims", 0)))},
+    torch_kernel=torch_gather_nd,
+)
+def gather_nd(op: NodeView, graph: GraphView) -> OpSpec:
+    """Batch axes, the indices' leading axes and the trailing slice axes split; the indexed ones stay whole."""
+    data_rank = len(shape(graph, op.inputs[0]))
+    index_shape = shape(graph, op.inputs[1])
+    batch_dims = int(op.attrs.get("batch_dims", 0))
+    depth = index_shape[-1]
+    batch = dim_labels(batch_dims, prefix="b")
+    slice_labels = tuple(f"d{d}" for d in range(batch_dims + depth, data_rank))
+    index_labels = tuple(f"i{d}" for d in range(batch_dims, len(index_shape) - 1))
+    data = batch + (None,) * depth + slice_labels
+    indices = batch + index_labels + (None,)
+    return OpSpec(inputs=(data, indices), outputs=(batch + index_labels + slice_labels,))
+
+
+@register(
+    "ScatterND",
+    since=11,
+    mindspore=MindSporePrimitive("ops.TensorScatterUpdate", 3, note="TensorScatterAdd/Mul/Max/Min for a reduction"),
+    keeps=Keeps.SELECTORS,  # none and add; a mul, max or min reduction also reads the values (not counted)
+    index_bounds={1: lambda op, graph: _indexed_size(op, graph, 0)},
+    torch_kernel=torch_scatter_nd,
+)
+def scatter_nd(op: NodeView, graph: GraphView) -> OpSpec:
+    """The trailing slice axes split (data, updates and output alike); the indexed axes and the indices stay whole."""
+    data_rank = len(shape(graph, op.inputs[0]))
+    index_shape = shape(graph, op.inputs[1])
+    depth = index_shape[-1]
+    slice_labels = tuple(f"d{d}" for d in range(depth, data_rank))
+    data = (None,) * depth + slice_labels
+    updates = (None,) * (len(index_shape) - 1) + slice_labels
+    return OpSpec(inputs=(data, (None,) * len(index_shape), updates), outputs=(data,))
+
+
+@register(
+    "ScatterElements",
+    since=11,
+    mindspore=MindSporePrimitive("ops.TensorScatterElements", 3, needs_args=True),
+    keeps=Keeps.SELECTORS,  # none and add; a mul, max or min reduction also reads the values (not counted)
+    index_bounds={1: _gathered_axis_size},
+    torch_kernel=torch_scatter_elements,
+)
+def scatter_elements(op: NodeView, graph: GraphView) -> OpSpec:
+    """Every axis but the indexed one splits, where data, indices and updates have the same size."""
+    data_shape = shape(graph, op.inputs[0])
+    index_shape = shape(graph, op.inputs[1])
+    axis = normalize_axis(int(op.attrs.get("axis", 0)), len(data_shape))
+    labels = tuple(None if d == axis or data_shape[d] != index_shape[d] else f"d{d}" for d in range(len(data_shape)))
+    return OpSpec(inputs=(labels, labels, labels), outputs=(labels,))
+
+
 # --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
 
 CASES = named(
@@ -202,10 +329,85 @@ CASES = named(
             "OneHot", ["i", "d", "v"], [("i", I64, [2, 3])], [const("d", 5), const("v", [0.5, 2.0], np.float32)], axis=1
         ),
         "one_hot_int": one("OneHot", ["i", "d", "v"], [("i", I64, [2, 3])], [const("d", [4]), const("v", [0, 3])]),
+        "gather_nd": one("GatherND", ["X", "i"], [("X", F, [2, 3, 4])], [const("i", [[0, 1], [1, 2], [-1, 0]])]),
+        "gather_nd_batch": one(
+            "GatherND",
+            ["X", "i"],
+            [("X", F, [2, 3, 4])],
+            [const("i", [[[2], [0]], [[1], [1]]])],
+            batch_dims=1,
+            opset=12,
+        ),
+        "scatter_nd": one(
+            "ScatterND", ["X", "i", "U"], [("X", F, [4, 3]), ("U", F, [2, 3])], [const("i", [[1], [-1]])], opset=11
+        ),
+        "scatter_nd_add": one(
+            "ScatterND",
+            ["X", "i", "U"],
+            [("X", F, [4, 3]), ("U", F, [3])],
+            [const("i", [[0, 1], [0, 1], [2, 2]])],
+            reduction="add",
+            opset=16,
+        ),
+        "scatter_nd_max": one(
+            "ScatterND",
+            ["X", "i", "U"],
+            [("X", F, [4, 3]), ("U", F, [3, 3])],
+            [const("i", [[0], [0], [3]])],
+            reduction="max",
+            opset=18,
+        ),
+        "scatter_elements": one(
+            "ScatterElements",
+            ["X", "i", "U"],
+            [("X", F, [3, 4]), ("U", F, [2, 4])],
+            [const("i", [[0, 2, 1, -1], [1, 0, 2, 0]])],
+        ),
+        "scatter_elements_add": one(
+            "ScatterElements",
+            ["X", "i", "U"],
+            [("X", F, [3, 4]), ("U", F, [3, 2])],
+            [const("i", [[0, 0], [3, 1], [2, 2]])],
+            axis=1,
+            reduction="add",
+            opset=16,
+        ),
+        "scatter_elements_mul": one(
+            "ScatterElements",
+            ["X", "i", "U"],
+            [("X", F, [3, 4]), ("U", F, [3, 2])],
+            [const("i", [[0, 0], [3, 1], [2, 2]])],
+            axis=1,
+            reduction="mul",
+            opset=16,
+        ),
     },
     strategies={
         "gather_embedding": one("Gather", ["E", "ids"], [("ids", I64, [4, 8])], consts=[weight("E", [16, 8])]),
         "gather_token": one("Gather", ["X", "k"], [("X", F, [4, 8, 8])], axis=1, consts=[ints("k", 3)]),
         "gather_elements": one("GatherElements", ["X", "idx"], [("X", F, [4, 8]), ("idx", I64, [4, 8])], axis=1),
+        "gather_nd": one("GatherND", ["X", "i"], [("X", F, [4, 8, 8]), ("i", I64, [8, 2])]),
+        "gather_nd_batch": one("GatherND", ["X", "i"], [("X", F, [4, 8, 8]), ("i", I64, [4, 8, 1])], batch_dims=1),
+        "scatter_nd": one(
+            "ScatterND",
+            ["X", "i", "U"],
+            [("X", F, [8, 4, 8]), ("U", F, [4, 4, 8])],
+            consts=[ints("i", [[1], [5], [2], [7]])],
+        ),
+        "scatter_elements": one(
+            "ScatterElements",
+            ["X", "i", "U"],
+            [("X", F, [4, 8]), ("U", F, [4, 8])],
+            axis=1,
+            consts=[ints("i", [[(7 * r + 3 * c) % 8 for c in range(8)] for r in range(4)])],
+        ),
+        "scatter_elements_add": one(
+            "ScatterElements",
+            ["X", "i", "U"],
+            [("X", F, [4, 8]), ("i", I64, [4, 6]), ("U", F, [4, 6])],
+            axis=1,
+            reduction="add",
+            opset=16,
+        ),
     },
 )

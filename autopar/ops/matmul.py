@@ -1,7 +1,12 @@
-"""Gemm and MatMul: split rows (i), the contraction (k, partial output) and columns (j).
+"""Gemm, MatMul and Einsum: split rows (i), the contraction (k, partial output) and columns (j).
 
 MatMul also splits its (broadcast) batch dimensions. Under a split contraction, Gemm's bias
 is added by one rank of each partial group only, so the reduced sum counts it once.
+
+Einsum's equation is its own label spec: every letter (and every dimension an ellipsis stands
+for) is a label, a label missing from the output is summed over, so splitting it leaves the
+output a partial sum. A letter repeated within one operand (a diagonal) stays whole everywhere,
+and a size-1 dimension that broadcasts against a larger one is not split.
 """
 
 from __future__ import annotations
@@ -118,6 +123,85 @@ def matmul(op: NodeView, graph: GraphView) -> OpSpec:
     return OpSpec(inputs=(a, b), outputs=(out,), op_class="cube", label_order=order)
 
 
+def einsum_terms(equation: str, ranks: Sequence[int]) -> tuple[list[list[str]], list[str]]:
+    """Each operand's labels and the output's, from an equation and the operands' ranks.
+
+    The dimensions an ellipsis stands for are labelled ``...0``, ``...1``, ... aligned from the
+    right (they broadcast as numpy's do); without ``->`` the output is the ellipsis dimensions,
+    then the letters that appear once, in alphabetical order.
+
+    >>> einsum_terms("bij, bjk -> bik", [3, 3])
+    ([['b', 'i', 'j'], ['b', 'j', 'k']], ['b', 'i', 'k'])
+    >>> einsum_terms("...ij,jk", [4, 2])
+    ([['...0', '...1', 'i', 'j'], ['j', 'k']], ['...0', '...1', 'i', 'k'])
+    """
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    ellipsis = max((rank - len(term) + 3 for term, rank in zip(terms, ranks) if "..." in term), default=0)
+
+    def expand(term: str, rank: int) -> list[str]:
+        if "..." not in term:
+            return list(term)
+        head, tail = term.split("...")
+        count = rank - len(head) - len(tail)
+        return list(head) + [f"...{ellipsis - count + i}" for i in range(count)] + list(tail)
+
+    inputs = [expand(term, rank) for term, rank in zip(terms, ranks)]
+    if arrow:
+        return inputs, expand(rhs, len(rhs.replace("...", "")) + ellipsis)
+    letters = [label for labels in inputs for label in labels if not label.startswith("...")]
+    once = sorted(label for label in set(letters) if letters.count(label) == 1)
+    return inputs, [f"...{i}" for i in range(ellipsis)] + once
+
+
+def _einsum_sizes(equation: str, in_shapes: Sequence[Sequence[int]]) -> dict[str, int]:
+    terms, _ = einsum_terms(equation, [len(s) for s in in_shapes])
+    sizes: dict[str, int] = {}
+    for labels, dims in zip(terms, in_shapes):
+        for label, size in zip(labels, dims):
+            sizes[label] = max(sizes.get(label, 1), size)
+    return sizes
+
+
+def einsum_flops(
+    in_shapes: Sequence[Sequence[int] | None], out_shapes: Sequence[Sequence[int]], attrs: Mapping[str, Any]
+) -> float:
+    """One multiply-add per operand pair for every point of the full index space (a sum alone for one operand)."""
+    shapes = [s or () for s in in_shapes]
+    points = math.prod(_einsum_sizes(str(attrs["equation"]), shapes).values())
+    return float(points * max(1, 2 * (len(shapes) - 1)))
+
+
+def torch_einsum(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
+    return [t.einsum(str(op.attrs["equation"]).replace(" ", ""), *inputs)]
+
+
+@register(
+    "Einsum",
+    since=12,
+    mindspore=MindSporePrimitive("ops.Einsum", needs_args=True, note="the equation is a constructor argument"),
+    flops=einsum_flops,
+    keeps=Keeps.OPERANDS,  # two operands: each for the other's gradient (a third is not counted)
+    weight_inputs=True,
+    torch_kernel=torch_einsum,
+)
+def einsum(op: NodeView, graph: GraphView) -> OpSpec:
+    """Labels from the equation; contracted labels split into partial sums."""
+    equation = str(op.attrs["equation"])
+    shapes = [shape(graph, name) for name in op.inputs]
+    terms, out = einsum_terms(equation, [len(s) for s in shapes])
+    sizes = _einsum_sizes(equation, shapes)
+    whole = {label for labels in terms for label in labels if labels.count(label) > 1}
+
+    def keep(label: str, size: int) -> str | None:
+        return None if label in whole or size != sizes[label] else label
+
+    inputs = tuple(tuple(keep(label, size) for label, size in zip(labels, dims)) for labels, dims in zip(terms, shapes))
+    outputs = (tuple(None if label in whole else label for label in out),)
+    cube = len(shapes) > 1 and any(label not in out for labels in terms for label in labels)
+    return OpSpec(inputs=inputs, outputs=outputs, op_class="cube" if cube else "vector")
+
+
 # --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
 
 CASES = named(
@@ -134,10 +218,39 @@ CASES = named(
         "gemm_trans_a": one("Gemm", ["A", "W"], [("A", F, [3, 4])], [ones("W", [3, 5])], transA=1),
         "matmul": one("MatMul", ["A", "W"], [("A", F, [2, 3, 4]), ("W", F, [4, 5])]),
         "matmul_vector": one("MatMul", ["v", "W"], [("v", F, [4]), ("W", F, [2, 4, 5])]),
+        "einsum_batched": one(
+            "Einsum", ["A", "B"], [("A", F, [2, 3, 4]), ("B", F, [2, 4, 5])], equation="bij,bjk->bik"
+        ),
+        "einsum_implicit": one("Einsum", ["A", "B"], [("A", F, [3, 4]), ("B", F, [4, 5])], equation="ij,jk"),
+        "einsum_ellipsis": one(
+            "Einsum", ["A", "B"], [("A", F, [2, 1, 3, 4]), ("B", F, [1, 3, 4, 5])], equation="...ij, ...jk -> ...ik"
+        ),
+        "einsum_diagonal": one("Einsum", ["A"], [("A", F, [2, 4, 4])], equation="bii->bi"),
+        "einsum_three": one(
+            "Einsum",
+            ["A", "B", "C"],
+            [("A", F, [2, 3]), ("B", F, [3, 4]), ("C", F, [4, 5])],
+            equation="ij,jk,kl->il",
+        ),
+        "einsum_sum": one("Einsum", ["A"], [("A", F, [2, 3, 4])], equation="ijk->ki"),
     },
     strategies={
         "matmul_broadcast": one("MatMul", ["A", "Bm"], [("A", F, [2, 1, 4, 8]), ("Bm", F, [4, 8, 4])]),
         "matmul_vector": one("MatMul", ["A", "v"], [("A", F, [4, 8, 8]), ("v", F, [8])]),
+        "einsum_experts": one(
+            "Einsum",
+            ["X", "W"],
+            [("X", F, [4, 8, 8])],
+            consts=[weight("W", [4, 8, 4])],
+            equation="etd,edf->etf",
+        ),
+        "einsum_contract_two": one(
+            "Einsum", ["A", "B"], [("A", F, [8, 4, 2]), ("B", F, [4, 2, 8])], equation="ikl,klj"
+        ),
+        "einsum_broadcast": one(
+            "Einsum", ["A", "B"], [("A", F, [1, 8, 4]), ("B", F, [4, 4, 8])], equation="...ij,...jk->...ik"
+        ),
+        "einsum_diagonal": one("Einsum", ["A", "v"], [("A", F, [4, 8, 8]), ("v", F, [8])], equation="bii,i->b"),
         "gemm_trans": one(
             "Gemm",
             ["A", "W", "C"],

@@ -1,6 +1,10 @@
-"""Data-movement operators: Transpose, Concat, Split, Slice, Pad, Tile.
+"""Data-movement operators: Transpose, Concat, Split, Slice, Pad, Tile, DepthToSpace, SpaceToDepth.
 
-Transpose carries every label to its new position. The others touch one set of axes (the
+Transpose carries every label to its new position. DepthToSpace and SpaceToDepth move blocks
+between the channels and the two spatial axes: a spatial shard maps onto a spatial shard (rows
+[r0, r1) of the input are rows [r0 b, r1 b) of DepthToSpace's output), so batch and space split;
+channels split only in DepthToSpace's CRD mode, where each output channel reads a contiguous run
+of input channels. The others touch one set of axes (the
 concatenated, split, sliced, padded or tiled ones): those stay whole, because a rank's shard
 of them would not line up with the operator's offsets; every other axis may be split.
 """
@@ -182,6 +186,55 @@ def resize_axes(op: NodeView, graph: GraphView) -> OpSpec:
     return OpSpec(inputs=(labels,) + tuple(None for _ in op.inputs[1:]), outputs=(labels,))
 
 
+def torch_depth_to_space(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
+    """[N, C, H, W] -> [N, C/b², H b, W b].
+
+    DCR (the default) reads the depth as (row, column, channel), CRD as (channel, row, column).
+    """
+    x = inputs[0]
+    b = int(op.attrs["blocksize"])
+    n, c, h, w = x.shape
+    if op.attrs.get("mode", "DCR") == "CRD":
+        y = x.reshape(n, c // (b * b), b, b, h, w).permute(0, 1, 4, 2, 5, 3)
+    else:
+        y = x.reshape(n, b, b, c // (b * b), h, w).permute(0, 3, 4, 1, 5, 2)
+    return [y.reshape(n, c // (b * b), h * b, w * b)]
+
+
+def torch_space_to_depth(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
+    """[N, C, H, W] -> [N, C b², H/b, W/b], depth ordered as (row, column, channel)."""
+    x = inputs[0]
+    b = int(op.attrs["blocksize"])
+    n, c, h, w = x.shape
+    y = x.reshape(n, c, h // b, b, w // b, b).permute(0, 3, 5, 1, 2, 4)
+    return [y.reshape(n, c * b * b, h // b, w // b)]
+
+
+@register(
+    "DepthToSpace",
+    mindspore=MindSporePrimitive("ops.DepthToSpace", 1, needs_args=True),
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_depth_to_space,
+)
+def depth_to_space(op: NodeView, graph: GraphView) -> OpSpec:
+    """Batch, rows and columns split (their shards map onto shards); channels too in CRD mode."""
+    channels = "c" if op.attrs.get("mode", "DCR") == "CRD" else None
+    labels = ("n", channels, "h", "w")
+    return OpSpec(inputs=(labels,), outputs=(labels,))
+
+
+@register(
+    "SpaceToDepth",
+    mindspore=MindSporePrimitive("ops.SpaceToDepth", 1, needs_args=True),
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_space_to_depth,
+)
+def space_to_depth(op: NodeView, graph: GraphView) -> OpSpec:
+    """Batch, rows and columns split; channels stay whole (an output channel block interleaves them all)."""
+    labels = ("n", None, "h", "w")
+    return OpSpec(inputs=(labels,), outputs=(labels,))
+
+
 # --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
 
 CASES = named(
@@ -213,6 +266,10 @@ CASES = named(
         "pad_axes": one("Pad", ["X", "p", "", "a"], X4, [const("p", [1, 2, 0, 3]), const("a", [1, -1])], opset=18),
         "pad_attributes": one("Pad", ["X"], X4, pads=[0, 1, 0, 0, 0, 1, 0, 0], value=2.0, opset=2),
         "tile": one("Tile", ["X", "r"], X4, [const("r", [1, 2, 1, 3])]),
+        "depth_to_space": one("DepthToSpace", ["X"], [("X", F, [2, 8, 3, 5])], blocksize=2),
+        "depth_to_space_crd": one("DepthToSpace", ["X"], [("X", F, [2, 18, 2, 3])], blocksize=3, mode="CRD"),
+        "depth_to_space_opset1": one("DepthToSpace", ["X"], [("X", F, [1, 8, 2, 3])], blocksize=2, opset=1),
+        "space_to_depth": one("SpaceToDepth", ["X"], [("X", F, [2, 3, 4, 6])], blocksize=2),
     },
     strategies={
         "transpose": one("Transpose", ["X"], [("X", F, [2, 4, 8, 4])], perm=[0, 2, 1, 3]),
@@ -239,5 +296,8 @@ CASES = named(
         ),
         "pad": one("Pad", ["X", "p"], [("X", F, [4, 4, 6])], consts=[ints("p", [0, 0, 1, 0, 0, 2])]),
         "tile": one("Tile", ["X", "r"], [("X", F, [4, 4])], consts=[ints("r", [1, 2])]),
+        "depth_to_space": one("DepthToSpace", ["X"], [("X", F, [4, 8, 4, 4])], blocksize=2),
+        "depth_to_space_crd": one("DepthToSpace", ["X"], [("X", F, [2, 16, 4, 2])], blocksize=2, mode="CRD"),
+        "space_to_depth": one("SpaceToDepth", ["X"], [("X", F, [4, 2, 8, 8])], blocksize=2),
     },
 )

@@ -1,4 +1,4 @@
-"""Normalisations: BatchNormalization, InstanceNormalization, LayerNormalization, Softmax family.
+"""Normalisations: BatchNormalization, Instance-, Group-, Layer- and RMSNormalization, Softmax family.
 
 BatchNormalization with running statistics (ONNX inference form) is a per-channel affine map:
 every dimension may be split and the per-channel parameters follow the channel split.
@@ -7,17 +7,24 @@ without SyncBatchNorm; the graph's semantics here are the ONNX ones.)
 
 The others normalise over some axes: those stay whole on each rank (splitting them would need
 a cross-device reduction inside the operator); the remaining axes split freely.
+GroupNormalization (opset 21: scale and bias per channel) normalises each group of channels:
+the channels split by whole groups, a rank normalising its ``num_groups / f`` groups (its local
+kernels say so), scale and bias split alike. Opsets 18 to 20 (scale and bias per group) are not
+registered: onnx's checker refuses them as deprecated, so no such model imports.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from autopar.ops.base import OpSpec, dim_labels, normalize_axis, shape
 from autopar.ops.cases import X4, F, named, one, ones, weight
-from autopar.ops.registry import Keeps, MindSporePrimitive, register
+from autopar.ops.registry import Keeps, LocalCall, MindSporePrimitive, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -78,6 +85,47 @@ def torch_layer_norm(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     if len(inputs) > 2 and inputs[2] is not None:
         y = y + inputs[2]
     return [y, mean, inv][: len([name for name in op.outputs if name])]
+
+
+def torch_group_norm(t: Any, op: NodeView, inputs: list[Any], groups: int | None = None) -> list[Any]:
+    """Normalise each sample's groups of channels, then scale and shift each channel."""
+    x, scale, bias = inputs[:3]
+    groups = int(op.attrs["num_groups"]) if groups is None else groups
+    grouped = x.reshape(x.shape[0], groups, -1)
+    mean = grouped.mean(dim=2, keepdim=True)
+    var = ((grouped - mean) ** 2).mean(dim=2, keepdim=True)
+    y = ((grouped - mean) / t.sqrt(var + float(op.attrs.get("epsilon", 1e-5)))).reshape(x.shape)
+    return [y * _per_channel(scale, x.dim()) + _per_channel(bias, x.dim())]
+
+
+def _local_groups(call: LocalCall) -> int:
+    """The groups a rank normalises: ``num_groups`` over the channel split."""
+    return int(call.op.attrs["num_groups"]) >> len(call.bits.get("c", ()))
+
+
+def _group_norm_local(call: LocalCall) -> list[np.ndarray]:
+    """GroupNormalization on a rank's channels, whole groups each (numpy, for the virtual devices)."""
+    x, scale, bias = (np.asarray(value) for value in call.inputs[:3])
+    groups = _local_groups(call)
+    grouped = x.reshape(x.shape[0], groups, -1).astype(np.float64)
+    mean = grouped.mean(axis=2, keepdims=True)
+    var = ((grouped - mean) ** 2).mean(axis=2, keepdims=True)
+    y = ((grouped - mean) / np.sqrt(var + float(call.op.attrs.get("epsilon", 1e-5)))).reshape(x.shape)
+    return [(y * _per_channel(scale, x.ndim) + _per_channel(bias, x.ndim)).astype(x.dtype)]
+
+
+def _group_norm_local_torch(call: LocalCall) -> list[Any]:
+    """GroupNormalization on a rank's channels, whole groups each (torch, differentiable)."""
+    torch = sys.modules[type(call.inputs[0]).__module__.split(".")[0]]
+    return torch_group_norm(torch, call.op, call.inputs, groups=_local_groups(call))
+
+
+def torch_rms_norm(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
+    """Divide by the root mean square over the axes from ``axis`` on, then scale."""
+    x = inputs[0]
+    axes = tuple(range(normalize_axis(int(op.attrs.get("axis", -1)), x.dim()), x.dim()))
+    inv = t.rsqrt((x * x).mean(dim=axes, keepdim=True) + float(op.attrs.get("epsilon", 1e-5)))
+    return [x * inv * inputs[1]]
 
 
 def _flattened(x: Any, axis: int, function: Any) -> Any:
@@ -153,6 +201,46 @@ def layer_norm(op: NodeView, graph: GraphView) -> OpSpec:
     return OpSpec(inputs=inputs, outputs=outputs)
 
 
+@register(
+    "GroupNormalization",
+    since=21,
+    mindspore=None,
+    keeps=Keeps.INPUTS | Keeps.STATISTICS,
+    weight_inputs=True,
+    local_kernel=_group_norm_local,
+    torch_kernel=torch_group_norm,
+    torch_local_kernel=_group_norm_local_torch,
+)
+def group_norm(op: NodeView, graph: GraphView) -> OpSpec:
+    """Batch and whole groups of channels split; scale and bias (one value per channel) follow the channels.
+
+    A split of the channels by f must leave whole groups, so f must divide ``num_groups`` as
+    well: that holds for every power of two dividing the channels when a group holds an odd
+    number of channels; otherwise the channels stay whole.
+    """
+    x_shape = shape(graph, op.inputs[0])
+    channels, groups = x_shape[1], int(op.attrs["num_groups"])
+    c = "c" if (channels // groups) % 2 == 1 else None
+    x = ("n", c) + tuple(None for _ in x_shape[2:])
+    return OpSpec(inputs=(x, (c,), (c,)), outputs=(x,))
+
+
+@register(
+    "RMSNormalization",
+    since=23,
+    mindspore=MindSporePrimitive("ops.RmsNorm", 2),
+    keeps=Keeps.INPUTS | Keeps.STATISTICS,
+    weight_inputs=True,
+    torch_kernel=torch_rms_norm,
+)
+def rms_norm(op: NodeView, graph: GraphView) -> OpSpec:
+    """Leading axes split; the normalised axes (from ``axis`` on) and the scale stay whole."""
+    rank = len(shape(graph, op.inputs[0]))
+    axis = normalize_axis(int(op.attrs.get("axis", -1)), rank)
+    x = tuple(f"d{d}" if d < axis else None for d in range(rank))
+    return OpSpec(inputs=(x, tuple(None for _ in shape(graph, op.inputs[1]))), outputs=(x,))
+
+
 def _softmax(op: NodeView, graph: GraphView, axis: int, whole: set[int]) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
     labels = tuple(None if d in whole else f"d{d}" for d in range(rank))
@@ -218,6 +306,18 @@ CASES = named(
         "softmax_opset11": one("Softmax", ["X"], X4, opset=11),
         "log_softmax_opset11": one("LogSoftmax", ["X"], X4, axis=2, opset=11),
         "hardmax_opset11": one("Hardmax", ["X"], X4, opset=11),
+        "group_norm": one(
+            "GroupNormalization",
+            ["X", "s", "b"],
+            [("X", F, [2, 4, 3, 5])],
+            [ones("s", [4]), ones("b", [4])],
+            num_groups=2,
+            epsilon=1e-3,
+            opset=21,
+            declared=[("Y", F, [2, 4, 3, 5])],
+        ),
+        "rms_norm": one("RMSNormalization", ["X", "s"], X4, [ones("s", [6])], opset=23),
+        "rms_norm_axis": one("RMSNormalization", ["X", "s"], X4, [ones("s", [5, 6])], axis=2, epsilon=0.1, opset=23),
     },
     strategies={
         "layer_norm": one(
@@ -237,5 +337,24 @@ CASES = named(
         "softmax": one("Softmax", ["X"], [("X", F, [4, 8, 16])], axis=1),
         "softmax_opset11": one("Softmax", ["X"], [("X", F, [4, 8, 16])], axis=1, opset=11),
         "log_softmax": one("LogSoftmax", ["X"], [("X", F, [4, 8, 16])]),
+        "group_norm": one(
+            "GroupNormalization",
+            ["X", "g", "b"],
+            [("X", F, [4, 8, 2, 3])],
+            consts=[weight("g", [8]), weight("b", [8], 1)],
+            num_groups=8,
+            opset=21,
+            declared=[("Y", F, [4, 8, 2, 3])],
+        ),
+        "group_norm_even_groups": one(
+            "GroupNormalization",
+            ["X", "g", "b"],
+            [("X", F, [4, 8, 6])],
+            consts=[weight("g", [8]), weight("b", [8], 1)],
+            num_groups=4,
+            opset=21,
+            declared=[("Y", F, [4, 8, 6])],
+        ),
+        "rms_norm": one("RMSNormalization", ["X", "g"], [("X", F, [4, 8, 16])], consts=[weight("g", [16])], opset=23),
     },
 )

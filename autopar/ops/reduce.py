@@ -3,7 +3,11 @@
 TopK selects along one axis, which stays whole; its other axes split freely.
 
 ReduceMax/ReduceMin partials combine with max/min; ReduceSum/ReduceMean partials with a sum
-(a rank's ReduceMean divides its local sum by the *global* count).
+(a rank's ReduceMean divides its local sum by the *global* count); ReduceL1 and ReduceSumSquare
+are sums of |x| and x², so their partials sum too. ReduceProd, ReduceL2, ReduceLogSum and
+ReduceLogSumExp apply a function after (or combine by something other than) a sum, max or min:
+a partial product or a partial root of a sum of squares has no reduction among `ReduceOp`, so
+their reduced axes stay whole and only the kept axes split.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import numpy as np
 
 from autopar.layout import ReduceOp
 from autopar.ops.base import OpSpec, as_ints, constant_value, dim_labels, ints_from, normalize_axis, shape
-from autopar.ops.cases import X4, F, const, ints, named, one
+from autopar.ops.cases import X4, F, const, ints, named, node, one
 from autopar.ops.registry import Keeps, MindSporePrimitive, input_elements, register
 
 if TYPE_CHECKING:
@@ -25,6 +29,8 @@ _REDUCE_OP = {
     "ReduceMin": ReduceOp.MIN,
     "ReduceSum": ReduceOp.SUM,
     "ReduceMean": ReduceOp.SUM,
+    "ReduceL1": ReduceOp.SUM,
+    "ReduceSumSquare": ReduceOp.SUM,
 }
 
 
@@ -51,6 +57,8 @@ def reduce(op: NodeView, graph: GraphView) -> OpSpec:
     if axes is None:
         axes = list(range(rank))
         labels = tuple(None for _ in range(rank))
+    elif op.op_type not in _REDUCE_OP:  # no partial combines: the reduced axes stay whole
+        labels = tuple(None if d in axes else label for d, label in enumerate(labels))
     keepdims = int(op.attrs.get("keepdims", 1))
     if keepdims:
         out = tuple(None if i in axes else label for i, label in enumerate(labels))
@@ -58,12 +66,40 @@ def reduce(op: NodeView, graph: GraphView) -> OpSpec:
         out = tuple(label for i, label in enumerate(labels) if i not in axes)
     inputs = (labels,) + tuple(None for _ in op.inputs[1:])
     return OpSpec(
-        inputs=inputs, outputs=(out,), reduce_op=_REDUCE_OP[op.op_type], local_mean=op.op_type == "ReduceMean"
+        inputs=inputs,
+        outputs=(out,),
+        reduce_op=_REDUCE_OP.get(op.op_type, ReduceOp.SUM),
+        local_mean=op.op_type == "ReduceMean",
     )
 
 
+def _reduction(t: Any, op_type: str) -> Any:
+    """The reduction as a torch function of (tensor, dims, keepdim)."""
+    if op_type == "ReduceProd":
+        return lambda x, dims, keep: _prod(x, dims, keep)
+    if op_type == "ReduceL2":
+        return lambda x, dims, keep: t.linalg.vector_norm(x, 2, dim=dims, keepdim=keep)
+    if op_type == "ReduceL1":
+        return lambda x, dims, keep: x.abs().sum(dim=dims, keepdim=keep)
+    if op_type == "ReduceSumSquare":
+        return lambda x, dims, keep: (x * x).sum(dim=dims, keepdim=keep)
+    if op_type == "ReduceLogSum":
+        return lambda x, dims, keep: t.log(x.sum(dim=dims, keepdim=keep))
+    if op_type == "ReduceLogSumExp":
+        return lambda x, dims, keep: t.logsumexp(x, dim=dims, keepdim=keep)
+    function = {"ReduceSum": t.sum, "ReduceMean": t.mean, "ReduceMax": t.amax, "ReduceMin": t.amin}[op_type]
+    return lambda x, dims, keep: function(x, dim=dims, keepdim=keep)
+
+
+def _prod(x: Any, dims: tuple[int, ...], keep: bool) -> Any:
+    """A product over several dims (torch's ``prod`` takes one at a time), the last first."""
+    for dim in sorted(dims, reverse=True):
+        x = x.prod(dim=dim, keepdim=keep)
+    return x
+
+
 def torch_reduce(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
-    """ReduceSum/Mean/Max/Min over ``axes`` (attribute or input; none: all, or none with noop_with_empty_axes)."""
+    """A reduction over ``axes`` (attribute or input; none: all, or none with noop_with_empty_axes)."""
     x = inputs[0]
     axes = ints_from(op, inputs, 1, "axes") or []
     if not axes:
@@ -72,8 +108,7 @@ def torch_reduce(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
         axes = list(range(x.dim()))
     dims = tuple(sorted(normalize_axis(a, x.dim()) for a in axes))
     keep = bool(int(op.attrs.get("keepdims", 1)))
-    function = {"ReduceSum": t.sum, "ReduceMean": t.mean, "ReduceMax": t.amax, "ReduceMin": t.amin}[op.op_type]
-    return [function(x, dim=dims, keepdim=keep) if dims else x]
+    return [_reduction(t, op.op_type)(x, dims, keep) if dims else x]
 
 
 def torch_top_k(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
@@ -107,6 +142,34 @@ register(
     keeps=Keeps.INPUTS | Keeps.OUTPUTS,
     torch_kernel=torch_reduce,
 )(reduce)
+# partials that sum; the backward of |x| and x² reads x
+register(
+    "ReduceL1",
+    "ReduceSumSquare",
+    mindspore=None,
+    flops=input_elements,
+    keeps=Keeps.INPUTS,
+    torch_kernel=torch_reduce,
+)(reduce)
+# reduced axes whole; the backward of a product, a norm or a log-sum-exp reads the input and the
+# result (x's gradient is y/x, x/y, exp(x - y)); that of a log of a sum only the result (exp(y))
+register(
+    "ReduceProd",
+    "ReduceL2",
+    "ReduceLogSumExp",
+    mindspore={"ReduceProd": MindSporePrimitive("ops.ReduceProd", 1), "ReduceL2": None, "ReduceLogSumExp": None},
+    flops=input_elements,
+    keeps=Keeps.INPUTS | Keeps.OUTPUTS,
+    torch_kernel=torch_reduce,
+)(reduce)
+register(
+    "ReduceLogSum",
+    mindspore=None,
+    flops=input_elements,
+    keeps=Keeps.OUTPUTS,
+    positive_inputs=frozenset({0}),
+    torch_kernel=torch_reduce,
+)(reduce)
 
 
 @register(
@@ -134,9 +197,26 @@ CASES = named(
         "reduce_min": one("ReduceMin", ["X"], X4),
         "top_k": one("TopK", ["X", "k"], X4, [const("k", [2])], outputs=("Y", "I"), axis=2),
         "top_k_smallest": one("TopK", ["X", "k"], X4, [const("k", [3])], outputs=("Y", "I"), largest=0),
+        "reduce_prod": one("ReduceProd", ["X"], X4, axes=[1, 3], keepdims=0, opset=13),
+        "reduce_prod_opset18_all": one("ReduceProd", ["X"], X4, opset=18),
+        "reduce_l2": one("ReduceL2", ["X", "a"], X4, [const("a", [-1])], opset=18),
+        "reduce_l2_opset13": one("ReduceL2", ["X"], X4, axes=[0, 2], keepdims=0, opset=13),
+        "reduce_log_sum_exp": one("ReduceLogSumExp", ["X", "a"], X4, [const("a", [1])], keepdims=0, opset=18),
+        "reduce_log_sum_exp_all": one("ReduceLogSumExp", ["X"], X4, opset=13),
+        "reduce_l1": one("ReduceL1", ["X"], X4, axes=[2], opset=13),
+        "reduce_sum_square": one("ReduceSumSquare", ["X", "a"], X4, [const("a", [0, -1])], opset=18),
+        "reduce_log_sum": one("ReduceLogSum", ["X", "a"], [("X", F, [2, 3, 5])], [const("a", [1])], opset=18),
     },
     strategies={
         "reduce_mean_last": one("ReduceMean", ["X"], [("X", F, [4, 8])], axes=[-1]),
+        "reduce_prod": one("ReduceProd", ["X"], [("X", F, [4, 8, 4])], axes=[1], keepdims=0),
+        "reduce_l2": one("ReduceL2", ["X"], [("X", F, [4, 8])], axes=[-1]),
+        "reduce_log_sum_exp": one("ReduceLogSumExp", ["X"], [("X", F, [4, 8, 4])], axes=[0, 2]),
+        "reduce_l1": one("ReduceL1", ["X"], [("X", F, [4, 8])], axes=[1], keepdims=0),
+        "reduce_sum_square": one("ReduceSumSquare", ["X"], [("X", F, [4, 8, 2])], axes=[1]),
+        "reduce_log_sum": one(
+            "ReduceLogSum", ["A"], [("X", F, [4, 8])], axes=[1], before=[node("Abs", ["X"], ["A"], "abs")]
+        ),
         "top_k": one("TopK", ["X", "k"], [("X", F, [4, 8, 6])], outputs=("Y", "I"), axis=1, consts=[ints("k", [3])]),
     },
 )
