@@ -73,6 +73,10 @@ class CostModelError(AutoparError):
     """A hardware profile is missing or malformed."""
 
 
+class MemoryReserveError(CostModelError):
+    """A memory reserve that is not a number of bytes below the device's memory (a flag's value: exit 2)."""
+
+
 class RankTableError(AutoparError):
     """A cluster description (MindSpore's rank_table.json) is unreadable, malformed, or unusable."""
 

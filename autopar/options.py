@@ -17,6 +17,7 @@ autopar.errors.AutoparError: Unknown precision 'fp8'; choose one of: mixed, fp32
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +26,10 @@ from typing import Any, Literal, TypeVar
 
 from autopar.cost import CostModel, HardwareProfile, load_profile
 from autopar.cost.rank_table import Cluster, read_rank_table
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, MemoryReserveError
 from autopar.layout import is_power_of_two
 from autopar.limits import MAX_DEVICES, MAX_MICRO_BATCHES
+from autopar.units import parse_bytes
 
 DEFAULT_DEVICES = 8
 """Devices when neither a count nor a rank table is given: one Ascend 910 server."""
@@ -57,6 +59,14 @@ class Precision(enum.StrEnum):
 
     MIXED = "mixed"
     FP32 = "fp32"
+
+
+class Optimizer(enum.StrEnum):
+    """The optimizer whose state every trainable parameter keeps (`autopar.cost.model.OPTIMIZER_STATE_BYTES`):
+    Adam (two FP32 moments; 16 B a parameter in mixed precision) or SGD with momentum (one; 12 B)."""
+
+    ADAM = "adam"
+    SGD = "sgd"
 
 
 class SearchAlgorithm(enum.StrEnum):
@@ -106,6 +116,22 @@ def check_devices(devices: object) -> int:
     return devices
 
 
+def memory_reserve_of(value: object) -> float | None:
+    """A memory reserve in bytes: a number, or a size with its unit (``"4GB"``, ``"512MiB"``); None keeps
+    the profile's. One sentence (`MemoryReserveError`) when it is neither."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        parsed = parse_bytes(value)
+        if parsed is not None:
+            return parsed
+    elif not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value < math.inf:
+        return float(value)
+    raise MemoryReserveError(
+        f"The memory reserve must be a size such as 4GB, 512MiB or 0 (bytes from 0 up), got {value!r}."
+    )
+
+
 def _micro_batches(value: object) -> int | None:
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_MICRO_BATCHES
@@ -121,6 +147,7 @@ class PlanOptions:
     ``cost_model`` is a bundled profile's name, a .toml file or a `HardwareProfile`; with a rank
     table it is the profile with its links re-derived for the table's servers (``cluster``).
     ``fixed`` maps operator names to the in_strategy each keeps (checked against the model later).
+    ``optimizer`` and ``memory_reserve`` (bytes, or a size such as ``"4GB"``) are the profile's when None.
     """
 
     num_devices: int = DEFAULT_DEVICES
@@ -134,6 +161,8 @@ class PlanOptions:
     overlap: bool = True
     micro_batches: int | None = None
     fixed: Mapping[str, Sequence[Sequence[int]]] | None = None
+    optimizer: Optimizer | None = None
+    memory_reserve: float | None = None
     cluster: Cluster | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -147,6 +176,9 @@ class PlanOptions:
         _micro_batches(self.micro_batches)
         check_devices(self.num_devices)
         set_(self, "precision", choose(Precision, self.precision, "precision"))
+        if self.optimizer is not None:
+            set_(self, "optimizer", choose(Optimizer, self.optimizer, "optimizer"))
+        set_(self, "memory_reserve", memory_reserve_of(self.memory_reserve))
         set_(self, "dims", MappingProxyType(dict(self.dims)))
         set_(self, "frozen", (self.frozen,) if isinstance(self.frozen, str) else tuple(self.frozen))
         set_(self, "overlap", bool(self.overlap))
@@ -190,7 +222,10 @@ class PlanOptions:
     def costs(self) -> CostModel:
         """The cost model these options ask for."""
         precision: Literal["mixed", "fp32"] = "mixed" if self.precision is Precision.MIXED else "fp32"
-        return CostModel(self.profile(), precision, overlap=self.overlap)
+        optimizer: Literal["adam", "sgd"] | None = None if self.optimizer is None else self.optimizer.value
+        return CostModel(
+            self.profile(), precision, overlap=self.overlap, optimizer=optimizer, memory_reserve=self.memory_reserve
+        )
 
     def replace(self, **changes: Any) -> PlanOptions:
         """A copy with some fields changed (checked again)."""

@@ -1,15 +1,12 @@
-"""Measured matrix-multiply efficiency on a GPU: achieved FLOP/s over the profile's peak, by shape.
+"""Measure how close one GPU's matmuls come to its peak as the smallest GEMM dimension shrinks.
 
-Usage: python bench/gemm_efficiency.py [--peak 989.4e12] [--dtype bfloat16] [--out gemm.json]
+Usage: python bench/gemm_efficiency.py --peak 989.4e12 [--dtype bf16] [--out gemm.json]
 
-The rows measured on an H200 (torch 2.11, CUDA 13) are kept in costmodels/measured/gemm_h200.json.
-
-Needs torch with CUDA. Times ``A[m, k] @ B[k, n]`` with CUDA events (warm-up first, the median of
-the timed repeats) for square shapes and for the per-device GEMMs of transformer layers split by
-tensor parallelism (GPT-3's hidden 12288 and the 7.5B-39B models' 4096-8192, a micro-batch of 1-8
-sequences of 2048 tokens), and prints one Markdown row per shape: m, n, k, the smallest of the
-three, TFLOP/s and the fraction of ``--peak`` (989.4 TFLOP/s: H100/H200 SXM, dense BF16, NVIDIA's
-datasheet). The cost model's matmul efficiency by shape comes from rows like these.
+For each smallest dimension d (32 ... 8192) it times ``torch.matmul`` (CUDA, cuBLAS) on four shape
+families whose other dimensions are 8192: square (d x d x d), thin rows (M = d), thin columns (N = d)
+and a short contraction (K = d), and prints the achieved FLOP/s as a fraction of ``--peak``. The
+fall-off the profiles use (``matmul_falloff`` in costmodels/*.toml) is the median over the
+families of each fraction divided by the large-shape fraction. Needs a CUDA GPU and torch.
 """
 
 from __future__ import annotations
@@ -17,57 +14,75 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
+import sys
+
+SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+LARGE = 8192
 
 
-def shapes() -> list[tuple[int, int, int]]:
-    """(m, n, k): square sizes, then transformer GEMMs per device (tokens x hidden x 3h or 4h / tp)."""
-    found = [(s, s, s) for s in (256, 512, 1024, 2048, 4096, 8192, 16384)]
-    for hidden in (4096, 8192, 12288):
-        for tp in (1, 2, 4, 8):
-            for tokens in (2048, 8192, 16384):
-                found.append((tokens, 4 * hidden // tp, hidden))  # MLP up-projection
-                found.append((tokens, hidden, 4 * hidden // tp))  # MLP down-projection (k split)
-    for tokens in (128, 512):
-        found.append((tokens, 4096, 4096))
-    return found
+def shapes(d: int) -> dict[str, tuple[int, int, int]]:
+    """(M, N, K) of each family at smallest dimension d."""
+    return {"square": (d, d, d), "thin_m": (d, LARGE, LARGE), "thin_n": (LARGE, d, LARGE), "short_k": (LARGE, LARGE, d)}
+
+
+def time_matmul(torch, m: int, n: int, k: int, dtype, repeats: int = 50) -> float:
+    """Seconds per matmul, the median of ``repeats`` runs after a warm-up, timed with CUDA events."""
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
+    for _ in range(10):
+        torch.matmul(a, b)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.matmul(a, b)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peak", type=float, default=989.4e12, help="peak FLOP/s of the device (dense)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
+    parser.add_argument("--peak", type=float, required=True, help="the GPU's dense peak FLOP/s at --dtype")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--out", help="write the measurements as JSON here")
     args = parser.parse_args()
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("bench/gemm_efficiency.py needs a CUDA device.")
-    dtype = getattr(torch, args.dtype)
+        sys.exit("gemm_efficiency: no CUDA GPU")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     rows = []
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, peak {args.peak / 1e12:.1f} TF/s")
-    print("| m | n | k | smallest | TFLOP/s | of peak |")
-    print("|---|---|---|---|---|---|")
-    for m, n, k in shapes():
-        a = torch.randn(m, k, device="cuda", dtype=dtype)
-        b = torch.randn(k, n, device="cuda", dtype=dtype)
-        for _ in range(5):
-            a @ b
-        times = []
-        for _ in range(args.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            a @ b
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        seconds = statistics.median(times)
-        flops = 2.0 * m * n * k / seconds
-        rows.append({"m": m, "n": n, "k": k, "seconds": seconds, "flops": flops, "efficiency": flops / args.peak})
-        print(f"| {m} | {n} | {k} | {min(m, n, k)} | {flops / 1e12:.1f} | {flops / args.peak:.3f} |")
-    if args.out is not None:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
+    for d in SIZES:
+        for family, (m, n, k) in shapes(d).items():
+            seconds = time_matmul(torch, m, n, k, dtype)
+            fraction = 2.0 * m * n * k / seconds / args.peak
+            rows.append(
+                {"min_dim": d, "family": family, "m": m, "n": n, "k": k, "seconds": seconds, "fraction": fraction}
+            )
+            print(f"{family:8} M={m:5} N={n:5} K={k:5}: {fraction:6.1%} of peak", flush=True)
+    large = statistics.median(r["fraction"] for r in rows if r["min_dim"] == LARGE)
+    factors = {d: statistics.median(r["fraction"] for r in rows if r["min_dim"] == d) / large for d in SIZES}
+    print(f"large-shape fraction of peak: {large:.3f} ({torch.cuda.get_device_name()}, torch {torch.__version__})")
+    for d, factor in factors.items():
+        print(f"smallest dimension {d:5}: {factor:.3f} of the large-shape fraction")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "dtype": args.dtype,
+                    "peak": args.peak,
+                    "large_fraction": large,
+                    "factors": factors,
+                    "rows": rows,
+                },
+                handle,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

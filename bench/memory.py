@@ -55,7 +55,8 @@ def plan_175b(path: Path, devices: int) -> str:
     mfu = totals["ideal_step_time_s"] / totals["step_time_s"]
     return (
         f"| {devices} | {wall:.1f} s | step {totals['step_time_s']:.3f} s, MFU {mfu:.1%},"
-        f" {totals['memory_per_device_bytes'] / 1e9:.2f} of {totals['memory_capacity_bytes'] / 1e9:.0f} GB"
+        f" {totals['memory_per_device_bytes'] / 1e9:.2f} of"
+        f" {(totals['memory_capacity_bytes'] - totals.get('memory_reserve_bytes', 0)) / 1e9:.1f} GB usable"
         f" ({breakdown}); parallel optimizer on {len(memory_plan['parallel_optimizer'])} parameters,"
         f" recompute {memory_plan['recompute'] or 'none'}; exposed communication"
         f" {totals['communication_s']:.3f} s, hidden {totals['hidden_communication_s']:.3f} s |"

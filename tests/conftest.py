@@ -33,14 +33,16 @@ def simple_profile_dict(capacity: float = 1e12) -> dict:
             "peak_flops_fp32": sourced(5e11),
             "hbm_bandwidth": sourced(1e18),
             "hbm_capacity": sourced(capacity),
+            "memory_reserve": sourced(0.0),
             "cube_efficiency": sourced(1.0),
+            "matmul_efficiency": sourced(1.0),
+            "matmul_falloff": {"smallest_dim": [1], "factor": [1.0], "source": "test value"},
             "memory_efficiency": sourced(1.0),
             "vector_flops_fraction": sourced(1.0),
         },
         "training": {
             "backward_compute_factor": sourced(1.0),
-            "optimizer_state_bytes_per_param": sourced(4.0),
-            "master_weight_bytes_per_param": sourced(4.0),
+            "optimizer": {"value": "sgd", "source": "test value"},
             "gradient_fusion_bytes": sourced(1e6),
         },
         "links": [

@@ -154,7 +154,13 @@ def test_too_many_devices_for_the_model_is_refused_at_once(capsys, tmp_path):
         (("links", 0, "bandwidth"), "inf", "finite"),
         (("links", 0, "bandwidth"), 1e-300, "links[0].bandwidth must be above 1 and at most 1e+18"),
         (("compute", "cube_efficiency"), 1.5, "compute.cube_efficiency must be above 0 and at most 1"),
-        (("training", "optimizer_state_bytes_per_param"), 1e308, "must be above 0 and at most 1024"),
+        (
+            ("training", "gradient_fusion_bytes"),
+            1e308,
+            "training.gradient_fusion_bytes must be above 0 and at most 1e+18",
+        ),
+        (("compute", "memory_reserve"), 1e308, "compute.memory_reserve must be from 0 to 1e+18"),
+        (("compute", "memory_reserve"), 2e12, "memory_reserve (2e+12 B) must be below hbm_capacity (1e+12 B)"),
         (("links", 0, "bits"), 100, "links[0].bits must be a whole number from 1 to 64"),
     ],
 )
@@ -168,7 +174,10 @@ def test_cost_models_that_make_no_sense_are_refused(capsys, tmp_path, where, val
     for section in ("compute", "training"):
         lines.append(f"[{section}]")
         for key, entry in data[section].items():
-            lines.append(f'{key} = {{ value = {entry["value"]}, source = "{entry["source"]}" }}')
+            fields = ", ".join(
+                f"{name} = {'inf' if value == 'inf' else json.dumps(value)}" for name, value in entry.items()
+            )
+            lines.append(f"{key} = {{ {fields} }}")
     for level in data["links"]:
         lines.append("[[links]]")
         lines.append(f'name = "{level["name"]}"\nbits = {level["bits"]}')
@@ -184,6 +193,7 @@ def test_cost_models_that_make_no_sense_are_refused(capsys, tmp_path, where, val
 def test_a_tiny_capacity_is_said_in_bytes(capsys, tmp_path):
     text = (REPO / "costmodels" / "ascend910.toml").read_text()
     text = text.replace("hbm_capacity = { value = 32e9", "hbm_capacity = { value = 1")
+    text = text.replace("memory_reserve = { value = 3.2e9", "memory_reserve = { value = 0")
     profile = tmp_path / "tiny.toml"
     profile.write_text(text)
     code, _, err = run(capsys, "plan", RESNET50, "--devices", "8", "--cost-model", profile)

@@ -11,7 +11,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NEEDS = {"transformers": "torch"}  # it runs a training step on torch.distributed processes
 CELL_TIMEOUT_S = 120
 
@@ -43,6 +44,8 @@ def test_notebook_runs(path, tmp_path):
         resources={"metadata": {"path": str(path.parent)}},  # run from notebooks/, as a user opening it would
     )
     # raises CellExecutionError, naming the cell, on any error; the files a notebook writes land in tmp_path
-    client.execute(env={**os.environ, "TMPDIR": str(tmp_path)})
+    # the kernel imports the tree under test (an editable install may point at another checkout)
+    path_entries = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    client.execute(env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(path_entries)})
     shown = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
     assert any("text/html" in output.get("data", {}) for output in shown), "a plan displays as its report"

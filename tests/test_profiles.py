@@ -61,7 +61,7 @@ def test_gpu_profiles_datasheet_numbers(name, fp16, tf32, hbm, nvlink, infiniban
     assert [(level.name, level.bits) for level in profile.links] == [("NVLink", 3), ("InfiniBand", 58)]
     assert [level.bandwidth.value for level in profile.links] == [nvlink, infiniband]
     assert [profile.level_of_bit(b).name for b in range(5)] == ["NVLink"] * 3 + ["InfiniBand"] * 2
-    assert "DeepLearningExamples" in profile.training.optimizer_state_bytes_per_param.source
+    assert "DeepLearningExamples" in profile.training.optimizer.source and profile.training.optimizer.value == "sgd"
     # --precision fp32 is TF32 on the tensor cores: half the FP16 rate
     mixed, fp32 = CostModel(profile, "mixed"), CostModel(profile, "fp32")
     assert fp32.peak_flops == tf32 and mixed.peak_flops == fp16
@@ -130,7 +130,8 @@ BAD_PROFILES = {
     "unknown key": (
         _edit(r"^\[compute\]\n", '[compute]\nhbm_speed = { value = 1, source = "typo" }\n'),
         "compute.hbm_speed is not a profile field; compute takes peak_flops_fp16, peak_flops_fp32, hbm_bandwidth,"
-        " hbm_capacity, cube_efficiency, memory_efficiency, vector_flops_fraction",
+        " hbm_capacity, memory_reserve, cube_efficiency, matmul_efficiency, matmul_falloff, memory_efficiency,"
+        " vector_flops_fraction",
     ),
     "unknown key in a number": (
         _edit(r"hbm_bandwidth = \{ value = 1.2e12,", 'hbm_bandwidth = { value = 1.2e12, unit = "B/s",'),

@@ -10,7 +10,7 @@ from autopar import progress
 from autopar.api.planning import ModelLike, common_batch, model_graph, plan_with
 from autopar.errors import InfeasibleError, TooLargeError
 from autopar.lowering.advice import plan_warnings
-from autopar.options import DEFAULT_COST_MODEL, CostModelLike, PlanOptions, Precision, check_devices
+from autopar.options import DEFAULT_COST_MODEL, CostModelLike, Optimizer, PlanOptions, Precision, check_devices
 
 
 def sweep(
@@ -22,18 +22,27 @@ def sweep(
     dims: Mapping[str, int] | None = None,
     precision: Precision | str = Precision.MIXED,
     overlap: bool = True,
+    optimizer: Optimizer | str | None = None,
+    memory_reserve: float | str | None = None,
 ) -> list[dict[str, Any]]:
     """Plan ``model`` at each device count: step time, throughput, scaling efficiency, MFU, memory.
 
     ``warnings`` lists the plan's own (`autopar.lowering.advice`: devices that repeat one another's
     work, the memory plan, ...). A count whose plan is no faster than a smaller count's is flagged
     (``warning``); one where nothing fits, or that is too large to search, has ``error`` instead of figures.
+    ``optimizer`` and ``memory_reserve`` are `autopar.plan`'s.
     """
     counts = sorted(set(devices))
     for count in counts:
         check_devices(count)
     options = PlanOptions.resolve(
-        cost_model=cost_model, batch=batch, dims=dims or {}, precision=precision, overlap=overlap
+        cost_model=cost_model,
+        batch=batch,
+        dims=dims or {},
+        precision=precision,
+        overlap=overlap,
+        optimizer=optimizer,
+        memory_reserve=memory_reserve,
     )
     step_batch = common_batch(model_graph(model, batch, dims))
     points: list[dict[str, Any]] = []

@@ -35,6 +35,7 @@ from autopar.options import (
     DEFAULT_DEVICES,
     CostModelLike,
     Mode,
+    Optimizer,
     PlanOptions,
     Precision,
     RankTable,
@@ -75,6 +76,8 @@ def build(
     frozen: Sequence[str] = (),
     overlap: bool = True,
     rank_table: RankTable | None = None,
+    optimizer: Optimizer | str | None = None,
+    memory_reserve: float | str | None = None,
 ) -> SearchProblem:
     """The search problem for a model on a device count (costs of every candidate and edge)."""
     options = PlanOptions.resolve(
@@ -86,6 +89,8 @@ def build(
         precision=precision,
         frozen=frozen,
         overlap=overlap,
+        optimizer=optimizer,
+        memory_reserve=memory_reserve,
     )
     return build_with(model, options)
 
@@ -111,6 +116,8 @@ def plan(
     rank_table: RankTable | None = None,
     micro_batches: int | None = None,
     fixed: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    optimizer: Optimizer | str | None = None,
+    memory_reserve: float | str | None = None,
 ) -> Plan:
     """Search the best sharding plan for ``model`` on ``devices`` devices.
 
@@ -124,6 +131,9 @@ def plan(
     default) uses one unless nothing fits, then the fewest of 2, 4, 8, ... with a plan that fits.
     ``fixed`` maps operator names to the in_strategy each must keep; every other operator is searched
     around them (MindSpore's ``semi_auto_parallel`` with sharding propagation, but exact).
+    ``optimizer`` ("adam" or "sgd") sets the optimizer state every trainable parameter keeps; None
+    takes the profile's default. ``memory_reserve`` (bytes, or a size such as "4GB") is device memory
+    plans leave free for workspace, communication buffers and fragmentation; None takes the profile's.
     """
     options = PlanOptions.resolve(
         devices,
@@ -138,6 +148,8 @@ def plan(
         overlap=overlap,
         micro_batches=micro_batches,
         fixed=fixed,
+        optimizer=optimizer,
+        memory_reserve=memory_reserve,
     )
     return plan_with(model, options)
 

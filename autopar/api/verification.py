@@ -22,7 +22,16 @@ from autopar.lowering import (
     program_of,
     read_plan_file,
 )
-from autopar.options import DEFAULT_COST_MODEL, CostModelLike, PlanOptions, Precision, RankTable, Runtime, runtime_of
+from autopar.options import (
+    DEFAULT_COST_MODEL,
+    CostModelLike,
+    Optimizer,
+    PlanOptions,
+    Precision,
+    RankTable,
+    Runtime,
+    runtime_of,
+)
 from autopar.search.costing import build_problem
 from autopar.search.driver import run_search
 from autopar.spmd import VerifyReport, verify_program
@@ -51,6 +60,8 @@ def verify(
     gradients: bool | None = None,
     port: int | None = None,
     timeout_s: float | None = None,
+    optimizer: Optimizer | str | None = None,
+    memory_reserve: float | str | None = None,
 ) -> VerifyReport:
     """Run a plan on ``devices`` devices and compare every output (and gradient) with one device.
 
@@ -60,7 +71,8 @@ def verify(
     autopar finds. ``runtime`` is "virtual" (every rank in this process) or "torch" (one
     torch.distributed process per rank: needs ``autopar[torch]``). ``gradients`` runs the
     backward pass and the gradient synchronisation too and checks every trainable parameter's
-    gradient; the torch runtime always does, the virtual one when asked.
+    gradient; the torch runtime always does, the virtual one when asked. ``optimizer`` and
+    ``memory_reserve`` (`autopar.plan`'s) shape the plan searched when none is given.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise AutoparError(f"The seed must be an integer from 0 to {MAX_SEED:,}, got {seed!r}.")
@@ -70,7 +82,17 @@ def verify(
     training = runtime == "torch" or bool(gradients)
     if training:
         _need_torch(runtime)
-    program = _program(model, plan_or_strategies, devices, batch, dims, cost_model, precision, rank_table)
+    options = PlanOptions.resolve(
+        devices,
+        cost_model,
+        rank_table,
+        batch=batch,
+        dims=dims or {},
+        precision=precision,
+        optimizer=optimizer,
+        memory_reserve=memory_reserve,
+    )
+    program = _program(model, plan_or_strategies, options)
     if not training:
         return verify_program(program, seed=seed)
     from autopar.runtime.launch import DEFAULT_TIMEOUT_S
@@ -79,22 +101,12 @@ def verify(
     return verify_training(program, seed=seed, runtime=runtime, port=port, timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
 
 
-def _program(
-    model: ModelLike,
-    given: Plan | PlanFile | Mapping[str, Any] | None,
-    devices: int | None,
-    batch: int | None,
-    dims: Mapping[str, int] | None,
-    cost_model: CostModelLike,
-    precision: Precision | str,
-    rank_table: RankTable | None,
-) -> PlanProgram:
+def _program(model: ModelLike, given: Plan | PlanFile | Mapping[str, Any] | None, options: PlanOptions) -> PlanProgram:
     """What `verify` runs: a `Plan`'s program; a plan file's, read without costing anything (its own
     precision sizes the collectives); or that of strategies (given, annotated, or searched), lowered
     on the model's costed problem."""
     if isinstance(given, Plan):
         return given.program
-    options = PlanOptions.resolve(devices, cost_model, rank_table, batch=batch, dims=dims or {}, precision=precision)
     graph = model_graph(model, options.batch, options.dims)
     if isinstance(given, Mapping) and _is_plan_file(given, graph):
         given = read_plan_file(given)

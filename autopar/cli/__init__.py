@@ -16,7 +16,13 @@ from collections.abc import Sequence
 
 from autopar.cli.commands import COMMANDS
 from autopar.cli.flags import UsageError, build_parser
-from autopar.errors import AutoparError, FixedStrategyError, UnknownDimensionError, UnknownSymbolError
+from autopar.errors import (
+    AutoparError,
+    FixedStrategyError,
+    MemoryReserveError,
+    UnknownDimensionError,
+    UnknownSymbolError,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -32,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (FixedStrategyError, UsageError) as exc:  # the user's own strategy, or flags that do not go together
+        print(f"autopar: error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryReserveError as exc:  # only --memory-reserve gives one (a profile's reserve is checked on loading)
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
     except AutoparError as exc:

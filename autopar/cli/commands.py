@@ -65,6 +65,8 @@ def _searched_options(args: argparse.Namespace) -> PlanOptions:
         overlap=args.overlap,
         micro_batches=args.micro_batches,
         fixed=_fixed(args),
+        optimizer=args.optimizer,
+        memory_reserve=args.memory_reserve,
     )
 
 
@@ -137,6 +139,8 @@ def run_verify(args: argparse.Namespace) -> int:
             gradients=True if args.gradients or args.runtime == "torch" else None,
             port=args.port,
             timeout_s=args.timeout,
+            optimizer=args.optimizer,
+            memory_reserve=args.memory_reserve,
         )
     text = (
         json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n"
@@ -179,6 +183,8 @@ def run_sweep(args: argparse.Namespace) -> int:
             batch=args.batch,
             dims=dict(args.dim),
             precision=args.precision,
+            optimizer=args.optimizer,
+            memory_reserve=args.memory_reserve,
         )
     for point in points:
         say_plan_warnings(point.get("warnings", []), f"{point['devices']:,} devices: ")
@@ -222,6 +228,8 @@ _SEARCH_FLAGS = {  # what --plan cannot take: each would search or cost another 
     "frozen": "--frozen",
     "micro_batches": "--micro-batches",
     "overlap": "--no-overlap",
+    "optimizer": "--optimizer",
+    "memory_reserve": "--memory-reserve",
 }
 
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_MICRO_BATCHES, MAX_SEED
-from autopar.options import Mode, Precision, Runtime, SearchAlgorithm
+from autopar.options import Mode, Optimizer, Precision, Runtime, SearchAlgorithm
+from autopar.units import parse_bytes
 
 
 class UsageError(AutoparError):
@@ -103,6 +104,17 @@ def _timeout(text: str) -> float:
     return float(_integer("--timeout", text, 1, 24 * 3600))
 
 
+def _memory_reserve(text: str) -> float:
+    """``4GB``, ``512MiB``, ``0``: device memory a plan leaves free (exit 2 otherwise)."""
+    value = parse_bytes(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(
+            f"--memory-reserve must be a size such as 4GB, 512MiB or 0 (decimal KB/MB/GB/TB or binary"
+            f" KiB/MiB/GiB/TiB; a bare number is bytes), got {text!r}"
+        )
+    return value
+
+
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX model file")
     parser.add_argument("--batch", type=_batch, help="override the leading dimension of the data inputs")
@@ -120,10 +132,18 @@ DEVICES_HELP = "number of devices, a power of two (default 8, or the rank table'
 RANK_TABLE_HELP = "MindSpore's rank_table.json: the device count and the servers that set the link levels"
 COST_MODEL_HELP = "a bundled profile's name (ascend910, a100, h100; any case) or a .toml file (default ascend910)"
 PRECISION_HELP = "mixed: fp16 compute with fp32 master weights (default); fp32: everything in fp32"
+OPTIMIZER_HELP = (
+    "the optimizer whose state each trainable parameter keeps: adam (two fp32 moments; 16 bytes a parameter in"
+    " mixed precision) or sgd (momentum; 12 bytes); default: the cost model's (sgd in the bundled ones)"
+)
+MEMORY_RESERVE_HELP = (
+    "device memory plans leave free for workspace, communication buffers and fragmentation, e.g. 4GB or 0"
+    " (default: the cost model's, a tenth of the device's memory in the bundled ones)"
+)
 FORMAT_HELP = "table: for people (default); json: for programs, on stdout alone"
 
 
-def _names(kind: type[Mode] | type[Precision] | type[SearchAlgorithm] | type[Runtime]) -> list[str]:
+def _names(kind: type[Mode] | type[Precision] | type[SearchAlgorithm] | type[Runtime] | type[Optimizer]) -> list[str]:
     """A flag's choices: the enum's names, as argparse lists them in its one-sentence error."""
     return [member.value for member in kind]
 
@@ -135,6 +155,13 @@ def _add_target_arguments(parser: argparse.ArgumentParser, rank_table: bool = Tr
         parser.add_argument("--rank-table", metavar="FILE", help=RANK_TABLE_HELP)
     parser.add_argument("--cost-model", default="ascend910", metavar="NAME|FILE.toml", help=COST_MODEL_HELP)
     parser.add_argument("--precision", choices=_names(Precision), default=Precision.MIXED.value, help=PRECISION_HELP)
+    _add_memory_arguments(parser)
+
+
+def _add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """What training keeps in device memory besides the plan's tensors: the optimizer's state and a reserve."""
+    parser.add_argument("--optimizer", choices=_names(Optimizer), help=OPTIMIZER_HELP)
+    parser.add_argument("--memory-reserve", type=_memory_reserve, metavar="SIZE", help=MEMORY_RESERVE_HELP)
 
 
 def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
@@ -219,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a plan JSON file (from 'autopar plan --format json'); default: the model's sharding annotations"
         " (from 'autopar export --to onnx'), else search one",
     )
+    _add_memory_arguments(verify)
     verify.add_argument("--seed", type=_seed, default=0, help="seed for random weights and inputs")
     verify.add_argument(
         "--gradients",

@@ -1,22 +1,40 @@
 """The cost model: compute (roofline), memory, and collectives (alpha-beta over the mesh levels).
 
 Hardware numbers live in `costmodels/*.toml`, each with its source; this module only turns
-them into seconds and bytes. Collectives over bits that span several levels run
+them into seconds and bytes. What is not hardware is here: the bytes each optimizer keeps per
+parameter (`OPTIMIZER_STATE_BYTES`). Collectives over bits that span several levels run
 hierarchically (fastest level first), as HCCL and Horovod do: a ReduceScatter over a level of
 g ranks costs (g-1) x (alpha + payload / (g x bandwidth)) and shrinks the payload g-fold.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Literal
 
-from autopar.cost.profile import HardwareProfile
-from autopar.errors import CostModelError
+import numpy as np
+
+from autopar.cost.profile import HardwareProfile, OptimizerName
+from autopar.errors import CostModelError, MemoryReserveError
 from autopar.redistribute import Collective
+from autopar.units import human_bytes
 
 Precision = Literal["mixed", "fp32"]
 PRECISIONS = ("mixed", "fp32")
+
+Optimizer = OptimizerName
+OPTIMIZERS: tuple[Optimizer, ...] = ("adam", "sgd")
+
+OPTIMIZER_STATE_BYTES: dict[str, float] = {"adam": 8.0, "sgd": 4.0}
+"""FP32 optimizer state per parameter: Adam's two moments (first and second, 4 B each) and SGD's one
+momentum buffer. With the FP32 master weights (4 B) mixed precision adds and the FP16 weights and
+gradient (2 B each), Adam keeps 2 + 2 + 4 + 8 = 16 B a parameter: the "16 Psi" of the ZeRO paper
+(Rajbhandari et al., SC20, section 3.1), which Megatron-LM keeps too; momentum SGD keeps 12 B."""
+
+MASTER_WEIGHT_BYTES = 4.0
+"""The FP32 copy of the weights the optimizer updates under mixed precision (ZeRO, section 3.1); in FP32
+training the weights themselves are that copy."""
 
 
 class CostModel:
@@ -25,22 +43,51 @@ class CostModel:
     ``overlap``: bucketed gradient synchronisation runs beside the backward pass (Horovod, DDP,
     MindSpore), so only what the remaining backward compute cannot cover is exposed; without it
     every gradient AllReduce adds to the step.
+
+    ``optimizer`` (``adam`` or ``sgd``; the profile's default when None) sets the optimizer state per
+    parameter; ``memory_reserve`` (bytes; the profile's when None) is device memory plans leave free
+    for workspace, communication buffers and allocator fragmentation: ``capacity`` is what is left.
     """
 
-    def __init__(self, profile: HardwareProfile, precision: Precision = "mixed", overlap: bool = True) -> None:
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        precision: Precision = "mixed",
+        overlap: bool = True,
+        optimizer: Optimizer | None = None,
+        memory_reserve: float | None = None,
+    ) -> None:
         if precision not in PRECISIONS:
             raise CostModelError(f"Unknown precision {precision!r}; choose mixed or fp32.")
+        optimizer = profile.training.optimizer.value if optimizer is None else optimizer
+        if optimizer not in OPTIMIZERS:
+            raise CostModelError(f"Unknown optimizer {optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}.")
         self.profile = profile
         self.precision = precision
         self.overlap = overlap
+        self.optimizer: Optimizer = optimizer
         compute = profile.compute
+        self.device_capacity = compute.hbm_capacity.value
+        reserve = compute.memory_reserve.value if memory_reserve is None else memory_reserve
+        if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < math.inf:
+            raise MemoryReserveError(f"The memory reserve must be a number of bytes from 0 up, got {reserve!r}.")
+        if reserve >= self.device_capacity:
+            raise MemoryReserveError(
+                f"The memory reserve of {human_bytes(reserve)} leaves nothing of the device's"
+                f" {human_bytes(self.device_capacity)} ({profile.name}); give a smaller reserve."
+            )
+        self.memory_reserve = float(reserve)
         self.peak_flops = (compute.peak_flops_fp16 if precision == "mixed" else compute.peak_flops_fp32).value
         self.cube_flops = self.peak_flops * compute.cube_efficiency.value
+        self.matmul_flops = self.peak_flops * compute.matmul_efficiency.value  # a large matmul's rate
+        falloff = compute.matmul_falloff
+        self._falloff_log2 = np.log2(np.asarray(falloff.smallest_dim, dtype=np.float64))
+        self._falloff = np.asarray(falloff.factor, dtype=np.float64)
         self.vector_flops = compute.peak_flops_fp16.value * compute.vector_flops_fraction.value
         if precision == "fp32":
             self.vector_flops /= 2
         self.memory_bandwidth = compute.hbm_bandwidth.value * compute.memory_efficiency.value
-        self.capacity = compute.hbm_capacity.value
+        self.capacity = self.device_capacity - self.memory_reserve  # what a plan may fill
         training = profile.training
         self.backward_factor = training.backward_compute_factor.value
         self.fusion_bytes = training.gradient_fusion_bytes.value
@@ -75,22 +122,34 @@ class CostModel:
 
     def parameter_bytes_split(self, trainable: bool) -> tuple[float, float]:
         """(bytes per element the forward reads, bytes per element a parallel optimizer may shard)."""
-        training = self.profile.training
         if not trainable:
             return 4.0, 0.0
-        master = training.master_weight_bytes_per_param.value
-        state = self.gradient_itemsize() + training.optimizer_state_bytes_per_param.value
+        state = self.gradient_itemsize() + OPTIMIZER_STATE_BYTES[self.optimizer]
         if self.precision == "mixed":
-            return 2.0, master + state  # the FP16 working copy; the FP32 master is optimizer state
-        return master, state
+            return 2.0, MASTER_WEIGHT_BYTES + state  # the FP16 working copy; the FP32 master is optimizer state
+        return MASTER_WEIGHT_BYTES, state  # FP32 weights are the master copy
 
     # --- compute ---------------------------------------------------------------------------
 
-    def compute_time(self, op_class: str, flops: float, nbytes: float) -> float:
-        """Roofline: the slower of arithmetic and memory traffic."""
+    def matmul_rate(self, smallest_dim: np.ndarray | float) -> np.ndarray:
+        """FLOP/s of a matmul whose smallest per-device dimension (of M, N and K) is ``smallest_dim``:
+        the large-matmul rate times the profile's fall-off factor at that size (interpolated on log2 of
+        the size, the table's end values outside it)."""
+        size = np.maximum(np.asarray(smallest_dim, dtype=np.float64), 1.0)
+        return self.matmul_flops * np.interp(np.log2(size), self._falloff_log2, self._falloff)
+
+    def compute_time(self, op_class: str, flops: float, nbytes: float, matmul_dim: float | None = None) -> float:
+        """Roofline: the slower of arithmetic and memory traffic.
+
+        ``matmul_dim``: the operator is a matmul (MatMul, Gemm) whose smallest per-device dimension is
+        this, so it runs at `matmul_rate`; other "cube" work (convolutions) runs at the cube efficiency.
+        """
         if op_class == "free":
             return 0.0
-        rate = self.cube_flops if op_class == "cube" else self.vector_flops
+        if matmul_dim is not None:
+            rate = float(self.matmul_rate(matmul_dim))
+        else:
+            rate = self.cube_flops if op_class == "cube" else self.vector_flops
         return max(flops / rate, nbytes / self.memory_bandwidth)
 
     # --- communication -----------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import tomllib
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -29,6 +29,9 @@ from autopar.errors import AutoparWarning, CostModelError
 
 class UnsourcedNumberWarning(AutoparWarning):
     """A profile gives a number without saying where it comes from (it is used as given)."""
+
+
+OptimizerName = Literal["adam", "sgd"]
 
 
 class Sourced(BaseModel):
@@ -49,9 +52,61 @@ class Sourced(BaseModel):
         return data
 
 
+class SourcedAmount(Sourced):
+    """A sourced number that may be zero (a memory reserve: none at all is a valid choice)."""
+
+    value: float = Field(ge=0, allow_inf_nan=False, strict=True)
+
+
+class SourcedChoice(BaseModel):
+    """A named choice and why it is the profile's: the default optimizer (``{ value = "sgd", source = ... }``).
+
+    A plain name (``optimizer = "sgd"``) is accepted with the same warning as a plain number.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    value: OptimizerName
+    source: str | None = Field(default=None, min_length=3)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_name(cls, data: Any) -> Any:
+        return {"value": data} if isinstance(data, str) else data
+
+
+class Falloff(BaseModel):
+    """How a matmul's efficiency falls as the smallest of its per-device M, N and K shrinks.
+
+    ``smallest_dim`` (strictly increasing) and ``factor`` (the share of the large-matmul efficiency
+    reached at that size, non-decreasing, in (0, 1]) are read as a table: between two sizes the factor
+    is interpolated on log2 of the size, outside them it is the nearest end's.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    smallest_dim: tuple[int, ...] = Field(min_length=1)
+    factor: tuple[float, ...] = Field(min_length=1)
+    source: str | None = Field(default=None, min_length=3)
+
+    @model_validator(mode="after")
+    def _a_table(self) -> Falloff:
+        if len(self.smallest_dim) != len(self.factor):
+            raise ValueError(
+                f"gives {len(self.smallest_dim)} sizes but {len(self.factor)} factors; give one factor per size"
+            )
+        if any(size < 1 for size in self.smallest_dim) or any(
+            a >= b for a, b in zip(self.smallest_dim, self.smallest_dim[1:])
+        ):
+            raise ValueError(f"smallest_dim must be whole sizes from 1 up, increasing, got {list(self.smallest_dim)}")
+        if any(not 0 < f <= 1 for f in self.factor) or any(a > b for a, b in zip(self.factor, self.factor[1:])):
+            raise ValueError(
+                f"factor must not fall as the size grows, each above 0 and at most 1, got {list(self.factor)}"
+            )
+        return self
+
+
 # Ranges (ours, not a vendor's): a number outside its range is a typo or a unit slip, and would
-# give absurd or non-finite times (1e308 bytes of optimizer state per parameter overflows a
-# plan's memory to infinity). Efficiencies are fractions of a peak; a rate below one per second
+# give absurd or non-finite times (a 1e308-byte fusion bucket or memory reserve overflows a plan's
+# figures to infinity). Efficiencies are fractions of a peak; a rate below one per second
 # (a bandwidth of 1e-300 B/s) is a slip. Each range is wide enough for any device of the next
 # decades. The lower bound is open, the upper one closed.
 PLAUSIBLE: dict[str, tuple[float, float]] = {
@@ -60,11 +115,11 @@ PLAUSIBLE: dict[str, tuple[float, float]] = {
     "hbm_bandwidth": (1.0, 1e18),
     "hbm_capacity": (0.0, 1e18),
     "cube_efficiency": (0.0, 1.0),
+    "matmul_efficiency": (0.0, 1.0),
+    "memory_reserve": (0.0, 1e18),
     "memory_efficiency": (0.0, 1.0),
     "vector_flops_fraction": (0.0, 1.0),
     "backward_compute_factor": (0.0, 100.0),
-    "optimizer_state_bytes_per_param": (0.0, 1024.0),
-    "master_weight_bytes_per_param": (0.0, 1024.0),
     "gradient_fusion_bytes": (0.0, 1e18),
     "bandwidth": (1.0, 1e18),
     "latency": (0.0, 60.0),
@@ -81,7 +136,11 @@ class _Spec(BaseModel):
     def _plausible(cls, number: Any, info: ValidationInfo) -> Any:
         if isinstance(number, Sourced) and info.field_name in PLAUSIBLE:
             low, high = PLAUSIBLE[info.field_name]
+            if isinstance(number, SourcedAmount) and number.value == low:
+                return number  # zero allowed
             if not low < number.value <= high:
+                if isinstance(number, SourcedAmount):
+                    raise ValueError(f"must be from {low:g} to {high:g}, got {number.value:g}")
                 raise ValueError(f"must be above {low:g} and at most {high:g}, got {number.value:g}")
         return number
 
@@ -91,16 +150,44 @@ class ComputeSpec(_Spec):
     peak_flops_fp32: Sourced
     hbm_bandwidth: Sourced
     hbm_capacity: Sourced
+    memory_reserve: SourcedAmount
     cube_efficiency: Sourced
+    matmul_efficiency: Sourced
+    matmul_falloff: Falloff
     memory_efficiency: Sourced
     vector_flops_fraction: Sourced
+
+    @model_validator(mode="after")
+    def _reserve_below_capacity(self) -> ComputeSpec:
+        if self.memory_reserve.value >= self.hbm_capacity.value:
+            raise ValueError(
+                f"memory_reserve ({self.memory_reserve.value:g} B) must be below hbm_capacity"
+                f" ({self.hbm_capacity.value:g} B)"
+            )
+        return self
+
+
+# Numbers the optimizer choice (`autopar.cost.model.OPTIMIZER_STATE_BYTES`) replaced: a profile that
+# still gives them is told what to write instead.
+RETIRED_TRAINING_FIELDS = ("optimizer_state_bytes_per_param", "master_weight_bytes_per_param")
 
 
 class TrainingSpec(_Spec):
     backward_compute_factor: Sourced
-    optimizer_state_bytes_per_param: Sourced
-    master_weight_bytes_per_param: Sourced
+    optimizer: SourcedChoice
     gradient_fusion_bytes: Sourced
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            retired = [name for name in RETIRED_TRAINING_FIELDS if name in data]
+            if retired:
+                raise ValueError(
+                    f"gives {_and(retired)}, which the optimizer now sets (--optimizer adam|sgd); write"
+                    ' optimizer = { value = "sgd" or "adam", source = "..." } for the profile\'s default instead'
+                )
+        return data
 
 
 MIN_MESH_BITS = 30
@@ -155,7 +242,7 @@ class HardwareProfile(BaseModel):
             f"{prefix}.{field}"
             for prefix, spec in named
             for field in type(spec).model_fields
-            if isinstance(number := getattr(spec, field), Sourced) and number.source is None
+            if isinstance(number := getattr(spec, field), (Sourced, SourcedChoice, Falloff)) and number.source is None
         ]
 
     def level_of_bit(self, bit: int) -> LinkLevel:
@@ -239,12 +326,23 @@ def profile_problem(exc: ValidationError) -> str:
         return f"{where} must say where the number comes from, got {given!r}"
     if kind in _NUMBER_TYPES and field in ("compute", "training"):
         return f"{where} must be a table ([{field}] followed by its numbers), got {given!r}"
+    if kind in _NUMBER_TYPES and field == "optimizer":
+        return f'{where} must be adam or sgd, or {{ value = "adam", source = "..." }}, got {given!r}'
+    if kind in _NUMBER_TYPES and field == "matmul_falloff":
+        return (
+            f'{where} must be a table {{ smallest_dim = [32, ...], factor = [0.12, ...], source = "..." }},'
+            f" got {given!r}"
+        )
     if kind in _NUMBER_TYPES and isinstance(loc[-1], int):
         return f"{where} must be a table ([[links]] with name, bits, bandwidth and latency), got {given!r}"
     if kind in _NUMBER_TYPES:
         return f'{where} must be a number or {{ value = <number>, source = "..." }}, got {given!r}'
-    if kind == "tuple_type":
+    if kind == "tuple_type" and field == "links":
         return f"{where} must be a list of levels ([[links]] tables), got {given!r}"
+    if kind == "tuple_type":
+        return f"{where} must be a list, got {given!r}"
+    if kind == "literal_error":
+        return f"{where} must be {context.get('expected', 'one of the names given')}, got {given!r}"
     if kind == "greater_than":
         return f"{where} must be above {context.get('gt', 0):g}, got {given!r}"
     if kind == "string_type":

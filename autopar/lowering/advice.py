@@ -71,6 +71,6 @@ def plan_warnings(data: PlanFile) -> list[str]:
             " the operators' shapes and costs are one micro-batch's."
         )
     totals = data.totals
-    if totals.memory_per_device_bytes > 0.9 * totals.memory_capacity_bytes:
-        found.append("Memory is over 90% of capacity: a larger batch or model will not fit.")
+    if totals.memory_per_device_bytes > 0.9 * totals.memory_usable_bytes:
+        found.append("Memory is over 90% of the usable capacity: a larger batch or model will not fit.")
     return found

@@ -144,6 +144,7 @@ class Plan:
             links=mesh_links(self.mesh),
             cost_model=self.cost_model,
             precision=self.precision,
+            optimizer=problem.cost.optimizer,
             mode=self.mode,
             objective_s=rounded(self.objective),
             ops=ops,

@@ -218,7 +218,12 @@ class Totals(_OmitsUnset):
     )
     gradient_sync_s: NonNegativeFloat = Field(description="every parameter's gradient synchronisation, hidden or not")
     memory_per_device_bytes: NonNegativeInt
-    memory_capacity_bytes: NonNegativeInt
+    memory_capacity_bytes: NonNegativeInt = Field(description="the device's memory, as the hardware profile gives it")
+    memory_reserve_bytes: NonNegativeInt = Field(
+        default=0,
+        description="device memory the plan leaves free for workspace, communication buffers and allocator"
+        " fragmentation (the profile's reserve or --memory-reserve; 0 in files older than the reserve)",
+    )
     memory_breakdown: dict[str, NonNegativeInt] = Field(
         description="bytes per device: parameter_state (weights, gradients, optimizer state), activations (kept"
         " for the backward pass), inputs (the data each device loads)"
@@ -237,6 +242,11 @@ class Totals(_OmitsUnset):
         default=None,
         description="with fixed strategies (semi-auto): what they cost, step_time_s - free_step_time_s",
     )
+
+    @property
+    def memory_usable_bytes(self) -> int:
+        """What the plan may fill: the device's memory less the reserve."""
+        return self.memory_capacity_bytes - self.memory_reserve_bytes
 
 
 class LinkUse(_Part):
@@ -331,6 +341,10 @@ class PlanFile(_Part):
     links: list[LinkUse] = Field(description="the mesh levels, fastest first (from the profile or a rank table)")
     cost_model: str
     precision: str
+    optimizer: str | None = Field(
+        default=None,
+        description="the optimizer whose state each trainable parameter keeps: adam or sgd (absent in old files)",
+    )
     mode: str
     objective_s: NonNegativeFloat
     ops: list[OpEntry] = Field(min_length=1)

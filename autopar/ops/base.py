@@ -38,6 +38,10 @@ class OpSpec:
     reduced label (a bias under a split contraction must be added exactly once).
     ``local_mean`` marks an average over the reduced labels (ReduceMean, a mean loss): each rank
     divides its local mean by the number of shards, so the partial results sum to the global mean.
+    ``matmul_labels`` marks a matrix product (MatMul, Gemm) by the labels of its M, N and K (None for
+    an M or N the operands lack, a matrix-vector product's): its efficiency depends on their sizes on
+    one device (`autopar.cost.CostModel.matmul_rate`), where other "cube" work (convolutions) runs
+    at one fitted efficiency.
     """
 
     inputs: tuple[Labels | None, ...]
@@ -49,6 +53,7 @@ class OpSpec:
     fallback: bool = False
     local_mean: bool = False
     label_order: tuple[str, ...] = field(default=(), compare=False)
+    matmul_labels: tuple[str | None, str | None, str] | None = None
 
     def __post_init__(self) -> None:
         if not self.label_order:

@@ -84,6 +84,7 @@ def gemm(op: NodeView, graph: GraphView) -> OpSpec:
         op_class="cube",
         local_once_inputs=(2,),
         label_order=("i", "k", "j"),
+        matmul_labels=("i", "j", "k"),
     )
 
 
@@ -120,7 +121,8 @@ def matmul(op: NodeView, graph: GraphView) -> OpSpec:
     if len(b_shape) > 1:
         out += ("j",)
     order = tuple(f"b{i}" for i in range(batch_rank)) + ("i", "k", "j")
-    return OpSpec(inputs=(a, b), outputs=(out,), op_class="cube", label_order=order)
+    m, n = ("i" if len(a_shape) > 1 else None), ("j" if len(b_shape) > 1 else None)
+    return OpSpec(inputs=(a, b), outputs=(out,), op_class="cube", label_order=order, matmul_labels=(m, n, "k"))
 
 
 def einsum_terms(equation: str, ranks: Sequence[int]) -> tuple[list[list[str]], list[str]]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from autopar.cost.mesh import Mesh
 from autopar.lowering import PlanFile
 from autopar.report.figures import level_traffic, timeline_phases
-from autopar.report.format import escape, ms
+from autopar.report.format import escape, memory_against_usable, ms
 from autopar.units import human_bytes
 
 COLOURS = {
@@ -156,14 +156,14 @@ def timeline_section(data: PlanFile, forward_s: float | None, recompute_s: float
 def memory_section(data: PlanFile) -> str:
     """Memory per device as two bars: against capacity, and the used part split by kind."""
     totals = data.totals
-    capacity = totals.memory_capacity_bytes
+    capacity = totals.memory_usable_bytes
     used = totals.memory_per_device_bytes
     segments: list[tuple[str, float]] = list(totals.memory_breakdown.items())
     width = 600
     parts = [
-        "<text x='0' y='30' font-size='12'>vs capacity</text>",
+        "<text x='0' y='30' font-size='12'>vs usable</text>",
         f"<rect x='120' y='14' width='{width}' height='26' fill='#f3f4f6' stroke='#999'>"
-        f"<title>capacity {escape(human_bytes(capacity))}</title></rect>",
+        f"<title>usable {escape(human_bytes(capacity))}</title></rect>",
         *_bar(segments, max(capacity, used), width, 14, 26, "B"),
         "<text x='0' y='70' font-size='12'>used, split</text>",
         *_bar(segments, used, width, 54, 26, "B"),
@@ -174,8 +174,7 @@ def memory_section(data: PlanFile) -> str:
         for name, value in segments
     )
     return (
-        f"<p>{escape(human_bytes(used))} of {escape(human_bytes(capacity))} per device"
-        f" ({used / capacity if capacity else 0:.1%}).</p>"
+        f"<p>{escape(memory_against_usable(totals))} per device.</p>"
         f"<svg width='{120 + width + 20}' height='90' role='img' aria-label='memory per device'>{''.join(parts)}</svg>"
         f"<ul class='legend'>{legend}</ul><p class='note'>Parameter state: weights, gradients and optimizer state;"
         " activations: what the backward pass keeps; inputs: the data each device loads.</p>"

@@ -9,6 +9,8 @@ import html
 from collections.abc import Sequence
 
 from autopar.cost.mesh import Mesh
+from autopar.lowering.planfile import Totals
+from autopar.units import human_bytes
 
 
 def figure_ms(seconds: float) -> str:
@@ -39,3 +41,18 @@ def link_levels(mesh: Mesh, bits: Sequence[int]) -> str:
         if level_of.get(bit, "?") not in names:
             names.append(level_of.get(bit, "?"))
     return "+".join(names)
+
+
+def memory_against_usable(totals: Totals, with_used: bool = True) -> str:
+    """Memory per device against what a plan may fill, saying the reserve left free:
+    ``60.00 GB of 72.00 GB usable (83.3%; the device's 80.00 GB less a 8.00 GB reserve)``."""
+    used, usable = totals.memory_per_device_bytes, totals.memory_usable_bytes
+    share = f"{used / usable:.1%}" if usable else "-"
+    reserve = totals.memory_reserve_bytes
+    left = (
+        f"; the device's {human_bytes(totals.memory_capacity_bytes)} less a {human_bytes(reserve)} reserve"
+        if reserve
+        else ""
+    )
+    text = f"of {human_bytes(usable)} usable ({share}{left})"
+    return f"{human_bytes(used)} {text}" if with_used else text

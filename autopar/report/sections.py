@@ -18,7 +18,7 @@ from autopar.report.figures import (
     summary_figures,
     warnings_of,
 )
-from autopar.report.format import escape, ms, strategy_text
+from autopar.report.format import escape, memory_against_usable, ms, strategy_text
 from autopar.units import human_bytes
 
 
@@ -38,7 +38,7 @@ def summary_section(data: PlanFile, stand_alone: PlanFile | None) -> str:
     step = totals.step_time_s
     throughput = figures["samples_per_s"]
     mfu = figures["mfu"]
-    used, capacity = totals.memory_per_device_bytes, totals.memory_capacity_bytes
+    used, capacity = totals.memory_per_device_bytes, totals.memory_usable_bytes
     vs_alone = figures["speedup_vs_stand_alone"]
     cards = [
         _card(
@@ -67,7 +67,7 @@ def summary_section(data: PlanFile, stand_alone: PlanFile | None) -> str:
             "memory per device",
             used,
             human_bytes(used),
-            f"of {human_bytes(capacity)} ({used / capacity:.1%})" if capacity else "capacity unknown",
+            memory_against_usable(totals, with_used=False) if capacity else "capacity unknown",
         ),
         _card(
             "speedup_vs_data_parallel",

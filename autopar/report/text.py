@@ -9,7 +9,7 @@ from autopar.cost.mesh import Mesh
 from autopar.graph import Graph
 from autopar.lowering import GRAPH_OUTPUT, Plan
 from autopar.lowering.planfile import CollectiveStep, PlanFile
-from autopar.report.format import figure_ms, link_levels, strategy_text
+from autopar.report.format import figure_ms, link_levels, memory_against_usable, strategy_text
 from autopar.spmd import VerifyReport
 from autopar.spmd.compare import PHASES
 from autopar.units import human_bytes
@@ -66,8 +66,8 @@ def plan_table(plan: Plan, top: int | None = 20) -> str:
         + ("  (pure data parallel: nothing fixed)" if totals.fixed_cost_s is not None else ""),
         *_fixed_cost_lines(data),
         f"ideal step time:  {figure_ms(totals.ideal_step_time_s)} ms (training FLOPs / (devices x peak))",
-        f"memory/device:    {human_bytes(totals.memory_per_device_bytes)}"
-        f" of {human_bytes(totals.memory_capacity_bytes)} ({breakdown})",
+        f"memory/device:    {memory_against_usable(totals)}",
+        f"memory by kind:   {breakdown}" + (f" (optimizer: {data.optimizer})" if data.optimizer else ""),
         f"mesh:             {mesh.num_devices} devices" + (f" over {levels}" if levels else ""),
     ]
     kinds = Counter(str(s.collective) for red in data.redistributions for s in red.steps)

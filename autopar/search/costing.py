@@ -301,7 +301,10 @@ def _node_costs(flow: Dataflow, node: int) -> NodeCosts:
     if op_class == "free":
         forward = np.zeros(count)
     else:
-        rate = cost.cube_flops if op_class == "cube" else cost.vector_flops
+        if spec.matmul_labels is not None:  # a matmul's rate depends on its shape on one device
+            rate = cost.matmul_rate(matmul_smallest_dim(rule, splits))
+        else:
+            rate = np.full(count, cost.cube_flops if op_class == "cube" else cost.vector_flops)
         work = op.flops / np.ldexp(1.0, splits.split(spec.label_order)) / rate
         forward = np.maximum(work, traffic / cost.memory_bandwidth)
     compute = forward * (1.0 + cost.backward_factor * flow.backward_passes(node))
@@ -351,6 +354,22 @@ def _node_costs(flow: Dataflow, node: int) -> NodeCosts:
         held.activations,
         parameter_elements,
     )
+
+
+def matmul_smallest_dim(rule: OpRule, splits: CandidateSplits) -> np.ndarray:
+    """Per candidate, the smallest of a matmul's M, N and K on one device (an absent M or N counts 1).
+
+    The backward's two products (the input and the weight gradient) multiply the same three sizes in
+    another order, so one smallest size sets the efficiency of all three.
+    """
+    smallest = np.full(splits.count, np.inf)
+    for label in rule.spec.matmul_labels or ():
+        sizes = rule.label_sizes.get(label, set()) if label is not None else set()
+        if label is None or not sizes:
+            return np.ones(splits.count)
+        exponents = splits.exponents[:, [splits.column[label]]].reshape(-1)
+        smallest = np.minimum(smallest, max(sizes) / np.ldexp(1.0, exponents))
+    return smallest
 
 
 def _collective_coefficients(kind: Collective, masks: np.ndarray, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:

@@ -197,6 +197,14 @@ def parameter_state_bytes(problem: SearchProblem) -> float:
     return sum(info.numel * cost.parameter_bytes_per_element(info.trainable) for info in problem.graph.parameters)
 
 
+def _usable(problem: SearchProblem, capacity: float) -> str:
+    """`` usable (32.00 GB less a 3.20 GB reserve)`` when the capacity is the cost model's, less its reserve."""
+    cost = problem.cost
+    if not cost.memory_reserve or capacity != cost.capacity:
+        return ""
+    return f" usable ({human_bytes(cost.device_capacity)} less a {human_bytes(cost.memory_reserve)} reserve)"
+
+
 def _infeasible_message(
     problem: SearchProblem,
     choice: list[int],
@@ -231,8 +239,8 @@ def _infeasible_message(
             " so it is the activations and inputs that do not fit: use a smaller batch or more devices"
         )
     return (
-        f"Nothing fits in device memory: {what} needs {human_bytes(need)} per device but the device has"
-        f" {human_bytes(capacity)} (parameters with gradients and optimizer state {human_bytes(by_role['parameter'])},"
-        f" activations kept for backward {human_bytes(by_role['activation'])}, inputs {human_bytes(by_role['input'])});"
-        f" the largest tensors are {heavy}; {advice}."
+        f"Nothing fits in device memory: {what} needs {human_bytes(need)} per device (parameters with gradients"
+        f" and optimizer state {human_bytes(by_role['parameter'])}, {problem.cost.optimizer}; activations kept for"
+        f" backward {human_bytes(by_role['activation'])}; inputs {human_bytes(by_role['input'])}) but the device has"
+        f" {human_bytes(capacity)}{_usable(problem, capacity)}; the largest tensors are {heavy}; {advice}."
     )
