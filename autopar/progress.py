@@ -10,6 +10,11 @@ face installs a listener for the duration of a call with `listening`.
 >>> seen
 [('costing', 1, 4)]
 >>> report("costing", 2, 4)   # nobody listens: nothing happens
+
+Each phase counts a named unit (`unit_of`), which the progress line shows beside the counts:
+
+>>> unit_of("costing redistributions"), unit_of("search")
+('layout pairs', 'elimination steps')
 """
 
 from __future__ import annotations
@@ -21,6 +26,25 @@ from collections.abc import Callable, Iterator
 Listener = Callable[[str, int, int], None]
 
 PHASES = ("import", "costing", "search", "lowering")
+
+UNITS = {  # what each phase's done/total count
+    "import": "models",
+    "costing operators": "operators",
+    "costing redistributions": "layout pairs",
+    "search": "elimination steps",
+    "micro-batches": "micro-batches",
+    "lowering": "plans",
+    "comparisons": "plans",
+    "sweep": "device counts",
+    "verify forward": "operators",
+    "verify backward": "operators",
+}
+
+
+def unit_of(phase: str) -> str:
+    """The unit a phase counts ("steps" for a phase nobody named one for)."""
+    return UNITS.get(phase, "steps")
+
 
 _listener: contextvars.ContextVar[Listener | None] = contextvars.ContextVar("autopar_progress", default=None)
 

@@ -299,3 +299,34 @@ def test_to_dict_round_trips_through_json_tiny(tiny, mode):
     assert json.loads(json.dumps(data, allow_nan=False)) == data
     assert data["mode"] == mode
     assert json.loads(plan.to_json()) == data
+
+
+def test_a_plan_prints_what_the_terminal_shows(capsys):
+    from autopar.cli import main
+
+    plan = autopar.plan(RESNET50, devices=8)
+    assert main(["plan", RESNET50, "--devices", "8"]) == 0
+    assert str(plan) == plan.summary() == capsys.readouterr().out
+    assert "fc " in str(plan) and plan.summary(top=None).count("\n") > 186
+
+
+def test_a_plan_writes_its_report(tmp_path):
+    plan = autopar.plan(RESNET50, devices=8)
+    written = plan.report(tmp_path / "page.html")
+    page = written.read_text(encoding="utf-8")
+    assert page.startswith("<!doctype html>") and "Why not data parallel" in page
+
+
+def test_a_sweep_is_a_value_that_shows_itself(tmp_path):
+    points = autopar.sweep(RESNET50, [1, 8])
+    assert isinstance(points, autopar.Sweep) and len(points) == 2 and points[1]["devices"] == 8
+    assert [p["devices"] for p in points] == [1, 8] and points.to_list() == list(points)
+    assert json.loads(json.dumps(points.to_list()))[0]["devices"] == 1
+    assert str(points).splitlines()[0].split()[:2] == ["devices", "step"]
+    assert points._repr_html_().startswith("<iframe srcdoc=")
+    assert points.report(tmp_path / "sweep.html").read_text(encoding="utf-8").startswith("<!doctype html>")
+
+
+def test_a_verify_report_prints_its_table():
+    report = autopar.verify(RESNET50, autopar.plan(RESNET50, devices=8, batch=2), devices=8, batch=2)
+    assert str(report).startswith("autopar verify: VERIFIED on 8 virtual devices")

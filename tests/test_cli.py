@@ -91,11 +91,14 @@ def test_plan_table(capsys, tiny_path, tiny_ops):
 def test_plan_table_lists_the_costliest_operators_unless_asked_for_all(capsys):
     code, out, err = run(capsys, "plan", "models/resnet50.onnx", "--devices", "8")
     assert code == 0, err
-    assert len(out.splitlines()) <= 40
-    assert "the 20 costliest of 186 operators" in out
+    assert len(out.splitlines()) <= 45
+    assert "the 10 costliest of 186 operators" in out
     assert " BatchNormalization " in out  # type names in full
+    costliest = out.split("costliest first (--all")[1].splitlines()[3:]
+    totals = [float(line.split()[-2]) for line in costliest]  # the total ms column, before the "-" collectives
+    assert totals == sorted(totals, reverse=True) and len(totals) == 10  # by real cost, descending
     code, out, _ = run(capsys, "plan", "models/resnet50.onnx", "--devices", "8", "--top", "5")
-    assert "the 5 costliest" in out and len(out.splitlines()) <= 25
+    assert "the 5 costliest" in out and len(out.splitlines()) <= 40
     code, out, _ = run(capsys, "plan", "models/resnet50.onnx", "--devices", "8", "--all")
     assert "all 186 operators" in out and len(out.splitlines()) > 186
     assert re.search(r"(AllGather|ReduceScatter|AllToAll|AllReduce) over \d+ devices \((HCCS|PCIe)", out)
@@ -611,3 +614,42 @@ def test_bench_scripts_run_as_the_readme_writes_them():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-500:]
     assert "layer0.mlp.fc1" in proc.stdout
+
+
+def test_the_default_table_leads_with_what_the_search_decided(capsys):
+    code, out, err = run(capsys, "plan", "models/resnet50.onnx", "--devices", "8")
+    assert code == 0, err
+    summary = out.split("\n\n")[1]
+    for label, expect in [
+        ("degrees", "data 8 x tensor 1 (8 devices)"),
+        ("global batch", "256 samples a step"),
+        ("throughput", "samples/s"),
+        ("MFU", "%"),
+    ]:
+        line = next(line for line in summary.splitlines() if line.startswith(f"{label}:"))
+        assert expect in line, line
+    # the one operator off data parallel, then every redistributed tensor, then the costliest
+    decisions, redistributed, costliest = (
+        out.index("decisions:"),
+        out.index("redistributed tensors:"),
+        out.index("costliest of"),
+    )
+    assert decisions < redistributed < costliest
+    assert re.search(r"^fc +Gemm +\(\(4,2\),\(1,2\),\(1,\)\) +batch 4 x contraction 2 ", out, re.MULTILINE)
+    moved = out[redistributed:].split("\n\n")[0].splitlines()
+    assert moved[0].startswith("redistributed tensors: 5,") and len(moved) == 3 + 5  # title, header, rule, rows
+    assert {line.split()[0] for line in moved[3:]} == {"loss", "flatten", "logits"}
+    # "x" multiplies split factors only: a speed-up is a plain ratio, copies a count
+    assert "speed-up 1.005" in out and not re.search(r"x\d", out)
+
+
+def test_repeated_blocks_fold_into_one_decision_row(capsys, tmp_path):
+    from models.transformer import build_transformer
+
+    path = tmp_path / "gpt.onnx"
+    onnx.save(build_transformer(kind="gpt", layers=6, hidden=1024, heads=16, seq=512, vocab=8192, batch=8), str(path))
+    code, out, err = run(capsys, "plan", str(path), "--devices", "8", "--quiet")
+    assert code == 0, err
+    rows = out.split("decisions:")[1].split("\n\n")[0].splitlines()
+    assert any(" (6 copies) " in row for row in rows)
+    assert not any(row.startswith(("layer1.", "layer5.")) for row in rows)  # later copies fold into layer0's rows

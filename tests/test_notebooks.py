@@ -49,3 +49,16 @@ def test_notebook_runs(path, tmp_path):
     client.execute(env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(path_entries)})
     shown = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
     assert any("text/html" in output.get("data", {}) for output in shown), "a plan displays as its report"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_notebooks_use_only_the_public_api(path):
+    import re
+
+    import autopar
+
+    notebook = nbformat.read(path, as_version=4)
+    code = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
+    assert not re.search(r"(from|import) autopar\.", code), "a notebook imports autopar's internals"
+    used = set(re.findall(r"\bautopar\.(\w+)", code))
+    assert used <= set(autopar.__all__), used - set(autopar.__all__)

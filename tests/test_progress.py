@@ -55,3 +55,61 @@ def test_a_fast_run_shows_no_line(monkeypatch):
     with ProgressLine(enabled=True) as line:  # the default delay: nothing within two seconds
         line("search", 1, 2)
     assert stream.getvalue() == ""
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    import onnx
+
+    from tests.conftest import two_matmul_chain
+
+    path = tmp_path / "chain.onnx"
+    onnx.save(two_matmul_chain(), str(path))
+    return str(path)
+
+
+@pytest.fixture
+def shown(monkeypatch):
+    """Progress forced on a non-terminal stderr with no delay, as a log would ask (AUTOPAR_PROGRESS=1)."""
+    monkeypatch.setenv("AUTOPAR_PROGRESS", "1")
+    monkeypatch.setattr(ProgressLine, "DELAY_S", 0.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "phase"),
+    [
+        (["verify", "{model}", "--devices", "4", "--gradients"], "autopar: verify backward"),
+        (["verify", "{model}", "--devices", "4"], "autopar: verify forward"),
+        (["report", "{model}", "--devices", "4", "-o", "{out}"], "autopar: comparisons"),
+    ],
+)
+@pytest.mark.parametrize("quiet", [False, True])
+def test_verify_and_report_show_progress_unless_quiet(capsys, shown, tiny_model, tmp_path, argv, phase, quiet):
+    from autopar.cli import main
+
+    args = [a.format(model=tiny_model, out=tmp_path / "page.html") for a in argv] + (["--quiet"] if quiet else [])
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    if quiet:
+        assert "autopar: verify" not in err and "autopar: comparisons" not in err and "%|" not in err
+    else:
+        unit = "operators" if "verify" in phase else "plans"
+        assert phase in err and unit in err, err
+
+
+def test_every_phase_the_core_reports_names_its_unit():
+    from autopar.progress import UNITS
+
+    phases = []
+    with progress.listening(lambda phase, done, total: phases.append(phase)):
+        autopar.api.comparison(autopar.plan(MODEL, devices=8))
+    assert set(phases) <= set(UNITS) and "comparisons" in phases
+
+
+def test_every_command_that_runs_long_takes_quiet():
+    from autopar.cli.flags import build_parser
+
+    parser = build_parser()
+    for command in ("plan", "verify", "sweep", "report", "inspect"):
+        assert parser.parse_args([command, MODEL, "--quiet"]).quiet
+    assert parser.parse_args(["export", "plan.json", "--to", "jax", "--quiet"]).quiet

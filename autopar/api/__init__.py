@@ -17,7 +17,7 @@ compares a plan with). Importing this package registers a `Plan`'s report as its
 from __future__ import annotations
 
 from autopar.api.baselines import comparison, compute_split
-from autopar.api.device_sweep import sweep
+from autopar.api.device_sweep import Sweep, sweep
 from autopar.api.exporting import export_plan
 from autopar.api.planning import (
     ModelLike,
@@ -31,10 +31,12 @@ from autopar.api.planning import (
 )
 from autopar.api.verification import verify
 from autopar.lowering import Plan
-from autopar.report.html import plan_html
+from autopar.report.html import plan_html, plan_report
+from autopar.report.text import plan_table
 
 __all__ = [
     "ModelLike",
+    "Sweep",
     "build",
     "build_with",
     "candidates",
@@ -50,8 +52,17 @@ __all__ = [
 ]
 
 
-def _jupyter_report(plan: Plan) -> str:
-    return plan_html(plan, comparison(plan))
+class _ReportFace:
+    """How a `Plan` shows itself: the terminal's table, the report in Jupyter, the report as a page."""
+
+    def text(self, plan: Plan, top: int | None) -> str:
+        return plan_table(plan, top)
+
+    def html(self, plan: Plan) -> str:
+        return plan_html(plan, comparison(plan))
+
+    def page(self, plan: Plan) -> str:
+        return plan_report(plan, comparison(plan))
 
 
-Plan.html_renderer = _jupyter_report  # a Plan displays as its report in Jupyter; the core never imports the faces
+Plan.face = _ReportFace()  # print(plan), plan.report(path) and the Jupyter display; the core never imports faces

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from autopar import progress
 from autopar.lowering import Plan
 from autopar.report.html import Comparison
 from autopar.search.driver import data_parallel_choice, stand_alone_choice
@@ -54,11 +55,16 @@ def comparison(plan: Plan) -> Comparison:
     strategies both are pure: they are lowered on the problem without them (``plan.free``'s), since a
     fixed operator's one candidate is neither data parallel nor stand-alone.
     """
+    progress.report("comparisons", 0, 2)
     base = plan.free if plan.free is not None else plan
     problem = base.problem
     dp_choice = data_parallel_choice(problem)
     same = base is plan and list(plan.choice) == dp_choice
     data_parallel = plan if same else _sibling(base, dp_choice, "data_parallel")
+    dp_file = data_parallel.file
+    progress.report("comparisons", 1, 2)
     stand_alone = _sibling(base, stand_alone_choice(problem), "stand_alone")
     forward, recompute = compute_split(plan)
-    return Comparison(data_parallel.file, stand_alone.file, forward, recompute)
+    alone_file = stand_alone.file
+    progress.report("comparisons", 2, 2)
+    return Comparison(dp_file, alone_file, forward, recompute)

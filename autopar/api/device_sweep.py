@@ -2,15 +2,70 @@
 
 from __future__ import annotations
 
+import html
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, overload
 
 from autopar import progress
 from autopar.api.planning import ModelLike, common_batch, model_graph, plan_with
 from autopar.errors import InfeasibleError, TooLargeError
 from autopar.lowering.advice import plan_warnings
 from autopar.options import DEFAULT_COST_MODEL, CostModelLike, Optimizer, PlanOptions, Precision, check_devices
+from autopar.report.sweep import sweep_html, sweep_table
+
+
+@dataclass(frozen=True)
+class Sweep(Sequence[dict[str, Any]]):
+    """A model planned at several device counts: one dict per count (a sequence of them, in count order).
+
+    ``print(sweep)`` shows the table ``autopar sweep`` prints; in Jupyter it displays as its page (throughput
+    and MFU charts, in a frame that keeps its styles apart); `report` writes that page; `to_list` gives the
+    plain list (JSON-safe).
+    """
+
+    model: str
+    points: tuple[dict[str, Any], ...]
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[dict[str, Any]]: ...
+
+    def __getitem__(self, index: int | slice) -> dict[str, Any] | Sequence[dict[str, Any]]:
+        return self.points[index]
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.points)
+
+    def to_list(self) -> list[dict[str, Any]]:
+        """The points as a plain list (``json.dumps`` takes it)."""
+        return list(self.points)
+
+    def __str__(self) -> str:
+        return sweep_table(self.points)
+
+    def html(self) -> str:
+        """The sweep as one self-contained HTML page (as ``autopar sweep -o`` writes)."""
+        return sweep_html(self.model, self.points)
+
+    def report(self, path: str | Path) -> Path:
+        """Write the page (`html`) to ``path``."""
+        target = Path(path)
+        target.write_text(self.html(), encoding="utf-8")
+        return target
+
+    def _repr_html_(self) -> str:
+        return (
+            f'<iframe srcdoc="{html.escape(self.html(), quote=True)}" title="autopar sweep: {html.escape(self.model)}"'
+            ' style="width:100%;height:640px;border:0"></iframe>'
+        )
 
 
 def sweep(
@@ -24,8 +79,8 @@ def sweep(
     overlap: bool = True,
     optimizer: Optimizer | str | None = None,
     memory_reserve: float | str | None = None,
-) -> list[dict[str, Any]]:
-    """Plan ``model`` at each device count: step time, throughput, scaling efficiency, MFU, memory.
+) -> Sweep:
+    """Plan ``model`` at each device count: step time, throughput, scaling efficiency, MFU, memory (a `Sweep`).
 
     ``warnings`` lists the plan's own (`autopar.lowering.advice`: devices that repeat one another's
     work, the memory plan, ...). A count whose plan is no faster than a smaller count's is flagged
@@ -44,7 +99,8 @@ def sweep(
         optimizer=optimizer,
         memory_reserve=memory_reserve,
     )
-    step_batch = common_batch(model_graph(model, batch, dims))
+    graph = model_graph(model, batch, dims)
+    step_batch = common_batch(graph)
     points: list[dict[str, Any]] = []
     base: tuple[int, float] | None = None  # (devices, samples per second per device) of the first that fits
     for count in counts:
@@ -76,4 +132,6 @@ def sweep(
                 " nothing (the model has too little work to split further)"
             )
         points.append(point)
-    return points
+    progress.report("sweep", len(counts), len(counts))
+    name = Path(model).stem if isinstance(model, str | Path) else graph.name
+    return Sweep(name, tuple(points))

@@ -80,7 +80,7 @@ def run_plan(args: argparse.Namespace) -> int:
     import autopar
     from autopar.report import plan_table
 
-    line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
+    line = ProgressLine.for_command(args.quiet)
     with warnings.catch_warnings(record=True) as caught, progress.listening(line), line, stdout_elsewhere(True):
         warnings.simplefilter("always", AutoparWarning)  # said below as one line each, in the CLI's words
         options = _searched_options(args)
@@ -101,7 +101,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     from autopar.graph import load_model
     from autopar.report import inspect_summary, inspect_table
 
-    with stdout_elsewhere(True):  # stdout carries the summary alone
+    line = ProgressLine.for_command(args.quiet)
+    with progress.listening(line), line, stdout_elsewhere(True):  # stdout carries the summary alone
+        progress.report("import", 0, 1)
         graph = load_model(args.model, batch=args.batch, dims=dict(args.dim))
         summary = inspect_summary(graph)
     text = json.dumps(summary, indent=2) + "\n" if args.format == "json" else inspect_table(summary)
@@ -126,7 +128,9 @@ def run_verify(args: argparse.Namespace) -> int:
             devices = annotated
         if annotated == devices:
             print(f"autopar: verifying the plan annotated in {args.model} ({annotated} devices)", file=sys.stderr)
-    with stdout_elsewhere(True):  # stdout carries the verdict alone, whatever the ranks or libraries print
+    line = ProgressLine.for_command(args.quiet)
+    # stdout carries the verdict alone, whatever the ranks or libraries print
+    with progress.listening(line), line, stdout_elsewhere(True):
         report = autopar.verify(
             args.model,
             plan_file,
@@ -160,9 +164,11 @@ def run_export(args: argparse.Namespace) -> int:
 
     plan_file = load_plan_file(args.plan)
     model = None
-    if args.model:  # imported at the batch the plan was made for, as the plan saw it
-        model = load_model(args.model, batch=_plan_batch(plan_file)).model
-    with stdout_elsewhere(True):
+    line = ProgressLine.for_command(args.quiet)
+    with progress.listening(line), line, stdout_elsewhere(True):
+        if args.model:  # imported at the batch the plan was made for, as the plan saw it
+            progress.report("import", 0, 1)
+            model = load_model(args.model, batch=_plan_batch(plan_file)).model
         written = export(plan_file, args.to, args.out, model)
     for path in written:
         print(f"autopar: wrote {path}", file=sys.stderr)
@@ -171,9 +177,9 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_sweep(args: argparse.Namespace) -> int:
     import autopar
-    from autopar.report.sweep import sweep_html, sweep_table
+    from autopar.report.sweep import sweep_html
 
-    line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
+    line = ProgressLine.for_command(args.quiet)
     with warnings.catch_warnings(), progress.listening(line), line, stdout_elsewhere(True):
         warnings.simplefilter("ignore", AutoparWarning)
         points = autopar.sweep(
@@ -191,7 +197,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.out:
         emit(sweep_html(Path(args.model).stem, points), args.out)
         print(f"autopar: wrote {args.out}", file=sys.stderr)
-    text = json.dumps(points, indent=2, allow_nan=False) + "\n" if args.format == "json" else sweep_table(points)
+    text = json.dumps(points.to_list(), indent=2, allow_nan=False) + "\n" if args.format == "json" else str(points)
     sys.stdout.write(text)
     return 0
 
@@ -200,7 +206,7 @@ def run_report(args: argparse.Namespace) -> int:
     import autopar
     from autopar.report.html import plan_report
 
-    line = ProgressLine(enabled=not args.quiet and sys.stderr.isatty())
+    line = ProgressLine.for_command(args.quiet)
     with warnings.catch_warnings(record=True) as caught, progress.listening(line), line, stdout_elsewhere(True):
         warnings.simplefilter("always", AutoparWarning)
         if args.plan:

@@ -217,7 +217,12 @@ def _add_format_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_quiet_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress line on stderr (it shows on a terminal once the work has taken two seconds)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,7 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_search_arguments(plan)
     _add_format_argument(plan)
     plan.add_argument(
-        "--top", type=_top, default=20, metavar="N", help="the table lists the N costliest operators (default 20)"
+        "--top",
+        type=_top,
+        default=10,
+        metavar="N",
+        help="after the decisions, the table lists the N costliest operators (default 10)",
     )
     plan.add_argument("--all", action="store_true", help="the table lists every operator, in graph order")
     plan.add_argument("-o", "--out", help="write the output to this file instead of stdout")
@@ -265,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_timeout, default=300.0, metavar="SECONDS", help="the torch runtime's limit per collective"
     )
     _add_format_argument(verify)
+    _add_quiet_argument(verify)
 
     sweep = commands.add_parser("sweep", help="plan at several device counts: throughput, scaling, MFU, memory")
     _add_model_arguments(sweep)
@@ -292,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="summarise a model: operators, parameters, FLOPs")
     _add_model_arguments(inspect)
     _add_format_argument(inspect)
+    _add_quiet_argument(inspect)
 
     export = commands.add_parser(
         "export", help="write a plan in a framework's own form (onnx, mindspore, dtensor, jax)"
@@ -300,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--to", required=True, choices=("onnx", "mindspore", "dtensor", "jax"), help="the format")
     export.add_argument("-o", "--out", help="the file to write (default: named after the model, here)")
     export.add_argument("--model", help="the ONNX model the plan was made for (needed by --to onnx)")
+    _add_quiet_argument(export)
 
     commands.add_parser("schema", help="print the JSON Schema of plan files")
 

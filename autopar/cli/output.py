@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from autopar import progress
 from autopar.errors import AutoparError, AutoparWarning, FallbackWarning
 
 
@@ -61,12 +62,20 @@ def _replace_atomically(target: Path, text: str) -> None:
 
 
 class ProgressLine:
-    """One progress line on stderr (tqdm), shown once a run has taken about two seconds.
+    """One progress line on stderr (tqdm), shown once a run has taken about two seconds: the phase, its
+    counts and their unit ("autopar: search ... 40/120 elimination steps").
 
-    Quiet with ``--quiet`` or when stderr is not a terminal; the line is erased at the end.
+    Quiet with ``--quiet`` or when stderr is not a terminal (``AUTOPAR_PROGRESS=1`` shows it there too,
+    for a log); the line is erased at the end.
     """
 
     DELAY_S = 2.0
+
+    @classmethod
+    def for_command(cls, quiet: bool) -> "ProgressLine":
+        """The line a command shows: none with ``--quiet``; else on a terminal, or anywhere with AUTOPAR_PROGRESS=1."""
+        forced = os.environ.get("AUTOPAR_PROGRESS", "") not in ("", "0")
+        return cls(enabled=not quiet and (forced or sys.stderr.isatty()))
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -83,7 +92,14 @@ class ProgressLine:
 
             delay = max(0.0, self.DELAY_S - (time.monotonic() - self.started))
             self.bar = tqdm(
-                total=total, desc=f"autopar: {phase}", delay=delay, leave=False, file=sys.stderr, unit="", ncols=80
+                total=total,
+                desc=f"autopar: {phase}",
+                delay=delay,
+                leave=False,
+                file=sys.stderr,
+                unit=progress.unit_of(phase),
+                ncols=100,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]",
             )
             self.phase = phase
         self.bar.total = total

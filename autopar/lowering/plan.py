@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 from autopar import progress
 from autopar.cost.mesh import Mesh
 from autopar.layout import Layout
 from autopar.lowering.advice import fallback_sentence
+from autopar.lowering.decisions import Degrees, decisions, degrees
 from autopar.lowering.lower import (
     gradient_paths,
     gradient_sync,
@@ -36,9 +37,23 @@ from autopar.search.driver import SearchResult, data_parallel_choice
 from autopar.search.problem import SearchProblem
 
 
+class PlanFace(Protocol):
+    """How a plan shows itself: the faces (`autopar.api`) register one; the core never imports them."""
+
+    def text(self, plan: "Plan", top: int | None) -> str: ...
+
+    def html(self, plan: "Plan") -> str: ...
+
+    def page(self, plan: "Plan") -> str: ...
+
+
 @dataclass(frozen=True)
 class Plan:
-    """The chosen whole: a strategy per operator plus everything it implies."""
+    """The chosen whole: a strategy per operator plus everything it implies.
+
+    ``print(plan)`` shows what ``autopar plan`` prints (`summary`); in Jupyter it displays as its report;
+    `report` writes that report as a page; `degrees` and `decisions` say what the search decided.
+    """
 
     problem: SearchProblem = field(repr=False)
     choice: tuple[int, ...] = field(repr=False)
@@ -52,8 +67,8 @@ class Plan:
     # micro-batches; what the plan is compared with (pure data parallel, the cost of what was fixed)
     free: "Plan | None" = field(default=None, repr=False, compare=False)
 
-    # The faces register the Jupyter renderer (autopar.report); the core never imports them.
-    html_renderer: ClassVar[Callable[["Plan"], str] | None] = None
+    # The faces register how a plan shows itself (autopar.api); the core never imports them.
+    face: ClassVar[PlanFace | None] = None
 
     @classmethod
     def lower(
@@ -205,6 +220,39 @@ class Plan:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
+    # --- what the search decided, and how the plan shows itself ---------------------------------
+
+    @property
+    def degrees(self) -> Degrees:
+        """The parallel degrees users speak in (data x tensor, sequence where it applies): each mesh bit
+        counts for the role it plays in most operators (`autopar.lowering.decisions.degrees`)."""
+        return degrees(self.file)
+
+    def decisions(self) -> list[dict[str, Any]]:
+        """The operators off data parallel (splitting more than the batch), as plain data, in graph order:
+        name, op_type, strategy, splits (factor per axis kind), devices, block (the first copy's operator of
+        the repeated block it is in, or None), fixed."""
+        return decisions(self.file)
+
+    def summary(self, top: int | None = 10) -> str:
+        """What ``autopar plan`` prints: the summary, the decisions, the redistributed tensors and the ``top``
+        costliest operators (None: every operator, in graph order)."""
+        return self._face().text(self, top)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def report(self, path: str | Path) -> Path:
+        """Write the plan's report (one self-contained HTML page, as ``autopar report`` writes) to ``path``."""
+        target = Path(path)
+        target.write_text(self._face().page(self), encoding="utf-8")
+        return target
+
+    def _face(self) -> PlanFace:
+        face = type(self).face
+        if face is None:  # importing the package registers them (autopar.api): only a stripped install lacks them
+            raise RuntimeError("No face is registered to show a plan: import autopar.api first.")
+        return face
+
     def _repr_html_(self) -> str | None:
-        renderer = type(self).html_renderer
-        return renderer(self) if renderer is not None else None
+        return self._face().html(self)

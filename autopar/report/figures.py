@@ -2,7 +2,8 @@
 
 Pure functions of the typed plan file (`PlanFile`), no HTML: the page draws them, notebooks and
 tests check them. Each public reader also takes the plan file's dict (``Plan.to_dict()``, a JSON
-file), validated into the typed model first, so a notebook can hand it either.
+file), validated into the typed model first, so a notebook can hand it either. The axis kinds, folds and
+decisions are the lowering's (`autopar.lowering.decisions`), so the terminal and `Plan` say the same.
 """
 
 from __future__ import annotations
@@ -13,11 +14,30 @@ from typing import Any
 from autopar.cost.mesh import Mesh
 from autopar.lowering import GRAPH_OUTPUT, PlanFile, read_plan_file
 from autopar.lowering.advice import plan_warnings
-from autopar.lowering.planfile import CollectiveStep, GradientSync, OpEntry
+from autopar.lowering.decisions import AXES, IMAGE_OPS, axis_splits, is_image_model
+from autopar.lowering.decisions import fold_groups as _fold_groups
+from autopar.lowering.planfile import CollectiveStep, GradientSync
 from autopar.report.format import link_levels
 from autopar.units import human_bytes
 
-AXES = ("batch", "sequence", "channels/hidden", "heads", "contraction")
+__all__ = [
+    "AXES",
+    "AXIS_TITLES",
+    "IMAGE_OPS",
+    "PlanLike",
+    "as_plan_file",
+    "axis_splits",
+    "collective_rows",
+    "fold_groups",
+    "incoming_seconds",
+    "is_image_model",
+    "level_traffic",
+    "samples_per_step",
+    "summary_figures",
+    "timeline_phases",
+    "warnings_of",
+]
+
 AXIS_TITLES = {
     "batch": "batch (leading dimension)",
     "sequence": "sequence (or image space)",
@@ -25,7 +45,6 @@ AXIS_TITLES = {
     "heads": "attention heads",
     "contraction": "contraction (a reduced axis: the output is a partial sum)",
 }
-IMAGE_OPS = frozenset({"Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool"})
 
 PlanLike = PlanFile | Mapping[str, Any]
 
@@ -35,85 +54,9 @@ def as_plan_file(data: PlanLike) -> PlanFile:
     return data if isinstance(data, PlanFile) else read_plan_file(dict(data))
 
 
-def is_image_model(data: PlanFile) -> bool:
-    """A model with convolutions or pooling: its rank-4 tensors are (batch, channels, space, space)."""
-    return any(op.op_type in IMAGE_OPS for op in data.ops)
-
-
-def _kind_at(position: int, rank: int, image: bool) -> str:
-    """The axis kind of dimension ``position`` of a tensor of ``rank`` dimensions (the map's column rule)."""
-    if rank == 0 or position == 0:
-        return "batch"
-    if rank == 2:
-        return "channels/hidden"
-    if rank == 3:
-        return "sequence" if position == 1 else "channels/hidden"
-    if rank == 4 and image:
-        return "channels/hidden" if position == 1 else "sequence"
-    if rank == 4:
-        return ("heads", "sequence", "channels/hidden")[position - 1]
-    return "channels/hidden" if position == rank - 1 else "sequence"
-
-
-def axis_splits(op: OpEntry | Mapping[str, Any], image: bool) -> tuple[dict[str, int], int]:
-    """(split factor per axis kind, devices the operator divides its work over), from its layouts alone.
-
-    Every mesh bit the operator's layouts use is one factor of 2 on one axis. A bit is placed by
-    where it lands in the first output: on its dimension e of rank r -> the kind of position e; in the
-    output's partial bits -> contraction (a reduced axis), except for a full reduction to a scalar (a
-    loss), whose bits keep the kind of the input dimension they split. Positions: rank <= 1 and
-    dimension 0 of every tensor are batch; rank 2 is (batch, hidden); rank 3 (batch, sequence,
-    hidden); rank 4 (batch, channels, space, space) in a model with convolutions or pooling, otherwise
-    (batch, heads, sequence, hidden — for attention scores the last is the key sequence); higher
-    ranks put hidden last and sequence between. A bit no output holds keeps its input position's kind.
-    """
-    entry = op if isinstance(op, OpEntry) else OpEntry.model_validate(op)
-    where: dict[int, str] = {}
-    if entry.outputs:
-        layout = entry.outputs[0].layout
-        rank = len(layout.dims)
-        for position, bits in enumerate(layout.dims):
-            for bit in bits:
-                where[bit] = _kind_at(position, rank, image)
-        if rank:
-            for bit in layout.partial or []:
-                where[bit] = "contraction"
-    for tensor in entry.inputs:
-        dims = tensor.layout.dims
-        for position, bits in enumerate(dims):
-            for bit in bits:
-                where.setdefault(bit, _kind_at(position, len(dims), image))
-    bits_of: dict[str, int] = {}
-    for kind in where.values():
-        bits_of[kind] = bits_of.get(kind, 0) + 1
-    return {kind: 1 << count for kind, count in bits_of.items()}, 1 << len(where)
-
-
 def fold_groups(plan: PlanLike) -> list[list[int]]:
-    """Operator indices grouped by row: a repeated block's later copies join the first copy's operator.
-
-    ``search.repeated_blocks`` gives (first_op, operators per copy, copies); an operator of a later
-    copy folds into the first copy's operator at the same offset when type and strategy agree (a
-    fixed operator inside the blocks is no longer a copy: it keeps its own row).
-    """
-    data = as_plan_file(plan)
-    ops = data.ops
-    index = {op.name: i for i, op in enumerate(ops)}
-    representative: dict[int, int] = {}
-    for block in data.search.repeated_blocks:
-        start = index.get(block.first_op)
-        if start is None:
-            continue
-        period = block.operators
-        for copy in range(1, block.copies):
-            for offset in range(period):
-                i, first = start + copy * period + offset, start + offset
-                if i < len(ops) and (ops[i].op_type, ops[i].strategy) == (ops[first].op_type, ops[first].strategy):
-                    representative[i] = first
-    groups: dict[int, list[int]] = {}
-    for i in range(len(ops)):
-        groups.setdefault(representative.get(i, i), []).append(i)
-    return [groups[key] for key in sorted(groups)]
+    """Operator indices grouped by row (`autopar.lowering.decisions.fold_groups`), of a plan file or its dict."""
+    return _fold_groups(as_plan_file(plan))
 
 
 def samples_per_step(data: PlanFile) -> int | None:

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from autopar.cost.mesh import Mesh
 from autopar.graph import Graph
 from autopar.lowering import GRAPH_OUTPUT, Plan
-from autopar.lowering.planfile import CollectiveStep, PlanFile
+from autopar.lowering.planfile import CollectiveStep, OpEntry, PlanFile
+from autopar.report.figures import fold_groups, incoming_seconds, samples_per_step, summary_figures
 from autopar.report.format import figure_ms, link_levels, memory_against_usable, strategy_text
 from autopar.spmd import VerifyReport
-from autopar.spmd.compare import PHASES
 from autopar.units import human_bytes
-
-
-def _error(value: float | bool | None) -> str:
-    return "not finite" if value is None else f"{value:.3g}"
 
 
 def _step_text(step: CollectiveStep, mesh: Mesh) -> str:
@@ -44,28 +41,44 @@ def _fixed_cost_lines(data: PlanFile) -> list[str]:
     ]
 
 
-def plan_table(plan: Plan, top: int | None = 20) -> str:
-    """The summary first, then the ``top`` operators by cost (None: every operator, in graph order)."""
+def splits_text(splits: Mapping[str, int]) -> str:
+    """An operator's split factors per axis kind as a product ("batch 4 x contraction 2"): in the table,
+    "x" always multiplies split factors (a speed-up is written as a plain ratio, copies as a count)."""
+    parts = [f"{kind} {factor}" for kind, factor in splits.items() if factor > 1]
+    return " x ".join(parts) if parts else "replicated"
+
+
+def _plan_summary(plan: Plan) -> list[str]:
+    """The summary lines: what was decided (degrees, batch), what it costs, what it moves."""
     data = plan.file
     mesh = plan.mesh
-    devices = f"{data.devices} device" + ("s" if data.devices != 1 else "")
-    lines = [
-        f"autopar plan: {data.model} on {devices} ({data.cost_model}, {data.precision} precision, {data.mode})",
-        "",
-    ]
     totals = data.totals
+    figures = summary_figures(data)
+    samples = samples_per_step(data)
     breakdown = ", ".join(f"{key.replace('_', ' ')} {human_bytes(v)}" for key, v in totals.memory_breakdown.items())
     levels = ", ".join(
         f"{level.name} {len(level.bits)} bit{'s' if len(level.bits) > 1 else ''}" for level in mesh.levels
     )
-    lines += [
+    micro = data.memory_plan.micro_batches
+    if samples is None:
+        batch = "unknown (the data inputs share no leading size)"
+    else:
+        batch = f"{samples:,} samples a step" + (
+            f" ({micro} micro-batches of {samples // micro:,})" if micro > 1 else ""
+        )
+    throughput, mfu = figures["samples_per_s"], figures["mfu"]
+    lines = [
+        f"degrees:          {plan.degrees} ({data.devices:,} device{'s' if data.devices != 1 else ''})",
+        f"global batch:     {batch}",
         f"step time:        {figure_ms(totals.step_time_s)} ms predicted"
         f"  (compute {figure_ms(totals.compute_s)} ms, communication {figure_ms(totals.communication_s)} ms exposed)",
+        f"throughput:       {throughput:,.1f} samples/s" if throughput is not None else "throughput:       unknown",
+        f"MFU:              {mfu:.1%}" if mfu is not None else "MFU:              unknown",
         f"vs data parallel: {figure_ms(totals.data_parallel_step_time_s)} ms"
-        f"  -> this plan is x{totals.speedup_vs_data_parallel:.3f}"
+        f"  -> speed-up {totals.speedup_vs_data_parallel:.3f}"
         + ("  (pure data parallel: nothing fixed)" if totals.fixed_cost_s is not None else ""),
         *_fixed_cost_lines(data),
-        f"ideal step time:  {figure_ms(totals.ideal_step_time_s)} ms (training FLOPs / (devices x peak))",
+        f"ideal step time:  {figure_ms(totals.ideal_step_time_s)} ms (training FLOPs / (devices times peak))",
         f"memory/device:    {memory_against_usable(totals)}",
         f"memory by kind:   {breakdown}" + (f" (optimizer: {data.optimizer})" if data.optimizer else ""),
         f"mesh:             {mesh.num_devices} devices" + (f" over {levels}" if levels else ""),
@@ -107,36 +120,140 @@ def plan_table(plan: Plan, top: int | None = 20) -> str:
         f"search:           {data.search.algorithm} over {data.search.candidates} candidates"
         f" of {data.search.operators} operators"
     )
+    return lines
 
+
+def _columns(rows: list[list[str]], header: list[str], right: set[int]) -> list[str]:
+    """Rows as fixed-width columns (``right``: the columns aligned right; the last column is never padded)."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+
+    def line(cells: list[str]) -> str:
+        padded = [
+            cell if k == len(cells) - 1 else (f"{cell:>{widths[k]}}" if k in right else f"{cell:<{widths[k]}}")
+            for k, cell in enumerate(cells)
+        ]
+        return "  ".join(padded).rstrip()
+
+    top = line(header)
+    return [top, "-" * len(top), *(line(row) for row in rows)]
+
+
+def _shown_name(op: OpEntry, copies: int = 1) -> str:
+    """An operator's name (the framework's layer name beside it, where the exporter kept it), and how many
+    copies of a repeated block its row stands for."""
+    name = f"{op.name} [{op.source}]" if op.source else op.name
+    name = name if len(name) <= 48 else name[:47] + "~"
+    return name + (f" ({copies} copies)" if copies > 1 else "")
+
+
+def _decision_lines(plan: Plan, incoming: Mapping[str, list[str]]) -> list[str]:
+    """The operators whose strategy is not plain data parallel, one row per repeated-block position."""
+    data = plan.file
+    off = {entry["name"]: entry for entry in plan.decisions()}
+    ops = data.ops
+    rows = []
+    for group in fold_groups(data):
+        op = ops[group[0]]
+        if op.name not in off:
+            continue
+        entry = off[op.name]
+        rows.append(
+            [
+                _shown_name(op, len(group)) + (" (fixed)" if op.fixed else ""),
+                op.op_type,
+                strategy_text(op.strategy),
+                splits_text(entry["splits"]),
+                figure_ms(op.cost.compute_s),
+                figure_ms(op.cost.communication_s),
+                "; ".join(incoming.get(op.name, [])) or "-",
+            ]
+        )
+    if not rows:
+        return ["", f"decisions: every one of the {len(ops)} operators is plain data parallel (splits the batch alone)"]
+    header = ["operator", "type", "strategy", "splits", "compute ms", "comm ms", "collectives before this op"]
+    count = len(off)
+    return [
+        "",
+        f"decisions: {count} of {len(ops)} operator{'s' if len(ops) != 1 else ''} leave data parallel"
+        f" (split more than the batch), {len(rows)} row{'s' if len(rows) != 1 else ''}"
+        " with repeated blocks folded:",
+        *_columns(rows, header, right={4, 5}),
+    ]
+
+
+def _redistribution_lines(data: PlanFile, mesh: Mesh, top: int | None) -> list[str]:
+    """Every redistributed tensor, costliest first (``top``: the first ``top``)."""
+    if not data.redistributions:
+        return ["", "redistributed tensors: none (every consumer reads its producer's layout)"]
+    ranked = sorted(enumerate(data.redistributions), key=lambda item: (-item[1].seconds, item[0]))
+    shown = ranked if top is None else ranked[:top]
+    rows = []
+    for _, red in shown:
+        consumer = "graph output" if red.consumer == GRAPH_OUTPUT else red.consumer
+        steps = [_step_text(step, mesh) if step.collective != "Slice" else "local Slice" for step in red.steps]
+        rows.append([red.tensor, f"{red.producer} -> {consumer}", figure_ms(red.seconds), "; ".join(steps)])
+    total = len(data.redistributions)
+    more = f", the {len(shown)} costliest (--all for every one)" if len(shown) < total else ", costliest first"
+    return [
+        "",
+        f"redistributed tensors: {total}{more}:",
+        *_columns(rows, ["tensor", "producer -> consumer", "fwd+bwd ms", "collectives"], right={2}),
+    ]
+
+
+def plan_table(plan: Plan, top: int | None = 10) -> str:
+    """What ``autopar plan`` prints: the summary, the decisions (operators off data parallel, repeated blocks
+    folded), the redistributed tensors, then the ``top`` costliest operators, costliest first (None: every
+    operator, in graph order)."""
+    data = plan.file
+    mesh = plan.mesh
+    devices = f"{data.devices} device" + ("s" if data.devices != 1 else "")
+    lines = [
+        f"autopar plan: {data.model} on {devices} ({data.cost_model}, {data.precision} precision, {data.mode})",
+        "",
+        *_plan_summary(plan),
+    ]
     incoming: dict[str, list[str]] = {}
     for red in data.redistributions:
         target = red.consumer if red.consumer != GRAPH_OUTPUT else red.producer
         incoming.setdefault(target, []).extend(_step_text(s, mesh) for s in red.steps if s.collective != "Slice")
-    ops = list(data.ops)
-    if top is not None and top < len(ops):
-        ranked = sorted(range(len(ops)), key=lambda i: -(ops[i].cost.compute_s + ops[i].cost.communication_s))
-        keep = sorted(ranked[:top])  # the costliest, in graph order
-        title = f"the {top} costliest of {len(ops)} operators (--all for every one, --top N for more)"
-        ops = [ops[i] for i in keep]
+    lines += _decision_lines(plan, incoming)
+    lines += _redistribution_lines(data, mesh, top)
+    ops = data.ops
+    moved = incoming_seconds(data)
+
+    def real_cost(op: OpEntry) -> float:
+        return op.cost.compute_s + op.cost.communication_s + moved.get(op.name, 0.0)
+
+    if top is None:
+        rows_of = [[i] for i in range(len(ops))]
+        title = f"all {len(ops)} operators, in graph order"
     else:
-        title = f"all {len(ops)} operators"
-    # the framework's own layer names, where the exporter kept them
-    shown = [f"{op.name} [{op.source}]" if op.source else op.name for op in ops]
-    name_width = max(12, min(48, max(len(name) for name in shown)))
-    type_width = max(4, max(len(op.op_type) for op in ops))
-    strategies = [strategy_text(op.strategy) for op in ops]
-    strategy_width = max(10, min(44, max(len(s) for s in strategies)))
-    header = (
-        f"{'operator':<{name_width}}  {'type':<{type_width}}  {'strategy':<{strategy_width}}  {'compute ms':>10}"
-        f"  {'comm ms':>9}  collectives before this op"
-    )
-    lines += ["", f"{title}:", header, "-" * len(header)]
-    for op, name, strategy in zip(ops, shown, strategies):
-        lines.append(
-            f"{name[:name_width]:<{name_width}}  {op.op_type:<{type_width}}  {strategy:<{strategy_width}}"
-            f"  {figure_ms(op.cost.compute_s):>10}  {figure_ms(op.cost.communication_s):>9}"
-            f"  {'; '.join(incoming.get(op.name, [])) or '-'}"
+        groups = fold_groups(data)
+        ranked = sorted(groups, key=lambda group: (-real_cost(ops[group[0]]), group[0]))
+        rows_of = ranked[:top]
+        folded = " (repeated blocks folded)" if any(len(group) > 1 for group in rows_of) else ""
+        title = (
+            f"the {len(rows_of)} costliest of {len(ops)} operators{folded}, costliest first"
+            " (--all for every one, --top N for more)"
         )
+    rows = []
+    for group in rows_of:
+        op = ops[group[0]]
+        rows.append(
+            [
+                _shown_name(op, len(group)),
+                op.op_type,
+                strategy_text(op.strategy),
+                figure_ms(op.cost.compute_s),
+                figure_ms(op.cost.communication_s),
+                figure_ms(moved.get(op.name, 0.0)),
+                figure_ms(real_cost(op)),
+                "; ".join(incoming.get(op.name, [])) or "-",
+            ]
+        )
+    header = ["operator", "type", "strategy", "compute ms", "comm ms", "redist ms", "total ms", "collectives before"]
+    lines += ["", f"{title}:", *_columns(rows, header, right={3, 4, 5, 6})]
     return "\n".join(lines) + "\n"
 
 
@@ -188,42 +305,5 @@ def inspect_table(summary: dict[str, Any]) -> str:
 
 
 def verify_table(report: VerifyReport) -> str:
-    verdict = "VERIFIED" if report.ok else "FAILED"
-    where = (
-        f"{report.processes} torch.distributed process{'es' if report.processes > 1 else ''}"
-        if report.runtime == "torch"
-        else f"{report.devices} virtual devices"
-    )
-    what = "forward, backward and gradient sync" if report.gradients is not None else "forward"
-    lines = [f"autopar verify: {verdict} on {where} ({report.time_s:.1f} s): {what}", ""]
-    for name, entry in report.outputs.items():
-        lines.append(
-            f"output {name:<16} max abs error {_error(entry['max_abs_error'])}"
-            f"  max rel error {_error(entry['max_rel_error'])}  {'ok' if entry['ok'] else 'MISMATCH'}"
-        )
-    check = report.gradients
-    if check is not None:
-        lines.append(
-            f"gradients: {check.checked} parameters, max abs error {_error(check.max_abs_error)}"
-            f"  max rel error {_error(check.max_rel_error)}  {'ok' if check.ok else 'MISMATCH'}"
-            + (f"  (worst: {check.worst})" if check.worst else "")
-        )
-    lines.append("")
-    lines.append("collectives executed (plan lists):")
-    executed, planned = report.collectives["executed"], report.collectives["planned"]
-    empty = True
-    for phase in PHASES:
-        ran, listed = executed.get(phase, {}), planned.get(phase, {})
-        for label in sorted(set(ran) | set(listed)):
-            empty = False
-            done = ran.get(label, {"count": 0, "bytes": 0})
-            want = listed.get(label, {"count": 0, "bytes": 0})
-            lines.append(
-                f"  {phase:<8} {label:<22} {done['count']:>5} x {human_bytes(done['bytes']):>10}"
-                f"   ({want['count']} x {human_bytes(want['bytes'])})"
-            )
-    if empty:
-        lines.append("  none")
-    for problem in report.problems:
-        lines.append(f"problem: {problem}")
-    return "\n".join(lines) + "\n"
+    """What ``autopar verify`` prints (`VerifyReport.table`)."""
+    return report.table()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from autopar import progress
 from autopar.layout import Layout, ReduceOp
 from autopar.lowering.planfile import GRAPH_OUTPUT, GradientPath, GradientSync, Redistribution
 from autopar.lowering.program import PlanProgram
@@ -143,6 +144,7 @@ class TrainingStep:
         program = self.program
         grad = program.requires_grad
         for node, planned in enumerate(program.ops):
+            progress.report("verify forward", node, len(program.ops))
             rule = planned.rule
             inputs = [self._input(node, slot) for slot in range(len(rule.op.inputs))]
             out_layouts = planned.outputs
@@ -215,6 +217,7 @@ class TrainingStep:
             seeds = [self._tensor(full[layout.local_slices(r, full.shape)]) for r in self.ranks]
             self._accumulate(name, producer, layout, seeds)
         for node in reversed(range(len(program.ops))):
+            progress.report("verify backward", len(program.ops) - 1 - node, len(program.ops))
             self._backward_node(node)
 
     def _accumulate(self, name: str, holder: str, layout: Layout, buffers: Buffers) -> None:

@@ -9,8 +9,13 @@ from typing import Any
 import numpy as np
 
 from autopar.redistribute import Step
+from autopar.units import human_bytes
 
 RTOL, ATOL = 1e-4, 1e-5
+
+
+def _error(value: float | bool | None) -> str:
+    return "not finite" if value is None else f"{value:.3g}"
 
 
 def _finite(value: float) -> float | None:
@@ -176,3 +181,50 @@ class VerifyReport:
             "problems": self.problems,
             "time_s": round(self.time_s, 3),
         }
+
+    def table(self) -> str:
+        """The verdict, each output's and the gradients' errors, and the collectives executed beside those
+        planned: what ``autopar verify`` prints (also ``str(report)``)."""
+        report = self
+        verdict = "VERIFIED" if report.ok else "FAILED"
+        where = (
+            f"{report.processes} torch.distributed process{'es' if report.processes > 1 else ''}"
+            if report.runtime == "torch"
+            else f"{report.devices} virtual devices"
+        )
+        what = "forward, backward and gradient sync" if report.gradients is not None else "forward"
+        lines = [f"autopar verify: {verdict} on {where} ({report.time_s:.1f} s): {what}", ""]
+        for name, entry in report.outputs.items():
+            lines.append(
+                f"output {name:<16} max abs error {_error(entry['max_abs_error'])}"
+                f"  max rel error {_error(entry['max_rel_error'])}  {'ok' if entry['ok'] else 'MISMATCH'}"
+            )
+        check = report.gradients
+        if check is not None:
+            lines.append(
+                f"gradients: {check.checked} parameters, max abs error {_error(check.max_abs_error)}"
+                f"  max rel error {_error(check.max_rel_error)}  {'ok' if check.ok else 'MISMATCH'}"
+                + (f"  (worst: {check.worst})" if check.worst else "")
+            )
+        lines.append("")
+        lines.append("collectives executed (plan lists):")
+        executed, planned = report.collectives["executed"], report.collectives["planned"]
+        empty = True
+        for phase in PHASES:
+            ran, listed = executed.get(phase, {}), planned.get(phase, {})
+            for label in sorted(set(ran) | set(listed)):
+                empty = False
+                done = ran.get(label, {"count": 0, "bytes": 0})
+                want = listed.get(label, {"count": 0, "bytes": 0})
+                lines.append(
+                    f"  {phase:<8} {label:<22} {done['count']:>5} x {human_bytes(done['bytes']):>10}"
+                    f"   ({want['count']} x {human_bytes(want['bytes'])})"
+                )
+        if empty:
+            lines.append("  none")
+        for problem in report.problems:
+            lines.append(f"problem: {problem}")
+        return "\n".join(lines) + "\n"
+
+    def __str__(self) -> str:
+        return self.table()

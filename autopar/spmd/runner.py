@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from autopar import progress
 from autopar.errors import TooLargeError
 from autopar.graph import Graph
 from autopar.layout import Layout
@@ -49,6 +50,7 @@ class _Runner:
         last_read = {name: node for node, planned in enumerate(program.ops) for name in planned.rule.op.inputs if name}
         keep = set(program.graph.outputs)
         for node, planned in enumerate(program.ops):
+            progress.report("verify forward", node, len(program.ops))
             op = planned.rule.op
             inputs = [self._input(node, slot) for slot in range(len(op.inputs))]
             outputs = run_operator(planned, inputs, program.num_devices, session)
