@@ -88,7 +88,7 @@ def plan(path: Path, devices: int) -> str:
     wall = time.perf_counter() - start
     if done.returncode:
         return f"{wall:.1f} s | refused: {done.stderr.strip().splitlines()[-1][:150]}"
-    step = next((line for line in done.stdout.splitlines() if "step" in line.lower()), "").strip()
+    step = next((line for line in done.stdout.splitlines() if line.startswith("step time:")), "").strip()
     return f"{wall:.1f} s | {step[:80]}"
 
 
