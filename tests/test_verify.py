@@ -139,3 +139,28 @@ def test_an_fp32_plan_file_verifies_at_its_own_precision(tiny_resnet):
     data = autopar.plan(tiny_resnet, devices=8, precision="fp32").to_dict()
     report = autopar.verify(tiny_resnet, data, devices=8)  # the collectives' bytes are the plan's, in fp32
     assert report.ok, report.problems
+
+
+def test_a_forward_check_counts_every_ranks_copies_before_drawing_anything(monkeypatch, tiny_resnet):
+    """Each of 8 ranks holds its own copy of what it does not split: a stand-alone plan's check holds
+    the activations nine times (the reference's and eight ranks'), and is refused up front when that
+    exceeds the limit even though the weights and one copy of the activations would fit."""
+    import numpy as np
+
+    from autopar.errors import TooLargeError
+    from autopar.spmd import runner
+
+    plan = autopar.plan(tiny_resnet, devices=8, mode="stand_alone")
+    program = plan.program
+    tensors = program.graph.tensors.values()
+    values = sum(t.numel * np.dtype(t.dtype).itemsize for t in tensors if t.kind != "activation")
+    activations = sum(t.numel * np.dtype(t.dtype).itemsize for t in tensors if t.kind == "activation")
+    need = runner.verification_bytes(program)
+    assert need >= 3 * values + activations + 7 * activations  # eight ranks' whole outputs, graph outputs aside
+    monkeypatch.setattr(runner, "MAX_VERIFY_BYTES", need - 1)
+    monkeypatch.setattr(runner, "materialise", lambda *a, **k: pytest.fail("values drawn before the refusal"))
+    with pytest.raises(TooLargeError, match="on fewer devices"):
+        autopar.verify(tiny_resnet, plan)
+    monkeypatch.setattr(runner, "MAX_VERIFY_BYTES", need)
+    monkeypatch.undo()
+    assert autopar.verify(tiny_resnet, plan).ok

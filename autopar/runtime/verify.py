@@ -88,7 +88,7 @@ def verify_training(
     """Run a plan's training step (``runtime`` "virtual" or "torch") and compare it with one device."""
     start = time.perf_counter()
     schedule = Schedule.of(program.redistributions, program.gradients, program.gradient_sync)
-    check_verification_size(program.graph)
+    check_verification_size(program)
     check_training_size(program)
     values = materialise(program.graph, seed)
     precise = in_float64(values)

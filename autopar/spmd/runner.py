@@ -18,7 +18,6 @@ import numpy as np
 
 from autopar import progress
 from autopar.errors import TooLargeError
-from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_VERIFY_BYTES
 from autopar.lowering import GRAPH_OUTPUT, PlanProgram
@@ -115,27 +114,39 @@ class _Runner:
         return assemble(per_rank, layout, self.program.graph.tensor(name).shape)
 
 
-def check_verification_size(graph: Graph) -> None:
-    """Refuse a run whose full values would not fit this machine, before drawing any of them.
-
-    Every weight and input is materialised whole (for the reference) and again as shards; the
-    activations are bounded by their sum (onnxruntime and the ranks free what is no longer read).
-    """
+def verification_bytes(program: PlanProgram) -> int:
+    """About how much a forward check holds: every weight and input whole (for the reference) and
+    again as shards, the reference's activations and every rank's shards of them (a replicated
+    activation is held once per rank), each bounded by its sum (onnxruntime and the ranks free what
+    is no longer read)."""
+    graph = program.graph
     tensors = graph.tensors.values()
     values = sum(t.numel * np.dtype(t.dtype).itemsize for t in tensors if t.kind != "activation")
     activations = sum(t.numel * np.dtype(t.dtype).itemsize for t in tensors if t.kind == "activation")
-    need = 3 * values + activations
+    shards = 0
+    for planned in program.ops:
+        for name, layout in zip(planned.rule.op.outputs, planned.outputs):
+            if name and layout is not None:
+                info = graph.tensor(name)
+                shards += layout.local_numel(info.shape) * program.num_devices * np.dtype(info.dtype).itemsize
+    return 3 * values + activations + shards
+
+
+def check_verification_size(program: PlanProgram) -> None:
+    """Refuse, before drawing any value, a forward check this machine could not hold (`verification_bytes`)."""
+    need = verification_bytes(program)
     if need > MAX_VERIFY_BYTES:
         raise TooLargeError(
-            f"Verifying {graph.name!r} would hold about {human_bytes(need)} of weights, inputs and"
-            f" activations (limit {human_bytes(MAX_VERIFY_BYTES)}); verify at a smaller batch or model size."
+            f"Verifying {program.graph.name!r} on {program.num_devices} devices would hold about {human_bytes(need)}"
+            f" of weights, inputs and every rank's activations (limit {human_bytes(MAX_VERIFY_BYTES)}); verify"
+            " at a smaller batch, or on fewer devices (each rank holds its own copy of what it does not split)."
         )
 
 
 def verify_program(program: PlanProgram, seed: int = 0, rtol: float = RTOL, atol: float = ATOL) -> VerifyReport:
     """Run a plan's forward pass on its virtual devices and compare every output with one device."""
     start = time.perf_counter()
-    check_verification_size(program.graph)
+    check_verification_size(program)
     steps = {entry.key: [s.step() for s in entry.steps] for entry in program.redistributions}
     planned = Tally()
     for entry in program.redistributions:
