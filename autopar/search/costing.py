@@ -517,8 +517,8 @@ def _edge_costs(
     distinct_layouts = layouts.of
     rows, layout_ids = layouts.rows, layouts.ids
     groups: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray]] = {}
-    for index, use in enumerate(uses):
-        src_ids = layouts.source(use, entry_of.get(index))[0]
+    sources = [layouts.source(use, entry_of.get(index)) for index, use in enumerate(uses)]
+    for use, (src_ids, _, _) in zip(uses, sources):
         dst_ids = distinct_layouts(use.dst_node, False, use.dst_slot)[0]
         groups.setdefault((src_ids.tobytes(), dst_ids.tobytes()), (src_ids, dst_ids))
     cells = sum(len(a) * len(b) for a, b in groups.values())
@@ -556,8 +556,7 @@ def _edge_costs(
         at += size
 
     factors: list[tuple[Factor | None, np.ndarray, Factor | None]] = []
-    for index, use in enumerate(uses):
-        src_ids, src_pos, entry_pos = layouts.source(use, entry_of.get(index))
+    for use, (src_ids, src_pos, entry_pos) in zip(uses, sources):
         dst_ids, dst_pos = distinct_layouts(use.dst_node, False, use.dst_slot)
         info = flow.graph.tensor(use.tensor)
         total_bytes = info.numel * flow.itemsize(info)
