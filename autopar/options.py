@@ -140,6 +140,16 @@ def _micro_batches(value: object) -> int | None:
     return value
 
 
+def _pipeline_stages(value: object, devices: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise AutoparError(f"pipeline_stages must be a power of two (1, 2, 4, ...), got {value!r}.")
+    if isinstance(devices, int) and value > devices:
+        raise AutoparError(f"pipeline_stages ({value}) cannot exceed the {devices} devices: each stage needs one.")
+    return value
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """Everything a plan is asked for besides the model, checked once.
@@ -148,6 +158,10 @@ class PlanOptions:
     table it is the profile with its links re-derived for the table's servers (``cluster``).
     ``fixed`` maps operator names to the in_strategy each keeps (checked against the model later).
     ``optimizer`` and ``memory_reserve`` (bytes, or a size such as ``"4GB"``) are the profile's when None.
+    ``pipeline_stages`` (a power of two) and ``micro_batches`` are searched when None; ``stage_starts``
+    names the first operator of every stage after the first (it fixes the cuts, and the stage count).
+    ``recompute`` True makes every plan recompute its repeated blocks' forward in the backward (Megatron's
+    activation recomputation); None recomputes only where memory binds.
     """
 
     num_devices: int = DEFAULT_DEVICES
@@ -163,6 +177,9 @@ class PlanOptions:
     fixed: Mapping[str, Sequence[Sequence[int]]] | None = None
     optimizer: Optimizer | None = None
     memory_reserve: float | None = None
+    pipeline_stages: int | None = None
+    stage_starts: tuple[str, ...] = ()
+    recompute: bool | None = None
     cluster: Cluster | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -183,6 +200,19 @@ class PlanOptions:
         set_(self, "frozen", (self.frozen,) if isinstance(self.frozen, str) else tuple(self.frozen))
         set_(self, "overlap", bool(self.overlap))
         set_(self, "fixed", MappingProxyType(dict(self.fixed)) if self.fixed else None)
+        _pipeline_stages(self.pipeline_stages, self.num_devices)
+        starts = (self.stage_starts,) if isinstance(self.stage_starts, str) else tuple(self.stage_starts)
+        set_(self, "stage_starts", starts)
+        if starts and self.pipeline_stages not in (None, len(starts) + 1):
+            raise AutoparError(
+                f"{len(starts)} stage start(s) make {len(starts) + 1} stages, not the {self.pipeline_stages} asked for."
+            )
+        if starts:
+            set_(self, "pipeline_stages", _pipeline_stages(len(starts) + 1, self.num_devices))
+        if (self.pipeline_stages or 1) > 1 and not self.mode.searched:
+            raise AutoparError(
+                f"Pipeline stages need a searched mode (semi_auto_parallel or auto_parallel), not {self.mode}."
+            )
 
     @classmethod
     def resolve(
@@ -209,6 +239,7 @@ class PlanOptions:
                 f"Fixed strategies need a searched mode (semi_auto_parallel or auto_parallel), not {rest['mode']}."
             )
         _micro_batches(rest.get("micro_batches"))
+        _pipeline_stages(rest.get("pipeline_stages"), devices)
         if rank_table is None:
             return cls(DEFAULT_DEVICES if devices is None else devices, cost_model, **rest)
         profile = cost_model if isinstance(cost_model, HardwareProfile) else load_profile(cost_model)

@@ -147,10 +147,13 @@ def scrambled(model: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def run_case(path: Path, devices: int, timeout: float, cost_model: str = "ascend910") -> dict:
-    """Run `autopar plan` in a fresh process; wall seconds, its own peak RSS, and the plan or the refusal."""
+def run_case(
+    path: Path, devices: int, timeout: float, cost_model: str = "ascend910", flags: tuple[str, ...] = ()
+) -> dict:
+    """Run `autopar plan` (with ``flags``) in a fresh process; wall seconds, its own peak RSS, and the plan or
+    the refusal."""
     argv = [sys.executable, "-m", "autopar.cli", "plan", str(path), "--devices", str(devices)]
-    argv += ["--cost-model", cost_model]
+    argv += ["--cost-model", cost_model, *flags]
     argv += ["--format", "json", "--quiet"]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()

@@ -107,7 +107,7 @@ def test_plan_table_lists_the_costliest_operators_unless_asked_for_all(capsys):
 def test_plan_json_schema(capsys, tiny_path, tiny_ops):
     data = plan_json(capsys, tiny_path, "--devices", "4")
     assert set(data) >= PLAN_KEYS
-    assert data["schema"] == "autopar.plan/1"
+    assert data["schema"] == "autopar.plan/2"
     assert data["model"] == "tiny"
     assert data["devices"] == 4
     assert data["cost_model"] == "ascend910"
@@ -130,7 +130,7 @@ def test_out_writes_file_and_nothing_to_stdout(capsys, tiny_path, tmp_path):
     assert code == 0, err
     assert out == ""
     data = json.loads(target.read_text(encoding="utf-8"))
-    assert data["schema"] == "autopar.plan/1" and data["devices"] == 4
+    assert data["schema"] == "autopar.plan/2" and data["devices"] == 4
 
 
 def test_out_table(capsys, tiny_path, tmp_path):
@@ -363,7 +363,7 @@ def test_module_entry_point_subprocess():
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     data = json.loads(proc.stdout)
-    assert data["schema"] == "autopar.plan/1"
+    assert data["schema"] == "autopar.plan/2"
     assert data["model"] == "resnet50"
     assert data["devices"] == 8
     assert len(data["ops"]) == 186

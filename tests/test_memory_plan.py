@@ -82,7 +82,10 @@ def test_leanest_plans_with_and_without_the_parallel_optimizer_by_hand():
 
 
 def test_parallel_optimizer_is_chosen_when_only_it_fits():
-    plan = autopar.plan(two_matmul_chain(**CHAIN), devices=4, cost_model=simple(CAPACITY))
+    # one stage over the whole batch: micro-batches and pipeline stages are other ways to fit
+    plan = autopar.plan(
+        two_matmul_chain(**CHAIN), devices=4, cost_model=simple(CAPACITY), micro_batches=1, pipeline_stages=1
+    )
     data = plan.to_dict()
     # mm1: batch on bit 1, W1's columns on bit 0; mm2: batch on bit 1, the contraction on bit 0 (Y stays put)
     assert plan.strategies == {"mm1": ((2, 1), (1, 2)), "mm2": ((2, 2), (2, 1))}
@@ -240,7 +243,8 @@ def test_recomputation_is_chosen_when_only_it_fits():
     without, with_recompute = leanest(free, False), leanest(free, True)
     assert with_recompute < without
     capacity = (without + with_recompute) / 2
-    plan = autopar.plan(model, devices=RC_DEVICES, cost_model=profile(capacity=capacity, peak=RC_PEAK))
+    whole = {"micro_batches": 1, "pipeline_stages": 1}  # micro-batches and stages are other ways to fit
+    plan = autopar.plan(model, devices=RC_DEVICES, cost_model=profile(capacity=capacity, peak=RC_PEAK), **whole)
     fastest = autopar.plan(model, devices=RC_DEVICES, cost_model=profile(peak=RC_PEAK))
     assert fastest.memory_per_device > capacity and not fastest.search.choices.recompute
     problem, choice, choices = plan.problem, list(plan.choice), plan.search.choices

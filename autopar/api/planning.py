@@ -7,6 +7,7 @@ predicted step time of any full assignment of them (`evaluate`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -47,6 +48,16 @@ from autopar.search.driver import (
     SearchResult,
     parameter_state_bytes,
     run_search,
+)
+from autopar.search.memory import NO_MEMORY_CHOICES
+from autopar.search.pipeline import (
+    ONE_STAGE,
+    PipelineResult,
+    PipelineShape,
+    compute_floor,
+    cut_points,
+    search_stages,
+    shape_floor,
 )
 from autopar.search.problem import SearchProblem
 from autopar.strategy import OpRule
@@ -118,6 +129,9 @@ def plan(
     fixed: Mapping[str, Sequence[Sequence[int]]] | None = None,
     optimizer: Optimizer | str | None = None,
     memory_reserve: float | str | None = None,
+    pipeline_stages: int | None = None,
+    stage_starts: Sequence[str] = (),
+    recompute: bool | None = None,
 ) -> Plan:
     """Search the best sharding plan for ``model`` on ``devices`` devices.
 
@@ -127,8 +141,12 @@ def plan(
     adds every gradient synchronisation to the step instead of hiding it behind the backward.
     ``rank_table`` (MindSpore's rank_table.json, a path or its parsed JSON) gives the device count
     (8 by default without one) and the servers, whose shape re-derives the cost model's link levels.
-    ``micro_batches``: gradient accumulation over this many micro-batches of the batch; None (the
-    default) uses one unless nothing fits, then the fewest of 2, 4, 8, ... with a plan that fits.
+    ``pipeline_stages`` (a power of two) cuts the model into that many stages, each on its own group of
+    devices, and ``micro_batches`` runs the batch as that many micro-batches (1F1B across the stages,
+    gradient accumulation in one); None (the default) searches both, exactly, with the strategies.
+    ``stage_starts`` names the first operator of each stage after the first (fixing the cuts).
+    ``recompute=True`` recomputes every repeated block's forward in the backward, as Megatron-LM's activation
+    recomputation does; None (the default) recomputes only where memory binds.
     ``fixed`` maps operator names to the in_strategy each must keep; every other operator is searched
     around them (MindSpore's ``semi_auto_parallel`` with sharding propagation, but exact).
     ``optimizer`` ("adam" or "sgd") sets the optimizer state every trainable parameter keeps; None
@@ -150,6 +168,9 @@ def plan(
         fixed=fixed,
         optimizer=optimizer,
         memory_reserve=memory_reserve,
+        pipeline_stages=pipeline_stages,
+        stage_starts=tuple(stage_starts),
+        recompute=recompute,
     )
     return plan_with(model, options)
 
@@ -157,18 +178,16 @@ def plan(
 def plan_with(model: ModelLike, options: PlanOptions) -> Plan:
     """The plan for a model under checked options (`plan` with its keywords gathered)."""
     batch, dims, frozen, fixed = options.batch, options.dims, options.frozen, options.fixed
-    micro_batches, devices = options.micro_batches, options.num_devices
-    mode, search = options.mode.value, options.search.value
+    mode = options.mode.value
     cost = options.costs()
     started = time.perf_counter()
     progress.report("import", 0, 1)
     graph = model_graph(model, batch, dims, frozen)
     step_batch = common_batch(graph)
-    if micro_batches is not None and micro_batches > 1:
-        graph = model_graph(model, _micro_batch(step_batch, micro_batches, graph), dims, frozen)
     imported = time.perf_counter()
-    problem = build_problem(graph, cost, devices, fixed=fixed)
-    costed = time.perf_counter()
+    shapes = _Shapes(model, graph, step_batch, options, cost)
+    searched = shapes.search()
+    problem, found, pipeline = searched.problem, searched.found, searched.pipeline
     if problem.graph.renamed_ops:
         pairs = ", ".join(f"{new!r}" for new in list(problem.graph.renamed_ops)[:5])
         more = f" and {len(problem.graph.renamed_ops) - 5} more" if len(problem.graph.renamed_ops) > 5 else ""
@@ -178,39 +197,191 @@ def plan_with(model: ModelLike, options: PlanOptions) -> Plan:
             RenamedOperatorsWarning,
             stacklevel=3,
         )
-    try:
-        found = run_search(problem, mode, search)
-    except InfeasibleError:
-        if micro_batches is not None or not options.mode.searched or isinstance(model, Graph) or step_batch is None:
-            raise
-        if parameter_state_bytes(problem) / devices > cost.capacity:
-            raise  # the parameters alone do not fit: smaller micro-batches cannot help
-        accumulated = _accumulate(model, step_batch, options, cost)
-        if accumulated is None:
-            raise
-        problem, found = accumulated
-    if micro_batches is not None and micro_batches > 1:
-        found = dataclasses.replace(found, choices=dataclasses.replace(found.choices, micro_batches=micro_batches))
-    phases = {"import": imported - started, "costing": costed - imported, "search": found.time_s}
-    free = _free_plan(problem, found, options, cost) if fixed else None
-    result = Plan.lower(problem, found, mode, phases, free)
+    phases = {"import": imported - started, "costing": shapes.costing_s, "search": shapes.search_s}
+    unfixed = build_problem(graph, cost, options.num_devices) if fixed and pipeline is not None else shapes.single
+    free = _free_plan(problem, searched.shape, options, cost, unfixed) if fixed else None
+    result = Plan.lower(problem, found, mode, phases, free, pipeline=pipeline, single=unfixed if pipeline else None)
     if result.fallback_ops:
         warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=3)
     return result
 
 
-def _free_plan(problem: SearchProblem, found: SearchResult, options: PlanOptions, cost: CostModel) -> Plan | None:
+@dataclasses.dataclass(frozen=True)
+class _Searched:
+    """The best plan of every pipeline shape tried: one micro-batch's problem on one stage's devices,
+    the plan on it and, with more than one stage, the stages."""
+
+    problem: SearchProblem
+    found: SearchResult
+    pipeline: PipelineResult | None
+    time_s: float
+    shape: PipelineShape = ONE_STAGE
+
+
+class _Shapes:
+    """The joint search over pipeline shapes: every stage count S (a power of two) and micro-batch
+    count M (a divisor of the batch) the options leave open, each searched exactly on the problem of
+    one micro-batch over N/S devices (`autopar.search.pipeline`); the fastest plan that fits wins, the
+    fewer stages and micro-batches on a tie. A shape whose lower bound (`shape_floor`) is no faster
+    than the best plan found is not searched, nor, once the whole batch's fastest one-stage plan fits
+    as it is, one stage over micro-batches (gradient accumulation): the same strategies over the whole
+    batch do each micro-batch's work at once, at sizes no less efficient, and pay each collective's
+    latency once, so micro-batches pay only where memory binds."""
+
+    def __init__(
+        self, model: ModelLike, graph: Graph, step_batch: int | None, options: PlanOptions, cost: CostModel
+    ) -> None:
+        self.model, self.graph, self.step_batch, self.options, self.cost = model, graph, step_batch, options, cost
+        self.costing_s = self.search_s = 0.0
+        self._problems: dict[tuple[int, int], SearchProblem] = {}
+        single = self.problem(1, 1)
+        assert single is not None  # the whole batch on every device: its errors are the user's
+        self.single = single
+
+    def problem(self, stages: int, micro_batches: int) -> SearchProblem | None:
+        """One micro-batch's problem on one stage's devices, built once (None: the model does not import
+        at that batch, or a fixed strategy does not fit that many devices or that micro-batch)."""
+        key = (stages, micro_batches)
+        if key not in self._problems:
+            started = time.perf_counter()
+            options = self.options
+            try:
+                if micro_batches == 1:
+                    graph = self.graph
+                else:
+                    batch = _micro_batch(self.step_batch, micro_batches, self.graph)
+                    graph = model_graph(self.model, batch, options.dims, options.frozen)
+                problem = build_problem(graph, self.cost, options.num_devices // stages, fixed=options.fixed)
+            except (ModelImportError, FixedStrategyError):
+                if key == (1, 1):
+                    raise
+                problem = None
+            self._problems[key] = problem
+            self.costing_s += time.perf_counter() - started
+        return self._problems[key]
+
+    def shapes(self) -> list[PipelineShape]:
+        """The shapes the options leave open, the one-stage, one-micro-batch plan first."""
+        options, devices = self.options, self.options.num_devices
+        if options.pipeline_stages is not None:
+            counts = [options.pipeline_stages]
+        elif options.mode.searched:
+            most = min(devices, len(cut_points(self.single)) + 1)
+            counts = [1 << k for k in range(most.bit_length()) if 1 << k <= most]
+        else:
+            counts = [1]
+        if options.micro_batches is not None:
+            micro = [options.micro_batches]
+        elif not options.mode.searched or self.step_batch is None or isinstance(self.model, Graph):
+            micro = [1]
+        else:
+            micro = [m for m in range(1, min(self.step_batch, MAX_MICRO_BATCHES) + 1) if self.step_batch % m == 0]
+        shapes = [PipelineShape(s, m) for s in counts for m in micro]
+        return sorted(shapes, key=lambda p: (p != ONE_STAGE, p.slots / p.micro_batches, p.stages, p.micro_batches))
+
+    def search(self) -> _Searched:
+        options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
+        if parameter_state_bytes(self.single) / options.num_devices > self.cost.capacity:
+            run_search(self.single, mode, algorithm)  # nothing can fit: its sentence says how many devices would
+        floor = compute_floor(self.single)
+        best: _Searched | None = None
+        shapes = self.shapes()
+        for index, shape in enumerate(shapes):
+            progress.report("pipeline shapes", index, len(shapes))
+            if best is not None and shape_floor(floor, options.num_devices, shape) >= best.time_s:
+                continue  # no plan of this shape can be faster
+            if shape.stages == 1 and options.micro_batches is None and self._fits_whole(best):
+                continue  # one stage's fastest plan fits: micro-batches only repeat its work at smaller sizes
+            problem = self.problem(shape.stages, shape.micro_batches)
+            if problem is None:
+                continue
+            started = time.perf_counter()
+            try:
+                searched = self._search_shape(problem, shape, best.time_s if best is not None else math.inf)
+            finally:
+                self.search_s += time.perf_counter() - started
+            if searched is not None and (best is None or searched.time_s < best.time_s * (1 - 1e-12)):
+                best = searched
+        if best is None:
+            run_search(self.single, mode, algorithm)  # raises when the one-stage plan does not fit: its sentence
+            raise InfeasibleError(  # says what does not fit and how many devices would hold it
+                f"No plan with the pipeline stages and micro-batches asked for fits in device memory on"
+                f" {options.num_devices} devices; leave them to the search."
+            )
+        return best
+
+    @staticmethod
+    def _fits_whole(best: _Searched | None) -> bool:
+        """The best plan so far is one stage's, over the whole batch, and memory did not bind it."""
+        return (
+            best is not None
+            and best.pipeline is None
+            and best.found.choices == NO_MEMORY_CHOICES
+            and not best.found.lagrange_multiplier
+        )
+
+    def _search_shape(self, problem: SearchProblem, shape: PipelineShape, bound: float) -> _Searched | None:
+        """The best plan of one shape (None: nothing fits, or nothing faster than ``bound``)."""
+        options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
+        started = time.perf_counter()
+        if shape == ONE_STAGE:  # today's search, on the problem itself
+            try:
+                found = run_search(problem, mode, algorithm, options.recompute)
+            except InfeasibleError:
+                if len(self.shapes()) == 1:
+                    raise
+                return None
+            return _Searched(problem, found, None, problem.objective(found.choice, found.choices))
+        starts = _stage_starts(problem, options.stage_starts) if options.stage_starts else None
+        result = search_stages(problem, shape, mode, algorithm, starts, bound, options.recompute)
+        if result is None:
+            return None
+        found = _joined(result, time.perf_counter() - started)
+        return _Searched(problem, found, result if shape.stages > 1 else None, result.time_s, shape)
+
+
+def _joined(result: PipelineResult, seconds: float) -> SearchResult:
+    """A pipeline's stages as one search result on the micro-batch's problem."""
+    first = result.stages[0].result
+    return SearchResult(result.choice, first.method, seconds, first.lagrange_multiplier, choices=result.choices)
+
+
+def _stage_starts(problem: SearchProblem, names: Sequence[str]) -> tuple[int, ...]:
+    """Each stage's first operator from the names of those after the first; one sentence for a name the
+    model lacks or an order the graph does not have."""
+    index = {rule.op.name: node for node, rule in enumerate(problem.rules)}
+    starts = [0]
+    for name in names:
+        if name not in index:
+            raise AutoparError(f"A stage is to start at {name!r}, which the model does not have.")
+        if index[name] <= starts[-1]:
+            raise AutoparError(f"The stage starting at {name!r} does not come after the stage before it in the graph.")
+        starts.append(index[name])
+    return tuple(starts)
+
+
+def _free_plan(
+    problem: SearchProblem, shape: PipelineShape, options: PlanOptions, cost: CostModel, single: SearchProblem
+) -> Plan | None:
     """With fixed strategies: the plan the search finds with nothing fixed, on the same graph (so at the
-    same micro-batch size) and micro-batches, which the plan is compared with (None: nothing fits)."""
-    free = build_problem(problem.graph, cost, options.num_devices)
-    try:
-        result = run_search(free, "auto_parallel", options.search.value)
-    except InfeasibleError:
+    same micro-batch size), stages and micro-batches, which the plan is compared with (None: nothing
+    fits). ``single``: the whole batch on every device with nothing fixed (data parallel's problem)."""
+    free = build_problem(problem.graph, cost, problem.num_devices)
+    algorithm = options.search.value
+    if shape == ONE_STAGE:
+        try:
+            result = run_search(free, "auto_parallel", algorithm, options.recompute)
+        except InfeasibleError:
+            return None
+        return Plan.lower(free, result, "auto_parallel")
+    starts = _stage_starts(free, options.stage_starts) if options.stage_starts else None
+    pipeline = search_stages(free, shape, "auto_parallel", algorithm, starts, recompute=options.recompute)
+    if pipeline is None:
         return None
-    k = found.choices.micro_batches
-    if k > 1:
-        result = dataclasses.replace(result, choices=dataclasses.replace(result.choices, micro_batches=k))
-    return Plan.lower(free, result, "auto_parallel")
+    found = _joined(pipeline, 0.0)
+    if shape.stages == 1:
+        return Plan.lower(free, found, "auto_parallel")
+    return Plan.lower(free, found, "auto_parallel", pipeline=pipeline, single=single)
 
 
 def common_batch(graph: Graph) -> int | None:
@@ -227,33 +398,6 @@ def _micro_batch(step_batch: int | None, micro_batches: int, graph: Graph) -> in
     if step_batch % micro_batches:
         raise AutoparError(f"The batch of {step_batch} does not split into {micro_batches} equal micro-batches.")
     return step_batch // micro_batches
-
-
-def _accumulate(
-    model: ModelLike,
-    step_batch: int,
-    options: PlanOptions,
-    cost: CostModel,
-) -> tuple[SearchProblem, SearchResult] | None:
-    """Nothing fits in one batch: the fewest micro-batches (2, 4, ...) with a plan that fits (None: none)."""
-    k = 2
-    while k <= MAX_MICRO_BATCHES and step_batch % k == 0:
-        progress.report("micro-batches", k, MAX_MICRO_BATCHES)
-        try:
-            graph = model_graph(model, step_batch // k, options.dims, options.frozen)
-        except ModelImportError:
-            return None  # the model does not import at another batch (a shape hard-coded for its own)
-        try:
-            problem = build_problem(graph, cost, options.num_devices, fixed=options.fixed)
-        except FixedStrategyError:
-            return None  # a fixed split that does not divide the smaller batch
-        try:
-            found = run_search(problem, "auto_parallel", options.search.value)
-        except InfeasibleError:
-            k *= 2
-            continue
-        return problem, dataclasses.replace(found, choices=dataclasses.replace(found.choices, micro_batches=k))
-    return None
 
 
 def candidates(

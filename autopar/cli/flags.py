@@ -76,6 +76,21 @@ def _micro_batches(text: str) -> int:
     return _integer("--micro-batches", text, 1, MAX_MICRO_BATCHES)
 
 
+def _pipeline_stages(text: str) -> int:
+    stages = _integer("--pipeline-stages", text, 1, MAX_DEVICES)
+    if stages & (stages - 1):
+        raise argparse.ArgumentTypeError(f"--pipeline-stages must be a power of two (1, 2, 4, ...), got {text!r}")
+    return stages
+
+
+def _operator_names(text: str) -> list[str]:
+    """``layer4.0,layer8.0``: operator names, comma-separated (exit 2 when empty)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"--stage-starts expects operator names such as h4.ln1,h8.ln1, got {text!r}")
+    return names
+
+
 def _fixed_strategy(text: str) -> tuple[str, Any]:
     """``OP=((2,4,1,1),(1,4,1,1))``: an operator and the in_strategy it must keep (exit 2 when malformed)."""
     name, sep, value = text.rpartition("=")
@@ -199,10 +214,29 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         help="a parameter not to train (a name or a shell glob such as 'embed.*'; repeatable)",
     )
     parser.add_argument(
+        "--pipeline-stages",
+        type=_pipeline_stages,
+        help="cut the model into this many pipeline stages (a power of two), each on its own group of devices"
+        " over the slowest links (default: searched; 1 keeps one stage)",
+    )
+    parser.add_argument(
         "--micro-batches",
         type=_micro_batches,
-        help="accumulate gradients over this many micro-batches of the batch (default: 1, or the fewest of"
-        " 2, 4, ... that fit when nothing fits in one)",
+        help="run the batch as this many micro-batches: 1F1B across pipeline stages, gradient accumulation in"
+        " one stage (default: searched with the stages)",
+    )
+    parser.add_argument(
+        "--stage-starts",
+        type=_operator_names,
+        metavar="OP[,OP...]",
+        help="the first operator of every pipeline stage after the first (fixes the cuts and so the stage count)",
+    )
+    parser.add_argument(
+        "--recompute",
+        action="store_const",
+        const=True,
+        help="recompute every repeated block's forward in the backward pass, as Megatron-LM's activation"
+        " recomputation does (default: only where memory binds)",
     )
     parser.add_argument(
         "--no-overlap",

@@ -138,6 +138,11 @@ class CostModel:
         size = np.maximum(np.asarray(smallest_dim, dtype=np.float64), 1.0)
         return self.matmul_flops * np.interp(np.log2(size), self._falloff_log2, self._falloff)
 
+    @property
+    def fastest_matmul_rate(self) -> float:
+        """The most FLOP/s any matmul reaches (the large-matmul rate at the fall-off table's best factor)."""
+        return self.matmul_flops * float(np.max(self._falloff))
+
     def compute_time(self, op_class: str, flops: float, nbytes: float, matmul_dim: float | None = None) -> float:
         """Roofline: the slower of arithmetic and memory traffic.
 
@@ -198,6 +203,18 @@ class CostModel:
         """Seconds for one collective whose per-rank payload is ``nbytes`` (see `Step`)."""
         latency, per_byte = self.collective_coefficients(kind, tuple(bits))
         return latency * latency_scale + per_byte * nbytes
+
+    def send_time(self, bit: int, nbytes: float | np.ndarray) -> float | np.ndarray:
+        """One point-to-point transfer of ``nbytes`` between two devices that differ in mesh bit ``bit``
+        (and lower ones): the latency and bandwidth of that bit's link, as one step of a ring pays them.
+
+        >>> from autopar.cost import load_profile
+        >>> cost = CostModel(load_profile("ascend910"))
+        >>> cost.send_time(2, 0.0) == cost.profile.level_of_bit(2).latency.value
+        True
+        """
+        level = self.profile.level_of_bit(bit)
+        return level.latency.value + nbytes / level.bandwidth.value
 
     def gradient_sync_time(self, bits: Iterable[int], nbytes: float, kind: Collective = Collective.ALL_REDUCE) -> float:
         """A parameter's gradient AllReduce (or a parallel optimizer's ReduceScatter, or its AllGather

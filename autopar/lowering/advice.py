@@ -36,17 +36,18 @@ def fallback_sentence(named: Sequence[str]) -> str:
 
 def plan_warnings(data: PlanFile) -> list[str]:
     """The plan's warnings, each one sentence (none: nothing to say)."""
-    devices = data.devices
+    devices = data.devices >> (len(data.pipeline.bits) if data.pipeline is not None else 0)  # one stage's
     widest = max(devices_used(op) for op in data.ops)
     found = []
     if devices > 1 and widest == 1:
         found.append(
-            f"The model is fully replicated: every operator runs whole on each of the {devices:,} devices,"
-            " which repeat one another's work."
+            f"The model is fully replicated: every operator runs whole on each of the {devices:,} devices"
+            f"{' of its stage' if data.pipeline is not None else ''}, which repeat one another's work."
         )
     elif widest < devices:
         found.append(
-            f"Idle devices: the largest split uses {widest:,} of {devices:,} devices; the other"
+            f"Idle devices: the largest split uses {widest:,} of {devices:,} devices"
+            f"{' of a stage' if data.pipeline is not None else ''}; the other"
             f" {devices // widest - 1:,} of every {devices // widest:,} repeat the same calculation."
         )
     if data.fallback_ops:
@@ -65,7 +66,7 @@ def plan_warnings(data: PlanFile) -> list[str]:
             "To fit in memory, the repeated blocks from " + ", ".join(memory_plan.recompute) + " recompute"
             " their forward pass in the backward."
         )
-    if memory_plan.micro_batches > 1:
+    if memory_plan.micro_batches > 1 and data.pipeline is None:
         found.append(
             f"To fit in memory, the step accumulates gradients over {memory_plan.micro_batches} micro-batches;"
             " the operators' shapes and costs are one micro-batch's."

@@ -112,23 +112,34 @@ class Degrees:
     'data 4 x tensor 2'
     >>> str(Degrees(data=2, tensor=8, sequence=2, replicated=2))
     'data 2 x tensor 8 x sequence 2 (x 2 replicated)'
+    >>> str(Degrees(data=16, tensor=8, pipeline=4))
+    'data 16 x tensor 8 x pipeline 4'
     """
 
     data: int = 1
     tensor: int = 1
     sequence: int = 1
     replicated: int = 1
+    pipeline: int = 1
 
     def __str__(self) -> str:
         text = f"data {self.data} x tensor {self.tensor}"
         if self.sequence > 1:
             text += f" x sequence {self.sequence}"
+        if self.pipeline > 1:
+            text += f" x pipeline {self.pipeline}"
         if self.replicated > 1:
             text += f" (x {self.replicated} replicated)"
         return text
 
     def as_dict(self) -> dict[str, int]:
-        return {"data": self.data, "tensor": self.tensor, "sequence": self.sequence, "replicated": self.replicated}
+        return {
+            "data": self.data,
+            "tensor": self.tensor,
+            "sequence": self.sequence,
+            "pipeline": self.pipeline,
+            "replicated": self.replicated,
+        }
 
 
 _DEGREE_OF = {"batch": "data", "sequence": "sequence"}  # every other kind is tensor parallelism
@@ -142,7 +153,7 @@ def degrees(data: PlanFile) -> Degrees:
     mostly splits a sequence (in a model without convolutions: a rank-3 activation's second dimension,
     an attention tensor's query or key positions) is a sequence bit; any other split (hidden, heads, a
     contraction, an image's space) is a tensor bit. Ties go to data, then tensor. Bits no operator uses
-    are replicated.
+    are replicated; the bits that spell a device's pipeline stage are the pipeline's.
     """
     image = is_image_model(data)
     votes: dict[int, Counter[str]] = {}
@@ -156,12 +167,14 @@ def degrees(data: PlanFile) -> Degrees:
         max(_TIE_ORDER, key=lambda role, tally=tally: (tally[role], -_TIE_ORDER.index(role)))  # type: ignore[misc]
         for tally in votes.values()
     )
-    unused = data.mesh_bits - len(votes)
+    stage_bits = len(data.pipeline.bits) if data.pipeline is not None else 0
+    unused = data.mesh_bits - stage_bits - len(votes)
     return Degrees(
         data=1 << counts["data"],
         tensor=1 << counts["tensor"],
         sequence=1 << counts["sequence"],
         replicated=1 << max(0, unused),
+        pipeline=1 << stage_bits,
     )
 
 

@@ -2,7 +2,8 @@
 
 A plan is one search result on one problem. Its plan file (`Plan.file`, typed; `to_dict`,
 `to_json`) lists every operator's strategy and layouts, every redistribution, each
-parameter's gradient synchronisation, and totals (schema "autopar.plan/1"); its program
+parameter's gradient synchronisation, totals and, when pipelined, the stages (schema "autopar.plan/2");
+its program
 (`Plan.program`) is what the verifiers run. Exporters read the file (`autopar.api.export_plan`).
 """
 
@@ -33,7 +34,9 @@ from autopar.lowering.lower import (
 )
 from autopar.lowering.planfile import SCHEMA, PlanFile, RepeatedBlock, SearchSummary, UnfoldedRun
 from autopar.lowering.program import PlanProgram, program_of
+from autopar.lowering.stages import pipeline_entry, pipeline_memory, pipeline_totals, within_stages
 from autopar.search.driver import SearchResult, data_parallel_choice
+from autopar.search.pipeline import PipelineResult
 from autopar.search.problem import SearchProblem
 
 
@@ -66,6 +69,10 @@ class Plan:
     # with fixed strategies: the plan the search finds with nothing fixed, on the same graph and
     # micro-batches; what the plan is compared with (pure data parallel, the cost of what was fixed)
     free: "Plan | None" = field(default=None, repr=False, compare=False)
+    # with pipeline stages: the stages (``problem`` is then one micro-batch's on one stage's devices) and
+    # the one-stage problem of the whole batch on every device, which data parallel is costed on
+    pipeline: PipelineResult | None = field(default=None, repr=False, compare=False)
+    single: SearchProblem | None = field(default=None, repr=False, compare=False)
 
     # The faces register how a plan shows itself (autopar.api); the core never imports them.
     face: ClassVar[PlanFace | None] = None
@@ -78,9 +85,15 @@ class Plan:
         mode: str,
         phases_s: dict[str, float] | None = None,
         free: "Plan | None" = None,
+        *,
+        pipeline: PipelineResult | None = None,
+        single: SearchProblem | None = None,
     ) -> "Plan":
         """The plan of one search result on one problem (``phases_s``: measured seconds so far; ``free``:
-        with fixed strategies, the plan found with nothing fixed)."""
+        with fixed strategies, the plan found with nothing fixed; ``pipeline``: its stages, ``problem``
+        being one micro-batch's on one stage's devices, and ``single`` the one-stage problem)."""
+        if pipeline is not None and single is None:
+            raise ValueError("a pipelined plan needs the one-stage problem its data parallel is costed on")
         return cls(
             problem,
             tuple(result.choice),
@@ -91,11 +104,19 @@ class Plan:
             problem.cost.precision,
             dict(phases_s or {}),
             free,
+            pipeline,
+            single,
         )
 
     @cached_property
     def mesh(self) -> Mesh:
         """The devices, mesh bits and links the plan was searched on (built once, from its cost model)."""
+        stages = self.pipeline.shape.stages if self.pipeline is not None else 1
+        return Mesh.of(self.problem.cost, self.problem.num_devices * stages)
+
+    @cached_property
+    def stage_mesh(self) -> Mesh:
+        """The devices of one pipeline stage (the whole mesh without stages): what its program runs on."""
         return Mesh.of(self.problem.cost, self.problem.num_devices)
 
     @property
@@ -110,10 +131,14 @@ class Plan:
     @property
     def objective(self) -> float:
         """The searched objective: predicted training step time in seconds."""
+        if self.pipeline is not None:
+            return self.pipeline.time_s
         return self.problem.objective(self.choice, self.search.choices)
 
     @property
     def memory_per_device(self) -> float:
+        if self.pipeline is not None:
+            return pipeline_memory(self.problem, self.pipeline)
         return self.problem.memory(self.choice, self.search.choices)
 
     @property
@@ -129,7 +154,7 @@ class Plan:
     @property
     def data_parallel_objective(self) -> float:
         """Pure data parallel's step on this plan's problem (with fixed strategies: on the problem without them)."""
-        problem = self.free.problem if self.free is not None else self.problem
+        problem = self.single or (self.free.problem if self.free is not None else self.problem)
         return problem.objective(data_parallel_choice(problem))
 
     def layouts(self, node: int) -> tuple[list[Layout | None], list[Layout | None]]:
@@ -146,10 +171,15 @@ class Plan:
         started = time.perf_counter()
         choices = self.search.choices
         ops = op_entries(problem, choice, choices)
-        moves = redistributions(problem, choice)
+        moves = within_stages(redistributions(problem, choice), problem, self.pipeline)
+        paths = within_stages(gradient_paths(problem, choice, choices), problem, self.pipeline)
         syncs = gradient_sync(problem, choice, choices)
         free = (self.free.problem, self.free.objective) if self.free is not None else None
-        total = totals(problem, choice, choices, free)
+        if self.pipeline is not None and self.single is not None:
+            free_step = self.free.objective if self.free is not None else None
+            total = pipeline_totals(problem, self.pipeline, self.single, self.mesh.num_devices, free_step)
+        else:
+            total = totals(problem, choice, choices, free)
         phases = {**self.phases_s, "lowering": time.perf_counter() - started} if self.phases_s else None
         return PlanFile(
             schema_=SCHEMA,
@@ -164,12 +194,13 @@ class Plan:
             objective_s=rounded(self.objective),
             ops=ops,
             redistributions=moves,
-            gradients=gradient_paths(problem, choice, choices),
+            gradients=paths,
             gradient_sync=syncs,
             fallback_ops=self.fallback_ops,
             totals=total,
             memory_plan=memory_plan(problem, choice, choices),
             context=plan_context(problem),
+            pipeline=pipeline_entry(problem, self.pipeline, self.mesh) if self.pipeline is not None else None,
             search=SearchSummary(
                 algorithm=self.search.method,
                 time_s=round(self.search.time_s, 4),
@@ -203,7 +234,7 @@ class Plan:
     @cached_property
     def program(self) -> PlanProgram:
         """What verifying or running this plan executes (computed once, from its file)."""
-        return program_of(self.problem, self.choice, self.file, self.mesh)
+        return program_of(self.problem, self.choice, self.file, self.stage_mesh)
 
     def redistributions(self) -> list[dict[str, Any]]:
         """Every producer/consumer pair whose layouts differ, with its collective steps."""
@@ -214,7 +245,7 @@ class Plan:
         return self.to_dict()["gradient_sync"]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe plan (schema autopar.plan/1); a fresh copy each call."""
+        """JSON-safe plan (schema autopar.plan/2); a fresh copy each call."""
         return self.file.dump()
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -34,8 +34,8 @@ from autopar.errors import AutoparError, PlanFileError, first_problem
 from autopar.layout import Layout, ReduceOp
 from autopar.redistribute import Collective, Step
 
-SCHEMA = "autopar.plan/1"
-READABLE_SCHEMAS = (SCHEMA,)
+SCHEMA = "autopar.plan/2"
+READABLE_SCHEMAS = ("autopar.plan/1", SCHEMA)  # version 1: the same, without pipeline stages
 GRAPH_OUTPUT = "<graph output>"  # the consumer named by the reduction of a partial graph output
 
 
@@ -209,7 +209,7 @@ class GradientSync(_OmitsUnset):
 
 
 class Totals(_OmitsUnset):
-    _omit: ClassVar[tuple[str, ...]] = ("free_step_time_s", "fixed_cost_s")
+    _omit: ClassVar[tuple[str, ...]] = ("free_step_time_s", "fixed_cost_s", "pipeline_bubble_s")
     step_time_s: NonNegativeFloat
     compute_s: NonNegativeFloat
     communication_s: float = Field(description="communication the step waits for (exposed)")
@@ -242,6 +242,11 @@ class Totals(_OmitsUnset):
         default=None,
         description="with fixed strategies (semi-auto): what they cost, step_time_s - free_step_time_s",
     )
+    pipeline_bubble_s: NonNegativeFloat | None = Field(
+        default=None,
+        description="with pipeline stages: the step's idle slots, (S - 1) x the slowest stage's time per"
+        " micro-batch (compute_s and communication_s are that stage's over its M micro-batches)",
+    )
 
     @property
     def memory_usable_bytes(self) -> int:
@@ -266,9 +271,52 @@ class MemoryPlan(_Part):
         description="the first operator of each run of repeated blocks whose activations are recomputed"
     )
     micro_batches: PositiveInt = Field(
-        description="gradient accumulation: the step runs this many micro-batches (shapes in the plan are one"
-        " micro-batch's) and synchronises gradients once"
+        description="the step runs this many micro-batches (shapes in the plan are one micro-batch's) and"
+        " synchronises gradients once: gradient accumulation, or a pipeline's micro-batches"
     )
+
+
+class StageEntry(_Part):
+    """One pipeline stage: a contiguous range of operators on its own group of devices."""
+
+    first_op: str
+    last_op: str
+    operators: PositiveInt
+    first_device: NonNegativeInt = Field(
+        description="the stage's devices are first_device .. first_device + devices - 1"
+    )
+    devices: PositiveInt
+    micro_batches_in_flight: PositiveInt = Field(
+        description="micro-batches whose activations the stage holds at once under 1F1B"
+    )
+    step_time_s: NonNegativeFloat = Field(description="the step were every stage as slow as this one")
+    memory_per_device_bytes: NonNegativeInt
+
+
+class SendEntry(_Part):
+    """A tensor one stage sends another every micro-batch: each device receives its shard point to point."""
+
+    tensor: str
+    from_op: str
+    to_op: str
+    from_stage: NonNegativeInt
+    to_stage: NonNegativeInt
+    bytes: NonNegativeInt = Field(description="bytes each receiving device gets per micro-batch (forward)")
+    gradient_bytes: NonNegativeInt = Field(
+        description="bytes of the gradient each sending device gets back per micro-batch (0: no gradient flows)"
+    )
+    link: str = Field(description="the link between the two stages' devices")
+
+
+class PipelineEntry(_Part):
+    """The pipeline: stages over the slowest mesh bits, micro-batches and their schedule."""
+
+    schedule: Literal["1F1B"]
+    micro_batches: PositiveInt
+    bits: list[NonNegativeInt] = Field(description="the mesh bits that spell a device's stage, lowest first")
+    bubble_fraction: NonNegativeFloat = Field(description="(S - 1) / (M + S - 1): the share of a step stages idle")
+    stages: list[StageEntry] = Field(min_length=2)
+    sends: list[SendEntry]
 
 
 class RepeatedBlock(_Part):
@@ -330,11 +378,12 @@ class PlanContext(_Part):
     cost_model_fingerprint: str = Field(description="the hardware profile's numbers, hashed")
 
 
-class PlanFile(_Part):
+class PlanFile(_OmitsUnset):
     """A whole plan as ``autopar plan --format json`` writes it."""
 
+    _omit: ClassVar[tuple[str, ...]] = ("pipeline",)
     model_config = ConfigDict(json_schema_extra={"title": "autopar plan", "$id": SCHEMA})
-    schema_: Literal["autopar.plan/1"] = Field(alias="schema")
+    schema_: Literal["autopar.plan/1", "autopar.plan/2"] = Field(alias="schema")
     model: str
     devices: PositiveInt
     mesh_bits: NonNegativeInt
@@ -358,6 +407,9 @@ class PlanFile(_Part):
     memory_plan: MemoryPlan
     search: SearchSummary
     context: PlanContext | None = Field(default=None, description="what the plan was made for (absent in old files)")
+    pipeline: PipelineEntry | None = Field(
+        default=None, description="the pipeline stages (absent for a plan of one stage, and in version 1 files)"
+    )
 
     @field_validator("ops")
     @classmethod

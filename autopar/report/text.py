@@ -48,6 +48,22 @@ def splits_text(splits: Mapping[str, int]) -> str:
     return " x ".join(parts) if parts else "replicated"
 
 
+def _pipeline_lines(data: PlanFile) -> list[str]:
+    """The pipeline's line: stages, micro-batches, the bubble, and where each stage starts."""
+    pipe = data.pipeline
+    if pipe is None:
+        return []
+    totals = data.totals
+    bubble = f", bubble {pipe.bubble_fraction:.1%}" + (
+        f" ({figure_ms(totals.pipeline_bubble_s)} ms)" if totals.pipeline_bubble_s is not None else ""
+    )
+    starts = ", ".join(f"{stage.first_op} ({stage.operators} ops)" for stage in pipe.stages)
+    return [
+        f"pipeline:         {len(pipe.stages)} stages x {pipe.micro_batches} micro-batches ({pipe.schedule}{bubble});"
+        f" stages start at {starts}"
+    ]
+
+
 def _plan_summary(plan: Plan) -> list[str]:
     """The summary lines: what was decided (degrees, batch), what it costs, what it moves."""
     data = plan.file
@@ -69,6 +85,7 @@ def _plan_summary(plan: Plan) -> list[str]:
     throughput, mfu = figures["samples_per_s"], figures["mfu"]
     lines = [
         f"degrees:          {plan.degrees} ({data.devices:,} device{'s' if data.devices != 1 else ''})",
+        *_pipeline_lines(data),
         f"global batch:     {batch}",
         f"step time:        {figure_ms(totals.step_time_s)} ms predicted"
         f"  (compute {figure_ms(totals.compute_s)} ms, communication {figure_ms(totals.communication_s)} ms exposed)",
@@ -110,7 +127,7 @@ def _plan_summary(plan: Plan) -> list[str]:
         relief.append(f"parallel optimizer on {len(memory_plan.parallel_optimizer)} parameters")
     if memory_plan.recompute:
         relief.append(f"recompute the repeated blocks from {', '.join(memory_plan.recompute)}")
-    if memory_plan.micro_batches > 1:
+    if memory_plan.micro_batches > 1 and data.pipeline is None:
         relief.append(f"{memory_plan.micro_batches} micro-batches (gradient accumulation)")
     if relief:
         lines.append(f"memory plan:      {'; '.join(relief)}")

@@ -131,6 +131,8 @@ def build_problem(
         pairs_costed=pairs_costed,
         unfolded=tuple(unfolded),
         ties=MappingProxyType(ties),
+        node_activations=tuple(c.activations for c in costs),
+        blocks=tuple(blocks),
     )
 
 

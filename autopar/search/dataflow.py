@@ -145,24 +145,31 @@ def _kept_for_backward(graph: Graph, rules: Sequence[OpRule], requires_grad: Map
     """
     kept: set[str] = set()
     for rule in rules:
-        if not backward_runs(rule, requires_grad):
-            continue
-        op, keeps = rule.op, rule.keeps
-        inputs = [name for name in op.inputs if name]
-        if Keeps.INPUTS in keeps:
-            kept.update(inputs)
-        if Keeps.OUTPUTS in keeps:
-            kept.update(name for name in op.outputs if name)
-        if Keeps.DIVISOR in keeps and len(op.inputs) > 1 and op.inputs[1]:
-            kept.add(op.inputs[1])
-        if Keeps.SELECTORS in keeps:
-            kept.update(name for name in inputs if not graph.tensor(name).is_float)
-        if Keeps.OPERANDS in keeps:
-            factors = list(op.inputs[:2])
-            for slot, name in enumerate(factors):
-                other = factors[1 - slot] if len(factors) == 2 else None
-                if name and other and requires_grad.get(other, False):
-                    kept.add(name)
+        kept.update(kept_by(rule, graph, requires_grad))
+    return frozenset(kept)
+
+
+def kept_by(rule: OpRule, graph: Graph, requires_grad: Mapping[str, bool]) -> frozenset[str]:
+    """The activations one operator's backward needs (`Keeps`)."""
+    if not backward_runs(rule, requires_grad):
+        return frozenset()
+    op, keeps = rule.op, rule.keeps
+    kept: set[str] = set()
+    inputs = [name for name in op.inputs if name]
+    if Keeps.INPUTS in keeps:
+        kept.update(inputs)
+    if Keeps.OUTPUTS in keeps:
+        kept.update(name for name in op.outputs if name)
+    if Keeps.DIVISOR in keeps and len(op.inputs) > 1 and op.inputs[1]:
+        kept.add(op.inputs[1])
+    if Keeps.SELECTORS in keeps:
+        kept.update(name for name in inputs if not graph.tensor(name).is_float)
+    if Keeps.OPERANDS in keeps:
+        factors = list(op.inputs[:2])
+        for slot, name in enumerate(factors):
+            other = factors[1 - slot] if len(factors) == 2 else None
+            if name and other and requires_grad.get(other, False):
+                kept.add(name)
     return frozenset(name for name in kept if graph.tensor(name).kind == "activation")
 
 

@@ -24,6 +24,7 @@ from autopar.errors import InfeasibleError
 from autopar.limits import MAX_DEVICES
 from autopar.search.dp import tie_break_offsets
 from autopar.search.fold import Solver
+from autopar.search.ilp import recomputing
 from autopar.search.memory import NO_MEMORY_CHOICES, MemoryChoices
 from autopar.search.problem import SearchProblem
 from autopar.units import human_bytes
@@ -61,7 +62,11 @@ def stand_alone_choice(problem: SearchProblem) -> list[int]:
     return [rule.candidates.index(rule.stand_alone) for rule in problem.rules]
 
 
-def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: str = "dp") -> SearchResult:
+def run_search(
+    problem: SearchProblem, mode: str = "auto_parallel", algorithm: str = "dp", recompute: bool | None = None
+) -> SearchResult:
+    """The plan of ``mode`` on ``problem``; ``recompute`` True (False) makes every plan recompute the repeated
+    blocks' forward (keep every activation); None leaves it to the memory walk."""
     start = time.perf_counter()
     capacity = problem.cost.capacity
     multiplier = 0.0
@@ -74,11 +79,11 @@ def run_search(problem: SearchProblem, mode: str = "auto_parallel", algorithm: s
     elif algorithm == "ilp":
         from autopar.search.ilp import solve_ilp
 
-        choice, choices = solve_ilp(problem, capacity)
+        choice, choices = solve_ilp(problem, capacity, recompute=recompute)
         used = "ilp"
     else:
         solver = Solver.of(problem)
-        choice, choices, multiplier = _constrained_dp(problem, solver, capacity)
+        choice, choices, multiplier = _constrained_dp(problem, solver, capacity, recompute)
         used, states = algorithm, solver.states()
     memory = problem.memory(choice, choices)
     if memory > capacity:
@@ -96,7 +101,9 @@ class _Point:
     memory: float
 
 
-def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> tuple[list[int], MemoryChoices, float]:
+def _constrained_dp(
+    problem: SearchProblem, solver: Solver, capacity: float, recompute: bool | None = None
+) -> tuple[list[int], MemoryChoices, float]:
     """The fastest plan that fits, by a walk along the Lagrangian's lower hull of (time, memory).
 
     Each DP run minimises time + lambda * memory, each operator taking the parallel optimizer
@@ -112,7 +119,7 @@ def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> 
 
     def solve(weight: float, recompute: bool, time_scale: float = 1.0) -> _Point:
         unary, takes = problem.lagrangian(weight, recompute, time_scale)
-        solver.bind(problem.factors, problem.recompute_folds if recompute else problem.folds)
+        solver.bind(problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
         choice = solver.minimise([u + time_scale * o for u, o in zip(unary, offsets)])
         choices = problem.choices_at(choice, takes, recompute)
         seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(offsets, choice))
@@ -127,21 +134,22 @@ def _constrained_dp(problem: SearchProblem, solver: Solver, capacity: float) -> 
         seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(offsets, choice))
         return _Point(choice, choices, seen, problem.memory(choice, choices))
 
-    fits_without = problem.memory_floor(False) <= capacity * (1 + 1e-12)
-    fast = solve(0.0, False) if fits_without else None  # a plan that cannot fit needs no run to say so
+    kinds = recomputing(problem, recompute)
+    first = kinds[0]
+    fits_first = problem.memory_floor(first) <= capacity * (1 + 1e-12)
+    fast = solve(0.0, first) if fits_first else None  # a plan that cannot fit needs no run to say so
     if fast is not None and fast.memory <= capacity:
         return fast.choice, fast.choices, 0.0
     best: tuple[_Point, float] | None = None
-    kinds = (False, True) if problem.recompute_time else (False,)
     leans: dict[bool, _Point] = {}
     for recompute in kinds:
         bound = best[0].seen if best is not None else math.inf
         again = sum(float(t.min()) for t in problem.recompute_time.values())
-        if recompute and fast is not None and fast.seen + again >= bound:
+        if recompute and not first and fast is not None and fast.seen + again >= bound:
             continue  # every recomputing plan pays at least the fastest forward of every block again
         if problem.memory_floor(recompute) > capacity * (1 + 1e-12):
             continue  # not even each operator's leanest candidate fits: no run of the DP needed to see it
-        start = fast if not recompute and fast is not None else solve(0.0, recompute)
+        start = fast if recompute == first and fast is not None else solve(0.0, recompute)
         if start.seen >= bound:
             continue  # no plan of this kind is faster than the one found (so none is needed for the message)
         lean = leans[recompute] = leanest(recompute)

@@ -32,6 +32,17 @@ def _highs() -> Any:
     return highspy
 
 
+def recomputing(problem: SearchProblem, recompute: bool | None, memory_binds: bool = True) -> tuple[bool, ...]:
+    """The ways to try recomputation: as asked (``recompute``), else without it and, where the model has
+    repeated blocks to recompute and memory may bind, with it. A model without repeated blocks has none.
+    """
+    if not problem.recompute_time:
+        return (False,)
+    if recompute is not None:
+        return (recompute,)
+    return (False, True) if memory_binds else (False,)
+
+
 def _classes(matrix: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct rows (axis 0) or columns (axis 1) of an edge matrix and each candidate's class."""
     unique, inverse = np.unique(matrix if axis == 0 else matrix.T, axis=0, return_inverse=True)
@@ -39,20 +50,21 @@ def _classes(matrix: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def solve_ilp(
-    problem: SearchProblem, capacity: float | None = None, time_limit: float = 600.0
+    problem: SearchProblem, capacity: float | None = None, time_limit: float = 600.0, recompute: bool | None = None
 ) -> tuple[list[int], MemoryChoices]:
     """Optimal candidate per operator (minimum step time, memory within ``capacity``) and memory choices.
 
     The parallel optimizer is a binary per operator and candidate that may be on only where the
-    candidate is chosen; recomputation, one switch for the whole model, is solved both ways.
+    candidate is chosen; recomputation, one switch for the whole model, is solved both ways (only
+    ``recompute``'s way when it is given).
     """
     best: tuple[float, list[int], MemoryChoices] | None = None
-    for recompute in (False, True) if problem.recompute_time and capacity is not None else (False,):
+    for again in recomputing(problem, recompute, capacity is not None):
         try:
-            choice, sharded = _solve(problem, capacity, recompute, time_limit)
+            choice, sharded = _solve(problem, capacity, again, time_limit)
         except InfeasibleError:
             continue
-        choices = MemoryChoices(sharded, recompute)
+        choices = MemoryChoices(sharded, again)
         found = problem.objective(choice, choices)
         if best is None or found < best[0]:
             best = (found, choice, choices)

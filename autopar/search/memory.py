@@ -167,11 +167,14 @@ def memory_items(
     choice: int,
     choices: MemoryChoices,
     recompute_share: Mapping[int, float],
+    in_flight: int = 1,
 ) -> list[tuple[str, str, float]]:
     """(tensor, role, bytes per device) an operator's candidate keeps resident.
 
     Roles: "parameter" (weights with their FP32 master copy, gradient and optimizer state, as the
-    cost model prices them), "input" (data it loads) and "activation" (outputs kept for backward).
+    cost model prices them), "input" (data it loads) and "activation" (outputs kept for backward, for
+    each of the ``in_flight`` micro-batches a pipeline stage holds; once a block's forward is
+    recomputed, ``recompute_share`` of one).
     """
     rule = flow.rules[node]
     op, graph, cost = rule.op, flow.graph, flow.cost
@@ -189,7 +192,7 @@ def memory_items(
             items.append((name, "parameter", numel * cost.parameter_bytes_per_element(info.trainable, shards)))
         else:
             items.append((name, "input", numel * flow.itemsize(info)))
-    share = recompute_share.get(node, 1.0) if choices.recompute else 1.0
+    share = recompute_share[node] if choices.recompute and node in recompute_share else float(in_flight)
     for name, layout in zip(op.outputs, out_layouts):
         if name and name in flow.kept:
             info = graph.tensor(name)

@@ -62,6 +62,10 @@ class SearchProblem(Dataflow):
     pairs_costed: int = 0
     unfolded: tuple[Unfolded, ...] = ()  # stretches of copies left unfolded, with the reason
     ties: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))  # operator -> its twin
+    node_activations: tuple[np.ndarray, ...] = ()  # the part of ``node_memory`` kept for backward
+    in_flight: int = 1  # micro-batches whose activations are held at once (a pipeline stage's, under 1F1B)
+    blocks: tuple[Repeat, ...] = ()  # every run of repeated blocks, folded or not (where stages may be cut)
+    recompute_factors: tuple[Factor, ...] = ()  # ``factors`` with recomputed forwards paid twice, where they differ
 
     def objective(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
         """Predicted step time of one assignment (candidate index per node).
@@ -79,9 +83,13 @@ class SearchProblem(Dataflow):
         )
         return choices.micro_batches * (total - once) + once
 
+    def main_factors(self, recompute: bool = False) -> tuple[Factor, ...]:
+        """The edge factors outside folded runs, with recomputed forwards paid twice if ``recompute``."""
+        return self.recompute_factors if recompute and self.recompute_factors else self.factors
+
     def _all_factors(self, recompute: bool = False) -> list[tuple[Factor, tuple[int, ...]]]:
         """Every edge factor with the operators it joins in its copy (its own scope outside folded runs)."""
-        found = [(factor, factor.scope) for factor in self.factors]
+        found = [(factor, factor.scope) for factor in self.main_factors(recompute)]
         for repeat, edges in self.recompute_folds if recompute else self.folds:
             found += [(f, f.scope) for f in edges.first]
             found += [(f, repeat.shift(f.scope, k)) for k in range(1, repeat.copies) for f in edges.later]
@@ -167,7 +175,7 @@ class SearchProblem(Dataflow):
         self, node: int, choice: int, choices: MemoryChoices = NO_MEMORY_CHOICES
     ) -> list[tuple[str, str, float]]:
         """(tensor, role, bytes per device) one operator's candidate keeps resident (`memory.memory_items`)."""
-        return memory_items(self, node, choice, choices, self.recompute_share)
+        return memory_items(self, node, choice, choices, self.recompute_share, self.in_flight)
 
     def choice_for(self, strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[int]:
         """Candidate indices for a full assignment of strategies; StrategyError on anything invalid."""

@@ -1,0 +1,603 @@
+"""Pipeline stages: cuts, stages and micro-batches around the per-stage search (1F1B).
+
+A pipelined plan cuts the operators, in their topological order, into S stages (S a power of
+two). Stage i runs on the N/S devices whose slowest log2(S) mesh bits spell i, so the sends
+between stages cross the slowest links and each stage keeps the fast bits for tensor and data
+parallelism. The global batch runs as M micro-batches under 1F1B (Narayanan et al., SC21;
+Megatron-LM), so each stage is costed on the problem of one micro-batch over N/S devices.
+
+The cost of a stage (``stage_problem``) is today's objective scaled to the schedule: its
+per-micro-batch forward and backward (compute, collectives, redistributions, and its boundary
+sends) times the M + S - 1 slots of 1F1B, plus its gradient sync and weight gathers, paid once.
+Megatron's 1F1B sends and receives between a micro-batch's forward and backward and waits for
+them, so a stage's sends sit in its slots. The step is the slowest stage's: every stage runs as
+many slots, at the pace of the slowest, so for alike stages this is Narayanan's
+(M + S - 1) x (t_f + t_b) plus the sync; a stage with little compute and much sync may hide some
+of its sync behind the slower stages' slots, which this does not credit.
+
+Memory: stage i holds its parameters' state and the activations of min(S - i, M) micro-batches
+(the first stage holds S); with recomputation, the inputs of each block of those micro-batches
+and one block's activations at a time.
+
+A tensor that crosses a cut travels point to point: each device of the reading stage receives
+exactly its shard from a device of the writing stage that holds it (one transfer of the shard's
+bytes over the link between the two stages), and its gradient comes back into the writer's
+layout the same way; a partial writer reduces first. So the stages' searches are independent
+given the cut, and the outer search is exact: for each stage count and micro-batch count, a DP
+over the cut points takes the cuts whose slowest stage is fastest (a min-max chain), every
+stage's plan coming from the exact per-stage search. Stages alike in their operators, reads and
+place are searched once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+import numpy as np
+
+from autopar.errors import InfeasibleError
+from autopar.layout import Layout
+from autopar.search.dataflow import TensorUse, kept_by
+from autopar.search.dp import Factor
+from autopar.search.driver import SearchResult, run_search
+from autopar.search.fold import RunEdges
+from autopar.search.memory import Alternative, MemoryChoices
+from autopar.search.problem import SearchProblem
+from autopar.search.repeats import Repeat
+
+SCHEDULE = "1F1B"
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """S stages and M micro-batches under 1F1B.
+
+    >>> shape = PipelineShape(stages=2, micro_batches=4)
+    >>> shape.slots, [shape.in_flight(i) for i in range(2)], round(shape.bubble_fraction, 3)
+    (5, [2, 1], 0.2)
+    """
+
+    stages: int
+    micro_batches: int
+
+    @property
+    def slots(self) -> int:
+        """Forward+backward slots every stage spends per step: M of work and S - 1 of bubble."""
+        return self.micro_batches + self.stages - 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of a step each stage waits: (S - 1) / (M + S - 1)."""
+        return (self.stages - 1) / self.slots
+
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations stage ``stage`` holds at once under 1F1B."""
+        return min(self.stages - stage, self.micro_batches)
+
+
+ONE_STAGE = PipelineShape(1, 1)
+
+
+def stage_link_bit(mesh_bits: int, a: int, b: int) -> int:
+    """The mesh bit whose link joins stage ``a``'s devices to stage ``b``'s: their highest differing
+    stage bit, above the ``mesh_bits`` each stage keeps.
+
+    >>> stage_link_bit(3, 0, 1), stage_link_bit(3, 1, 2)
+    (3, 4)
+    """
+    return mesh_bits + (a ^ b).bit_length() - 1
+
+
+def cut_points(problem: SearchProblem) -> tuple[int, ...]:
+    """Where a stage may start: between two copies of a repeated block, at a run's ends, and, outside
+    runs, wherever exactly one activation crosses (a chain's links, a residual stream between blocks)."""
+    n = problem.size
+    crossing = np.zeros(n + 1, dtype=np.int64)
+    last_read: dict[tuple[int, int], int] = {}
+    for use in problem.uses:
+        if use.src_is_output:
+            key = (use.src_node, use.src_slot)
+            last_read[key] = max(last_read.get(key, -1), use.dst_node)
+    for (src, _), dst in last_read.items():
+        if dst > src:
+            crossing[src + 1] += 1
+            crossing[dst + 1] -= 1
+    crossing = np.cumsum(crossing)  # activations crossing a cut before position p
+    inside: set[int] = set()
+    allowed: set[int] = set()
+    for repeat in problem.blocks:
+        for k in range(repeat.copies):
+            block = repeat.block(k)
+            inside.update(range(block.start + 1, block.stop))
+            allowed.update((block.start, block.stop))
+    points = [p for p in range(1, n) if p in allowed or (p not in inside and crossing[p] == 1)]
+    return tuple(points)
+
+
+@dataclass(frozen=True)
+class _Crossings:
+    """The uses a stage reads from earlier stages (``into``) and writes to later ones (``out``)."""
+
+    into: tuple[TensorUse, ...]
+    out: tuple[TensorUse, ...]
+
+
+def _crossings(problem: SearchProblem, first: int, last: int) -> _Crossings:
+    into = tuple(u for u in problem.uses if u.src_node < first <= u.dst_node < last)
+    out = tuple(u for u in problem.uses if first <= u.src_node < last <= u.dst_node)
+    return _Crossings(into, out)
+
+
+def _send_costs(
+    problem: SearchProblem, crossings: _Crossings, first: int, index: int, shape: PipelineShape
+) -> dict[int, np.ndarray]:
+    """Per operator of the stage (its own index), seconds per micro-batch its boundary transfers take:
+    receiving what it reads from earlier stages (forward), receiving the gradients of what later
+    stages read from it (backward), and reducing a partial output before it leaves."""
+    graph, cost = problem.graph, problem.cost
+    extra: dict[int, np.ndarray] = {}
+
+    def add(node: int, seconds: np.ndarray) -> None:
+        extra[node - first] = extra.get(node - first, 0.0) + seconds
+
+    if index > 0:
+        bit = stage_link_bit(problem.mesh_bits, index - 1, index)
+        for use in crossings.into:
+            info = graph.tensor(use.tensor)
+            if info.kind == "input":
+                continue  # every stage loads the data it reads
+            rule = problem.rules[use.dst_node]
+            size = problem.itemsize(info)
+            local = np.array(
+                [rule.input_layout(c, use.dst_slot).local_numel(info.shape) for c in range(len(rule.candidates))]
+            )
+            add(use.dst_node, np.asarray(cost.send_time(bit, local * float(size)), dtype=float))
+    if index < shape.stages - 1:
+        bit = stage_link_bit(problem.mesh_bits, index, index + 1)
+        for use in crossings.out:
+            info = graph.tensor(use.tensor)
+            if info.kind == "input":
+                continue
+            rule = problem.rules[use.src_node]
+            size = problem.itemsize(info)
+            seconds = np.zeros(len(rule.candidates))
+            for c in range(len(rule.candidates)):
+                layout = problem.source_layout(use, c)
+                if problem.requires_grad.get(use.tensor, False):
+                    seconds[c] += float(cost.send_time(bit, layout.local_numel(info.shape) * float(size)))
+                if layout.partial:
+                    seconds[c] += problem.redistribution(use.tensor, layout, Layout(layout.dims))[1]
+            add(use.src_node, seconds)
+    return extra
+
+
+def _kept_across(problem: SearchProblem, first: int, last: int, crossings: _Crossings) -> dict[int, np.ndarray]:
+    """Per operator of the stage (its own index), bytes per candidate its activations change by because a
+    tensor kept for a backward crosses a cut: the stage that keeps it holds it (the reading stage its
+    received copy, at the first reader that keeps it), not the producing one unless it keeps it too."""
+    graph, grad = problem.graph, problem.requires_grad
+    keeps = {node: kept_by(problem.rules[node], graph, grad) for node in range(first, last)}
+    here = frozenset().union(*keeps.values()) if keeps else frozenset()
+    moved: dict[int, np.ndarray] = {}
+    done: set[str] = set()
+    for use in crossings.out:
+        if use.src_is_output and use.tensor in problem.kept and use.tensor not in here and use.tensor not in done:
+            done.add(use.tensor)
+            rule, info = problem.rules[use.src_node], graph.tensor(use.tensor)
+            local = [rule.output_layout(c, use.src_slot).local_numel(info.shape) for c in range(len(rule.candidates))]
+            moved[use.src_node - first] = moved.get(use.src_node - first, 0.0) - np.array(
+                local, dtype=float
+            ) * problem.itemsize(info)
+    for use in sorted(crossings.into, key=lambda u: u.dst_node):
+        if use.tensor in keeps[use.dst_node] and use.tensor not in done:
+            done.add(use.tensor)
+            rule, info = problem.rules[use.dst_node], graph.tensor(use.tensor)
+            local = [rule.input_layout(c, use.dst_slot).local_numel(info.shape) for c in range(len(rule.candidates))]
+            moved[use.dst_node - first] = moved.get(use.dst_node - first, 0.0) + np.array(
+                local, dtype=float
+            ) * problem.itemsize(info)
+    return moved
+
+
+def _restricted_folds(
+    problem: SearchProblem, folds: Sequence[tuple[Repeat, RunEdges]], first: int, last: int
+) -> tuple[list[Factor], list[tuple[Repeat, RunEdges]], dict[int, int]]:
+    """The stage's part of each folded run: its copies inside the stage, still folded, but for a first
+    copy that reads a copy of an earlier stage (its edges become plain factors).
+
+    Returns (plain factors, runs, run copies per operator), every scope in the stage's own indices."""
+    plain: list[Factor] = []
+    runs: list[tuple[Repeat, RunEdges]] = []
+    copies_in: dict[int, int] = {}
+
+    def moved(factor: Factor, repeat: Repeat, k: int) -> Factor:
+        return Factor(tuple(u - first for u in repeat.shift(factor.scope, k)), factor.maps, factor.table)
+
+    for repeat, edges in folds:
+        ks = [k for k in range(repeat.copies) if first <= repeat.block(k).start and repeat.block(k).stop <= last]
+        if not ks:
+            continue
+        for k in ks:
+            for node in repeat.block(k):
+                copies_in[node - first] = len(ks)
+        ka, kb = ks[0], ks[-1] + 1
+        c0 = ka if repeat.last(ka - 1) >= first else ka + 1  # the first copy reading a copy of this stage
+        pairs = [
+            (f, g)
+            for f, g in zip(edges.first, edges.later)
+            if all(u >= repeat.start - 1 or first <= u < last for u in f.scope)  # its shared operators are here
+        ]
+        folded = kb - c0 >= 1
+        for k in range(ka, kb if not folded else c0):
+            for f, g in pairs:
+                factor = moved(f if k == 0 else g, repeat, k)
+                if all(0 <= u < last - first for u in factor.scope):
+                    plain.append(factor)
+        if folded:
+            start = repeat.start + c0 * repeat.period - first
+            shared = tuple(x - first for x in repeat.shared if first <= x < last)
+            sub = Repeat(start, repeat.period, kb - c0, shared)
+            if c0 == 0:
+                run = RunEdges(
+                    tuple(moved(f, repeat, 0) for f, _ in pairs), tuple(moved(g, repeat, 0) for _, g in pairs)
+                )
+            else:
+                later = tuple(moved(g, repeat, c0) for _, g in pairs)
+                run = RunEdges(later, later)
+            runs.append((sub, run))
+    return plain, runs, copies_in
+
+
+def stage_problem(problem: SearchProblem, first: int, last: int, shape: PipelineShape, index: int) -> SearchProblem:
+    """Stage ``index`` of ``shape``, operators ``first`` .. ``last - 1`` of a micro-batch's problem, as a
+    problem of its own whose objective is the stage's time per step and whose memory is a device's.
+
+    The whole problem of one stage and one micro-batch is the problem itself."""
+    if first == 0 and last == problem.size and shape == ONE_STAGE:
+        return problem
+    slots, held = shape.slots, shape.in_flight(index)
+    crossings = _crossings(problem, first, last)
+    sends = _send_costs(problem, crossings, first, index, shape)
+    nodes = range(first, last)
+
+    def per_step(time: np.ndarray, once: np.ndarray, node: int) -> np.ndarray:
+        return slots * (time - once + sends.get(node - first, 0.0)) + once
+
+    kept = _kept_across(problem, first, last, crossings)
+    activations = tuple(
+        problem.node_activations[i] + kept[i - first] if i - first in kept else problem.node_activations[i]
+        for i in nodes
+    )
+    own_memory = tuple(
+        problem.node_memory[i] + kept[i - first] if i - first in kept else problem.node_memory[i] for i in nodes
+    )
+    node_time = tuple(per_step(problem.node_time[i], problem.node_sync[i], i) for i in nodes)
+    node_communication = tuple(per_step(problem.node_communication[i], problem.node_sync[i], i) for i in nodes)
+    node_memory = tuple(own_memory[i - first] + (held - 1) * activations[i - first] for i in nodes)
+    sharded = {
+        i - first: Alternative(
+            per_step(alt.time, alt.sync, i),
+            per_step(alt.communication, alt.sync, i),
+            alt.memory + kept.get(i - first, 0.0) + (held - 1) * activations[i - first],
+            alt.hidden,
+            alt.sync,
+        )
+        for i, alt in problem.sharded.items()
+        if first <= i < last
+    }
+    plain, folds, copies_in = _restricted_folds(problem, problem.folds, first, last)
+    plain_again, recompute_folds, _ = _restricted_folds(problem, problem.recompute_folds, first, last)
+    main = [
+        Factor(tuple(u - first for u in f.scope), f.maps, f.table)
+        for f in problem.factors
+        if all(first <= u < last for u in f.scope)
+    ]
+    scale = float(slots)
+
+    def scaled(factors: Sequence[Factor]) -> tuple[Factor, ...]:
+        return tuple(Factor(f.scope, f.maps, f.table * scale) for f in factors)
+
+    def scaled_runs(runs: Sequence[tuple[Repeat, RunEdges]]) -> list[tuple[Repeat, RunEdges]]:
+        return [(r, e.with_tables([f.table * scale for f in e.first])) for r, e in runs]
+
+    # recomputation: one block's activations at a time, the blocks' inputs for every micro-batch held
+    recompute_time = {i - first: slots * t for i, t in problem.recompute_time.items() if first <= i < last}
+    recompute_memory: dict[int, np.ndarray] = {}
+    recompute_share: dict[int, float] = {}
+    for i, freed in problem.recompute_memory.items():
+        if not first <= i < last:
+            continue
+        if i in problem.recompute_share:
+            share = 1.0 / copies_in.get(i - first, 1)
+            recompute_memory[i - first] = (share - held) * activations[i - first]
+            recompute_share[i - first] = share
+        else:
+            recompute_memory[i - first] = np.zeros_like(freed)
+    ties = {a - first: b - first for a, b in problem.ties.items() if first <= a < last and first <= b < last}
+    for repeat, _ in problem.folds:
+        for a, b in problem.ties.items():
+            if a in repeat.block(0) and b in repeat.block(0):
+                for k in range(1, repeat.copies):
+                    a_k, b_k = a + k * repeat.period, b + k * repeat.period
+                    if first <= a_k < last and first <= b_k < last:
+                        ties[a_k - first] = b_k - first
+    uses = tuple(
+        TensorUse(u.tensor, u.src_node - first, u.src_slot, u.src_is_output, u.dst_node - first, u.dst_slot)
+        for u in problem.uses
+        if first <= u.src_node < last and first <= u.dst_node < last
+    )
+    owner = {name: (node - first, slot) for name, (node, slot) in problem.owner.items() if first <= node < last}
+    return replace(
+        problem,
+        rules=problem.rules[first:last],
+        uses=uses,
+        owner=MappingProxyType(owner),
+        fixed=frozenset(i - first for i in problem.fixed if first <= i < last),
+        node_time=node_time,
+        node_compute=tuple(slots * problem.node_compute[i] for i in nodes),
+        node_communication=node_communication,
+        node_memory=node_memory,
+        node_hidden=problem.node_hidden[first:last],
+        node_sync=problem.node_sync[first:last],
+        sharded=MappingProxyType(sharded),
+        recompute_time=MappingProxyType(recompute_time),
+        recompute_memory=MappingProxyType(recompute_memory),
+        recompute_share=MappingProxyType(recompute_share),
+        factors=scaled(main + plain),
+        recompute_factors=scaled(main + plain_again) if plain_again else (),
+        folds=scaled_runs(folds),
+        recompute_folds=scaled_runs(recompute_folds),
+        unfolded=(),
+        blocks=(),
+        ties=MappingProxyType(ties),
+        node_activations=activations,
+        in_flight=held,
+    )
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of a pipelined plan: operators ``first`` .. ``last - 1`` of the micro-batch's problem,
+    its plan (candidate per operator, in its own indices) and its time per step (``time_s``)."""
+
+    first: int
+    last: int
+    result: SearchResult
+    time_s: float
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """The stages of a pipelined plan and its step time (the slowest stage's)."""
+
+    shape: PipelineShape
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def time_s(self) -> float:
+        return max(stage.time_s for stage in self.stages)
+
+    @property
+    def choice(self) -> tuple[int, ...]:
+        """A candidate per operator of the micro-batch's problem, the stages' plans joined."""
+        return tuple(c for stage in self.stages for c in stage.result.choice)
+
+    @property
+    def choices(self) -> MemoryChoices:
+        """The stages' memory choices joined (recomputation if any stage recomputes)."""
+        sharded = frozenset(i + s.first for s in self.stages for i in s.result.choices.sharded)
+        recompute = any(s.result.choices.recompute for s in self.stages)
+        return MemoryChoices(sharded, recompute, self.shape.micro_batches)
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return tuple(stage.first for stage in self.stages)
+
+
+class _StageSearch:
+    """Each stage's exact plan, searched once per kind of stage: stages alike in their operators
+    (copies of one block count alike), in what crosses their cuts and in their place in the
+    pipeline have the same plan."""
+
+    def __init__(
+        self, problem: SearchProblem, shape: PipelineShape, mode: str, algorithm: str, recompute: bool | None
+    ) -> None:
+        self.problem, self.shape, self.mode, self.algorithm = problem, shape, mode, algorithm
+        self.recompute = recompute
+        classes = list(range(problem.size))
+        for repeat, _ in problem.folds:
+            for k in range(1, repeat.copies):
+                for node in repeat.block(k):
+                    classes[node] = node - k * repeat.period
+        self.classes = classes
+        self.found: dict[tuple, tuple[float, SearchResult | None]] = {}
+        self.searches = 0
+
+    def _key(self, first: int, last: int, index: int, crossings: _Crossings) -> tuple:
+        graph = self.problem.graph
+
+        def what(use: TensorUse) -> tuple:
+            info = graph.tensor(use.tensor)
+            return (info.kind, info.shape, info.dtype, self.problem.requires_grad.get(use.tensor, False))
+
+        into = tuple(sorted((u.dst_node - first, u.dst_slot, *what(u)) for u in crossings.into))
+        out = tuple(sorted((u.src_node - first, u.src_slot, u.src_is_output, *what(u)) for u in crossings.out))
+        place = (
+            self.shape.in_flight(index),
+            index > 0 and stage_link_bit(0, index - 1, index),
+            index < self.shape.stages - 1 and stage_link_bit(0, index, index + 1),
+        )
+        return (tuple(self.classes[first:last]), into, out, place)
+
+    def time(self, first: int, last: int, index: int, beat: float = math.inf) -> tuple[float, SearchResult | None]:
+        """The stage's time per step and plan (infinite and None when nothing fits). A stage whose lower
+        bound (each operator's least cost, edges free) is no faster than ``beat`` is not searched: its
+        bound comes back, with no plan."""
+        crossings = _crossings(self.problem, first, last)
+        key = self._key(first, last, index, crossings)
+        hit = self.found.get(key)
+        if hit is not None and (hit[1] is not None or math.isinf(hit[0]) or hit[0] >= beat):
+            return hit
+        stage = stage_problem(self.problem, first, last, self.shape, index)
+        floor = sum(_least(stage, node) for node in range(stage.size))
+        if floor >= beat:
+            self.found[key] = (floor, None)
+            return floor, None
+        self.searches += 1
+        try:
+            result = run_search(stage, self.mode, self.algorithm, self.recompute)
+        except InfeasibleError:
+            hit = (math.inf, None)
+        else:
+            hit = (stage.objective(result.choice, result.choices), result)
+        self.found[key] = hit
+        return hit
+
+
+def search_stages(
+    problem: SearchProblem,
+    shape: PipelineShape,
+    mode: str = "auto_parallel",
+    algorithm: str = "dp",
+    starts: Sequence[int] | None = None,
+    bound: float = math.inf,
+    recompute: bool | None = None,
+) -> PipelineResult | None:
+    """The fastest pipelined plan of one micro-batch's problem (``problem``, on one stage's devices)
+    with ``shape``'s stages and micro-batches: the cuts (or the given ``starts``, each stage's first
+    operator) and every stage's plan. None when no cut gives a plan that fits and is faster than
+    ``bound`` seconds. ``recompute``: as `run_search` takes it, for every stage.
+
+    Exact: the cuts are a DP over the cut points minimising the slowest stage (min-max over a chain),
+    each stage's time the exact per-stage search's. A stage is searched only when its lower bound (the
+    sum of its operators' least time per micro-batch, times the slots) and the bounds of the stages
+    before and after it leave it a chance to beat the best plan found so far."""
+    search = _StageSearch(problem, shape, mode, algorithm, recompute)
+    n, count = problem.size, shape.stages
+    if starts is not None:
+        return _assemble(search, [*starts, n], bound)
+    points = [0, *cut_points(problem), n]
+    last = len(points) - 1
+    if last < count:
+        return None
+    least = np.concatenate([[0.0], np.cumsum([_least(problem, i, shape.slots) for i in range(n)])])
+
+    def floor(a: int, b: int) -> float:  # no stage over points a..b is faster
+        return float(least[points[b]] - least[points[a]])
+
+    # first the cuts that balance the stages' lower bounds: their plan bounds the exact search
+    probe = _assemble(search, [points[b] for b in _min_max_cuts(floor, count, last)], bound)
+    if probe is not None:
+        bound = probe.time_s
+    exact = _min_max_search(search, points, count, floor, bound)
+    return exact if exact is not None else probe
+
+
+def _min_max_cuts(cost: Callable[[int, int], float], count: int, last: int) -> list[int]:
+    """The cut points (indices, 0 and ``last`` included) that minimise the largest ``cost`` of a stage
+    over ``count`` stages: a min-max DP over a chain (Alpa and PipeDream partition so)."""
+    best = [[math.inf] * (last + 1) for _ in range(count)]
+    came = [[0] * (last + 1) for _ in range(count)]
+    for b in range(1, last + 1):
+        best[0][b] = cost(0, b)
+    for index in range(1, count):
+        for b in range(index + 1, last + 1):
+            for a in range(index, b):
+                value = max(best[index - 1][a], cost(a, b))
+                if value < best[index][b]:
+                    best[index][b], came[index][b] = value, a
+    cuts = [last]
+    for index in range(count - 1, 0, -1):
+        cuts.append(came[index][cuts[-1]])
+    return [0, *reversed(cuts)]
+
+
+def _min_max_search(
+    search: _StageSearch, points: Sequence[int], count: int, floor: Callable[[int, int], float], bound: float
+) -> PipelineResult | None:
+    """The exact min-max DP over the cut points, each stage searched only where its lower bound and
+    those of the stages around it leave it a chance to beat ``bound`` (None: nothing does)."""
+    last = len(points) - 1
+    # best[i][b]: the slowest of stages 0..i when stage i ends at points[b]; came[i][b]: where it starts
+    best = [[math.inf] * (last + 1) for _ in range(count)]
+    came = [[-1] * (last + 1) for _ in range(count)]
+    for index in range(count):
+        ends = range(index + 1, last - count + index + 2) if index < count - 1 else range(last, last + 1)
+        for b in ends:
+            rest = floor(b, last) / (count - 1 - index) if index < count - 1 else 0.0
+            for a in range(index, b) if index else range(0, 1):
+                before = best[index - 1][a] if index else 0.0
+                beat = min(bound, best[index][b])
+                if max(before, floor(a, b), rest) >= beat:
+                    continue  # cannot beat the best found
+                value = max(before, search.time(points[a], points[b], index, beat)[0])
+                if value < best[index][b]:
+                    best[index][b], came[index][b] = value, a
+    if not best[count - 1][last] < bound:
+        return None
+    cuts = [last]
+    for index in range(count - 1, 0, -1):
+        cuts.append(came[index][cuts[-1]])
+    return _assemble(search, [points[b] for b in [0, *reversed(cuts)]], bound)
+
+
+def _least(problem: SearchProblem, node: int, slots: int = 1) -> float:
+    """An operator's least time per step over its candidates (with or without a parallel optimizer),
+    its time per micro-batch paid ``slots`` times and its time per step once."""
+    arrays = [(problem.node_time[node], problem.node_sync[node])]
+    if node in problem.sharded:
+        alternative = problem.sharded[node]
+        arrays.append((alternative.time, alternative.sync))
+    return max(0.0, min(float(np.min(slots * (time - once) + once)) for time, once in arrays))
+
+
+def _assemble(search: _StageSearch, bounds: Sequence[int], bound: float) -> PipelineResult | None:
+    """The plan of given cuts (None: a stage does not fit)."""
+    stages = []
+    for index in range(search.shape.stages):
+        seconds, result = search.time(bounds[index], bounds[index + 1], index)
+        if result is None or seconds >= bound:
+            return None
+        stages.append(StagePlan(bounds[index], bounds[index + 1], result, seconds))
+    return PipelineResult(search.shape, tuple(stages))
+
+
+def compute_floor(problem: SearchProblem) -> float:
+    """Seconds of forward and backward compute one device needs at least, were the whole problem's
+    work spread over it alone at each operator's best rate (its FLOPs at the fastest rate its class
+    reaches, or its bytes at the memory bandwidth, whichever is slower).
+
+    Work is at most linear in the batch and a stage splits it over at most its devices, so
+    ``shape_floor`` of this bounds every plan of a pipeline shape from below."""
+    cost = problem.cost
+    total = 0.0
+    for node, rule in enumerate(problem.rules):
+        spec = rule.spec
+        if spec.op_class == "free":
+            continue
+        if spec.matmul_labels is not None:
+            rate = cost.fastest_matmul_rate
+        else:
+            rate = cost.cube_flops if spec.op_class == "cube" else cost.vector_flops
+        traffic = sum(
+            problem.graph.tensor(name).numel * problem.itemsize(problem.graph.tensor(name))
+            for name in (*rule.op.inputs, *rule.op.outputs)
+            if name
+        )
+        forward = max(rule.op.flops / rate, traffic / cost.memory_bandwidth)
+        total += forward * (1.0 + cost.backward_factor * problem.backward_passes(node))
+    return total
+
+
+def shape_floor(floor: float, num_devices: int, shape: PipelineShape) -> float:
+    """A lower bound on any plan's step with ``shape`` on ``num_devices`` devices, from `compute_floor`
+    of the whole batch: the slowest stage is no faster than the average, (M + S - 1) slots of
+    1/S of the work of one micro-batch spread over N/S devices.
+
+    >>> shape_floor(8.0, 8, PipelineShape(2, 4)) == 8.0 / 8 * 5 / 4
+    True
+    """
+    return floor * shape.slots / (shape.micro_batches * num_devices)

@@ -1,0 +1,211 @@
+"""Pipeline stages: the 1F1B cost worked by hand, and the joint search against brute force and the ILP.
+
+The chain X -> mm1 -> relu -> mm2 -> Z (X 8x8, W1 8x16, W2 16x4) on 2 devices of the simple
+profile (1 TFLOP/s, 1 GB/s and 1 us on mesh bit 0), cut before mm2 into 2 stages of one device
+each, the batch run as 4 micro-batches of 2 rows:
+
+- slots: M + S - 1 = 5; stage 0 holds min(S - 0, M) = 2 micro-batches' activations, stage 1 one.
+- stage 0 per micro-batch: mm1 2x2x8x16 = 512 FLOPs, backward only dW1 (X is data): 2 x 512;
+  relu 2x16 = 32 elements at 1 FLOP each, forward and backward: 2 x 32 (a vector op at the peak);
+  receiving R's gradient (2x16 FP16 = 64 B) over bit 0: 1 us + 64 ns.
+- stage 1 per micro-batch: mm2 2x2x16x4 = 256 FLOPs, backward dR and dW2: 3 x 256; receiving R:
+  1 us + 64 ns.
+- the step: 5 x the slower stage (stage 0), no gradient sync (one device a stage); the bubble 1 of 5
+  slots.
+- memory: stage 0 keeps W1 (128 elements x 12 B under SGD in mixed precision), X (2x8 FP16, loaded)
+  and R (64 B, relu's backward needs it) for 2 micro-batches; stage 1 keeps W2 (64 x 12 B) and its
+  received R (mm2's backward needs it for dW2) for 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import autopar
+from autopar.cost import CostModel
+from autopar.graph import load_model
+from autopar.search import repeats
+from autopar.search.costing import build_problem
+from autopar.search.driver import run_search
+from autopar.search.pipeline import (
+    ONE_STAGE,
+    PipelineShape,
+    compute_floor,
+    cut_points,
+    search_stages,
+    shape_floor,
+    stage_problem,
+)
+from tests.conftest import RESNET50, make_model, profile, run_cli, simple_profile_dict, weight
+from tests.test_fold import residual_stack
+
+SLOTS = 4 + 2 - 1
+MM1 = 2 * 2 * 8 * 16 / 1e12
+RELU = 2 * 16 / 1e12
+MM2 = 2 * 2 * 16 * 4 / 1e12
+SEND = 1e-6 + 64 / 1e9  # R or its gradient, 2x16 FP16, over bit 0
+STAGE0 = SLOTS * (2 * MM1 + 2 * RELU + SEND)
+STAGE1 = SLOTS * (3 * MM2 + SEND)
+MEMORY0 = 128 * 12 + 2 * 8 * 2 + 2 * 64
+MEMORY1 = 64 * 12 + 64
+
+
+def chain():
+    nodes = [
+        helper.make_node("MatMul", ["X", "W1"], ["Y"], name="mm1"),
+        helper.make_node("Relu", ["Y"], ["R"], name="relu"),
+        helper.make_node("MatMul", ["R", "W2"], ["Z"], name="mm2"),
+    ]
+    inits = [weight("W1", [8, 16], 1), weight("W2", [16, 4], 2)]
+    return make_model(nodes, [("X", TensorProto.FLOAT, [8, 8])], ["Z"], inits)
+
+
+def simple():
+    from autopar.cost import HardwareProfile
+
+    return HardwareProfile.model_validate(simple_profile_dict())
+
+
+def test_two_stages_of_four_micro_batches_by_hand():
+    plan = autopar.plan(
+        chain(), devices=2, cost_model=simple(), pipeline_stages=2, micro_batches=4, stage_starts=["mm2"]
+    )
+    assert STAGE0 > STAGE1
+    assert plan.objective == pytest.approx(STAGE0, rel=1e-12)
+    assert plan.memory_per_device == pytest.approx(MEMORY0, rel=1e-12)
+    data = plan.to_dict()
+    pipe = data["pipeline"]
+    assert (pipe["schedule"], pipe["micro_batches"], pipe["bits"]) == ("1F1B", 4, [0])
+    assert pipe["bubble_fraction"] == pytest.approx(1 / SLOTS)
+    stages = pipe["stages"]
+    assert [(s["first_op"], s["last_op"], s["first_device"], s["devices"]) for s in stages] == [
+        ("mm1", "relu", 0, 1),
+        ("mm2", "mm2", 1, 1),
+    ]
+    assert [s["micro_batches_in_flight"] for s in stages] == [2, 1]
+    assert [s["memory_per_device_bytes"] for s in stages] == [MEMORY0, MEMORY1]
+    assert stages[1]["step_time_s"] == pytest.approx(STAGE1, rel=1e-9)
+    assert pipe["sends"] == [
+        {
+            "tensor": "R",
+            "from_op": "relu",
+            "to_op": "mm2",
+            "from_stage": 0,
+            "to_stage": 1,
+            "bytes": 64,
+            "gradient_bytes": 64,
+            "link": "fast",
+        }
+    ]
+    assert data["redistributions"] == [] and data["gradients"] == []  # the send is not a collective
+    totals = data["totals"]
+    assert totals["pipeline_bubble_s"] == pytest.approx(STAGE0 / SLOTS, rel=1e-9)
+    assert totals["compute_s"] == pytest.approx(4 * (2 * MM1 + 2 * RELU), rel=1e-9)
+    assert plan.degrees.pipeline == 2 and "pipeline 2" in str(plan.degrees)
+    assert data["memory_plan"]["micro_batches"] == 4
+    assert data["context"]["inputs"] == {"X": [2, 8]}  # one micro-batch's shapes
+
+
+def fold_short(monkeypatch):
+    monkeypatch.setattr(repeats, "MIN_FOLDED_COPIES", 2)
+
+
+def every_cut(problem, shape):
+    """The best plan over every choice of cuts, each stage searched on its own (brute force over cuts)."""
+    best = None
+    for cuts in itertools.combinations(cut_points(problem), shape.stages - 1):
+        result = search_stages(problem, shape, starts=(0, *cuts))
+        if result is not None and (best is None or result.time_s < best.time_s):
+            best = result
+    return best
+
+
+@pytest.mark.parametrize(("blocks", "devices"), [(2, 4), (4, 8), (6, 16), (8, 4)])
+def test_the_joint_search_equals_brute_force_over_cuts_stages_and_micro_batches(monkeypatch, blocks, devices):
+    fold_short(monkeypatch)
+    cost = CostModel(profile(peak=1e9))
+    batch = 16
+    results = {}
+    floor = compute_floor(build_problem(load_model(residual_stack(blocks, batch=batch)), cost, devices))
+    for stages in (1, 2, 4):
+        if stages > devices:
+            continue
+        for micro in (1, 2, 4, 8):
+            graph = load_model(residual_stack(blocks, batch=batch // micro))
+            problem = build_problem(graph, cost, devices // stages)
+            shape = PipelineShape(stages, micro)
+            found = search_stages(problem, shape)
+            brute = every_cut(problem, shape)
+            assert (found is None) == (brute is None)
+            if found is not None:
+                assert found.time_s == pytest.approx(brute.time_s, rel=1e-12)
+                results[(stages, micro)] = found.time_s
+                assert found.time_s >= shape_floor(floor, devices, shape) * (1 - 1e-12)  # never below its bound
+    # the planner takes the best shape of all
+    plan = autopar.plan(residual_stack(blocks, batch=batch), devices=devices, cost_model=profile(peak=1e9))
+    assert plan.objective == pytest.approx(min(results.values()), rel=1e-12)
+
+
+@pytest.mark.parametrize("cuts", [(0, 10), (0, 5, 15, 20)])
+def test_each_stage_of_a_fixed_cut_equals_the_ilp(monkeypatch, cuts):
+    pytest.importorskip("highspy")
+    fold_short(monkeypatch)
+    problem = build_problem(load_model(residual_stack(5, batch=4)), CostModel(profile(peak=1e9)), 4)
+    shape = PipelineShape(len(cuts), 4)
+    bounds = [*cuts, problem.size]
+    for index in range(len(cuts)):
+        stage = stage_problem(problem, bounds[index], bounds[index + 1], shape, index)
+        dp, ilp = run_search(stage), run_search(stage, algorithm="ilp")
+        assert stage.objective(dp.choice, dp.choices) == pytest.approx(
+            stage.objective(ilp.choice, ilp.choices), rel=1e-7
+        )
+
+
+def test_folded_and_unfolded_stages_cost_every_assignment_alike(monkeypatch):
+    fold_short(monkeypatch)
+    graph = load_model(residual_stack(6, batch=8))
+    cost = CostModel(profile(peak=1e9))
+    folded, unfolded = build_problem(graph, cost, 4), build_problem(graph, cost, 4, fold=False)
+    assert folded.folds and not unfolded.folds
+    rng = np.random.default_rng(0)
+    shape = PipelineShape(4, 2)
+    for bounds in [(0, 10, 15, 25, folded.size), (0, 5, 20, 30, folded.size)]:
+        for index in range(4):
+            a, b = bounds[index], bounds[index + 1]
+            one, two = stage_problem(folded, a, b, shape, index), stage_problem(unfolded, a, b, shape, index)
+            for _ in range(20):
+                choice = [int(rng.integers(len(one.candidates(i)))) for i in range(one.size)]
+                assert one.objective(choice) == pytest.approx(two.objective(choice), rel=1e-12)
+                assert one.memory(choice) == pytest.approx(two.memory(choice), rel=1e-12)
+
+
+def test_one_stage_of_one_micro_batch_is_the_problem_itself():
+    problem = build_problem(load_model(chain()), CostModel(simple()), 2)
+    assert stage_problem(problem, 0, problem.size, ONE_STAGE, 0) is problem
+
+
+def test_resnet50_keeps_one_stage_and_its_plan(resnet_plan):
+    assert resnet_plan.pipeline is None and resnet_plan.degrees.pipeline == 1
+    whole = autopar.plan(RESNET50, devices=8, pipeline_stages=1, micro_batches=1)
+    assert whole.strategies == resnet_plan.strategies and whole.objective == resnet_plan.objective
+
+
+def test_the_cli_takes_stages_micro_batches_and_cuts(tmp_path, capsys):
+    path = tmp_path / "chain.onnx"
+    path.write_bytes(chain().SerializeToString())
+    argv = ["plan", str(path), "--devices", "2", "--format", "json", "--quiet"]
+    code, out, err = run_cli(capsys, *argv, "--pipeline-stages", "2", "--micro-batches", "4", "--stage-starts", "mm2")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["schema"] == "autopar.plan/2" and len(data["pipeline"]["stages"]) == 2
+    code, _, err = run_cli(capsys, *argv, "--pipeline-stages", "3")
+    assert code == 2 and "power of two" in err
+    code, _, err = run_cli(capsys, *argv, "--stage-starts", "nosuch")
+    assert code == 1 and "'nosuch'" in err and err.count("\n") == 1
+    code, _, err = run_cli(capsys, *argv, "--pipeline-stages", "4", "--stage-starts", "mm2")
+    assert code == 1 and "stage" in err
