@@ -322,7 +322,7 @@ def test_a_sweep_is_a_value_that_shows_itself(tmp_path):
     assert isinstance(points, autopar.Sweep) and len(points) == 2 and points[1]["devices"] == 8
     assert [p["devices"] for p in points] == [1, 8] and points.to_list() == list(points)
     assert json.loads(json.dumps(points.to_list()))[0]["devices"] == 1
-    assert str(points).splitlines()[0].split()[:2] == ["devices", "step"]
+    assert str(points).splitlines()[0].split()[:3] == ["devices", "batch", "step"]
     assert points._repr_html_().startswith("<iframe srcdoc=")
     assert points.report(tmp_path / "sweep.html").read_text(encoding="utf-8").startswith("<!doctype html>")
 

@@ -13,7 +13,10 @@ import pytest
 
 import autopar
 from autopar.export.jax import module_text, partition_spec, unreduced_axes
+from autopar.export.logical import tensor_groups
 from autopar.layout import Layout
+from autopar.lowering.axes import LogicalAxis
+from models.transformer import build_transformer
 from tests.conftest import reordered
 
 HAS_JAX = importlib.util.find_spec("jax") is not None
@@ -27,12 +30,19 @@ def run_module(path: Path, devices: int) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_partition_specs_name_the_bits_major_first():
-    assert partition_spec(Layout(((2, 1, 0), (), ()))) == "P(('b2', 'b1', 'b0'), None, None)"
-    assert partition_spec(Layout(((1,), (0, 2)))) == "P('b1', ('b0', 'b2'))"
-    assert partition_spec(Layout(())) == "P()"
-    partial = Layout(((1,),), partial=(0, 2), partial_op="max")
-    assert partition_spec(partial) == "P('b1')" and unreduced_axes(partial) == ("b2", "b0")
+def test_partition_specs_name_the_logical_axes_major_first():
+    axes = (LogicalAxis("data", (3, 2)), LogicalAxis("tensor", (1, 0)))
+
+    def spec(layout: Layout) -> str:
+        return partition_spec(layout, tensor_groups(layout, axes))
+
+    assert spec(Layout(((3, 2), (1, 0), ()))) == "P('data', 'tensor', None)"
+    assert spec(Layout(((1, 0, 3, 2),))) == "P(('tensor', 'data'))"  # the tensor axis major
+    assert spec(Layout(((3, 2, 1),))) == "P(('data', 'tensor_b1'))"  # part of an axis: a cut mesh
+    assert spec(Layout(())) == "P()"
+    partial = Layout(((1, 0),), partial=(3, 2), partial_op="max")
+    groups = tensor_groups(partial, axes)
+    assert partition_spec(partial, groups) == "P('tensor')" and unreduced_axes(partial, groups) == ("data",)
 
 
 @pytest.mark.parametrize("fixture", ["resnet_plan", "gpt_plan"])
@@ -42,7 +52,7 @@ def test_module_compiles_and_names_every_parameter(fixture, request, tmp_path):
     text = path.read_text(encoding="utf-8")
     compile(text, str(path), "exec")
     assert "xla_force_host_platform_device_count=8 python sharded.py" in text
-    assert "AXIS_NAMES = ('b2', 'b1', 'b0')" in text and "SHAPES_KNOWN = True" in text
+    assert "AXIS_NAMES = ('data',)" in text and "MESH_SHAPE = (8,)" in text and "SHAPES_KNOWN = True" in text
     for sync in plan.file.gradient_sync:
         assert f"    {sync.parameter!r}: Spec(" in text
     for op in plan.file.ops:
@@ -51,9 +61,9 @@ def test_module_compiles_and_names_every_parameter(fixture, request, tmp_path):
 
 def test_partial_values_are_listed_as_unreduced(resnet_plan):
     text = module_text(resnet_plan.file, resnet_plan.problem.graph.model)
-    assert "'loss': Spec((), P(), dims=(), unreduced=('b2', 'b1', 'b0'), reduce_op='sum')" in text
-    assert "    ('loss.mean', 'loss'): ('sum', ('b2', 'b1', 'b0'))," in text
-    assert "'images': Spec((256, 3, 224, 224), P(('b2', 'b1', 'b0'), None, None, None)" in text
+    assert "'loss': Spec((), P(), dims=(), unreduced=('data',), reduce_op='sum')" in text
+    assert "    ('loss.mean', 'loss'): ('sum', ('data',))," in text
+    assert "'images': Spec((256, 3, 224, 224), P('data', None, None, None)" in text
 
 
 @needs_jax
@@ -68,10 +78,13 @@ def test_module_places_every_parameter(fixture, request, tmp_path):
 
 @needs_jax
 def test_module_bits_in_another_order(gpt_plan, tmp_path):
-    """A dimension split by (0, 2) is ('b0', 'b2'); the check catches the wrong order, and too few devices."""
+    """A dimension split by (0, 2) cuts the data axis; the check catches the wrong order, and too few devices."""
     text = module_text(reordered(gpt_plan), gpt_plan.problem.graph.model)
-    good = "'embed.pos.weight': Spec((64, 128), P(('b0', 'b2'), 'b1'), dims=((0, 2), (1,)))"
-    assert good in text and "('layer0.ln1', 'layer0.ln1'): ('max', ('b2',))" in text
+    good = (
+        "'embed.pos.weight': Spec((64, 128), P(('data_b0', 'data_b2'), 'data_b1'), dims=((0, 2), (1,)),"
+        " mesh=('data_b2', 'data_b1', 'data_b0'))"
+    )
+    assert good in text and "('layer0.ln1', 'layer0.ln1'): ('max', ('data_b2',))" in text
     path = tmp_path / "reordered.py"
     path.write_text(text, encoding="utf-8")
     result = run_module(path, 8)
@@ -81,3 +94,15 @@ def test_module_bits_in_another_order(gpt_plan, tmp_path):
     path.write_text(text.replace(good, good.replace("dims=((0, 2)", "dims=((2, 0)")), encoding="utf-8")
     result = run_module(path, 8)
     assert result.returncode != 0 and "embed.pos.weight: device" in result.stderr
+
+
+@needs_jax
+def test_module_on_a_data_by_tensor_mesh(tmp_path):
+    model = build_transformer(kind="gpt", layers=1, hidden=1024, heads=16, seq=256, vocab=4096, batch=4)
+    plan = autopar.plan(model, devices=8)
+    [path] = autopar.export_plan(plan, "jax", tmp_path / "dp_tp.py")
+    text = path.read_text(encoding="utf-8")
+    assert "AXIS_NAMES = ('data', 'tensor')" in text and "MESH_SHAPE = (4, 2)" in text
+    result = run_module(path, 8)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "on mesh {'data': 4, 'tensor': 2} match the plan" in result.stdout

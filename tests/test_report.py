@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -12,7 +13,17 @@ import pytest
 
 import autopar
 from autopar.report.figures import as_plan_file, is_image_model
-from autopar.report.html import SECTIONS, axis_splits, fold_groups, report_html, timeline_phases, warnings_of
+from autopar.report.html import (
+    CSS,
+    SECTIONS,
+    axis_splits,
+    fold_groups,
+    plan_html,
+    plan_report,
+    report_html,
+    timeline_phases,
+    warnings_of,
+)
 from models.transformer import build_preset
 from tests.conftest import export_gpt, run_cli
 
@@ -126,6 +137,7 @@ def test_every_section_is_there(case):
         "Strategy map",
         "Device mesh",
         "One step",
+        "Costliest operators",
         "Memory per device",
         "Why not data parallel",
         "Collectives",
@@ -214,9 +226,66 @@ def test_why_lists_the_operators_off_data_parallel(gpt):
     differ = [op["name"] for op in data["ops"] if op["strategy"] != reference[op["name"]]]
     assert differ, "GPT-2's plan leaves data parallel somewhere"
     for name in differ:
-        assert f"data-op='{name}'" in section
-    assert "where data parallel splits batch x8" in section
+        assert f"<code>{name}</code>" in section
+    assert "data parallel: batch x8" in section
     assert "faster here" in section or "slower here" in section
+    groups = re.findall(r"<tr data-group='([^']*)' data-count='(\d+)'>", section)
+    assert sum(int(count) for _, count in groups) == len(re.findall(r"<li><code>", section))
+    assert len(groups) == len(set(groups)) <= len(differ)  # one row per block and decision
+
+
+def test_why_groups_gpt2_by_repeated_block_and_decision():
+    """GPT-2 at 64 devices, batch 8: 451 operators off data parallel read as a dozen groups, the layers'
+    groups folded on the block's first operator, layer0.ln1 (the plan's repeated block)."""
+    model = build_preset("gpt2", batch=8)
+    plan = autopar.plan(model, devices=64)
+    page = plan_report(plan, autopar.api.comparison(plan))
+    section = page.split("<section id='why'>")[1].split("</section>")[0]
+    rows = re.findall(r"<tr data-group='([^']*)'", section)
+    assert 1 < len(rows) <= 20
+    blocks = {row.split("|")[0] for row in rows}
+    assert blocks <= {"", "layer0.ln1"} and "layer0.ln1" in blocks
+    assert "451 of 451 operators leave data parallel" in section
+    assert "each of 12 copies of the block from layer0.ln1" in section
+
+
+def test_the_mesh_reads_as_levels_at_8_and_1024_devices():
+    for devices in (8, 1024):
+        page = report_html(autopar.plan(RESNET50, devices=devices).to_dict())
+        mesh = page.split("<section id='mesh'>")[1].split("</section>")[0]
+        svg = re.search(r"<svg width='(\d+)'.*?</svg>", mesh, re.S)
+        assert svg and int(svg.group(1)) <= 1400  # fits a 1400-px window at any count
+        assert mesh.count("<rect") < 60  # levels and groups, not one box per device
+        assert "groups of 8" in mesh and f"groups of {devices:,}" in mesh
+        assert "bit 2: data" in mesh
+    assert "replicated 4 x data 256" in mesh and "&#8230;" in mesh and "128 units of 8" in mesh
+
+
+def test_the_costliest_operators_are_a_chart(resnet):
+    _, data = resnet
+    section = report_html(data).split("<section id='costliest'>")[1].split("</section>")[0]
+    assert "<svg" in section and section.count("<rect") >= 12 and "compute" in section
+
+
+def test_styles_are_scoped_and_outrank_a_notebooks():
+    """Every rule sits under two classes (a notebook's ``.jp-RenderedHTMLCommon td`` has one), and cells,
+    paragraphs and list items are reset to the left."""
+    rules = [rule for rule in CSS.split("\n") if rule]
+    for rule in rules:
+        for selector in rule.split("{")[0].split(","):
+            assert selector.startswith(".autopar-report.autopar-scoped"), selector
+    assert any("td,.autopar-report.autopar-scoped th" in r and "text-align:left" in r for r in rules)
+    assert "tbody tr:nth-child(n)" in CSS  # a notebook's striped rows undone
+    assert "<div class='autopar-report autopar-scoped'>" in plan_html(autopar.plan(RESNET50, devices=8))
+
+
+def test_speed_ups_are_plain_ratios_and_x_is_a_split_factor(resnet):
+    _, data = resnet
+    page = report_html(data)
+    cards = page.split("<section id='summary'>")[1].split("</section>")[0]
+    assert not re.search(r"x\d+\.\d", cards)  # a speed-up is written 1.005, never x1.005
+    strategy_map = page.split("<section id='strategy-map'>")[1].split("</section>")[0]
+    assert not re.search(r"<td class='num'>x\d", strategy_map)  # copies and repeats are counts
 
 
 def test_collectives_read_as_sentences(resnet):

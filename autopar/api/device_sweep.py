@@ -11,8 +11,11 @@ from typing import Any, overload
 
 from autopar import progress
 from autopar.api.planning import ModelLike, common_batch, model_graph, plan_with
-from autopar.errors import InfeasibleError, TooLargeError
+from autopar.errors import AutoparError, InfeasibleError, TooLargeError
+from autopar.graph import Graph
+from autopar.limits import MAX_DIMENSION
 from autopar.lowering.advice import plan_warnings
+from autopar.lowering.decisions import degrees
 from autopar.options import DEFAULT_COST_MODEL, CostModelLike, Optimizer, PlanOptions, Precision, check_devices
 from autopar.report.sweep import sweep_html, sweep_table
 
@@ -28,6 +31,7 @@ class Sweep(Sequence[dict[str, Any]]):
 
     model: str
     points: tuple[dict[str, Any], ...]
+    per_device_batch: int | None = None  # weak scaling: the global batch grew with the devices
 
     @overload
     def __getitem__(self, index: int) -> dict[str, Any]: ...
@@ -53,7 +57,7 @@ class Sweep(Sequence[dict[str, Any]]):
 
     def html(self) -> str:
         """The sweep as one self-contained HTML page (as ``autopar sweep -o`` writes)."""
-        return sweep_html(self.model, self.points)
+        return sweep_html(self.model, self.points, self.per_device_batch)
 
     def report(self, path: str | Path) -> Path:
         """Write the page (`html`) to ``path``."""
@@ -79,17 +83,43 @@ def sweep(
     overlap: bool = True,
     optimizer: Optimizer | str | None = None,
     memory_reserve: float | str | None = None,
+    per_device_batch: int | None = None,
 ) -> Sweep:
     """Plan ``model`` at each device count: step time, throughput, scaling efficiency, MFU, memory (a `Sweep`).
 
+    By default the model's batch (or ``batch``) is the global batch at every count (strong scaling).
+    ``per_device_batch`` B holds each device's share fixed instead (weak scaling, what users sweep): at N
+    devices the global batch is B x N. Each point says its ``global_batch``; ``replicated`` is how many
+    devices repeat each one's work (1: every device does distinct work; `autopar.lowering.decisions.Degrees`).
     ``warnings`` lists the plan's own (`autopar.lowering.advice`: devices that repeat one another's
     work, the memory plan, ...). A count whose plan is no faster than a smaller count's is flagged
     (``warning``); one where nothing fits, or that is too large to search, has ``error`` instead of figures.
     ``optimizer`` and ``memory_reserve`` are `autopar.plan`'s.
+
+    >>> sweep("model.onnx", [1, 8], batch=8, per_device_batch=4)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    autopar.errors.AutoparError: Give either batch (the global batch at every count) or per_device_batch ...
     """
     counts = sorted(set(devices))
     for count in counts:
         check_devices(count)
+    if per_device_batch is not None:
+        if batch is not None:
+            raise AutoparError(
+                "Give either batch (the global batch at every count) or per_device_batch (the batch of each"
+                " device), not both."
+            )
+        if isinstance(model, Graph):
+            raise AutoparError(
+                "per_device_batch rebinds the batch at each device count: give the model as a file or an ONNX"
+                " model, not an imported Graph."
+            )
+        if not 1 <= per_device_batch <= MAX_DIMENSION // max(counts):
+            raise AutoparError(
+                f"per_device_batch must be from 1 to {MAX_DIMENSION // max(counts):,} at {max(counts):,} devices,"
+                f" got {per_device_batch}."
+            )
     options = PlanOptions.resolve(
         cost_model=cost_model,
         batch=batch,
@@ -99,24 +129,33 @@ def sweep(
         optimizer=optimizer,
         memory_reserve=memory_reserve,
     )
-    graph = model_graph(model, batch, dims)
-    step_batch = common_batch(graph)
+    graph = model_graph(model, batch if per_device_batch is None else per_device_batch, dims)
+    if per_device_batch is not None and common_batch(graph) is None:
+        raise AutoparError(
+            f"per_device_batch needs a batch: the data inputs of {graph.name!r} do not share a leading size."
+        )
     points: list[dict[str, Any]] = []
     base: tuple[int, float] | None = None  # (devices, samples per second per device) of the first that fits
     for count in counts:
         progress.report("sweep", counts.index(count), len(counts))
+        at_count = options.replace(num_devices=count)
+        if per_device_batch is not None:
+            at_count = at_count.replace(batch=per_device_batch * count)
         try:
-            found = plan_with(model, options.replace(num_devices=count))
+            found = plan_with(model, at_count)
         except (InfeasibleError, TooLargeError) as exc:
             points.append({"devices": count, "error": str(exc)})
             continue
         totals = found.to_dict()["totals"]
         step = totals["step_time_s"]
+        step_batch = per_device_batch * count if per_device_batch is not None else common_batch(graph)
         samples = (step_batch or 1) / step if step > 0 else math.inf
         if base is None:
             base = (count, samples / count)
         point: dict[str, Any] = {
             "devices": count,
+            "global_batch": step_batch,
+            "replicated": degrees(found.file).replicated,
             "step_time_s": step,
             "samples_per_s": samples,
             "scaling_efficiency": samples / count / base[1],
@@ -125,13 +164,22 @@ def sweep(
             "memory_plan": found.to_dict()["memory_plan"],
             "warnings": plan_warnings(found.file),
         }
-        faster = [p for p in points if "step_time_s" in p and p["step_time_s"] <= step * (1 + 1e-9)]
+        # throughput, not step time: under weak scaling a step of a larger batch may take longer and still pay
+        faster = [p for p in points if "samples_per_s" in p and p["samples_per_s"] >= samples * (1 - 1e-9)]
+        flags = []
         if faster:
-            point["warning"] = (
+            flags.append(
                 f"no faster than on {faster[0]['devices']} devices: the other {count - faster[0]['devices']} add"
                 " nothing (the model has too little work to split further)"
             )
+        if point["replicated"] > 1:
+            flags.append(
+                f"devices repeat work: {count // point['replicated']:,} distinct of {count:,} (each shard computed"
+                f" {point['replicated']} times)"
+            )
+        if flags:
+            point["warning"] = "; ".join(flags)
         points.append(point)
     progress.report("sweep", len(counts), len(counts))
     name = Path(model).stem if isinstance(model, str | Path) else graph.name
-    return Sweep(name, tuple(points))
+    return Sweep(name, tuple(points), per_device_batch)

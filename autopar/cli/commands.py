@@ -16,6 +16,7 @@ from autopar import progress
 from autopar.cli.flags import UsageError, defaults_of
 from autopar.cli.output import ProgressLine, emit, say_plan_warnings, say_warnings
 from autopar.errors import AutoparWarning, FixedStrategyError
+from autopar.limits import MAX_DIMENSION
 from autopar.lowering.advice import plan_warnings
 from autopar.options import DEFAULT_COST_MODEL, PlanOptions
 from autopar.stdio import stdout_elsewhere
@@ -182,6 +183,13 @@ def run_sweep(args: argparse.Namespace) -> int:
     import autopar
     from autopar.report.sweep import sweep_html
 
+    if args.per_device_batch is not None and args.batch is not None:
+        raise UsageError("--batch fixes the global batch and --per-device-batch each device's share: give one of them.")
+    if args.per_device_batch is not None and args.per_device_batch * max(args.devices) > MAX_DIMENSION:
+        raise UsageError(
+            f"--per-device-batch {args.per_device_batch} at {max(args.devices):,} devices makes a global batch"
+            f" over {MAX_DIMENSION:,}: give a smaller one."
+        )
     line = ProgressLine.for_command(args.quiet)
     with warnings.catch_warnings(), progress.listening(line), line, stdout_elsewhere(True):
         warnings.simplefilter("ignore", AutoparWarning)
@@ -194,11 +202,12 @@ def run_sweep(args: argparse.Namespace) -> int:
             precision=args.precision,
             optimizer=args.optimizer,
             memory_reserve=args.memory_reserve,
+            per_device_batch=args.per_device_batch,
         )
     for point in points:
         say_plan_warnings(point.get("warnings", []), f"{point['devices']:,} devices: ")
     if args.out:
-        emit(sweep_html(Path(args.model).stem, points), args.out)
+        emit(sweep_html(Path(args.model).stem, points, args.per_device_batch), args.out)
         print(f"autopar: wrote {args.out}", file=sys.stderr)
     text = json.dumps(points.to_list(), indent=2, allow_nan=False) + "\n" if args.format == "json" else str(points)
     sys.stdout.write(text)

@@ -68,6 +68,10 @@ def _batch(text: str) -> int:
     return _integer("--batch", text, 1, MAX_DIMENSION)
 
 
+def _per_device_batch(text: str) -> int:
+    return _integer("--per-device-batch", text, 1, MAX_DIMENSION)
+
+
 def _top(text: str) -> int:
     return _integer("--top", text, 1, MAX_DIMENSION)
 
@@ -314,6 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(sweep)
     sweep.add_argument(
         "--devices", type=_device_list, default=[1, 8, 64, 512], help="device counts, e.g. 1,8,64,512 (the default)"
+    )
+    sweep.add_argument(
+        "--per-device-batch",
+        type=_per_device_batch,
+        metavar="B",
+        help="weak scaling: the global batch is B times the devices at each count (default: the model's batch,"
+        " or --batch, at every count)",
     )
     _add_target_arguments(sweep, rank_table=False)
     _add_format_argument(sweep)

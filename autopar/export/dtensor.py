@@ -9,32 +9,30 @@ parameter (`distribute_tensor` of a seeded full tensor), checks on every rank th
 tensor is the shard the plan says (shape and values), checks every boundary's local shape (a
 meta tensor) and which shard each rank holds (a small probe tensor), and prints OK.
 
-The mesh: one mesh dimension of size 2 per autopar mesh bit, named ``b<bit>``, highest bit first
-(8 devices: ``("b2", "b1", "b0")``, shape ``(2, 2, 2)``). DTensor lays ranks out over the mesh in
-row-major order (the last dimension fastest), so rank r sits at coordinate (bit 2, bit 1, bit 0)
-of r: the mesh's rank order is autopar's rank numbering (``torch.arange(N).reshape(2, ..., 2)``).
-A dimension split by bits (b1..bm), most significant first, is ``Shard(d)`` on each of those
-bits' mesh dimensions; bits partial (sum, max or min) are ``Partial(op)`` on theirs; every other
-mesh dimension is ``Replicate()``. DTensor shards a tensor dimension over several mesh dimensions
-left to right (the leftmost mesh dimension is the major one: `DTensorSpec.compute_default_shard_order`,
-the `_StridedShard` docstring in ``torch/distributed/tensor/placement_types.py``), and the
-highest bit is leftmost, so a dimension whose bits are highest first (all that autopar's
-strategies make) means the same in both. A dimension split by bits in another order (``(0, 2)``:
-bit 0 major) is placed on a mesh of the same ranks with its dimensions permuted so that its bits
-come in the plan's order (``mesh=("b0", "b1", "b2")``; `mesh_order`): plain ``Shard`` again,
-never the private ``_StridedShard``.
+The mesh: the plan's logical axes (`autopar.lowering.axes`: its mesh bits grouped by role into
+``data``, ``sequence``, ``tensor`` and ``replicated``; 64 devices of GPT-2 may be
+``("replicated", "data", "sequence", "tensor")`` of shape ``(2, 8, 2, 2)``), built as
+``DeviceMesh(device_type, rank_grid(), mesh_dim_names=MESH_DIM_NAMES)``: ``rank_grid`` puts rank r at the
+coordinates its bits spell on each axis (``AXIS_BITS``, major first), so the mesh holds autopar's exact
+rank order whatever bits an axis holds. A tensor dimension split by the bits of an axis, in the axis's
+order, is ``Shard(d)`` there; an axis whose bits hold partial values is ``Partial(op)``; one it does not
+use is ``Replicate()``. DTensor shards a tensor dimension over several mesh dimensions left to right (the
+leftmost mesh dimension major: `DTensorSpec.compute_default_shard_order`, the `_StridedShard` docstring
+in ``torch/distributed/tensor/placement_types.py``), so axes come highest bit first and a dimension split
+over several axes in another order lives on a mesh of the same ranks with those axes permuted
+(``Spec.mesh``). A tensor that uses part of an axis (a dimension split by two of its three bits) lives on
+a mesh with that axis cut into runs of one role (``data_b4_b3``, ``data_b2``; `autopar.export.logical`):
+plain ``Shard`` again, never the private ``_StridedShard``.
 
 Shapes come from the model the plan was made for (``--model`` on the command line;
 ``autopar.export_plan`` passes a `Plan`'s): without one, the module holds placements and layouts
 only and checks which shard each rank holds, not the local shapes.
 
 >>> from autopar.layout import Layout
->>> placements(Layout(((2, 1), (0,))), mesh_order(Layout(((2, 1), (0,))), 3))
-['Shard(0)', 'Shard(0)', 'Shard(1)']
->>> placements(Layout(((),), partial=(2,)), (2, 1, 0))
-["Partial('sum')", 'Replicate()', 'Replicate()']
->>> mesh_order(Layout(((0, 2), ())), 3)   # bit 0 major: a mesh whose first dimension is bit 0
-(0, 1, 2)
+>>> placements(Layout(((2, 1), (0,))), (("data", (2, 1)), ("tensor", (0,))))
+['Shard(0)', 'Shard(1)']
+>>> placements(Layout(((),), partial=(2, 1)), (("data", (2, 1)), ("tensor", (0,))))
+["Partial('sum')", 'Replicate()']
 """
 
 from __future__ import annotations
@@ -47,10 +45,12 @@ import onnx
 
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError, PlanFileError
+from autopar.export.logical import Group, axis_links, logical_groups, placement_kinds, tensor_groups
 from autopar.graph import load_model
 from autopar.graph.proto import data_inputs
 from autopar.graph.types import Graph
 from autopar.layout import Layout
+from autopar.lowering.axes import LogicalAxis, logical_axes
 from autopar.lowering.planfile import PlanFile
 
 # --- what both framework exports place -------------------------------------------------------------
@@ -80,6 +80,7 @@ class PlanTensors:
     """The plan's parameters (their own layouts) and every operator's boundaries, with shapes."""
 
     mesh: Mesh  # the plan's devices, mesh bits and the link of each bit
+    axes: tuple[LogicalAxis, ...]  # the mesh bits grouped into named logical axes
     parameters: dict[str, Boundary]
     ops: tuple[OpBoundaries, ...]
     shapes_known: bool
@@ -124,7 +125,7 @@ def plan_tensors(plan: PlanFile, model: onnx.ModelProto | None) -> PlanTensors:
     for name, layout in trainable.items():  # a parameter no operator reads (not expected): still placed
         if name not in parameters and (graph is None or name in graph.tensors):
             parameters[name] = boundary(name, layout)
-    return PlanTensors(plan.mesh, parameters, tuple(ops), graph is not None)
+    return PlanTensors(plan.mesh, logical_axes(plan), parameters, tuple(ops), graph is not None)
 
 
 def _graph_for(plan: PlanFile, model: onnx.ModelProto) -> Graph:
@@ -160,59 +161,59 @@ def _bindings(plan: PlanFile, model: onnx.ModelProto) -> tuple[int | None, dict[
     return batch, dims
 
 
-# --- autopar's mesh bits as mesh dimensions ---------------------------------------------------------
+# --- the logical axes as mesh dimensions ------------------------------------------------------------
 
 
-def mesh_text(mesh: Mesh) -> tuple[tuple[str, ...], tuple[int, ...], str]:
-    """(the mesh's axis names, highest bit first; its shape; each axis's link as dict-literal source)."""
-    names, link_of = mesh.axis_names, mesh.link_names()
-    bits = range(mesh.mesh_bits - 1, -1, -1)
-    return names, mesh.shape, ", ".join(f"{name!r}: {link_of.get(bit, '?')!r}" for name, bit in zip(names, bits))
-
-
-def mesh_order(layout: Layout, mesh_bits: int) -> tuple[int, ...]:
-    """The bits of the mesh dimensions a tensor's DTensor placements refer to, left to right.
-
-    Highest bit first, unless a dimension's bits come in another order: then those bits take the
-    same mesh positions in the plan's order, so DTensor's left-to-right sharding is the plan's
-    most-significant-first one.
-    """
-    order = list(range(mesh_bits - 1, -1, -1))
-    for bits in layout.dims:
-        if list(bits) != sorted(bits, reverse=True):
-            positions = sorted(order.index(bit) for bit in bits)
-            for position, bit in zip(positions, bits):
-                order[position] = bit
-    return tuple(order)
-
-
-def placements(layout: Layout, order: Sequence[int]) -> list[str]:
-    """DTensor placements (as source text) over the mesh dimensions whose bits are ``order``."""
-    if not order:
-        return ["Replicate()"]
+def placements(layout: Layout, groups: Sequence[Group]) -> list[str]:
+    """DTensor placements (as source text), one per mesh dimension ``groups`` (`tensor_groups`)."""
     out = []
-    for bit in order:
-        dim = next((d for d, bits in enumerate(layout.dims) if bit in bits), None)
-        if dim is not None:
+    for kind, dim in placement_kinds(layout, groups):
+        if kind == "shard":
             out.append(f"Shard({dim})")
-        elif bit in layout.partial:
+        elif kind == "partial":
             out.append(f"Partial({str(layout.partial_op)!r})")
         else:
             out.append("Replicate()")
     return out
 
 
+class AxisTable:
+    """The mesh dimensions a generated module uses, each name with its bits (``AXIS_BITS``), in first use."""
+
+    def __init__(self, axes: Sequence[LogicalAxis]) -> None:
+        self.axes = tuple(axes)
+        self.logical = logical_groups(axes)
+        self.bits: dict[str, tuple[int, ...]] = dict(self.logical)
+
+    def groups(self, layout: Layout, *, ordered: bool) -> tuple[Group, ...]:
+        found = tensor_groups(layout, self.axes, ordered=ordered)
+        for name, bits in found:
+            self.bits.setdefault(name, bits)
+        return found
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.logical)
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(1 << len(bits) for _, bits in self.logical)
+
+    def source(self) -> str:
+        """``AXIS_BITS``'s entries as source."""
+        return "".join(f"    {name!r}: {bits!r},\n" for name, bits in self.bits.items())
+
+
 # --- the generated module ---------------------------------------------------------------------------
 
 
-def _spec(boundary: Boundary, mesh_bits: int) -> str:
+def _spec(boundary: Boundary, table: AxisTable) -> str:
     layout = boundary.layout
-    order = mesh_order(layout, mesh_bits)
-    fields = [repr(boundary.shape), _tuple(placements(layout, order)), f"dims={layout.dims!r}"]
+    groups = table.groups(layout, ordered=True)
+    fields = [repr(boundary.shape), _tuple(placements(layout, groups)), f"dims={layout.dims!r}"]
     if layout.partial:
         fields += [f"partial={layout.partial!r}", f"partial_op={str(layout.partial_op)!r}"]
-    if mesh_bits and order != tuple(range(mesh_bits - 1, -1, -1)):
-        fields.append(f"mesh={tuple(f'b{bit}' for bit in order)!r}")
+    names = tuple(name for name, _ in groups)
+    if names != table.names():
+        fields.append(f"mesh={names!r}")
     return "Spec(" + ", ".join(fields) + ")"
 
 
@@ -250,19 +251,30 @@ _RUNTIME = '''
 
 
 def rank_grid(mesh_dims: tuple[str, ...] = MESH_DIM_NAMES) -> torch.Tensor:
-    """The ranks laid out over a mesh whose dimensions are ``mesh_dims`` (bit names, in order)."""
-    grid = torch.arange(DEVICES).reshape(MESH_SHAPE)  # row-major: rank r at its bits, highest first
-    return grid.permute([MESH_DIM_NAMES.index(name) for name in mesh_dims])
+    """The ranks over a mesh whose dimensions are ``mesh_dims``: rank r at the numbers its bits spell on each."""
+    bits = [bit for name in mesh_dims for bit in AXIS_BITS[name]]
+    grid = torch.arange(DEVICES)
+    if bits:  # dimension i of the (2, ..., 2) grid is bit len(bits) - 1 - i: row-major, highest bit first
+        grid = grid.reshape([2] * len(bits)).permute([len(bits) - 1 - bit for bit in bits])
+    return grid.reshape([1 << len(AXIS_BITS[name]) for name in mesh_dims])
 
 
 _MESHES: dict[tuple[str, ...], DeviceMesh] = {}
 
 
 def device_mesh(mesh_dims: tuple[str, ...] = MESH_DIM_NAMES) -> DeviceMesh:
-    """The device mesh (built once). A permuted one holds the same ranks with its dimensions reordered."""
+    """The device mesh (built once). Another holds the same ranks with its axes cut or reordered."""
     if mesh_dims not in _MESHES:
         _MESHES[mesh_dims] = DeviceMesh(DEVICE_TYPE, rank_grid(mesh_dims), mesh_dim_names=mesh_dims)
     return _MESHES[mesh_dims]
+
+
+def check_mesh(mesh: DeviceMesh) -> None:
+    """Every rank sits on each axis at the number its bits of that axis spell: autopar's rank order."""
+    names = mesh.mesh_dim_names or ()
+    for coordinates, rank in zip(itertools.product(*map(range, mesh.mesh.shape)), mesh.mesh.flatten().tolist()):
+        for name, at in zip(names, coordinates):
+            assert shard_index(rank, AXIS_BITS[name]) == at, f"rank {rank} is not where its bits put it on {name}"
 
 
 def shard_index(rank: int, bits: tuple[int, ...]) -> int:
@@ -293,9 +305,9 @@ def partial_scale(spec: Spec) -> float:
 
 
 def distribute(name: str, full: torch.Tensor) -> DTensor:
-    """Parameter ``name`` (its full value on every rank) as the DTensor the plan places."""
+    """Parameter ``name`` (the same full value on every rank: each keeps its shard, nothing is sent)."""
     spec = PARAMETERS[name]
-    return distribute_tensor(full, device_mesh(spec.mesh), spec.placements)
+    return distribute_tensor(full, device_mesh(spec.mesh), spec.placements, src_data_rank=None)
 
 
 def check_parameter(name: str, full: torch.Tensor, rank: int) -> None:
@@ -321,20 +333,24 @@ def check_boundary(label: str, spec: Spec, rank: int) -> None:
     assert torch.equal(local, expected), f"{label}: rank {rank} holds another shard than the plan says"
 
 
-def main() -> None:
-    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE_TYPE == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != DEVICES:
-        raise SystemExit(f"this plan is for {DEVICES} devices: run torchrun --nproc-per-node {DEVICES} (got {world})")
-    if DEVICE_TYPE == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    assert device_mesh().mesh.flatten().tolist() == list(range(DEVICES)), "the mesh's rank order is not autopar's"
+_FULL: dict[str, torch.Tensor] = {}
+
+
+def check_rank(rank: int) -> int:
+    """Check every parameter and boundary on ``rank``; the distinct boundaries checked."""
+    check_mesh(device_mesh())
     generator = torch.Generator().manual_seed(SEED)  # the same full tensors on every rank
     for name, spec in PARAMETERS.items():
         if spec.shape is None:  # exported without the model: no shapes, check the shards only
             check_boundary(name, spec, rank)
             continue
-        check_parameter(name, torch.randn(spec.shape, generator=generator), rank)
+        if name not in _FULL:
+            full = torch.randn(spec.shape, generator=generator)
+            if not dist.is_initialized() or dist.get_backend() != "fake":
+                check_parameter(name, full, rank)
+                continue
+            _FULL[name] = full  # simulated ranks share one process: draw each tensor once
+        check_parameter(name, _FULL[name], rank)
     seen: set[str] = set()
     for op_name, op in OPERATORS.items():
         for tensor, spec in [*op.inputs.items(), *op.outputs.items()]:
@@ -342,13 +358,46 @@ def main() -> None:
             if key not in seen:
                 seen.add(key)
                 check_boundary(f"{op_name}: {tensor}", spec, rank)
+    return len(seen)
+
+
+def say_ok(boundaries: int) -> None:
+    shapes = "" if SHAPES_KNOWN else " (no shapes: exported without the model)"
+    print(
+        f"OK: {len(PARAMETERS)} parameters and {boundaries} distinct operator boundaries on mesh"
+        f" {dict(zip(MESH_DIM_NAMES, MESH_SHAPE))} match the plan{shapes}"
+    )
+
+
+def simulate() -> None:
+    """Every rank in turn in this one process, on torch's fake process group (no collective runs: each rank
+    keeps its own shard of the same full tensors), for more ranks than the machine can start."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    global DEVICE_TYPE
+    DEVICE_TYPE = "cpu"
+    for rank in range(DEVICES):
+        dist.init_process_group("fake", rank=rank, world_size=DEVICES, store=FakeStore())
+        _MESHES.clear()
+        boundaries = check_rank(rank)
+        dist.destroy_process_group()
+    say_ok(boundaries)
+
+
+def main() -> None:
+    if "--simulate" in sys.argv[1:]:
+        simulate()
+        return
+    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE_TYPE == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != DEVICES:
+        raise SystemExit(f"this plan is for {DEVICES} devices: run torchrun --nproc-per-node {DEVICES} (got {world})")
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    boundaries = check_rank(rank)
     dist.barrier()
     if rank == 0:
-        shapes = "" if SHAPES_KNOWN else " (no shapes: exported without the model)"
-        print(
-            f"OK: {len(PARAMETERS)} parameters and {len(seen)} distinct operator boundaries on mesh"
-            f" {tuple(MESH_SHAPE)} {MESH_DIM_NAMES} match the plan{shapes}"
-        )
+        say_ok(boundaries)
     dist.destroy_process_group()
 
 
@@ -361,9 +410,9 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
     """The generated module's source (``filename``: its name, in the command line it shows)."""
     tensors = plan_tensors(plan, model)
     mesh = tensors.mesh
-    bits = mesh.mesh_bits
-    names, shape, links = mesh_text(mesh)
-    example = _example(bits)
+    table = AxisTable(tensors.axes)
+    tables = spec_tables(tensors, lambda b: _spec(b, table))  # first: it records the cut axes it uses
+    names, shape = table.names(), table.shape()
     lines = [
         f'"""DTensor placements of autopar\'s plan for {plan.model!r} on {mesh.num_devices} devices.',
         "",
@@ -374,15 +423,18 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
         "(gloo on CPU, NCCL where CUDA is available): every rank builds the mesh, distributes every",
         "parameter (``distribute_tensor`` of a seeded full tensor), checks its local shard's shape and",
         "values, checks every operator boundary's local shape and shard, and rank 0 prints OK.",
+        f"``python {filename} --simulate`` runs the same checks for every rank in turn in one process, on",
+        "torch's fake process group (for more ranks than a machine can start).",
         "",
-        f"Mesh: one dimension of size 2 per autopar mesh bit, named {names!r}, highest bit first. DTensor",
-        "numbers a mesh row-major (last dimension fastest), so rank r sits at the coordinate spelled by",
-        "its bits, highest first: the mesh's rank order is autopar's (rank r's bit b is (r >> b) & 1).",
-        "A tensor dimension split by bits (b1..bm), most significant first, is Shard(d) on those bits'",
-        "mesh dimensions: DTensor shards left to right, the leftmost mesh dimension major, as autopar's",
-        "first bit is. Bits holding partial values are Partial(op) on theirs; the rest Replicate().",
-        "A dimension whose bits are not highest first lives on a mesh of the same ranks with its",
-        f"dimensions reordered to the plan's order (``Spec.mesh``; {example}).",
+        f"Mesh: the plan's logical axes {names!r}, shape {shape!r}, as",
+        "``init_device_mesh`` users name them. ``AXIS_BITS`` gives each axis's autopar mesh bits, major",
+        "first; ``rank_grid`` puts rank r at the number its bits spell on each axis (rank r's bit b is",
+        "(r >> b) & 1), so the mesh holds autopar's exact rank order. A tensor dimension split by an axis's",
+        "bits, in its order, is Shard(d) there; DTensor shards over several mesh dimensions left to right,",
+        "the leftmost major, as autopar's first bit is. Axes holding partial values are Partial(op); the",
+        "rest Replicate(). A tensor that uses part of an axis, or splits a dimension over axes in another",
+        "order, lives on a mesh of the same ranks with that axis cut into runs of one role (``data_b4_b3``)",
+        "or the axes reordered (``Spec.mesh``).",
         "",
         "``Spec.dims`` / ``partial`` are autopar's layout (the bits splitting each dimension, most",
         "significant first, and the bits holding partial values); the check compares DTensor with it.",
@@ -390,8 +442,10 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
         "",
         "from __future__ import annotations",
         "",
+        "import itertools",
         "import math",
         "import os",
+        "import sys",
         "from typing import NamedTuple",
         "",
         "import torch",
@@ -401,8 +455,12 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
         "",
         f"DEVICES = {mesh.num_devices}",
         f"MESH_SHAPE = {shape!r}",
-        f"MESH_DIM_NAMES = {names!r}  # autopar mesh bit of each mesh dimension, highest first",
-        f"LINKS = {{{links}}}" if bits else "LINKS: dict[str, str] = {}",
+        f"MESH_DIM_NAMES = {names!r}  # the logical axes, the one with the highest bit first",
+        "# each mesh dimension's autopar mesh bits, major first: the logical axes, then any cut a tensor needs",
+        "AXIS_BITS: dict[str, tuple[int, ...]] = {",
+        table.source().rstrip("\n"),
+        "}",
+        f"LINKS = {{{axis_links(mesh, table.logical)}}}  # the links each axis's collectives cross",
         "# CUDA (NCCL) where every local rank has a GPU, else CPU (gloo)",
         'LOCAL_RANKS = int(os.environ.get("LOCAL_WORLD_SIZE", DEVICES))',
         'DEVICE_TYPE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= LOCAL_RANKS else "cpu"',
@@ -431,16 +489,7 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
         "",
         "",
     ]
-    lines += spec_tables(tensors, lambda b: _spec(b, bits))
-    return "\n".join(lines) + "\n" + _RUNTIME
-
-
-def _example(mesh_bits: int) -> str:
-    if mesh_bits < 2:
-        return "with one bit there is one order"
-    low, high = 0, mesh_bits - 1
-    order = mesh_order(Layout(((low, high),)), mesh_bits)
-    return f"split by ({low}, {high}): mesh {tuple(f'b{bit}' for bit in order)!r}"
+    return "\n".join(lines + tables) + "\n" + _RUNTIME
 
 
 def write(plan: PlanFile, model: onnx.ModelProto | None, out: Path) -> list[Path]:
@@ -455,10 +504,10 @@ def write(plan: PlanFile, model: onnx.ModelProto | None, out: Path) -> list[Path
 
 
 __all__ = [
+    "AxisTable",
     "Boundary",
     "OpBoundaries",
     "PlanTensors",
-    "mesh_order",
     "module_text",
     "placements",
     "plan_tensors",

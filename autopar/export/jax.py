@@ -9,15 +9,16 @@ the ``PartitionSpec`` and autopar's own layout. Run with
 index and values against the plan, checks every boundary's shard shape and per-device index
 (``NamedSharding.shard_shape`` / ``devices_indices_map``: nothing is allocated), and prints OK.
 
-The mesh: one named axis of size 2 per autopar mesh bit, ``b<bit>``, highest bit first
-(8 devices: ``Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("b2", "b1", "b0"))``). A mesh
-is a row-major array of devices, so device r of the list sits at the coordinate spelled by r's
-bits, highest first: the mesh's device order is autopar's rank numbering (rank r is
-``jax.devices()[r]``). A dimension split by bits (b1..bm), most significant first, is the tuple of
-their axis names in the same order: in a PartitionSpec a tuple of axes is major to minor (the
-first axis varies slowest; ``jax/_src/named_sharding.py``, the note on ``ArrayMapping``), whatever
-the axes' order in the mesh, so any order of bits is plain ``P``. One bit is the bare name, no bit
-``None``.
+The mesh: the plan's logical axes (`autopar.lowering.axes`: its mesh bits grouped by role into
+``data``, ``sequence``, ``tensor`` and ``replicated``; 8 devices of ResNet-50 are ``("data",)`` of shape
+``(8,)``), ``Mesh(devices[rank_grid()], AXIS_NAMES)``: ``rank_grid`` puts rank r (``jax.devices()[r]``)
+at the numbers its bits spell on each axis (``AXIS_BITS``, major first), so the mesh holds autopar's
+exact device order whatever bits an axis holds. A dimension split by the bits of axes, each run in its
+axis's order, names those axes major first (a PartitionSpec tuple is major to minor, whatever the axes'
+order in the mesh: ``jax/_src/named_sharding.py``, the note on ``ArrayMapping``); one axis is the bare
+name, none ``None``. A tensor that uses part of an axis (a dimension split by two of its three bits, or
+its bits in another order) lives on a mesh of the same devices with that axis cut into runs of one role
+(``data_b4_b3``, ``data_b2``; `autopar.export.logical`; ``Spec.mesh``).
 
 Partial values have no PartitionSpec entry in JAX's default (``Auto``) mesh axes: a tensor the
 plan holds partial (a sum, max or min over some bits) gets the PartitionSpec of its split
@@ -30,47 +31,55 @@ Shapes come from the model the plan was made for (``--model``; ``autopar.export_
 `Plan`'s): without one the module holds specs and layouts only and checks which shard each device holds.
 
 >>> from autopar.layout import Layout
->>> partition_spec(Layout(((2, 1), (0,), ())))
-"P(('b2', 'b1'), 'b0', None)"
->>> partition_spec(Layout(((0, 2),)))   # bit 0 major
-"P(('b0', 'b2'))"
+>>> partition_spec(Layout(((2, 1), (0,), ())), (("data", (2, 1)), ("tensor", (0,))))
+"P('data', 'tensor', None)"
+>>> partition_spec(Layout(((0, 2, 1),)), (("data", (2, 1)), ("tensor", (0,))))   # bit 0 major
+"P(('tensor', 'data'))"
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
 
 from autopar.errors import AutoparError
-from autopar.export.dtensor import Boundary, mesh_text, plan_tensors, spec_tables
+from autopar.export.dtensor import AxisTable, Boundary, plan_tensors, spec_tables
+from autopar.export.logical import Group, axis_links
 from autopar.layout import Layout
 from autopar.lowering.planfile import PlanFile
 
 
-def partition_spec(layout: Layout) -> str:
-    """The PartitionSpec (as source text) of a layout's split dimensions; partial bits are not in it."""
+def partition_spec(layout: Layout, groups: Sequence[Group]) -> str:
+    """The PartitionSpec (as source text) of a layout's split dimensions over the mesh dimensions ``groups``
+    (`autopar.export.logical.tensor_groups`); partial bits are not in it."""
     entries = []
     for bits in layout.dims:
-        if not bits:
+        names = [name for _, name in sorted((bits.index(run[0]), name) for name, run in groups if run[0] in bits)]
+        if not names:
             entries.append("None")
-        elif len(bits) == 1:
-            entries.append(repr(f"b{bits[0]}"))
+        elif len(names) == 1:
+            entries.append(repr(names[0]))
         else:
-            entries.append(repr(tuple(f"b{bit}" for bit in bits)))
+            entries.append(repr(tuple(names)))
     return "P(" + ", ".join(entries) + ")"
 
 
-def unreduced_axes(layout: Layout) -> tuple[str, ...]:
-    """The axis names over which a layout's values are partial, highest bit first."""
-    return tuple(f"b{bit}" for bit in layout.partial)
+def unreduced_axes(layout: Layout, groups: Sequence[Group]) -> tuple[str, ...]:
+    """The mesh dimensions over which a layout's values are partial, in mesh order."""
+    return tuple(name for name, bits in groups if bits and bits[0] in layout.partial)
 
 
-def _spec(boundary: Boundary) -> str:
+def _spec(boundary: Boundary, table: AxisTable) -> str:
     layout = boundary.layout
-    fields = [repr(boundary.shape), partition_spec(layout), f"dims={layout.dims!r}"]
+    groups = table.groups(layout, ordered=False)
+    fields = [repr(boundary.shape), partition_spec(layout, groups), f"dims={layout.dims!r}"]
     if layout.partial:
-        fields += [f"unreduced={unreduced_axes(layout)!r}", f"reduce_op={str(layout.partial_op)!r}"]
+        fields += [f"unreduced={unreduced_axes(layout, groups)!r}", f"reduce_op={str(layout.partial_op)!r}"]
+    names = tuple(name for name, _ in groups)
+    if names != table.names():
+        fields.append(f"mesh={names!r}")
     return "Spec(" + ", ".join(fields) + ")"
 
 
@@ -79,19 +88,34 @@ _RUNTIME = '''
 # --- running it: XLA_FLAGS=--xla_force_host_platform_device_count=DEVICES python THIS_FILE --------
 
 
-def make_mesh(devices: list | None = None) -> Mesh:
-    """The plan's mesh over the first DEVICES devices: device r of the list is autopar's rank r."""
-    devices = jax.devices() if devices is None else devices
-    if len(devices) < DEVICES:
-        raise SystemExit(
-            f"this plan is for {DEVICES} devices, JAX sees {len(devices)}: on CPU run with"
-            f" XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}"
-        )
-    return Mesh(np.array(devices[:DEVICES]).reshape(MESH_SHAPE), AXIS_NAMES)
+def rank_grid(axes: tuple[str, ...] = AXIS_NAMES) -> np.ndarray:
+    """The ranks over a mesh whose axes are ``axes``: rank r at the numbers its bits spell on each."""
+    bits = [bit for name in axes for bit in AXIS_BITS[name]]
+    grid = np.arange(DEVICES)
+    if bits:  # axis i of the (2, ..., 2) grid is bit len(bits) - 1 - i: row-major, highest bit first
+        grid = grid.reshape([2] * len(bits)).transpose([len(bits) - 1 - bit for bit in bits])
+    return grid.reshape([1 << len(AXIS_BITS[name]) for name in axes])
 
 
-def sharding(spec: Spec, mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, spec.spec)
+_MESHES: dict[tuple[str, ...], Mesh] = {}
+
+
+def make_mesh(axes: tuple[str, ...] = AXIS_NAMES, devices: list | None = None) -> Mesh:
+    """The plan's mesh over the first DEVICES devices (device r of the list is autopar's rank r), on
+    ``axes``: the logical axes, or the same devices with an axis cut or reordered (built once)."""
+    if axes not in _MESHES:
+        devices = jax.devices() if devices is None else devices
+        if len(devices) < DEVICES:
+            raise SystemExit(
+                f"this plan is for {DEVICES} devices, JAX sees {len(devices)}: on CPU run with"
+                f" XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}"
+            )
+        _MESHES[axes] = Mesh(np.array(devices[:DEVICES], dtype=object)[rank_grid(axes)], axes)
+    return _MESHES[axes]
+
+
+def sharding(spec: Spec) -> NamedSharding:
+    return NamedSharding(make_mesh(spec.mesh), spec.spec)
 
 
 def shard_index(rank: int, bits: tuple[int, ...]) -> int:
@@ -120,14 +144,14 @@ def bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int,
     return tuple(s.indices(size)[:2] for s, size in zip(index, shape))
 
 
-def place(name: str, value: np.ndarray, mesh: Mesh) -> jax.Array:
+def place(name: str, value: np.ndarray) -> jax.Array:
     """Parameter ``name`` (its full value) placed as the plan says."""
-    return jax.device_put(value, sharding(PARAMETERS[name], mesh))
+    return jax.device_put(value, sharding(PARAMETERS[name]))
 
 
-def check_parameter(name: str, value: np.ndarray, mesh: Mesh, ranks: dict) -> None:
+def check_parameter(name: str, value: np.ndarray, ranks: dict) -> None:
     spec = PARAMETERS[name]
-    array = place(name, value, mesh)
+    array = place(name, value)
     want = local_shape(spec, value.shape)
     for shard in array.addressable_shards:
         rank = ranks[shard.device]
@@ -138,10 +162,10 @@ def check_parameter(name: str, value: np.ndarray, mesh: Mesh, ranks: dict) -> No
         assert np.array_equal(np.asarray(shard.data), expected), f"{name}: device {rank} holds other values"
 
 
-def check_boundary(label: str, spec: Spec, mesh: Mesh, ranks: dict) -> None:
+def check_boundary(label: str, spec: Spec, ranks: dict) -> None:
     """Shard shape and every device's index, from the sharding alone (nothing is allocated)."""
     shape = spec.shape if spec.shape is not None else tuple(1 << len(bits) for bits in spec.dims)
-    named = sharding(spec, mesh)
+    named = sharding(spec)
     want = local_shape(spec, shape)
     assert named.shard_shape(shape) == want, f"{label}: shards of {named.shard_shape(shape)}, the plan says {want}"
     for device, index in named.devices_indices_map(shape).items():
@@ -149,26 +173,35 @@ def check_boundary(label: str, spec: Spec, mesh: Mesh, ranks: dict) -> None:
         assert bounds(index, shape) == local_bounds(spec, shape, rank), f"{label}: device {rank} holds another shard"
 
 
+def check_mesh(mesh: Mesh, ranks: dict) -> None:
+    """Every device sits on each axis at the number its rank's bits of that axis spell: autopar's order."""
+    for coordinates in np.ndindex(mesh.devices.shape):
+        rank = ranks[mesh.devices[coordinates]]
+        for name, at in zip(mesh.axis_names, coordinates):
+            assert shard_index(rank, AXIS_BITS[name]) == at, f"device {rank} is not where its bits put it on {name}"
+
+
 def main() -> None:
     mesh = make_mesh()
-    ranks = {device: rank for rank, device in enumerate(mesh.devices.flat)}
+    ranks = {device: rank for rank, device in enumerate(jax.devices()[:DEVICES])}
+    check_mesh(mesh, ranks)
     rng = np.random.default_rng(SEED)
     for name, spec in PARAMETERS.items():
         if spec.shape is None:  # exported without the model: no shapes, check the shards only
-            check_boundary(name, spec, mesh, ranks)
+            check_boundary(name, spec, ranks)
             continue
-        check_parameter(name, rng.standard_normal(spec.shape, dtype=np.float32), mesh, ranks)
+        check_parameter(name, rng.standard_normal(spec.shape, dtype=np.float32), ranks)
     seen: set[str] = set()
     for op_name, op in OPERATORS.items():
         for tensor, spec in [*op.inputs.items(), *op.outputs.items()]:
             key = repr(spec)
             if key not in seen:
                 seen.add(key)
-                check_boundary(f"{op_name}: {tensor}", spec, mesh, ranks)
+                check_boundary(f"{op_name}: {tensor}", spec, ranks)
     shapes = "" if SHAPES_KNOWN else " (no shapes: exported without the model)"
     print(
         f"OK: {len(PARAMETERS)} parameters and {len(seen)} distinct operator boundaries on mesh"
-        f" {dict(mesh.shape)} match the plan{shapes}"
+        f" {dict(zip(AXIS_NAMES, MESH_SHAPE))} match the plan{shapes}"
     )
 
 
@@ -181,8 +214,16 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
     """The generated module's source (``filename``: its name, in the command line it shows)."""
     tensors = plan_tensors(plan, model)
     mesh = tensors.mesh
-    bits = mesh.mesh_bits
-    names, shape, links = mesh_text(mesh)
+    table = AxisTable(tensors.axes)
+    tables = spec_tables(tensors, lambda b: _spec(b, table))  # first: it records the cut axes it uses
+    unreduced = [
+        f"    {(op.name, b.tensor)!r}:"
+        f" {(str(b.layout.partial_op), unreduced_axes(b.layout, table.groups(b.layout, ordered=False)))!r},"
+        for op in tensors.ops
+        for b in (*op.inputs, *op.outputs)
+        if b.layout.partial
+    ]
+    names, shape = table.names(), table.shape()
     lines = [
         f'"""JAX shardings of autopar\'s plan for {plan.model!r} on {mesh.num_devices} devices.',
         "",
@@ -194,11 +235,12 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
         "every shard's shape, index and values, checks every operator boundary's shard shape and",
         "per-device index, and prints OK.",
         "",
-        f"Mesh: one axis of size 2 per autopar mesh bit, named {names!r}, highest bit first, over",
-        f"jax.devices()[:{mesh.num_devices}] in row-major order: device r sits at the coordinate spelled by r's",
-        "bits, highest first, so it is autopar's rank r (rank r's bit b is (r >> b) & 1). A dimension",
-        "split by bits (b1..bm), most significant first, is the tuple of their axis names in that order",
-        "(a PartitionSpec tuple is major to minor).",
+        f"Mesh: the plan's logical axes {names!r}, shape {shape!r}, over jax.devices()[:{mesh.num_devices}].",
+        "``AXIS_BITS`` gives each axis's autopar mesh bits, major first; ``rank_grid`` puts device r at the",
+        "number its bits spell on each axis (rank r's bit b is (r >> b) & 1), so device r is autopar's rank",
+        "r. A dimension split by the bits of axes names them major first (a PartitionSpec tuple is major to",
+        "minor). A tensor that uses part of an axis, or its bits in another order, lives on a mesh of the",
+        "same devices with that axis cut into runs of one role (``data_b4_b3``; ``Spec.mesh``).",
         "",
         "Partial values: a PartitionSpec (on the default Auto axes) cannot say them. ``Spec.spec`` holds",
         "the split dimensions; ``Spec.unreduced`` names the axes over which the values are still partial",
@@ -220,8 +262,12 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
         "",
         f"DEVICES = {mesh.num_devices}",
         f"MESH_SHAPE = {shape!r}",
-        f"AXIS_NAMES = {names!r}  # autopar mesh bit of each axis, highest first",
-        f"LINKS = {{{links}}}" if bits else "LINKS: dict[str, str] = {}",
+        f"AXIS_NAMES = {names!r}  # the logical axes, the one with the highest bit first",
+        "# each mesh axis's autopar mesh bits, major first: the logical axes, then any cut a tensor needs",
+        "AXIS_BITS: dict[str, tuple[int, ...]] = {",
+        table.source().rstrip("\n"),
+        "}",
+        f"LINKS = {{{axis_links(mesh, table.logical)}}}  # the links each axis's collectives cross",
         "SEED = 0",
         f"SHAPES_KNOWN = {tensors.shapes_known}",
         "",
@@ -234,6 +280,7 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
         "    dims: tuple[tuple[int, ...], ...]  # autopar: the bits splitting each dimension, major first",
         "    unreduced: tuple[str, ...] = ()  # axes over which the values are partial (not in ``spec``)",
         '    reduce_op: str = "sum"  # how the partial values combine',
+        "    mesh: tuple[str, ...] = AXIS_NAMES  # the mesh axes the spec refers to",
         "",
         "",
         "class Op(NamedTuple):",
@@ -246,13 +293,7 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
         "",
         "",
     ]
-    lines += spec_tables(tensors, _spec)
-    unreduced = [
-        f"    {(op.name, b.tensor)!r}: {(str(b.layout.partial_op), unreduced_axes(b.layout))!r},"
-        for op in tensors.ops
-        for b in (*op.inputs, *op.outputs)
-        if b.layout.partial
-    ]
+    lines += tables
     lines += [
         "",
         "# (operator, tensor) -> (reduce op, axes): values still partial there, which PartitionSpec cannot say",

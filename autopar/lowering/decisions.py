@@ -146,15 +146,9 @@ _DEGREE_OF = {"batch": "data", "sequence": "sequence"}  # every other kind is te
 _TIE_ORDER = ("data", "tensor", "sequence")
 
 
-def degrees(data: PlanFile) -> Degrees:
-    """The plan's degrees: each mesh bit counts for the role it plays in the most operators.
-
-    A bit that splits the batch dimension of most of the operators that use it is a data bit; one that
-    mostly splits a sequence (in a model without convolutions: a rank-3 activation's second dimension,
-    an attention tensor's query or key positions) is a sequence bit; any other split (hidden, heads, a
-    contraction, an image's space) is a tensor bit. Ties go to data, then tensor. Bits no operator uses
-    are replicated; the bits that spell a device's pipeline stage are the pipeline's.
-    """
+def bit_roles(data: PlanFile) -> dict[int, str]:
+    """The role each mesh bit some operator uses plays: "data", "tensor" or "sequence" (`degrees` says how a
+    bit is counted); bits no operator uses are absent (their devices repeat one another's work)."""
     image = is_image_model(data)
     votes: dict[int, Counter[str]] = {}
     for op in data.ops:
@@ -163,12 +157,25 @@ def degrees(data: PlanFile) -> Degrees:
             if image and role == "sequence":
                 role = "tensor"  # an image's space: not what users call sequence parallelism
             votes.setdefault(bit, Counter())[role] += 1
-    counts = Counter(
-        max(_TIE_ORDER, key=lambda role, tally=tally: (tally[role], -_TIE_ORDER.index(role)))  # type: ignore[misc]
-        for tally in votes.values()
-    )
+    return {
+        bit: max(_TIE_ORDER, key=lambda role, tally=tally: (tally[role], -_TIE_ORDER.index(role)))  # type: ignore[misc]
+        for bit, tally in sorted(votes.items())
+    }
+
+
+def degrees(data: PlanFile) -> Degrees:
+    """The plan's degrees: each mesh bit counts for the role it plays in the most operators (`bit_roles`).
+
+    A bit that splits the batch dimension of most of the operators that use it is a data bit; one that
+    mostly splits a sequence (in a model without convolutions: a rank-3 activation's second dimension,
+    an attention tensor's query or key positions) is a sequence bit; any other split (hidden, heads, a
+    contraction, an image's space) is a tensor bit. Ties go to data, then tensor. Bits no operator uses
+    are replicated; the bits that spell a device's pipeline stage are the pipeline's.
+    """
+    roles = bit_roles(data)
+    counts = Counter(roles.values())
     stage_bits = len(data.pipeline.bits) if data.pipeline is not None else 0
-    unused = data.mesh_bits - stage_bits - len(votes)
+    unused = data.mesh_bits - stage_bits - len(roles)
     return Degrees(
         data=1 << counts["data"],
         tensor=1 << counts["tensor"],

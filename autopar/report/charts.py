@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from autopar.cost.mesh import Mesh
 from autopar.lowering import PlanFile
-from autopar.report.figures import level_traffic, timeline_phases
+from autopar.lowering.axes import logical_axes
+from autopar.report.figures import fold_groups, incoming_seconds, level_traffic, timeline_phases
 from autopar.report.format import escape, memory_against_usable, ms
 from autopar.units import human_bytes
 
@@ -39,47 +40,164 @@ def factor_colour(factor: int, mesh: Mesh) -> tuple[str, str]:
     return "#{:02x}{:02x}{:02x}".format(*rgb), "#fff" if share > 0.45 else "#111"
 
 
+ROLE_COLOURS = {
+    "pipeline": "#b279a2",
+    "data": "#4c78a8",
+    "sequence": "#54a24b",
+    "tensor": "#f58518",
+    "replicated": "#bab0ac",
+}
+
+
+def _units(count: int, size: int, x: float, y: float) -> list[str]:
+    """``count`` boxes of ``size`` devices each from (x, y): every box up to 8, else five, an ellipsis and the last."""
+    box, gap = 34, 5
+    shown = list(range(count)) if count <= 8 else [0, 1, 2, 3, 4, -1, count - 1]
+    parts = []
+    for k, index in enumerate(shown):
+        left = x + k * (box + gap)
+        if index < 0:
+            parts.append(f"<text x='{left + box / 2}' y='{y + 21}' text-anchor='middle' font-size='14'>&#8230;</text>")
+            continue
+        parts.append(
+            f"<rect x='{left}' y='{y}' width='{box}' height='30' rx='4' fill='#eef2f7' stroke='#4c78a8'>"
+            f"<title>unit {index} of {count}: {size} device{'s' if size != 1 else ''}</title></rect>"
+            f"<text x='{left + box / 2}' y='{y + 19}' text-anchor='middle' font-size='11'>{size}</text>"
+        )
+    return parts
+
+
+def mesh_figure(data: PlanFile) -> str:
+    """The mesh as levels, not devices: a row per link level (slowest first) with the units it joins (each
+    unit's devices written in it; five, an ellipsis and the last past eight), its mesh bits coloured by the
+    logical axis each serves (`autopar.lowering.axes`), and the collective time that crosses it."""
+    levels = level_traffic(data)
+    if not levels:
+        return ""
+    role_of = {bit: axis.name for axis in logical_axes(data) for bit in axis.bits}
+    slowest = max(level["seconds"] for level in levels) or 1.0
+    row, top = 56, 30
+    label_x, units_x, bits_x, bar_x, bar_w = 0, 190, 520, 760, 200
+    parts = [
+        f"<text x='{label_x}' y='16' font-size='12' font-weight='600'>link level</text>",
+        f"<text x='{units_x}' y='16' font-size='12' font-weight='600'>joins (devices in each)</text>",
+        f"<text x='{bits_x}' y='16' font-size='12' font-weight='600'>mesh bits, by axis</text>",
+        f"<text x='{bar_x}' y='16' font-size='12' font-weight='600'>collective time crossing it</text>",
+    ]
+    ordered = sorted(levels, key=lambda level: -max(level["bits"]))
+    for depth, level in enumerate(ordered):
+        y = top + depth * row
+        group = level["devices_per_group"]
+        count = 1 << len(level["bits"])
+        child = group // count
+        parts.append(
+            f"<text x='{label_x}' y='{y + 14}' font-size='13' font-weight='600'>{escape(level['name'])}</text>"
+            f"<text x='{label_x}' y='{y + 30}' font-size='11' fill='#555'>{count:,} units of {child:,}:"
+            f" groups of {group:,}</text>"
+        )
+        parts += _units(count, child, units_x, y)
+        for k, bit in enumerate(sorted(level["bits"], reverse=True)):
+            role = role_of.get(bit, "replicated")
+            parts.append(
+                f"<rect x='{bits_x + k * 22}' y='{y + 4}' width='20' height='22' rx='3' fill='{ROLE_COLOURS[role]}'>"
+                f"<title>bit {bit}: {escape(role)}</title></rect><text x='{bits_x + k * 22 + 10}' y='{y + 19}'"
+                f" text-anchor='middle' font-size='10' fill='#fff'>{bit}</text>"
+            )
+        width = bar_w * level["seconds"] / slowest
+        parts.append(
+            f"<rect x='{bar_x}' y='{y + 4}' width='{width:.1f}' height='22' fill='#e45756'>"
+            f"<title>{escape(level['name'])}: {ms(level['seconds'])}</title></rect>"
+            f"<text x='{bar_x + width + 6:.1f}' y='{y + 19}' font-size='11'>{ms(level['seconds'])},"
+            f" {level['collectives']:,} collectives</text>"
+        )
+    height = top + len(ordered) * row
+    legend = "".join(
+        f"<li><span class='swatch' style='background:{colour}'></span>{escape(role)}</li>"
+        for role, colour in ROLE_COLOURS.items()
+        if role in role_of.values()
+    )
+    return (
+        f"<svg width='1100' height='{height}' viewBox='0 0 1100 {height}' role='img' aria-label='device mesh by"
+        f" link level'>{''.join(parts)}</svg><ul class='legend'>{legend}</ul>"
+    )
+
+
 def mesh_section(data: PlanFile) -> str:
-    """The devices as boxes, a bracket per link level's groups, and the traffic each level carries."""
+    """The mesh as link levels and groups (`mesh_figure`), then the traffic each level carries as a table."""
     devices = data.devices
     levels = level_traffic(data)
-    svg = ""
-    if 1 < devices <= 64 and levels:
-        box, gap, left = 28, 6, 10
-        width = left * 2 + devices * (box + gap)
-        height = 40 + 26 * len(levels) + 10
-        parts = []
-        for rank in range(devices):
-            x = left + rank * (box + gap)
-            parts.append(
-                f"<rect x='{x}' y='6' width='{box}' height='{box}' rx='4' fill='#4c78a8'><title>device {rank}</title>"
-                f"</rect><text x='{x + box / 2}' y='24' text-anchor='middle' font-size='11' fill='#fff'>{rank}</text>"
-            )
-        for depth, level in enumerate(levels):
-            group = min(level["devices_per_group"], devices)
-            y = 44 + 26 * depth
-            for first in range(0, devices, group):
-                x0 = left + first * (box + gap)
-                x1 = left + (first + group) * (box + gap) - gap
-                parts.append(
-                    f"<path d='M{x0},{y} L{x0},{y + 8} L{x1},{y + 8} L{x1},{y}' fill='none' stroke='#555'/>"
-                    f"<text x='{(x0 + x1) / 2}' y='{y + 20}' text-anchor='middle' font-size='11'>"
-                    f"{escape(level['name'])} ({group})</text>"
-                )
-        svg = f"<svg width='{width}' height='{height}' role='img' aria-label='device mesh'>{''.join(parts)}</svg>"
-    elif devices > 64:
-        svg = f"<p>{devices} devices: too many to draw one by one; the levels are below.</p>"
+    axes = logical_axes(data)
+    named = " x ".join(f"{axis.name} {axis.size:,}" for axis in axes)
     rows = "".join(
         f"<tr><td>{escape(level['name'])}</td><td>{', '.join(map(str, level['bits']))}</td>"
-        f"<td class='num'>{level['devices_per_group']}</td><td class='num'>{level['collectives']}</td>"
+        f"<td class='num'>{level['devices_per_group']:,}</td><td class='num'>{level['collectives']:,}</td>"
         f"<td class='num'>{escape(human_bytes(level['bytes']))}</td><td class='num'>{ms(level['seconds'])}</td></tr>"
         for level in levels
     )
     return (
-        f"<p>{devices} devices over {len(levels)} link level(s), fastest first; rank r sits at mesh position r, bit 0"
-        " the fastest link. A collective crosses every level whose bits it spans, so it counts in each.</p>"
-        f"{svg}<table><thead><tr><th>level</th><th>mesh bits</th><th>devices per group</th><th>collectives</th>"
-        f"<th>bytes per rank</th><th>seconds</th></tr></thead><tbody>{rows}</tbody></table>"
+        f"<p>{devices:,} devices over {len(levels)} link level(s); rank r sits at mesh position r, bit 0 the fastest"
+        " link. Each row is one level, slowest first: how many units it joins and how many devices each holds"
+        " (a unit is a group of the level below). A collective crosses every level whose bits it spans, so it"
+        f" counts in each.{' Logical axes: ' + escape(named) + ' (the exports name them).' if named else ''}</p>"
+        f"{mesh_figure(data)}<table><thead><tr><th>level</th><th>mesh bits</th><th class='num'>devices per group"
+        "</th><th class='num'>collectives</th><th class='num'>bytes per rank</th><th class='num'>seconds</th></tr>"
+        f"</thead><tbody>{rows}</tbody></table>"
+    )
+
+
+def costliest_section(data: PlanFile, top: int = 12) -> str:
+    """The ``top`` costliest rows (repeated blocks folded, every copy counted) as stacked bars: compute, own
+    communication, redistribution into the operator."""
+    ops = data.ops
+    moved = incoming_seconds(data)
+    groups = fold_groups(data)
+
+    def parts_of(group: list[int]) -> list[tuple[str, float]]:
+        op = ops[group[0]]
+        n = len(group)
+        return [
+            ("compute", op.cost.compute_s * n),
+            ("own communication", op.cost.communication_s * n),
+            ("redistribution", moved.get(op.name, 0.0) * n),
+        ]
+
+    ranked = sorted(groups, key=lambda g: (-sum(v for _, v in parts_of(g)), g[0]))[:top]
+    if not ranked:
+        return "<p>No operators.</p>"
+    biggest = max(sum(v for _, v in parts_of(g)) for g in ranked) or 1.0
+    width, row, left = 560, 24, 300
+    colours = {"compute": COLOURS["compute"], "own communication": "#e45756", "redistribution": "#f58518"}
+    svg = []
+    for k, group in enumerate(ranked):
+        op = ops[group[0]]
+        y = 6 + k * row
+        name = op.name if len(op.name) <= 34 else op.name[:33] + "~"
+        label = name + (f" ({len(group)} copies)" if len(group) > 1 else "")
+        svg.append(
+            f"<text x='{left - 8}' y='{y + 14}' text-anchor='end' font-size='11'>{escape(label)}"
+            f"<title>{escape(op.name)} ({escape(op.op_type)})</title></text>"
+        )
+        x = float(left)
+        for part, value in parts_of(group):
+            w = width * value / biggest
+            if w > 0:
+                svg.append(
+                    f"<rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='18' fill='{colours[part]}'>"
+                    f"<title>{escape(part)}: {ms(value)}</title></rect>"
+                )
+            x += w
+        total = sum(v for _, v in parts_of(group))
+        svg.append(f"<text x='{x + 6:.1f}' y='{y + 14}' font-size='11'>{ms(total)}</text>")
+    height = 12 + len(ranked) * row
+    legend = "".join(
+        f"<li><span class='swatch' style='background:{colour}'></span>{escape(part)}</li>"
+        for part, colour in colours.items()
+    )
+    return (
+        f"<p>The {len(ranked)} costliest operators of a step (a repeated block's row counts every copy): where the"
+        " time goes at a glance; the strategy map and the collectives below give each one's strategy and steps.</p>"
+        f"<svg width='{left + width + 120}' height='{height}' role='img' aria-label='costliest operators'>"
+        f"{''.join(svg)}</svg><ul class='legend'>{legend}</ul>"
     )
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.lowering import Plan, PlanFile
-from autopar.report.charts import COLOURS, memory_section, mesh_section, timeline_section
+from autopar.report.charts import COLOURS, costliest_section, memory_section, mesh_section, timeline_section
 from autopar.report.figures import (
     AXES,
     AXIS_TITLES,
@@ -52,6 +52,7 @@ __all__ = [
     "COLOURS",
     "CSS",
     "IMAGE_OPS",
+    "ROOT",
     "SECTIONS",
     "Comparison",
     "axis_splits",
@@ -66,12 +67,13 @@ __all__ = [
     "warnings_of",
 ]
 
-SECTIONS = ("summary", "strategy-map", "mesh", "timeline", "memory", "why", "collectives")
+SECTIONS = ("summary", "strategy-map", "mesh", "timeline", "costliest", "memory", "why", "collectives")
 TITLES = {
     "summary": "Summary",
     "strategy-map": "Strategy map",
     "mesh": "Device mesh",
     "timeline": "One step",
+    "costliest": "Costliest operators",
     "memory": "Memory per device",
     "why": "Why not data parallel",
     "collectives": "Collectives",
@@ -93,33 +95,63 @@ class Comparison:
     recompute_s: float = 0.0
 
 
-CSS = """
-.autopar-report{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;color:#222;max-width:1400px}
-.autopar-report h2{border-bottom:2px solid #ddd;padding-bottom:4px;margin-top:28px}
-.autopar-report table{border-collapse:collapse;font-size:13px;margin:6px 0}
-.autopar-report td,.autopar-report th{border-bottom:1px solid #e5e5e5;padding:3px 8px;text-align:left;
-vertical-align:top}
-.autopar-report th{background:#f4f4f4}
-.autopar-report td.num{text-align:right;white-space:nowrap}
-.autopar-report td.f{text-align:center;min-width:56px;font-variant-numeric:tabular-nums}
-.autopar-report td.name{font-family:ui-monospace,monospace;white-space:nowrap}
-.autopar-report .cards{display:flex;flex-wrap:wrap;gap:12px}
-.autopar-report .card{border:1px solid #ddd;border-radius:8px;padding:10px 14px;min-width:150px;background:#fafafa}
-.autopar-report .card .label{font-size:12px;color:#666;text-transform:uppercase;letter-spacing:.04em}
-.autopar-report .card .value{font-size:22px;font-weight:600;margin:4px 0}
-.autopar-report .card .note{font-size:12px;color:#555;max-width:220px}
-.autopar-report .warnings li{color:#9a3412}
-.autopar-report .ok{color:#166534}
-.autopar-report .legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:14px;font-size:13px}
-.autopar-report .swatch{display:inline-block;min-width:14px;height:14px;margin-right:4px;padding:0 3px;
-border-radius:3px;font-size:11px;text-align:center;vertical-align:middle}
-.autopar-report .note{font-size:12px;color:#555}
-.autopar-report nav a{margin-right:12px}
-.autopar-report .scroll{max-height:560px;overflow:auto;border:1px solid #eee}
-.autopar-report .scroll th{position:sticky;top:0}
-.autopar-report code{white-space:nowrap;font-size:12px}
-.autopar-report table.map td{padding:1px 8px}
+ROOT = ".autopar-report.autopar-scoped"  # two classes: outranks a notebook's ``.jp-RenderedHTMLCommon td``
+
+# Every rule is scoped under ROOT (`scoped`), and the first ones reset what a notebook's stylesheet sets on
+# bare elements (JupyterLab right-aligns every cell, centres tables, stripes rows, caps images at the
+# cell's width): the report looks the same in a page and in Jupyter.
+RULES = """
+{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;color:#222;max-width:1400px;text-align:left;
+line-height:1.4}
+p,li,h1,h2,h3,td,th,caption,summary{text-align:left}
+td,th,tr{vertical-align:top;line-height:1.35;white-space:normal;max-width:none}
+table{table-layout:auto;margin:6px 0;border-collapse:collapse;font-size:13px;color:#222}
+tbody tr:nth-child(n),tbody tr:hover{background:transparent}
+svg{max-width:none;height:auto;overflow:visible}
+p{margin:6px 0}
+h2{border-bottom:2px solid #ddd;padding-bottom:4px;margin-top:28px;font-weight:600}
+td,th{border:none;border-bottom:1px solid #e5e5e5;padding:3px 8px}
+th{background:#f4f4f4;font-weight:600}
+td.num,th.num{text-align:right;white-space:nowrap}
+td.f{text-align:center;min-width:56px;font-variant-numeric:tabular-nums}
+td.name{font-family:ui-monospace,monospace;white-space:nowrap}
+.cards{display:flex;flex-wrap:wrap;gap:12px}
+.card{border:1px solid #ddd;border-radius:8px;padding:10px 14px;min-width:150px;background:#fafafa}
+.card .label{font-size:12px;color:#666;text-transform:uppercase;letter-spacing:.04em}
+.card .value{font-size:22px;font-weight:600;margin:4px 0}
+.card .note{font-size:12px;color:#555;max-width:220px}
+.warnings li{color:#9a3412}
+.ok{color:#166534}
+.legend{list-style:none;padding:0;margin:4px 0;display:flex;flex-wrap:wrap;gap:14px;font-size:13px}
+.swatch{display:inline-block;min-width:14px;height:14px;margin-right:4px;padding:0 3px;border-radius:3px;
+font-size:11px;text-align:center;vertical-align:middle}
+.note{font-size:12px;color:#555}
+nav a{margin-right:12px}
+.scroll{max-height:560px;overflow:auto;border:1px solid #eee}
+.scroll th{position:sticky;top:0}
+code{white-space:nowrap;font-size:12px}
+table.map td{padding:1px 8px}
+details summary{cursor:pointer;color:#1f4e79}
 """
+
+
+def scoped(rules: str, root: str = ROOT) -> str:
+    """CSS ``rules`` with every selector under ``root`` (an empty selector is the root itself).
+
+    >>> scoped("p,td.num{text-align:right}\\n{color:#222}", ".r")
+    '.r p,.r td.num{text-align:right}\\n.r{color:#222}'
+    """
+    out = []
+    for rule in rules.strip().split("}"):
+        if not rule.strip():
+            continue
+        selectors, body = rule.split("{", 1)
+        names = [name.strip() for name in selectors.replace("\n", " ").split(",")]
+        out.append(",".join(f"{root} {name}" if name else root for name in names) + "{" + body.replace("\n", "") + "}")
+    return "\n".join(out)
+
+
+CSS = scoped(RULES)
 
 
 def report_html(
@@ -149,6 +181,7 @@ def report_html(
         "strategy-map": strategy_map_section(plan),
         "mesh": mesh_section(plan),
         "timeline": timeline_section(plan, forward_s, recompute_s),
+        "costliest": costliest_section(plan),
         "memory": memory_section(plan),
         "why": why_section(plan, dp),
         "collectives": collectives_section(plan),
@@ -157,7 +190,7 @@ def report_html(
     sections = "".join(f"<section id='{key}'><h2>{TITLES[key]}</h2>{bodies[key]}</section>" for key in SECTIONS)
     search = plan.search
     fragment = (
-        f"<div class='autopar-report'><h1>{escape(title)}</h1><nav>{nav}</nav>"
+        f"<div class='autopar-report autopar-scoped'><h1>{escape(title)}</h1><nav>{nav}</nav>"
         f"<p class='note'>{len(plan.ops)} operators; searched by {escape(search.algorithm)} over"
         f" {search.candidates} candidates.</p>{sections}</div>"
     )

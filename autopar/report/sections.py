@@ -73,7 +73,7 @@ def summary_section(data: PlanFile, stand_alone: PlanFile | None) -> str:
             "speedup_vs_data_parallel",
             "speed-up vs data parallel",
             totals.speedup_vs_data_parallel,
-            f"x{totals.speedup_vs_data_parallel:.3f}",
+            f"{totals.speedup_vs_data_parallel:.3f}",
             f"data parallel {ms(totals.data_parallel_step_time_s)}"
             + (" (pure: nothing fixed)" if totals.free_step_time_s is not None else ""),
         ),
@@ -81,7 +81,7 @@ def summary_section(data: PlanFile, stand_alone: PlanFile | None) -> str:
             "speedup_vs_stand_alone",
             "speed-up vs stand-alone",
             vs_alone,
-            f"x{vs_alone:.2f}" if vs_alone is not None else "not computed",
+            f"{vs_alone:.2f}" if vs_alone is not None else "not computed",
             f"stand-alone {ms(stand_alone.totals.step_time_s)} (every operator whole on every device)"
             if stand_alone is not None
             else "needs the plan on its problem (a plan file alone cannot say)",
@@ -137,8 +137,8 @@ def strategy_map_section(data: PlanFile) -> str:
         rows.append(
             f"<tr data-op='{escape(op.name)}' data-count='{len(group)}' title='{escape(title)}'>"
             f"<td class='name'>{escape(op.name)}{escape(flags)}</td><td>{escape(op.op_type)}</td>"
-            f"<td class='num'>{'x' + str(len(group)) if len(group) > 1 else ''}</td>{''.join(cells)}"
-            f"<td class='num'>{'x' + str(repeated) if repeated > 1 else '-'}</td>"
+            f"<td class='num'>{len(group) if len(group) > 1 else ''}</td>{''.join(cells)}"
+            f"<td class='num'>{repeated if repeated > 1 else '-'}</td>"
             f"<td><code>{escape(strategy)}</code></td></tr>"
         )
     swatches = [(f, *factor_colour(f, mesh)) for f in (1 << b for b in range(mesh.mesh_bits + 1))]
@@ -168,8 +168,31 @@ def _splits_in_words(splits: Mapping[str, int]) -> str:
     return ", ".join(words) if words else "nothing (replicated)"
 
 
+def block_rows(data: PlanFile) -> dict[int, tuple[str, int]]:
+    """Operator index -> (first operator, copies) of the repeated block whose first copy holds it: the
+    plan's own ``search.repeated_blocks``, the blocks the terminal folds too."""
+    index = {op.name: i for i, op in enumerate(data.ops)}
+    found: dict[int, tuple[str, int]] = {}
+    for block in data.search.repeated_blocks:
+        start = index.get(block.first_op)
+        if start is not None:
+            for i in range(start, min(start + block.operators, len(data.ops))):
+                found[i] = (block.first_op, block.copies)
+    return found
+
+
+def _verdict(delta: float) -> str:
+    if delta > 1e-12:
+        return f"{ms(delta)} faster here"
+    if delta < -1e-12:
+        return f"{ms(-delta)} slower here (repaid by its neighbours: fewer redistributions or gradient sync elsewhere)"
+    return "even"
+
+
 def why_section(data: PlanFile, data_parallel: PlanFile | None) -> str:
-    """Every operator off data parallel, its costs beside data parallel's (needs that plan)."""
+    """The operators off data parallel, grouped by repeated block and decision (how they split against how
+    data parallel splits), each group's costs beside data parallel's (needs that plan); each operator's
+    own figures folded under its group."""
     ops = data.ops
     image = is_image_model(data)
     if data_parallel is None:
@@ -179,7 +202,9 @@ def why_section(data: PlanFile, data_parallel: PlanFile | None) -> str:
         )
     reference = {op.name: op for op in data_parallel.ops}
     mine, theirs = incoming_seconds(data), incoming_seconds(data_parallel)
-    rows, differ = [], 0
+    blocks = block_rows(data)
+    grouped: dict[tuple[str, int, str, str], list[tuple[str, str, float, float, str]]] = {}
+    differ = 0
     for group in fold_groups(data):
         op = ops[group[0]]
         other = reference.get(op.name)
@@ -189,36 +214,46 @@ def why_section(data: PlanFile, data_parallel: PlanFile | None) -> str:
         cost, base = op.cost, other.cost
         here = cost.compute_s + cost.communication_s + mine.get(op.name, 0.0)
         there = base.compute_s + base.communication_s + theirs.get(op.name, 0.0)
-        delta = there - here
-        verdict = (
-            f"{ms(delta)} faster here" if delta > 1e-12 else f"{ms(-delta)} slower here" if delta < -1e-12 else "even"
+        first, copies = blocks.get(group[0], ("", 1))
+        key = (
+            first,
+            copies,
+            _splits_in_words(axis_splits(op, image)[0]),
+            _splits_in_words(axis_splits(other, image)[0]),
         )
-        if delta < -1e-12:
-            verdict += " (repaid by its neighbours: fewer redistributions or gradient sync elsewhere)"
-        copies = f" (each of {len(group)} copies)" if len(group) > 1 else ""
-        memory = (
-            f"; memory {human_bytes(cost.memory_bytes)} vs {human_bytes(base.memory_bytes)}"
-            if cost.memory_bytes != base.memory_bytes
-            else ""
-        )
-        sentence = (
-            f"splits {_splits_in_words(axis_splits(op, image)[0])} where data parallel splits"
-            f" {_splits_in_words(axis_splits(other, image)[0])}. Compute {ms(cost.compute_s)}"
-            f" (data parallel {ms(base.compute_s)}), own communication {ms(cost.communication_s)}"
+        detail = (
+            f"compute {ms(cost.compute_s)} ({ms(base.compute_s)}), own communication {ms(cost.communication_s)}"
             f" ({ms(base.communication_s)}), redistribution into it {ms(mine.get(op.name, 0.0))}"
-            f" ({ms(theirs.get(op.name, 0.0))}){memory}: {verdict}{copies}."
+            f" ({ms(theirs.get(op.name, 0.0))})"
+        )
+        grouped.setdefault(key, []).append((op.name, op.op_type, here, there, detail))
+    if not grouped:
+        return "<p>Every operator takes the data-parallel strategy: the batch split over all devices.</p>"
+    rows = []
+    for (first, copies, splits, reference_splits), members in grouped.items():
+        where = f"each of {copies} copies of the block from {first}" if first else "outside repeated blocks"
+        here, there = sum(m[2] for m in members), sum(m[3] for m in members)
+        names = ", ".join(m[0] for m in members[:4]) + (f", ... ({len(members)} in all)" if len(members) > 4 else "")
+        details = "".join(
+            f"<li><code>{escape(name)}</code> ({escape(op_type)}): {escape(detail)}: {escape(_verdict(th - hr))}</li>"
+            for name, op_type, hr, th, detail in members
         )
         rows.append(
-            f"<tr data-op='{escape(op.name)}' title='in_strategy {escape(strategy_text(op.strategy))}'>"
-            f"<td class='name'>{escape(op.name)}</td><td>{escape(op.op_type)}</td><td>{escape(sentence)}</td></tr>"
+            f"<tr data-group='{escape(first)}|{escape(splits)}' data-count='{len(members)}'>"
+            f"<td>{escape(where)}</td><td>{escape(splits)}<br><span class='note'>data parallel:"
+            f" {escape(reference_splits)}</span></td><td class='num'>{ms(here)}</td><td class='num'>{ms(there)}</td>"
+            f"<td>{escape(_verdict(there - here))}</td><td><details><summary>{len(members)} operator"
+            f"{'s' if len(members) != 1 else ''}: {escape(names)}</summary><ul>{details}</ul></details></td></tr>"
         )
-    if not rows:
-        return "<p>Every operator takes the data-parallel strategy: the batch split over all devices.</p>"
     return (
-        f"<p>{differ} of {len(ops)} operators leave data parallel (the batch split over all devices). Own"
-        " communication counts the operator's gradient sync before any overlap and backward AllReduces of"
-        " inputs it reads whole; redistribution counts forward and backward.</p>"
-        f"<table><thead><tr><th>operator</th><th>type</th><th>why, against data parallel</th></tr></thead>"
+        f"<p>{differ} of {len(ops)} operators leave data parallel (the batch split over all devices), in"
+        f" {len(rows)} group{'s' if len(rows) != 1 else ''}: one per repeated block and decision (how the"
+        " operators split, against how data parallel splits them). Seconds are a step's compute, own"
+        " communication (the gradient sync before any overlap and backward AllReduces of inputs read whole) and"
+        " redistribution into the operators, forward and backward, summed over the group (one copy of a"
+        " block). Open a group for each operator.</p>"
+        "<table><thead><tr><th>where</th><th>splits</th><th class='num'>here</th>"
+        "<th class='num'>data parallel</th><th>verdict</th><th>operators</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>"
     )
 
