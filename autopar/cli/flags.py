@@ -41,7 +41,7 @@ def _integer(flag: str, text: str, low: int, high: int) -> int:
 
 
 def _dim_binding(text: str) -> tuple[str, int]:
-    name, sep, value = text.partition("=")
+    name, sep, value = text.rpartition("=")  # a computed size's key names a tensor, which may hold "="
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"--dim expects name=value, got {text!r}")
     return name, _integer(f"--dim {name}", value, 1, MAX_DIMENSION)
@@ -124,7 +124,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="bind a symbolic input dimension (repeatable)",
+        help="bind a symbolic input dimension, or a size computed from data as TENSOR:AXIS=VALUE (repeatable)",
     )
 
 
