@@ -103,6 +103,11 @@ class TooLargeError(AutoparError):
     """The request would exceed a stated limit (`autopar.limits`): refused before it is built."""
 
 
+class SearchTooLargeError(TooLargeError):
+    """The exact search would sum a table beyond `autopar.limits`; the message ends without advice, which
+    the caller adds once it has tried fewer devices (they need not help: fewer can mean more layouts)."""
+
+
 class InfeasibleError(AutoparError):
     """No plan fits in device memory."""
 

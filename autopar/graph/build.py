@@ -13,6 +13,7 @@ import fnmatch
 import graphlib
 import heapq
 import math
+from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
@@ -47,8 +48,11 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
     weighty = {name for name, value in constants.items() if _may_be_weight(value)}
     nodes: list[onnx.NodeProto] = []  # the operators that stay, in the file's order
     graph_outputs = {o.name for o in proto.graph.output}
+    readers = Counter(name for node in proto.graph.node for name in set(node.input) if name)
     for node in proto.graph.node:
         folded = None if set(node.output) & graph_outputs else fold_constant(node, constants, infos, proto)
+        if folded is not None and _shared_from_weight(node, weighty, readers):
+            folded = None
         if folded is not None:
             constants[node.output[0]] = folded
             from_weight = any(name in weighty for name in node.input)
@@ -170,6 +174,18 @@ def freeze(graph: Graph, patterns: Iterable[str]) -> Graph:
         for name in matched:
             tensors[name] = dataclasses.replace(tensors[name], trainable=False)
     return dataclasses.replace(graph, tensors=tensors)
+
+
+def _shared_from_weight(node: onnx.NodeProto, weighty: set[str], readers: Counter[str]) -> bool:
+    """Whether an operator on a weight stays an operator though its value is known: several operators
+    read its output (ALBERT transposes each shared weight once and every layer reads the Transpose).
+
+    Folded, the result would be a new weight read by every layer, owned by the first and redistributed
+    to the rest; kept, it is the weight's one reader, as it is anyway when the weights are elided
+    (exported to a file not read): the search treats the model alike either way (see
+    `autopar.search.costing._weight_only`).
+    """
+    return node.op_type != "Constant" and any(n in weighty for n in node.input) and readers[node.output[0]] > 1
 
 
 def _may_be_weight(value: KnownValue) -> bool:
