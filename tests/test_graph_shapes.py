@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -143,3 +145,21 @@ def test_an_unbound_input_symbol_is_asked_for_before_any_computed_size():
     model = _expanded_by_where()
     with pytest.raises(ModelImportError, match="'N'"):
         load_model(model)
+
+
+# --- exports the project did not write (tests/data/make_exports.py) -------------------------------
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.mark.parametrize("name", ["hf_t5_legacy", "hf_swin_legacy"])
+def test_hugging_face_exports_with_computed_shapes_plan_and_verify_with_no_flag(name):
+    """T5's Expand shaped by Where, Swin's window pads from Shape -> Mod -> Pad: static once folded."""
+    import autopar
+
+    pytest.importorskip("torch")
+    graph = load_model(DATA / f"{name}.onnx")
+    assert all(isinstance(d, int) for t in graph.tensors.values() for d in t.shape)
+    plan = autopar.plan(DATA / f"{name}.onnx", devices=4)
+    report = autopar.verify(DATA / f"{name}.onnx", plan, gradients=True)
+    assert report.ok, report.problems
