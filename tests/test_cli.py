@@ -675,3 +675,17 @@ def test_a_size_computed_from_data_is_bound_with_the_key_the_error_names(capsys,
     assert "--dim nz:1=VALUE" in err and "unk__" not in err
     data = plan_json(capsys, path, "--devices", "2", "--dim", "nz:1=5")
     assert [op["name"] for op in data["ops"]] == ["nonzero", "Cast_1", "relu"]
+
+
+def test_trainable_flag_trains_a_constant_the_import_took_for_a_mask(capsys, tmp_path):
+    from tests.test_graph import _masked_scores
+
+    path = tmp_path / "masked.onnx"
+    onnx.save(_masked_scores("Where"), str(path))
+    synced = [entry["parameter"] for entry in plan_json(capsys, path, "--devices", "2")["gradient_sync"]]
+    assert synced == ["w"]
+    data = plan_json(capsys, path, "--devices", "2", "--trainable", "mask")
+    assert [entry["parameter"] for entry in data["gradient_sync"]] == ["w", "mask"]
+    code, _out, err = run(capsys, "plan", path, "--devices", "2", "--trainable", "nothing")
+    assert code == 1
+    assert_one_line_error(err)

@@ -199,6 +199,13 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         help="a parameter not to train (a name or a shell glob such as 'embed.*'; repeatable)",
     )
     parser.add_argument(
+        "--trainable",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a float constant to train though the import took it for a mask or table (a name or glob; repeatable)",
+    )
+    parser.add_argument(
         "--micro-batches",
         type=_micro_batches,
         help="accumulate gradients over this many micro-batches of the batch (default: 1, or the fewest of"

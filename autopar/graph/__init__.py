@@ -28,7 +28,7 @@ from autopar.graph.bind import (
     check_reshapes,
     rebatch_reshapes,
 )
-from autopar.graph.build import build_graph, freeze
+from autopar.graph.build import build_graph, freeze, train
 from autopar.graph.read import read_model
 from autopar.graph.shapes import resolve_shapes, split_computed
 from autopar.graph.types import ElidedValue, Graph, OpNode, TensorInfo, TensorKind
@@ -47,11 +47,13 @@ def load_model(
     batch: int | None = None,
     dims: dict[str, int] | None = None,
     frozen: Iterable[str] = (),
+    trainable: Iterable[str] = (),
 ) -> Graph:
     """Import an ONNX model (a path or a ModelProto) with every shape resolved.
 
     ``dims`` binds the inputs' symbolic dimensions, and sizes the graph computes from data by their
-    ``"TENSOR:AXIS"`` key (`shapes`). ``frozen``: names or globs of parameters not to train (`freeze`).
+    ``"TENSOR:AXIS"`` key (`shapes`). ``frozen``: names or globs of parameters not to train (`freeze`);
+    ``trainable``: of float constants to train all the same (`train`).
     """
     proto = read_model(model)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
@@ -69,7 +71,7 @@ def load_model(
     check_input_types(proto)
     check_dimensions(proto)
     check_reshapes(proto)
-    return freeze(build_graph(proto, name), frozen)
+    return freeze(train(build_graph(proto, name), trainable), frozen)
 
 
-__all__ = ["ElidedValue", "Graph", "OpNode", "TensorInfo", "TensorKind", "freeze", "load_model"]
+__all__ = ["ElidedValue", "Graph", "OpNode", "TensorInfo", "TensorKind", "freeze", "load_model", "train"]

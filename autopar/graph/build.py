@@ -188,6 +188,43 @@ def _shared_from_weight(node: onnx.NodeProto, weighty: set[str], readers: Counte
     return node.op_type != "Constant" and any(n in weighty for n in node.input) and readers[node.output[0]] > 1
 
 
+def train(graph: Graph, patterns: Iterable[str]) -> Graph:
+    """The graph with the float constants matching ``patterns`` (names or shell globs) trained.
+
+    The importer's rule (`_constant_roles`) trains a float initializer, or a value folded from one,
+    when some operator reads it as a weight; it does not train one no framework would: a stored
+    attention mask (only added and holding zeros and very negative numbers, or only multiplied and
+    holding zeros and ones), a table several element-wise products or sums read (rotary cos/sin,
+    ALiBi), a one-element scale, values built from integers (a causal mask from Range and Where),
+    a running statistic. This overrides the rule for a tensor the user does train. A pattern matching
+    no float constant of the graph is an error, as a misspelt ``--frozen`` is.
+
+    >>> from autopar.graph.types import TensorInfo
+    >>> g = Graph("g", (), {"m": TensorInfo("m", (2, 2), "float32", "constant")}, (), (), onnx.ModelProto())
+    >>> (train(g, ["m"]).tensor("m").kind, train(g, ["m"]).tensor("m").trainable)
+    ('parameter', True)
+    """
+    patterns = list(patterns)
+    if not patterns:
+        return graph
+    candidates = sorted(
+        name
+        for name, info in graph.tensors.items()
+        if info.is_float and (info.kind == "constant" or (info.kind == "parameter" and not info.trainable))
+    )
+    tensors = dict(graph.tensors)
+    for pattern in patterns:
+        matched = [name for name in candidates if fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            some = ", ".join(repr(name) for name in candidates[:3]) or "none"
+            raise ModelImportError(
+                f"No float constant or untrained parameter of the model matches {pattern!r} to train (it has {some})."
+            )
+        for name in matched:
+            tensors[name] = dataclasses.replace(tensors[name], kind="parameter", trainable=True)
+    return dataclasses.replace(graph, tensors=tensors)
+
+
 def _may_be_weight(value: KnownValue) -> bool:
     return value.dtype in FLOAT_TYPES and math.prod(value.shape) > 1
 
@@ -296,20 +333,23 @@ MASK_FLOOR = -1e4
 
 
 def _is_mask(value: KnownValue, readers: set[str]) -> bool:
-    """A stored attention mask, which no framework trains: only added, and holding only zeros and
-    very negative numbers; or only multiplied, and holding only zeros and ones (both present).
+    """A stored attention mask, which no framework trains: only added or selected by Where, and holding
+    only zeros and very negative numbers; or only multiplied (or selected), and holding only zeros and
+    ones (both present).
 
     >>> _is_mask(np.triu(np.full((4, 4), -1e4, dtype=np.float32), 1), {"Add"})
     True
     >>> _is_mask(np.zeros((4,), dtype=np.float32), {"Add"})  # a bias initialised to zero
     False
+    >>> _is_mask(np.triu(np.full((4, 4), -np.inf, dtype=np.float32), 1), {"Where"})
+    True
     """
     if not isinstance(value, np.ndarray):
         return False
-    if readers == {"Add"}:
+    if readers and readers <= {"Add", "Where"}:  # added to the scores, or selected where a condition holds
         hidden = value <= MASK_FLOOR
         return bool(hidden.any() and np.all(hidden | (value == 0)))
-    if readers == {"Mul"}:
+    if readers and readers <= {"Mul", "Where"} and readers != {"Where"}:
         return bool((value == 0).any() and (value == 1).any() and np.all((value == 0) | (value == 1)))
     return False
 
