@@ -45,6 +45,24 @@ class UnknownDimensionError(ModelImportError):
         super().__init__(text)
 
 
+class ComputedDimensionError(UnknownDimensionError):
+    """A size the graph computes at run time from data (``NonZero``, a ``TopK`` whose ``k`` is an input),
+    which no folding of static shapes can know: named by the key ``"TENSOR:AXIS"`` the user binds.
+
+    ``dimension`` is that key; ``op_type`` and ``operator`` name what writes the tensor.
+    """
+
+    def __init__(self, tensor: str, axis: int, op_type: str, operator: str) -> None:
+        self.op_type, self.operator = op_type, operator
+        key = f"{tensor}:{axis}"
+        Exception.__init__(
+            self,
+            f"Tensor {tensor!r} (written by {op_type} {operator!r}) has a size on axis {axis} that is computed"
+            f" from data at run time; bind it with dims={{{key!r}: value}}.",
+        )
+        self.tensor, self.dimension, self.axis = tensor, key, axis
+
+
 class UnknownSymbolError(ModelImportError):
     """A dimension binding names a symbol that no input of the model has."""
 
@@ -83,6 +101,11 @@ class RankTableError(AutoparError):
 
 class TooLargeError(AutoparError):
     """The request would exceed a stated limit (`autopar.limits`): refused before it is built."""
+
+
+class SearchTooLargeError(TooLargeError):
+    """The exact search would sum a table beyond `autopar.limits`; the message ends without advice, which
+    the caller adds once it has tried fewer devices (they need not help: fewer can mean more layouts)."""
 
 
 class InfeasibleError(AutoparError):

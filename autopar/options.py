@@ -172,6 +172,7 @@ class PlanOptions:
     mode: Mode = Mode.AUTO_PARALLEL
     search: SearchAlgorithm = SearchAlgorithm.DP
     frozen: tuple[str, ...] = ()
+    trainable: tuple[str, ...] = ()
     overlap: bool = True
     micro_batches: int | None = None
     fixed: Mapping[str, Sequence[Sequence[int]]] | None = None
@@ -198,6 +199,7 @@ class PlanOptions:
         set_(self, "memory_reserve", memory_reserve_of(self.memory_reserve))
         set_(self, "dims", MappingProxyType(dict(self.dims)))
         set_(self, "frozen", (self.frozen,) if isinstance(self.frozen, str) else tuple(self.frozen))
+        set_(self, "trainable", (self.trainable,) if isinstance(self.trainable, str) else tuple(self.trainable))
         set_(self, "overlap", bool(self.overlap))
         set_(self, "fixed", MappingProxyType(dict(self.fixed)) if self.fixed else None)
         _pipeline_stages(self.pipeline_stages, self.num_devices)

@@ -71,6 +71,7 @@ def build_plain_gpt(
     batch: int = 8,
     tied: bool = False,
     shared_weight: bool = False,
+    shared_layers: bool = False,
     stored: bool = True,
     seed: int = 0,
 ) -> onnx.ModelProto:
@@ -78,6 +79,9 @@ def build_plain_gpt(
 
     ``shared_weight`` applies one trained projection, shared by every layer, to each attention output
     (ALBERT shares its layers' weights): a parameter every copy of the block reads from outside it.
+    ``shared_layers`` is ALBERT itself: every layer's projections use one set of weights, each stored
+    as torch stores a Linear's (out, in) and transposed once before the layers, so every copy reads
+    six Transposes of parameters from outside it.
     """
     g = _Graph(stored, seed)
     head_dim = hidden // heads
@@ -92,6 +96,13 @@ def build_plain_gpt(
     shared = g.weight("shared_weight", [hidden, hidden]) if shared_weight else None
     wte = g.weight("wte", [vocab, hidden])
     x = g.op("Gather", [wte, "ids"], axis=0)
+    sizes = {"q": (hidden, hidden), "k": (hidden, hidden), "v": (hidden, hidden), "o": (hidden, hidden)}
+    sizes |= {"fc": (hidden, 4 * hidden), "proj": (4 * hidden, hidden)}
+    transposed = {
+        name: g.op("Transpose", [g.weight(f"shared.{name}.w", [fan_out, fan_in])], perm=[1, 0])
+        for name, (fan_in, fan_out) in sizes.items()
+        if shared_layers
+    }
     x = g.op("Add", [x, g.weight("wpe", [seq, hidden])])
     for layer in range(layers):
         p = f"h{layer}."
@@ -105,7 +116,8 @@ def build_plain_gpt(
             )
 
         def dense(name: str, t: str, fan_in: int, fan_out: int, p: str = p) -> str:
-            y = g.op("MatMul", [t, g.weight(p + name + ".w", [fan_in, fan_out])])
+            w = transposed[name] if transposed else g.weight(p + name + ".w", [fan_in, fan_out])
+            y = g.op("MatMul", [t, w])
             return g.op("Add", [g.weight(p + name + ".b", [fan_out], 0.0), y])
 
         y = norm("ln1", x)

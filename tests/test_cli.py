@@ -653,3 +653,39 @@ def test_repeated_blocks_fold_into_one_decision_row(capsys, tmp_path):
     rows = out.split("decisions:")[1].split("\n\n")[0].splitlines()
     assert any(" (6 copies) " in row for row in rows)
     assert not any(row.startswith(("layer1.", "layer5.")) for row in rows)  # later copies fold into layer0's rows
+
+
+def test_a_size_computed_from_data_is_bound_with_the_key_the_error_names(capsys, tmp_path):
+    nodes = [
+        helper.make_node("NonZero", ["x"], ["nz"], name="nonzero"),
+        helper.make_node("Cast", ["nz"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Relu", ["f"], ["y"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "data_sized",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    path = tmp_path / "data_sized.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    code, _out, err = run(capsys, "plan", path, "--devices", "2")
+    assert code == 1
+    assert_one_line_error(err)
+    assert "--dim nz:1=VALUE" in err and "unk__" not in err
+    data = plan_json(capsys, path, "--devices", "2", "--dim", "nz:1=5")
+    assert [op["name"] for op in data["ops"]] == ["nonzero", "Cast_1", "relu"]
+
+
+def test_trainable_flag_trains_a_constant_the_import_took_for_a_mask(capsys, tmp_path):
+    from tests.test_graph import _masked_scores
+
+    path = tmp_path / "masked.onnx"
+    onnx.save(_masked_scores("Where"), str(path))
+    synced = [entry["parameter"] for entry in plan_json(capsys, path, "--devices", "2")["gradient_sync"]]
+    assert synced == ["w"]
+    data = plan_json(capsys, path, "--devices", "2", "--trainable", "mask")
+    assert [entry["parameter"] for entry in data["gradient_sync"]] == ["w", "mask"]
+    code, _out, err = run(capsys, "plan", path, "--devices", "2", "--trainable", "nothing")
+    assert code == 1
+    assert_one_line_error(err)

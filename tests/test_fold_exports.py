@@ -176,3 +176,47 @@ def test_hugging_face_export_plans_verify_with_gradients(name):
     report = autopar.verify(path, autopar.plan(path, devices=8), gradients=True)
     assert report.ok, report.problems
     assert report.gradients is not None and report.gradients.checked > 0
+
+
+def _weight_transposes(graph):
+    return [op for op in graph.ops if op.op_type == "Transpose" and graph.tensor(op.inputs[0]).kind == "parameter"]
+
+
+@pytest.mark.usefixtures("fold_short_runs")
+@pytest.mark.parametrize("stored", [True, False])
+@pytest.mark.parametrize("devices", [4, 8])
+def test_layers_sharing_transposed_weights_fold_exactly(devices, stored):
+    """ALBERT: six weights every layer shares, each transposed once before the layers, stored or elided."""
+    model = build_plain_gpt(layers=4, hidden=64, heads=4, seq=16, vocab=128, batch=8, shared_layers=True, stored=stored)
+    graph = load_model(model)
+    transposes = _weight_transposes(graph)
+    assert len(transposes) == 6, "a shared weight's Transpose was folded into a new weight"
+    problem = build_problem(graph, CostModel(profile()), devices)
+    (repeat, _), *_ = problem.folds
+    index = {op.name: op.index for op in graph.ops}
+    assert {index[op.name] for op in transposes} <= set(repeat.shared)
+    assert all(len(problem.node_time[index[op.name]]) == 1 for op in transposes)  # held whole
+    folded, unfolded, ilp = _objectives(graph, devices)
+    assert folded == pytest.approx(unfolded, rel=1e-12)
+    assert unfolded == pytest.approx(ilp, rel=1e-9)
+
+
+@pytest.mark.parametrize("devices", [2, 8, 64])
+def test_a_hugging_face_albert_export_plans_at_every_size(devices):
+    path = DATA / "hf_albert_dynamo.onnx"
+    plan = autopar.plan(path, devices=devices)
+    assert [b["copies"] for b in plan.to_dict()["search"]["repeated_blocks"]] == [6]  # every layer, the first too
+    if devices == 8:
+        pytest.importorskip("torch")
+        assert autopar.verify(path, plan, gradients=True).ok
+
+
+def test_a_search_too_large_names_a_device_count_it_plans_on(monkeypatch):
+    """With the shared Transposes free to split, ALBERT's search is refused; the advice is tried, not assumed."""
+    from autopar.errors import SearchTooLargeError
+    from autopar.search import costing
+
+    monkeypatch.setattr(costing, "_weight_only", lambda graph, rules, shared: [])
+    model = build_plain_gpt(layers=6, hidden=64, heads=4, seq=16, vocab=128, batch=8, shared_layers=True)
+    with pytest.raises(SearchTooLargeError, match=r"it plans on 4 devices\.$"):
+        autopar.plan(model, devices=8)

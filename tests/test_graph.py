@@ -528,3 +528,37 @@ def test_stored_masks_and_shared_tables_are_constants_but_scales_and_shared_weig
     graph = load_model(make_model(nodes, [("X", TensorProto.FLOAT, [2, seq, seq])], ["Y"], inits))
     assert [graph.tensor(name).kind for name in ("causal", "keep", "cos")] == ["constant"] * 3
     assert graph.tensor("scale").trainable and graph.tensor("W").trainable
+
+
+def _masked_scores(reader: str):
+    """Scores x @ w masked by a stored causal mask that ``reader`` (Add or Where) applies."""
+    mask = np.triu(np.full((4, 4), -np.inf, dtype=np.float32), 1)
+    inits = [numpy_helper.from_array(mask, "mask"), numpy_helper.from_array(np.ones((4, 4), np.float32), "w")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["s"], name="mm")]
+    if reader == "Add":
+        nodes.append(helper.make_node("Add", ["s", "mask"], ["y"], name="mask_add"))
+    else:
+        inits.append(numpy_helper.from_array(np.tril(np.ones((4, 4), bool)), "keep"))
+        nodes.append(helper.make_node("Where", ["keep", "s", "mask"], ["y"], name="mask_where"))
+    graph = helper.make_graph(
+        nodes,
+        "masked",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("reader", ["Add", "Where"])
+def test_a_stored_mask_is_not_trained_unless_asked(reader):
+    graph = load_model(_masked_scores(reader))
+    assert graph.tensor("mask").kind == "constant" and graph.tensor("w").trainable
+    forced = load_model(_masked_scores(reader), trainable=["ma*"])
+    assert forced.tensor("mask").kind == "parameter" and forced.tensor("mask").trainable
+
+
+def test_training_a_name_that_is_no_constant_is_an_error():
+    with pytest.raises(ModelImportError, match="'nothing'") as info:
+        load_model(_masked_scores("Add"), trainable=["nothing"])
+    _assert_one_sentence(str(info.value))

@@ -26,7 +26,7 @@ from autopar.errors import (
     ModelImportError,
     RenamedOperatorsWarning,
 )
-from autopar.graph import Graph, freeze, load_model
+from autopar.graph import Graph, freeze, load_model, train
 from autopar.limits import MAX_MICRO_BATCHES
 from autopar.lowering import (
     Plan,
@@ -66,14 +66,19 @@ ModelLike = str | Path | onnx.ModelProto | Graph
 
 
 def model_graph(
-    model: ModelLike, batch: int | None, dims: Mapping[str, int] | None, frozen: Sequence[str] = ()
+    model: ModelLike,
+    batch: int | None,
+    dims: Mapping[str, int] | None,
+    frozen: Sequence[str] = (),
+    trainable: Sequence[str] = (),
 ) -> Graph:
-    """The model as a `Graph` at this batch and these dims, the ``frozen`` parameters not trained."""
-    if isinstance(frozen, str):
-        frozen = [frozen]
+    """The model as a `Graph` at this batch and these dims, the ``frozen`` parameters not trained and
+    the ``trainable`` constants trained."""
+    frozen = [frozen] if isinstance(frozen, str) else list(frozen)
+    trainable = [trainable] if isinstance(trainable, str) else list(trainable)
     if isinstance(model, Graph):
-        return freeze(model, frozen)
-    return load_model(model, batch=batch, dims=dict(dims or {}), frozen=frozen)
+        return freeze(train(model, trainable), frozen)
+    return load_model(model, batch=batch, dims=dict(dims or {}), frozen=frozen, trainable=trainable)
 
 
 def build(
@@ -108,7 +113,7 @@ def build(
 
 def build_with(model: ModelLike, options: PlanOptions) -> SearchProblem:
     """The search problem for a model under checked options."""
-    graph = model_graph(model, options.batch, options.dims, options.frozen)
+    graph = model_graph(model, options.batch, options.dims, options.frozen, options.trainable)
     return build_problem(graph, options.costs(), options.num_devices)
 
 
@@ -123,6 +128,7 @@ def plan(
     precision: Precision | str = Precision.MIXED,
     search: SearchAlgorithm | str = SearchAlgorithm.DP,
     frozen: Sequence[str] = (),
+    trainable: Sequence[str] = (),
     overlap: bool = True,
     rank_table: RankTable | None = None,
     micro_batches: int | None = None,
@@ -137,7 +143,8 @@ def plan(
 
     ``mode`` is MindSpore's parallel mode: ``auto_parallel`` (search), ``data_parallel``
     (split the batch everywhere) or ``stand_alone`` (every operator whole on every device).
-    ``frozen`` names parameters (or shell globs of them) that are not trained; ``overlap=False``
+    ``frozen`` names parameters (or shell globs of them) that are not trained; ``trainable`` float
+    constants the import took for masks or tables (`autopar.graph.build`) to train; ``overlap=False``
     adds every gradient synchronisation to the step instead of hiding it behind the backward.
     ``rank_table`` (MindSpore's rank_table.json, a path or its parsed JSON) gives the device count
     (8 by default without one) and the servers, whose shape re-derives the cost model's link levels.
@@ -163,6 +170,7 @@ def plan(
         precision=precision,
         search=search,
         frozen=frozen,
+        trainable=trainable,
         overlap=overlap,
         micro_batches=micro_batches,
         fixed=fixed,
@@ -182,7 +190,7 @@ def plan_with(model: ModelLike, options: PlanOptions) -> Plan:
     cost = options.costs()
     started = time.perf_counter()
     progress.report("import", 0, 1)
-    graph = model_graph(model, batch, dims, frozen)
+    graph = model_graph(model, batch, dims, frozen, options.trainable)
     step_batch = common_batch(graph)
     imported = time.perf_counter()
     shapes = _Shapes(model, graph, step_batch, options, cost)
@@ -250,7 +258,7 @@ class _Shapes:
                     graph = self.graph
                 else:
                     batch = _micro_batch(self.step_batch, micro_batches, self.graph)
-                    graph = model_graph(self.model, batch, options.dims, options.frozen)
+                    graph = model_graph(self.model, batch, options.dims, options.frozen, options.trainable)
                 problem = build_problem(graph, self.cost, options.num_devices // stages, fixed=options.fixed)
             except (ModelImportError, FixedStrategyError):
                 if key == (1, 1):

@@ -18,6 +18,7 @@ from autopar.cli.commands import COMMANDS
 from autopar.cli.flags import UsageError, build_parser
 from autopar.errors import (
     AutoparError,
+    ComputedDimensionError,
     FixedStrategyError,
     MemoryReserveError,
     UnknownDimensionError,
@@ -66,6 +67,11 @@ _BATCH_NAMES = ("batch", "n", "b", "bs")
 
 def _in_flag_words(exc: AutoparError, dims: dict[str, int]) -> str:
     """The core's sentence, with the flags a command-line user types instead of Python arguments."""
+    if isinstance(exc, ComputedDimensionError):
+        return (
+            f"Tensor {exc.tensor!r} (written by {exc.op_type} {exc.operator!r}) has a size on axis {exc.axis} that is"
+            f" computed from data at run time; bind it with --dim {exc.dimension}=VALUE."
+        )
     if isinstance(exc, UnknownDimensionError) and exc.dimension is not None:
         return (
             f"Tensor {exc.tensor!r} has an unknown dimension {exc.dimension!r}; bind it with"

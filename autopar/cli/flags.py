@@ -41,7 +41,7 @@ def _integer(flag: str, text: str, low: int, high: int) -> int:
 
 
 def _dim_binding(text: str) -> tuple[str, int]:
-    name, sep, value = text.partition("=")
+    name, sep, value = text.rpartition("=")  # a computed size's key names a tensor, which may hold "="
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"--dim expects name=value, got {text!r}")
     return name, _integer(f"--dim {name}", value, 1, MAX_DIMENSION)
@@ -143,7 +143,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="bind a symbolic input dimension (repeatable)",
+        help="bind a symbolic input dimension, or a size computed from data as TENSOR:AXIS=VALUE (repeatable)",
     )
 
 
@@ -216,6 +216,13 @@ def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME",
         help="a parameter not to train (a name or a shell glob such as 'embed.*'; repeatable)",
+    )
+    parser.add_argument(
+        "--trainable",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a float constant to train though the import took it for a mask or table (a name or glob; repeatable)",
     )
     parser.add_argument(
         "--pipeline-stages",

@@ -1,9 +1,9 @@
 """ONNX import: a model file becomes a `Graph` whose every tensor has a known shape and dtype.
 
 The passes, in order (one module each): `read` the file, `bind` the batch and symbolic
-dimensions and infer shapes, `validate` (ONNX's checker, numeric inputs, positive sizes), then
-`build` the graph (constant folding in `fold`, parameters told from constants, FLOPs from the
-operator registry). `types` holds the values they make.
+dimensions, infer shapes folding the chains that compute sizes (`shapes`), `validate` (ONNX's
+checker, numeric inputs, positive sizes), then `build` the graph (constant folding in `fold`,
+parameters told from constants, FLOPs from the operator registry). `types` holds the values they make.
 
 >>> from onnx import TensorProto, helper
 >>> node = helper.make_node("Relu", ["x"], ["y"], name="relu")
@@ -26,11 +26,11 @@ from autopar.graph.bind import (
     check_bindings,
     check_declared_sizes,
     check_reshapes,
-    infer_shapes,
     rebatch_reshapes,
 )
-from autopar.graph.build import build_graph, freeze
+from autopar.graph.build import build_graph, freeze, train
 from autopar.graph.read import read_model
+from autopar.graph.shapes import resolve_shapes, split_computed
 from autopar.graph.types import ElidedValue, Graph, OpNode, TensorInfo, TensorKind
 from autopar.graph.validate import (
     check_data_inputs,
@@ -47,10 +47,13 @@ def load_model(
     batch: int | None = None,
     dims: dict[str, int] | None = None,
     frozen: Iterable[str] = (),
+    trainable: Iterable[str] = (),
 ) -> Graph:
     """Import an ONNX model (a path or a ModelProto) with every shape resolved.
 
-    ``frozen``: names or globs of parameters not to train (`freeze`).
+    ``dims`` binds the inputs' symbolic dimensions, and sizes the graph computes from data by their
+    ``"TENSOR:AXIS"`` key (`shapes`). ``frozen``: names or globs of parameters not to train (`freeze`);
+    ``trainable``: of float constants to train all the same (`train`).
     """
     proto = read_model(model)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
@@ -59,15 +62,16 @@ def load_model(
     declared = declared_types(proto)
     if batch is not None:
         rebatch_reshapes(proto, batch)
-    proto = bind_dimensions(proto, batch, dims or {})
-    proto = infer_shapes(proto)
+    symbols, computed = split_computed(dims or {}, proto)
+    proto = bind_dimensions(proto, batch, symbols)
+    proto = resolve_shapes(proto, computed)
     check_declared_types(proto, declared)
     check_model(proto)
     check_data_inputs(proto)
     check_input_types(proto)
     check_dimensions(proto)
     check_reshapes(proto)
-    return freeze(build_graph(proto, name), frozen)
+    return freeze(train(build_graph(proto, name), trainable), frozen)
 
 
-__all__ = ["ElidedValue", "Graph", "OpNode", "TensorInfo", "TensorKind", "freeze", "load_model"]
+__all__ = ["ElidedValue", "Graph", "OpNode", "TensorInfo", "TensorKind", "freeze", "load_model", "train"]

@@ -13,6 +13,7 @@ import fnmatch
 import graphlib
 import heapq
 import math
+from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
@@ -47,8 +48,11 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
     weighty = {name for name, value in constants.items() if _may_be_weight(value)}
     nodes: list[onnx.NodeProto] = []  # the operators that stay, in the file's order
     graph_outputs = {o.name for o in proto.graph.output}
+    readers = Counter(name for node in proto.graph.node for name in set(node.input) if name)
     for node in proto.graph.node:
         folded = None if set(node.output) & graph_outputs else fold_constant(node, constants, infos, proto)
+        if folded is not None and _shared_from_weight(node, weighty, readers):
+            folded = None
         if folded is not None:
             constants[node.output[0]] = folded
             from_weight = any(name in weighty for name in node.input)
@@ -172,6 +176,55 @@ def freeze(graph: Graph, patterns: Iterable[str]) -> Graph:
     return dataclasses.replace(graph, tensors=tensors)
 
 
+def _shared_from_weight(node: onnx.NodeProto, weighty: set[str], readers: Counter[str]) -> bool:
+    """Whether an operator on a weight stays an operator though its value is known: several operators
+    read its output (ALBERT transposes each shared weight once and every layer reads the Transpose).
+
+    Folded, the result would be a new weight read by every layer, owned by the first and redistributed
+    to the rest; kept, it is the weight's one reader, as it is anyway when the weights are elided
+    (exported to a file not read): the search treats the model alike either way (see
+    `autopar.search.costing._weight_only`).
+    """
+    return node.op_type != "Constant" and any(n in weighty for n in node.input) and readers[node.output[0]] > 1
+
+
+def train(graph: Graph, patterns: Iterable[str]) -> Graph:
+    """The graph with the float constants matching ``patterns`` (names or shell globs) trained.
+
+    The importer's rule (`_constant_roles`) trains a float initializer, or a value folded from one,
+    when some operator reads it as a weight; it does not train one no framework would: a stored
+    attention mask (only added and holding zeros and very negative numbers, or only multiplied and
+    holding zeros and ones), a table several element-wise products or sums read (rotary cos/sin,
+    ALiBi), a one-element scale, values built from integers (a causal mask from Range and Where),
+    a running statistic. This overrides the rule for a tensor the user does train. A pattern matching
+    no float constant of the graph is an error, as a misspelt ``--frozen`` is.
+
+    >>> from autopar.graph.types import TensorInfo
+    >>> g = Graph("g", (), {"m": TensorInfo("m", (2, 2), "float32", "constant")}, (), (), onnx.ModelProto())
+    >>> (train(g, ["m"]).tensor("m").kind, train(g, ["m"]).tensor("m").trainable)
+    ('parameter', True)
+    """
+    patterns = list(patterns)
+    if not patterns:
+        return graph
+    candidates = sorted(
+        name
+        for name, info in graph.tensors.items()
+        if info.is_float and (info.kind == "constant" or (info.kind == "parameter" and not info.trainable))
+    )
+    tensors = dict(graph.tensors)
+    for pattern in patterns:
+        matched = [name for name in candidates if fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            some = ", ".join(repr(name) for name in candidates[:3]) or "none"
+            raise ModelImportError(
+                f"No float constant or untrained parameter of the model matches {pattern!r} to train (it has {some})."
+            )
+        for name in matched:
+            tensors[name] = dataclasses.replace(tensors[name], kind="parameter", trainable=True)
+    return dataclasses.replace(graph, tensors=tensors)
+
+
 def _may_be_weight(value: KnownValue) -> bool:
     return value.dtype in FLOAT_TYPES and math.prod(value.shape) > 1
 
@@ -280,20 +333,23 @@ MASK_FLOOR = -1e4
 
 
 def _is_mask(value: KnownValue, readers: set[str]) -> bool:
-    """A stored attention mask, which no framework trains: only added, and holding only zeros and
-    very negative numbers; or only multiplied, and holding only zeros and ones (both present).
+    """A stored attention mask, which no framework trains: only added or selected by Where, and holding
+    only zeros and very negative numbers; or only multiplied (or selected), and holding only zeros and
+    ones (both present).
 
     >>> _is_mask(np.triu(np.full((4, 4), -1e4, dtype=np.float32), 1), {"Add"})
     True
     >>> _is_mask(np.zeros((4,), dtype=np.float32), {"Add"})  # a bias initialised to zero
     False
+    >>> _is_mask(np.triu(np.full((4, 4), -np.inf, dtype=np.float32), 1), {"Where"})
+    True
     """
     if not isinstance(value, np.ndarray):
         return False
-    if readers == {"Add"}:
+    if readers and readers <= {"Add", "Where"}:  # added to the scores, or selected where a condition holds
         hidden = value <= MASK_FLOOR
         return bool(hidden.any() and np.all(hidden | (value == 0)))
-    if readers == {"Mul"}:
+    if readers and readers <= {"Mul", "Where"} and readers != {"Where"}:
         return bool((value == 0).any() and (value == 1).any() and np.all((value == 0) | (value == 1)))
     return False
 

@@ -77,8 +77,9 @@ def fold_constant(
         return None
     try:
         out_shape, _ = shape_of(node.output[0], infos)
-    except ModelImportError:
-        return None
+    except ModelImportError:  # a size inference could not follow (a shape chain): evaluate, then bound
+        value = _evaluate(node, constants, proto)
+        return value if value is not None and value.size <= FOLD_MAX_ELEMENTS else None
     if math.prod(out_shape) > FOLD_MAX_ELEMENTS:
         return None
     return _evaluate(node, constants, proto)

@@ -21,7 +21,7 @@ import numpy as np
 
 from autopar import progress
 from autopar.cost import CostModel
-from autopar.errors import FixedStrategyError, StrategyError, TooLargeError
+from autopar.errors import FixedStrategyError, SearchTooLargeError, StrategyError, TooLargeError
 from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
@@ -53,43 +53,15 @@ def build_problem(
     and a block holding one is no longer a copy of the others. With ``twins``, twin branches
     (`autopar.search.twins`) are tied: the search takes one candidate for both.
     """
-    mesh_bits = num_devices.bit_length() - 1
-    rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
-    pinned = _pin(rules, fixed or {})
-    flow = Dataflow.of(graph, rules, cost, num_devices, frozenset(pinned))
-    # repeated blocks bound the overlap windows whether or not they are folded, so folding never
-    # changes the objective
-    owner, grad = dict(flow.owner), dict(flow.requires_grad)
-    signature = signatures(graph, flow.uses, owner, grad, flow.kept, set(graph.outputs), pinned)
-    blocks, unfolded = find_repeats(len(rules), flow.uses, signature)
-    repeats = blocks if fold else []
-    copy_of: dict[int, int] = {}  # operators of copies 1.. -> the same operator of copy 0
-    run_of: dict[int, int] = {}  # operators of copy 0 -> their run
-    for index, repeat in enumerate(repeats):
-        for node in repeat.block(0):
-            run_of[node] = index
-        for k in range(1, repeat.copies):
-            for node in repeat.block(k):
-                copy_of[node] = node - k * repeat.period
-                rules[node] = rules[node].with_candidates(rules[copy_of[node]].candidates)
-    flow = dataclasses.replace(flow, rules=tuple(rules))
-    costed = [use for use in flow.uses if use.dst_node not in copy_of]
-    # copy 0 reads the operator before its run where every later copy reads the previous copy's last
-    entry_of = {
-        index: repeats[run_of[use.dst_node]].last(0)
-        for index, use in enumerate(costed)
-        if use.dst_node in run_of and use.src_node == repeats[run_of[use.dst_node]].start - 1
-    }
-    _check_size(flow, costed)
-    every = max(1, len(rules) // 100)
-    costs: list[NodeCosts] = []
-    for node in range(len(rules)):
-        if node % every == 0:
-            progress.report("costing operators", node, len(rules))
-        costs.append(costs[copy_of[node]] if node in copy_of else _node_costs(flow, node))
-    layouts = _Layouts(flow.rules)
-    ties = _twins(flow, costed, layouts, costs, repeats) if twins else {}
-    _check_search(flow.rules, layouts, costed, entry_of, repeats, run_of, ties)
+    planned = _planned(graph, cost, num_devices, fold, fixed, twins)
+    try:
+        planned.check()
+    except SearchTooLargeError as exc:
+        raise SearchTooLargeError(f"{exc}; {_fewer_devices(graph, cost, num_devices, fold, fixed, twins)}.") from None
+    flow, costs, costed, layouts = planned.flow, planned.costs, planned.costed, planned.layouts
+    rules = flow.rules
+    repeats, blocks, unfolded, ties = planned.repeats, planned.blocks, planned.unfolded, planned.ties
+    run_of, copy_of, entry_of = planned.run_of, planned.copy_of, planned.entry_of
     main: list[Factor] = []
     first: list[list[Factor]] = [[] for _ in repeats]
     later: list[list[Factor]] = [[] for _ in repeats]
@@ -134,6 +106,100 @@ def build_problem(
         node_activations=tuple(c.activations for c in costs),
         blocks=tuple(blocks),
     )
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What costing knows before any edge is costed: the operators bound to the mesh, their node
+    costs, the uses to cost, the repeated blocks and the twin ties."""
+
+    flow: Dataflow
+    costs: list[NodeCosts]
+    costed: list[TensorUse]
+    layouts: "_Layouts"
+    repeats: list[Repeat]
+    blocks: list[Repeat]
+    unfolded: list[Any]
+    ties: Mapping[int, int]
+    run_of: dict[int, int]
+    copy_of: dict[int, int]
+    entry_of: dict[int, int]
+
+    def check(self) -> None:
+        """Refuse a search too large to run (`_check_search`), before any edge is costed."""
+        _check_search(self.flow.rules, self.layouts, self.costed, self.entry_of, self.repeats, self.run_of, self.ties)
+
+
+def _planned(
+    graph: Graph,
+    cost: CostModel,
+    num_devices: int,
+    fold: bool,
+    fixed: Mapping[str, Sequence[Sequence[int]]] | None,
+    twins: bool,
+) -> _Planned:
+    mesh_bits = num_devices.bit_length() - 1
+    rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
+    pinned = _pin(rules, fixed or {})
+    flow = Dataflow.of(graph, rules, cost, num_devices, frozenset(pinned))
+    # repeated blocks bound the overlap windows whether or not they are folded, so folding never
+    # changes the objective
+    owner, grad = dict(flow.owner), dict(flow.requires_grad)
+    signature = signatures(graph, flow.uses, owner, grad, flow.kept, set(graph.outputs), pinned)
+    blocks, unfolded = find_repeats(len(rules), flow.uses, signature)
+    repeats = blocks if fold else []
+    copy_of: dict[int, int] = {}  # operators of copies 1.. -> the same operator of copy 0
+    run_of: dict[int, int] = {}  # operators of copy 0 -> their run
+    for node in _weight_only(graph, rules, [u for block in blocks for u in block.shared]):  # folded or not
+        if node not in pinned:
+            rules[node] = rules[node].with_candidates([(0,) * len(rules[node].spec.label_order)])
+    for index, repeat in enumerate(repeats):
+        for node in repeat.block(0):
+            run_of[node] = index
+        for k in range(1, repeat.copies):
+            for node in repeat.block(k):
+                copy_of[node] = node - k * repeat.period
+                rules[node] = rules[node].with_candidates(rules[copy_of[node]].candidates)
+    flow = dataclasses.replace(flow, rules=tuple(rules))
+    costed = [use for use in flow.uses if use.dst_node not in copy_of]
+    # copy 0 reads the operator before its run where every later copy reads the previous copy's last
+    entry_of = {
+        index: repeats[run_of[use.dst_node]].last(0)
+        for index, use in enumerate(costed)
+        if use.dst_node in run_of and use.src_node == repeats[run_of[use.dst_node]].start - 1
+    }
+    _check_size(flow, costed)
+    every = max(1, len(rules) // 100)
+    costs: list[NodeCosts] = []
+    for node in range(len(rules)):
+        if node % every == 0:
+            progress.report("costing operators", node, len(rules))
+        costs.append(costs[copy_of[node]] if node in copy_of else _node_costs(flow, node))
+    layouts = _Layouts(flow.rules)
+    ties = _twins(flow, costed, layouts, costs, repeats) if twins else {}
+    return _Planned(flow, costs, costed, layouts, repeats, blocks, unfolded, ties, run_of, copy_of, entry_of)
+
+
+def _fewer_devices(
+    graph: Graph,
+    cost: CostModel,
+    num_devices: int,
+    fold: bool,
+    fixed: Mapping[str, Sequence[Sequence[int]]] | None,
+    twins: bool,
+) -> str:
+    """Advice for a search refused at ``num_devices``: the largest smaller power of two it plans on, tried
+    (up to the search's own check) rather than assumed, since fewer devices can also mean more layouts
+    (a dimension split fewer ways keeps more of them apart)."""
+    devices = num_devices // 2
+    while devices >= 1:
+        try:
+            _planned(graph, cost, devices, fold, fixed, twins).check()
+        except TooLargeError:
+            devices //= 2
+            continue
+        return f"it plans on {devices:,} device{'s' if devices > 1 else ''}"
+    return "no smaller number of devices plans either; the data_parallel mode needs no search"
 
 
 @dataclass(frozen=True)
@@ -245,6 +311,26 @@ def _compose(
         arrays.recompute_memory.update(freed)
         arrays.recompute_share.update(share)
     return arrays
+
+
+def _weight_only(graph: Graph, rules: Sequence[OpRule], shared: Sequence[int]) -> list[int]:
+    """The shared operators of a folded run that read parameters and constants alone (ALBERT's one
+    Transpose of each weight every layer shares): each is held whole, its one candidate replication.
+
+    Every copy of the run reads the shared operators' outputs, so the copies' chain is solved once
+    per joint layout of them all: ten layouts of each of ALBERT's six shared weights at 8 devices
+    are a million joint states, beyond any exact search. An operator on weights alone does the same
+    work whatever the batch, and a copy that wants its output split slices it locally at no cost
+    (its gradient coming back as the slice's dual); held whole, it leaves the copies nothing to
+    condition on but their boundary, as a constant does. The search stays exact over every other
+    choice; the shared weight itself is stored, and its gradient synchronised, as replication says.
+    """
+    found = []
+    for node in shared:
+        inputs = [name for name in rules[node].op.inputs if name]
+        if inputs and all(graph.tensor(name).kind in ("parameter", "constant") for name in inputs):
+            found.append(node)
+    return found
 
 
 def _pin(rules: list[OpRule], fixed: Mapping[str, Sequence[Sequence[int]]]) -> dict[int, tuple[int, ...]]:

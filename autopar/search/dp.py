@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar import progress
-from autopar.errors import TooLargeError
+from autopar.errors import SearchTooLargeError, TooLargeError
 from autopar.limits import MAX_TABLE_ENTRIES, MAX_TABLE_LEFT, WORKERS
 
 TIE_BREAK_FRACTION = 1e-9
@@ -231,10 +231,10 @@ class Elimination:
                 entries *= counts[u]
             left = entries // max(counts[v], 1)
             if entries > MAX_TABLE_ENTRIES or left > MAX_TABLE_LEFT:
-                raise TooLargeError(
+                raise SearchTooLargeError(
                     f"The search would sum a table of {entries:,} entries and keep one of {left:,} (limits"
                     f" {MAX_TABLE_ENTRIES:,} and {MAX_TABLE_LEFT:,}): the model's operators have too many"
-                    " candidate layouts on this many devices; use fewer devices."
+                    " candidate layouts on this many devices"
                 )
             largest = max(largest, entries)
             work_done += entries

@@ -1,0 +1,159 @@
+"""Write the small Hugging Face exports the tests plan and verify: models the project did not write.
+
+Usage: python tests/data/make_exports.py [--out tests/data] [--only albert,t5,swin]
+
+Needs torch, onnxscript and transformers (not autopar's dependencies; the tests use the files
+kept here and never run this). Each model is built from a random-initialised configuration of its
+family with a seed, given its training loss, and exported by torch 2.13:
+
+- ``hf_albert_dynamo.onnx``: ALBERT masked LM, 6 layers sharing one set of weights (dynamo): each
+  shared weight is transposed once and that Transpose is read by every layer.
+- ``hf_t5_legacy.onnx``: T5 encoder-decoder with its loss (legacy; dynamo fails on it): an Expand
+  whose shape is computed with Where/Equal, which ONNX's inference leaves unknown.
+- ``hf_swin_legacy.onnx``: Swin image classifier with windows of 4 (legacy): window pad sizes
+  computed at run time (Shape -> Mod -> Pad).
+
+Parameters (float initializers that are not buffers) go to an external file that is not kept:
+autopar reads their shapes only, and verification draws random values. Node doc strings and the
+dynamo exporter's stack traces are dropped; its layer names are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# tests/ holds modules named like packages this script imports (torch_gpt, ...): keep them out of the way
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+BATCH = 4
+SEQ = 16
+
+
+def _albert():
+    import torch
+    import transformers as hf
+
+    config = hf.AlbertConfig(
+        vocab_size=256,
+        embedding_size=32,
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
+    config._attn_implementation = "eager"
+    model = hf.AlbertForMaskedLM(config)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, labels=labels).loss
+
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    return WithLoss(), (ids, ids), ["ids", "labels"]
+
+
+def _t5():
+    import torch
+    import transformers as hf
+
+    config = hf.T5Config(
+        vocab_size=128,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    model = hf.T5ForConditionalGeneration(config)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, labels=labels, use_cache=False).loss
+
+    ids = torch.randint(1, config.vocab_size, (BATCH, SEQ))
+    return WithLoss(), (ids, ids), ["ids", "labels"]
+
+
+def _swin():
+    import torch
+    import transformers as hf
+
+    config = hf.SwinConfig(
+        image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10
+    )
+    model = hf.SwinForImageClassification(config)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.model(pixel_values=pixels, labels=labels).loss
+
+    return WithLoss(), (torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,))), ["pixels", "labels"]
+
+
+KEPT_METADATA = {"pkg.torch.onnx.name_scopes"}  # the layer names a plan shows; stack traces are dropped
+FAMILIES = {"albert": (_albert, True), "t5": (_t5, False), "swin": (_swin, False)}
+
+
+def export(kind: str, out: Path) -> Path:
+    import math
+
+    import onnx
+    import torch
+    from onnx.external_data_helper import set_external_data
+
+    build, dynamo = FAMILIES[kind]
+    torch.manual_seed(0)
+    module, args, names = build()
+    module.eval()
+    path = out / f"hf_{kind}_{'dynamo' if dynamo else 'legacy'}.onnx"
+    if dynamo:
+        torch.onnx.export(module, args, str(path), dynamo=True, input_names=names)
+    else:
+        torch.onnx.export(module, args, str(path), dynamo=False, input_names=names, opset_version=17)
+    proto = onnx.load(str(path))
+    for node in proto.graph.node:
+        node.doc_string = ""
+        kept = [(p.key, p.value) for p in node.metadata_props if p.key in KEPT_METADATA]
+        del node.metadata_props[:]
+        for key, value in kept:
+            node.metadata_props.add(key=key, value=value)
+    buffers = {name for name, _ in module.named_buffers()}
+    for tensor in proto.graph.initializer:
+        if tensor.name not in buffers and tensor.data_type == onnx.TensorProto.FLOAT and math.prod(tensor.dims) > 1:
+            set_external_data(tensor, path.name + ".weights")
+    onnx.save(proto, str(path))
+    for stray in (path.parent / (path.name + ".weights"), path.parent / (path.name + ".data")):
+        stray.unlink(missing_ok=True)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    parser.add_argument("--only", default=",".join(FAMILIES))
+    args = parser.parse_args()
+    for kind in args.only.split(","):
+        path = export(kind, args.out)
+        print(f"{path}: {path.stat().st_size:,} bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Shape chains folded at import (`autopar.graph.shapes`): exporters' size arithmetic, and sizes from data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper, shape_inference
+
+from autopar.errors import ComputedDimensionError, ModelImportError
+from autopar.graph import load_model
+from autopar.graph.shapes import resolve_shapes, split_computed
+
+
+def _model(nodes, inputs, output="y", initializers=()):
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(name, elem, shape) for name, elem, shape in inputs],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)],
+        initializer=list(initializers),
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _const(name, values):
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(values, np.int64)))
+
+
+def _left_unknown(model, tensor):
+    """Whether ONNX's own inference (with data propagation) leaves a size of ``tensor`` unknown."""
+    inferred = shape_inference.infer_shapes(model, data_prop=True)
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+        if vi.name == tensor:
+            dims = vi.type.tensor_type.shape.dim
+            return not vi.type.tensor_type.HasField("shape") or any(not d.HasField("dim_value") for d in dims)
+    return True
+
+
+def _expanded_by_where(batch="N"):
+    """T5's pattern (legacy export): row ids expanded to a shape written as Where(Equal(shape, -1), 1, shape)."""
+    nodes = [
+        _const("two", [2]),
+        helper.make_node("ConstantOfShape", ["two"], ["ones"], value=numpy_helper.from_array(np.ones(1, np.int64))),
+        _const("minus", -1),
+        helper.make_node("Mul", ["ones", "minus"], ["minus_ones"]),
+        _const("wanted", [2, 8]),
+        helper.make_node("Equal", ["wanted", "minus_ones"], ["is_minus"]),
+        helper.make_node("Where", ["is_minus", "ones", "wanted"], ["target"]),
+        _const("rows", [[0], [1]]),
+        helper.make_node("Expand", ["rows", "target"], ["ids"], name="expand"),
+        helper.make_node("Cast", ["ids"], ["bias"], to=TensorProto.FLOAT),
+        helper.make_node("Add", ["x", "bias"], ["h"]),
+        helper.make_node("MatMul", ["h", "w"], ["y"], name="mm"),
+    ]
+    init = [numpy_helper.from_array(np.ones((8, 4), np.float32), "w")]
+    return _model(nodes, [("x", TensorProto.FLOAT, [batch, 2, 8])], initializers=init)
+
+
+def _padded_to_windows(batch="N"):
+    """Swin's pattern (legacy export): pad the height to a multiple of the window, sizes from Shape."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        _const("one", [1]),
+        helper.make_node("Gather", ["shape", "one"], ["height"], axis=0),
+        _const("window", [4]),
+        helper.make_node("Mod", ["height", "window"], ["rest"]),
+        helper.make_node("Sub", ["window", "rest"], ["short"]),
+        helper.make_node("Mod", ["short", "window"], ["pad"]),
+        _const("zeros", [0, 0, 0]),
+        _const("zero", [0]),
+        helper.make_node("Concat", ["zeros", "zero", "pad", "zero"], ["pads"], axis=0),
+        helper.make_node("Pad", ["x", "pads"], ["padded"], name="pad", mode="constant"),
+        helper.make_node("MatMul", ["padded", "w"], ["y"], name="mm"),
+    ]
+    init = [numpy_helper.from_array(np.ones((3, 5), np.float32), "w")]
+    return _model(nodes, [("x", TensorProto.FLOAT, [batch, 6, 3])], initializers=init)
+
+
+def test_an_expand_shaped_by_where_plans_without_a_flag():
+    assert _left_unknown(_expanded_by_where(batch=2), "bias")  # what ONNX alone leaves, every input bound
+    bound = load_model(_expanded_by_where(), batch=2)
+    assert bound.tensor("bias").shape == (2, 8)
+    assert bound.tensor("y").shape == (2, 2, 4)
+    assert [op.op_type for op in bound.ops] == ["Add", "MatMul"]  # the chain is folded away
+
+
+def test_pad_sizes_computed_from_the_shape_are_folded():
+    assert _left_unknown(_padded_to_windows(batch=2), "padded")
+    bound = load_model(_padded_to_windows(), batch=2)
+    assert bound.tensor("padded").shape == (2, 8, 3)
+    assert bound.tensor("y").shape == (2, 8, 5)
+    assert [op.op_type for op in bound.ops] == ["Pad", "MatMul"]
+
+
+def test_a_model_whose_sizes_inference_knows_is_left_as_it_was():
+    nodes = [  # a flatten whose target ONNX's data propagation follows
+        helper.make_node("Shape", ["x"], ["shape"]),
+        _const("first", [0]),
+        helper.make_node("Gather", ["shape", "first"], ["batch"], axis=0),
+        _const("rest", [-1]),
+        helper.make_node("Concat", ["batch", "rest"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    model = _model(nodes, [("x", TensorProto.FLOAT, [2, 3, 4])])
+    resolved = resolve_shapes(onnx.ModelProto.FromString(model.SerializeToString()), {})
+    assert [n.SerializeToString() for n in resolved.graph.node] == [n.SerializeToString() for n in model.graph.node]
+
+
+def _nonzero():
+    nodes = [
+        helper.make_node("NonZero", ["x"], ["nz"], name="nonzero"),
+        helper.make_node("Cast", ["nz"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Relu", ["f"], ["y"], name="relu"),
+    ]
+    return _model(nodes, [("x", TensorProto.FLOAT, [4, 8])])
+
+
+def test_a_size_from_data_is_named_by_a_key_the_user_can_bind():
+    with pytest.raises(ComputedDimensionError) as info:
+        load_model(_nonzero())
+    message = str(info.value)
+    assert "dims={'nz:1': value}" in message and "NonZero" in message and "unk__" not in message
+    assert message.count(". ") == 0 and message.endswith(".")
+    assert load_model(_nonzero(), dims={"nz:1": 5}).tensor("y").shape == (2, 5)
+
+
+@pytest.mark.parametrize(
+    "key, words", [("nz:0", "not computed at run time"), ("nz:7", "has 2 axes"), ("other:1", "no such symbolic")]
+)
+def test_a_computed_binding_that_names_no_unknown_size_is_refused(key, words):
+    with pytest.raises(ModelImportError, match=words):
+        load_model(_nonzero(), dims={"nz:1": 5, key: 3})
+
+
+def test_an_input_symbol_is_never_taken_for_a_computed_size():
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [("x", TensorProto.FLOAT, ["a:1", 4])])
+    assert split_computed({"a:1": 2}, model) == ({"a:1": 2}, {})
+    assert load_model(model, dims={"a:1": 2}).tensor("y").shape == (2, 4)
+
+
+def test_an_unbound_input_symbol_is_asked_for_before_any_computed_size():
+    model = _expanded_by_where()
+    with pytest.raises(ModelImportError, match="'N'"):
+        load_model(model)
+
+
+# --- exports the project did not write (tests/data/make_exports.py) -------------------------------
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.mark.parametrize("name", ["hf_t5_legacy", "hf_swin_legacy"])
+def test_hugging_face_exports_with_computed_shapes_plan_and_verify_with_no_flag(name):
+    """T5's Expand shaped by Where, Swin's window pads from Shape -> Mod -> Pad: static once folded."""
+    import autopar
+
+    pytest.importorskip("torch")
+    graph = load_model(DATA / f"{name}.onnx")
+    assert all(isinstance(d, int) for t in graph.tensors.values() for d in t.shape)
+    plan = autopar.plan(DATA / f"{name}.onnx", devices=4)
+    report = autopar.verify(DATA / f"{name}.onnx", plan, gradients=True)
+    assert report.ok, report.problems
