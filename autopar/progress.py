@@ -32,7 +32,7 @@ UNITS = {  # what each phase's done/total count
     "costing operators": "operators",
     "costing redistributions": "layout pairs",
     "search": "elimination steps",
-    "micro-batches": "micro-batches",
+    "pipeline shapes": "shapes (stages x micro-batches)",
     "lowering": "plans",
     "comparisons": "plans",
     "sweep": "device counts",

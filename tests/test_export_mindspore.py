@@ -30,7 +30,9 @@ def optimizer_plan():
     from autopar.cost import HardwareProfile
 
     profile = HardwareProfile.model_validate(simple_profile_dict(928))
-    plan = autopar.plan(two_matmul_chain(batch=16, d_in=8, d_hidden=16, d_out=4), devices=4, cost_model=profile)
+    model = two_matmul_chain(batch=16, d_in=8, d_hidden=16, d_out=4)
+    # one stage over the whole batch: micro-batches and pipeline stages are other ways to fit
+    plan = autopar.plan(model, devices=4, cost_model=profile, pipeline_stages=1, micro_batches=1)
     assert plan.file.memory_plan.parallel_optimizer == ["W1", "W2"]
     return plan
 

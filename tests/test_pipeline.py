@@ -209,3 +209,33 @@ def test_the_cli_takes_stages_micro_batches_and_cuts(tmp_path, capsys):
     assert code == 1 and "'nosuch'" in err and err.count("\n") == 1
     code, _, err = run_cli(capsys, *argv, "--pipeline-stages", "4", "--stage-starts", "mm2")
     assert code == 1 and "stage" in err
+
+
+def test_the_mindspore_export_records_each_operator_s_stage_and_the_others_refuse(tmp_path):
+    from autopar.export.mindspore import strategy_map
+
+    plan = autopar.plan(
+        chain(), devices=2, cost_model=simple(), pipeline_stages=2, micro_batches=4, stage_starts=["mm2"]
+    )
+    message = strategy_map(plan.file)
+    assert {item.node_name: item.parallel_strategys.stage for item in message.parallel_strategy_item} == {
+        "mm1": 0,
+        "relu": 0,
+        "mm2": 1,
+    }
+    written = autopar.export_plan(plan, "mindspore", tmp_path / "chain.ckpt")
+    snippet = next(path for path in written if path.suffix == ".py").read_text()
+    assert "pipeline_stages=2" in snippet and "micro_size=4" in snippet
+    for to in ("dtensor", "jax", "onnx"):
+        with pytest.raises(autopar.AutoparError, match="does not express pipeline stages"):
+            autopar.export_plan(plan, to, tmp_path / f"chain.{to}")
+
+
+def test_the_report_draws_the_1f1b_schedule():
+    plan = autopar.plan(
+        chain(), devices=2, cost_model=simple(), pipeline_stages=2, micro_batches=4, stage_starts=["mm2"]
+    )
+    page = plan._repr_html_()
+    schedule = page[page.index("id='schedule'") :].split("</section>")[0]
+    assert schedule.count("forward of micro-batch") == 2 * 4 and schedule.count("backward of micro-batch") == 2 * 4
+    assert "20.0% of each stage's step" in schedule

@@ -156,6 +156,7 @@ def sweep(
             "devices": count,
             "global_batch": step_batch,
             "replicated": degrees(found.file).replicated,
+            "pipeline_stages": degrees(found.file).pipeline,
             "step_time_s": step,
             "samples_per_s": samples,
             "scaling_efficiency": samples / count / base[1],

@@ -234,14 +234,17 @@ class _Shapes:
     than the best plan found is not searched, nor, once the whole batch's fastest one-stage plan fits
     as it is, one stage over micro-batches (gradient accumulation): the same strategies over the whole
     batch do each micro-batch's work at once, at sizes no less efficient, and pay each collective's
-    latency once, so micro-batches pay only where memory binds."""
+    latency once, so micro-batches pay only where memory binds. Stages are searched where memory binds
+    the one-stage plans (the case they are for: the model's state or activations do not fit as they
+    are), or where the options ask for them; elsewhere one stage stands, so a model that fits keeps
+    today's plan and its planning time."""
 
     def __init__(
         self, model: ModelLike, graph: Graph, step_batch: int | None, options: PlanOptions, cost: CostModel
     ) -> None:
         self.model, self.graph, self.step_batch, self.options, self.cost = model, graph, step_batch, options, cost
         self.costing_s = self.search_s = 0.0
-        self._problems: dict[tuple[int, int], SearchProblem] = {}
+        self._problems: dict[tuple[int, int], SearchProblem | None] = {}
         single = self.problem(1, 1)
         assert single is not None  # the whole batch on every device: its errors are the user's
         self.single = single
@@ -253,18 +256,19 @@ class _Shapes:
         if key not in self._problems:
             started = time.perf_counter()
             options = self.options
+            built: SearchProblem | None
             try:
                 if micro_batches == 1:
                     graph = self.graph
                 else:
                     batch = _micro_batch(self.step_batch, micro_batches, self.graph)
                     graph = model_graph(self.model, batch, options.dims, options.frozen, options.trainable)
-                problem = build_problem(graph, self.cost, options.num_devices // stages, fixed=options.fixed)
+                built = build_problem(graph, self.cost, options.num_devices // stages, fixed=options.fixed)
             except (ModelImportError, FixedStrategyError):
                 if key == (1, 1):
                     raise
-                problem = None
-            self._problems[key] = problem
+                built = None
+            self._problems[key] = built
             self.costing_s += time.perf_counter() - started
         return self._problems[key]
 
@@ -300,6 +304,8 @@ class _Shapes:
                 continue  # no plan of this shape can be faster
             if shape.stages == 1 and options.micro_batches is None and self._fits_whole(best):
                 continue  # one stage's fastest plan fits: micro-batches only repeat its work at smaller sizes
+            if shape.stages > 1 and options.pipeline_stages is None and self._memory_free(best):
+                continue  # stages are searched where memory binds one stage (or asked for)
             problem = self.problem(shape.stages, shape.micro_batches)
             if problem is None:
                 continue
@@ -325,6 +331,17 @@ class _Shapes:
             best is not None
             and best.pipeline is None
             and best.found.choices == NO_MEMORY_CHOICES
+            and not best.found.lagrange_multiplier
+        )
+
+    @staticmethod
+    def _memory_free(best: _Searched | None) -> bool:
+        """The best plan so far is one stage's and memory did not bind it (micro-batches aside)."""
+        return (
+            best is not None
+            and best.pipeline is None
+            and not best.found.choices.sharded
+            and not best.found.choices.recompute
             and not best.found.lagrange_multiplier
         )
 

@@ -5,10 +5,11 @@
 * ``OUT`` (``{model}_strategy.ckpt`` by default): the protobuf ``ParallelStrategyMap`` of MindSpore's
   ``node_strategy.proto`` (`autopar.export.node_strategy_pb2`), the file MindSpore reads with
   ``set_auto_parallel_context(strategy_ckpt_config={"load_file": ...})``. One
-  ``ParallelStrategyItem`` per operator: the ONNX node's name, stage 0, and one ``ParallelStrategy``
-  per input holding the plan's in_strategy unchanged. One ``ParallelLayoutItem`` per parameter
-  (trainable ones from the plan's gradient sync; with the model, the untrained ones too, by the
-  importer's rule: frozen weights, BatchNorm's running statistics): ``dev_matrix``, ``tensor_map``,
+  ``ParallelStrategyItem`` per operator: the ONNX node's name, its pipeline stage (0 without stages),
+  and one ``ParallelStrategy`` per input holding the plan's in_strategy unchanged. One
+  ``ParallelLayoutItem`` per parameter (trainable ones from the plan's gradient sync; with the model,
+  the untrained ones too, by the importer's rule: frozen weights, BatchNorm's running statistics):
+  ``dev_matrix``, ``tensor_map``,
   ``field`` 0, an empty ``param_split_shape`` / ``indices_offset`` (autopar has no manual field
   split), and ``opt_weight_shard_size`` / ``opt_weight_shard_step`` from the parallel optimizer
   (0 / 0 where it does not split the parameter, as MindSpore writes).
@@ -262,9 +263,10 @@ def parameter_layouts(plan: PlanFile, model: onnx.ModelProto | None = None) -> l
 def strategy_map(plan: PlanFile, model: onnx.ModelProto | None = None) -> Any:
     """The plan as a ``ParallelStrategyMap`` message (`autopar.export.node_strategy_pb2`)."""
     message = pb.ParallelStrategyMap(current_stage=0)
+    stage_of = plan.stage_of
     for op in plan.ops:
         item = message.parallel_strategy_item.add(node_name=op.name)
-        item.parallel_strategys.stage = 0
+        item.parallel_strategys.stage = stage_of[op.name]
         for split in op.strategy:
             item.parallel_strategys.parallel_strategy.add().dim.extend(split)
     for param in parameter_layouts(plan, model):
@@ -367,6 +369,18 @@ def _calls(op: OpEntry, var: str, node: onnx.NodeProto | None, weights: dict[str
     return lines
 
 
+def _pipeline_comment(plan: PlanFile) -> list[str]:
+    """How the plan's stages map onto MindSpore's: each Cell's ``pipeline_stage``, and the micro-batches."""
+    if plan.pipeline is None:
+        return []
+    lines = [
+        "# pipeline: set each Cell's pipeline_stage to the stage of its operators, and wrap the network as",
+        f"# nn.PipelineCell(net, micro_size={plan.pipeline.micro_batches}); the stages start at:",
+    ]
+    lines += [f"#   stage {i}: {stage.first_op} .. {stage.last_op}" for i, stage in enumerate(plan.pipeline.stages)]
+    return lines
+
+
 def snippet(plan: PlanFile, model: onnx.ModelProto | None = None, checkpoint: str = "strategy.ckpt") -> str:
     """The plan as a Python module of MindSpore primitives with their ``shard()`` strategies."""
     nodes = {node.name: node for node in model.graph.node} if model is not None else {}
@@ -394,7 +408,9 @@ def snippet(plan: PlanFile, model: onnx.ModelProto | None = None, checkpoint: st
         "import mindspore as ms",
         "from mindspore import ops",
         "",
-        f'# ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num={plan.devices})',
+        f'# ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num={plan.devices}'
+        + (f", pipeline_stages={len(plan.pipeline.stages)})" if plan.pipeline else ")"),
+        *_pipeline_comment(plan),
         "",
     ]
     tail = ["", "# ONNX node name -> its sharded primitive", "SHARDED = {"]

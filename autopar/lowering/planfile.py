@@ -431,6 +431,17 @@ class PlanFile(_OmitsUnset):
         return {op.name: tuple(tuple(s) for s in op.strategy) for op in self.ops}
 
     @property
+    def stage_of(self) -> dict[str, int]:
+        """Each operator's pipeline stage, in graph order (0 for all without stages): a stage runs from its
+        first operator up to the next stage's."""
+        starts = {stage.first_op: index for index, stage in enumerate(self.pipeline.stages)} if self.pipeline else {}
+        found, stage = {}, 0
+        for op in self.ops:
+            stage = starts.get(op.name, stage)
+            found[op.name] = stage
+        return found
+
+    @property
     def mesh(self) -> Mesh:
         """The mesh the plan was made for, as its file lists it (link names and bits, no speeds)."""
         if self.devices != 1 << self.mesh_bits:

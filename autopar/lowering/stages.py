@@ -156,3 +156,47 @@ def within_stages(entries: list[_Entry], problem: SearchProblem, pipeline: Pipel
         return entries
     stage = {problem.rules[node].op.name: i for i, s in enumerate(pipeline.stages) for node in range(s.first, s.last)}
     return [e for e in entries if stage[e.producer] == stage.get(e.consumer, stage[e.producer])]
+
+
+def one_f_one_b(stages: int, micro_batches: int, forward: float, backward: float) -> list[list[tuple[str, int, float]]]:
+    """The 1F1B schedule of ``stages`` alike stages: per stage, its (``"F"`` or ``"B"``, micro-batch, start)
+    in the order it runs them (each forward lasts ``forward``, each backward ``backward``).
+
+    Stage i first runs min(S - i - 1, M) forwards, then alternates one forward and one backward, then
+    drains its backwards; a forward waits for the stage before, a backward for the stage after.
+
+    >>> [[(kind, m) for kind, m, _ in row] for row in one_f_one_b(2, 2, 1.0, 2.0)]
+    [[('F', 0), ('F', 1), ('B', 0), ('B', 1)], [('F', 0), ('B', 0), ('F', 1), ('B', 1)]]
+    >>> max(start for row in one_f_one_b(2, 4, 1.0, 2.0) for _, _, start in row) + 2.0 == (4 + 2 - 1) * 3.0
+    True
+    """
+    orders = []
+    for stage in range(stages):
+        warm = min(stages - stage - 1, micro_batches)
+        order = [("F", m) for m in range(warm)]
+        for m in range(micro_batches - warm):
+            order += [("F", warm + m), ("B", m)]
+        order += [("B", m) for m in range(micro_batches - warm, micro_batches)]
+        orders.append(order)
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * stages
+    position = [0] * stages
+    starts: list[list[tuple[str, int, float]]] = [[] for _ in range(stages)]
+    while any(position[i] < len(orders[i]) for i in range(stages)):
+        for stage in range(stages):
+            if position[stage] == len(orders[stage]):
+                continue
+            kind, m = orders[stage][position[stage]]
+            if kind == "F":
+                needs = [("F", m, stage - 1)] if stage else []
+            else:
+                needs = [("B", m, stage + 1)] if stage < stages - 1 else [("F", m, stage)]
+            if any(need not in done for need in needs):
+                continue
+            start = max([free[stage], *(done[need] for need in needs)])
+            end = start + (forward if kind == "F" else backward)
+            done[(kind, m, stage)] = end
+            free[stage] = end
+            starts[stage].append((kind, m, start))
+            position[stage] += 1
+    return starts

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from autopar.cost.mesh import Mesh
 from autopar.lowering import PlanFile
 from autopar.lowering.axes import logical_axes
+from autopar.lowering.stages import one_f_one_b
 from autopar.report.figures import fold_groups, incoming_seconds, level_traffic, timeline_phases
 from autopar.report.format import escape, memory_against_usable, ms
 from autopar.units import human_bytes
@@ -268,6 +269,51 @@ def timeline_section(data: PlanFile, forward_s: float | None, recompute_s: float
         f"<ul class='legend'>{legend}</ul><p class='note'>Phases are summed, not drawn in the order events"
         f" happen (communication interleaves with compute). {escape(note)} The hidden gradient sync runs beside the"
         " backward pass and adds nothing to the step.</p>"
+    )
+
+
+def schedule_section(data: PlanFile) -> str:
+    """A pipelined plan's 1F1B schedule: stages over time, every micro-batch's forward and backward, the
+    bubble left white (drawn with each stage at the slowest stage's pace, a backward twice a forward)."""
+    pipe = data.pipeline
+    if pipe is None:
+        return "<p class='note'>One stage: no pipeline.</p>"
+    stages, micro = len(pipe.stages), pipe.micro_batches
+    slowest = max(stage.step_time_s for stage in pipe.stages)
+    per_micro_batch = (data.totals.pipeline_bubble_s or 0.0) / max(1, stages - 1) if stages > 1 else slowest
+    forward, backward = per_micro_batch / 3, 2 * per_micro_batch / 3
+    rows = one_f_one_b(stages, micro, forward, backward)
+    end = max((start + (forward if kind == "F" else backward) for row in rows for kind, _, start in row), default=0.0)
+    width, height = 640, 22
+    scale = width / end if end > 0 else 0.0
+    parts = []
+    for index, row in enumerate(rows):
+        y = 10 + index * (height + 6)
+        parts.append(f"<text x='0' y='{y + 15}' font-size='12'>stage {index}</text>")
+        for kind, m, start in row:
+            span = (forward if kind == "F" else backward) * scale
+            colour = COLOURS["forward" if kind == "F" else "backward"]
+            parts.append(
+                f"<rect x='{90 + start * scale:.2f}' y='{y}' width='{span:.2f}' height='{height}' fill='{colour}'"
+                f" stroke='#fff'><title>stage {index}: {'forward' if kind == 'F' else 'backward'} of micro-batch"
+                f" {m}</title></rect>"
+            )
+            if span > 16:
+                parts.append(
+                    f"<text x='{90 + start * scale + span / 2:.2f}' y='{y + 15}' text-anchor='middle' font-size='10'"
+                    f" fill='#fff'>{m}</text>"
+                )
+    total = 10 + stages * (height + 6) + 10
+    legend = (
+        f"<li><span class='swatch' style='background:{COLOURS['forward']}'></span>forward</li>"
+        f"<li><span class='swatch' style='background:{COLOURS['backward']}'></span>backward</li>"
+    )
+    return (
+        f"<svg width='{90 + width + 20}' height='{total}' role='img' aria-label='pipeline schedule'>{''.join(parts)}"
+        f"</svg><ul class='legend'>{legend}</ul><p class='note'>{stages} stages x {micro} micro-batches under"
+        f" {escape(pipe.schedule)}: the white is the bubble, {pipe.bubble_fraction:.1%} of each stage's step"
+        f" ({ms(data.totals.pipeline_bubble_s or 0.0)}). Every stage is drawn at the slowest stage's pace,"
+        " a backward twice a forward; the gradient sync follows each stage's last backward.</p>"
     )
 
 

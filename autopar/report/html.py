@@ -28,7 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.lowering import Plan, PlanFile
-from autopar.report.charts import COLOURS, costliest_section, memory_section, mesh_section, timeline_section
+from autopar.report.charts import (
+    COLOURS,
+    costliest_section,
+    memory_section,
+    mesh_section,
+    schedule_section,
+    timeline_section,
+)
 from autopar.report.figures import (
     AXES,
     AXIS_TITLES,
@@ -67,12 +74,23 @@ __all__ = [
     "warnings_of",
 ]
 
-SECTIONS = ("summary", "strategy-map", "mesh", "timeline", "costliest", "memory", "why", "collectives")
+SECTIONS = (
+    "summary",
+    "strategy-map",
+    "mesh",
+    "timeline",
+    "schedule",
+    "costliest",
+    "memory",
+    "why",
+    "collectives",
+)
 TITLES = {
     "summary": "Summary",
     "strategy-map": "Strategy map",
     "mesh": "Device mesh",
     "timeline": "One step",
+    "schedule": "Pipeline schedule",
     "costliest": "Costliest operators",
     "memory": "Memory per device",
     "why": "Why not data parallel",
@@ -181,6 +199,7 @@ def report_html(
         "strategy-map": strategy_map_section(plan),
         "mesh": mesh_section(plan),
         "timeline": timeline_section(plan, forward_s, recompute_s),
+        "schedule": schedule_section(plan),
         "costliest": costliest_section(plan),
         "memory": memory_section(plan),
         "why": why_section(plan, dp),

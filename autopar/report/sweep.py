@@ -34,7 +34,7 @@ def sweep_table(points: Sequence[dict[str, Any]]) -> str:
     """One line per device count (its global batch, and how often each shard is computed); notes under it."""
     header = (
         f"{'devices':>8}  {'batch':>9}  {'step ms':>10}  {'samples/s':>12}  {'scaling':>8}  {'MFU':>6}"
-        f"  {'memory/device':>13}  {'repeats':>8}  memory plan"
+        f"  {'memory/device':>13}  {'repeats':>8}  {'stages':>10}  memory plan"
     )
     lines = [header, "-" * len(header)]
     for point in points:
@@ -43,17 +43,25 @@ def sweep_table(points: Sequence[dict[str, Any]]) -> str:
         if point.get("error"):
             lines.append(
                 f"{point['devices']:>8}  {'-':>9}  {'-':>10}  {'-':>12}  {'-':>8}  {'-':>6}  {'-':>13}  {'-':>8}"
-                "  refused"
+                f"  {'-':>10}  refused"
             )
             continue
         lines.append(
             f"{point['devices']:>8}  {shown:>9}  {point['step_time_s'] * 1e3:>10.3f}  {point['samples_per_s']:>12,.1f}"
             f"  {point['scaling_efficiency']:>8.3f}  {point['mfu']:>6.1%}"
-            f"  {human_bytes(point['memory_per_device_bytes']):>13}  {_repeats(point):>8}  {_relief(point)}"
+            f"  {human_bytes(point['memory_per_device_bytes']):>13}  {_repeats(point):>8}  {_stages(point):>10}"
+            f"  {_relief(point)}"
         )
     notes = [f"{point['devices']} devices: {point['warning']}" for point in points if point.get("warning")]
     notes += [f"{point['devices']} devices: {point['error']}" for point in points if point.get("error")]
     return "\n".join(lines + ([""] if notes else []) + notes) + "\n"
+
+
+def _stages(point: dict[str, Any]) -> str:
+    """Pipeline stages x micro-batches where the plan pipelines ("1" where it does not): where pipelining pays."""
+    stages = int(point.get("pipeline_stages", 1))
+    micro = (point.get("memory_plan") or {}).get("micro_batches", 1)
+    return f"{stages} x {micro} mb" if stages > 1 else "1"
 
 
 def _repeats(point: dict[str, Any]) -> str:

@@ -442,7 +442,7 @@ class _StageSearch:
         if hit is not None and (hit[1] is not None or math.isinf(hit[0]) or hit[0] >= beat):
             return hit
         stage = stage_problem(self.problem, first, last, self.shape, index)
-        floor = sum(_least(stage, node) for node in range(stage.size))
+        floor = _stage_floor(stage)
         if floor >= beat:
             self.found[key] = (floor, None)
             return floor, None
@@ -552,6 +552,28 @@ def _least(problem: SearchProblem, node: int, slots: int = 1) -> float:
         alternative = problem.sharded[node]
         arrays.append((alternative.time, alternative.sync))
     return max(0.0, min(float(np.min(slots * (time - once) + once)) for time, once in arrays))
+
+
+def _stage_floor(stage: SearchProblem) -> float:
+    """A lower bound on a stage's time: each operator at its least cost counting, per candidate, the least
+    each edge into it costs (every edge counted once, at its last operator), memory and recomputation
+    aside."""
+    extra: list[np.ndarray | float] = [0.0] * stage.size
+    least: dict[int, np.ndarray] = {}  # per factor table: its minimum over every axis but the last operator's
+    for factor, scope in stage._all_factors():
+        at = int(np.argmax(scope))
+        key = id(factor.table) * 8 + at
+        if key not in least:
+            axes = tuple(axis for axis in range(factor.table.ndim) if axis != at)
+            least[key] = factor.table.min(axis=axes) if axes else factor.table
+        extra[scope[at]] = extra[scope[at]] + least[key][factor.maps[at]]
+    total = 0.0
+    for node in range(stage.size):
+        arrays = [stage.node_time[node]]
+        if node in stage.sharded:
+            arrays.append(stage.sharded[node].time)
+        total += min(float(np.min(time + extra[node])) for time in arrays)
+    return max(total, 0.0)
 
 
 def _assemble(search: _StageSearch, bounds: Sequence[int], bound: float) -> PipelineResult | None:
