@@ -421,21 +421,20 @@ class _StageSearch:
 
         def what(use: TensorUse) -> tuple:
             info = graph.tensor(use.tensor)
-            return (info.kind, info.shape, info.dtype, self.problem.requires_grad.get(use.tensor, False))
+            grad = self.problem.requires_grad.get(use.tensor, False)
+            return (info.kind, info.shape, info.dtype, grad, use.tensor in self.problem.kept)
 
         into = tuple(sorted((u.dst_node - first, u.dst_slot, *what(u)) for u in crossings.into))
         out = tuple(sorted((u.src_node - first, u.src_slot, u.src_is_output, *what(u)) for u in crossings.out))
-        place = (
-            self.shape.in_flight(index),
-            index > 0 and stage_link_bit(0, index - 1, index),
-            index < self.shape.stages - 1 and stage_link_bit(0, index, index + 1),
-        )
+        receives = stage_link_bit(0, index - 1, index) if index > 0 else None
+        sends = stage_link_bit(0, index, index + 1) if index < self.shape.stages - 1 else None
+        place = (self.shape.in_flight(index), receives, sends)
         return (tuple(self.classes[first:last]), into, out, place)
 
     def time(self, first: int, last: int, index: int, beat: float = math.inf) -> tuple[float, SearchResult | None]:
         """The stage's time per step and plan (infinite and None when nothing fits). A stage whose lower
-        bound (each operator's least cost, edges free) is no faster than ``beat`` is not searched: its
-        bound comes back, with no plan."""
+        bound (`_stage_floor`) is no faster than ``beat`` is not searched: its bound comes back, with no
+        plan."""
         crossings = _crossings(self.problem, first, last)
         key = self._key(first, last, index, crossings)
         hit = self.found.get(key)
