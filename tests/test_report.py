@@ -131,7 +131,7 @@ def test_the_page_is_well_formed_and_self_contained(case):
 def test_every_section_is_there(case):
     _, _, page = case
     parsed = parse(page)
-    assert [i for i in parsed.ids if i in SECTIONS] == list(SECTIONS)
+    assert [i for i in parsed.ids if i in SECTIONS] == [key for key in SECTIONS if key != "schedule"]  # one stage
     assert parsed.headings == [
         "Summary",
         "Strategy map",
@@ -332,7 +332,7 @@ def test_jupyter_shows_the_report(resnet):
     assert "autopar plan: resnet50 on 8 devices" in fragment and "<!doctype" not in fragment
     parsed = parse(fragment)
     assert parsed.problems == [] and parsed.stack == []
-    assert [i for i in parsed.ids if i in SECTIONS] == list(SECTIONS)
+    assert [i for i in parsed.ids if i in SECTIONS] == [key for key in SECTIONS if key != "schedule"]
 
 
 def test_the_cli_writes_the_page_and_says_where(capsys, tmp_path, monkeypatch):

@@ -49,7 +49,6 @@ from autopar.search.driver import (
     parameter_state_bytes,
     run_search,
 )
-from autopar.search.memory import NO_MEMORY_CHOICES
 from autopar.search.pipeline import (
     ONE_STAGE,
     PipelineResult,
@@ -325,25 +324,20 @@ class _Shapes:
         return best
 
     @staticmethod
-    def _fits_whole(best: _Searched | None) -> bool:
-        """The best plan so far is one stage's, over the whole batch, and memory did not bind it."""
-        return (
-            best is not None
-            and best.pipeline is None
-            and best.found.choices == NO_MEMORY_CHOICES
-            and not best.found.lagrange_multiplier
-        )
-
-    @staticmethod
     def _memory_free(best: _Searched | None) -> bool:
-        """The best plan so far is one stage's and memory did not bind it (micro-batches aside)."""
+        """The best plan so far is one stage's and memory did not bind it: the fastest plan fit as it was (no
+        memory weight, no recomputation; a parallel optimizer taken because it is faster does not count)."""
         return (
             best is not None
             and best.pipeline is None
-            and not best.found.choices.sharded
             and not best.found.choices.recompute
             and not best.found.lagrange_multiplier
         )
+
+    @classmethod
+    def _fits_whole(cls, best: _Searched | None) -> bool:
+        """`_memory_free`, over the whole batch (one micro-batch)."""
+        return cls._memory_free(best) and best is not None and best.found.choices.micro_batches == 1
 
     def _search_shape(self, problem: SearchProblem, shape: PipelineShape, bound: float) -> _Searched | None:
         """The best plan of one shape (None: nothing fits, or nothing faster than ``bound``)."""

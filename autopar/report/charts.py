@@ -277,7 +277,7 @@ def schedule_section(data: PlanFile) -> str:
     bubble left white (drawn with each stage at the slowest stage's pace, a backward twice a forward)."""
     pipe = data.pipeline
     if pipe is None:
-        return "<p class='note'>One stage: no pipeline.</p>"
+        raise ValueError("a plan without pipeline stages has no schedule to draw")
     stages, micro = len(pipe.stages), pipe.micro_batches
     slowest = max(stage.step_time_s for stage in pipe.stages)
     per_micro_batch = (data.totals.pipeline_bubble_s or 0.0) / max(1, stages - 1) if stages > 1 else slowest

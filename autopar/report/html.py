@@ -199,14 +199,15 @@ def report_html(
         "strategy-map": strategy_map_section(plan),
         "mesh": mesh_section(plan),
         "timeline": timeline_section(plan, forward_s, recompute_s),
-        "schedule": schedule_section(plan),
+        "schedule": schedule_section(plan) if plan.pipeline is not None else "",
         "costliest": costliest_section(plan),
         "memory": memory_section(plan),
         "why": why_section(plan, dp),
         "collectives": collectives_section(plan),
     }
-    nav = "".join(f"<a href='#{key}'>{TITLES[key]}</a>" for key in SECTIONS)
-    sections = "".join(f"<section id='{key}'><h2>{TITLES[key]}</h2>{bodies[key]}</section>" for key in SECTIONS)
+    shown = [key for key in SECTIONS if key != "schedule" or plan.pipeline is not None]  # stages: their schedule
+    nav = "".join(f"<a href='#{key}'>{TITLES[key]}</a>" for key in shown)
+    sections = "".join(f"<section id='{key}'><h2>{TITLES[key]}</h2>{bodies[key]}</section>" for key in shown)
     search = plan.search
     fragment = (
         f"<div class='autopar-report autopar-scoped'><h1>{escape(title)}</h1><nav>{nav}</nav>"
