@@ -293,7 +293,7 @@ class _Shapes:
     def search(self) -> _Searched:
         options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
         if parameter_state_bytes(self.single) / options.num_devices > self.cost.capacity:
-            run_search(self.single, mode, algorithm)  # nothing can fit: its sentence says how many devices would
+            run_search(self.single, mode, algorithm, options.recompute)  # nothing can fit: its sentence says so
         floor = compute_floor(self.single)
         best: _Searched | None = None
         shapes = self.shapes()
@@ -316,28 +316,23 @@ class _Shapes:
             if searched is not None and (best is None or searched.time_s < best.time_s * (1 - 1e-12)):
                 best = searched
         if best is None:
-            run_search(self.single, mode, algorithm)  # raises when the one-stage plan does not fit: its sentence
-            raise InfeasibleError(  # says what does not fit and how many devices would hold it
+            run_search(self.single, mode, algorithm, options.recompute)  # raises when one stage does not fit: its
+            raise InfeasibleError(  # sentence says what does not fit and how many devices would hold it
                 f"No plan with the pipeline stages and micro-batches asked for fits in device memory on"
                 f" {options.num_devices} devices; leave them to the search."
             )
         return best
 
-    @staticmethod
-    def _memory_free(best: _Searched | None) -> bool:
+    def _memory_free(self, best: _Searched | None) -> bool:
         """The best plan so far is one stage's and memory did not bind it: the fastest plan fit as it was (no
-        memory weight, no recomputation; a parallel optimizer taken because it is faster does not count)."""
-        return (
-            best is not None
-            and best.pipeline is None
-            and not best.found.choices.recompute
-            and not best.found.lagrange_multiplier
-        )
+        memory weight, no recomputation the search chose; a parallel optimizer taken because it is faster,
+        or recomputation the options ask for, does not count)."""
+        chose_recompute = best is not None and best.found.choices.recompute and self.options.recompute is None
+        return best is not None and best.pipeline is None and not chose_recompute and not best.found.lagrange_multiplier
 
-    @classmethod
-    def _fits_whole(cls, best: _Searched | None) -> bool:
+    def _fits_whole(self, best: _Searched | None) -> bool:
         """`_memory_free`, over the whole batch (one micro-batch)."""
-        return cls._memory_free(best) and best is not None and best.found.choices.micro_batches == 1
+        return self._memory_free(best) and best is not None and best.found.choices.micro_batches == 1
 
     def _search_shape(self, problem: SearchProblem, shape: PipelineShape, bound: float) -> _Searched | None:
         """The best plan of one shape (None: nothing fits, or nothing faster than ``bound``)."""
