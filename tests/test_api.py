@@ -285,7 +285,7 @@ def test_to_dict_round_trips_through_json_resnet50(resnet_plan):
     data = resnet_plan.to_dict()
     again = json.loads(json.dumps(data, allow_nan=False))
     assert again == data
-    assert data["schema"] == "autopar.plan/2"
+    assert data["schema"] == "autopar.plan/3"
     assert [op["name"] for op in data["ops"]] == list(resnet_plan.strategies)
     for entry in data["ops"]:
         assert [tuple(s) for s in entry["strategy"]] == list(resnet_plan.strategies[entry["name"]])

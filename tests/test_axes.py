@@ -24,7 +24,7 @@ def test_a_data_by_tensor_plan_has_two_axes_that_agree_with_its_degrees():
 
 
 def test_bits_no_operator_uses_are_the_replicated_axis():
-    plan = autopar.plan("models/resnet50.onnx", devices=512)  # a batch of 256: every pair repeats
+    plan = autopar.plan("models/resnet50.onnx", devices=512, mode="data_parallel")  # a batch of 256: pairs repeat
     axes = logical_axes(plan.file)
     assert [axis.name for axis in axes] == ["replicated", "data"]
     assert axes[0].size == plan.degrees.replicated == 2 and _product(axes) == 512

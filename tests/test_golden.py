@@ -51,14 +51,30 @@ def test_megatron_cost_by_hand(profile):
 
 
 def test_row_split_then_gather_cost_by_hand(profile):
-    # mm1 data parallel, mm2 replicated: Y (4x16 FP16 = 128 B) is all-gathered forward and
-    # reduce-scattered backward (Y needs a gradient); only W1's gradient is AllReduced
+    # mm1 data parallel, mm2 replicated: Y (4x16 FP16 = 128 B) is all-gathered forward; mm2 computes
+    # the whole dY on both devices, so the way back is a local slice (free); only W1's gradient is
+    # AllReduced
     strategies = {"mm1": ((2, 1), (1, 1)), "mm2": ((1, 1), (1, 1))}
     gather = 1e-6 + 128 / 2 / 1e9  # (g-1) * (alpha + out_bytes / g / bw), g = 2
     compute = (1024 / 2 / 1e12) * 2 + (512 / 1e12) * 3
-    expected = compute + allreduce_one_bit(256, True) + 2 * gather
+    expected = compute + allreduce_one_bit(256, True) + gather
     got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile, overlap=False)
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_partial_gradient_goes_back_as_one_reduce_scatter(profile):
+    # mm1 data parallel, mm2 splits its columns: Y (4x16 FP16 = 128 B) is all-gathered forward; mm2's
+    # dY comes out whole in shape but partial over bit 0, and one ReduceScatter (g = 2, 128 B in) both
+    # sums it and gives each device its rows, as the runtime runs it: no AllReduce, then no dual
+    strategies = {"mm1": ((2, 1), (1, 1)), "mm2": ((1, 1), (1, 2))}
+    gather = 1e-6 + 128 / 2 / 1e9
+    reduce_scatter = 1e-6 + 128 / 2 / 1e9  # (g-1) * (alpha + in_bytes / g / bw)
+    expected = COMPUTE + allreduce_one_bit(256, True) + gather + reduce_scatter  # W2 split: no sync
+    got = autopar.evaluate(two_matmul_chain(), 2, strategies, cost_model=profile, overlap=False)
+    assert got == pytest.approx(expected, rel=1e-12)
+    plan = autopar.plan(two_matmul_chain(), devices=2, cost_model=profile, mode="semi_auto_parallel", fixed=strategies)
+    (path,) = plan.to_dict()["gradients"]
+    assert [step["collective"] for step in path["steps"]] == ["ReduceScatter"]
 
 
 def test_search_picks_the_cheapest_hand_worked_plan(profile):

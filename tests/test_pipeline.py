@@ -202,7 +202,7 @@ def test_the_cli_takes_stages_micro_batches_and_cuts(tmp_path, capsys):
     code, out, err = run_cli(capsys, *argv, "--pipeline-stages", "2", "--micro-batches", "4", "--stage-starts", "mm2")
     assert code == 0, err
     data = json.loads(out)
-    assert data["schema"] == "autopar.plan/2" and len(data["pipeline"]["stages"]) == 2
+    assert data["schema"] == "autopar.plan/3" and len(data["pipeline"]["stages"]) == 2
     code, _, err = run_cli(capsys, *argv, "--pipeline-stages", "3")
     assert code == 2 and "power of two" in err
     code, _, err = run_cli(capsys, *argv, "--stage-starts", "nosuch")

@@ -86,7 +86,7 @@ def test_searched_plan_is_no_worse_than_data_parallel(graph, devices):
 
 def test_plan_dict_schema(plan8):
     data = plan8.to_dict()
-    assert data["schema"] == "autopar.plan/2"
+    assert data["schema"] == "autopar.plan/3"
     assert data["devices"] == 8 and data["cost_model"] == "ascend910" and data["model"] == "resnet50"
     op = data["ops"][0]
     assert {"name", "op_type", "strategy", "inputs", "outputs", "cost"} <= set(op)

@@ -186,8 +186,10 @@ def test_axis_kinds_come_from_the_layouts(resnet, gpt):
     _, data = resnet
     ops = {op["name"]: op for op in data["ops"]}
     assert axis_splits(ops["layer1.0.conv1"], image=True) == ({"batch": 8}, 8)
-    assert axis_splits(ops["fc"], image=True) == ({"batch": 4, "contraction": 2}, 8)  # ((4,2),(1,2),(1,))
-    assert axis_splits(ops["loss.mean"], image=True)[0] == {"batch": 8}  # a full reduction keeps its kind
+    assert axis_splits(ops["fc"], image=True) == ({"batch": 4, "channels/hidden": 2}, 8)  # ((4,1),(2,1),(2,))
+    data_parallel = autopar.plan(RESNET50, devices=8, mode="data_parallel").to_dict()
+    mean = next(op for op in data_parallel["ops"] if op["name"] == "loss.mean")
+    assert axis_splits(mean, image=True)[0] == {"batch": 8}  # a full reduction keeps its kind
     _, data = gpt
     ops = {op["name"]: op for op in data["ops"]}
     assert axis_splits(ops["embed.tok"], image=False) == ({"channels/hidden": 2}, 2)  # the table's hidden dim
@@ -258,7 +260,7 @@ def test_the_mesh_reads_as_levels_at_8_and_1024_devices():
         assert mesh.count("<rect") < 60  # levels and groups, not one box per device
         assert "groups of 8" in mesh and f"groups of {devices:,}" in mesh
         assert "bit 2: data" in mesh
-    assert "replicated 4 x data 256" in mesh and "&#8230;" in mesh and "128 units of 8" in mesh
+    assert "replicated 4 x data 128 x tensor 2" in mesh and "&#8230;" in mesh and "128 units of 8" in mesh
 
 
 def test_the_costliest_operators_are_a_chart(resnet):
@@ -293,7 +295,7 @@ def test_collectives_read_as_sentences(resnet):
     page = report_html(data)
     section = page.split("<section id='collectives'>")[1].split("</section>")[0]
     assert "AllReduce of the gradient of conv1.weight over 8 devices (HCCS+PCIe), 18.82 KB" in section
-    assert "ReduceScatter of logits over 2 devices (HCCS), 128.00 KB" in section
+    assert "ReduceScatter of the gradient of flatten over 2 devices (HCCS), 262.14 KB" in section
     mesh = page.split("<section id='mesh'>")[1].split("</section>")[0]
     assert "HCCS" in mesh and "PCIe" in mesh and "<svg" in mesh
 

@@ -80,23 +80,24 @@ def test_random_candidate_assignments_train_correctly(name, tiny_resnet):
     assert phases == {"forward", "backward", "sync"}
 
 
-def test_megatron_gpt_trains_with_the_backward_allreduce_where_the_plan_lists_it(megatron_strategies):
+def test_megatron_gpt_trains_with_the_backward_reduce_scatter_where_the_plan_lists_it(megatron_strategies):
     model = small_gpt()
     plan = _plan(model, megatron_strategies)
-    reduced = sorted(
+    scattered = sorted(
         (entry.consumer, entry.tensor)
         for entry in plan.file.gradients
-        if [step.collective for step in entry.steps] == ["AllReduce"]
+        if [(step.collective, step.group_size) for step in entry.steps] == [("ReduceScatter", MEGATRON_DEVICES)]
     )
-    # Megatron's f: the block input is read whole by the column-split projections; its gradient is summed
+    # Megatron's f under sequence parallelism: the block input, split by sequence, is gathered whole for
+    # the column-split projections; their gradients come back partial and are reduce-scattered
     for layer in range(2):
         for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1"):
-            assert any(consumer == f"layer{layer}.{name}" for consumer, _ in reduced), (layer, name)
+            assert any(consumer == f"layer{layer}.{name}" for consumer, _ in scattered), (layer, name)
     report = autopar.verify(model, plan, gradients=True)
     assert report.ok, report.problems
     backward = report.collectives["executed"]["backward"]
     assert backward == report.collectives["planned"]["backward"]
-    assert backward[f"AllReduce over {MEGATRON_DEVICES}"]["count"] == len(reduced)
+    assert backward[f"ReduceScatter over {MEGATRON_DEVICES}"]["count"] == len(scattered)
 
 
 def test_megatron_gpt_on_eight_processes(megatron_strategies):

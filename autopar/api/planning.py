@@ -53,10 +53,12 @@ from autopar.search.pipeline import (
     ONE_STAGE,
     PipelineResult,
     PipelineShape,
+    StagePlan,
     compute_floor,
     cut_points,
     search_stages,
     shape_floor,
+    stage_problem,
 )
 from autopar.search.problem import SearchProblem
 from autopar.strategy import OpRule
@@ -233,7 +235,9 @@ class _Shapes:
     than the best plan found is not searched, nor, once the whole batch's fastest one-stage plan fits
     as it is, one stage over micro-batches (gradient accumulation): the same strategies over the whole
     batch do each micro-batch's work at once, at sizes no less efficient, and pay each collective's
-    latency once, so micro-batches pay only where memory binds. Stages are searched where memory binds
+    latency once, so micro-batches pay only where memory binds; for the same reason no one-stage plan
+    over M' micro-batches is faster than the fastest one (memory aside) over M micro-batches where M
+    divides M', so such a shape is skipped once that bound cannot win. Stages are searched where memory binds
     the one-stage plans (the case they are for: the model's state or activations do not fit as they
     are), or where the options ask for them; elsewhere one stage stands, so a model that fits keeps
     today's plan and its planning time."""
@@ -244,6 +248,7 @@ class _Shapes:
         self.model, self.graph, self.step_batch, self.options, self.cost = model, graph, step_batch, options, cost
         self.costing_s = self.search_s = 0.0
         self._problems: dict[tuple[int, int], SearchProblem | None] = {}
+        self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
         single = self.problem(1, 1)
         assert single is not None  # the whole batch on every device: its errors are the user's
         self.single = single
@@ -303,6 +308,8 @@ class _Shapes:
                 continue  # no plan of this shape can be faster
             if shape.stages == 1 and options.micro_batches is None and self._fits_whole(best):
                 continue  # one stage's fastest plan fits: micro-batches only repeat its work at smaller sizes
+            if best is not None and shape.stages == 1 and self._fewer_micro_batches_win(shape, best.time_s):
+                continue  # a divisor's fastest plan, memory aside, does not beat the best: nor does this shape
             if shape.stages > 1 and options.pipeline_stages is None and self._memory_free(best):
                 continue  # stages are searched where memory binds one stage (or asked for)
             problem = self.problem(shape.stages, shape.micro_batches)
@@ -322,6 +329,12 @@ class _Shapes:
                 f" {options.num_devices} devices; leave them to the search."
             )
         return best
+
+    def _fewer_micro_batches_win(self, shape: PipelineShape, best_s: float) -> bool:
+        """Some micro-batch count dividing ``shape``'s had no plan faster than ``best_s``, memory aside."""
+        return any(
+            m != shape.micro_batches and shape.micro_batches % m == 0 and t >= best_s for m, t in self._fastest.items()
+        )
 
     def _memory_free(self, best: _Searched | None) -> bool:
         """The best plan so far is one stage's and memory did not bind it: the fastest plan fit as it was (no
@@ -345,7 +358,22 @@ class _Shapes:
                 if len(self.shapes()) == 1:
                     raise
                 return None
+            if found.fastest_s is not None:
+                self._fastest[shape.micro_batches] = found.fastest_s
             return _Searched(problem, found, None, problem.objective(found.choice, found.choices))
+        if shape.stages == 1:  # gradient accumulation: the whole model as one stage over the micro-batches
+            stage = stage_problem(problem, 0, problem.size, shape, 0)
+            try:
+                found = run_search(stage, mode, algorithm, options.recompute)
+            except InfeasibleError:
+                return None
+            if found.fastest_s is not None:
+                self._fastest[shape.micro_batches] = found.fastest_s
+            seconds = stage.objective(found.choice, found.choices)
+            if seconds >= bound:
+                return None
+            whole = PipelineResult(shape, (StagePlan(0, problem.size, found, seconds),))
+            return _Searched(problem, _joined(whole, time.perf_counter() - started), None, seconds, shape)
         starts = _stage_starts(problem, options.stage_starts) if options.stage_starts else None
         result = search_stages(problem, shape, mode, algorithm, starts, bound, options.recompute)
         if result is None:

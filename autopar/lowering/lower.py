@@ -33,7 +33,7 @@ from autopar.lowering.planfile import (
     TensorLayout,
     Totals,
 )
-from autopar.redistribute import BACKWARD_DUAL, Collective, Step, redistribute
+from autopar.redistribute import Collective, Step, redistribute
 from autopar.search.dataflow import TensorUse
 from autopar.search.driver import data_parallel_choice
 from autopar.search.memory import NO_MEMORY_CHOICES, MemoryChoices
@@ -97,29 +97,15 @@ def redistributions(problem: SearchProblem, choice: Sequence[int]) -> list[Redis
     for node, rule in enumerate(problem.rules):
         for name, layout in zip(rule.op.outputs, rule.candidate_layouts(choice[node])[1]):
             if name in outputs and layout is not None and layout.partial:
-                found.append(
-                    _redistribution(
-                        problem, name, rule.op.name, GRAPH_OUTPUT, layout, Layout(layout.dims), backward=False
-                    )
-                )
+                found.append(_redistribution(problem, name, rule.op.name, GRAPH_OUTPUT, layout, Layout(layout.dims)))
     return found
 
 
 def _redistribution(
-    problem: SearchProblem, tensor: str, producer: str, consumer: str, src: Layout, dst: Layout, backward: bool = True
+    problem: SearchProblem, tensor: str, producer: str, consumer: str, src: Layout, dst: Layout
 ) -> Redistribution:
-    steps, forward, backward_s = problem.redistribution(tensor, src, dst)
-    cost = problem.cost
-    entries = []
-    for step, entry in zip(steps, _collective_steps(problem, steps)):
-        dual = BACKWARD_DUAL[step.kind] if backward and problem.requires_grad.get(tensor, False) else None
-        entries.append(
-            StepEntry(
-                **entry.model_dump(),
-                backward=dual,
-                backward_seconds=rounded(cost.collective_time(dual, step.bits, step.nbytes)) if dual else 0.0,
-            )
-        )
+    steps, seconds = problem.redistribution(tensor, src, dst)
+    entries = [StepEntry(**entry.model_dump()) for entry in _collective_steps(problem, steps)]
     return Redistribution(
         tensor=tensor,
         producer=producer,
@@ -127,7 +113,7 @@ def _redistribution(
         from_=LayoutEntry.of(src),
         to=LayoutEntry.of(dst),
         steps=entries,
-        seconds=rounded(forward + (backward_s if backward else 0.0)),
+        seconds=rounded(seconds),
     )
 
 

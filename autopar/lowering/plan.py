@@ -2,7 +2,7 @@
 
 A plan is one search result on one problem. Its plan file (`Plan.file`, typed; `to_dict`,
 `to_json`) lists every operator's strategy and layouts, every redistribution, each
-parameter's gradient synchronisation, totals and, when pipelined, the stages (schema "autopar.plan/2");
+parameter's gradient synchronisation, totals and, when pipelined, the stages (schema "autopar.plan/3");
 its program
 (`Plan.program`) is what the verifiers run. Exporters read the file (`autopar.api.export_plan`).
 """
@@ -245,7 +245,7 @@ class Plan:
         return self.to_dict()["gradient_sync"]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe plan (schema autopar.plan/2); a fresh copy each call."""
+        """JSON-safe plan (schema autopar.plan/3); a fresh copy each call."""
         return self.file.dump()
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -34,8 +34,11 @@ from autopar.errors import AutoparError, PlanFileError, first_problem
 from autopar.layout import Layout, ReduceOp
 from autopar.redistribute import Collective, Step
 
-SCHEMA = "autopar.plan/2"
-READABLE_SCHEMAS = ("autopar.plan/1", SCHEMA)  # version 1: the same, without pipeline stages
+SCHEMA = "autopar.plan/3"
+# version 2: each redistribution step also named the dual collective the search charged for its
+# backward (version 3 charges and lists the gradient's own way back, under "gradients");
+# version 1: version 2 without pipeline stages
+READABLE_SCHEMAS = ("autopar.plan/1", "autopar.plan/2", SCHEMA)
 GRAPH_OUTPUT = "<graph output>"  # the consumer named by the reduction of a partial graph output
 
 
@@ -99,10 +102,12 @@ class CollectiveStep(_OmitsUnset):
 
 
 class StepEntry(CollectiveStep):
-    """One collective of a forward redistribution, and the dual the search charged for its backward."""
+    """One collective of a forward redistribution (files of schema version 2 or older also name the
+    dual the search then charged for its backward)."""
 
-    backward: Collective | None = Field(description="the dual collective the search charged for the gradient, if any")
-    backward_seconds: NonNegativeFloat
+    _omit: ClassVar[tuple[str, ...]] = (*CollectiveStep._omit, "backward", "backward_seconds")
+    backward: Collective | None = Field(default=None, description="version 2 or older: the dual charged")
+    backward_seconds: NonNegativeFloat | None = Field(default=None, description="version 2 or older")
 
 
 class TensorLayout(_Part):
@@ -112,7 +117,7 @@ class TensorLayout(_Part):
 
 class OpCost(_Part):
     compute_s: NonNegativeFloat
-    communication_s: float = Field(description="gradient sync, backward AllReduce and partial outputs it owns")
+    communication_s: float = Field(description="gradient sync and partial graph outputs it owns")
     memory_bytes: NonNegativeInt
 
 
@@ -383,7 +388,7 @@ class PlanFile(_OmitsUnset):
 
     _omit: ClassVar[tuple[str, ...]] = ("pipeline",)
     model_config = ConfigDict(json_schema_extra={"title": "autopar plan", "$id": SCHEMA})
-    schema_: Literal["autopar.plan/1", "autopar.plan/2"] = Field(alias="schema")
+    schema_: Literal["autopar.plan/1", "autopar.plan/2", "autopar.plan/3"] = Field(alias="schema")
     model: str
     devices: PositiveInt
     mesh_bits: NonNegativeInt

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autopar.cost.mesh import Mesh
-from autopar.lowering import GRAPH_OUTPUT, PlanFile, read_plan_file
+from autopar.lowering import GRAPH_OUTPUT, SCHEMA, PlanFile, read_plan_file
 from autopar.lowering.advice import plan_warnings
 from autopar.lowering.decisions import AXES, IMAGE_OPS, axis_splits, is_image_model
 from autopar.lowering.decisions import fold_groups as _fold_groups
@@ -123,8 +123,12 @@ def level_traffic(plan: PlanLike) -> list[dict[str, Any]]:
         for step in red.steps:
             if step.collective == "Slice":
                 continue
-            both = 2 if step.backward else 1
-            add(step.bits, step.bytes * both, step.seconds + step.backward_seconds, both)
+            both = 2 if step.backward else 1  # a version-2 file charged each step's dual for the backward
+            add(step.bits, step.bytes * both, step.seconds + (step.backward_seconds or 0.0), both)
+    for path in data.gradients if data.schema_ == SCHEMA else ():  # older files charged the duals instead
+        for collective in path.steps:
+            if collective.collective != "Slice":
+                add(collective.bits, collective.bytes, collective.seconds, 1)
     for sync in data.gradient_sync:
         if sync.collective:
             add(sync.bits, sync.bytes, sync.seconds, 1)
@@ -138,7 +142,7 @@ def timeline_phases(
 
     Without ``forward_s`` (a plan file alone does not split compute) the compute is one phase.
     Exposed communication splits into the gradient sync the backward could not hide and the rest
-    (redistributions, backward AllReduces of inputs read whole, weight gathers).
+    (redistributions and the gradients' ways back, weight gathers).
     """
     totals = as_plan_file(plan).totals
     compute = totals.compute_s

@@ -8,7 +8,7 @@ from typing import Any
 
 from autopar.cost.mesh import Mesh
 from autopar.graph import Graph
-from autopar.lowering import GRAPH_OUTPUT, Plan
+from autopar.lowering import GRAPH_OUTPUT, SCHEMA, Plan
 from autopar.lowering.planfile import CollectiveStep, OpEntry, PlanFile
 from autopar.report.figures import fold_groups, incoming_seconds, samples_per_step, summary_figures
 from autopar.report.format import figure_ms, link_levels, memory_against_usable, strategy_text
@@ -105,7 +105,7 @@ def _plan_summary(plan: Plan) -> list[str]:
     lines.append(
         f"redistributions:  {len(data.redistributions)} tensors, "
         + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
-        + f"; {figure_ms(red_seconds)} ms forward+backward"
+        + f"; {figure_ms(red_seconds)} ms forward"
     )
     paths = data.gradients
     if paths:
@@ -199,16 +199,22 @@ def _decision_lines(plan: Plan, incoming: Mapping[str, list[str]]) -> list[str]:
 
 
 def _redistribution_lines(data: PlanFile, mesh: Mesh, top: int | None) -> list[str]:
-    """Every redistributed tensor, costliest first (``top``: the first ``top``)."""
+    """Every redistributed tensor, costliest first (``top``: the first ``top``); its seconds are the
+    forward collectives' and its gradient's way back."""
     if not data.redistributions:
         return ["", "redistributed tensors: none (every consumer reads its producer's layout)"]
-    ranked = sorted(enumerate(data.redistributions), key=lambda item: (-item[1].seconds, item[0]))
+    back: dict[tuple[str, str, str], float] = {}  # the gradient's way back (a version-2 file's seconds hold it)
+    for path in data.gradients if data.schema_ == SCHEMA else ():
+        key = (path.tensor, path.producer, path.consumer)
+        back[key] = back.get(key, 0.0) + path.seconds
+    seconds = [red.seconds + back.get(red.key, 0.0) for red in data.redistributions]
+    ranked = sorted(enumerate(data.redistributions), key=lambda item: (-seconds[item[0]], item[0]))
     shown = ranked if top is None else ranked[:top]
     rows = []
-    for _, red in shown:
+    for index, red in shown:
         consumer = "graph output" if red.consumer == GRAPH_OUTPUT else red.consumer
         steps = [_step_text(step, mesh) if step.collective != "Slice" else "local Slice" for step in red.steps]
-        rows.append([red.tensor, f"{red.producer} -> {consumer}", figure_ms(red.seconds), "; ".join(steps)])
+        rows.append([red.tensor, f"{red.producer} -> {consumer}", figure_ms(seconds[index]), "; ".join(steps)])
     total = len(data.redistributions)
     more = f", the {len(shown)} costliest (--all for every one)" if len(shown) < total else ", costliest first"
     return [

@@ -25,7 +25,7 @@ from autopar import progress
 from autopar.cost import CostModel
 from autopar.layout import Layout
 from autopar.limits import MAX_DEVICES, WORKERS
-from autopar.redistribute import BACKWARD_DUAL, Collective
+from autopar.redistribute import Collective
 
 # Step kinds as small integers; -1 is "no step".
 KINDS = (
@@ -36,7 +36,6 @@ KINDS = (
     Collective.SLICE,
 )
 _AG, _RS, _A2A, _AR, _SLICE = range(len(KINDS))
-_DUAL = [KINDS.index(d) if (d := BACKWARD_DUAL[k]) is not None else -1 for k in KINDS]
 _MERGEABLE = np.array([True, True, False, False, True])
 _NIBBLE = 4  # bits per packed mesh bit: mesh bits 0..15, i.e. up to 65,536 devices
 MAX_MESH_BITS = MAX_DEVICES.bit_length() - 1
@@ -72,14 +71,14 @@ class LayoutTable:
 
 def pair_coefficients(
     table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(forward latency, forward seconds per byte, forward+backward latency, forward+backward per byte).
-
-    ``src`` and ``dst`` index ``table``; the target layouts must not be partial. The backward
-    terms are the dual collectives a tensor carrying a gradient pays (`BACKWARD_DUAL`).
+) -> tuple[np.ndarray, np.ndarray]:
+    """(latency, seconds per byte of the whole tensor) of redistributing each ``src`` layout to its
+    ``dst`` one (indices of ``table``); the target layouts must not be partial. A gradient's way
+    back is a pair of its own: from the consumer's layout, partial where its gradient is, to the
+    producer's (`costing._edge_costs`).
     """
     count = len(src)
-    results = [np.zeros(count) for _ in range(4)]
+    results = [np.zeros(count) for _ in range(2)]
     starts = range(0, count, CHUNK)
 
     def work(start: int) -> None:
@@ -92,7 +91,57 @@ def pair_coefficients(
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         for done, _ in enumerate(pool.map(work, starts)):
             progress.report("costing redistributions", done * CHUNK, count)
-    return results[0], results[1], results[2], results[3]
+    return results[0], results[1]
+
+
+class PairCache:
+    """The coefficients of every layout pair one cost model has costed, for the problems planned after.
+
+    A pipeline search builds a problem per stage count and micro-batch count on one cost model; their
+    layouts are mostly the same (a mesh bit's link does not depend on how many devices the mesh has,
+    and a smaller batch only drops the splits it no longer divides), so each pair is costed once.
+    Layouts are keyed by their packed rows (`OpRule.encoded_layouts`); the pairs are a sorted array
+    of keys beside their four coefficients.
+    """
+
+    _cache: ClassVar["weakref.WeakKeyDictionary[CostModel, PairCache]"] = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self.rows: dict[bytes, int] = {}  # a packed layout row -> its number
+        self.keys = np.zeros(0, dtype=np.int64)  # source number << 32 | target number, sorted
+        self.values = [np.zeros(0) for _ in range(2)]
+
+    @classmethod
+    def of(cls, cost: CostModel) -> "PairCache":
+        cache = cls._cache.get(cost)
+        if cache is None:
+            cache = cls._cache[cost] = cls()
+        return cache
+
+    def coefficients(
+        self, rows: Sequence[bytes], table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`pair_coefficients` of ``src`` -> ``dst`` (indices of ``table``, whose packed rows are
+        ``rows``), costing only the pairs not costed before."""
+        number = np.asarray([self.rows.setdefault(row, len(self.rows)) for row in rows], dtype=np.int64)
+        keys = (number[src] << 32) | number[dst]
+        at = np.searchsorted(self.keys, keys)
+        known = at < len(self.keys)
+        known[known] = self.keys[at[known]] == keys[known]
+        missing = np.flatnonzero(~known)
+        results = [np.empty(len(keys)) for _ in range(2)]
+        for result, values in zip(results, self.values):
+            result[known] = values[at[known]]
+        if len(missing):
+            new, first, again = np.unique(keys[missing], return_index=True, return_inverse=True)
+            fresh = pair_coefficients(table, src[missing][first], dst[missing][first], cost)
+            for result, part in zip(results, fresh):
+                result[missing] = part[again.reshape(-1)]
+            merged = np.concatenate([self.keys, new])
+            order = np.argsort(merged, kind="stable")
+            self.keys = merged[order]
+            self.values = [np.concatenate([values, part])[order] for values, part in zip(self.values, fresh)]
+        return results[0], results[1]
 
 
 def _drop(code: np.ndarray, count: np.ndarray) -> np.ndarray:
@@ -117,7 +166,7 @@ def _status(
 
 def _chunk_coefficients(
     table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray]:
     """The planner on a chunk of pairs in lockstep. Arrays hold the pairs still moving only
     (finished ones are dropped each round), and a round updates only the cells its step touched."""
     count = len(src)
@@ -138,22 +187,14 @@ def _chunk_coefficients(
     open_mask = np.zeros(count, dtype=np.int64)
     open_shift = np.zeros(count, dtype=np.int64)
     prices = _Prices.of(cost)
-    sums = [np.zeros(count) for _ in range(4)]  # forward latency, per byte; with the duals, latency, per byte
+    sums = [np.zeros(count) for _ in range(2)]  # latency, per byte
 
     def emit(rows: np.ndarray, kind: np.ndarray, mask: np.ndarray, shift: np.ndarray) -> None:
-        """Add finished steps (one per row) in order: the step, then its backward dual."""
+        """Add finished steps (one per row) in order."""
         where = pair[rows]
         latency, per_byte = prices.look_up(kind, mask)
-        scale = np.ldexp(1.0, -shift)
         sums[0][where] += latency
-        sums[1][where] += per_byte * scale
-        sums[2][where] += latency
-        sums[3][where] += per_byte * scale
-        dual = _DUAL_ARRAY[kind]
-        has = dual >= 0
-        latency, per_byte = prices.look_up(dual[has], mask[has])
-        sums[2][where[has]] += latency
-        sums[3][where[has]] += per_byte * scale[has]
+        sums[1][where] += per_byte * np.ldexp(1.0, -shift)
 
     def close(rows: np.ndarray) -> None:
         rows = rows[open_kind[rows] >= 0]
@@ -239,7 +280,7 @@ def _chunk_coefficients(
             wrong, grows = wrong[keep], grows[keep]
             open_kind, open_dim = open_kind[keep], open_dim[keep]
             open_mask, open_shift = open_mask[keep], open_shift[keep]
-    return sums[0], sums[1], sums[2], sums[3]
+    return sums[0], sums[1]
 
 
 class _Prices:
@@ -302,6 +343,3 @@ class _Prices:
         for level, count in enumerate(counts):
             bits += [b for b in range(64) if self.level_of[b] == level][:count]
         return self.cost.collective_coefficients(KINDS[key], tuple(sorted(bits, reverse=True)))
-
-
-_DUAL_ARRAY = np.asarray(_DUAL, dtype=np.int64)

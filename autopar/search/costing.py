@@ -25,8 +25,8 @@ from autopar.errors import FixedStrategyError, SearchTooLargeError, StrategyErro
 from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
-from autopar.redistribute import BACKWARD_DUAL, Collective, symbolic_steps
-from autopar.search.coefficients import LayoutTable, pair_coefficients
+from autopar.redistribute import Collective, symbolic_steps
+from autopar.search.coefficients import LayoutTable, PairCache
 from autopar.search.dataflow import Dataflow, TensorUse
 from autopar.search.dp import Factor
 from autopar.search.fold import RunEdges, Solver
@@ -175,7 +175,7 @@ def _planned(
         if node % every == 0:
             progress.report("costing operators", node, len(rules))
         costs.append(costs[copy_of[node]] if node in copy_of else _node_costs(flow, node))
-    layouts = _Layouts(flow.rules)
+    layouts = _Layouts(flow)
     ties = _twins(flow, costed, layouts, costs, repeats) if twins else {}
     return _Planned(flow, costs, costed, layouts, repeats, blocks, unfolded, ties, run_of, copy_of, entry_of)
 
@@ -208,7 +208,7 @@ class NodeCosts:
 
     compute: np.ndarray  # forward and backward seconds
     forward: np.ndarray  # forward seconds, paid again when the operator is recomputed
-    communication: np.ndarray  # collectives on the critical path (backward AllReduce of inputs read whole, ...)
+    communication: np.ndarray  # collectives on the critical path (a partial graph output's AllReduce)
     gradient_sync: np.ndarray  # the AllReduce of the trainable parameters it owns
     scatter: np.ndarray  # with a parallel optimizer: their gradients' ReduceScatter instead ...
     gather: np.ndarray  # ... and the AllGather of the updated weights before the next forward
@@ -407,9 +407,6 @@ def _node_costs(flow: Dataflow, node: int) -> NodeCosts:
         labels = spec.inputs[slot] if slot < len(spec.inputs) else None
         owns = flow.owner.get(name) == (node, slot)
         info = graph.tensor(name)
-        if flow.requires_grad.get(name, False) and not (owns and info.kind == "parameter"):
-            latency, per_byte = _collective_coefficients(Collective.ALL_REDUCE, splits.absent_mask(labels), cost)
-            communication = communication + (latency * 1.0 + per_byte * (splits.local(info, labels) * gradient_bytes))
         if not (owns and info.kind == "parameter" and info.trainable):
             continue
         parameter_elements += info.numel
@@ -472,29 +469,59 @@ def _collective_coefficients(kind: Collective, masks: np.ndarray, cost: CostMode
 
 
 class _Layouts:
-    """Each tensor end's distinct layouts, numbered across the model, and every candidate's among them."""
+    """Each tensor end's distinct layouts, numbered across the model, and every candidate's among them.
 
-    def __init__(self, rules: Sequence[OpRule]) -> None:
-        self.rules = rules
+    A consumer's end of a use that carries a gradient back (`carries`) is numbered with the bits its
+    gradient comes out partial on (the partial mask of its row): two candidates reading alike but
+    leaving different partial gradients send different collectives back."""
+
+    def __init__(self, flow: Dataflow) -> None:
+        self.rules = flow.rules
+        self.requires_grad = flow.requires_grad
         self.ids: dict[bytes, int] = {}  # a packed layout row -> its number
         self.rows: list[tuple[np.ndarray, np.ndarray, int]] = []  # (lengths, codes, partial mask) by number
-        self._cache: dict[tuple[int, bool, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._cache: dict[tuple[int, bool, int, bool], tuple[np.ndarray, np.ndarray]] = {}
 
-    def of(self, node: int, is_output: bool, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """(numbers of the distinct layouts, each candidate's position among them)."""
-        key = (node, is_output, slot)
+    def carries(self, use: TensorUse) -> bool:
+        """Whether the consumer sends a gradient back along the use (the runtime's rule)."""
+        return self.requires_grad.get(use.tensor, False) and self.rules[use.dst_node].differentiable
+
+    def target(self, use: TensorUse) -> tuple[np.ndarray, np.ndarray]:
+        """`of` the use's consumer end, with its gradient's partial bits where it carries one."""
+        return self.of(use.dst_node, False, use.dst_slot, self.carries(use))
+
+    def of(self, node: int, is_output: bool, slot: int, gradient: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(numbers of the distinct layouts, each candidate's position among them); with ``gradient``,
+        an input's rows carry the bits its gradient is partial on."""
+        key = (node, is_output, slot, gradient)
         if key not in self._cache:
-            length, code, partial = self.rules[node].encoded_layouts(is_output, slot)
+            rule = self.rules[node]
+            length, code, partial = rule.encoded_layouts(is_output, slot)
+            if gradient:
+                splits = CandidateSplits(rule.candidates, rule.spec.label_order)
+                partial = splits.absent_mask(rule.spec.inputs[slot])
             packed = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
             unique, first, positions = np.unique(packed, axis=0, return_index=True, return_inverse=True)
-            ids = []
-            for row, at in zip(unique, first):
-                index = self.ids.setdefault(row.tobytes(), len(self.ids))
-                if index == len(self.rows):
-                    self.rows.append((length[at], code[at], int(partial[at])))
-                ids.append(index)
+            ids = [self._number(row, length[at], code[at], int(partial[at])) for row, at in zip(unique, first)]
             self._cache[key] = (np.asarray(ids, dtype=np.int64), positions.reshape(-1).astype(np.int64))
         return self._cache[key]
+
+    def _number(self, row: np.ndarray, length: np.ndarray, code: np.ndarray, partial: int) -> int:
+        index = self.ids.setdefault(row.tobytes(), len(self.ids))
+        if index == len(self.rows):
+            self.rows.append((length, code, partial))
+        return index
+
+    def whole(self, ids: np.ndarray) -> np.ndarray:
+        """The numbers of the same layouts with no partial bits (what a redistribution delivers)."""
+        found = []
+        for index in ids.tolist():
+            length, code, partial = self.rows[index]
+            if partial:
+                row = np.concatenate([length.view(np.uint64), code, np.zeros(1, dtype=np.uint64)])
+                index = self._number(row, length, code, 0)
+            found.append(index)
+        return np.asarray(found, dtype=np.int64)
 
     def source(self, use: TensorUse, entry: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(numbers of the distinct layouts at the use's source, the source's candidates' positions
@@ -514,7 +541,7 @@ class _Layouts:
         if use.src_node == use.dst_node:
             return None
         src_ids, src_pos, entry_pos = self.source(use, entry)
-        dst_ids, dst_pos = self.of(use.dst_node, False, use.dst_slot)
+        dst_ids, dst_pos = self.target(use)
         table = np.broadcast_to(np.zeros(()), (len(src_ids), len(dst_ids)))
         return _factor(use, src_pos, dst_pos, table), _factor(use, entry_pos, dst_pos, table)
 
@@ -579,9 +606,9 @@ def _twins(
             region[use.src_node] = -1
             continue
         src_ids, src_pos = layouts.of(use.src_node, use.src_is_output, use.src_slot)
-        dst_ids, dst_pos = layouts.of(use.dst_node, False, use.dst_slot)
+        dst_ids, dst_pos = layouts.target(use)
         info = flow.graph.tensor(use.tensor)
-        table = (info.numel * flow.itemsize(info), flow.requires_grad.get(use.tensor, False))
+        table = (info.numel * flow.itemsize(info), layouts.carries(use))
         ends = (src_ids.tobytes(), src_pos.tobytes(), dst_ids.tobytes(), dst_pos.tobytes())
         edges.append((use.src_node, use.dst_node, keys.setdefault((*ends, *table), len(keys))))
     node_keys: list[tuple | None] = []
@@ -601,32 +628,38 @@ def _edge_costs(
     is recomputed) and the table's twin for later copies of a run (`fold.RunEdges`), from the
     coefficients of each distinct layout pair computed once. An operator reading its own output
     has no table (None) and its cost per candidate instead. Then how many distinct layouts and
-    layout pairs were costed."""
-    distinct_layouts = layouts.of
-    rows, layout_ids = layouts.rows, layouts.ids
-    groups: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray]] = {}
+    layout pairs were costed.
+
+    A use costs its forward redistribution and, where a gradient comes back, the redistribution
+    the runtime runs for it: from the consumer's layout, partial over the bits its gradient is
+    partial on, to the producer's (`lowering.lower.gradient_paths`)."""
+    rows = layouts.rows
+    groups: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray, bool]] = {}
     sources = [layouts.source(use, entry_of.get(index)) for index, use in enumerate(uses)]
     for use, (src_ids, _, _) in zip(uses, sources):
-        dst_ids = distinct_layouts(use.dst_node, False, use.dst_slot)[0]
-        groups.setdefault((src_ids.tobytes(), dst_ids.tobytes()), (src_ids, dst_ids))
-    cells = sum(len(a) * len(b) for a, b in groups.values())
+        dst_ids = layouts.target(use)[0]
+        groups.setdefault((src_ids.tobytes(), dst_ids.tobytes()), (src_ids, dst_ids, layouts.carries(use)))
+    cells = sum(len(a) * len(b) for a, b, _ in groups.values())
     if cells > 2 * MAX_LAYOUT_PAIRS:
         raise TooLargeError(
             f"The edges between operators pair {cells:,} layouts on {flow.num_devices:,} devices (limit"
             f" {2 * MAX_LAYOUT_PAIRS:,}): costing them would take minutes and gigabytes; use fewer devices."
         )
-    keys = np.empty(cells, dtype=np.int64)
-    at = 0
-    for src_ids, dst_ids in groups.values():
-        size = len(src_ids) * len(dst_ids)
-        keys[at : at + size] = (src_ids[:, None] * len(layout_ids) + dst_ids[None, :]).reshape(-1)
-        at += size
-    unique, inverse = np.unique(keys, return_inverse=True)
-    if len(unique) > MAX_LAYOUT_PAIRS:
+    wholes = {key: (layouts.whole(src_ids), layouts.whole(dst_ids)) for key, (src_ids, dst_ids, _) in groups.items()}
+    count = len(rows)
+    forward_keys, backward_keys = [], []
+    for key, (src_ids, dst_ids, carries) in groups.items():
+        whole_src, whole_dst = wholes[key]
+        forward_keys.append((src_ids[:, None] * count + whole_dst[None, :]).reshape(-1))
+        if carries:
+            backward_keys.append((dst_ids[:, None] * count + whole_src[None, :]).reshape(-1))
+    forward_unique = np.unique(np.concatenate(forward_keys)) if forward_keys else np.zeros(0, dtype=np.int64)
+    if len(forward_unique) > MAX_LAYOUT_PAIRS:
         raise TooLargeError(
-            f"{len(unique):,} distinct redistributions between layouts would have to be costed on"
+            f"{len(forward_unique):,} distinct redistributions between layouts would have to be costed on"
             f" {flow.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}, about a minute); use fewer devices."
         )
+    unique = np.unique(np.concatenate([forward_unique, *backward_keys]))
     width = max((len(length) for length, _, _ in rows), default=1) or 1
     lengths = np.zeros((len(rows), width), dtype=np.int64)
     codes = np.zeros((len(rows), width), dtype=np.uint64)
@@ -634,23 +667,34 @@ def _edge_costs(
         lengths[index, : len(length)] = length
         codes[index, : len(code)] = code
     table = LayoutTable(lengths, codes, np.array([partial for _, _, partial in rows], dtype=np.int64))
-    coefficients = pair_coefficients(table, unique // len(layout_ids), unique % len(layout_ids), flow.cost)
+    latency, per_byte = PairCache.of(flow.cost).coefficients(
+        list(layouts.ids), table, unique // count, unique % count, flow.cost
+    )
+
+    def look_up(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        where = np.searchsorted(unique, src_ids[:, None] * count + dst_ids[None, :])
+        return latency[where], per_byte[where]
+
     per_group: dict[tuple[bytes, bytes], tuple[np.ndarray, ...]] = {}
-    at = 0
-    for key, (src_ids, dst_ids) in groups.items():
-        size = len(src_ids) * len(dst_ids)
-        where = inverse[at : at + size]
-        per_group[key] = tuple(c[where].reshape(len(src_ids), len(dst_ids)) for c in coefficients)
-        at += size
+    for key, (src_ids, dst_ids, carries) in groups.items():
+        whole_src, whole_dst = wholes[key]
+        forward = look_up(src_ids, whole_dst)
+        if carries:
+            backward = look_up(dst_ids, whole_src)
+            per_group[key] = (*forward, forward[0] + backward[0].T, forward[1] + backward[1].T)
+        else:
+            per_group[key] = (*forward, *forward)
 
     factors: list[tuple[Factor | None, np.ndarray, Factor | None]] = []
     for use, (src_ids, src_pos, entry_pos) in zip(uses, sources):
-        dst_ids, dst_pos = distinct_layouts(use.dst_node, False, use.dst_slot)
+        dst_ids, dst_pos = layouts.target(use)
         info = flow.graph.tensor(use.tensor)
         total_bytes = info.numel * flow.itemsize(info)
-        forward_latency, forward_per_byte, latency, per_byte = per_group[(src_ids.tobytes(), dst_ids.tobytes())]
+        forward_latency, forward_per_byte, both_latency, both_per_byte = per_group[
+            (src_ids.tobytes(), dst_ids.tobytes())
+        ]
         forward = forward_latency + forward_per_byte * total_bytes
-        small = latency + per_byte * total_bytes if flow.requires_grad.get(use.tensor, False) else forward
+        small = both_latency + both_per_byte * total_bytes
         if use.src_node == use.dst_node:
             factors.append((None, small[src_pos, dst_pos], None))
             continue
@@ -663,16 +707,15 @@ def _edge_costs(
     return factors, len(rows), len(unique)
 
 
-def redistribution_coefficients(cost: CostModel, src: Layout, dst: Layout, with_backward: bool) -> tuple[float, float]:
-    """(latency, seconds per byte of the whole tensor) of a redistribution, forward plus backward.
+def redistribution_coefficients(cost: CostModel, src: Layout, dst: Layout) -> tuple[float, float]:
+    """(latency, seconds per byte of the whole tensor) of redistributing ``src`` to ``dst`` (whose
+    partial bits, a gradient's, are not asked for: a redistribution delivers whole values).
 
     Shape-free, one pair at a time: the scalar reference `coefficients.pair_coefficients` equals.
     """
     latency = per_byte = 0.0
-    for kind, bits, shift, *_ in symbolic_steps(src, dst):
-        dual = BACKWARD_DUAL[kind] if with_backward else None
-        for k in (kind, dual) if dual is not None else (kind,):
-            lat, coef = cost.collective_coefficients(k, bits)
-            latency += lat
-            per_byte += coef / (1 << shift)
+    for kind, bits, shift, *_ in symbolic_steps(src, Layout(dst.dims)):
+        lat, coef = cost.collective_coefficients(kind, bits)
+        latency += lat
+        per_byte += coef / (1 << shift)
     return latency, per_byte

@@ -16,7 +16,7 @@ from autopar.cost import CostModel
 from autopar.graph import Graph, TensorInfo
 from autopar.layout import Layout
 from autopar.ops import Keeps
-from autopar.redistribute import BACKWARD_DUAL, Step, redistribute
+from autopar.redistribute import Step, redistribute
 from autopar.strategy import OpRule
 
 
@@ -80,18 +80,11 @@ class Dataflow:
     def itemsize(self, tensor: TensorInfo) -> int:
         return self.cost.activation_itemsize(tensor.dtype)
 
-    def redistribution(self, tensor: str, src: Layout, dst: Layout) -> tuple[tuple[Step, ...], float, float]:
-        """Steps and their forward / backward seconds."""
+    def redistribution(self, tensor: str, src: Layout, dst: Layout) -> tuple[tuple[Step, ...], float]:
+        """Steps and their seconds (a gradient's way back is a redistribution of its own)."""
         info = self.graph.tensor(tensor)
         steps = redistribute(src, dst, info.shape, self.itemsize(info))
-        forward = sum(self.cost.collective_time(s.kind, s.bits, s.nbytes) for s in steps)
-        backward = 0.0
-        if self.requires_grad.get(tensor, False):
-            for s in steps:
-                dual = BACKWARD_DUAL[s.kind]
-                if dual is not None:
-                    backward += self.cost.collective_time(dual, s.bits, s.nbytes)
-        return steps, forward, backward
+        return steps, sum(self.cost.collective_time(s.kind, s.bits, s.nbytes) for s in steps)
 
     def gradient_sync_bits(self, node: int, exponents: Sequence[int], slot: int) -> tuple[int, ...]:
         """Bits over which an input's gradient comes out partial: split labels the input lacks.

@@ -22,7 +22,7 @@ import numpy as np
 
 from autopar.errors import InfeasibleError
 from autopar.limits import MAX_DEVICES
-from autopar.search.dp import tie_break_offsets
+from autopar.search.dp import TIE_BREAK_FRACTION, tie_break_offsets
 from autopar.search.fold import Solver
 from autopar.search.ilp import recomputing
 from autopar.search.memory import NO_MEMORY_CHOICES, MemoryChoices
@@ -41,7 +41,8 @@ class SearchResult:
 
     ``method`` is the solver (``dp``, ``ilp``) or the fixed mode (``data_parallel``,
     ``stand_alone``), or ``given`` for strategies a user supplied; ``lagrange_multiplier`` is
-    the memory weight the constrained DP settled on (0 when the fastest plan fits).
+    the memory weight the constrained DP settled on (0 when the fastest plan fits). ``fastest_s``:
+    where the DP ran, no plan of the problem is faster than this, memory aside (None: not known).
     """
 
     choice: tuple[int, ...]
@@ -51,6 +52,7 @@ class SearchResult:
     candidates_kept: int | None = None
     candidates_dropped: int | None = None
     choices: MemoryChoices = field(default=NO_MEMORY_CHOICES)
+    fastest_s: float | None = None
 
 
 def data_parallel_choice(problem: SearchProblem) -> list[int]:
@@ -72,6 +74,7 @@ def run_search(
     multiplier = 0.0
     choices = NO_MEMORY_CHOICES
     states: tuple[int | None, int | None] = (None, None)
+    fastest: float | None = None
     if mode == "data_parallel":
         choice, used = data_parallel_choice(problem), "data_parallel"
     elif mode == "stand_alone":
@@ -83,12 +86,12 @@ def run_search(
         used = "ilp"
     else:
         solver = Solver.of(problem)
-        choice, choices, multiplier = _constrained_dp(problem, solver, capacity, recompute)
+        choice, choices, multiplier, fastest = _constrained_dp(problem, solver, capacity, recompute)
         used, states = algorithm, solver.states()
     memory = problem.memory(choice, choices)
     if memory > capacity:
         raise InfeasibleError(_infeasible_message(problem, choice, capacity, mode, choices))
-    return SearchResult(tuple(choice), used, time.perf_counter() - start, multiplier, *states, choices)
+    return SearchResult(tuple(choice), used, time.perf_counter() - start, multiplier, *states, choices, fastest)
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class _Point:
 
 def _constrained_dp(
     problem: SearchProblem, solver: Solver, capacity: float, recompute: bool | None = None
-) -> tuple[list[int], MemoryChoices, float]:
+) -> tuple[list[int], MemoryChoices, float, float | None]:
     """The fastest plan that fits, by a walk along the Lagrangian's lower hull of (time, memory).
 
     Each DP run minimises time + lambda * memory, each operator taking the parallel optimizer
@@ -112,7 +115,9 @@ def _constrained_dp(
     hull vertex, which replaces one end) or proves there is none, and the plan that fits is the
     hull's best. A handful of runs, where bisection takes forty. Only when the fastest plan does
     not fit are the memory choices searched: each walk is done without recomputation and, where
-    the model has repeated blocks, with it, and the faster plan that fits wins.
+    the model has repeated blocks, with it, and the faster plan that fits wins. Last comes a bound
+    no plan beats, memory aside (the fastest plan's time less the most the tie-break can add), or
+    None where the fastest plan was not needed.
     """
     base = problem.objective(data_parallel_choice(problem))
     offsets = tie_break_offsets(problem.node_time, base)
@@ -138,8 +143,9 @@ def _constrained_dp(
     first = kinds[0]
     fits_first = problem.memory_floor(first) <= capacity * (1 + 1e-12)
     fast = solve(0.0, first) if fits_first else None  # a plan that cannot fit needs no run to say so
+    fastest = fast.seen - TIE_BREAK_FRACTION * max(base, 1e-12) if fast is not None else None
     if fast is not None and fast.memory <= capacity:
-        return fast.choice, fast.choices, 0.0
+        return fast.choice, fast.choices, 0.0, fastest
     best: tuple[_Point, float] | None = None
     leans: dict[bool, _Point] = {}
     for recompute in kinds:
@@ -164,7 +170,7 @@ def _constrained_dp(
         message = _infeasible_message(problem, least.choice, capacity, "auto_parallel", least.choices)
         raise InfeasibleError(message)
     solver.bind(problem.factors, problem.folds)
-    return best[0].choice, best[0].choices, best[1]
+    return best[0].choice, best[0].choices, best[1], fastest
 
 
 def _walk(

@@ -135,8 +135,9 @@ def _send_costs(
     problem: SearchProblem, crossings: _Crossings, first: int, index: int, shape: PipelineShape
 ) -> dict[int, np.ndarray]:
     """Per operator of the stage (its own index), seconds per micro-batch its boundary transfers take:
-    receiving what it reads from earlier stages (forward), receiving the gradients of what later
-    stages read from it (backward), and reducing a partial output before it leaves."""
+    receiving what it reads from earlier stages (forward) and reducing the gradient it sends back
+    where that comes out partial, receiving the gradients of what later stages read from it
+    (backward), and reducing a partial output before it leaves."""
     graph, cost = problem.graph, problem.cost
     extra: dict[int, np.ndarray] = {}
 
@@ -155,6 +156,8 @@ def _send_costs(
                 [rule.input_layout(c, use.dst_slot).local_numel(info.shape) for c in range(len(rule.candidates))]
             )
             add(use.dst_node, np.asarray(cost.send_time(bit, local * float(size)), dtype=float))
+            if problem.requires_grad.get(use.tensor, False) and rule.differentiable:
+                add(use.dst_node, _partial_gradients(problem, use))
     if index < shape.stages - 1:
         bit = stage_link_bit(problem.mesh_bits, index, index + 1)
         for use in crossings.out:
@@ -172,6 +175,22 @@ def _send_costs(
                     seconds[c] += problem.redistribution(use.tensor, layout, Layout(layout.dims))[1]
             add(use.src_node, seconds)
     return extra
+
+
+def _partial_gradients(problem: SearchProblem, use: TensorUse) -> np.ndarray:
+    """Per candidate of the use's consumer: seconds to reduce the gradient it sends back over the bits
+    it comes out partial on (the sending stage's own collective, before the send)."""
+    rule = problem.rules[use.dst_node]
+    seconds = np.zeros(len(rule.candidates))
+    known: dict[Layout, float] = {}
+    for c, exponents in enumerate(rule.candidates):
+        bits = problem.gradient_sync_bits(use.dst_node, exponents, use.dst_slot)
+        if bits:
+            layout = Layout(rule.input_layout(c, use.dst_slot).dims, bits)
+            if layout not in known:
+                known[layout] = problem.redistribution(use.tensor, layout, Layout(layout.dims))[1]
+            seconds[c] = known[layout]
+    return seconds
 
 
 def _kept_across(problem: SearchProblem, first: int, last: int, crossings: _Crossings) -> dict[int, np.ndarray]:
