@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from autopar.ops.base import OpSpec, shape
+from autopar.ops.base import OpSpec, shape, tensors
 from autopar.ops.cases import I64, B, F, const, named, one, weight
 from autopar.ops.registry import Keeps, MindSporePrimitive, register
 
@@ -66,6 +66,7 @@ def torch_attention(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
 
     A row whose every key is masked gives zeros, not NaN, as the operator's errata say.
     """
+    inputs = tensors(t, inputs)
     q, k, v = inputs[Q], inputs[K], inputs[V]
     mask, past_key, past_value, nonpad = (_slot(inputs, s) for s in (MASK, PAST_KEY, PAST_VALUE, NONPAD))
     three_d = q.dim() == 3
@@ -135,6 +136,7 @@ def _valid_keys(op: NodeView, graph: GraphView) -> int:
     flops=attention_flops,
     keeps=Keeps.INPUTS | Keeps.OUTPUTS,  # Q, K, V and Y, as a fused kernel's backward reads them
     index_bounds={NONPAD: _valid_keys},
+    config_inputs=frozenset({MASK}),  # a stored mask is never trained
     torch_kernel=torch_attention,
 )
 def attention(op: NodeView, graph: GraphView) -> OpSpec:
@@ -161,8 +163,7 @@ def attention(op: NodeView, graph: GraphView) -> OpSpec:
 
 def torch_rotary_embedding(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     """RotaryEmbedding as opset 23 defines it: halves (or even/odd pairs) rotated by each position's angle."""
-    x, cos, sin = inputs[0], inputs[1], inputs[2]
-    positions = _slot(inputs, 3)
+    x, cos, sin, positions = (tensors(t, inputs) + [None])[:4]
     four_d = x.dim() == 4
     rows = x.transpose(1, 2) if four_d else x.reshape(x.shape[0], x.shape[1], int(op.attrs["num_heads"]), -1)
     if positions is not None:
@@ -195,6 +196,7 @@ def _cache_rows(op: NodeView, graph: GraphView) -> int:
     flops=lambda in_shapes, out_shapes, attrs: 3.0 * math.prod(out_shapes[0]),
     keeps=Keeps.INPUTS,  # X's gradient reads the caches, theirs reads X
     index_bounds={3: _cache_rows},
+    config_inputs=frozenset({1, 2}),  # the cos/sin tables: stored constants no framework trains
     torch_kernel=torch_rotary_embedding,
 )
 def rotary_embedding(op: NodeView, graph: GraphView) -> OpSpec:
