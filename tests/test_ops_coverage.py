@@ -198,6 +198,10 @@ def test_unknown_operator_runs_replicated_and_is_reported(tmp_path, capsys):
         ("gather_nd_batch", (0, 2)),
         ("scatter_nd", (1, 2)),
         ("scatter_elements", (0,)),
+        ("attention", (0, 1)),  # batch and heads; both sequences stay whole
+        ("attention_3d", (0,)),  # heads folded into the hidden axis: the batch only
+        ("rotary", (0, 1, 2)),  # batch, heads, sequence; the rotated axis stays whole
+        ("rotary_caches_per_position", (0, 1)),
     ],
 )
 def test_what_each_new_operator_splits(case, axes):
@@ -222,3 +226,15 @@ def test_gather_nd_splits_index_rows_and_batch():
     assert split_axes(CASES["gather_nd"]())[1] == (0,)
     assert split_axes(CASES["gather_nd_batch"]())[1] == (0, 1)
     assert split_axes(CASES["scatter_nd"]())[1:] == [(), (1, 2)]  # indices whole; updates' slice axes
+
+
+def test_attention_splits_query_and_key_heads_alike_and_its_caches_follow():
+    axes = split_axes(CASES["attention_gqa_mask_past"]())  # 8 query heads, 4 key/value heads
+    assert axes[:3] == [(0, 1), (0, 1), (0, 1)]
+    assert axes[3] == (0,)  # the mask's head axis (size 1) broadcasts
+    assert axes[4:] == [(0, 1), (0, 1)]  # past key and value
+    r = rule(CASES["attention_gqa_mask_past"]())
+    assert r.max_exponent("h") == 2  # 4 key/value heads bound the head split
+    assert r.spec.outputs[1] == ("b", "h", None, None)  # the present key follows
+    positions = rule(CASES["rotary"]())
+    assert positions.spec.inputs[1:] == ((None, None), (None, None), ("b", "s"))  # the ids split, the tables not

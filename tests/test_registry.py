@@ -159,6 +159,8 @@ def test_declared_non_differentiable_ops():
         ("ScatterND", Keeps.SELECTORS),
         ("RMSNormalization", Keeps.INPUTS | Keeps.STATISTICS),
         ("GroupNormalization", Keeps.INPUTS | Keeps.STATISTICS),
+        ("Attention", Keeps.INPUTS | Keeps.OUTPUTS),
+        ("RotaryEmbedding", Keeps.INPUTS),
     ],
 )
 def test_what_the_backward_keeps(op_type, keeps):

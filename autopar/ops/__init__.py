@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.ops import (
+    attention,
     conv,
     declared,
     elementwise,
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
 
 # the operator families: importing one registers its operators; each lists its test cases (`cases`)
-FAMILIES = (conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool, reduce, scan, shape)
+FAMILIES = (attention, conv, declared, elementwise, indexing, loss, matmul, movement, norm, pool, reduce, scan, shape)
 
 
 def definition_for(op: NodeView, graph: GraphView) -> OpDef | None:

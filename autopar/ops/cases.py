@@ -80,7 +80,7 @@ class OpCase:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
         known = {n: helper.make_tensor_value_info(n, t, list(s)) for n, t, s in self.declared}
         known.update({vi.name: vi for vi in inferred.graph.value_info})
-        model.graph.output.extend(known[n] for n in self.op.outputs)
+        model.graph.output.extend(known[n] for n in self.op.outputs if n)  # '' skips an optional output
         onnx.checker.check_model(model)
         return model
 
