@@ -19,20 +19,22 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, TooLargeError
 from autopar.graph import Graph
 from autopar.layout import Layout
+from autopar.limits import MAX_VERIFY_BYTES
 from autopar.lowering.staged import BACKWARD, StagedProgram, Transfer, transfer_key
 from autopar.redistribute import redistribute
 from autopar.runtime.collectives import VirtualCollectives
 from autopar.runtime.launch import DEFAULT_TIMEOUT_S, run_workers
 from autopar.runtime.pipeline import DistributedLinks, StagedResult, execute_stage, execute_virtual
 from autopar.runtime.program import Schedule
-from autopar.runtime.verify import in_float64, reference_gradients
+from autopar.runtime.verify import in_float64, reference_gradients, training_bytes
 from autopar.spmd.compare import ATOL, RTOL, GradientCheck, Tally, VerifyReport, collectives_differ, compare_output
 from autopar.spmd.devices import assemble
 from autopar.spmd.reference import reference_outputs
 from autopar.spmd.values import materialise
+from autopar.units import human_bytes
 
 
 class MicroBatchError(AutoparError):
@@ -171,6 +173,18 @@ def merge_staged(staged: StagedProgram, results: Sequence[StagedResult]) -> Stag
     return merged
 
 
+def check_staged_size(staged: StagedProgram) -> None:
+    """Refuse, before drawing any value, a pipelined check this machine could not hold: about one
+    micro-batch's training-step check (`training_bytes`) for each micro-batch."""
+    need = training_bytes(staged.program) * staged.micro_batches
+    if need > MAX_VERIFY_BYTES:
+        raise TooLargeError(
+            f"Checking the pipelined training step of {staged.program.graph.name!r} on {staged.num_devices} devices"
+            f" would hold about {human_bytes(need)} in float64 (limit {human_bytes(MAX_VERIFY_BYTES)}); verify at a"
+            " smaller batch."
+        )
+
+
 def verify_staged(
     staged: StagedProgram,
     graph: Graph,
@@ -186,6 +200,7 @@ def verify_staged(
     ``graph``, the model at the global batch."""
     start = time.perf_counter()
     program, micro_batches = staged.program, staged.micro_batches
+    check_staged_size(staged)
     schedule = Schedule.of(program.redistributions, program.gradients, program.gradient_sync)
     values = materialise(graph, seed)
     precise = in_float64(values)
