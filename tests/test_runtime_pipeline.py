@@ -94,8 +94,6 @@ def _broken(plan, tmp_path, how: str):
     else:
         stages = data["pipeline"]["stages"]
         stages[0], stages[1] = stages[1], stages[0]
-        for index, stage in enumerate(stages):
-            stage["first_device"] = index * stage["devices"]
     path = tmp_path / f"{how.replace(' ', '_')}.json"
     path.write_text(json.dumps(data))
     return path

@@ -205,11 +205,6 @@ def staged_program(graph: Graph, plan: PlanFile, cost: CostModel) -> StagedProgr
         if stage.first_op not in position or stage.last_op not in position:
             missing = stage.first_op if stage.first_op not in position else stage.last_op
             raise PlanFileError(f"Stage {index} names operator {missing!r}, which the model does not have.")
-        if stage.first_device != index * per or stage.devices != per:
-            raise PlanFileError(
-                f"Stage {index} is on devices {stage.first_device}..{stage.first_device + stage.devices - 1}, but"
-                f" stage {index} of {count} runs on devices {index * per}..{(index + 1) * per - 1}."
-            )
     starts = {position[stage.first_op]: index for index, stage in enumerate(pipeline.stages)}
     if 0 not in starts:
         raise PlanFileError(f"No stage starts at the model's first operator {names[0]!r}.")
@@ -260,6 +255,12 @@ def staged_program(graph: Graph, plan: PlanFile, cost: CostModel) -> StagedProgr
             f" {consumer!r}), which no operator there reads from another stage: micro-batch 0's receive would"
             " never be posted."
         )
+    for index, stage in enumerate(pipeline.stages):  # after the order: swapped stages name a tensor first
+        if stage.first_device != index * per or stage.devices != per:
+            raise PlanFileError(
+                f"Stage {index} is on devices {stage.first_device}..{stage.first_device + stage.devices - 1}, but"
+                f" stage {index} of {count} runs on devices {index * per}..{(index + 1) * per - 1}."
+            )
     crossings.sort(key=lambda c: c.index)
     for crossing in crossings:
         _check_bytes(crossing, pipeline.sends[crossing.index].bytes, pipeline.sends[crossing.index].gradient_bytes)
