@@ -69,22 +69,31 @@ def test_the_forward_alone_runs_without_gradients(gpt, two_stages):
     assert not any(label.startswith("backward") for label in report.collectives["executed"]["send"])
 
 
-@pytest.mark.parametrize("draw", [2, 3])
-def test_random_pipelined_assignments_train_correctly(gpt, draw):
-    """Random cuts, stage counts, micro-batches and strategies (bench/runtime.py --cases random runs 20)."""
+def test_twenty_random_pipelined_assignments_train_correctly(gpt):
+    """Random cuts, stage counts (2, 4), micro-batches (1 to 8) and strategies; strategies the whole batch
+    cannot take (semi-auto checks them there too) are drawn again."""
     names = [op.name for op in autopar.api.planning.model_graph(gpt, None, None).ops]
-    rng = random.Random(draw)
-    stages, micro_batches = rng.choice([2, 4]), rng.choice([1, 2, 4, 8])
-    starts = [names[c] for c in sorted(rng.sample(range(1, len(names)), stages - 1))]
-    candidates = autopar.candidates(gpt, devices=8 // stages, batch=8 // micro_batches)
-    fixed = {op: rng.choice(options) for op, options in candidates.items()}
-    plan = autopar.plan(
-        gpt, devices=8, pipeline_stages=stages, micro_batches=micro_batches, stage_starts=starts, fixed=fixed
-    )
-    report = autopar.verify(gpt, plan, seed=draw, gradients=True)
-    assert report.ok, report.problems
-    assert report.collectives["executed"] == report.collectives["planned"]
-    assert report.collectives["executed"]["backward"]  # the strategies move gradients within the stages
+    rng = random.Random(0)
+    shapes, phases, draws = set(), set(), 0
+    while draws < 20:
+        stages, micro_batches = rng.choice([2, 4]), rng.choice([1, 2, 4, 8])
+        starts = [names[c] for c in sorted(rng.sample(range(1, len(names)), stages - 1))]
+        candidates = autopar.candidates(gpt, devices=8 // stages, batch=8 // micro_batches)
+        fixed = {op: rng.choice(options) for op, options in candidates.items()}
+        try:
+            plan = autopar.plan(
+                gpt, devices=8, pipeline_stages=stages, micro_batches=micro_batches, stage_starts=starts, fixed=fixed
+            )
+        except autopar.AutoparError:
+            continue
+        report = autopar.verify(gpt, plan, seed=draws, gradients=True)
+        assert report.ok, (draws, starts, report.problems)
+        assert report.collectives["executed"] == report.collectives["planned"]
+        shapes.add((stages, micro_batches))
+        phases |= {phase for phase, entries in report.collectives["executed"].items() if entries}
+        draws += 1
+    assert len(shapes) >= 5
+    assert phases == {"forward", "backward", "sync", "send"}
 
 
 def _broken(plan, tmp_path, how: str):
@@ -154,3 +163,40 @@ def test_a_rank_whose_peer_never_sends_ends_at_the_timeout_with_a_sentence(gpt, 
     )
     with pytest.raises(RuntimeFailure, match=sentence):
         autopar.verify(gpt, plan, runtime="torch", timeout_s=3)
+
+
+def test_the_dtensor_export_trains_with_torch_pipelining_under_torchrun(gpt, tmp_path):
+    """PipelineStage + Schedule1F1B on 4 gloo processes: the loss equals one device's over the whole batch."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from autopar.runtime.single import run_graph
+    from autopar.spmd.values import materialise
+
+    fixed = {"layer0.attn.q": [[1, 1, 1], [1, 2]], "layer1.mlp.fc1": [[1, 1, 1], [1, 2]]}  # tensor 2 in each stage
+    plan = autopar.plan(gpt, devices=4, pipeline_stages=2, micro_batches=2, stage_starts=["layer1.ln1"], fixed=fixed)
+    program, model = autopar.export_plan(plan, "dtensor", tmp_path / "gpt_dtensor.py")
+    text = program.read_text()
+    assert "Schedule1F1B" in text and "PipelineStage" in text and "'layer0.attn.q.weight': (Shard(1),)" in text
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(program)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("pipelined loss"))
+    pipelined = float(line.split()[2])
+    graph = autopar.api.planning.model_graph(gpt, None, None)
+    values = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in materialise(graph, 0).items()}
+    outputs, _ = run_graph(graph, values)
+    assert pipelined == pytest.approx(float(outputs["loss"].detach()), rel=1e-9)
+    assert done.stdout.strip().endswith("OK")
+    assert model.suffix == ".onnx"
+
+
+def test_the_jax_export_says_it_does_not_express_pipelines(two_stages, tmp_path):
+    with pytest.raises(autopar.AutoparError, match=r"^The jax export does not express pipeline stages"):
+        autopar.export_plan(two_stages, "jax", tmp_path / "gpt_jax.py")
