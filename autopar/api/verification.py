@@ -148,7 +148,7 @@ def _pipelined(
     would wait forever is refused in one sentence (PlanFileError) before anything runs."""
     if isinstance(given, Plan):
         given = given.file
-    if isinstance(given, Mapping) and "pipeline" in given:
+    if isinstance(given, Mapping) and "schema" in given and "pipeline" in given:
         given = read_plan_file(given)
     if not isinstance(given, PlanFile) or given.pipeline is None:
         return None
