@@ -200,3 +200,24 @@ def test_the_dtensor_export_trains_with_torch_pipelining_under_torchrun(gpt, tmp
 def test_the_jax_export_says_it_does_not_express_pipelines(two_stages, tmp_path):
     with pytest.raises(autopar.AutoparError, match=r"^The jax export does not express pipeline stages"):
         autopar.export_plan(two_stages, "jax", tmp_path / "gpt_jax.py")
+
+
+def test_an_operator_reading_a_sent_tensor_twice_receives_it_twice():
+    """Y crosses the cut into Mul(Y, Y): two sends; the output Z (batch first) is joined from the micro-batches."""
+    from onnx import TensorProto, helper
+
+    from tests.conftest import make_model, weight
+
+    nodes = [
+        helper.make_node("MatMul", ["X", "W1"], ["Y"], name="mm1"),
+        helper.make_node("Mul", ["Y", "Y"], ["S"], name="square"),
+        helper.make_node("MatMul", ["S", "W2"], ["Z"], name="mm2"),
+    ]
+    model = make_model(
+        nodes, [("X", TensorProto.FLOAT, [8, 8])], ["Z"], [weight("W1", [8, 16], 1), weight("W2", [16, 4], 2)]
+    )
+    plan = autopar.plan(model, devices=4, pipeline_stages=2, micro_batches=2, stage_starts=["square"])
+    assert [(s.tensor, s.to_op) for s in plan.file.pipeline.sends] == [("Y", "square"), ("Y", "square")]
+    report = autopar.verify(model, plan, gradients=True)
+    assert report.ok, report.problems
+    assert report.collectives["executed"] == report.collectives["planned"]

@@ -25,7 +25,7 @@ from autopar.cost.model import CostModel
 from autopar.errors import PlanFileError
 from autopar.graph import Graph
 from autopar.layout import Layout
-from autopar.lowering.planfile import PlanFile
+from autopar.lowering.planfile import PlanFile, SendEntry
 from autopar.lowering.program import PlanProgram, program_from_file
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -219,7 +219,9 @@ def staged_program(graph: Graph, plan: PlanFile, cost: CostModel) -> StagedProgr
             raise PlanFileError(f"Stage {index}'s operators are not one contiguous range of the model's operators.")
         ranges.append(range(nodes[0], nodes[-1] + 1))
     _check_parameters(graph, stage_of)
-    listed = {(send.tensor, send.from_op, send.to_op): (i, send) for i, send in enumerate(pipeline.sends)}
+    listed: dict[tuple[str, str, str], list[tuple[int, SendEntry]]] = {}  # an operator may read a tensor twice
+    for i, send in enumerate(pipeline.sends):
+        listed.setdefault((send.tensor, send.from_op, send.to_op), []).append((i, send))
     crossings = []
     for node, op in enumerate(graph.ops):
         for slot, name in enumerate(op.inputs):
@@ -234,7 +236,7 @@ def staged_program(graph: Graph, plan: PlanFile, cost: CostModel) -> StagedProgr
                     f"Stage {dst} reads {name!r} (at {op.name!r}) from stage {src}, which runs after it: micro-batch"
                     f" 0's forward on stage {dst} would wait for it forever (the stages are out of order)."
                 )
-            found = listed.pop((name, producer, op.name), None)
+            found = listed[(name, producer, op.name)].pop(0) if listed.get((name, producer, op.name)) else None
             if found is None:
                 raise PlanFileError(
                     f"The plan sends no {name!r} from stage {src} to stage {dst} ({producer!r} to {op.name!r}):"
@@ -248,8 +250,10 @@ def staged_program(graph: Graph, plan: PlanFile, cost: CostModel) -> StagedProgr
                     f" stage {dst} would wait for it forever."
                 )
             crossings.append(_crossing(program, index, name, position[producer], node, slot, src, dst))
-    if listed:
-        (name, producer, consumer), (_, send) = min(listed.items(), key=lambda item: item[1][0])
+    left = [(i, send) for entries in listed.values() for i, send in entries]
+    if left:
+        _, send = min(left, key=lambda item: item[0])
+        name, producer, consumer = send.tensor, send.from_op, send.to_op
         raise PlanFileError(
             f"The plan sends {name!r} from stage {send.from_stage} to stage {send.to_stage} ({producer!r} to"
             f" {consumer!r}), which no operator there reads from another stage: micro-batch 0's receive would"
@@ -287,7 +291,7 @@ def _crossing(
 ) -> Crossing:
     info = program.graph.tensor(name)
     written_op, read_op = program.ops[producer], program.ops[consumer]
-    written = written_op.outputs[[n for n in written_op.rule.op.outputs].index(name)]
+    written = written_op.outputs[list(written_op.rule.op.outputs).index(name)]
     assert written is not None  # a present output has a layout
     read = read_op.input_layout(slot)
     devices = program.num_devices
