@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from autopar.api.planning import ModelLike, model_graph
+from autopar.api.planning import ModelLike, _micro_batch, common_batch, model_graph
 from autopar.errors import AutoparError
 from autopar.graph import Graph
 from autopar.limits import MAX_SEED
@@ -71,7 +71,9 @@ def verify(
     autopar finds. ``runtime`` is "virtual" (every rank in this process) or "torch" (one
     torch.distributed process per rank: needs ``autopar[torch]``). ``gradients`` runs the
     backward pass and the gradient synchronisation too and checks every trainable parameter's
-    gradient; the torch runtime always does, the virtual one when asked. ``optimizer`` and
+    gradient; the torch runtime always does, the virtual one when asked. A pipelined plan runs its stages
+    over its micro-batches in 1F1B order, with every point-to-point message checked, against one device
+    running the whole batch (``batch`` is the global batch, as for `autopar.plan`). ``optimizer`` and
     ``memory_reserve`` (`autopar.plan`'s) shape the plan searched when none is given.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
@@ -92,6 +94,21 @@ def verify(
         optimizer=optimizer,
         memory_reserve=memory_reserve,
     )
+    staged = _pipelined(model, plan_or_strategies, options)
+    if staged is not None:
+        from autopar.runtime.launch import DEFAULT_TIMEOUT_S
+        from autopar.runtime.staged_verify import verify_staged
+
+        program, graph = staged
+        return verify_staged(
+            program,
+            graph,
+            seed=seed,
+            runtime=runtime,
+            gradients=training,
+            port=port,
+            timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
+        )
     program = _program(model, plan_or_strategies, options)
     if not training:
         return verify_program(program, seed=seed)
@@ -121,6 +138,28 @@ def _program(model: ModelLike, given: Plan | PlanFile | Mapping[str, Any] | None
     if given is None:
         return Plan.lower(problem, run_search(problem), "auto_parallel").program
     return program_of(problem, problem.choice_for(given))
+
+
+def _pipelined(
+    model: ModelLike, given: Plan | PlanFile | Mapping[str, Any] | None, options: PlanOptions
+) -> tuple[Any, Graph] | None:
+    """A pipelined plan's staged program on one micro-batch's graph, and the model at the global batch
+    (None: the plan has one stage). The plan's stages and sends are checked first: a plan whose ranks
+    would wait forever is refused in one sentence (PlanFileError) before anything runs."""
+    if isinstance(given, Plan):
+        given = given.file
+    if isinstance(given, Mapping) and "schema" in given and "pipeline" in given:
+        given = read_plan_file(given)
+    if not isinstance(given, PlanFile) or given.pipeline is None:
+        return None
+    _need_torch("torch")
+    from autopar.lowering.staged import staged_program
+
+    graph = model_graph(model, options.batch, options.dims)
+    micro = _micro_batch(common_batch(graph), given.pipeline.micro_batches, graph)
+    micro_graph = model_graph(model, micro, options.dims)
+    costs = options.replace(precision=given.precision).costs()
+    return staged_program(micro_graph, given, costs), graph
 
 
 def _need_torch(runtime: str) -> None:

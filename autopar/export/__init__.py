@@ -35,7 +35,7 @@ def default_output(plan: PlanFile, to: str) -> Path:
     return Path(FORMATS[to][1].format(model=plan.model))
 
 
-PIPELINED = ("mindspore",)  # the formats that say each operator's pipeline stage
+PIPELINED = ("mindspore", "dtensor")  # the formats that express pipeline stages
 
 
 def export(plan: PlanFile, to: str, out: str | Path | None = None, model: onnx.ModelProto | None = None) -> list[Path]:
@@ -44,8 +44,8 @@ def export(plan: PlanFile, to: str, out: str | Path | None = None, model: onnx.M
         raise AutoparError(f"Unknown export format {to!r}; choose one of: {', '.join(FORMATS)}.")
     if plan.pipeline is not None and to not in PIPELINED:
         raise AutoparError(
-            f"The {to} export does not express pipeline stages; export this plan --to mindspore, or plan it"
-            " with --pipeline-stages 1."
+            f"The {to} export does not express pipeline stages; export this plan --to dtensor or --to mindspore,"
+            " or plan it with --pipeline-stages 1."
         )
     module = importlib.import_module(FORMATS[to][0])
     target = Path(out) if out is not None else default_output(plan, to)

@@ -494,6 +494,10 @@ def module_text(plan: PlanFile, model: onnx.ModelProto | None, filename: str = "
 
 def write(plan: PlanFile, model: onnx.ModelProto | None, out: Path) -> list[Path]:
     """Write the DTensor module for ``plan`` at ``out``; the one path."""
+    if plan.pipeline is not None:  # a program that trains with torch's pipelining
+        from autopar.export import dtensor_pipeline
+
+        return dtensor_pipeline.write(plan, model, out)
     path = Path(out)
     text = module_text(plan, model, path.name)
     try:

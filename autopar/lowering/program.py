@@ -101,14 +101,17 @@ def program_of(
     return _program(problem.graph, ops, mesh, problem.owner, problem.requires_grad, problem.cost, moves, paths, syncs)
 
 
-def program_from_file(graph: Graph, plan: PlanFile, devices: int, cost: CostModel) -> PlanProgram:
-    """The program a plan file lists for ``graph`` on ``devices``; ``cost`` gives the element sizes.
+def program_from_file(
+    graph: Graph, plan: PlanFile, devices: int, cost: CostModel, mesh: Mesh | None = None
+) -> PlanProgram:
+    """The program a plan file lists for ``graph`` on ``devices``; ``cost`` gives the element sizes;
+    ``mesh``: the devices it runs on, when not the plan's whole mesh (one pipeline stage's).
 
     A plan made for another model, batch or device count is refused first (PlanFileError, one
     sentence); then each operator's rule is built and its strategy read. Nothing is costed.
     """
     check_context(plan, graph, devices)
-    mesh = plan.mesh
+    mesh = mesh or plan.mesh
     rules = [OpRule.build(op, graph, mesh.mesh_bits) for op in graph.ops]
     ops = []
     for rule, exponents in zip(rules, exponents_for(rules, plan.strategies)):

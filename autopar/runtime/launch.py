@@ -16,7 +16,7 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -59,24 +59,34 @@ def _bit_sets(schedule: Schedule) -> list[tuple[int, ...]]:
     return sorted({step.bits for step in steps})
 
 
-def _worker(
-    rank: int,
-    world: int,
-    port: int,
-    folder: str,
-    timeout_s: float,
-    job: tuple[Any, ...],
-) -> None:
-    """One rank: join the job, run the step, write what it holds. Never returns into the parent's code."""
+# what a rank runs once joined: (rank, world, device) -> what it holds (pickled back to the launcher)
+Work = Callable[[int, int, Any], Any]
+
+
+def _step_work(
+    program: PlanProgram,
+    schedule: Schedule,
+    values: Mapping[str, np.ndarray],
+    cotangents: Mapping[str, np.ndarray] | None,
+    parameters: Sequence[str],
+) -> Work:
+    def work(rank: int, world: int, device: Any) -> RankResult:
+        from autopar.runtime.collectives import DistributedCollectives
+
+        collectives = DistributedCollectives(rank, world, _bit_sets(schedule), device)
+        return execute(program, schedule, values, cotangents, collectives, parameters)
+
+    return work
+
+
+def _worker(rank: int, world: int, port: int, folder: str, timeout_s: float, work: Work) -> None:
+    """One rank: join the job, run its work, write what it holds. Never returns into the parent's code."""
     import torch
     import torch.distributed as dist
-
-    from autopar.runtime.collectives import DistributedCollectives
 
     code = 0
     try:
         torch.set_num_threads(1)  # N ranks share the machine's cores; one thread each
-        program, schedule, values, cotangents, parameters = job
         use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
         backend = "nccl" if use_cuda else "gloo"
         device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
@@ -89,8 +99,7 @@ def _worker(
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )
-        collectives = DistributedCollectives(rank, world, _bit_sets(schedule), device)
-        result = execute(program, schedule, values, cotangents, collectives, parameters)
+        result = work(rank, world, device)
         with open(Path(folder) / f"rank{rank}.pkl", "wb") as out:
             pickle.dump(result, out)
         dist.barrier()
@@ -113,18 +122,22 @@ def run_processes(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> RankResult:
     """Run the step on ``program.num_devices`` processes; the ranks' results merged in rank order."""
+    work = _step_work(program, schedule, values, cotangents, parameters)
+    return merge(run_workers(program.num_devices, work, port, timeout_s))
+
+
+def run_workers(world: int, work: Work, port: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Run ``work`` on ``world`` joined processes; what each rank returned, in rank order."""
     import multiprocessing
 
-    world = program.num_devices
     if port is None:
         port = free_port()
     else:
         check_port(port)
     context = multiprocessing.get_context("fork")
-    job = (program, schedule, values, cotangents, parameters)
     with tempfile.TemporaryDirectory(prefix="autopar-runtime-") as folder:
         workers = [
-            context.Process(target=_worker, args=(rank, world, port, folder, timeout_s, job), daemon=True)
+            context.Process(target=_worker, args=(rank, world, port, folder, timeout_s, work), daemon=True)
             for rank in range(world)
         ]
         for worker in workers:
@@ -140,7 +153,7 @@ def run_processes(
         for rank in range(world):
             with open(Path(folder) / f"rank{rank}.pkl", "rb") as handle:
                 results.append(pickle.load(handle))
-    return merge(results)
+    return results
 
 
 def _wait(workers: list[Any], folder: str) -> None:

@@ -9,6 +9,11 @@ collective a gradient needs is the one the plan lists for it (`PlanFile.gradient
 gradient synchronisation), never one derived here. So a plan whose backward is wrong is
 caught by name, before its numbers are compared.
 
+A pipeline stage runs the same step on its own range of operators (``nodes``): what it reads from
+an earlier stage arrives in ``received``, the gradients it owes an earlier stage wait in
+``outgoing``, and with ``defer_sync`` a parameter's gradient is kept unsynchronised in ``unsynced``
+so the micro-batches accumulate before the one synchronisation (`autopar.runtime.pipeline`).
+
 Gradients follow one convention: a rank's gradient of a tensor it holds replicated is the
 whole gradient; a consumer whose strategy splits a label its input lacks leaves that
 input's gradient partial over those bits, and the plan's steps reduce it.
@@ -26,7 +31,7 @@ from autopar import progress
 from autopar.layout import Layout, ReduceOp
 from autopar.lowering.planfile import GRAPH_OUTPUT, GradientPath, GradientSync, Redistribution
 from autopar.lowering.program import PlanProgram
-from autopar.redistribute import Collective, Step, apply_steps
+from autopar.redistribute import Collective, Step, apply_steps, redistribute
 from autopar.runtime.collectives import Collectives
 from autopar.runtime.local import run_local
 from autopar.spmd.compare import Tally
@@ -90,9 +95,17 @@ class TrainingStep:
         schedule: Schedule,
         values: Mapping[str, np.ndarray],
         collectives: Collectives,
+        nodes: range | None = None,
+        defer_sync: bool = False,
     ) -> None:
         self.program, self.schedule, self.values = program, schedule, values
         self.collectives = collectives
+        self.nodes = nodes if nodes is not None else range(len(program.ops))
+        self.names = {program.ops[node].name for node in self.nodes}
+        self.defer_sync = defer_sync
+        self.received: dict[tuple[str, str, int], Buffers] = {}  # (tensor, consumer, slot) from an earlier stage
+        self.outgoing: dict[tuple[str, str, int], tuple[Layout, Buffers]] = {}  # gradients owed to an earlier stage
+        self.unsynced: dict[str, tuple[Layout, Buffers]] = {}  # parameter -> gradient before its synchronisation
         self.ranks = collectives.ranks
         self.device = collectives.device
         self.buffers: dict[tuple[str, str], tuple[Layout, Buffers]] = {}
@@ -143,8 +156,9 @@ class TrainingStep:
     def forward(self) -> None:
         program = self.program
         grad = program.requires_grad
-        for node, planned in enumerate(program.ops):
-            progress.report("verify forward", node, len(program.ops))
+        for node in self.nodes:
+            planned = program.ops[node]
+            progress.report("verify forward", node - self.nodes.start, len(self.nodes))
             rule = planned.rule
             inputs = [self._input(node, slot) for slot in range(len(rule.op.inputs))]
             out_layouts = planned.outputs
@@ -179,12 +193,42 @@ class TrainingStep:
             return None
         layout = planned.input_layout(slot)
         info = program.graph.tensor(name)
-        if info.kind == "constant" or program.owner.get(name) == (node, slot):
+        if info.kind == "activation" and program.graph.producer[name] not in self.names:
+            if (name, planned.name, slot) not in self.received:
+                raise PlanBroken(f"{name!r} never arrived at {planned.name!r} from the stage that writes it")
+            return self.received[(name, planned.name, slot)]
+        if info.kind == "constant" or program.owner.get(name) == (node, slot) or self._loads_here(name, node):
             buffers = self._shard(name, layout)
             if info.kind != "constant":
                 self.buffers[(name, planned.name)] = (layout, buffers)
             return buffers
         return self._redistribute(name, program.producer_of(name), planned.name, layout)
+
+    def _loads_here(self, name: str, node: int) -> bool:
+        """A stage loads the data and parameters it reads when their first reader is on another stage."""
+        owner = self.program.owner.get(name)
+        return owner is not None and owner[0] not in self.nodes and self.program.graph.tensor(name).kind != "activation"
+
+    def reduce_for_send(self, name: str, producer: str) -> tuple[Layout, Buffers]:
+        """A tensor leaving the stage, whole: a partial writer reduces it within the stage first."""
+        src, held = self.buffers[(name, producer)]
+        if not src.partial:
+            return src, held
+        whole = Layout(src.dims)
+        info = self.program.graph.tensor(name)
+        after = self._run(name, held, redistribute(src, whole, info.shape, self.program.itemsize(info)), "forward")
+        if src.partial_op != ReduceOp.SUM:
+            self.reduced[(name, producer)] = after
+        return whole, after
+
+    def reduce_gradient(self, name: str, layout: Layout, buffers: Buffers) -> tuple[Layout, Buffers]:
+        """A gradient leaving the stage, whole: reduced within the stage over the bits it is partial on."""
+        if not layout.partial:
+            return layout, buffers
+        whole = Layout(layout.dims)
+        info = self.program.graph.tensor(name)
+        steps = redistribute(layout, whole, info.shape, self.program.itemsize(info))
+        return whole, self._run(name, buffers, steps, "backward")
 
     def _redistribute(self, name: str, producer: str, consumer: str, dst: Layout) -> Buffers:
         src, held = self.buffers[(name, producer)]
@@ -208,16 +252,24 @@ class TrainingStep:
 
     # --- backward -------------------------------------------------------------------------
 
-    def backward(self, cotangents: Mapping[str, np.ndarray]) -> None:
-        """Seed each output with its cotangent, then walk the operators in reverse."""
+    def backward(
+        self,
+        cotangents: Mapping[str, np.ndarray],
+        arrived: Mapping[tuple[str, str], tuple[Layout, Buffers]] | None = None,
+    ) -> None:
+        """Seed each output with its cotangent (and each tensor a later stage read with the gradient it
+        sent back, ``arrived``: (tensor, producer) -> whole layout and buffers), then walk the operators
+        in reverse."""
         program = self.program
         for name, full in cotangents.items():
             producer = program.graph.producer[name]
             layout = Layout(self.buffers[(name, producer)][0].dims)
             seeds = [self._tensor(full[layout.local_slices(r, full.shape)]) for r in self.ranks]
             self._accumulate(name, producer, layout, seeds)
-        for node in reversed(range(len(program.ops))):
-            progress.report("verify backward", len(program.ops) - 1 - node, len(program.ops))
+        for (name, producer), (layout, buffers) in (arrived or {}).items():
+            self._accumulate(name, producer, layout, buffers)
+        for node in reversed(self.nodes):
+            progress.report("verify backward", self.nodes.stop - 1 - node, len(self.nodes))
             self._backward_node(node)
 
     def _accumulate(self, name: str, holder: str, layout: Layout, buffers: Buffers) -> None:
@@ -297,6 +349,9 @@ class TrainingStep:
         program = self.program
         consumer = program.ops[node].name
         info = program.graph.tensor(name)
+        if info.kind == "activation" and program.graph.producer[name] not in self.names:
+            self.outgoing[(name, consumer, slot)] = (source, buffers)  # the pipeline sends it back
+            return
         if info.kind == "activation":
             producer = program.graph.producer[name]
             target = Layout(self.buffers[(name, producer)][0].dims)
@@ -310,11 +365,29 @@ class TrainingStep:
                 sync = self.schedule.sync.get(name)
                 steps = [sync] if sync is not None else []
                 what, phase = f"gradient synchronisation of parameter {name!r} (read by {consumer!r})", "sync"
+                if self.defer_sync:  # the micro-batches accumulate; `synchronise` runs the step once
+                    self._follow(source, steps, target, what)
+                    if name in self.unsynced:
+                        _, held = self.unsynced[name]
+                        buffers = [a + b for a, b in zip(held, buffers)]
+                    self.unsynced[name] = (source, buffers)
+                    return
             else:
                 steps = self.schedule.backward.get((name, producer, consumer, slot), [])
                 what, phase = f"gradient of {name!r} from {consumer!r} back to {producer!r}", "backward"
         self._follow(source, steps, target, what)
         self._accumulate(name, producer, target, self._run(name, buffers, steps, phase))
+
+    def synchronise(self, name: str, source: Layout, buffers: Buffers) -> None:
+        """Run a parameter's gradient synchronisation on ``buffers`` (accumulated before it) and keep the result."""
+        program = self.program
+        owner_node, _ = program.owner[name]
+        producer = program.ops[owner_node].name
+        target = self.parameter_target(name, self.buffers[(name, producer)][0])
+        sync = self.schedule.sync.get(name)
+        steps = [sync] if sync is not None else []
+        self._follow(source, steps, target, f"gradient synchronisation of parameter {name!r}")
+        self._accumulate(name, producer, target, self._run(name, buffers, steps, "sync"))
 
     def parameter_gradient(self, name: str) -> tuple[Layout, Buffers]:
         """A trainable parameter's gradient as the ranks hold it after synchronisation."""

@@ -65,7 +65,7 @@ def compare_output(
     return OutputCheck(worst_error, worst_error / magnitude if magnitude else worst_error, close, problem)
 
 
-PHASES = ("forward", "backward", "sync")
+PHASES = ("forward", "backward", "sync", "send")  # "send": a pipeline's point-to-point messages
 
 
 @dataclass
@@ -87,12 +87,23 @@ class Tally:
         self.count[key] += 1
         self.nbytes[key] += nbytes
 
+    def add_send(self, label: str, nbytes: int) -> None:
+        """One point-to-point message of a pipeline (``label``: its direction and stages)."""
+        key = ("send", label, 2)
+        self.count[key] += 1
+        self.nbytes[key] += nbytes
+
+    def merge(self, other: "Tally") -> None:
+        self.count.update(other.count)
+        self.nbytes.update(other.nbytes)
+
     def as_dict(self) -> dict[str, dict[str, dict[str, int]]]:
-        """{phase: {"AllGather over 2": {"count", "bytes"}}}, every phase present."""
-        out: dict[str, dict[str, dict[str, int]]] = {phase: {} for phase in PHASES}
+        """{phase: {"AllGather over 2": {"count", "bytes"}}}, every phase present ("send" only with messages)."""
+        out: dict[str, dict[str, dict[str, int]]] = {phase: {} for phase in PHASES if phase != "send"}
         for key in sorted(self.count, key=lambda k: (PHASES.index(k[0]), k[1], k[2])):
             phase, kind, size = key
-            out[phase][f"{kind} over {size}"] = {"count": self.count[key], "bytes": self.nbytes[key]}
+            label = kind if phase == "send" else f"{kind} over {size}"
+            out.setdefault(phase, {})[label] = {"count": self.count[key], "bytes": self.nbytes[key]}
         return out
 
 
