@@ -34,15 +34,6 @@ class Collective(enum.StrEnum):
     SLICE = "Slice"
 
 
-# Backward of each forward step: the gradient travels the other way with the dual collective.
-BACKWARD_DUAL: dict[Collective, Collective | None] = {
-    Collective.ALL_GATHER: Collective.REDUCE_SCATTER,
-    Collective.REDUCE_SCATTER: Collective.ALL_GATHER,
-    Collective.SLICE: Collective.ALL_GATHER,
-    Collective.ALL_TO_ALL: Collective.ALL_TO_ALL,
-    Collective.ALL_REDUCE: None,  # the gradient of a reduced-then-replicated value is already replicated
-}
-
 # (kind, bits, shift, dim, concat_dim, reduce op): a step before the tensor's size is known
 SymbolicStep = tuple[Collective, tuple[int, ...], int, int | None, int | None, ReduceOp]
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.layout import Layout
-from autopar.redistribute import BACKWARD_DUAL, redistribute
+from autopar.redistribute import redistribute
 from autopar.spmd import assemble, run_step, shard
 
 
@@ -54,12 +54,16 @@ def test_step_bytes_follow_the_conventions():
     assert a2a.nbytes == 64  # the local buffer
 
 
-def test_backward_duals():
-    assert BACKWARD_DUAL["AllGather"] == "ReduceScatter"
-    assert BACKWARD_DUAL["ReduceScatter"] == "AllGather"
-    assert BACKWARD_DUAL["Slice"] == "AllGather"
-    assert BACKWARD_DUAL["AllToAll"] == "AllToAll"
-    assert BACKWARD_DUAL["AllReduce"] is None
+def test_a_gradient_goes_back_as_a_redistribution_of_its_own():
+    """An AllGather forward: a gradient that comes back whole is sliced (each device computed all of
+    it), one that comes back partial is reduce-scattered: never an AllReduce then a gather's dual."""
+    rows = Layout(((0,), ()))
+    (gather,) = redistribute(rows, Layout(((), ())), (8, 8), itemsize=2)
+    assert gather.kind == "AllGather"
+    (whole,) = redistribute(Layout(((), ())), rows, (8, 8), itemsize=2)
+    assert whole.kind == "Slice"
+    (partial,) = redistribute(Layout(((), ()), partial=(0,)), rows, (8, 8), itemsize=2)
+    assert partial.kind == "ReduceScatter" and partial.nbytes == 128
 
 
 def test_consumer_layout_is_never_partial():

@@ -95,8 +95,8 @@ def level_traffic(plan: PlanLike) -> list[dict[str, Any]]:
     """Per mesh level: its bits, devices per group, and the collectives whose bits cross it.
 
     A collective over bits of two levels counts in both (its bytes cross both links), so the
-    levels' figures do not add up to the plan's. Redistributions count forward and backward
-    (their dual collective); local Slice steps cross nothing.
+    levels' figures do not add up to the plan's. Redistributions count forward, and the gradients'
+    ways back as listed (an older file's dual of each step instead); local Slice steps cross nothing.
     """
     data = as_plan_file(plan)
     levels: list[dict[str, Any]] = []

@@ -321,7 +321,7 @@ def _weight_only(graph: Graph, rules: Sequence[OpRule], shared: Sequence[int]) -
     per joint layout of them all: ten layouts of each of ALBERT's six shared weights at 8 devices
     are a million joint states, beyond any exact search. An operator on weights alone does the same
     work whatever the batch, and a copy that wants its output split slices it locally at no cost
-    (its gradient coming back as the slice's dual); held whole, it leaves the copies nothing to
+    (its gradient gathered on the way back); held whole, it leaves the copies nothing to
     condition on but their boundary, as a constant does. The search stays exact over every other
     choice; the shared weight itself is stored, and its gradient synchronised, as replication says.
     """

@@ -91,7 +91,7 @@ class Dataflow:
 
         For a parameter this is the gradient AllReduce (MindSpore's mirror operator); for an
         activation read whole by an operator that splits another axis (a column-split MatMul's
-        input, say) it is the backward AllReduce dual to the forward identity.
+        input, say) the gradient's way back to its producer reduces over them (`costing._edge_costs`).
         """
         rule = self.rules[node]
         labels = rule.spec.inputs[slot] or ()

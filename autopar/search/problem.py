@@ -8,7 +8,8 @@ the layouts at the edge's two ends (`dp.Factor`), not over candidates; runs of r
 The objective (predicted step time) is additive: a node's cost covers its forward and
 backward compute, the gradient AllReduce of the parameters it owns and the reduction of any
 partial graph output; an edge's cost is the redistribution between the producer's output
-layout and the consumer's input layout, forward and (dual) backward. Memory per device is
+layout and the consumer's input layout forward, and the gradient's way back as the runtime runs
+it (from the consumer's layout, partial where its gradient is). Memory per device is
 additive too and is kept beside the time, for the capacity constraint.
 """
 
