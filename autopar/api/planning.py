@@ -45,6 +45,7 @@ from autopar.options import (
 )
 from autopar.search.costing import build_problem
 from autopar.search.driver import (
+    NothingFaster,
     SearchResult,
     parameter_state_bytes,
     run_search,
@@ -330,6 +331,10 @@ class _Shapes:
             )
         return best
 
+    def _note_fastest(self, shape: PipelineShape, fastest_s: float | None) -> None:
+        if fastest_s is not None:
+            self._fastest[shape.micro_batches] = fastest_s
+
     def _fewer_micro_batches_win(self, shape: PipelineShape, best_s: float) -> bool:
         """Some micro-batch count dividing ``shape``'s had no plan faster than ``best_s``, memory aside."""
         return any(
@@ -351,24 +356,20 @@ class _Shapes:
         """The best plan of one shape (None: nothing fits, or nothing faster than ``bound``)."""
         options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
         started = time.perf_counter()
-        if shape == ONE_STAGE:  # today's search, on the problem itself
+        if shape.stages == 1:  # the whole model as one stage (over the micro-batches: gradient accumulation)
+            stage = problem if shape == ONE_STAGE else stage_problem(problem, 0, problem.size, shape, 0)
             try:
-                found = run_search(problem, mode, algorithm, options.recompute)
+                found = run_search(stage, mode, algorithm, options.recompute, bound)
+            except NothingFaster as beaten:
+                self._note_fastest(shape, beaten.fastest_s)
+                return None
             except InfeasibleError:
                 if len(self.shapes()) == 1:
                     raise
                 return None
-            if found.fastest_s is not None:
-                self._fastest[shape.micro_batches] = found.fastest_s
-            return _Searched(problem, found, None, problem.objective(found.choice, found.choices))
-        if shape.stages == 1:  # gradient accumulation: the whole model as one stage over the micro-batches
-            stage = stage_problem(problem, 0, problem.size, shape, 0)
-            try:
-                found = run_search(stage, mode, algorithm, options.recompute)
-            except InfeasibleError:
-                return None
-            if found.fastest_s is not None:
-                self._fastest[shape.micro_batches] = found.fastest_s
+            self._note_fastest(shape, found.fastest_s)
+            if shape == ONE_STAGE:
+                return _Searched(problem, found, None, problem.objective(found.choice, found.choices))
             seconds = stage.objective(found.choice, found.choices)
             if seconds >= bound:
                 return None

@@ -94,6 +94,23 @@ def pair_coefficients(
     return results[0], results[1]
 
 
+def distinct(keys: np.ndarray) -> np.ndarray:
+    """The distinct values of an integer array, sorted: `np.unique` by a sort (numpy 2.4's hashing
+    `np.unique` takes seventeen times as long on the tens of millions of layout-pair keys a large
+    model has).
+
+    >>> distinct(np.array([3, 1, 3, 2])).tolist()
+    [1, 2, 3]
+    """
+    ordered = np.sort(keys)
+    if len(ordered) < 2:
+        return ordered
+    first = np.empty(len(ordered), dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return ordered[first]
+
+
 class PairCache:
     """The coefficients of every layout pair one cost model has costed, for the problems planned after.
 

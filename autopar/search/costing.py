@@ -26,7 +26,7 @@ from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
 from autopar.redistribute import Collective, symbolic_steps
-from autopar.search.coefficients import LayoutTable, PairCache
+from autopar.search.coefficients import LayoutTable, PairCache, distinct
 from autopar.search.dataflow import Dataflow, TensorUse
 from autopar.search.dp import Factor
 from autopar.search.fold import RunEdges, Solver
@@ -653,13 +653,13 @@ def _edge_costs(
         forward_keys.append((src_ids[:, None] * count + whole_dst[None, :]).reshape(-1))
         if carries:
             backward_keys.append((dst_ids[:, None] * count + whole_src[None, :]).reshape(-1))
-    forward_unique = np.unique(np.concatenate(forward_keys)) if forward_keys else np.zeros(0, dtype=np.int64)
+    forward_unique = distinct(np.concatenate(forward_keys)) if forward_keys else np.zeros(0, dtype=np.int64)
     if len(forward_unique) > MAX_LAYOUT_PAIRS:
         raise TooLargeError(
             f"{len(forward_unique):,} distinct redistributions between layouts would have to be costed on"
             f" {flow.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}, about a minute); use fewer devices."
         )
-    unique = np.unique(np.concatenate([forward_unique, *backward_keys]))
+    unique = distinct(np.concatenate([forward_unique, *backward_keys]))
     width = max((len(length) for length, _, _ in rows), default=1) or 1
     lengths = np.zeros((len(rows), width), dtype=np.int64)
     codes = np.zeros((len(rows), width), dtype=np.uint64)

@@ -55,6 +55,16 @@ class SearchResult:
     fastest_s: float | None = None
 
 
+class NothingFaster(InfeasibleError):
+    """No plan of the problem that fits beats the bound the search was given (a search of one
+    pipeline shape among several, or of one stage, that cannot win). ``fastest_s``: as
+    `SearchResult.fastest_s`."""
+
+    def __init__(self, message: str, fastest_s: float | None) -> None:
+        super().__init__(message)
+        self.fastest_s = fastest_s
+
+
 def data_parallel_choice(problem: SearchProblem) -> list[int]:
     """Every candidate list starts with the data-parallel strategy."""
     return [0] * problem.size
@@ -65,10 +75,15 @@ def stand_alone_choice(problem: SearchProblem) -> list[int]:
 
 
 def run_search(
-    problem: SearchProblem, mode: str = "auto_parallel", algorithm: str = "dp", recompute: bool | None = None
+    problem: SearchProblem,
+    mode: str = "auto_parallel",
+    algorithm: str = "dp",
+    recompute: bool | None = None,
+    bound: float = math.inf,
 ) -> SearchResult:
     """The plan of ``mode`` on ``problem``; ``recompute`` True (False) makes every plan recompute the repeated
-    blocks' forward (keep every activation); None leaves it to the memory walk."""
+    blocks' forward (keep every activation); None leaves it to the memory walk. With a finite ``bound``
+    (seconds) the DP's memory walk stops, raising `NothingFaster`, once no plan that fits can beat it."""
     start = time.perf_counter()
     capacity = problem.cost.capacity
     multiplier = 0.0
@@ -86,7 +101,7 @@ def run_search(
         used = "ilp"
     else:
         solver = Solver.of(problem)
-        choice, choices, multiplier, fastest = _constrained_dp(problem, solver, capacity, recompute)
+        choice, choices, multiplier, fastest = _constrained_dp(problem, solver, capacity, recompute, bound)
         used, states = algorithm, solver.states()
     memory = problem.memory(choice, choices)
     if memory > capacity:
@@ -105,7 +120,7 @@ class _Point:
 
 
 def _constrained_dp(
-    problem: SearchProblem, solver: Solver, capacity: float, recompute: bool | None = None
+    problem: SearchProblem, solver: Solver, capacity: float, recompute: bool | None = None, beat: float = math.inf
 ) -> tuple[list[int], MemoryChoices, float, float | None]:
     """The fastest plan that fits, by a walk along the Lagrangian's lower hull of (time, memory).
 
@@ -117,10 +132,13 @@ def _constrained_dp(
     not fit are the memory choices searched: each walk is done without recomputation and, where
     the model has repeated blocks, with it, and the faster plan that fits wins. Last comes a bound
     no plan beats, memory aside (the fastest plan's time less the most the tie-break can add), or
-    None where the fastest plan was not needed.
+    None where the fastest plan was not needed. A finite ``beat`` ends the walk as soon as no plan
+    that fits can beat it (`NothingFaster`).
     """
     base = problem.objective(data_parallel_choice(problem))
     offsets = tie_break_offsets(problem.node_time, base)
+    slack = TIE_BREAK_FRACTION * max(base, 1e-12)  # the most the tie-break adds to a plan's time
+    beat_seen = beat + slack  # a plan faster than ``beat`` is seen below this
 
     def solve(weight: float, recompute: bool, time_scale: float = 1.0) -> _Point:
         unary, takes = problem.lagrangian(weight, recompute, time_scale)
@@ -143,13 +161,15 @@ def _constrained_dp(
     first = kinds[0]
     fits_first = problem.memory_floor(first) <= capacity * (1 + 1e-12)
     fast = solve(0.0, first) if fits_first else None  # a plan that cannot fit needs no run to say so
-    fastest = fast.seen - TIE_BREAK_FRACTION * max(base, 1e-12) if fast is not None else None
+    fastest = fast.seen - slack if fast is not None else None
     if fast is not None and fast.memory <= capacity:
         return fast.choice, fast.choices, 0.0, fastest
+    if fast is not None and fast.seen >= beat_seen and not math.isinf(beat):
+        raise NothingFaster(f"no plan is faster than {beat:.6g} s", fastest)
     best: tuple[_Point, float] | None = None
     leans: dict[bool, _Point] = {}
     for recompute in kinds:
-        bound = best[0].seen if best is not None else math.inf
+        bound = best[0].seen if best is not None else beat_seen
         again = sum(float(t.min()) for t in problem.recompute_time.values())
         if recompute and not first and fast is not None and fast.seen + again >= bound:
             continue  # every recomputing plan pays at least the fastest forward of every block again
@@ -164,6 +184,8 @@ def _constrained_dp(
         walked = _walk(start, lean, capacity, functools.partial(solve, recompute=recompute), bound)
         if walked is not None and walked[0].seen < bound:
             best = walked
+    if best is None and not math.isinf(beat):
+        raise NothingFaster(f"no plan that fits is faster than {beat:.6g} s", fastest)
     if best is None:  # nothing fits: the message describes the leanest plan of every kind
         least = min((leans.get(recompute) or leanest(recompute) for recompute in kinds), key=lambda p: p.memory)
         solver.bind(problem.factors, problem.folds)

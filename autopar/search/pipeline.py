@@ -42,7 +42,7 @@ from autopar.errors import InfeasibleError
 from autopar.layout import Layout
 from autopar.search.dataflow import TensorUse, kept_by
 from autopar.search.dp import Factor
-from autopar.search.driver import SearchResult, run_search
+from autopar.search.driver import NothingFaster, SearchResult, run_search
 from autopar.search.fold import RunEdges
 from autopar.search.memory import Alternative, MemoryChoices
 from autopar.search.problem import SearchProblem
@@ -466,7 +466,11 @@ class _StageSearch:
             return floor, None
         self.searches += 1
         try:
-            result = run_search(stage, self.mode, self.algorithm, self.recompute)
+            result = run_search(stage, self.mode, self.algorithm, self.recompute, beat)
+        except NothingFaster:
+            hit = (beat, None)  # no plan of the stage beats ``beat``: a bound, as the floor's
+            self.found[key] = hit
+            return hit
         except InfeasibleError:
             hit = (math.inf, None)
         else:
@@ -598,7 +602,7 @@ def _assemble(search: _StageSearch, bounds: Sequence[int], bound: float) -> Pipe
     """The plan of given cuts (None: a stage does not fit)."""
     stages = []
     for index in range(search.shape.stages):
-        seconds, result = search.time(bounds[index], bounds[index + 1], index)
+        seconds, result = search.time(bounds[index], bounds[index + 1], index, bound)
         if result is None or seconds >= bound:
             return None
         stages.append(StagePlan(bounds[index], bounds[index + 1], result, seconds))
