@@ -96,29 +96,23 @@ class StagedProgram:
         found = []
         per = self.stage_devices
         for crossing in self.crossings:
+            ways = (
+                (FORWARD, crossing.forward, crossing.from_stage, crossing.to_stage),
+                (BACKWARD, crossing.backward, crossing.to_stage, crossing.from_stage),
+            )
             for m in range(self.micro_batches):
-                for piece in crossing.forward:
-                    found.append(
-                        Transfer(
-                            FORWARD,
-                            crossing.index,
-                            m,
-                            crossing.from_stage * per + piece.sender,
-                            crossing.to_stage * per + piece.receiver,
-                            piece.numel * crossing.itemsize,
+                for direction, pieces, sender, receiver in ways:
+                    for piece in pieces:
+                        found.append(
+                            Transfer(
+                                direction,
+                                crossing.index,
+                                m,
+                                sender * per + piece.sender,
+                                receiver * per + piece.receiver,
+                                piece.numel * crossing.itemsize,
+                            )
                         )
-                    )
-                for piece in crossing.backward:
-                    found.append(
-                        Transfer(
-                            BACKWARD,
-                            crossing.index,
-                            m,
-                            crossing.to_stage * per + piece.sender,
-                            crossing.from_stage * per + piece.receiver,
-                            piece.numel * crossing.itemsize,
-                        )
-                    )
         return sorted(found, key=transfer_key)
 
     def describe(self, transfer: Transfer) -> str:

@@ -29,8 +29,8 @@ from autopar.runtime.collectives import VirtualCollectives
 from autopar.runtime.launch import DEFAULT_TIMEOUT_S, run_workers
 from autopar.runtime.pipeline import DistributedLinks, StagedResult, execute_stage, execute_virtual
 from autopar.runtime.program import Schedule
-from autopar.runtime.verify import in_float64, reference_gradients, training_bytes
-from autopar.spmd.compare import ATOL, RTOL, GradientCheck, Tally, VerifyReport, collectives_differ, compare_output
+from autopar.runtime.verify import compare_gradients, in_float64, reference_gradients, training_bytes
+from autopar.spmd.compare import ATOL, RTOL, Tally, VerifyReport, collectives_differ, compare_output
 from autopar.spmd.devices import assemble
 from autopar.spmd.reference import reference_outputs
 from autopar.spmd.values import materialise
@@ -268,7 +268,13 @@ def _judge(
             if found.problem:
                 problems.append(found.problem)
         if seeds is not None:
-            check = _compare_gradients(graph, result, precise, seeds, parameters, rtol, atol)
+
+            def held(name: str) -> np.ndarray:
+                layout, buffers = result.gradients[name]
+                return assemble(buffers, Layout.from_dict(layout), graph.tensor(name).shape)
+
+            wanted = reference_gradients(graph, precise, seeds, parameters)
+            check = compare_gradients(wanted, held, parameters, rtol, atol)
             if not check.ok:
                 problems.append(
                     f"the gradient of {check.worst!r} differs from the single-device gradient: max abs error"
@@ -291,33 +297,3 @@ def _judge(
         processes=staged.num_devices if runtime == "torch" else 1,
         gradients=check,
     )
-
-
-def _compare_gradients(
-    graph: Graph,
-    result: StagedResult,
-    precise: Mapping[str, np.ndarray],
-    seeds: Mapping[str, np.ndarray],
-    parameters: Sequence[str],
-    rtol: float,
-    atol: float,
-) -> GradientCheck:
-    expected = reference_gradients(graph, precise, seeds, parameters)
-    worst_name, worst_score, worst_abs, worst_rel, ok = None, -1.0, 0.0, 0.0, True
-    for name in parameters:
-        want = expected[name]
-        magnitude = float(np.abs(want).max(initial=0.0))
-        try:
-            layout, buffers = result.gradients[name]
-            got = assemble(buffers, Layout.from_dict(layout), graph.tensor(name).shape)
-        except (KeyError, ValueError):  # missing, or replicas disagree: a synchronisation is missing or wrong
-            got = np.full(want.shape, np.inf)
-        found = compare_output(name, got, want, rtol, atol)
-        score = found.max_abs_error / (atol + rtol * magnitude)
-        if score > worst_score:
-            worst_name, worst_score = name, score
-        worst_abs = max(worst_abs, found.max_abs_error)
-        if magnitude > atol:
-            worst_rel = max(worst_rel, found.max_abs_error / magnitude)
-        ok = ok and found.ok
-    return GradientCheck(len(parameters), worst_abs, worst_rel, worst_name, ok)

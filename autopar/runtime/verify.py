@@ -11,7 +11,7 @@ collectives the plan lists, and those must equal the plan's, phase by phase.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -161,7 +161,15 @@ def _judge(
             if found.problem:
                 problems.append(found.problem)
         if seeds is not None:
-            check = _compare_gradients(program, result, values, seeds, parameters, rtol, atol)
+            wanted = reference_gradients(program.graph, in_float64(values), seeds, parameters)
+            graph = program.graph
+            check = compare_gradients(
+                wanted,
+                lambda name: _assembled(result.gradients[name], graph.tensor(name).shape),
+                parameters,
+                rtol,
+                atol,
+            )
             if not check.ok:
                 problems.append(
                     f"the gradient of {check.worst!r} differs from the single-device gradient: max abs error"
@@ -186,23 +194,22 @@ def _judge(
     )
 
 
-def _compare_gradients(
-    program: PlanProgram,
-    result: RankResult,
-    values: Mapping[str, np.ndarray],
-    seeds: Mapping[str, np.ndarray],
+def compare_gradients(
+    expected: Mapping[str, np.ndarray],
+    held: Callable[[str], np.ndarray],
     parameters: Sequence[str],
     rtol: float,
     atol: float,
 ) -> GradientCheck:
-    expected = reference_gradients(program.graph, in_float64(values), seeds, parameters)
+    """Each parameter's gradient as the ranks hold it (``held``: assembled from its shards; KeyError
+    or ValueError where it is missing or its replicas disagree) against the single-device one."""
     worst_name, worst_score, worst_abs, worst_rel, ok = None, -1.0, 0.0, 0.0, True
     for name in parameters:
         want = expected[name]
         magnitude = float(np.abs(want).max(initial=0.0))
         try:
-            got = _assembled(result.gradients[name], program.graph.tensor(name).shape)
-        except ValueError:  # replicas of a gradient disagree: a synchronisation is missing or wrong
+            got = held(name)
+        except (KeyError, ValueError):  # missing, or replicas disagree: a synchronisation is missing or wrong
             got = np.full(want.shape, np.inf)
         found = compare_output(name, got, want, rtol, atol)
         # the parameter nearest its tolerance is the worst; a gradient that is exactly zero (a key's
