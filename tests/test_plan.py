@@ -112,3 +112,27 @@ def test_same_input_same_plan(graph):
 def test_jupyter_report_renders(plan8):
     html = plan8._repr_html_()
     assert "autopar plan" in html and "conv1" in html and "<table>" in html
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_the_search_charges_each_edge_as_the_plan_lists_it(devices):
+    """The forward redistributions and the gradients' ways back the plan file lists (what the runtime
+    executes) cost what the search charged on the edges, for random assignments of a GPT."""
+    import random
+
+    from autopar.lowering import GRAPH_OUTPUT, Plan
+    from autopar.search.driver import SearchResult
+    from models.transformer import build_transformer
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=16, vocab=64, batch=8)
+    problem = autopar.build(model, devices)
+    pick = random.Random(devices)
+    for _ in range(8):
+        choice = tuple(pick.randrange(len(rule.candidates)) for rule in problem.rules)
+        nodes = sum(float(problem.node_arrays(i)[0][c]) for i, c in enumerate(choice))
+        charged = problem.objective(choice) - nodes
+        data = Plan(problem, choice, SearchResult(choice, "given", 0.0), "model", "given", "ascend910", "mixed").file
+        listed = sum(r.seconds for r in data.redistributions if r.consumer != GRAPH_OUTPUT)
+        listed += sum(path.seconds for path in data.gradients if path.carries is None)
+        assert listed == pytest.approx(charged, rel=1e-9, abs=1e-15)
+        assert any(path.steps for path in data.gradients)
