@@ -132,7 +132,9 @@ def _valid_keys(op: NodeView, graph: GraphView) -> int:
 @register(
     "Attention",
     since=23,
-    mindspore=MindSporePrimitive("ops.FlashAttentionScore", 3, needs_args=True, note="head_num is an argument"),
+    mindspore=MindSporePrimitive(
+        "ops.operations.nn_ops.FlashAttentionScore", 3, needs_args=True, note="head_num is an argument"
+    ),
     flops=attention_flops,
     keeps=Keeps.INPUTS | Keeps.OUTPUTS,  # Q, K, V and Y, as a fused kernel's backward reads them
     index_bounds={NONPAD: _valid_keys},
