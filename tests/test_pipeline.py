@@ -195,6 +195,16 @@ def test_resnet50_keeps_one_stage_and_its_plan(resnet_plan):
     assert whole.strategies == resnet_plan.strategies and whole.objective == resnet_plan.objective
 
 
+def test_micro_batches_a_model_cannot_take_are_refused_for_that_reason(capsys):
+    """An export that fixed its batch in a computed shape does not import at a smaller one: the
+    sentence says so, not that nothing fits in memory."""
+    argv = ["plan", "tests/data/hf_albert_dynamo.onnx", "--devices", "8", "--micro-batches", "2", "--quiet"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 1 and err.count("\n") == 1
+    assert "No plan with 2 micro-batches over 1 stage: the model does not take a batch of 2" in err
+    assert "memory" not in err
+
+
 def test_the_cli_takes_stages_micro_batches_and_cuts(tmp_path, capsys):
     path = tmp_path / "chain.onnx"
     path.write_bytes(chain().SerializeToString())

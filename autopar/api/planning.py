@@ -249,6 +249,7 @@ class _Shapes:
         self.model, self.graph, self.step_batch, self.options, self.cost = model, graph, step_batch, options, cost
         self.costing_s = self.search_s = 0.0
         self._problems: dict[tuple[int, int], SearchProblem | None] = {}
+        self._refusals: dict[tuple[int, int], ModelImportError | FixedStrategyError] = {}  # why a shape has none
         self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
         single = self.problem(1, 1)
         assert single is not None  # the whole batch on every device: its errors are the user's
@@ -269,9 +270,10 @@ class _Shapes:
                     batch = _micro_batch(self.step_batch, micro_batches, self.graph)
                     graph = model_graph(self.model, batch, options.dims, options.frozen, options.trainable)
                 built = build_problem(graph, self.cost, options.num_devices // stages, fixed=options.fixed)
-            except (ModelImportError, FixedStrategyError):
+            except (ModelImportError, FixedStrategyError) as error:
                 if key == (1, 1):
                     raise
+                self._refusals[key] = error
                 built = None
             self._problems[key] = built
             self.costing_s += time.perf_counter() - started
@@ -323,6 +325,16 @@ class _Shapes:
                 self.search_s += time.perf_counter() - started
             if searched is not None and (best is None or searched.time_s < best.time_s * (1 - 1e-12)):
                 best = searched
+        built = [self._problems.get((shape.stages, shape.micro_batches)) for shape in shapes]
+        if best is None and self._refusals and all(problem is None for problem in built):
+            (stages, micro), error = next(iter(self._refusals.items()))  # no shape asked for could be built
+            why = str(error)
+            if isinstance(error, ModelImportError) and self.step_batch is not None:
+                why = f"the model does not take a batch of {self.step_batch // micro} ({why.rstrip('.')})."
+            raise type(error)(
+                f"No plan with {micro} micro-batch{'es' if micro > 1 else ''} over {stages}"
+                f" stage{'s' if stages > 1 else ''}: {why}"
+            ) from None
         if best is None:
             run_search(self.single, mode, algorithm, options.recompute)  # raises when one stage does not fit: its
             raise InfeasibleError(  # sentence says what does not fit and how many devices would hold it
