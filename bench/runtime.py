@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from autopar.lowering.decisions import degrees  # noqa: E402
 from autopar.lowering.planfile import read_plan_file  # noqa: E402
 from bench.megatron import megatron_strategies  # noqa: E402
 from models.transformer import build_transformer  # noqa: E402
+from tests.pipelines import random_pipelined_plans  # noqa: E402
 
 PIPELINED = {"gpt-pipeline", "resnet50-pipeline"}
 
@@ -93,29 +93,15 @@ def run(arguments: list[str], runtime: str) -> str:
 
 
 def random_pipelines(draws: int = 20) -> str:
-    """Random pipelined assignments on virtual devices; a draw whose strategies the whole batch cannot take
-    (semi-auto checks them there too) is drawn again."""
+    """Random pipelined assignments on virtual devices (`tests.pipelines.random_pipelined_plans`)."""
     import autopar
-    from autopar.api.planning import model_graph
 
     model = build_transformer(kind="gpt", layers=2, hidden=32, heads=4, seq=16, vocab=32, batch=8, weights="random")
-    names = [op.name for op in model_graph(model, None, None).ops]
-    rng = random.Random(0)
     passed, worst, started, shapes = 0, 0.0, time.perf_counter(), set()
-    done = 0
-    while done < draws:
-        stages, micro_batches = rng.choice([2, 4]), rng.choice([1, 2, 4, 8])
-        starts = [names[c] for c in sorted(rng.sample(range(1, len(names)), stages - 1))]
-        candidates = autopar.candidates(model, devices=8 // stages, batch=8 // micro_batches)
-        fixed = {op: rng.choice(options) for op, options in candidates.items()}
-        try:
-            plan = autopar.plan(
-                model, devices=8, pipeline_stages=stages, micro_batches=micro_batches, stage_starts=starts, fixed=fixed
-            )
-        except autopar.AutoparError:
-            continue
+    plans = random_pipelined_plans(model)
+    for done in range(draws):
+        stages, micro_batches, _, plan = next(plans)
         report = autopar.verify(model, plan, seed=done, gradients=True)
-        done += 1
         shapes.add((stages, micro_batches))
         same = report.collectives["executed"] == report.collectives["planned"]
         passed += report.ok and same

@@ -9,7 +9,6 @@ a rank whose peer never sends ends at the timeout with a sentence naming what it
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -20,6 +19,7 @@ from autopar.lowering import read_plan_file
 from autopar.lowering.staged import routes, staged_program
 from models.transformer import build_transformer
 from tests.conftest import run_cli
+from tests.pipelines import random_pipelined_plans
 
 pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
@@ -70,28 +70,16 @@ def test_the_forward_alone_runs_without_gradients(gpt, two_stages):
 
 
 def test_twenty_random_pipelined_assignments_train_correctly(gpt):
-    """Random cuts, stage counts (2, 4), micro-batches (1 to 8) and strategies; strategies the whole batch
-    cannot take (semi-auto checks them there too) are drawn again."""
-    names = [op.name for op in autopar.api.planning.model_graph(gpt, None, None).ops]
-    rng = random.Random(0)
-    shapes, phases, draws = set(), set(), 0
-    while draws < 20:
-        stages, micro_batches = rng.choice([2, 4]), rng.choice([1, 2, 4, 8])
-        starts = [names[c] for c in sorted(rng.sample(range(1, len(names)), stages - 1))]
-        candidates = autopar.candidates(gpt, devices=8 // stages, batch=8 // micro_batches)
-        fixed = {op: rng.choice(options) for op, options in candidates.items()}
-        try:
-            plan = autopar.plan(
-                gpt, devices=8, pipeline_stages=stages, micro_batches=micro_batches, stage_starts=starts, fixed=fixed
-            )
-        except autopar.AutoparError:
-            continue
-        report = autopar.verify(gpt, plan, seed=draws, gradients=True)
-        assert report.ok, (draws, starts, report.problems)
+    """Random cuts, stage counts (2, 4), micro-batches (1 to 8) and strategies (`tests.pipelines`)."""
+    shapes, phases = set(), set()
+    plans = random_pipelined_plans(gpt)
+    for draw in range(20):
+        stages, micro_batches, starts, plan = next(plans)
+        report = autopar.verify(gpt, plan, seed=draw, gradients=True)
+        assert report.ok, (draw, starts, report.problems)
         assert report.collectives["executed"] == report.collectives["planned"]
         shapes.add((stages, micro_batches))
         phases |= {phase for phase, entries in report.collectives["executed"].items() if entries}
-        draws += 1
     assert len(shapes) >= 5
     assert phases == {"forward", "backward", "sync", "send"}
 
