@@ -1,5 +1,9 @@
 """Redistribution: turn one layout into another as a sequence of collective steps.
 
+A target may be partial (a gradient a fork takes partial, `autopar.ops.fork`): bits the source is
+partial over too are left as they are, the others reduced; over its partial bits the source is whole
+on, the steps leave it whole, and `as_partial` makes it partial with no communication.
+
 The planner works bit by bit (DESIGN.md's table): a bit that splits a dimension in the source
 but not (at that position) in the target is gathered, or moved to another dimension by an
 AllToAll when the target wants it there next; partial bits become a ReduceScatter when the
@@ -105,10 +109,11 @@ def redistribute(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int) 
 @functools.lru_cache(maxsize=1 << 16)
 def symbolic_steps(src: Layout, dst: Layout) -> tuple[SymbolicStep, ...]:
     """Shape-free steps: (kind, bits, shift, dim, concat_dim, reduce_op), payload = total bytes >> shift."""
-    if dst.partial:
-        raise ValueError("a consumer never asks for a partial layout")
+    kept = set(dst.partial) & set(src.partial)
+    if dst.partial and dst.partial_op != ReduceOp.SUM:
+        raise ValueError("only a gradient (a sum) is redistributed to a partial layout")
     current = [list(bits) for bits in src.dims]
-    partial = list(src.partial)
+    partial = [bit for bit in src.partial if bit not in kept]
     raw: list[SymbolicStep] = []
 
     def shift() -> int:
@@ -223,3 +228,19 @@ def apply_steps(layout: Layout, steps: Sequence[Step]) -> Layout:
         else:
             raise ValueError(f"unknown collective {step.kind!r}")
     return Layout(tuple(tuple(d) for d in dims), tuple(partial), layout.partial_op)
+
+
+def as_partial(reached: Layout, target: Layout) -> tuple[int, ...]:
+    """The bits over which a gradient that ``reached`` a layout is whole where ``target`` wants it partial
+    (a sum): each rank with any of them set zeroes its buffer, so the group's sum is the value once.
+    ValueError when no such local step leads from one layout to the other.
+
+    >>> as_partial(Layout(((1,), ())), Layout(((1,), ()), (0,)))
+    (0,)
+    """
+    extra = tuple(bit for bit in target.partial if bit not in reached.partial)
+    if reached.dims != target.dims or any(bit not in target.partial for bit in reached.partial):
+        raise ValueError(f"{reached.describe()} is not {target.describe()} less some partial bits")
+    if extra and target.partial_op != ReduceOp.SUM:
+        raise ValueError(f"a {target.partial_op} is never made partial locally")
+    return extra

@@ -144,8 +144,11 @@ class OpRule:
     def in_strategy(self, exponents: Sequence[int]) -> InStrategy:
         factor = {label: 1 << e for label, e in zip(self.spec.label_order, exponents)}
         strategy: list[tuple[int, ...]] = []
-        for labels, name in zip(self.spec.strategy_labels, self.op.inputs):
-            if not name:
+        names = list(self.op.inputs) + [""] * (len(self.spec.strategy_labels) - len(self.op.inputs))
+        for position, (labels, name) in enumerate(zip(self.spec.strategy_labels, names)):
+            if position >= len(self.op.inputs):  # a tuple beyond the inputs: a fork's gradient label
+                strategy.append(tuple(factor[label] if label is not None else 1 for label in labels or ()))
+            elif not name:
                 strategy.append(())
             elif labels is None:
                 strategy.append(tuple(1 for _ in self.graph.tensor(name).shape))
@@ -264,12 +267,21 @@ class OpRule:
         """The layout candidate ``index`` gives a present output."""
         return _present(self.candidate_layouts(index)[1][slot], self.op.name, "output", slot)
 
-    def encoded_layouts(self, is_output: bool, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def gradient_bits(self, exponents: Sequence[int]) -> tuple[int, ...]:
+        """Bits the outputs' gradients may arrive partial over: those of the gradient labels (a fork's,
+        `autopar.ops.fork`); none for every operator of a model's file."""
+        bits = self.label_bits(exponents)
+        return tuple(sorted((b for label in self.spec.gradient_labels for b in bits[label]), reverse=True))
+
+    def encoded_layouts(
+        self, is_output: bool, slot: int, gradient: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every candidate's layout of one tensor as arrays, without building `Layout` objects.
 
         Per candidate and dimension: how many bits split it and their packed code (four bits
         per mesh bit, most significant first, as `search.coefficients.LayoutTable` reads them);
-        per candidate: the mask of partial bits. Equal rows mean equal layouts.
+        per candidate: the mask of partial bits (with ``gradient``, of an output: the bits its
+        gradient may arrive partial over, `gradient_bits`). Equal rows mean equal layouts.
         """
         count = len(self.candidates)
         order = self.spec.label_order
@@ -290,7 +302,7 @@ class OpRule:
                 codes[:, dim] |= np.where(t < e, bit << np.uint64(4 * t), np.uint64(0))
         partial = np.zeros(count, dtype=np.int64)
         if is_output:
-            for label in self.spec.reduced_labels:
+            for label in self.spec.gradient_labels if gradient else self.spec.reduced_labels:
                 i = order.index(label)
                 partial |= ((np.int64(1) << exponents[:, i]) - 1) << offsets[:, i]
         return lengths, codes, partial

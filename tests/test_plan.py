@@ -114,20 +114,25 @@ def test_jupyter_report_renders(plan8):
     assert "autopar plan" in html and "conv1" in html and "<table>" in html
 
 
-@pytest.mark.parametrize("devices", [4, 8])
-def test_the_search_charges_each_edge_as_the_plan_lists_it(devices):
+@pytest.mark.parametrize("model, devices", [("gpt", 4), ("gpt", 8), ("resnet50", 8)])
+def test_the_search_charges_each_edge_as_the_plan_lists_it(model, devices):
     """The forward redistributions and the gradients' ways back the plan file lists (what the runtime
-    executes) cost what the search charged on the edges, for random assignments of a GPT."""
+    executes) cost what the search charged on the edges, for random assignments of a GPT (with its
+    forks) and of ResNet-50 (whose edges share layout tables between uses that carry a gradient back
+    and uses that do not: each group of edges keeps its own)."""
     import random
 
     from autopar.lowering import GRAPH_OUTPUT, Plan
     from autopar.search.driver import SearchResult
     from models.transformer import build_transformer
 
-    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=16, vocab=64, batch=8)
+    if model == "gpt":
+        model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=16, vocab=64, batch=8)
+    else:
+        model = MODEL
     problem = autopar.build(model, devices)
     pick = random.Random(devices)
-    for _ in range(8):
+    for _ in range(8 if model != MODEL else 3):
         choice = tuple(pick.randrange(len(rule.candidates)) for rule in problem.rules)
         nodes = sum(float(problem.node_arrays(i)[0][c]) for i, c in enumerate(choice))
         charged = problem.objective(choice) - nodes

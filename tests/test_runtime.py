@@ -89,10 +89,12 @@ def test_megatron_gpt_trains_with_the_backward_reduce_scatter_where_the_plan_lis
         if [(step.collective, step.group_size) for step in entry.steps] == [("ReduceScatter", MEGATRON_DEVICES)]
     )
     # Megatron's f under sequence parallelism: the block input, split by sequence, is gathered whole for
-    # the column-split projections; their gradients come back partial and are reduce-scattered
+    # the column-split projections; their gradients come back partial and are reduce-scattered, q's, k's
+    # and v's added up first at the fork they read (`autopar.ops.fork`) and reduce-scattered once
+    consumers = {consumer for consumer, _ in scattered}
     for layer in range(2):
-        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1"):
-            assert any(consumer == f"layer{layer}.{name}" for consumer, _ in scattered), (layer, name)
+        assert {f"layer{layer}.ln1.fork", f"layer{layer}.mlp.fc1"} <= consumers, layer
+        assert not {f"layer{layer}.attn.{name}" for name in "qkv"} & consumers, layer
     report = autopar.verify(model, plan, gradients=True)
     assert report.ok, report.problems
     backward = report.collectives["executed"]["backward"]

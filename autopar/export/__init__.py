@@ -1,8 +1,9 @@
 """Exports: a plan in the forms training frameworks consume, one module per format.
 
-Every exporter reads the typed plan file (`autopar.lowering.PlanFile`), never the search, and
-writes files beside ``out``: ``onnx`` also needs the model the plan was made for (ONNX in,
-ONNX out). `export` dispatches by name; each module registers its writer in `EXPORTERS`.
+Every exporter reads the typed plan file (`autopar.lowering.PlanFile`), never the search, without
+the forks autopar inserts (`PlanFile.without_forks`), and writes files beside ``out``: ``onnx``
+also needs the model the plan was made for (ONNX in, ONNX out). `export` dispatches by name; each
+module registers its writer in `EXPORTERS`.
 
 >>> sorted(FORMATS)
 ['dtensor', 'jax', 'mindspore', 'onnx']
@@ -49,7 +50,7 @@ def export(plan: PlanFile, to: str, out: str | Path | None = None, model: onnx.M
         )
     module = importlib.import_module(FORMATS[to][0])
     target = Path(out) if out is not None else default_output(plan, to)
-    written: list[Path] = module.write(plan, model, target)
+    written: list[Path] = module.write(plan.without_forks(), model, target)
     return written
 
 

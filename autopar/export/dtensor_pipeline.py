@@ -60,6 +60,8 @@ def _parameters(plan: PlanFile, graph: Graph) -> dict[str, list[str]]:
     strategies = plan.strategies
     found: dict[str, list[str]] = {}
     for op in graph.ops:
+        if op.name not in strategies:
+            continue  # a fork (`autopar.ops.fork`): exports leave them out, and none reads a parameter
         rule = OpRule.build(op, graph, bits)
         layouts = rule.input_layouts(rule.parse(strategies[op.name]))
         for name, layout in zip(op.inputs, layouts):

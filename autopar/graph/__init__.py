@@ -3,7 +3,8 @@
 The passes, in order (one module each): `read` the file, `bind` the batch and symbolic
 dimensions, infer shapes folding the chains that compute sizes (`shapes`), `validate` (ONNX's
 checker, numeric inputs, positive sizes), then `build` the graph (constant folding in `fold`,
-parameters told from constants, FLOPs from the operator registry). `types` holds the values they make.
+parameters told from constants, FLOPs from the operator registry) and insert `forks` where
+several readers split one tensor alike. `types` holds the values they make.
 
 >>> from onnx import TensorProto, helper
 >>> node = helper.make_node("Relu", ["x"], ["y"], name="relu")
@@ -29,6 +30,7 @@ from autopar.graph.bind import (
     rebatch_reshapes,
 )
 from autopar.graph.build import build_graph, freeze, train
+from autopar.graph.forks import insert_forks
 from autopar.graph.read import read_model
 from autopar.graph.shapes import resolve_shapes, split_computed
 from autopar.graph.types import ElidedValue, Graph, OpNode, TensorInfo, TensorKind
@@ -71,7 +73,7 @@ def load_model(
     check_input_types(proto)
     check_dimensions(proto)
     check_reshapes(proto)
-    return freeze(train(build_graph(proto, name), trainable), frozen)
+    return insert_forks(freeze(train(build_graph(proto, name), trainable), frozen))
 
 
 __all__ = ["ElidedValue", "Graph", "OpNode", "TensorInfo", "TensorKind", "freeze", "load_model", "train"]

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import numpy as np
 import onnx
 
+from autopar.ops.registry import INTERNAL_DOMAIN
+
 TensorKind = Literal["input", "parameter", "constant", "activation"]
 FLOAT_TYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64"))
 
@@ -130,11 +132,15 @@ class Graph:
         """A digest of the structure (operators, attributes, wiring, parameter and constant shapes), not
         of weights or data shapes: the same model at another batch has the same fingerprint."""
         digest = hashlib.sha256()
+        inserted = {op.outputs[0]: op.inputs[0] for op in self.ops if op.domain == INTERNAL_DOMAIN}
         for op in self.ops:
+            if op.domain == INTERNAL_DOMAIN:
+                continue  # the importer's own operators (forks) follow from the rest
+            inputs = tuple(inserted.get(name, name) for name in op.inputs)
             attributes = sorted(
                 (k, repr(v) if not isinstance(v, np.ndarray) else v.tobytes()) for k, v in op.attrs.items()
             )
-            digest.update(repr((op.name, op.op_type, op.domain, op.inputs, op.outputs, attributes)).encode())
+            digest.update(repr((op.name, op.op_type, op.domain, inputs, op.outputs, attributes)).encode())
         for name in sorted(self.tensors):
             info = self.tensors[name]
             if info.kind in ("parameter", "constant"):

@@ -56,6 +56,7 @@ def op_entries(
             OpEntry(
                 name=rule.op.name,
                 op_type=rule.op.op_type,
+                domain=rule.op.domain if rule.spec.gradient_labels else None,
                 strategy=[list(s) for s in rule.in_strategy(rule.candidates[c])],
                 inputs=[
                     TensorLayout(tensor=t, layout=LayoutEntry.of(lay))
@@ -159,6 +160,15 @@ def _collective_steps(problem: SearchProblem, steps: Sequence[Step]) -> list[Col
     ]
 
 
+def gradient_target(problem: SearchProblem, use: TensorUse, choice_of_src: int) -> Layout:
+    """Where a consumer's gradient of an activation goes: the producer's layout, whole, or partial over
+    the bits a fork takes it partial over (`autopar.ops.fork`)."""
+    rule = problem.rules[use.src_node]
+    dims = problem.source_layout(use, choice_of_src).dims
+    kept = rule.gradient_bits(rule.candidates[choice_of_src]) if use.src_is_output else ()
+    return Layout(dims, kept) if kept else Layout(dims)
+
+
 def gradient_paths(
     problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
 ) -> list[GradientPath]:
@@ -183,7 +193,7 @@ def gradient_paths(
             target = parameter_gradient_layout(problem, use.tensor, choice, choices)[1]
             itemsize = problem.cost.gradient_itemsize()
         else:
-            target = Layout(produced.dims)
+            target = gradient_target(problem, use, choice[use.src_node])
             itemsize = problem.itemsize(info)
         entries = _collective_steps(problem, redistribute(source, target, info.shape, itemsize))
         if entries:

@@ -124,9 +124,12 @@ class OpCost(_Part):
 class OpEntry(_OmitsUnset):
     """One operator: its MindSpore-style in_strategy and the layouts it implies."""
 
-    _omit: ClassVar[tuple[str, ...]] = ("fixed", "source")
+    _omit: ClassVar[tuple[str, ...]] = ("fixed", "source", "domain")
     name: str
     op_type: str
+    domain: str | None = Field(
+        default=None, description="autopar's own operators only (a Fork, `autopar.ops.fork`): not in the model's file"
+    )
     strategy: list[list[PositiveInt]]
     inputs: list[TensorLayout]
     outputs: list[TensorLayout]
@@ -157,7 +160,8 @@ class GradientPath(_OmitsUnset):
 
     The consumer's local gradient is partial over the bits of the labels its input lacks (a
     column-split MatMul's input, say); the steps take it from that layout to the producer's,
-    where every consumer's contribution is summed. This is the exact dual of the forward
+    where every consumer's contribution is summed (a fork, `autopar.ops.fork`, may take it partial:
+    its readers add theirs locally, and its own way back reduces them once). This is the exact dual of the forward
     dataflow: a ReduceScatter where the forward gathered what the consumer splits, an AllReduce
     where an input is read whole, an AllGather where the forward sliced.
 
@@ -434,6 +438,27 @@ class PlanFile(_OmitsUnset):
     @property
     def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         return {op.name: tuple(tuple(s) for s in op.strategy) for op in self.ops}
+
+    def without_forks(self) -> "PlanFile":
+        """The plan as the model's file has it, for an exporter: no forks (`autopar.ops.fork`), each
+        reader of a fork reading the forked tensor in the layout it reads. A framework inserts its own
+        redistributions and sums its own gradients; the readers' strategies say all it needs."""
+        forks = {op.outputs[0].tensor: op.inputs[0].tensor for op in self.ops if op.domain and op.outputs}
+        if not forks:
+            return self
+        named = {op.name for op in self.ops if op.domain}
+
+        def renamed(entries: list[TensorLayout]) -> list[TensorLayout]:
+            return [e.model_copy(update={"tensor": forks.get(e.tensor, e.tensor)}) for e in entries]
+
+        ops = [op.model_copy(update={"inputs": renamed(op.inputs)}) for op in self.ops if op.name not in named]
+        return self.model_copy(
+            update={
+                "ops": ops,
+                "redistributions": [r for r in self.redistributions if not {r.producer, r.consumer} & named],
+                "gradients": [g for g in self.gradients if not {g.producer, g.consumer} & named],
+            }
+        )
 
     @property
     def stage_of(self) -> dict[str, int]:

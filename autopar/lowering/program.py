@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from types import MappingProxyType
 
 from autopar.cost.mesh import Mesh
@@ -42,6 +43,15 @@ class PlannedOp:
     def name(self) -> str:
         return self.rule.op.name
 
+    def gradient_target(self, slot: int) -> Layout:
+        """Where its readers' gradients of output ``slot`` go: its layout, whole, or partial over the
+        bits a fork takes them partial over (`OpRule.gradient_bits`)."""
+        layout = self.outputs[slot]
+        if layout is None:
+            raise ValueError(f"operator {self.name!r} has no output {slot}")
+        kept = self.rule.gradient_bits(self.exponents)
+        return Layout(layout.dims, kept) if kept else Layout(layout.dims)
+
     def input_layout(self, slot: int) -> Layout:
         """The layout this operator reads a present input in."""
         layout = self.inputs[slot]
@@ -69,6 +79,14 @@ class PlanProgram:
     def itemsize(self, tensor: TensorInfo) -> int:
         """Bytes of one element of ``tensor`` in a collective (the plan's precision)."""
         return self.activation_itemsizes[tensor.dtype]
+
+    def op(self, name: str) -> PlannedOp:
+        """The planned operator of this name."""
+        return self._by_name[name]
+
+    @cached_property
+    def _by_name(self) -> Mapping[str, PlannedOp]:
+        return {planned.name: planned for planned in self.ops}
 
     def producer_of(self, name: str) -> str:
         """The operator holding a non-constant tensor first: its producer, or the one that loads it."""

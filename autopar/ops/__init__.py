@@ -14,6 +14,7 @@ from autopar.ops import (
     conv,
     declared,
     elementwise,
+    fork,  # noqa: F401  autopar's own operator: registered, no ONNX cases
     indexing,
     loss,
     matmul,

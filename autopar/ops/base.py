@@ -68,8 +68,17 @@ class OpSpec:
 
     @property
     def reduced_labels(self) -> tuple[str, ...]:
+        """Labels some input has and no output: splitting one leaves the outputs partial."""
         out = {label for labels in self.outputs for label in labels if label is not None}
-        return tuple(label for label in self.label_order if label not in out)
+        read = {label for labels in self.inputs for label in labels or () if label is not None}
+        return tuple(label for label in self.label_order if label not in out and label in read)
+
+    @property
+    def gradient_labels(self) -> tuple[str, ...]:
+        """Labels no tensor has (a fork's, `autopar.ops.fork`): splitting one leaves the outputs whole,
+        and lets their gradients arrive partial over its bits."""
+        named = {label for labels in (*self.inputs, *self.outputs) for label in labels or () if label is not None}
+        return tuple(label for label in self.label_order if label not in named)
 
 
 def fallback_spec(op: "NodeView", graph: "GraphView") -> OpSpec:

@@ -156,6 +156,8 @@ class OpDef:
 
 _REGISTRY: dict[tuple[str, str], list[OpDef]] = {}
 
+INTERNAL_DOMAIN = "autopar"  # operators the importer inserts (`autopar.ops.fork`), never read from a file
+
 
 def _domain(domain: str) -> str:
     return "" if domain in ("", "ai.onnx") else domain
@@ -226,5 +228,6 @@ def mindspore_primitives() -> dict[str, MindSporePrimitive | None]:
 
 
 def registered_op_types() -> list[str]:
-    """Operator types with a strategy rule (in some opset)."""
-    return sorted({op_type for (_, op_type), defs in _REGISTRY.items() if any(d.rule for d in defs)})
+    """ONNX operator types with a strategy rule (in some opset); autopar's own (`INTERNAL_DOMAIN`) do not count."""
+    ruled = {(domain, op_type) for (domain, op_type), defs in _REGISTRY.items() if any(d.rule for d in defs)}
+    return sorted({op_type for domain, op_type in ruled if domain != INTERNAL_DOMAIN})

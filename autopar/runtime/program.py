@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from autopar import progress
-from autopar.layout import Layout, ReduceOp
+from autopar.layout import Layout, ReduceOp, shard_index
 from autopar.lowering.planfile import GRAPH_OUTPUT, GradientPath, GradientSync, Redistribution
 from autopar.lowering.program import PlanProgram
-from autopar.redistribute import Collective, Step, apply_steps, redistribute
+from autopar.redistribute import Collective, Step, apply_steps, as_partial, redistribute
 from autopar.runtime.collectives import Collectives
 from autopar.runtime.local import run_local
 from autopar.spmd.compare import Tally
@@ -140,16 +140,24 @@ class TrainingStep:
             buffers = after
         return buffers
 
-    def _follow(self, src: Layout, steps: Sequence[Step], dst: Layout, what: str) -> None:
+    def _follow(self, src: Layout, steps: Sequence[Step], dst: Layout, what: str) -> tuple[int, ...]:
+        """Check that ``steps`` lead from ``src`` to ``dst``; the bits over which the result is still to be
+        made partial (`as_partial`: a gradient a fork takes partial over bits it is whole on)."""
         try:
             reached = apply_steps(src, steps)
         except ValueError as exc:
             raise PlanBroken(f"the plan's {what} is malformed: {exc}") from None
+        if reached != dst and reached.dims == dst.dims:
+            try:
+                return as_partial(reached, dst)
+            except ValueError:
+                pass
         if reached != dst:
             raise PlanBroken(
                 f"the plan's {what} leaves it in layout {reached.describe()} but {dst.describe()} is needed"
                 " (a collective is missing or wrong)"
             )
+        return ()
 
     # --- forward --------------------------------------------------------------------------
 
@@ -267,7 +275,10 @@ class TrainingStep:
             seeds = [self._tensor(full[layout.local_slices(r, full.shape)]) for r in self.ranks]
             self._accumulate(name, producer, layout, seeds)
         for (name, producer), (layout, buffers) in (arrived or {}).items():
-            self._accumulate(name, producer, layout, buffers)
+            planned = program.op(producer)
+            target = planned.gradient_target(planned.rule.op.outputs.index(name))
+            masked = self._follow(layout, [], target, f"gradient of {name!r} sent back to {producer!r}")
+            self._accumulate(name, producer, target, self._masked(buffers, masked))
         for node in reversed(self.nodes):
             progress.report("verify backward", self.nodes.stop - 1 - node, len(self.nodes))
             self._backward_node(node)
@@ -354,7 +365,8 @@ class TrainingStep:
             return
         if info.kind == "activation":
             producer = program.graph.producer[name]
-            target = Layout(self.buffers[(name, producer)][0].dims)
+            planned = program.op(producer)
+            target = planned.gradient_target(planned.rule.op.outputs.index(name))
             steps = self.schedule.backward.get((name, producer, consumer, slot), [])
             what, phase = f"gradient of {name!r} from {consumer!r} back to {producer!r}", "backward"
         else:
@@ -375,8 +387,14 @@ class TrainingStep:
             else:
                 steps = self.schedule.backward.get((name, producer, consumer, slot), [])
                 what, phase = f"gradient of {name!r} from {consumer!r} back to {producer!r}", "backward"
-        self._follow(source, steps, target, what)
-        self._accumulate(name, producer, target, self._run(name, buffers, steps, phase))
+        masked = self._follow(source, steps, target, what)
+        self._accumulate(name, producer, target, self._masked(self._run(name, buffers, steps, phase), masked))
+
+    def _masked(self, buffers: Buffers, bits: Sequence[int]) -> Buffers:
+        """A gradient whole over ``bits`` made partial over them (`as_partial`): one rank of each group keeps it."""
+        if not bits:
+            return buffers
+        return [b if shard_index(r, bits) == 0 else torch.zeros_like(b) for b, r in zip(buffers, self.ranks)]
 
     def synchronise(self, name: str, source: Layout, buffers: Buffers) -> None:
         """Run a parameter's gradient synchronisation on ``buffers`` (accumulated before it) and keep the result."""

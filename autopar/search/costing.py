@@ -141,6 +141,9 @@ def _planned(
     mesh_bits = num_devices.bit_length() - 1
     rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
     pinned = _pin(rules, fixed or {})
+    for node, rule in enumerate(rules):
+        if rule.spec.gradient_labels and node not in pinned:
+            rules[node] = rule.with_candidates(meeting_layouts(graph, rules, node))
     flow = Dataflow.of(graph, rules, cost, num_devices, frozenset(pinned))
     # repeated blocks bound the overlap windows whether or not they are folded, so folding never
     # changes the objective
@@ -311,6 +314,37 @@ def _compose(
         arrays.recompute_memory.update(freed)
         arrays.recompute_share.update(share)
     return arrays
+
+
+def meeting_layouts(graph: Graph, rules: Sequence[OpRule], node: int) -> list[tuple[int, ...]]:
+    """A fork's candidates (`autopar.ops.fork`): the layouts where its readers may meet, each with the
+    bits one reader's gradient comes out partial over, and each layout a reader or the producer has,
+    with no partial gradient. Other layouts would only add a redistribution on the way, so they are
+    left out; the one the producer gives, taking whole gradients, is the fork as a pass-through."""
+    fork = rules[node]
+    index = {rule.op.name: at for at, rule in enumerate(rules)}
+    name, out = fork.op.inputs[0], fork.op.outputs[0]
+    wanted: set[bytes] = set()
+
+    def add(length: np.ndarray, code: np.ndarray, partial: np.ndarray) -> None:
+        rows = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
+        wanted.update(row.tobytes() for row in rows)
+
+    for reader in graph.consumers.get(out, ()):
+        rule = rules[index[reader]]
+        for slot, read in enumerate(rule.op.inputs):
+            if read == out:
+                length, code, _ = rule.encoded_layouts(False, slot)
+                splits = CandidateSplits(rule.candidates, rule.spec.label_order)
+                add(length, code, splits.absent_mask(rule.spec.inputs[slot]))
+                add(length, code, np.zeros(len(length), dtype=np.int64))
+    producer = rules[index[graph.producer[name]]]
+    length, code, _ = producer.encoded_layouts(True, producer.op.outputs.index(name))
+    add(length, code, np.zeros(len(length), dtype=np.int64))
+    length, code, _ = fork.encoded_layouts(False, 0)
+    _, _, partial = fork.encoded_layouts(True, 0, gradient=True)
+    rows = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
+    return [candidate for candidate, row in zip(fork.candidates, rows) if row.tobytes() in wanted]
 
 
 def _weight_only(graph: Graph, rules: Sequence[OpRule], shared: Sequence[int]) -> list[int]:
@@ -486,18 +520,24 @@ class _Layouts:
         """Whether the consumer sends a gradient back along the use (the runtime's rule)."""
         return self.requires_grad.get(use.tensor, False) and self.rules[use.dst_node].differentiable
 
+    def accepts(self, use: TensorUse) -> bool:
+        """Whether the use's source may take the gradient partial (a fork's output, `OpRule.gradient_bits`):
+        its rows then carry those bits, which its forward never has."""
+        return use.src_is_output and self.carries(use) and bool(self.rules[use.src_node].spec.gradient_labels)
+
     def target(self, use: TensorUse) -> tuple[np.ndarray, np.ndarray]:
         """`of` the use's consumer end, with its gradient's partial bits where it carries one."""
         return self.of(use.dst_node, False, use.dst_slot, self.carries(use))
 
     def of(self, node: int, is_output: bool, slot: int, gradient: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(numbers of the distinct layouts, each candidate's position among them); with ``gradient``,
-        an input's rows carry the bits its gradient is partial on."""
+        an input's rows carry the bits its gradient is partial on, an output's those its gradient may
+        arrive partial over."""
         key = (node, is_output, slot, gradient)
         if key not in self._cache:
             rule = self.rules[node]
-            length, code, partial = rule.encoded_layouts(is_output, slot)
-            if gradient:
+            length, code, partial = rule.encoded_layouts(is_output, slot, gradient)
+            if gradient and not is_output:
                 splits = CandidateSplits(rule.candidates, rule.spec.label_order)
                 partial = splits.absent_mask(rule.spec.inputs[slot])
             packed = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
@@ -514,22 +554,33 @@ class _Layouts:
 
     def whole(self, ids: np.ndarray) -> np.ndarray:
         """The numbers of the same layouts with no partial bits (what a redistribution delivers)."""
+        return self.without(ids, -1)
+
+    def without(self, ids: np.ndarray, kept: int) -> np.ndarray:
+        """The numbers of the same layouts no longer partial over the bits ``kept``: a gradient
+        redistributed to a fork that takes it partial over ``kept`` reduces only its other bits."""
         found = []
         for index in ids.tolist():
             length, code, partial = self.rows[index]
-            if partial:
-                row = np.concatenate([length.view(np.uint64), code, np.zeros(1, dtype=np.uint64)])
-                index = self._number(row, length, code, 0)
+            if partial & kept:
+                row = np.concatenate([length.view(np.uint64), code, np.asarray([partial & ~kept]).view(np.uint64)])
+                index = self._number(row, length, code, partial & ~kept)
             found.append(index)
         return np.asarray(found, dtype=np.int64)
+
+    def partial(self, ids: np.ndarray) -> np.ndarray:
+        """The partial masks of these layouts."""
+        return np.asarray([self.rows[index][2] for index in ids.tolist()], dtype=np.int64)
 
     def source(self, use: TensorUse, entry: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(numbers of the distinct layouts at the use's source, the source's candidates' positions
         among them, the entry's). With ``entry`` (the operator later copies read instead), the layouts
         are the source's then the entry's others, so the table has a row for each."""
-        ids, positions = self.of(use.src_node, use.src_is_output, use.src_slot)
+        accepts = self.accepts(use)
+        ids, positions = self.of(use.src_node, use.src_is_output, use.src_slot, accepts)
         if entry is None:
             return ids, positions, positions
+        assert not accepts and not self.rules[entry].spec.gradient_labels  # a fork never ends a repeated block
         entry_ids, entry_positions = self.of(entry, use.src_is_output, use.src_slot)
         union = np.concatenate([ids, np.setdiff1d(entry_ids, ids)])
         where = {int(layout): at for at, layout in enumerate(union.tolist())}
@@ -605,7 +656,7 @@ def _twins(
         if use.src_node == use.dst_node:
             region[use.src_node] = -1
             continue
-        src_ids, src_pos = layouts.of(use.src_node, use.src_is_output, use.src_slot)
+        src_ids, src_pos, _ = layouts.source(use, None)
         dst_ids, dst_pos = layouts.target(use)
         info = flow.graph.tensor(use.tensor)
         table = (info.numel * flow.itemsize(info), layouts.carries(use))
@@ -634,25 +685,31 @@ def _edge_costs(
     the runtime runs for it: from the consumer's layout, partial over the bits its gradient is
     partial on, to the producer's (`lowering.lower.gradient_paths`)."""
     rows = layouts.rows
-    groups: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray, bool]] = {}
+    groups: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, np.ndarray, bool, bool]] = {}
     sources = [layouts.source(use, entry_of.get(index)) for index, use in enumerate(uses)]
+    keys = []
     for use, (src_ids, _, _) in zip(uses, sources):
         dst_ids = layouts.target(use)[0]
-        groups.setdefault((src_ids.tobytes(), dst_ids.tobytes()), (src_ids, dst_ids, layouts.carries(use)))
-    cells = sum(len(a) * len(b) for a, b, _ in groups.values())
+        keys.append((src_ids.tobytes(), dst_ids.tobytes(), layouts.carries(use), layouts.accepts(use)))
+        groups.setdefault(keys[-1], (src_ids, dst_ids, *keys[-1][2:]))
+    cells = sum(len(a) * len(b) for a, b, _, _ in groups.values())
     if cells > 2 * MAX_LAYOUT_PAIRS:
         raise TooLargeError(
             f"The edges between operators pair {cells:,} layouts on {flow.num_devices:,} devices (limit"
             f" {2 * MAX_LAYOUT_PAIRS:,}): costing them would take minutes and gigabytes; use fewer devices."
         )
-    wholes = {key: (layouts.whole(src_ids), layouts.whole(dst_ids)) for key, (src_ids, dst_ids, _) in groups.items()}
+    # forward: from the source's layout (a fork's rows carry gradient bits its forward lacks) to the
+    # consumer's, whole; back: from the consumer's, partial where its gradient is, to the source's,
+    # whole or partial over the bits a fork takes it partial over (`_Backward`)
+    forwards = {key: layouts.whole(src) if accepts else src for key, (src, _, _, accepts) in groups.items()}
+    wholes = {key: layouts.whole(dst_ids) for key, (_, dst_ids, _, _) in groups.items()}
+    backwards = {key: _Backward.of(layouts, *group) for key, group in groups.items() if group[2]}
     count = len(rows)
     forward_keys, backward_keys = [], []
-    for key, (src_ids, dst_ids, carries) in groups.items():
-        whole_src, whole_dst = wholes[key]
-        forward_keys.append((src_ids[:, None] * count + whole_dst[None, :]).reshape(-1))
-        if carries:
-            backward_keys.append((dst_ids[:, None] * count + whole_src[None, :]).reshape(-1))
+    for key in groups:
+        forward_keys.append((forwards[key][:, None] * count + wholes[key][None, :]).reshape(-1))
+        if key in backwards:
+            backward_keys.append(backwards[key].keys(count).reshape(-1))
     forward_unique = distinct(np.concatenate(forward_keys)) if forward_keys else np.zeros(0, dtype=np.int64)
     if len(forward_unique) > MAX_LAYOUT_PAIRS:
         raise TooLargeError(
@@ -671,28 +728,25 @@ def _edge_costs(
         list(layouts.ids), table, unique // count, unique % count, flow.cost
     )
 
-    def look_up(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        where = np.searchsorted(unique, src_ids[:, None] * count + dst_ids[None, :])
+    def look_up(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        where = np.searchsorted(unique, keys)
         return latency[where], per_byte[where]
 
-    per_group: dict[tuple[bytes, bytes], tuple[np.ndarray, ...]] = {}
-    for key, (src_ids, dst_ids, carries) in groups.items():
-        whole_src, whole_dst = wholes[key]
-        forward = look_up(src_ids, whole_dst)
-        if carries:
-            backward = look_up(dst_ids, whole_src)
-            per_group[key] = (*forward, forward[0] + backward[0].T, forward[1] + backward[1].T)
+    per_group: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, ...]] = {}
+    for key in groups:
+        forward = look_up(forwards[key][:, None] * count + wholes[key][None, :])
+        if key in backwards:
+            backward_latency, backward_per_byte = look_up(backwards[key].keys(count))
+            per_group[key] = (*forward, forward[0] + backward_latency.T, forward[1] + backward_per_byte.T)
         else:
             per_group[key] = (*forward, *forward)
 
     factors: list[tuple[Factor | None, np.ndarray, Factor | None]] = []
-    for use, (src_ids, src_pos, entry_pos) in zip(uses, sources):
-        dst_ids, dst_pos = layouts.target(use)
+    for use, (_, src_pos, entry_pos), key in zip(uses, sources, keys):
+        dst_pos = layouts.target(use)[1]
         info = flow.graph.tensor(use.tensor)
         total_bytes = info.numel * flow.itemsize(info)
-        forward_latency, forward_per_byte, both_latency, both_per_byte = per_group[
-            (src_ids.tobytes(), dst_ids.tobytes())
-        ]
+        forward_latency, forward_per_byte, both_latency, both_per_byte = per_group[key]
         forward = forward_latency + forward_per_byte * total_bytes
         small = both_latency + both_per_byte * total_bytes
         if use.src_node == use.dst_node:
@@ -705,6 +759,35 @@ def _edge_costs(
             pair = _factor(use, src_pos, dst_pos, small), _factor(use, entry_pos, dst_pos, small)
         factors.append((pair[0], np.ascontiguousarray(forward), pair[1]))
     return factors, len(rows), len(unique)
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """The ways back of one group of uses, consumer rows by source rows: each from the consumer's layout,
+    partial where its gradient is, to the source's layout, partial over the bits a fork takes the
+    gradient partial over. The bits both are partial over stay so; the consumer's others are reduced,
+    and over the fork's others the gradient is whole and made partial locally, at no cost
+    (`redistribute.as_partial`). So a pair costs as the consumer's row, less the fork's bits, to the
+    source's row, whole."""
+
+    dst: np.ndarray  # consumer rows, partial only over the bits the source does not take partial
+    src: np.ndarray  # the source's rows, whole
+
+    @classmethod
+    def of(
+        cls, layouts: _Layouts, src_ids: np.ndarray, dst_ids: np.ndarray, carries: bool, accepts: bool
+    ) -> "_Backward":
+        """``accepts``: the source is a fork, whose rows' partial bits are those it takes the gradient
+        partial over (any other source's are its forward's, which its gradient never is)."""
+        kept = layouts.partial(src_ids) if accepts else np.zeros(len(src_ids), dtype=np.int64)
+        dst = np.empty((len(dst_ids), len(src_ids)), dtype=np.int64)
+        for mask in sorted(set(kept.tolist())):
+            dst[:, kept == mask] = layouts.without(dst_ids, mask)[:, None]
+        return cls(dst, layouts.whole(src_ids))
+
+    def keys(self, count: int) -> np.ndarray:
+        """The (consumer row, source row) pair keys, numbered as `_edge_costs` numbers pairs."""
+        return self.dst * count + self.src[None, :]
 
 
 def redistribution_coefficients(cost: CostModel, src: Layout, dst: Layout) -> tuple[float, float]:

@@ -93,7 +93,8 @@ def stage_link_bit(mesh_bits: int, a: int, b: int) -> int:
 
 def cut_points(problem: SearchProblem) -> tuple[int, ...]:
     """Where a stage may start: between two copies of a repeated block, at a run's ends, and, outside
-    runs, wherever exactly one activation crosses (a chain's links, a residual stream between blocks)."""
+    runs, wherever exactly one activation crosses (a chain's links, a residual stream between blocks);
+    never between a fork and its readers, whose partial gradients meet it unreduced."""
     n = problem.size
     crossing = np.zeros(n + 1, dtype=np.int64)
     last_read: dict[tuple[int, int], int] = {}
@@ -113,6 +114,10 @@ def cut_points(problem: SearchProblem) -> tuple[int, ...]:
             block = repeat.block(k)
             inside.update(range(block.start + 1, block.stop))
             allowed.update((block.start, block.stop))
+    for (src, _), dst in last_read.items():
+        if problem.rules[src].spec.gradient_labels:  # a fork's readers meet it in one stage
+            inside.update(range(src + 1, dst + 1))
+            allowed.difference_update(range(src + 1, dst + 1))
     points = [p for p in range(1, n) if p in allowed or (p not in inside and crossing[p] == 1)]
     return tuple(points)
 

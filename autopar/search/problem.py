@@ -179,12 +179,28 @@ class SearchProblem(Dataflow):
         return memory_items(self, node, choice, choices, self.recompute_share, self.in_flight)
 
     def choice_for(self, strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[int]:
-        """Candidate indices for a full assignment of strategies; StrategyError on anything invalid."""
+        """Candidate indices for a full assignment of strategies; StrategyError on anything invalid.
+
+        Forks (`autopar.ops.fork`, not in the model's file) may be left out: each then passes its
+        tensor through in its producer's layout, as if it were not there."""
         names = {rule.op.name for rule in self.rules}
         unknown = sorted(set(strategies) - names)
         if unknown:
             raise StrategyError(f"Strategies name operators the model does not have: {', '.join(unknown[:5])}.")
-        missing = [rule.op.name for rule in self.rules if rule.op.name not in strategies]
+        missing = [r.op.name for r in self.rules if r.op.name not in strategies and not r.spec.gradient_labels]
         if missing:
             raise StrategyError(f"No strategy given for {len(missing)} operator(s), e.g. {missing[0]!r}.")
-        return [rule.candidates.index(rule.parse(strategies[rule.op.name])) for rule in self.rules]
+        choice = [
+            rule.candidates.index(rule.parse(strategies[rule.op.name])) if rule.op.name in strategies else -1
+            for rule in self.rules
+        ]
+        for use in self.uses:
+            if choice[use.dst_node] < 0 and choice[use.src_node] >= 0:  # a fork after its producer
+                produced = self.source_layout(use, choice[use.src_node])
+                fork = self.rules[use.dst_node]
+                choice[use.dst_node] = next(
+                    c
+                    for c in range(len(fork.candidates))
+                    if fork.input_layout(c, 0).dims == produced.dims and not fork.gradient_bits(fork.candidates[c])
+                )
+        return choice
