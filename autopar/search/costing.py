@@ -317,34 +317,40 @@ def _compose(
 
 
 def meeting_layouts(graph: Graph, rules: Sequence[OpRule], node: int) -> list[tuple[int, ...]]:
-    """A fork's candidates (`autopar.ops.fork`): the layouts where its readers may meet, each with the
-    bits one reader's gradient comes out partial over, and each layout a reader or the producer has,
-    with no partial gradient. Other layouts would only add a redistribution on the way, so they are
-    left out; the one the producer gives, taking whole gradients, is the fork as a pass-through."""
+    """A fork's candidates (`autopar.ops.fork`): each layout its producer gives, taking the gradient
+    whole (the fork as a pass-through: no plan dearer than without it) or partial over the bits a
+    reader reading that layout leaves its gradient partial over (where readers meet). A meeting
+    layout the producer could not write itself (a layer norm's output split along the normalised
+    axis) is left out: it only adds a redistribution on the way, and each candidate of a fork is
+    one more the search minimises over, for every layer."""
     fork = rules[node]
     index = {rule.op.name: at for at, rule in enumerate(rules)}
     name, out = fork.op.inputs[0], fork.op.outputs[0]
-    wanted: set[bytes] = set()
-
-    def add(length: np.ndarray, code: np.ndarray, partial: np.ndarray) -> None:
-        rows = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
-        wanted.update(row.tobytes() for row in rows)
-
+    producer = rules[index[graph.producer[name]]]
+    length, code, _ = producer.encoded_layouts(True, producer.op.outputs.index(name))
+    written = _packed(length, code, np.zeros(len(length), dtype=np.int64))
+    met = [written]
     for reader in graph.consumers.get(out, ()):
         rule = rules[index[reader]]
+        splits = CandidateSplits(rule.candidates, rule.spec.label_order)
         for slot, read in enumerate(rule.op.inputs):
             if read == out:
                 length, code, _ = rule.encoded_layouts(False, slot)
-                splits = CandidateSplits(rule.candidates, rule.spec.label_order)
-                add(length, code, splits.absent_mask(rule.spec.inputs[slot]))
-                add(length, code, np.zeros(len(length), dtype=np.int64))
-    producer = rules[index[graph.producer[name]]]
-    length, code, _ = producer.encoded_layouts(True, producer.op.outputs.index(name))
-    add(length, code, np.zeros(len(length), dtype=np.int64))
+                dims = _packed(length, code, np.zeros(len(length), dtype=np.int64))
+                rows = _packed(length, code, splits.absent_mask(rule.spec.inputs[slot]))
+                met.append(rows[np.isin(dims, written)])
     length, code, _ = fork.encoded_layouts(False, 0)
-    _, _, partial = fork.encoded_layouts(True, 0, gradient=True)
-    rows = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
-    return [candidate for candidate, row in zip(fork.candidates, rows) if row.tobytes() in wanted]
+    rows = _packed(length, code, fork.encoded_layouts(True, 0, gradient=True)[2])
+    keep = np.isin(rows, np.concatenate(met))
+    return [candidate for candidate, kept in zip(fork.candidates, keep.tolist()) if kept]
+
+
+def _packed(length: np.ndarray, code: np.ndarray, partial: np.ndarray) -> np.ndarray:
+    """Layout rows (`OpRule.encoded_layouts`) as one comparable value each."""
+    rows = np.ascontiguousarray(
+        np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
+    )
+    return rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).reshape(-1)
 
 
 def _weight_only(graph: Graph, rules: Sequence[OpRule], shared: Sequence[int]) -> list[int]:
