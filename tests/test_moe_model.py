@@ -85,6 +85,7 @@ def test_routing_by_index_splits_the_experts_at_8_devices():
         assert plan.strategies[f"layers.0.mlp.{name}"] == ((8, 1, 1), (8, 1, 1)), name
     assert plan.strategies["layers.0.mlp.expert_inputs"][1][1] == 8  # GatherND fills each device's experts
     assert plan.strategies["layers.0.mlp.combined_rows"][2][0] == 8  # ScatterND adds each device's experts
+    assert plan.degrees.expert == 8 and str(plan.degrees) == "data 8 x tensor 1, expert 8"
     synchronised = {entry["parameter"] for entry in plan.to_dict()["gradient_sync"] if entry["collective"]}
     assert synchronised and not any(".experts." in name for name in synchronised)
 
