@@ -98,3 +98,20 @@ def test_routing_by_index_with_split_experts_trains_on_8_devices():
     report = autopar.verify(model, plan, gradients=True)
     assert report.ok, report.problems
     assert report.gradients is not None and report.gradients.checked == 13
+
+
+def test_a_hugging_face_moe_export_trains_with_its_experts_split():
+    """transformers' OLMoE with its batched_mm experts (tests/data/make_exports.py): every routed token's
+    expert weights are taken from the [experts, ...] stacks by GatherND, which may split the experts
+    (masked lookups, a partial sum); fixed that way, the training step equals one device's."""
+    path = "tests/data/hf_olmoe_dynamo.onnx"
+    graph = load_model(path)
+    lookups = [op.name for op in graph.ops if op.op_type == "GatherND"]
+    assert [graph.tensor(graph.op(name).inputs[0]).shape[0] for name in lookups] == [8, 8]
+    candidates = autopar.candidates(path, devices=8)
+    assert all(((8, 1, 1), (1, 1)) in candidates[name] for name in lookups)
+    plan = autopar.plan(path, devices=8, fixed={name: ((8, 1, 1), (1, 1)) for name in lookups})
+    assert plan.degrees.expert == 8
+    report = autopar.verify(path, plan, gradients=True)
+    assert report.ok, report.problems
+    assert report.gradients is not None and report.gradients.checked == 15
