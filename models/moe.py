@@ -1,7 +1,8 @@
 """Build an OLMoE-style mixture-of-experts decoder in opset-23 fused operators.
 
 Usage: python models/moe.py --out moe.onnx [--layers 2 --hidden 64 --heads 4 --kv-heads 2 --experts 8
-                                            --top-k 2 --ffn 128 --seq 16 --vocab 128 --batch 8]
+                                            --top-k 2 --ffn 128 --seq 16 --vocab 128 --batch 8
+                                            --routing einsum|gather]
 
 A second builder unlike ``models/transformer.py``: each layer is RMSNormalization, grouped-query
 attention as one ``Attention`` operator (causal) on queries and keys rotated by ``RotaryEmbedding``
@@ -13,6 +14,8 @@ experts, OneHot and CumSum give each token its slot in an expert's buffer (token
 capacity are dropped), ``Einsum("bsec,bsh->ebch")`` gathers each expert's tokens and
 ``Einsum("bsec,ebch->bsh")`` brings the weighted results back. Between a plan that splits the
 batch and one that splits the experts, those two tensors are the tokens an AllToAll moves.
+``routing="gather"`` moves them by index instead, as Hugging Face's experts do: each slot's token
+position, ``GatherND`` into the expert buffers and ``ScatterND`` (add) back into the token rows.
 
 The loss is the mean token cross-entropy of an untied LM head. Weights are stored (seeded normal
 values, norms at one); the position ids, the rotary tables and the routing constants are constants.
@@ -32,6 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET, IR_VERSION = 23, 10  # Attention, RMSNormalization and RotaryEmbedding are operators from opset 23 on
 INIT_STD = 0.02
 EPSILON = 1e-6
+ROUTINGS = ("einsum", "gather")
 
 
 class _Builder:
@@ -89,7 +93,7 @@ def capacity(cfg: dict) -> int:
 
 
 def _experts(b: _Builder, p: str, x: str, cfg: dict) -> str:
-    batch, seq, hidden, ffn = cfg["batch"], cfg["seq"], cfg["hidden"], cfg["ffn"]
+    batch, seq, hidden = cfg["batch"], cfg["seq"], cfg["hidden"]
     experts, top_k, slots = cfg["experts"], cfg["top_k"], capacity(cfg)
     logits = b.node("MatMul", f"{p}.router", [x, b.param(f"{p}.router.weight", [hidden, experts])])
     probabilities = b.node("Softmax", f"{p}.router_softmax", [logits], axis=-1)
@@ -111,16 +115,59 @@ def _experts(b: _Builder, p: str, x: str, cfg: dict) -> str:
     gate = b.node("Reshape", f"{p}.gate", [weights, b.shape([batch, seq, top_k, 1, 1])])
     weighted = b.node("Mul", f"{p}.weighted", [taken, gate])
     combine = b.node("ReduceSum", f"{p}.combine", [weighted, choice_axis], keepdims=0)
+    if cfg["routing"] == "gather":
+        return _gathered_experts(b, p, x, dispatch, combine, cfg)
     tokens = b.node("Einsum", f"{p}.expert_inputs", [dispatch, x], equation="bsec,bsh->ebch")
     tokens = b.node("Reshape", f"{p}.expert_rows", [tokens, b.shape([experts, batch * slots, hidden])])
+    out = _swiglu_experts(b, p, tokens, cfg)
+    out = b.node("Reshape", f"{p}.expert_outputs", [out, b.shape([experts, batch, slots, hidden])])
+    return b.node("Einsum", f"{p}.combined", [combine, out], equation="bsec,ebch->bsh")
+
+
+def _swiglu_experts(b: _Builder, p: str, tokens: str, cfg: dict) -> str:
+    """SwiGLU experts as MatMuls over the expert axis: [experts, rows, hidden] -> [experts, rows, hidden]."""
+    experts, hidden, ffn = cfg["experts"], cfg["hidden"], cfg["ffn"]
     up = b.node("MatMul", f"{p}.experts.up", [tokens, b.param(f"{p}.experts.up_proj", [experts, hidden, ffn])])
     gated = b.node("MatMul", f"{p}.experts.gate", [tokens, b.param(f"{p}.experts.gate_proj", [experts, hidden, ffn])])
     silu = b.node("Mul", f"{p}.experts.silu", [gated, b.node("Sigmoid", f"{p}.experts.sigmoid", [gated])])
     hidden_states = b.node("Mul", f"{p}.experts.swiglu", [silu, up])
     down = b.param(f"{p}.experts.down_proj", [experts, ffn, hidden])
-    out = b.node("MatMul", f"{p}.experts.down", [hidden_states, down])
-    out = b.node("Reshape", f"{p}.expert_outputs", [out, b.shape([experts, batch, slots, hidden])])
-    return b.node("Einsum", f"{p}.combined", [combine, out], equation="bsec,ebch->bsh")
+    return b.node("MatMul", f"{p}.experts.down", [hidden_states, down])
+
+
+def _gathered_experts(b: _Builder, p: str, x: str, dispatch: str, combine: str, cfg: dict) -> str:
+    """The experts reached by indices, as Hugging Face's eager experts index tokens
+    (``hidden_states[token_idx]``) and return them (``index_add_``), with static capacity buffers:
+    each slot's token position read off the dispatch tensor, ``GatherND`` (batch_dims 1) fills
+    ``[batch, experts, capacity, hidden]``, and ``ScatterND`` (add) sums the weighted results into the
+    token rows. An empty slot points at its sequence's first token with weight zero."""
+    batch, seq, hidden = cfg["batch"], cfg["seq"], cfg["hidden"]
+    experts, slots = cfg["experts"], capacity(cfg)
+    scalars = [
+        b.constant(f"moe.{name}", np.array(v, np.float32)) for name, v in (("zero", 0), ("seq", seq), ("one", 1))
+    ]
+    positions = b.node("Range", f"{p}.positions", scalars)  # built in the graph: a table, not a weight
+    where = b.node("Einsum", f"{p}.slot_position", [dispatch, positions], equation="bsec,s->bec")
+    token = b.node("Cast", f"{p}.slot_token", [where], to=TensorProto.INT64)
+    last = b.constant("moe.last_axis", np.array([-1], np.int64))
+    index = b.node("Unsqueeze", f"{p}.slot_index_tuple", [token, last])
+    tokens = b.node("GatherND", f"{p}.expert_inputs", [x, index], batch_dims=1)
+    tokens = b.node("Transpose", f"{p}.expert_first", [tokens], perm=[1, 0, 2, 3])
+    tokens = b.node("Reshape", f"{p}.expert_rows", [tokens, b.shape([experts, batch * slots, hidden])])
+    out = _swiglu_experts(b, p, tokens, cfg)
+    choice_axis = b.constant("moe.sequence_axis", np.array([1], np.int64))
+    weight = b.node("ReduceSum", f"{p}.slot_weight", [combine, choice_axis], keepdims=0)
+    weight = b.node("Transpose", f"{p}.slot_weight_expert_first", [weight], perm=[1, 0, 2])
+    weight = b.node("Reshape", f"{p}.slot_weight_rows", [weight, b.shape([experts, batch * slots, 1])])
+    weighted = b.node("Mul", f"{p}.expert_weighted", [out, weight])
+    offsets = b.constant("moe.row_offsets", (np.arange(batch, dtype=np.int64) * seq).reshape(batch, 1, 1))
+    row = b.node("Add", f"{p}.slot_row", [token, offsets])
+    row = b.node("Transpose", f"{p}.slot_row_expert_first", [row], perm=[1, 0, 2])
+    row = b.node("Reshape", f"{p}.slot_rows", [row, b.shape([experts, batch * slots, 1])])
+    zero = b.constant("moe.zero", np.array(0.0, np.float32))
+    zeros = b.node("Expand", f"{p}.token_rows", [zero, b.shape([batch * seq, hidden])])
+    summed = b.node("ScatterND", f"{p}.combined_rows", [zeros, row, weighted], reduction="add")
+    return b.node("Reshape", f"{p}.combined", [summed, b.shape([batch, seq, hidden])])
 
 
 def _rms_norm(b: _Builder, name: str, x: str, hidden: int) -> str:
@@ -140,8 +187,15 @@ def build_moe(
     batch: int = 8,
     capacity_factor: float = 2.0,
     seed: int = 0,
+    routing: str = "einsum",
 ) -> onnx.ModelProto:
-    """The model as an `onnx.ModelProto` (inputs ``ids`` and ``labels`` [batch, seq]; output ``loss``)."""
+    """The model as an `onnx.ModelProto` (inputs ``ids`` and ``labels`` [batch, seq]; output ``loss``).
+
+    ``routing``: ``"einsum"`` moves tokens with dense dispatch and combine Einsums, ``"gather"`` with
+    GatherND and ScatterND on slot indices.
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
     cfg = dict(
         batch=batch,
         seq=seq,
@@ -162,6 +216,7 @@ def build_moe(
         )
     if top_k > experts:
         raise ValueError(f"top_k ({top_k}) must not exceed experts ({experts})")
+    cfg["routing"] = routing
     b = _Builder(seed)
     half = hidden // heads // 2
     angles = np.outer(np.arange(seq), 1.0 / 10000.0 ** (np.arange(half) / half))
@@ -200,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     for flag in ("layers", "hidden", "heads", "kv-heads", "experts", "top-k", "ffn", "seq", "vocab", "batch", "seed"):
         parser.add_argument(f"--{flag}", type=int, default=None)
     parser.add_argument("--capacity-factor", type=float, default=None)
+    parser.add_argument(
+        "--routing", choices=ROUTINGS, default=None, help="tokens moved by dispatch Einsums or by GatherND/ScatterND"
+    )
     parser.add_argument("--out", required=True, help="path of the .onnx file to write")
     args = parser.parse_args(argv)
     overrides = {key: value for key, value in vars(args).items() if key != "out" and value is not None}

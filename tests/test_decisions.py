@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.lowering.decisions import Degrees, decisions, degrees
+from autopar.lowering.decisions import Degrees, decisions, degrees, expert_bits
 from models.transformer import build_transformer
 
 
@@ -57,3 +57,29 @@ def test_degrees_multiply_to_the_devices():
 def test_devices_that_repeat_work_are_replicated():
     plan = autopar.plan("models/resnet50.onnx", devices=512)  # a batch of 256: every pair repeats
     assert plan.degrees.replicated == 2 and str(plan.degrees).endswith("(x 2 replicated)")
+
+
+def test_an_expert_split_is_named_expert_not_data():
+    """The expert MatMuls' leading axis is their batch, but it is read from a stack of expert weights."""
+    from models.moe import build_moe
+
+    model = build_moe(layers=1)
+    experts = ("experts.up", "experts.gate", "experts.down")
+    plan = autopar.plan(model, devices=8, fixed={f"layers.0.mlp.{n}": ((8, 1, 1), (8, 1, 1)) for n in experts})
+    assert plan.degrees.expert == 8 and str(plan.degrees).endswith(", expert 8")
+    d = plan.degrees
+    assert d.data * d.tensor * d.sequence * d.replicated == 8  # the experts reuse devices another role counts
+    split = {entry["name"]: entry["splits"] for entry in plan.decisions()}
+    for name in experts:
+        assert split[f"layers.0.mlp.{name}"] == {"expert": 8}
+    assert split["layers.0.mlp.experts.swiglu"] == {"expert": 8}  # the experts' activations follow the split
+    bits = expert_bits(plan.file)
+    assert not any(name.startswith("layers.0.self_attn") for name in bits)  # attention's batch stays data
+    assert "layers.0.mlp.router" not in bits or bits["layers.0.mlp.router"] <= bits["layers.0.mlp.experts.up"]
+
+
+def test_batched_products_of_activations_and_convolutions_split_no_experts(resnet_plan_8):
+    plan = autopar.plan(gpt(256, batch=8), devices=8)  # attention's MatMuls: [batch, heads, seq, seq]
+    assert expert_bits(plan.file) == {} and plan.degrees.expert == 1
+    assert expert_bits(resnet_plan_8.file) == {}  # a Conv weight's leading axis is output channels
+    assert "expert" not in str(resnet_plan_8.degrees)

@@ -3,11 +3,14 @@
 At 8 devices the search gives each device one expert of a model whose expert compute dominates:
 the batched expert MatMuls split their expert axis, their weights need no gradient
 synchronisation, and the tokens reach the experts by AllToAll. A small copy trains correctly
-with the experts split that way (every gradient equal to one device's).
+with the experts split that way (every gradient equal to one device's). The same model with its
+tokens moved by index (GatherND into the expert buffers, ScatterND adding the results back) computes
+the same loss, and its plan splits the experts too.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import autopar
@@ -56,3 +59,59 @@ def test_expert_parallel_training_step_verifies_on_8_devices():
     plan = autopar.plan(model, devices=8, fixed=fixed)
     report = autopar.verify(model, plan, gradients=True)
     assert report.ok, report.problems
+
+
+def test_routing_by_index_computes_what_the_einsums_compute():
+    import onnxruntime as ort
+
+    ids = np.random.default_rng(0).integers(0, 128, (8, 16)).astype(np.int64)
+    losses = []
+    for routing in ("einsum", "gather"):
+        session = ort.InferenceSession(build_moe(layers=1, routing=routing).SerializeToString())
+        losses.append(session.run(None, {"ids": ids, "labels": np.roll(ids, 1, axis=1)})[0])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    types = {node.op_type for node in build_moe(layers=1, routing="gather").graph.node}
+    assert {"GatherND", "ScatterND"} <= types and "Einsum" in types  # one Einsum reads each slot's position
+    with pytest.raises(ValueError, match="routing must be one of"):
+        build_moe(routing="loop")
+
+
+def test_routing_by_index_splits_the_experts_at_8_devices():
+    model = build_moe(
+        layers=1, hidden=512, ffn=1024, heads=8, kv_heads=4, batch=16, seq=128, vocab=512, routing="gather"
+    )
+    plan = autopar.plan(model, devices=8)
+    for name in EXPERT_MATMULS:
+        assert plan.strategies[f"layers.0.mlp.{name}"] == ((8, 1, 1), (8, 1, 1)), name
+    assert plan.strategies["layers.0.mlp.expert_inputs"][1][1] == 8  # GatherND fills each device's experts
+    assert plan.strategies["layers.0.mlp.combined_rows"][2][0] == 8  # ScatterND adds each device's experts
+    assert plan.degrees.expert == 8 and str(plan.degrees) == "data 8 x tensor 1, expert 8"
+    synchronised = {entry["parameter"] for entry in plan.to_dict()["gradient_sync"] if entry["collective"]}
+    assert synchronised and not any(".experts." in name for name in synchronised)
+
+
+def test_routing_by_index_with_split_experts_trains_on_8_devices():
+    model = build_moe(layers=1, routing="gather")
+    fixed = {f"layers.0.mlp.{name}": ((8, 1, 1), (8, 1, 1)) for name in EXPERT_MATMULS}
+    fixed["layers.0.mlp.combined_rows"] = ((1, 1), (8, 1, 1), (8, 1, 1))
+    plan = autopar.plan(model, devices=8, fixed=fixed)
+    report = autopar.verify(model, plan, gradients=True)
+    assert report.ok, report.problems
+    assert report.gradients is not None and report.gradients.checked == 13
+
+
+def test_a_hugging_face_moe_export_trains_with_its_experts_split():
+    """transformers' OLMoE with its batched_mm experts (tests/data/make_exports.py): every routed token's
+    expert weights are taken from the [experts, ...] stacks by GatherND, which may split the experts
+    (masked lookups, a partial sum); fixed that way, the training step equals one device's."""
+    path = "tests/data/hf_olmoe_dynamo.onnx"
+    graph = load_model(path)
+    lookups = [op.name for op in graph.ops if op.op_type == "GatherND"]
+    assert [graph.tensor(graph.op(name).inputs[0]).shape[0] for name in lookups] == [8, 8]
+    candidates = autopar.candidates(path, devices=8)
+    assert all(((8, 1, 1), (1, 1)) in candidates[name] for name in lookups)
+    plan = autopar.plan(path, devices=8, fixed={name: ((8, 1, 1), (1, 1)) for name in lookups})
+    assert plan.degrees.expert == 8
+    report = autopar.verify(path, plan, gradients=True)
+    assert report.ok, report.problems
+    assert report.gradients is not None and report.gradients.checked == 15

@@ -194,9 +194,9 @@ def test_unknown_operator_runs_replicated_and_is_reported(tmp_path, capsys):
         ("group_norm", (0, 1)),  # one channel a group: channels split by whole groups
         ("group_norm_even_groups", (0,)),  # two channels a group: a split by 8 would cut groups
         ("rms_norm", (0, 1)),
-        ("gather_nd", (2,)),  # data: the indexed axes (0, 1) stay whole
-        ("gather_nd_batch", (0, 2)),
-        ("scatter_nd", (1, 2)),
+        ("gather_nd", (0, 1, 2)),  # the indexed axes (0, 1) split too: masked lookups, a partial sum
+        ("gather_nd_batch", (0, 1, 2)),
+        ("scatter_nd", (0, 1, 2)),  # a rank writes the updates that land in its rows
         ("scatter_elements", (0,)),
         ("attention", (0, 1)),  # batch and heads; both sequences stay whole
         ("attention_3d", (0,)),  # heads folded into the hidden axis: the batch only
@@ -226,6 +226,43 @@ def test_gather_nd_splits_index_rows_and_batch():
     assert split_axes(CASES["gather_nd"]())[1] == (0,)
     assert split_axes(CASES["gather_nd_batch"]())[1] == (0, 1)
     assert split_axes(CASES["scatter_nd"]())[1:] == [(), (1, 2)]  # indices whole; updates' slice axes
+    assert split_axes(CASES["scatter_nd_add_experts"]())[1:] == [(0, 1), (0, 1, 2)]  # summed: rows split too
+
+
+def test_gather_nd_split_by_experts_gives_a_partial_sum():
+    r = rule(CASES["gather_nd_experts"]())  # W [8 experts, 4, 8], one expert per routed row
+    experts = next(e for e in r.candidates if r.in_strategy(e) == ((8, 1, 1), (1, 1)))
+    out = r.output_layouts(experts)[0]
+    assert out.dims == ((), (), ()) and out.partial == (2, 1, 0) and out.partial_op == "sum"
+
+
+def test_scatter_nd_add_split_by_experts_gives_a_partial_sum_that_adds_the_data_once():
+    r = rule(CASES["scatter_nd_add_experts"]())  # X [8, 8] += U [4 experts, 4 slots, 8] at i
+    assert r.spec.local_once_inputs == (0,)
+    experts = next(e for e in r.candidates if r.in_strategy(e) == ((1, 1), (4, 1, 1), (4, 1, 1)))
+    assert r.output_layouts(experts)[0].partial == (1, 0)
+    plain = rule(CASES["scatter_nd"]())  # reduction none: updates for one row may come from any rank
+    assert not plain.spec.local_once_inputs and plain.spec.inputs[2][0] is None
+
+
+@pytest.mark.parametrize(
+    "case, strategy, collective",
+    [
+        ("gather_nd_experts", ((4, 1, 1), (1, 1)), "AllReduce"),  # 2 experts a rank: masked lookups, summed
+        ("gather_nd", ((2, 2, 1), (1, 1)), "AllReduce"),  # both indexed axes split
+        ("scatter_nd_add_experts", ((1, 1), (4, 1, 1), (4, 1, 1)), "AllReduce"),  # each rank adds its experts'
+        ("scatter_nd_add_experts", ((4, 1), (1, 1, 1), (1, 1, 1)), None),  # each rank writes its rows
+        ("scatter_nd", ((4, 1, 1), (1, 1), (1, 1, 1)), None),
+    ],
+)
+def test_split_indexed_axes_verify(case, strategy, collective):
+    model = CASES[case]()
+    report = autopar.verify(model, {"op": strategy}, devices=4)
+    assert report.ok, report.problems
+    if collective is None:  # the output keeps the rows each rank wrote
+        assert report.executed == {}
+    else:  # the partial output is summed once
+        assert report.executed[collective]["count"] == 1
 
 
 def test_attention_splits_query_and_key_heads_alike_and_its_caches_follow():

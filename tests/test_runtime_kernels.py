@@ -119,6 +119,26 @@ def test_operator_gradients_under_candidate_strategies(case):
         assert report.gradients is not None and report.gradients.checked >= 1
 
 
+@pytest.mark.parametrize(
+    "case, strategy",
+    [
+        ("gather_nd_experts", ((4, 1, 1), (1, 1))),  # experts split: masked lookups, a partial sum
+        ("gather_nd_experts", ((2, 1, 1), (2, 1))),  # with the routed rows split too
+        ("gather_nd_batch", ((2, 2, 1), (2, 1, 1))),  # batch and the indexed axis
+        ("scatter_nd_add_experts", ((1, 1), (4, 1, 1), (4, 1, 1))),  # each rank adds its experts' updates
+        ("scatter_nd_add_experts", ((2, 1), (2, 1, 1), (2, 1, 1))),  # and writes only its rows
+        ("scatter_nd", ((4, 1, 1), (1, 1), (1, 1, 1))),  # no reduction: each rank writes its rows
+        ("scatter_nd_max", ((2, 1), (1, 1), (1, 1))),
+    ],
+)
+def test_split_indexed_axes_train(case, strategy):
+    """The strategies that split what GatherND and ScatterND index: every gradient equals one device's."""
+    model = trainable_inputs(CASES[case]() if case in CASES else KERNELS[case]())
+    report = autopar.verify(model, {"op": strategy}, devices=4, gradients=True)
+    assert report.ok, report.problems
+    assert report.gradients is not None and report.gradients.checked >= 1
+
+
 # --- each operator alone, under its attributes and opset variants ---------------------------------
 
 F = TensorProto.FLOAT

@@ -1,5 +1,6 @@
 """What the search decided, read off a plan file: the axis each mesh bit splits, the degrees users speak in
-(data x tensor, sequence where it applies), the operators that leave data parallel, repeated blocks folded.
+(data x tensor, sequence where it applies, the experts' split), the operators that leave data parallel,
+repeated blocks folded.
 
 Pure functions of the typed plan file (`PlanFile`): the terminal table, the HTML report, `Plan.degrees` and
 `Plan.decisions` all read them, so each face says the same thing.
@@ -8,14 +9,59 @@ Pure functions of the typed plan file (`PlanFile`): the terminal table, the HTML
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from autopar.lowering.planfile import OpEntry, PlanFile
 
-AXES = ("batch", "sequence", "channels/hidden", "heads", "contraction")
+AXES = ("batch", "sequence", "channels/hidden", "heads", "contraction", "expert")
 IMAGE_OPS = frozenset({"Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool"})
+EXPERT_READERS = frozenset({"MatMul", "Einsum", "Gather", "GatherND"})
+
+
+def expert_bits(data: PlanFile) -> dict[str, frozenset[int]]:
+    """The mesh bits each operator splits an expert axis with (operators without one are absent).
+
+    An expert axis is the leading dimension of a trainable parameter of three or more dimensions (a
+    stack of per-expert matrices, ``[experts, rows, columns]``) read by a MatMul, an Einsum, a Gather
+    or a GatherND: the bits splitting it in the layout such an operator reads it in are that operator's
+    expert bits, wherever they land in its output (a batched MatMul's leading axis, the partial sum of a
+    GatherND's masked lookups). A dense layer's weight is a matrix, and a convolution's 4-D weight leads
+    with output channels (Conv reads none), so neither has one; a batch axis read from the data input is
+    data. The split follows the tensors: where an operator's expert bit splits a dimension of a tensor
+    it shares with another operator, and the other's layout of that tensor has the bit on the same
+    dimension, the bit is the other's expert bit too (the token buffers dispatched to the experts, their
+    reshapes, the experts' activations). A partial sum or a redistribution ends it.
+    """
+    parameters = {entry.parameter for entry in data.gradient_sync}
+    holders: dict[str, list[tuple[str, list[list[int]]]]] = {}
+    for op in data.ops:
+        for tensor in [*op.inputs, *op.outputs]:
+            holders.setdefault(tensor.tensor, []).append((op.name, tensor.layout.dims))
+    by_name = {op.name: op for op in data.ops}
+    found: dict[str, set[int]] = {}
+    pending: list[tuple[str, int]] = []
+    for op in data.ops:
+        if op.op_type not in EXPERT_READERS:
+            continue
+        for tensor in op.inputs:
+            if tensor.tensor in parameters and len(tensor.layout.dims) >= 3:
+                pending += [(op.name, bit) for bit in tensor.layout.dims[0]]
+    while pending:
+        name, bit = pending.pop()
+        if bit in found.setdefault(name, set()):
+            continue
+        found[name].add(bit)
+        op = by_name[name]
+        for tensor in [*op.inputs, *op.outputs]:
+            dim = next((d for d, bits in enumerate(tensor.layout.dims) if bit in bits), None)
+            if dim is None:
+                continue
+            for other, dims in holders[tensor.tensor]:
+                if other != name and dim < len(dims) and bit in dims[dim]:
+                    pending.append((other, bit))
+    return {name: frozenset(bits) for name, bits in found.items() if bits}
 
 
 def is_image_model(data: PlanFile) -> bool:
@@ -38,8 +84,9 @@ def _kind_at(position: int, rank: int, image: bool) -> str:
     return "channels/hidden" if position == rank - 1 else "sequence"
 
 
-def bit_kinds(op: OpEntry | Mapping[str, Any], image: bool) -> dict[int, str]:
-    """The axis kind each mesh bit of an operator's layouts splits (`AXES`), from its layouts alone.
+def bit_kinds(op: OpEntry | Mapping[str, Any], image: bool, experts: Collection[int] = ()) -> dict[int, str]:
+    """The axis kind each mesh bit of an operator's layouts splits (`AXES`), from its layouts and its
+    ``experts`` bits (`expert_bits`), which are "expert" wherever they land.
 
     A bit is placed by where it lands in the first output: on its dimension e of rank r -> the kind of
     position e; in the output's partial bits -> contraction (a reduced axis), except for a full reduction
@@ -65,13 +112,17 @@ def bit_kinds(op: OpEntry | Mapping[str, Any], image: bool) -> dict[int, str]:
         for position, bits in enumerate(dims):
             for bit in bits:
                 where.setdefault(bit, _kind_at(position, len(dims), image))
+    for bit in experts:
+        where[bit] = "expert"
     return where
 
 
-def axis_splits(op: OpEntry | Mapping[str, Any], image: bool) -> tuple[dict[str, int], int]:
+def axis_splits(
+    op: OpEntry | Mapping[str, Any], image: bool, experts: Collection[int] = ()
+) -> tuple[dict[str, int], int]:
     """(split factor per axis kind, devices the operator divides its work over): every mesh bit the
     operator's layouts use is one factor of 2 on the axis `bit_kinds` places it on."""
-    where = bit_kinds(op, image)
+    where = bit_kinds(op, image, experts)
     bits_of = Counter(where.values())
     return {kind: 1 << count for kind, count in bits_of.items()}, 1 << len(where)
 
@@ -107,6 +158,9 @@ class Degrees:
     """The parallel degrees users speak in: the devices that split the batch (data), the sequence, and
     anything else (tensor: hidden, heads, a contraction). Their product times ``replicated`` is the device
     count; ``replicated`` counts devices that repeat one another's work (mesh bits no operator uses).
+    ``expert`` is the devices the experts of a mixture of experts are split over (`expert_bits`): not a
+    factor of the count, as expert parallelism reuses devices another role counts (the data devices,
+    as Megatron's expert-parallel size divides its data-parallel size).
 
     >>> str(Degrees(data=4, tensor=2))
     'data 4 x tensor 2'
@@ -114,6 +168,8 @@ class Degrees:
     'data 2 x tensor 8 x sequence 2 (x 2 replicated)'
     >>> str(Degrees(data=16, tensor=8, pipeline=4))
     'data 16 x tensor 8 x pipeline 4'
+    >>> str(Degrees(data=8, expert=8))
+    'data 8 x tensor 1, expert 8'
     """
 
     data: int = 1
@@ -121,6 +177,7 @@ class Degrees:
     sequence: int = 1
     replicated: int = 1
     pipeline: int = 1
+    expert: int = 1
 
     def __str__(self) -> str:
         text = f"data {self.data} x tensor {self.tensor}"
@@ -130,6 +187,8 @@ class Degrees:
             text += f" x pipeline {self.pipeline}"
         if self.replicated > 1:
             text += f" (x {self.replicated} replicated)"
+        if self.expert > 1:
+            text += f", expert {self.expert}"
         return text
 
     def as_dict(self) -> dict[str, int]:
@@ -139,10 +198,12 @@ class Degrees:
             "sequence": self.sequence,
             "pipeline": self.pipeline,
             "replicated": self.replicated,
+            "expert": self.expert,
         }
 
 
-_DEGREE_OF = {"batch": "data", "sequence": "sequence"}  # every other kind is tensor parallelism
+# every other kind is tensor parallelism; an expert split counts where the experts' leading axis is: their batch
+_DEGREE_OF = {"batch": "data", "sequence": "sequence", "expert": "data"}
 _TIE_ORDER = ("data", "tensor", "sequence")
 
 
@@ -150,9 +211,10 @@ def bit_roles(data: PlanFile) -> dict[int, str]:
     """The role each mesh bit some operator uses plays: "data", "tensor" or "sequence" (`degrees` says how a
     bit is counted); bits no operator uses are absent (their devices repeat one another's work)."""
     image = is_image_model(data)
+    experts = expert_bits(data)
     votes: dict[int, Counter[str]] = {}
     for op in data.ops:
-        for bit, kind in bit_kinds(op, image).items():
+        for bit, kind in bit_kinds(op, image, experts.get(op.name, ())).items():
             role = _DEGREE_OF.get(kind, "tensor")
             if image and role == "sequence":
                 role = "tensor"  # an image's space: not what users call sequence parallelism
@@ -169,8 +231,9 @@ def degrees(data: PlanFile) -> Degrees:
     A bit that splits the batch dimension of most of the operators that use it is a data bit; one that
     mostly splits a sequence (in a model without convolutions: a rank-3 activation's second dimension,
     an attention tensor's query or key positions) is a sequence bit; any other split (hidden, heads, a
-    contraction, an image's space) is a tensor bit. Ties go to data, then tensor. Bits no operator uses
-    are replicated; the bits that spell a device's pipeline stage are the pipeline's.
+    contraction, an image's space) is a tensor bit; one splitting experts counts as data there. Ties go
+    to data, then tensor. Bits no operator uses are replicated; the bits that spell a device's pipeline
+    stage are the pipeline's. The expert degree counts the bits some operator splits experts with.
     """
     roles = bit_roles(data)
     counts = Counter(roles.values())
@@ -182,6 +245,7 @@ def degrees(data: PlanFile) -> Degrees:
         sequence=1 << counts["sequence"],
         replicated=1 << max(0, unused),
         pipeline=1 << stage_bits,
+        expert=1 << len(set().union(*expert_bits(data).values())),
     )
 
 
@@ -192,6 +256,7 @@ def decisions(data: PlanFile) -> list[dict[str, Any]]:
     the repeated block it belongs to, or None) and fixed (the user fixed it).
     """
     image = is_image_model(data)
+    experts = expert_bits(data)
     first_of: dict[int, int] = {}
     for group in fold_groups(data):
         if len(group) > 1:
@@ -199,7 +264,7 @@ def decisions(data: PlanFile) -> list[dict[str, Any]]:
                 first_of[i] = group[0]
     found = []
     for i, op in enumerate(data.ops):
-        splits, devices = axis_splits(op, image)
+        splits, devices = axis_splits(op, image, experts.get(op.name, ()))
         if all(kind == "batch" for kind in splits):
             continue
         found.append(

@@ -9,11 +9,18 @@ looks up only the rows it holds and writes zeros for the others, so the output i
 sum across the split, exactly one rank contributing each row (Megatron's vocab-parallel
 embedding).
 
-GatherND and ScatterND index their leading data axes with the last axis of ``indices``: those
-axes stay whole, the batch axes (GatherND's ``batch_dims``), the indices' other axes (GatherND)
-and the trailing slice axes split. ScatterND keeps its indices and their updates' leading axes
-whole: a rank writes every update into its slices. ScatterElements, like GatherElements, splits
-every axis but the one it indexes where data, indices and updates have the same size.
+GatherND and ScatterND index their leading data axes with the last axis of ``indices``. The batch
+axes (GatherND's ``batch_dims``), the indices' other axes (GatherND) and the trailing slice axes
+split as any axis does. The indexed axes split too, as Gather's gathered axis does: GatherND on a
+rank holding a block of them looks up only the index tuples that fall in its block and writes zeros
+for the others, so its output is a partial sum over those bits (exactly one rank holds each tuple's
+slice: a stack of expert weights split by experts, gathered per routed token); ScatterND on such a
+rank writes only the updates whose tuples fall in its block, and its output keeps the block (every
+reduction is exact that way). With ``reduction="add"`` the indices' leading axes (and the updates'
+alike) split as well: each rank adds its share of the updates, the data is added by the first rank
+of the group only, and the output is a partial sum (the tokens an expert group returns, summed where
+their owners want them). ScatterElements, like GatherElements, splits every axis but the one it
+indexes where data, indices and updates have the same size.
 """
 
 from __future__ import annotations
@@ -260,24 +267,121 @@ def _indexed_size(op: NodeView, graph: GraphView, first: int) -> int:
     return min(shape(graph, op.inputs[0])[first : first + depth])
 
 
+def _indexed_label(axis: int) -> str:
+    """The label of a data axis an index tuple addresses (GatherND, ScatterND)."""
+    return f"n{axis}"
+
+
+def _local_tuples(call: LocalCall, first: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The index tuples relative to this rank's block of the indexed data axes (from axis ``first``),
+    negatives wrapped, and which of them fall in the block; None when no indexed axis is split."""
+    full = call.graph.tensor(call.op.inputs[0]).shape
+    indices = _numpy_of(call.inputs[1]).astype(np.int64)
+    depth = indices.shape[-1]
+    split = [(j, call.bits.get(_indexed_label(first + j), ())) for j in range(depth)]
+    if not any(bits for _, bits in split):
+        return None
+    local = np.empty_like(indices)
+    held = np.ones(indices.shape[:-1], dtype=bool)
+    for j, bits in split:
+        size = full[first + j]
+        index = np.where(indices[..., j] < 0, indices[..., j] + size, indices[..., j])
+        if bits:
+            size >>= len(bits)
+            index = index - shard_index(call.rank, bits) * size
+            held &= (index >= 0) & (index < size)
+        local[..., j] = index
+    return local, held
+
+
+def _numpy_of(value: Any) -> np.ndarray:
+    """An index input as numpy, whether it arrives as a torch tensor or a numpy constant."""
+    if hasattr(value, "detach"):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _gather_nd_local(call: LocalCall) -> list[np.ndarray]:
+    """GatherND on a rank's block of the indexed axes: tuples outside it give zeros (a partial sum)."""
+    found = _local_tuples(call, int(call.op.attrs.get("batch_dims", 0)))
+    if found is None:
+        return call.run(call.inputs)
+    local, held = found
+    out = np.asarray(call.run([call.inputs[0], np.where(held[..., None], local, 0)])[0])
+    mask = held.reshape(held.shape + (1,) * (out.ndim - held.ndim))
+    return [np.where(mask, out, np.zeros((), dtype=out.dtype))]
+
+
+def _gather_nd_local_torch(call: LocalCall) -> list[Any]:
+    """`_gather_nd_local` in torch, differentiable in the data."""
+    found = _local_tuples(call, int(call.op.attrs.get("batch_dims", 0)))
+    if found is None:
+        return call.run(call.inputs)
+    torch = _torch_of(call.inputs[0])
+    local, held = found
+    safe = torch.from_numpy(np.where(held[..., None], local, 0)).to(call.inputs[0].device)
+    out = call.run([call.inputs[0], safe])[0]
+    mask = torch.from_numpy(held.reshape(held.shape + (1,) * (out.dim() - held.ndim))).to(out.device)
+    return [out * mask.to(out.dtype)]
+
+
+_SCATTER_UFUNC = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def _scatter_nd_local(call: LocalCall) -> list[np.ndarray]:
+    """ScatterND on a rank's block of the indexed axes: only the updates whose tuples fall in it are written."""
+    found = _local_tuples(call, 0)
+    if found is None:
+        return call.run(call.inputs)
+    local, held = found
+    data, updates = np.asarray(call.inputs[0]), np.asarray(call.inputs[2])
+    depth = local.shape[-1]
+    rest = data.shape[depth:]
+    out = data.reshape((-1,) + rest).copy()
+    linear = np.ravel_multi_index(tuple(local[held].T), data.shape[:depth]) if held.any() else np.zeros(0, np.int64)
+    values = updates[held].reshape((-1,) + rest)
+    reduction = call.op.attrs.get("reduction", "none")
+    if reduction == "none":
+        out[linear] = values
+    else:
+        _SCATTER_UFUNC[reduction].at(out, linear, values)
+    return [out.reshape(data.shape)]
+
+
+def _scatter_nd_local_torch(call: LocalCall) -> list[Any]:
+    """`_scatter_nd_local` in torch, differentiable in the data and the updates."""
+    found = _local_tuples(call, 0)
+    if found is None:
+        return call.run(call.inputs)
+    torch = _torch_of(call.inputs[0])
+    local, held = found
+    data, updates = call.inputs[0], call.inputs[2]
+    kept = torch.from_numpy(held).to(updates.device)
+    indices = torch.from_numpy(local[held]).to(data.device)
+    return torch_scatter_nd(torch, call.op, [data, indices, updates[kept]])
+
+
 @register(
     "GatherND",
     since=11,
     mindspore=MindSporePrimitive("ops.GatherNd", 2, note="batch_dims 0 only"),
     keeps=Keeps.SELECTORS,
     index_bounds={1: lambda op, graph: _indexed_size(op, graph, int(op.attrs.get("batch_dims", 0)))},
+    local_kernel=_gather_nd_local,
     torch_kernel=torch_gather_nd,
+    torch_local_kernel=_gather_nd_local_torch,
 )
 def gather_nd(op: NodeView, graph: GraphView) -> OpSpec:
-    """Batch axes, the indices' leading axes and the trailing slice axes split; the indexed ones stay whole."""
+    """Every axis splits; a split indexed axis (masked lookups, as Gather's) leaves a partial sum."""
     data_rank = len(shape(graph, op.inputs[0]))
     index_shape = shape(graph, op.inputs[1])
     batch_dims = int(op.attrs.get("batch_dims", 0))
     depth = index_shape[-1]
     batch = dim_labels(batch_dims, prefix="b")
+    indexed = tuple(_indexed_label(d) for d in range(batch_dims, batch_dims + depth))
     slice_labels = tuple(f"d{d}" for d in range(batch_dims + depth, data_rank))
     index_labels = tuple(f"i{d}" for d in range(batch_dims, len(index_shape) - 1))
-    data = batch + (None,) * depth + slice_labels
+    data = batch + indexed + slice_labels
     indices = batch + index_labels + (None,)
     return OpSpec(inputs=(data, indices), outputs=(batch + index_labels + slice_labels,))
 
@@ -288,17 +392,22 @@ def gather_nd(op: NodeView, graph: GraphView) -> OpSpec:
     mindspore=MindSporePrimitive("ops.TensorScatterUpdate", 3, note="TensorScatterAdd/Mul/Max/Min for a reduction"),
     keeps=Keeps.SELECTORS,  # none and add; a mul, max or min reduction also reads the values (not counted)
     index_bounds={1: lambda op, graph: _indexed_size(op, graph, 0)},
+    local_kernel=_scatter_nd_local,
     torch_kernel=torch_scatter_nd,
+    torch_local_kernel=_scatter_nd_local_torch,
 )
 def scatter_nd(op: NodeView, graph: GraphView) -> OpSpec:
-    """The trailing slice axes split (data, updates and output alike); the indexed axes and the indices stay whole."""
+    """The indexed and slice axes split (a rank writes the updates that land in its block); with
+    ``reduction="add"`` the updates' leading axes too, leaving a partial sum that adds the data once."""
     data_rank = len(shape(graph, op.inputs[0]))
     index_shape = shape(graph, op.inputs[1])
     depth = index_shape[-1]
     slice_labels = tuple(f"d{d}" for d in range(depth, data_rank))
-    data = (None,) * depth + slice_labels
-    updates = (None,) * (len(index_shape) - 1) + slice_labels
-    return OpSpec(inputs=(data, (None,) * len(index_shape), updates), outputs=(data,))
+    data = tuple(_indexed_label(d) for d in range(depth)) + slice_labels
+    adds = op.attrs.get("reduction", "none") == "add"
+    leading = dim_labels(len(index_shape) - 1, prefix="u") if adds else (None,) * (len(index_shape) - 1)
+    updates = leading + slice_labels
+    return OpSpec(inputs=(data, leading + (None,), updates), outputs=(data,), local_once_inputs=(0,) if adds else ())
 
 
 @register(
@@ -388,11 +497,24 @@ CASES = named(
         "gather_elements": one("GatherElements", ["X", "idx"], [("X", F, [4, 8]), ("idx", I64, [4, 8])], axis=1),
         "gather_nd": one("GatherND", ["X", "i"], [("X", F, [4, 8, 8]), ("i", I64, [8, 2])]),
         "gather_nd_batch": one("GatherND", ["X", "i"], [("X", F, [4, 8, 8]), ("i", I64, [4, 8, 1])], batch_dims=1),
+        # a stack of 8 experts' weights, one gathered per routed row (Hugging Face's batched_mm experts)
+        "gather_nd_experts": one(
+            "GatherND", ["W", "e"], [("e", I64, [16, 1])], consts=[weight("W", [8, 4, 8])], opset=13
+        ),
         "scatter_nd": one(
             "ScatterND",
             ["X", "i", "U"],
             [("X", F, [8, 4, 8]), ("U", F, [4, 4, 8])],
             consts=[ints("i", [[1], [5], [2], [7]])],
+        ),
+        # tokens returned from 4 experts' slots to their rows and summed (index_add_)
+        "scatter_nd_add_experts": one(
+            "ScatterND",
+            ["X", "i", "U"],
+            [("X", F, [8, 8]), ("U", F, [4, 4, 8])],
+            consts=[ints("i", [[[(5 * e + 3 * c) % 8] for c in range(4)] for e in range(4)])],
+            reduction="add",
+            opset=16,
         ),
         "scatter_elements": one(
             "ScatterElements",

@@ -14,7 +14,7 @@ from typing import Any
 from autopar.cost.mesh import Mesh
 from autopar.lowering import GRAPH_OUTPUT, SCHEMA, PlanFile, read_plan_file
 from autopar.lowering.advice import plan_warnings
-from autopar.lowering.decisions import AXES, IMAGE_OPS, axis_splits, is_image_model
+from autopar.lowering.decisions import AXES, IMAGE_OPS, axis_splits, expert_bits, is_image_model
 from autopar.lowering.decisions import fold_groups as _fold_groups
 from autopar.lowering.planfile import CollectiveStep, GradientSync
 from autopar.report.format import link_levels
@@ -28,6 +28,7 @@ __all__ = [
     "as_plan_file",
     "axis_splits",
     "collective_rows",
+    "expert_bits",
     "fold_groups",
     "incoming_seconds",
     "is_image_model",
@@ -44,6 +45,7 @@ AXIS_TITLES = {
     "channels/hidden": "channels / hidden (features, output channels, vocabulary, head size)",
     "heads": "attention heads",
     "contraction": "contraction (a reduced axis: the output is a partial sum)",
+    "expert": "experts (the leading axis of a stack of expert weights, and the tokens dispatched to them)",
 }
 
 PlanLike = PlanFile | Mapping[str, Any]

@@ -11,6 +11,7 @@ from autopar.report.figures import (
     AXIS_TITLES,
     axis_splits,
     collective_rows,
+    expert_bits,
     fold_groups,
     incoming_seconds,
     is_image_model,
@@ -113,11 +114,12 @@ def strategy_map_section(data: PlanFile) -> str:
     ops = data.ops
     devices, mesh = data.devices, data.mesh
     image = is_image_model(data)
+    experts = expert_bits(data)
     groups = fold_groups(data)
     rows = []
     for group in groups:
         op = ops[group[0]]
-        splits, used = axis_splits(op, image)
+        splits, used = axis_splits(op, image, experts.get(op.name, ()))
         strategy = strategy_text(op.strategy)
         names = [ops[i].name for i in group]
         title = f"in_strategy {strategy}" + (
@@ -201,6 +203,7 @@ def why_section(data: PlanFile, data_parallel: PlanFile | None) -> str:
             " <code>autopar report</code>, works it out).</p>"
         )
     reference = {op.name: op for op in data_parallel.ops}
+    experts, their_experts = expert_bits(data), expert_bits(data_parallel)
     mine, theirs = incoming_seconds(data), incoming_seconds(data_parallel)
     blocks = block_rows(data)
     grouped: dict[tuple[str, int, str, str], list[tuple[str, str, float, float, str]]] = {}
@@ -218,8 +221,8 @@ def why_section(data: PlanFile, data_parallel: PlanFile | None) -> str:
         key = (
             first,
             copies,
-            _splits_in_words(axis_splits(op, image)[0]),
-            _splits_in_words(axis_splits(other, image)[0]),
+            _splits_in_words(axis_splits(op, image, experts.get(op.name, ()))[0]),
+            _splits_in_words(axis_splits(other, image, their_experts.get(other.name, ()))[0]),
         )
         detail = (
             f"compute {ms(cost.compute_s)} ({ms(base.compute_s)}), own communication {ms(cost.communication_s)}"

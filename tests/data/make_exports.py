@@ -12,6 +12,10 @@ family with a seed, given its training loss, and exported by torch 2.13:
   whose shape is computed with Where/Equal, which ONNX's inference leaves unknown.
 - ``hf_swin_legacy.onnx``: Swin image classifier with windows of 4 (legacy): window pad sizes
   computed at run time (Shape -> Mod -> Pad).
+- ``hf_olmoe_dynamo.onnx``: OLMoE causal LM, one layer of 8 experts, top-2 (dynamo), its experts
+  run as transformers' ``batched_mm``: each routed token's expert weights taken from the
+  ``[experts, ...]`` stacks by GatherND. (The default ``grouped_mm`` calls a custom operator without
+  an ONNX translation; the eager experts loop over the experts hit, which torch.export refuses.)
 
 Parameters (float initializers that are not buffers) go to an external file that is not kept:
 autopar reads their shapes only, and verification draws random values. Node doc strings and the
@@ -108,8 +112,39 @@ def _swin():
     return WithLoss(), (torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,))), ["pixels", "labels"]
 
 
+def _olmoe():
+    import torch
+    import transformers as hf
+
+    config = hf.OlmoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    config._attn_implementation = "eager"
+    config._experts_implementation = "batched_mm"
+    model = hf.OlmoeForCausalLM(config)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, labels=labels, use_cache=False).loss
+
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    return WithLoss(), (ids, ids), ["ids", "labels"]
+
+
 KEPT_METADATA = {"pkg.torch.onnx.name_scopes"}  # the layer names a plan shows; stack traces are dropped
-FAMILIES = {"albert": (_albert, True), "t5": (_t5, False), "swin": (_swin, False)}
+FAMILIES = {"albert": (_albert, True), "t5": (_t5, False), "swin": (_swin, False), "olmoe": (_olmoe, True)}
 
 
 def export(kind: str, out: Path) -> Path:
