@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from autopar.cost import CostModel
 from autopar.layout import Layout
-from autopar.search.coefficients import LayoutTable, PairCache, pair_coefficients
+from autopar.search.coefficients import LayoutTable, PairCache, distinct, pair_coefficients
 from autopar.search.costing import redistribution_coefficients
 from tests.conftest import profile
 
@@ -72,3 +72,12 @@ def test_a_pair_cache_gives_what_costing_each_pair_gives(first, second):
         want = pair_coefficients(table, src, dst, cost)
         assert all(np.array_equal(g, w) for g, w in zip(got, want))
     assert len(cache.keys) == len(np.unique(cache.keys))
+
+
+@settings(max_examples=100, deadline=None)
+@given(keys=st.lists(st.integers(-(2**40), 2**40), max_size=50), dense=st.lists(st.integers(0, 200), max_size=200))
+def test_distinct_is_numpy_s_unique_whether_keys_are_sparse_or_dense(keys, dense):
+    for values in (keys, dense, keys + dense):
+        array = np.asarray(values, dtype=np.int64)
+        found = distinct(array)
+        assert found.dtype == np.int64 and found.tolist() == np.unique(array).tolist()

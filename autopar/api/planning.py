@@ -248,36 +248,54 @@ class _Shapes:
     ) -> None:
         self.model, self.graph, self.step_batch, self.options, self.cost = model, graph, step_batch, options, cost
         self.costing_s = self.search_s = 0.0
-        self._problems: dict[tuple[int, int], SearchProblem | None] = {}
+        self._built: set[tuple[int, int]] = set()  # shapes whose problem was built (the losers' are dropped)
         self._refusals: dict[tuple[int, int], ModelImportError | FixedStrategyError] = {}  # why a shape has none
+        self._graphs: dict[int, Graph | ModelImportError] = {1: graph}  # per micro-batch count, for every stage count
         self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
         single = self.problem(1, 1)
         assert single is not None  # the whole batch on every device: its errors are the user's
         self.single = single
 
     def problem(self, stages: int, micro_batches: int) -> SearchProblem | None:
-        """One micro-batch's problem on one stage's devices, built once (None: the model does not import
-        at that batch, or a fixed strategy does not fit that many devices or that micro-batch)."""
+        """One micro-batch's problem on one stage's devices (None: the model does not import at that batch,
+        or a fixed strategy does not fit that many devices or that micro-batch). Each shape asks once, but
+        for the first (`single`, kept): a problem is held only while its shape is searched or holds the best
+        plan, so a search of many shapes holds few at a time. Each micro-batch count's graph is imported once."""
         key = (stages, micro_batches)
-        if key not in self._problems:
-            started = time.perf_counter()
+        if key == (1, 1) and key in self._built:
+            return self.single
+        started = time.perf_counter()
+        options = self.options
+        built: SearchProblem | None
+        try:
+            graph = self._graph(micro_batches)
+            built = build_problem(graph, self.cost, options.num_devices // stages, fixed=options.fixed)
+        except (ModelImportError, FixedStrategyError) as error:
+            if key == (1, 1):
+                raise
+            self._refusals[key] = error
+            built = None
+        else:
+            self._built.add(key)
+        self.costing_s += time.perf_counter() - started
+        return built
+
+    def _graph(self, micro_batches: int) -> Graph:
+        """The model at one micro-batch's size, imported once (the graph is read, never changed)."""
+        if micro_batches not in self._graphs:
             options = self.options
-            built: SearchProblem | None
+            batch = _micro_batch(self.step_batch, micro_batches, self.graph)
             try:
-                if micro_batches == 1:
-                    graph = self.graph
-                else:
-                    batch = _micro_batch(self.step_batch, micro_batches, self.graph)
-                    graph = model_graph(self.model, batch, options.dims, options.frozen, options.trainable)
-                built = build_problem(graph, self.cost, options.num_devices // stages, fixed=options.fixed)
-            except (ModelImportError, FixedStrategyError) as error:
-                if key == (1, 1):
-                    raise
-                self._refusals[key] = error
-                built = None
-            self._problems[key] = built
-            self.costing_s += time.perf_counter() - started
-        return self._problems[key]
+                imported: Graph | ModelImportError = model_graph(
+                    self.model, batch, options.dims, options.frozen, options.trainable
+                )
+            except ModelImportError as error:
+                imported = error
+            self._graphs[micro_batches] = imported
+        found = self._graphs[micro_batches]
+        if isinstance(found, ModelImportError):
+            raise found
+        return found
 
     def shapes(self) -> list[PipelineShape]:
         """The shapes the options leave open, the one-stage, one-micro-batch plan first."""
@@ -323,10 +341,11 @@ class _Shapes:
                 searched = self._search_shape(problem, shape, best.time_s if best is not None else math.inf)
             finally:
                 self.search_s += time.perf_counter() - started
+                del problem  # a losing shape's problem is not held while the next is built
             if searched is not None and (best is None or searched.time_s < best.time_s * (1 - 1e-12)):
                 best = searched
-        built = [self._problems.get((shape.stages, shape.micro_batches)) for shape in shapes]
-        if best is None and self._refusals and all(problem is None for problem in built):
+            del searched
+        if best is None and self._refusals and not self._built & {(s.stages, s.micro_batches) for s in shapes}:
             (stages, micro), error = next(iter(self._refusals.items()))  # no shape asked for could be built
             why = str(error)
             if isinstance(error, ModelImportError) and self.step_batch is not None:

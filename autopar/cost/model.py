@@ -143,6 +143,22 @@ class CostModel:
         """The most FLOP/s any matmul reaches (the large-matmul rate at the fall-off table's best factor)."""
         return self.matmul_flops * float(np.max(self._falloff))
 
+    def fastest_matmul_rate_up_to(self, smallest_dim: float) -> float:
+        """The most FLOP/s a matmul whose smallest per-device dimension is at most ``smallest_dim`` reaches:
+        `matmul_rate` is piecewise linear in log2 of the size, so its largest value up to there is at one
+        of the table's sizes or at an end.
+
+        >>> from autopar.cost import load_profile
+        >>> cost = CostModel(load_profile("a100"))
+        >>> cost.fastest_matmul_rate_up_to(1e9) == cost.fastest_matmul_rate
+        True
+        >>> cost.fastest_matmul_rate_up_to(64) <= cost.fastest_matmul_rate
+        True
+        """
+        top = float(np.log2(max(float(smallest_dim), 1.0)))
+        sizes = [0.0, *(x for x in self._falloff_log2.tolist() if 0.0 < x < top), top]
+        return self.matmul_flops * float(np.max(np.interp(sizes, self._falloff_log2, self._falloff)))
+
     def compute_time(self, op_class: str, flops: float, nbytes: float, matmul_dim: float | None = None) -> float:
         """Roofline: the slower of arithmetic and memory traffic.
 

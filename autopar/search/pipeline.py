@@ -47,6 +47,7 @@ from autopar.search.fold import RunEdges
 from autopar.search.memory import Alternative, MemoryChoices
 from autopar.search.problem import SearchProblem
 from autopar.search.repeats import Repeat
+from autopar.strategy import OpRule
 
 SCHEDULE = "1F1B"
 
@@ -620,7 +621,10 @@ def compute_floor(problem: SearchProblem) -> float:
     reaches, or its bytes at the memory bandwidth, whichever is slower).
 
     Work is at most linear in the batch and a stage splits it over at most its devices, so
-    ``shape_floor`` of this bounds every plan of a pipeline shape from below."""
+    ``shape_floor`` of this bounds every plan of a pipeline shape from below. A matmul's best rate is
+    the fastest its smallest dimension allows (`CostModel.fastest_matmul_rate_up_to`): on a device,
+    and at a smaller micro-batch, each of its dimensions is at most the whole one, so its smallest is
+    too (`costing.matmul_smallest_dim`; attention's head dimension keeps its products off the peak)."""
     cost = problem.cost
     total = 0.0
     for node, rule in enumerate(problem.rules):
@@ -628,7 +632,7 @@ def compute_floor(problem: SearchProblem) -> float:
         if spec.op_class == "free":
             continue
         if spec.matmul_labels is not None:
-            rate = cost.fastest_matmul_rate
+            rate = cost.fastest_matmul_rate_up_to(_smallest_dim(rule))
         else:
             rate = cost.cube_flops if spec.op_class == "cube" else cost.vector_flops
         traffic = sum(
@@ -639,6 +643,18 @@ def compute_floor(problem: SearchProblem) -> float:
         forward = max(rule.op.flops / rate, traffic / cost.memory_bandwidth)
         total += forward * (1.0 + cost.backward_factor * problem.backward_passes(node))
     return total
+
+
+def _smallest_dim(rule: OpRule) -> float:
+    """The smallest of a matmul's M, N and K, whole (an absent one, or one of unknown size, counts 1), as
+    `costing.matmul_smallest_dim` takes it with no dimension split."""
+    smallest = math.inf
+    for label in rule.spec.matmul_labels or ():
+        sizes = rule.label_sizes.get(label, set()) if label is not None else set()
+        if label is None or not sizes:
+            return 1.0
+        smallest = min(smallest, float(max(sizes)))
+    return smallest
 
 
 def shape_floor(floor: float, num_devices: int, shape: PipelineShape) -> float:
