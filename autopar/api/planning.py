@@ -43,7 +43,7 @@ from autopar.options import (
     SearchAlgorithm,
     check_devices,
 )
-from autopar.search.costing import build_problem
+from autopar.search.costing import build_problem, meeting_layouts
 from autopar.search.driver import (
     NothingFaster,
     SearchResult,
@@ -485,6 +485,9 @@ def candidates(
     graph = model_graph(model, batch, dims)
     mesh = Mesh.of(load_profile(DEFAULT_COST_MODEL), devices)
     rules = [OpRule.build(op, graph, mesh.mesh_bits) for op in graph.ops]
+    for node, rule in enumerate(rules):
+        if rule.spec.gradient_labels:  # a fork's: where its readers may meet (`costing.meeting_layouts`)
+            rules[node] = rule.with_candidates(meeting_layouts(graph, rules, node))
     return {rule.op.name: [rule.in_strategy(exponents) for exponents in rule.candidates] for rule in rules}
 
 

@@ -134,11 +134,17 @@ def _requires_grad(graph: Graph, rules: Sequence[OpRule]) -> dict[str, bool]:
 def _kept_for_backward(graph: Graph, rules: Sequence[OpRule], requires_grad: Mapping[str, bool]) -> frozenset[str]:
     """The activations some backward needs (`Keeps`): each counted once, however many keep it.
 
-    Parameters, inputs and constants are resident anyway and are counted as such.
+    Parameters, inputs and constants are resident anyway and are counted as such. What a fork's
+    readers keep (`autopar.ops.fork`) is the forked tensor, counted at its producer, as it was
+    before the fork was there.
     """
     kept: set[str] = set()
     for rule in rules:
         kept.update(kept_by(rule, graph, requires_grad))
+    for rule in rules:  # a fork's output is its input: kept, it is counted once, at the producer
+        if rule.spec.gradient_labels and rule.op.outputs[0] in kept:
+            kept.discard(rule.op.outputs[0])
+            kept.add(rule.op.inputs[0])
     return frozenset(kept)
 
 

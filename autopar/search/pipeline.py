@@ -205,6 +205,10 @@ def _kept_across(problem: SearchProblem, first: int, last: int, crossings: _Cros
     received copy, at the first reader that keeps it), not the producing one unless it keeps it too."""
     graph, grad = problem.graph, problem.requires_grad
     keeps = {node: kept_by(problem.rules[node], graph, grad) for node in range(first, last)}
+    for use in problem.uses:  # what a fork's readers keep is its input (`dataflow._kept_for_backward`)
+        fork = problem.rules[use.src_node]
+        if fork.spec.gradient_labels and use.src_node in keeps and use.tensor in keeps.get(use.dst_node, ()):
+            keeps[use.src_node] = keeps[use.src_node] | {fork.op.inputs[0]}
     here = frozenset().union(*keeps.values()) if keeps else frozenset()
     moved: dict[int, np.ndarray] = {}
     done: set[str] = set()

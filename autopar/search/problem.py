@@ -28,6 +28,7 @@ from autopar.search.dp import Factor
 from autopar.search.fold import RunEdges
 from autopar.search.memory import NO_MEMORY_CHOICES, Alternative, MemoryChoices, memory_items
 from autopar.search.repeats import Repeat, Unfolded
+from autopar.strategy import OpRule
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,6 +179,16 @@ class SearchProblem(Dataflow):
         """(tensor, role, bytes per device) one operator's candidate keeps resident (`memory.memory_items`)."""
         return memory_items(self, node, choice, choices, self.recompute_share, self.in_flight)
 
+    @staticmethod
+    def _candidate(rule: OpRule, strategy: Sequence[Sequence[int]]) -> int:
+        exponents = rule.parse(strategy)
+        if exponents not in rule.candidates:
+            raise StrategyError(
+                f"Strategy {tuple(tuple(s) for s in strategy)} for {rule.op.name!r} is not one of its candidates"
+                f" ({len(rule.candidates)}; `autopar.candidates` lists them)."
+            )
+        return rule.candidates.index(exponents)
+
     def choice_for(self, strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[int]:
         """Candidate indices for a full assignment of strategies; StrategyError on anything invalid.
 
@@ -191,8 +202,7 @@ class SearchProblem(Dataflow):
         if missing:
             raise StrategyError(f"No strategy given for {len(missing)} operator(s), e.g. {missing[0]!r}.")
         choice = [
-            rule.candidates.index(rule.parse(strategies[rule.op.name])) if rule.op.name in strategies else -1
-            for rule in self.rules
+            self._candidate(rule, strategies[rule.op.name]) if rule.op.name in strategies else -1 for rule in self.rules
         ]
         for use in self.uses:
             if choice[use.dst_node] < 0 and choice[use.src_node] >= 0:  # a fork after its producer
