@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -103,7 +102,7 @@ class Measured:
 
     wall: float
     cpu: float  # user and system seconds, its children's included: what a busy machine's wall time hides
-    rss: int  # bytes, the process's own (children it forks are counted each on their own, not summed)
+    rss: int  # bytes: the largest of the command's process and those it forks (not their sum)
     code: int
     out: str
     err: str
@@ -114,18 +113,28 @@ class Measured:
         return lines[-1] if lines else f"exit {self.code}"
 
 
+# Linux keeps a process's peak memory across exec, so a command started from this process (which
+# holds torch and transformers) would report this process's size as its own: it starts from a small
+# Python that reports what its one child used
+_PEAK = """
+import resource, subprocess, sys
+code = subprocess.call(sys.argv[2:])
+usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+with open(sys.argv[1], "w") as out:
+    out.write(f"{usage.ru_maxrss} {usage.ru_utime + usage.ru_stime}")
+sys.exit(code)
+"""
+
+
 def measure(argv: list[str]) -> Measured:
-    """Run ``argv`` and measure it (`os.wait4` gives that one child's peak memory)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    """Run ``argv`` and measure it: wall time here, CPU time and peak memory as its parent saw them."""
+    with tempfile.TemporaryDirectory() as folder:
+        said = Path(folder) / "usage"
         start = time.perf_counter()
-        child = subprocess.Popen(argv, stdout=out, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)
+        done = subprocess.run([sys.executable, "-S", "-c", _PEAK, str(said), *argv], capture_output=True, text=True)
         wall = time.perf_counter() - start
-        child.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        said = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    return Measured(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, child.returncode, *said)
+        peak, cpu = said.read_text().split()
+    return Measured(wall, float(cpu), int(peak) * 1024, done.returncode, done.stdout, done.stderr)
 
 
 def autopar(*args: str) -> list[str]:
