@@ -148,16 +148,21 @@ def test_a_plan_says_when_too_few_blocks_repeat_to_fold():
     )
 
 
-HF_EXPORTS = ("hf_qwen3_dynamo", "hf_bloom_dynamo")
+HF_EXPORTS = ("hf_qwen3_dynamo", "hf_bloom_dynamo", "hf_gpt_neox_dynamo")
 # torch's own count for each module: sum(p.numel() for p in model.parameters()) and how many tensors
-TORCH_PARAMETERS = {"hf_qwen3_dynamo": (254336, 25), "hf_bloom_dynamo": (165760, 29)}
+TORCH_PARAMETERS = {
+    "hf_qwen3_dynamo": (254336, 25),
+    "hf_bloom_dynamo": (165760, 29),
+    "hf_gpt_neox_dynamo": (231168, 28),
+}
 
 
 @pytest.mark.parametrize("name", HF_EXPORTS)
 def test_hugging_face_exports_plan_at_64_devices_with_their_tables_constant(name):
-    """Modules this project did not write (transformers' Qwen3 with rotary and GQA, BLOOM with ALiBi),
-    exported by dynamo from random configurations (bench/hf_exports.py). The exporter merged the fresh
-    norms' identical scales and biases; the import gives each layer its own again."""
+    """Modules this project did not write (transformers' Qwen3 with rotary and GQA, BLOOM with ALiBi,
+    GPT-NeoX with partial rotary and attention beside the MLP), exported by dynamo from random
+    configurations (bench/hf_exports.py). The exporter merged Qwen3's and BLOOM's fresh norms'
+    identical scales and biases; the import gives each layer its own again."""
     graph = load_model(DATA / f"{name}.onnx")
     trained = [p for p in graph.parameters if p.trainable]
     assert (sum(p.numel for p in trained), len(trained)) == TORCH_PARAMETERS[name]

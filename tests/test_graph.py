@@ -562,3 +562,50 @@ def test_training_a_name_that_is_no_constant_is_an_error():
     with pytest.raises(ModelImportError, match="'nothing'") as info:
         load_model(_masked_scores("Add"), trainable=["nothing"])
     _assert_one_sentence(str(info.value))
+
+
+def _elided(name: str, shape: list[int]) -> onnx.TensorProto:
+    """A float initializer whose values live in a file not kept (as the exports in tests/data store them)."""
+    from onnx.external_data_helper import set_external_data
+
+    tensor = numpy_helper.from_array(np.ones(shape, np.float32), name)
+    set_external_data(tensor, "absent.weights")
+    tensor.ClearField("raw_data")
+    return tensor
+
+
+def test_scales_an_exporter_merged_under_identities_get_their_own_names_back():
+    """PyTorch's TorchScript exporter keeps one of several identical norm scales and names the others
+    as Identities of it (T5); each becomes its own trained parameter under its name. An Identity whose
+    output a matrix product reads is a weight shared on purpose and stays."""
+    nodes = [
+        helper.make_node("Mul", ["X", "norm0.weight"], ["a"], name="norm0"),
+        helper.make_node("Identity", ["norm0.weight"], ["norm1.weight"], name="alias1"),
+        helper.make_node("Mul", ["a", "norm1.weight"], ["b"], name="norm1"),
+        helper.make_node("Identity", ["norm0.weight"], ["norm2.weight"], name="alias2"),
+        helper.make_node("Mul", ["b", "norm2.weight"], ["Y"], name="norm2"),
+    ]
+    io = ([("X", TensorProto.FLOAT, [2, 4])], [("Y", TensorProto.FLOAT, None)])
+    graph = load_model(_model(nodes, *io, [_elided("norm0.weight", [4])]))
+    assert [op.op_type for op in graph.ops] == ["Mul"] * 3
+    assert [graph.op(f"norm{i}").inputs[1] for i in range(3)] == [f"norm{i}.weight" for i in range(3)]
+    assert all(graph.tensor(f"norm{i}.weight").trainable for i in range(3))
+
+    shared = [
+        helper.make_node("Identity", ["W"], ["W_alias"], name="alias"),
+        helper.make_node("Mul", ["X", "W"], ["a"], name="scale"),
+        helper.make_node("MatMul", ["a", "W_alias"], ["Y"], name="project"),
+    ]
+    graph = load_model(_model(shared, *io, [_elided("W", [4])]))
+    assert [op.op_type for op in graph.ops] == ["Identity", "Mul", "MatMul"]
+    assert graph.op("alias").inputs == ("W",) and graph.op("scale").inputs == ("X", "W")
+
+
+def test_the_t5_export_trains_each_norm_scale_torch_trains():
+    graph = load_model(REPO / "tests" / "data" / "hf_t5_legacy.onnx")
+    scales = sorted(p.name for p in graph.parameters if p.trainable and p.name.endswith("layer_norm.weight"))
+    encoder = [f"model.encoder.block.{b}.layer.{i}.layer_norm.weight" for b in range(2) for i in range(2)]
+    decoder = [f"model.decoder.block.{b}.layer.{i}.layer_norm.weight" for b in range(2) for i in range(3)]
+    finals = ["model.decoder.final_layer_norm.weight", "model.encoder.final_layer_norm.weight"]
+    assert scales == sorted(encoder + decoder + finals)
+    assert not [op for op in graph.ops if op.op_type == "Identity"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,12 +15,13 @@ import autopar
 from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.search.costing import build_problem
-from autopar.search.dp import tie_break_unary
+from autopar.search.dp import Elimination, Factor, tie_break_unary
 from autopar.search.driver import data_parallel_choice, run_search
-from autopar.search.fold import minimise
+from autopar.search.fold import Solver, minimise
 from tests.conftest import every_plan, make_model, profile, random_model
 
 BRUTE_FORCE_LIMIT = 3000
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def brute_force(problem):
@@ -120,3 +122,47 @@ def test_tie_break_never_outweighs_a_real_difference():
     unary = tie_break_unary(problem.node_time, base)
     total_penalty = sum(float(u[-1] - t[-1]) for u, t in zip(unary, problem.node_time))
     assert 0 <= total_penalty <= 1e-9 * base * 1.0000001
+
+
+def _ring(seed: int, apart_classes: int) -> tuple[list[int], list[Factor], list[np.ndarray]]:
+    """Six operators in a chain (0..5) and operator 6 reading both ends, as T5's shifted labels are read
+    by the decoder's first operator and by the loss; operator 6's three candidates show
+    ``apart_classes`` layouts."""
+    rng = np.random.default_rng(seed)
+    three = np.arange(3)
+    ends = np.minimum(three, apart_classes - 1)
+    factors = [Factor((i, i + 1), (three, three), rng.random((3, 3))) for i in range(5)]
+    factors += [Factor((end, 6), (three, ends), rng.random((3, apart_classes))) for end in (0, 5)]
+    return [3] * 7, factors, [rng.random(3) for _ in range(7)]
+
+
+def _brute_force_total(factors: list[Factor], unary: list[np.ndarray]) -> tuple[float, float]:
+    """(the least total over every assignment, a function giving any assignment's total)."""
+
+    def total(choice) -> float:
+        edges = sum(f.value([choice[u] for u in f.scope]) for f in factors)
+        return sum(float(u[c]) for u, c in zip(unary, choice)) + edges
+
+    return min(total(c) for c in itertools.product(*(range(len(u)) for u in unary))), total
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_an_operator_of_one_layout_joins_nothing_and_stays_exact(seed):
+    """Eliminated apart, the one-class operator leaves the ring a chain: no table over three operators."""
+    sizes, factors, unary = _ring(seed, apart_classes=1)
+    elimination = Elimination(sizes, factors)
+    best, total = _brute_force_total(factors, unary)
+    assert total(elimination.run(unary).backtrack()) == pytest.approx(best, rel=1e-12)
+    assert elimination.largest == 9
+    sizes, factors, unary = _ring(seed, apart_classes=2)  # two layouts: the ring must be closed by a table of 3
+    assert Elimination(sizes, factors).largest == 18
+
+
+def test_t5_export_dp_equals_ilp():
+    """The encoder-decoder whose shifted labels are read at both ends (the one-class path above), where
+    splitting pays: the DP's plan scores what HiGHS's exact ILP finds."""
+    pytest.importorskip("highspy")
+    problem = build_problem(load_model(DATA / "hf_t5_legacy.onnx"), CostModel(profile(peak=1e9)), 4)
+    assert any(step.apart for step in Solver.of(problem).main.steps)
+    dp = problem.objective(run_search(problem).choice)
+    assert dp == pytest.approx(problem.objective(run_search(problem, algorithm="ilp").choice), rel=1e-9)

@@ -301,21 +301,43 @@ def _unshare_vectors(proto: onnx.ModelProto) -> None:
     Exporters merge initializers that hold identical values, so a fresh model's norm scales and
     biases (all ones, all zeros) arrive as one tensor that every layer reads, where the framework
     trains one per layer. Left merged, one layer would own them all and tie every layer to it.
+    PyTorch's TorchScript exporter keeps each merged parameter's own name as an Identity of the one
+    it kept (T5's twelve norm scales): such an Identity, read only as a per-layer vector, becomes a
+    copy under that name.
     """
     initializers = {tensor.name: tensor for tensor in proto.graph.initializer}
     places: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    consumers: dict[str, set[str]] = {}
     for node in proto.graph.node:
         for slot, name in enumerate(node.input):
+            consumers.setdefault(name, set()).add(node.op_type)
             if name in initializers:
                 places.setdefault(name, []).append((node, slot))
     outputs = {o.name for o in proto.graph.output}
+
+    def named_copy(node: onnx.NodeProto) -> bool:
+        """An Identity that only names a per-layer vector (its output read as one, not a graph output)."""
+        if node.op_type != "Identity" or len(node.output) != 1 or node.output[0] in outputs:
+            return False
+        read_by = consumers.get(node.output[0], set())
+        return bool(read_by) and read_by <= PER_LAYER_READERS
+
     taken = set(initializers) | {out for node in proto.graph.node for out in node.output}
+    renamed: list[onnx.NodeProto] = []
     for name, readers in places.items():
         tensor = initializers[name]
         if len(readers) < 2 or len(tensor.dims) != 1 or tensor.data_type not in FLOAT_DATA_TYPES or name in outputs:
             continue
-        if any(node.op_type not in PER_LAYER_READERS for node, _ in readers):
+        if any(node.op_type not in PER_LAYER_READERS and not named_copy(node) for node, _ in readers):
             continue
+        for node, _ in readers:
+            if named_copy(node):
+                copy = onnx.TensorProto()
+                copy.CopyFrom(tensor)
+                copy.name = node.output[0]
+                proto.graph.initializer.append(copy)
+                renamed.append(node)
+        readers = [(node, slot) for node, slot in readers if not named_copy(node)]
         for copy_index, (node, slot) in enumerate(readers[1:], start=1):
             new_name = f"{name}.{copy_index}"
             while new_name in taken:
@@ -326,6 +348,8 @@ def _unshare_vectors(proto: onnx.ModelProto) -> None:
             copy.name = new_name
             proto.graph.initializer.append(copy)
             node.input[slot] = new_name
+    for node in renamed:
+        proto.graph.node.remove(node)
 
 
 MASK_FLOOR = -1e4

@@ -5,7 +5,8 @@ at a time is exact: eliminating a node folds its cost and its edges into a new c
 over its neighbours, minimised over the node's own choice. A chain node becomes an edge
 between its neighbours (node elimination), parallel edges between the same two nodes add
 up (edge elimination), and residual joins or multi-consumer tensors simply give a table over
-three or more operators.
+three or more operators. A node whose candidates all show the same layouts joins nothing: each
+of its tables just loses its axis (`_apart`).
 
 States per layout, not per strategy. An edge's cost depends on the two candidates only
 through the layouts of the tensor at its ends, so every `Factor` indexes each of its
@@ -96,6 +97,8 @@ class _Step:
     starts: np.ndarray  # where each class begins in ``members``
     rest_maps: tuple[np.ndarray, ...]  # per rest operator: candidate -> joint class
     output: int  # id of the new factor (or -1 when ``rest`` is empty)
+    # a node of one class: per factor (its id, the new factor's id or -1, the node's axis, its class there)
+    apart: tuple[tuple[int, int, int, int], ...] = ()
 
 
 def joint_classes(maps: list[np.ndarray], counts: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -183,6 +186,8 @@ class Elimination:
                 for u, count in zip(f_scope, shape):
                     scope[u] = min(sizes[u], scope.get(u, 1) * count)
             own = scope.pop(v, 1)
+            if own == 1:
+                return 0, 0  # one class: its factors only lose its axis (see `_apart`), no table grows
             left = 1
             for count in scope.values():
                 left *= count
@@ -226,6 +231,16 @@ class Elimination:
                 counts[u] = int(joint.max()) + 1 if len(joint) else 0
                 for fid, sub in zip(fids, subs):
                     per_factor[(fid, u)] = sub
+            rest = tuple(u for u in scope if u != v)
+            if counts[v] == 1 and len(bucket) > 1 and rest:
+                step, next_id = _apart(v, bucket, live, touching, per_factor, joint_maps[v], next_id)
+                steps.append(step)
+                work_done += sum(int(np.prod(live[out][2])) for _, out, _, _ in step.apart if out >= 0)
+                for u in rest:
+                    if u not in keep and u not in done:
+                        current[u] = estimate(u)
+                        heapq.heappush(heap, (*current[u], u))
+                continue
             entries = 1
             for u in scope:
                 entries *= counts[u]
@@ -252,7 +267,6 @@ class Elimination:
             axis = scope.index(v)
             members = np.argsort(joint_maps[v], kind="stable")
             starts = np.searchsorted(joint_maps[v][members], np.arange(counts[v]))
-            rest = tuple(u for u in scope if u != v)
             for fid in bucket:
                 for u in live[fid][0]:
                     touching[u].discard(fid)
@@ -320,11 +334,24 @@ class Elimination:
         for done, step in enumerate(self.steps):
             if done % every == 0:
                 progress.report("search", done, len(self.steps))
-            parts = [gather.take(tables.pop(gather.factor)) for gather in step.gathers]
             values = np.asarray(unary[step.node], dtype=float)[step.members]
             best_unary = np.minimum.reduceat(values, step.starts)
             is_best = values == np.repeat(best_unary, np.diff(np.append(step.starts, len(values))))
             first = np.minimum.reduceat(np.where(is_best, np.arange(len(values)), len(values)), step.starts)
+            if step.apart:
+                constant = float(best_unary[0])  # what no choice changes goes into the first factor left
+                kept: list[tuple[int, np.ndarray]] = []
+                for fid, out, axis, position in step.apart:
+                    table = np.take(tables.pop(fid), position, axis=axis)
+                    if out < 0:
+                        constant += float(table)
+                    else:
+                        kept.append((out, table))
+                for index, (out, table) in enumerate(kept):
+                    tables[out] = table + constant if index == 0 else table
+                records.append((step, [], step.members[first]))
+                continue
+            parts = [gather.take(tables.pop(gather.factor)) for gather in step.gathers]
             parts = _merge_parts([*parts, best_unary.reshape(step.node_shape)])
             if step.rest:
                 tables[step.output] = _sum_min(parts)
@@ -332,6 +359,43 @@ class Elimination:
         structure = self.leftover_structure()
         leftover = [Factor(*structure[i], tables[fid]) for i, fid in enumerate(self.leftover)]
         return Solved(len(self.sizes), records, leftover, self.ties)
+
+
+def _apart(
+    v: int,
+    bucket: Sequence[int],
+    live: dict[int, _Live],
+    touching: list[set[int]],
+    per_factor: Mapping[tuple[int, int], np.ndarray],
+    classes: np.ndarray,
+    next_id: int,
+) -> tuple[_Step, int]:
+    """Eliminate a node every candidate of which shows the same layouts (one class): each of its
+    factors just loses its axis and stays a factor of its own, so the node joins nothing.
+
+    Joined, the factors would make one table over all the node's neighbours, a dependency that is
+    not there: a one-candidate operator reading a graph input that another operator at the far end
+    of the model also reads (T5's shifted labels and its loss) would tie the two ends together, and
+    every operator eliminated between them would carry the other end's layouts. The minimum over one
+    class is the table at that class, so this is exact.
+    """
+    apart = []
+    for fid in sorted(bucket):
+        scope, maps, shape = live.pop(fid)
+        for u in scope:
+            touching[u].discard(fid)
+        axis = scope.index(v)
+        out = -1
+        if len(scope) > 1:
+            out, next_id = next_id, next_id + 1
+            keep = [i for i in range(len(scope)) if i != axis]
+            live[out] = (tuple(scope[i] for i in keep), tuple(maps[i] for i in keep), tuple(shape[i] for i in keep))
+            for u in live[out][0]:
+                touching[u].add(out)
+        apart.append((fid, out, axis, int(per_factor[(fid, v)][0])))
+    members = np.argsort(classes, kind="stable")
+    step = _Step(v, (), (), 0, (1,), members, np.zeros(1, dtype=np.int64), (), -1, tuple(apart))
+    return step, next_id
 
 
 def _merge_parts(parts: list[np.ndarray]) -> list[np.ndarray]:
@@ -418,6 +482,9 @@ class Solved:
         """The eliminated (and tied) operators' argmin given the kept ones (and the kept ones), as a mapping."""
         choice = dict(kept)
         for step, parts, representative in reversed(self.records):
+            if step.apart:  # one class: its cheapest candidate, whatever the neighbours chose
+                choice[step.node] = int(representative[0])
+                continue
             at = tuple(int(m[choice[u]]) for m, u in zip(step.rest_maps, step.rest))
             # the eliminated node's costs at the neighbours' chosen classes: the argmin is recomputed
             # here on one row instead of stored for the whole table
