@@ -318,27 +318,26 @@ def _compose(
 
 def meeting_layouts(graph: Graph, rules: Sequence[OpRule], node: int) -> list[tuple[int, ...]]:
     """A fork's candidates (`autopar.ops.fork`): each layout its producer gives, taking the gradient
-    whole (the fork as a pass-through: no plan dearer than without it) or partial over the bits a
-    reader reading that layout leaves its gradient partial over (where readers meet). A meeting
-    layout the producer could not write itself (a layer norm's output split along the normalised
-    axis) is left out: it only adds a redistribution on the way, and each candidate of a fork is
-    one more the search minimises over, for every layer."""
+    whole (the fork as a pass-through: no plan dearer than without it), and each layout a reader
+    reads in, taking it partial over the bits that reader's gradient comes out partial over (where
+    readers meet). A reader's layout that splits a dimension the producer never splits (a layer
+    norm's normalised axis) is left out: meeting there only adds a redistribution on the way, and
+    each candidate of a fork is one more the search minimises over, for every layer."""
     fork = rules[node]
     index = {rule.op.name: at for at, rule in enumerate(rules)}
     name, out = fork.op.inputs[0], fork.op.outputs[0]
     producer = rules[index[graph.producer[name]]]
     length, code, _ = producer.encoded_layouts(True, producer.op.outputs.index(name))
-    written = _packed(length, code, np.zeros(len(length), dtype=np.int64))
-    met = [written]
+    met = [_packed(length, code, np.zeros(len(length), dtype=np.int64))]
+    never = (length == 0).all(axis=0)  # dimensions no candidate of the producer splits
     for reader in graph.consumers.get(out, ()):
         rule = rules[index[reader]]
         splits = CandidateSplits(rule.candidates, rule.spec.label_order)
         for slot, read in enumerate(rule.op.inputs):
             if read == out:
                 length, code, _ = rule.encoded_layouts(False, slot)
-                dims = _packed(length, code, np.zeros(len(length), dtype=np.int64))
                 rows = _packed(length, code, splits.absent_mask(rule.spec.inputs[slot]))
-                met.append(rows[np.isin(dims, written)])
+                met.append(rows[(length[:, never] == 0).all(axis=1)])
     length, code, _ = fork.encoded_layouts(False, 0)
     rows = _packed(length, code, fork.encoded_layouts(True, 0, gradient=True)[2])
     keep = np.isin(rows, np.concatenate(met))
