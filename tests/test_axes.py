@@ -15,7 +15,7 @@ def _product(axes: tuple[LogicalAxis, ...]) -> int:
 
 
 def test_a_data_by_tensor_plan_has_two_axes_that_agree_with_its_degrees():
-    model = build_transformer(kind="gpt", layers=1, hidden=1024, heads=16, seq=256, vocab=4096, batch=4)
+    model = build_transformer(kind="gpt", layers=1, hidden=1024, heads=16, seq=256, vocab=4096, batch=8)
     plan = autopar.plan(model, devices=8)
     axes = logical_axes(plan.file)
     assert axes == (LogicalAxis("data", (2, 1)), LogicalAxis("tensor", (0,)))

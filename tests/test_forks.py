@@ -48,7 +48,7 @@ def test_the_importer_forks_a_tensor_two_readers_split_alike():
     fork = graph.op("mm0.fork")
     assert (fork.op_type, fork.domain, fork.inputs) == ("Fork", "autopar", ("Y",))
     assert graph.op("mm1").inputs[0] == graph.op("mm2").inputs[0] == "Y.forked"
-    assert [op.name for op in graph.ops][:2] == ["mm0", "mm0.fork"]  # right after its producer
+    assert [op.name for op in graph.ops][:2] == ["mm0", "mm0.fork"]  # just before its first reader
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.layout import Layout
-from autopar.redistribute import redistribute
+from autopar.layout import Layout, ReduceOp
+from autopar.redistribute import Collective, as_partial, redistribute
 from autopar.spmd import assemble, run_step, shard
 
 
@@ -66,9 +66,15 @@ def test_a_gradient_goes_back_as_a_redistribution_of_its_own():
     assert partial.kind == "ReduceScatter" and partial.nbytes == 128
 
 
-def test_consumer_layout_is_never_partial():
-    with pytest.raises(ValueError):
-        redistribute(Layout(((),)), Layout(((),), (0,)), (4,), 4)
+def test_a_partial_target_keeps_the_bits_the_source_is_partial_over_and_reduces_the_rest():
+    # a gradient a fork takes partial over bit 0: bit 1 is reduced, bit 0 left for the fork's own way back
+    (step,) = redistribute(Layout(((),), (1, 0)), Layout(((),), (0,)), (4,), 4)
+    assert (step.kind, step.bits) == (Collective.ALL_REDUCE, (1,))
+    # over a bit the source is whole on, no step: the runtime keeps it on one rank of the pair
+    assert redistribute(Layout(((),)), Layout(((),), (0,)), (4,), 4) == ()
+    assert as_partial(Layout(((),)), Layout(((),), (0,))) == (0,)
+    with pytest.raises(ValueError):  # only a sum is ever taken partial
+        redistribute(Layout(((),), (0,), ReduceOp.MAX), Layout(((),), (0,), ReduceOp.MAX), (4,), 4)
 
 
 @st.composite

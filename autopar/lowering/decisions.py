@@ -253,7 +253,8 @@ def decisions(data: PlanFile) -> list[dict[str, Any]]:
     """The operators off data parallel, in graph order, as plain data: those whose layouts split an axis
     besides the batch (`axis_splits`). Each: name, op_type, strategy (the in_strategy as tuples), splits
     (factor per axis kind), devices (over which it divides its work), block (the first copy's operator of
-    the repeated block it belongs to, or None) and fixed (the user fixed it).
+    the repeated block it belongs to, or None) and fixed (the user fixed it). Forks (`autopar.ops.fork`)
+    are not the model's operators and are left out.
     """
     image = is_image_model(data)
     experts = expert_bits(data)
@@ -265,7 +266,7 @@ def decisions(data: PlanFile) -> list[dict[str, Any]]:
     found = []
     for i, op in enumerate(data.ops):
         splits, devices = axis_splits(op, image, experts.get(op.name, ()))
-        if all(kind == "batch" for kind in splits):
+        if op.domain or all(kind == "batch" for kind in splits):  # a fork is autopar's, not a decision
             continue
         found.append(
             {

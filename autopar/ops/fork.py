@@ -52,6 +52,7 @@ def _torch(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     keeps=Keeps.NOTHING,
     local_kernel=_local,
     torch_kernel=_torch,
+    torch_local_kernel=_local,
     foldable=False,
     mindspore=None,
 )

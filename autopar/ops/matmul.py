@@ -120,7 +120,8 @@ def matmul(op: NodeView, graph: GraphView) -> OpSpec:
         out += ("i",)
     if len(b_shape) > 1:
         out += ("j",)
-    order = tuple(f"b{i}" for i in range(batch_rank)) + ("i", "k", "j")
+    present = set(a) | set(b) | set(out)  # a vector operand has no i (or j): no label that no tensor carries
+    order = tuple(label for label in (*(f"b{i}" for i in range(batch_rank)), "i", "k", "j") if label in present)
     m, n = ("i" if len(a_shape) > 1 else None), ("j" if len(b_shape) > 1 else None)
     return OpSpec(inputs=(a, b), outputs=(out,), op_class="cube", label_order=order, matmul_labels=(m, n, "k"))
 

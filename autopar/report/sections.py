@@ -211,7 +211,7 @@ def why_section(data: PlanFile, data_parallel: PlanFile | None) -> str:
     for group in fold_groups(data):
         op = ops[group[0]]
         other = reference.get(op.name)
-        if other is None or other.strategy == op.strategy:
+        if op.domain or other is None or other.strategy == op.strategy:  # a fork is no decision of the model's
             continue
         differ += len(group)
         cost, base = op.cost, other.cost
@@ -249,7 +249,8 @@ def why_section(data: PlanFile, data_parallel: PlanFile | None) -> str:
             f"{'s' if len(members) != 1 else ''}: {escape(names)}</summary><ul>{details}</ul></details></td></tr>"
         )
     return (
-        f"<p>{differ} of {len(ops)} operators leave data parallel (the batch split over all devices), in"
+        f"<p>{differ} of {sum(not op.domain for op in ops)} operators leave data parallel (the batch split over"
+        " all devices), in"
         f" {len(rows)} group{'s' if len(rows) != 1 else ''}: one per repeated block and decision (how the"
         " operators split, against how data parallel splits them). Seconds are a step's compute, own"
         " communication (the gradient sync before any overlap) and redistribution into the operators,"

@@ -168,6 +168,7 @@ def _decision_lines(plan: Plan, incoming: Mapping[str, list[str]]) -> list[str]:
     data = plan.file
     off = {entry["name"]: entry for entry in plan.decisions()}
     ops = data.ops
+    model_ops = sum(not op.domain for op in ops)  # the model's operators: forks are autopar's
     rows = []
     for group in fold_groups(data):
         op = ops[group[0]]
@@ -186,12 +187,15 @@ def _decision_lines(plan: Plan, incoming: Mapping[str, list[str]]) -> list[str]:
             ]
         )
     if not rows:
-        return ["", f"decisions: every one of the {len(ops)} operators is plain data parallel (splits the batch alone)"]
+        return [
+            "",
+            f"decisions: every one of the {model_ops} operators is plain data parallel (splits the batch alone)",
+        ]
     header = ["operator", "type", "strategy", "splits", "compute ms", "comm ms", "collectives before this op"]
     count = len(off)
     return [
         "",
-        f"decisions: {count} of {len(ops)} operator{'s' if len(ops) != 1 else ''} leave data parallel"
+        f"decisions: {count} of {model_ops} operator{'s' if model_ops != 1 else ''} leave data parallel"
         f" (split more than the batch), {len(rows)} row{'s' if len(rows) != 1 else ''}"
         " with repeated blocks folded:",
         *_columns(rows, header, right={4, 5}),

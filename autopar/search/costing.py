@@ -51,13 +51,22 @@ def build_problem(
     once: every copy shares copy 0's node costs and edge tables. ``fixed`` maps operator names to
     the in_strategy each must keep (semi-auto mode): those operators have that one candidate,
     and a block holding one is no longer a copy of the others. With ``twins``, twin branches
-    (`autopar.search.twins`) are tied: the search takes one candidate for both.
+    (`autopar.search.twins`) are tied: the search takes one candidate for both. Forks
+    (`autopar.ops.fork`) take the layouts where their readers meet, unless the search would then go
+    over its limits (T5 at 64 devices): they then only pass their tensor through, which is exactly
+    the search without them.
     """
     planned = _planned(graph, cost, num_devices, fold, fixed, twins)
     try:
         planned.check()
     except SearchTooLargeError as exc:
-        raise SearchTooLargeError(f"{exc}; {_fewer_devices(graph, cost, num_devices, fold, fixed, twins)}.") from None
+        try:  # forks are a saving, not a need: where meeting would go over the limits, they pass through
+            planned = _planned(graph, cost, num_devices, fold, fixed, twins, meet=False)
+            planned.check()
+        except SearchTooLargeError:
+            raise SearchTooLargeError(
+                f"{exc}; {_fewer_devices(graph, cost, num_devices, fold, fixed, twins)}."
+            ) from None
     flow, costs, costed, layouts = planned.flow, planned.costs, planned.costed, planned.layouts
     rules = flow.rules
     repeats, blocks, unfolded, ties = planned.repeats, planned.blocks, planned.unfolded, planned.ties
@@ -137,13 +146,14 @@ def _planned(
     fold: bool,
     fixed: Mapping[str, Sequence[Sequence[int]]] | None,
     twins: bool,
+    meet: bool = True,
 ) -> _Planned:
     mesh_bits = num_devices.bit_length() - 1
     rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
     pinned = _pin(rules, fixed or {})
     for node, rule in enumerate(rules):
         if rule.spec.gradient_labels and node not in pinned:
-            rules[node] = rule.with_candidates(meeting_layouts(graph, rules, node))
+            rules[node] = rule.with_candidates(meeting_layouts(graph, rules, node, meet))
     flow = Dataflow.of(graph, rules, cost, num_devices, frozenset(pinned))
     # repeated blocks bound the overlap windows whether or not they are folded, so folding never
     # changes the objective
@@ -153,9 +163,13 @@ def _planned(
     repeats = blocks if fold else []
     copy_of: dict[int, int] = {}  # operators of copies 1.. -> the same operator of copy 0
     run_of: dict[int, int] = {}  # operators of copy 0 -> their run
-    for node in _weight_only(graph, rules, [u for block in blocks for u in block.shared]):  # folded or not
+    shared = [u for block in blocks for u in block.shared]
+    for node in _weight_only(graph, rules, shared):  # folded or not
         if node not in pinned:
             rules[node] = rules[node].with_candidates([(0,) * len(rules[node].spec.label_order)])
+    for node in shared:  # a fork every copy reads (T5's encoder output): one more choice all copies share
+        if rules[node].spec.gradient_labels and node not in pinned:
+            rules[node] = rules[node].with_candidates(meeting_layouts(graph, rules, node, meet=False))
     for index, repeat in enumerate(repeats):
         for node in repeat.block(0):
             run_of[node] = index
@@ -197,7 +211,7 @@ def _fewer_devices(
     devices = num_devices // 2
     while devices >= 1:
         try:
-            _planned(graph, cost, devices, fold, fixed, twins).check()
+            _planned(graph, cost, devices, fold, fixed, twins, meet=False).check()
         except TooLargeError:
             devices //= 2
             continue
@@ -316,13 +330,14 @@ def _compose(
     return arrays
 
 
-def meeting_layouts(graph: Graph, rules: Sequence[OpRule], node: int) -> list[tuple[int, ...]]:
+def meeting_layouts(graph: Graph, rules: Sequence[OpRule], node: int, meet: bool = True) -> list[tuple[int, ...]]:
     """A fork's candidates (`autopar.ops.fork`): each layout its producer gives, taking the gradient
     whole (the fork as a pass-through: no plan dearer than without it), and each layout a reader
     reads in, taking it partial over the bits that reader's gradient comes out partial over (where
     readers meet). A reader's layout that splits a dimension the producer never splits (a layer
     norm's normalised axis) is left out: meeting there only adds a redistribution on the way, and
-    each candidate of a fork is one more the search minimises over, for every layer."""
+    each candidate of a fork is one more the search minimises over, for every layer. Without ``meet``,
+    the pass-throughs alone."""
     fork = rules[node]
     index = {rule.op.name: at for at, rule in enumerate(rules)}
     name, out = fork.op.inputs[0], fork.op.outputs[0]
@@ -330,7 +345,7 @@ def meeting_layouts(graph: Graph, rules: Sequence[OpRule], node: int) -> list[tu
     length, code, _ = producer.encoded_layouts(True, producer.op.outputs.index(name))
     met = [_packed(length, code, np.zeros(len(length), dtype=np.int64))]
     never = (length == 0).all(axis=0)  # dimensions no candidate of the producer splits
-    for reader in graph.consumers.get(out, ()):
+    for reader in graph.consumers.get(out, ()) if meet else ():
         rule = rules[index[reader]]
         splits = CandidateSplits(rule.candidates, rule.spec.label_order)
         for slot, read in enumerate(rule.op.inputs):
