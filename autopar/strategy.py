@@ -273,6 +273,13 @@ class OpRule:
         bits = self.label_bits(exponents)
         return tuple(sorted((b for label in self.spec.gradient_labels for b in bits[label]), reverse=True))
 
+    def gradient_target(self, exponents: Sequence[int], slot: int) -> Layout:
+        """Where readers' gradients of output ``slot`` go: its layout, whole, or partial over the bits a
+        fork takes them partial over (`gradient_bits`)."""
+        dims = _present(self.output_layouts(exponents)[slot], self.op.name, "output", slot).dims
+        kept = self.gradient_bits(exponents)
+        return Layout(dims, kept) if kept else Layout(dims)
+
     def encoded_layouts(
         self, is_output: bool, slot: int, gradient: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -160,15 +160,6 @@ def _collective_steps(problem: SearchProblem, steps: Sequence[Step]) -> list[Col
     ]
 
 
-def gradient_target(problem: SearchProblem, use: TensorUse, choice_of_src: int) -> Layout:
-    """Where a consumer's gradient of an activation goes: the producer's layout, whole, or partial over
-    the bits a fork takes it partial over (`autopar.ops.fork`)."""
-    rule = problem.rules[use.src_node]
-    dims = problem.source_layout(use, choice_of_src).dims
-    kept = rule.gradient_bits(rule.candidates[choice_of_src]) if use.src_is_output else ()
-    return Layout(dims, kept) if kept else Layout(dims)
-
-
 def gradient_paths(
     problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
 ) -> list[GradientPath]:
@@ -193,7 +184,9 @@ def gradient_paths(
             target = parameter_gradient_layout(problem, use.tensor, choice, choices)[1]
             itemsize = problem.cost.gradient_itemsize()
         else:
-            target = gradient_target(problem, use, choice[use.src_node])
+            producer = problem.rules[use.src_node]  # a fork may take it partial (`autopar.ops.fork`)
+            exponents = producer.candidates[choice[use.src_node]]
+            target = producer.gradient_target(exponents, use.src_slot) if use.src_is_output else Layout(produced.dims)
             itemsize = problem.itemsize(info)
         entries = _collective_steps(problem, redistribute(source, target, info.shape, itemsize))
         if entries:

@@ -43,15 +43,6 @@ class PlannedOp:
     def name(self) -> str:
         return self.rule.op.name
 
-    def gradient_target(self, slot: int) -> Layout:
-        """Where its readers' gradients of output ``slot`` go: its layout, whole, or partial over the
-        bits a fork takes them partial over (`OpRule.gradient_bits`)."""
-        layout = self.outputs[slot]
-        if layout is None:
-            raise ValueError(f"operator {self.name!r} has no output {slot}")
-        kept = self.rule.gradient_bits(self.exponents)
-        return Layout(layout.dims, kept) if kept else Layout(layout.dims)
-
     def input_layout(self, slot: int) -> Layout:
         """The layout this operator reads a present input in."""
         layout = self.inputs[slot]

@@ -275,8 +275,7 @@ class TrainingStep:
             seeds = [self._tensor(full[layout.local_slices(r, full.shape)]) for r in self.ranks]
             self._accumulate(name, producer, layout, seeds)
         for (name, producer), (layout, buffers) in (arrived or {}).items():
-            planned = program.op(producer)
-            target = planned.gradient_target(planned.rule.op.outputs.index(name))
+            target = self._gradient_target(name, producer)
             masked = self._follow(layout, [], target, f"gradient of {name!r} sent back to {producer!r}")
             self._accumulate(name, producer, target, self._masked(buffers, masked))
         for node in reversed(self.nodes):
@@ -365,8 +364,7 @@ class TrainingStep:
             return
         if info.kind == "activation":
             producer = program.graph.producer[name]
-            planned = program.op(producer)
-            target = planned.gradient_target(planned.rule.op.outputs.index(name))
+            target = self._gradient_target(name, producer)
             steps = self.schedule.backward.get((name, producer, consumer, slot), [])
             what, phase = f"gradient of {name!r} from {consumer!r} back to {producer!r}", "backward"
         else:
@@ -389,6 +387,11 @@ class TrainingStep:
                 what, phase = f"gradient of {name!r} from {consumer!r} back to {producer!r}", "backward"
         masked = self._follow(source, steps, target, what)
         self._accumulate(name, producer, target, self._masked(self._run(name, buffers, steps, phase), masked))
+
+    def _gradient_target(self, name: str, producer: str) -> Layout:
+        """The layout the producer of activation ``name`` takes its readers' gradients in (`OpRule.gradient_target`)."""
+        planned = self.program.op(producer)
+        return planned.rule.gradient_target(planned.exponents, planned.rule.op.outputs.index(name))
 
     def _masked(self, buffers: Buffers, bits: Sequence[int]) -> Buffers:
         """A gradient whole over ``bits`` made partial over them (`as_partial`): one rank of each group keeps it."""

@@ -181,13 +181,13 @@ class SearchProblem(Dataflow):
 
     @staticmethod
     def _candidate(rule: OpRule, strategy: Sequence[Sequence[int]]) -> int:
-        exponents = rule.parse(strategy)
-        if exponents not in rule.candidates:
+        try:
+            return rule.candidates.index(rule.parse(strategy))
+        except ValueError:
             raise StrategyError(
                 f"Strategy {tuple(tuple(s) for s in strategy)} for {rule.op.name!r} is not one of its candidates"
                 f" ({len(rule.candidates)}; `autopar.candidates` lists them)."
-            )
-        return rule.candidates.index(exponents)
+            ) from None
 
     def choice_for(self, strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[int]:
         """Candidate indices for a full assignment of strategies; StrategyError on anything invalid.

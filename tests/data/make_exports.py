@@ -35,6 +35,24 @@ BATCH = 4
 SEQ = 16
 
 
+def _with_loss(model, keyword: str = "input_ids", **options):
+    """The model with its training loss as the one output: ``model(keyword=ids, labels=labels, **options).loss``.
+
+    The argument is named ``ids`` whatever it holds: the dynamo exporter records the signature, and the
+    files kept here were written with that name."""
+    import torch
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.model(**{keyword: ids}, labels=labels, **options).loss
+
+    return WithLoss()
+
+
 def _albert():
     import torch
     import transformers as hf
@@ -51,16 +69,8 @@ def _albert():
     config._attn_implementation = "eager"
     model = hf.AlbertForMaskedLM(config)
 
-    class WithLoss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=ids, labels=labels).loss
-
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
-    return WithLoss(), (ids, ids), ["ids", "labels"]
+    return _with_loss(model), (ids, ids), ["ids", "labels"]
 
 
 def _t5():
@@ -80,16 +90,8 @@ def _t5():
     )
     model = hf.T5ForConditionalGeneration(config)
 
-    class WithLoss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=ids, labels=labels, use_cache=False).loss
-
     ids = torch.randint(1, config.vocab_size, (BATCH, SEQ))
-    return WithLoss(), (ids, ids), ["ids", "labels"]
+    return _with_loss(model, use_cache=False), (ids, ids), ["ids", "labels"]
 
 
 def _swin():
@@ -101,15 +103,11 @@ def _swin():
     )
     model = hf.SwinForImageClassification(config)
 
-    class WithLoss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return self.model(pixel_values=pixels, labels=labels).loss
-
-    return WithLoss(), (torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,))), ["pixels", "labels"]
+    return (
+        _with_loss(model, "pixel_values"),
+        (torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,))),
+        ["pixels", "labels"],
+    )
 
 
 def _olmoe():
@@ -131,16 +129,8 @@ def _olmoe():
     config._experts_implementation = "batched_mm"
     model = hf.OlmoeForCausalLM(config)
 
-    class WithLoss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=ids, labels=labels, use_cache=False).loss
-
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
-    return WithLoss(), (ids, ids), ["ids", "labels"]
+    return _with_loss(model, use_cache=False), (ids, ids), ["ids", "labels"]
 
 
 KEPT_METADATA = {"pkg.torch.onnx.name_scopes"}  # the layer names a plan shows; stack traces are dropped
