@@ -108,12 +108,15 @@ def predicted_throughput(model: str | Path | onnx.ModelProto, profile: HardwareP
     }
 
 
-def with_cube_efficiency(profile: HardwareProfile, value: float) -> HardwareProfile:
-    """The same profile with another cube efficiency (its source unchanged)."""
-    compute = profile.compute.model_copy(
-        update={"cube_efficiency": profile.compute.cube_efficiency.model_copy(update={"value": value})}
-    )
-    return profile.model_copy(update={"compute": compute})
+def with_compute_number(profile: HardwareProfile, name: str, value: float) -> HardwareProfile:
+    """The same profile with another value of one ``[compute]`` number (its source unchanged).
+
+    >>> from autopar.cost import load_profile
+    >>> with_compute_number(load_profile("a100"), "matmul_efficiency", 0.5).compute.matmul_efficiency.value
+    0.5
+    """
+    number = getattr(profile.compute, name).model_copy(update={"value": value})
+    return profile.model_copy(update={"compute": profile.compute.model_copy(update={name: number})})
 
 
 def fit_cube_efficiency(model: str | Path | onnx.ModelProto, profile: HardwareProfile, steps: int = 40) -> float:
@@ -124,7 +127,7 @@ def fit_cube_efficiency(model: str | Path | onnx.ModelProto, profile: HardwarePr
     low, high = 0.01, 1.0
     for _ in range(steps):
         middle = (low + high) / 2
-        trial = with_cube_efficiency(profile, middle)
+        trial = with_compute_number(profile, "cube_efficiency", middle)
         ratio = 1.0
         for n, graph in graphs.items():
             predicted = data_parallel_throughput(graph, trial, n, anchor.batch_per_device, anchor.precision)
