@@ -73,7 +73,8 @@ def test_gpu_profiles_mark_fitted_and_assumed():
     assert h100.compute.cube_efficiency.source.startswith("assumed")
     assert h100.compute.cube_efficiency.value == a100.compute.cube_efficiency.value
     fitted = [field for profile in (a100, h100) for field, e in numbers(profile).items() if "fitted" in e["source"]]
-    assert fitted == ["compute.cube_efficiency", "compute.cube_efficiency"]
+    assert fitted == ["compute.cube_efficiency", "compute.matmul_efficiency", "compute.cube_efficiency"]
+    assert "bench/megatron.py --fit" in a100.compute.matmul_efficiency.source
 
 
 # --- plain numbers: accepted, with a warning naming them -------------------------------------------

@@ -220,7 +220,8 @@ def test_the_matmul_table_is_monotone_and_sourced(name):
     assert falloff.source and falloff.source.startswith("measured: bench/gemm_efficiency.py")
     efficiency = bundled.compute.matmul_efficiency
     assert efficiency.source and (
-        "Maximum Achievable Matmul FLOPS" in efficiency.source or efficiency.source.startswith("assumed")
+        "Maximum Achievable Matmul FLOPS" in efficiency.source
+        or efficiency.source.startswith(("assumed", "fitted on Megatron-LM"))
     )
     cost = CostModel(bundled)
     rates = cost.matmul_rate(np.array([1, 8, 32, 48, 64, 100, 256, 1000, 1024, 4096, 1e6]))
@@ -229,12 +230,12 @@ def test_the_matmul_table_is_monotone_and_sourced(name):
     if name == "ascend910":  # no Ascend matmul figure: the fitted convolution efficiency, assumed
         assert rates[-1] == pytest.approx(cost.cube_flops) and efficiency.source.startswith("assumed")
     else:  # large matmuls run far above the convolutions' fitted efficiency on the GPUs
-        assert rates[-1] > 3 * cost.cube_flops
+        assert rates[-1] > 2.5 * cost.cube_flops
 
 
 def test_the_matmul_falloff_interpolates_on_log2_of_the_size():
     cost = CostModel(load_profile("a100"))
-    large = 312e12 * 0.87
+    large = 312e12 * 0.74
     assert cost.matmul_rate(48) == pytest.approx(large * (0.12 + math.log2(48 / 32) * (0.23 - 0.12)))
     assert cost.matmul_rate(16) == pytest.approx(large * 0.12)  # below the table: its first factor
     assert cost.matmul_rate(1 << 20) == pytest.approx(large)
@@ -278,15 +279,15 @@ def gemm_model(m: int, k: int, n: int) -> onnx.ModelProto:
 
 def test_golden_gemm_time_on_a100():
     # M = 256, K = 1024, N = 4096 on one A100, mixed precision: the smallest dimension is 256, where the
-    # fall-off table gives 0.70 of the large-matmul efficiency 0.87: 312e12 x 0.87 x 0.70 = 190.008 TFLOP/s.
+    # fall-off table gives 0.70 of the large-matmul efficiency 0.74: 312e12 x 0.74 x 0.70 = 161.616 TFLOP/s.
     flops = 2 * 256 * 1024 * 4096
-    rate = 312e12 * 0.87 * 0.70
+    rate = 312e12 * 0.74 * 0.70
     traffic = (256 * 1024 + 1024 * 4096 + 256 * 4096) * 2  # FP16 operands and output: 6.75 us at 80% of 2,039 GB/s
-    forward = flops / rate  # 11.301 us: compute-bound
+    forward = flops / rate  # 13.288 us: compute-bound
     assert forward > traffic / (2.039e12 * 0.8)
     cost = CostModel(load_profile("a100"))
     assert cost.compute_time("cube", flops, traffic, matmul_dim=256) == pytest.approx(forward, rel=1e-12)
-    assert forward == pytest.approx(11.301e-6, rel=1e-4)
+    assert forward == pytest.approx(13.288e-6, rel=1e-4)
     plan = autopar.plan(gemm_model(256, 1024, 4096), devices=1, cost_model="a100")
     node = 0  # the model's one operator
     # the weight needs a gradient, the data input does not: one backward product of the same size
@@ -301,7 +302,7 @@ def test_splitting_a_matmul_shrinks_its_shape_and_its_efficiency():
     rule = problem.rules[0]
     data_parallel = rule.candidates.index(rule.candidates[0])
     flops = 2 * 256 * 1024 * 4096 / 8
-    expected = 2 * flops / (312e12 * 0.87 * 0.12)
+    expected = 2 * flops / (312e12 * 0.74 * 0.12)
     assert float(problem.node_compute[0][data_parallel]) == pytest.approx(expected, rel=1e-12)
 
 
