@@ -252,6 +252,7 @@ class _Shapes:
         self._refusals: dict[tuple[int, int], ModelImportError | FixedStrategyError] = {}  # why a shape has none
         self._graphs: dict[int, Graph | ModelImportError] = {1: graph}  # per micro-batch count, for every stage count
         self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
+        self._hint = 0.0  # the memory weight the last search that memory bound settled on: the next tries it first
         single = self.problem(1, 1)
         assert single is not None  # the whole batch on every device: its errors are the user's
         self.single = single
@@ -390,7 +391,7 @@ class _Shapes:
         if shape.stages == 1:  # the whole model as one stage (over the micro-batches: gradient accumulation)
             stage = problem if shape == ONE_STAGE else stage_problem(problem, 0, problem.size, shape, 0)
             try:
-                found = run_search(stage, mode, algorithm, options.recompute, bound)
+                found = run_search(stage, mode, algorithm, options.recompute, bound, self._hint)
             except NothingFaster as beaten:
                 self._note_fastest(shape, beaten.fastest_s)
                 return None
@@ -399,6 +400,7 @@ class _Shapes:
                     raise
                 return None
             self._note_fastest(shape, found.fastest_s)
+            self._hint = found.lagrange_multiplier or self._hint
             if shape == ONE_STAGE:
                 return _Searched(problem, found, None, problem.objective(found.choice, found.choices))
             seconds = stage.objective(found.choice, found.choices)
@@ -407,9 +409,10 @@ class _Shapes:
             whole = PipelineResult(shape, (StagePlan(0, problem.size, found, seconds),))
             return _Searched(problem, _joined(whole, time.perf_counter() - started), None, seconds, shape)
         starts = _stage_starts(problem, options.stage_starts) if options.stage_starts else None
-        result = search_stages(problem, shape, mode, algorithm, starts, bound, options.recompute)
+        result = search_stages(problem, shape, mode, algorithm, starts, bound, options.recompute, self._hint)
         if result is None:
             return None
+        self._hint = max(stage.result.lagrange_multiplier for stage in result.stages) or self._hint
         found = _joined(result, time.perf_counter() - started)
         return _Searched(problem, found, result if shape.stages > 1 else None, result.time_s, shape)
 

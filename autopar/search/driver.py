@@ -80,10 +80,13 @@ def run_search(
     algorithm: str = "dp",
     recompute: bool | None = None,
     bound: float = math.inf,
+    hint: float = 0.0,
 ) -> SearchResult:
     """The plan of ``mode`` on ``problem``; ``recompute`` True (False) makes every plan recompute the repeated
     blocks' forward (keep every activation); None leaves it to the memory walk. With a finite ``bound``
-    (seconds) the DP's memory walk stops, raising `NothingFaster`, once no plan that fits can beat it."""
+    (seconds) the DP's memory walk stops, raising `NothingFaster`, once no plan that fits can beat it.
+    ``hint``: a memory weight to try first where memory binds (the multiplier a like problem settled on,
+    such as another micro-batch count's): it changes how many DP runs the walk takes, not where it ends."""
     start = time.perf_counter()
     capacity = problem.cost.capacity
     multiplier = 0.0
@@ -101,7 +104,7 @@ def run_search(
         used = "ilp"
     else:
         solver = Solver.of(problem)
-        choice, choices, multiplier, fastest = _constrained_dp(problem, solver, capacity, recompute, bound)
+        choice, choices, multiplier, fastest = _constrained_dp(problem, solver, capacity, recompute, bound, hint)
         used, states = algorithm, solver.states()
     memory = problem.memory(choice, choices)
     if memory > capacity:
@@ -120,7 +123,12 @@ class _Point:
 
 
 def _constrained_dp(
-    problem: SearchProblem, solver: Solver, capacity: float, recompute: bool | None = None, beat: float = math.inf
+    problem: SearchProblem,
+    solver: Solver,
+    capacity: float,
+    recompute: bool | None = None,
+    beat: float = math.inf,
+    hint: float = 0.0,
 ) -> tuple[list[int], MemoryChoices, float, float | None]:
     """The fastest plan that fits, by a walk along the Lagrangian's lower hull of (time, memory).
 
@@ -133,7 +141,7 @@ def _constrained_dp(
     the model has repeated blocks, with it, and the faster plan that fits wins. Last comes a bound
     no plan beats, memory aside (the fastest plan's time less the most the tie-break can add), or
     None where the fastest plan was not needed. A finite ``beat`` ends the walk as soon as no plan
-    that fits can beat it (`NothingFaster`).
+    that fits can beat it (`NothingFaster`). A ``hint`` weight is each walk's first run (`_walk`).
     """
     base = problem.objective(data_parallel_choice(problem))
     offsets = tie_break_offsets(problem.node_time, base)
@@ -181,7 +189,7 @@ def _constrained_dp(
         lean = leans[recompute] = leanest(recompute)
         if lean.memory > capacity:
             continue
-        walked = _walk(start, lean, capacity, functools.partial(solve, recompute=recompute), bound)
+        walked = _walk(start, lean, capacity, functools.partial(solve, recompute=recompute), bound, hint)
         if walked is not None and walked[0].seen < bound:
             best = walked
     if best is None and not math.isinf(beat):
@@ -196,16 +204,35 @@ def _constrained_dp(
 
 
 def _walk(
-    low: _Point, high: _Point, capacity: float, solve: Callable[[float], _Point], bound: float = math.inf
+    low: _Point,
+    high: _Point,
+    capacity: float,
+    solve: Callable[[float], _Point],
+    bound: float = math.inf,
+    hint: float = 0.0,
 ) -> tuple[_Point, float] | None:
     """The best plan that fits on the hull between a plan that may not fit and one that does.
 
     None once the Lagrangian bound (every plan that fits takes at least time + lambda x (memory -
     capacity) of the run at lambda) shows that nothing here beats ``bound``.
+
+    A positive ``hint`` weight is run first. The run at any weight is a vertex of the hull optimal at
+    that weight, so it replaces the end on its side of the capacity and the walk goes on between hull
+    vertices as before: it ends at the same vertex (up to plans tied on one edge of the hull), in fewer runs when the hint is near the weight
+    where the hull crosses the capacity (and its Lagrangian bound is then near its best, so a problem
+    that cannot beat ``bound`` is told in one run).
     """
     if low.memory <= capacity:
         return low, 0.0
     low_weight, high_weight = 0.0, math.inf
+    if 0.0 < hint < math.inf:
+        trial = solve(hint)
+        if trial.seen + hint * (trial.memory - capacity) >= bound:
+            return None
+        if trial.memory <= capacity:
+            high, high_weight = trial, hint
+        else:
+            low, low_weight = trial, hint
     for _ in range(_HULL_STEPS):
         if low.memory <= high.memory:
             break

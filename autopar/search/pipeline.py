@@ -432,10 +432,17 @@ class _StageSearch:
     pipeline have the same plan."""
 
     def __init__(
-        self, problem: SearchProblem, shape: PipelineShape, mode: str, algorithm: str, recompute: bool | None
+        self,
+        problem: SearchProblem,
+        shape: PipelineShape,
+        mode: str,
+        algorithm: str,
+        recompute: bool | None,
+        hint: float = 0.0,
     ) -> None:
         self.problem, self.shape, self.mode, self.algorithm = problem, shape, mode, algorithm
         self.recompute = recompute
+        self.hint = hint  # the memory weight the last stage that memory bound settled on (`run_search`'s hint)
         classes = list(range(problem.size))
         for repeat, _ in problem.folds:
             for k in range(1, repeat.copies):
@@ -476,7 +483,7 @@ class _StageSearch:
             return floor, None
         self.searches += 1
         try:
-            result = run_search(stage, self.mode, self.algorithm, self.recompute, beat)
+            result = run_search(stage, self.mode, self.algorithm, self.recompute, beat, self.hint)
         except NothingFaster:
             hit = (beat, None)  # no plan of the stage beats ``beat``: a bound, as the floor's
             self.found[key] = hit
@@ -485,6 +492,7 @@ class _StageSearch:
             hit = (math.inf, None)
         else:
             hit = (stage.objective(result.choice, result.choices), result)
+            self.hint = result.lagrange_multiplier or self.hint
         self.found[key] = hit
         return hit
 
@@ -497,17 +505,18 @@ def search_stages(
     starts: Sequence[int] | None = None,
     bound: float = math.inf,
     recompute: bool | None = None,
+    hint: float = 0.0,
 ) -> PipelineResult | None:
     """The fastest pipelined plan of one micro-batch's problem (``problem``, on one stage's devices)
     with ``shape``'s stages and micro-batches: the cuts (or the given ``starts``, each stage's first
     operator) and every stage's plan. None when no cut gives a plan that fits and is faster than
-    ``bound`` seconds. ``recompute``: as `run_search` takes it, for every stage.
+    ``bound`` seconds. ``recompute`` and ``hint``: as `run_search` takes them, for every stage.
 
     Exact: the cuts are a DP over the cut points minimising the slowest stage (min-max over a chain),
     each stage's time the exact per-stage search's. A stage is searched only when its lower bound (the
     sum of its operators' least time per micro-batch, times the slots) and the bounds of the stages
     before and after it leave it a chance to beat the best plan found so far."""
-    search = _StageSearch(problem, shape, mode, algorithm, recompute)
+    search = _StageSearch(problem, shape, mode, algorithm, recompute, hint)
     n, count = problem.size, shape.stages
     if starts is not None:
         return _assemble(search, [*starts, n], bound)
