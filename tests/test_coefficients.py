@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from autopar.cost import CostModel
 from autopar.layout import Layout
+from autopar.redistribute import Collective
 from autopar.search.coefficients import LayoutTable, PairCache, distinct, pair_coefficients
 from autopar.search.costing import redistribution_coefficients
 from tests.conftest import profile
@@ -45,6 +46,37 @@ def test_vectorised_coefficients_equal_the_scalar_ones(case):
     got = pair_coefficients(LayoutTable.of(layouts), src, dst, cost)
     for k, (a, b) in enumerate(pairs):
         assert (got[0][k], got[1][k]) == redistribution_coefficients(cost, a, b)
+
+
+def _moved_runs(bits: int) -> list[tuple[Layout, Layout]]:
+    """Pairs where a run of one dim's last bits is wanted next by another dim, in order, reversed, or
+    after bits the target keeps (each a different case of `redistribute._moving_run`), on ``bits`` mesh bits."""
+    every = tuple(range(bits - 1, -1, -1))
+    half = len(every) // 2
+    return [
+        (Layout(((), every)), Layout((every, ()))),  # the whole run, in order: one AllToAll
+        (Layout(((), every)), Layout((every[::-1], ()))),  # reversed: a bit at a time
+        (Layout((every, ())), Layout((every[:half], every[half:]))),  # the first bits stay
+        (Layout((every[half:], every[:half])), Layout(((), every))),  # appended after a kept prefix
+        (Layout((every[half:], (), every[:half])), Layout(((), every[half:], ()))),  # moved and gathered
+        (Layout(((), every), every[:0]), Layout((every[:1], ()))),  # the run longer than what is wanted
+    ]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 6, 16])
+def test_runs_moved_by_one_all_to_all_cost_what_the_scalar_planner_says(bits):
+    cost = CostModel(profile())
+    pairs = _moved_runs(bits)
+    layouts = sorted({layout for pair in pairs for layout in pair})
+    index = {layout: i for i, layout in enumerate(layouts)}
+    src = np.array([index[a] for a, _ in pairs])
+    dst = np.array([index[b] for _, b in pairs])
+    got = pair_coefficients(LayoutTable.of(layouts), src, dst, cost)
+    for k, (a, b) in enumerate(pairs):
+        assert (got[0][k], got[1][k]) == redistribution_coefficients(cost, a, b)
+    # the first pair is one AllToAll over every bit, of the local buffer (1/2^bits of the tensor)
+    latency, per_byte = cost.collective_coefficients(Collective.ALL_TO_ALL, tuple(range(bits - 1, -1, -1)))
+    assert (got[0][0], got[1][0]) == (latency, per_byte * 2.0**-bits)
 
 
 def test_a_partial_target_is_refused():

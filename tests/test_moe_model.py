@@ -16,6 +16,7 @@ import pytest
 import autopar
 from autopar.graph import load_model
 from models.moe import build_moe, capacity
+from tests.conftest import profile
 
 pytest.importorskip("onnxruntime")
 
@@ -44,13 +45,52 @@ def test_bad_sizes_are_one_sentence():
 def test_the_plan_at_8_devices_splits_the_experts():
     model = build_moe(layers=1, hidden=512, ffn=1024, heads=8, kv_heads=4, batch=16, seq=128, vocab=512)
     plan = autopar.plan(model, devices=8)
-    # the experts split 4 ways (two experts a device), the attention's q, k and v 2 ways meeting at their
-    # fork: faster under the cost model than one expert a device (0.737 against 0.749 ms)
+    # one expert a device: the tokens, split 8 ways by batch, reach the experts by an AllToAll inside each
+    # group of 4 (bits 1 and 0 moved as one run) and a slice over bit 2 (0.614 ms a step; with a bit at a
+    # time the run was an AllGather and a Slice, and two experts a device won at 0.737 ms)
     for name in EXPERT_MATMULS:
-        assert plan.strategies[f"layers.0.mlp.{name}"][0][0] >= 4, name
-    assert plan.degrees.expert >= 4
-    moved = {step["collective"] for entry in plan.to_dict()["redistributions"] for step in entry["steps"]}
-    assert moved & {"AllToAll", "AllGather"}  # tokens travel to the experts' devices (gathered once at the fork)
+        assert plan.strategies[f"layers.0.mlp.{name}"] == ((8, 1, 1), (8, 1, 1)), name
+    assert plan.degrees.expert == 8
+    moved = {
+        (entry["tensor"], step["collective"], tuple(step["bits"]))
+        for entry in plan.to_dict()["redistributions"]
+        for step in entry["steps"]
+    }
+    assert ("layers.0.mlp.expert_rows", "AllToAll", (1, 0)) in moved
+
+
+def test_expert_parallelism_moves_tokens_by_all_to_all():
+    """GShard's layout under the test profile where splitting pays: the router and the dispatch and
+    combine Einsums split by batch, the experts by expert, and the dispatched tokens [e, b, c, h] =
+    [8, 8, 8, 64] in fp16 (65,536 bytes) go from one to the other by one AllToAll over the 8 devices
+    (8,192 bytes a rank), and come back by another; the backward runs both the other way."""
+    model = build_moe(layers=1)
+    plan = autopar.plan(model, devices=8, cost_model=profile(peak=1e9))
+    for name in EXPERT_MATMULS:
+        assert plan.strategies[f"layers.0.mlp.{name}"][0] == (8, 1, 1), name
+    for name in ("expert_inputs", "combined"):
+        assert plan.strategies[f"layers.0.mlp.{name}"][0] == (8, 1, 1, 1), name
+    exchanges = [
+        (entry["tensor"], step["collective"], tuple(step["bits"]), step["bytes"])
+        for entry in plan.to_dict()["redistributions"]
+        for step in entry["steps"]
+        if entry["tensor"] in ("layers.0.mlp.expert_inputs", "layers.0.mlp.expert_outputs")
+    ]
+    assert exchanges == [
+        ("layers.0.mlp.expert_inputs", "AllToAll", (2, 1, 0), 8192),
+        ("layers.0.mlp.expert_outputs", "AllToAll", (2, 1, 0), 8192),
+    ]
+
+
+def test_the_model_plans_at_64_devices():
+    """Two layers at 64 devices: the router's two outputs meet again at the combine Einsum, so a cycle
+    runs through the dispatch Einsum, the experts and the combine Einsum (393 candidates each). The
+    local elimination orders joined the two Einsums over the experts and then closed the cycle with a
+    table of 462 million entries; weighted min-fill closes it over the experts' Reshape (64 layouts)."""
+    model = build_moe()
+    plan = autopar.plan(model, devices=64)
+    assert plan.devices == 64 and not plan.fallback_ops
+    assert set(plan.strategies) == {op.name for op in load_model(model).ops}
 
 
 def test_expert_parallel_training_step_verifies_on_8_devices():

@@ -45,6 +45,39 @@ def test_consecutive_gathers_fuse_into_one_collective():
     assert steps[0].nbytes == 16 * 4 * 2 // 2
 
 
+def test_expert_parallelism_meets_a_batch_split_in_one_all_to_all():
+    """GShard's token exchange: dispatched tokens [e, b, c, h] = [8, 8, 4, 16] in fp16 (8,192 bytes), split
+    by batch on bits (2, 1, 0), go to the experts' devices, split by expert on the same bits. One
+    AllToAll over the 8 ranks: each rank's local buffer (1,024 bytes) is cut 8 ways along e and the
+    pieces swapped, so 7/8 of it crosses the wire. Bit by bit it could not be one (the batch drops bit 0
+    first, the experts want bit 2 first): an AllGather over 4 ranks, an AllToAll and a Slice, 5,120
+    bytes a rank on the wire against 896. The way back is the same AllToAll reversed, and on 2 devices
+    it is one AllToAll over the one bit."""
+    shape = (8, 8, 4, 16)
+    by_batch, by_expert = Layout(((), (2, 1, 0), (), ())), Layout(((2, 1, 0), (), (), ()))
+    (there,) = redistribute(by_batch, by_expert, shape, itemsize=2)
+    assert (there.kind, there.bits, there.nbytes, there.dim, there.concat_dim) == ("AllToAll", (2, 1, 0), 1024, 0, 1)
+    (back,) = redistribute(by_expert, by_batch, shape, itemsize=2)
+    assert (back.kind, back.bits, back.nbytes, back.dim, back.concat_dim) == ("AllToAll", (2, 1, 0), 1024, 1, 0)
+    (two,) = redistribute(Layout(((), (0,), (), ())), Layout(((0,), (), (), ())), shape, itemsize=2)
+    assert (two.kind, two.bits, two.nbytes) == ("AllToAll", (0,), 4096)
+    full = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
+    buffers = run_step(shard(full, by_batch, 3), there)
+    for rank, buffer in enumerate(buffers):
+        np.testing.assert_array_equal(buffer, full[by_expert.local_slices(rank, shape)])
+
+
+def test_a_run_of_bits_moves_whole_only_in_its_order_and_only_where_it_must_go():
+    # the reverse order is three AllToAlls of one bit, each the next one the target wants
+    assert kinds(Layout(((), (2, 1, 0))), Layout(((0, 1, 2), ())), shape=(8, 8)) == ["AllToAll"] * 3
+    # bit 2 stays where it is; the run (1, 0) moves to the other dim in one AllToAll
+    steps = redistribute(Layout(((2, 1, 0), ())), Layout(((2,), (1, 0))), (8, 8), itemsize=4)
+    assert [(str(s.kind), s.bits) for s in steps] == [("AllToAll", (1, 0))]
+    # after a prefix the target already holds: the run joins it (dim 1 keeps bit 3, then takes 1 and 0)
+    steps = redistribute(Layout(((1, 0), (3,))), Layout(((), (3, 1, 0))), (8, 8), itemsize=4)
+    assert [(str(s.kind), s.bits) for s in steps] == [("AllToAll", (1, 0))]
+
+
 def test_step_bytes_follow_the_conventions():
     (rs,) = redistribute(Layout(((), ()), (0,)), Layout(((0,), ())), (8, 8), itemsize=2)
     assert rs.kind == "ReduceScatter" and rs.nbytes == 128  # input per rank: the whole partial tensor

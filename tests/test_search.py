@@ -166,3 +166,33 @@ def test_t5_export_dp_equals_ilp():
     assert any(step.apart for step in Solver.of(problem).main.steps)
     dp = problem.objective(run_search(problem).choice)
     assert dp == pytest.approx(problem.objective(run_search(problem, algorithm="ilp").choice), rel=1e-9)
+
+
+def _routed_cycle(seed: int) -> tuple[list[int], list[Factor], list[np.ndarray]]:
+    """A mixture of experts' routing in miniature: operators 1 and 3 (eight layouts each, the dispatch and
+    combine Einsums) meet through operator 2 (two layouts, a Reshape between them: the experts) and
+    through 4 and 5 (the routing tensors), which the router, operator 0, feeds along with 1."""
+    rng = np.random.default_rng(seed)
+    sizes = [3, 8, 2, 8, 6, 4]
+    edges = [(0, 1), (1, 2), (2, 3), (1, 4), (4, 5), (5, 3), (0, 4), (0, 5)]
+    factors = [
+        Factor((a, b), (np.arange(sizes[a]), np.arange(sizes[b])), rng.random((sizes[a], sizes[b]))) for a, b in edges
+    ]
+    return sizes, factors, [rng.random(n) for n in sizes]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_weighted_fill_closes_a_cycle_over_its_cheapest_operator(seed, monkeypatch):
+    """Every local rule eliminates the two-layout operator 2 first (its table is the smallest) and so joins
+    the two eight-layout operators, which the cycle through 4 and 5 must then carry together: a table of
+    3 x 8 x 8 x 3 = 576 entries at best. Weighted min-fill sees the pair of eight-layout neighbours it would
+    join and keeps operator 2 for the end: no table over both, 288 entries at most. Under a limit between
+    the two, only that order plans (a cheap first order is kept without trying the others, so the limit
+    is what makes the search look further); it is exact (brute force over all 9,216 assignments)."""
+    sizes, factors, unary = _routed_cycle(seed)
+    assert Elimination(sizes, factors).largest == 576
+    monkeypatch.setattr("autopar.search.dp.MAX_TABLE_ENTRIES", 300)
+    elimination = Elimination(sizes, factors)
+    assert elimination.largest == 288
+    best, total = _brute_force_total(factors, unary)
+    assert total(elimination.run(unary).backtrack()) == pytest.approx(best, rel=1e-12)

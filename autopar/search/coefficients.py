@@ -68,6 +68,26 @@ class LayoutTable:
                 partial[index] |= 1 << bit
         return cls(length, code, partial)
 
+    def places(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per layout and mesh bit: the dim the bit splits and its position there (-1 for both where it
+        splits none), computed once."""
+        found = self.__dict__.get("_places")
+        if found is None:
+            count = len(self.length)
+            where = np.full((count, MAX_MESH_BITS), -1, dtype=np.int64)
+            place = np.full((count, MAX_MESH_BITS), -1, dtype=np.int64)
+            rows = np.arange(count)
+            for dim in range(self.length.shape[1]):
+                length = self.length[:, dim]
+                for position in range(int(length.max(initial=0))):
+                    has = position < length
+                    shift = (np.maximum(length - 1 - position, 0) * _NIBBLE).astype(np.uint64)
+                    bit = ((self.code[:, dim] >> shift) & np.uint64(15)).astype(np.int64)
+                    where[rows[has], bit[has]] = dim
+                    place[rows[has], bit[has]] = position
+            found = self.__dict__["_places"] = (where, place)
+        return found
+
 
 def pair_coefficients(
     table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
@@ -189,6 +209,43 @@ def _status(
     return prefix, np.where(prefix & (room > 0), wanted, -1)
 
 
+def _low_nibbles(count: np.ndarray) -> np.ndarray:
+    """A mask of the last ``count`` packed bits (0 to 16) of a code."""
+    full = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+    shift = (np.minimum(count, 15) * _NIBBLE).astype(np.uint64)
+    return np.where(count >= 16, full, (np.uint64(1) << shift) - np.uint64(1))
+
+
+def _moving_runs(
+    table: LayoutTable,
+    targets: np.ndarray,
+    held_length: np.ndarray,
+    held: np.ndarray,
+    length: np.ndarray,
+    want_length: np.ndarray,
+    want_code: np.ndarray,
+    prefix: np.ndarray,
+    dim: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`redistribute._moving_run` for many pairs: per row, how many of dim ``dim``'s last bits (``held``,
+    ``held_length`` of them) move in one AllToAll (0: none, the last is gathered) and to which dim.
+
+    The place the target layout (``targets``, indices of ``table``) gives the last bit fixes the only
+    candidate run; one comparison of packed codes checks it."""
+    rows = np.arange(len(held))
+    last = (held & np.uint64(15)).astype(np.int64)
+    where, place = table.places()
+    target, position = where[targets, last], place[targets, last]
+    into = np.maximum(target, 0)
+    have = length[rows, into]
+    runs = position + 1 - have
+    fits = (target >= 0) & (target != dim) & prefix[rows, into] & (runs >= 1) & (runs <= held_length)
+    low = _low_nibbles(np.maximum(runs, 0))
+    wants = _drop(want_code[rows, into], np.maximum(want_length[rows, into] - position - 1, 0))
+    fits &= (wants & low) == (held & low)
+    return np.where(fits, runs, 0), into
+
+
 def _chunk_coefficients(
     table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -205,7 +262,6 @@ def _chunk_coefficients(
     prefix, wanted = _status(length, code, want_length, want_code)
     total = length.sum(axis=1)
     pair = np.arange(count)
-    dims = np.arange(length.shape[1])
     # the open (not yet finished) fused step of every pair
     open_kind = np.full(count, -1, dtype=np.int64)
     open_dim = np.zeros(count, dtype=np.int64)
@@ -226,17 +282,18 @@ def _chunk_coefficients(
         if len(rows):
             emit(rows, open_kind[rows], open_mask[rows], open_shift[rows])
 
-    def step(rows: np.ndarray, kind: np.ndarray, dim: np.ndarray, bit: np.ndarray, shift: np.ndarray) -> None:
-        """One single-bit step per row: fused into the open step, or that one finished and this one opened."""
+    def step(rows: np.ndarray, kind: np.ndarray, dim: np.ndarray, mask: np.ndarray, shift: np.ndarray) -> None:
+        """One step per row over the bits of ``mask`` (one bit, or an AllToAll's run): fused into the
+        open step, or that one finished and this one opened."""
         fuse = (open_kind[rows] == kind) & (open_dim[rows] == dim) & _MERGEABLE[kind]
         fresh = rows[~fuse]
         close(fresh)
         open_kind[fresh] = kind[~fuse]
         open_dim[fresh] = dim[~fuse]
-        open_mask[fresh] = np.int64(1) << bit[~fuse]
+        open_mask[fresh] = mask[~fuse]
         open_shift[fresh] = shift[~fuse]
         fused = rows[fuse]
-        open_mask[fused] |= np.int64(1) << bit[fuse]
+        open_mask[fused] |= mask[fuse]
         open_shift[fused] = np.minimum(open_shift[fused], shift[fuse])
 
     def touch(rows: np.ndarray, dim: np.ndarray) -> None:
@@ -254,24 +311,40 @@ def _chunk_coefficients(
     grows = (wanted >= 0).sum(axis=1)  # per pair: dimensions still to extend
     while len(pair):
         settled = wrong == 0
-        # 1. a bit where the target does not want it: AllToAll to the dim that wants it next, else AllGather
+        # 1. bits where the target does not want them: the longest run of the last ones another dim wants
+        # next, in order, moves there by one AllToAll (`redistribute._moving_run`); else the last is gathered
         rows = np.flatnonzero(~settled)  # a finished pair is settled
         if len(rows):
             d = np.argmax(~prefix[rows], axis=1)
-            bit = (code[rows, d] & np.uint64(15)).astype(np.int64)
-            takes = (wanted[rows] == bit[:, None]) & (dims[None, :] != d[:, None])
-            moved = takes.any(axis=1)
-            target = np.argmax(takes, axis=1)
+            held_length, held = length[rows, d], code[rows, d]
+            runs, target = _moving_runs(
+                table,
+                dst[pair[rows]],
+                held_length,
+                held,
+                length[rows],
+                want_length[rows],
+                want_code[rows],
+                prefix[rows],
+                d,
+            )
+            moved = runs > 0
+            popped = np.maximum(runs, 1)
+            run = held & _low_nibbles(popped)
+            mask = np.zeros(len(rows), dtype=np.int64)
+            for j in range(int(popped.max())):
+                nibble = ((run >> np.uint64(_NIBBLE * j)) & np.uint64(15)).astype(np.int64)
+                mask |= np.where(j < popped, np.int64(1) << nibble, 0)
             shift = np.where(moved, total[rows], total[rows] - 1)
-            length[rows, d] -= 1
-            code[rows, d] >>= np.uint64(_NIBBLE)
+            length[rows, d] -= popped
+            code[rows, d] = _drop(held, popped)
             touch(rows, d)
-            to = rows[moved]
-            length[to, target[moved]] += 1
-            code[to, target[moved]] = _append(code[to, target[moved]], bit[moved])
-            touch(to, target[moved])
+            to, into, many = rows[moved], target[moved], runs[moved]
+            length[to, into] += many
+            code[to, into] = (code[to, into] << (many * _NIBBLE).astype(np.uint64)) | run[moved]
+            touch(to, into)
             total[rows[~moved]] -= 1
-            step(rows, np.where(moved, _A2A, _AG), np.where(moved, target, d), bit, shift)
+            step(rows, np.where(moved, _A2A, _AG), np.where(moved, target, d), mask, shift)
         # 2. every dimension holds a prefix of its target: extend the first one still growing
         extend = settled & (grows > 0)  # a finished pair wants nothing more
         rows = np.flatnonzero(extend)
@@ -285,7 +358,7 @@ def _chunk_coefficients(
             code[rows, d] = _append(code[rows, d], bit)
             touch(rows, d)
             total[rows] += 1
-            step(rows, np.where(reduces, _RS, _SLICE), d, bit, shift)
+            step(rows, np.where(reduces, _RS, _SLICE), d, np.int64(1) << bit, shift)
         # 3. done: finish the open step, then AllReduce whatever is still partial; drop the pair
         done = settled & ~extend & alive
         rows = np.flatnonzero(done)

@@ -41,11 +41,18 @@ from autopar.errors import SearchTooLargeError, TooLargeError
 from autopar.limits import MAX_TABLE_ENTRIES, MAX_TABLE_LEFT, WORKERS
 
 TIE_BREAK_FRACTION = 1e-9
-ORDERS = ("left", "fill", "work", "degree")
+ORDERS = ("left", "fill", "work", "degree", "weighted fill")
 """Greedy elimination orders, tried in turn; the one summing the fewest entries is kept (every order
 gives the same optimum). "left": the smallest table left behind (the classic min-weight rule);
 "fill": the fewest neighbours that share no table yet (min-fill, which keeps a transformer's branches
-from meeting in one table); "work": the smallest table summed; "degree": the fewest neighbours."""
+from meeting in one table); "work": the smallest table summed; "degree": the fewest neighbours;
+"weighted fill": the least sum, over the pairs of neighbours that share no table yet, of the product of
+their class counts (Kjaerulff's weighted min-fill). The first four only see the step at hand; the last
+sees what a step joins that later steps must carry: eliminating a cheap node between two operators of
+many layouts (a Reshape between a mixture of experts' dispatch and combine Einsums) costs little now,
+but ties the two together, and the cycle through them (the router feeds both) must then be closed by a
+table over both with two more operators. Weighted fill keeps the cheap node as the one the cycle is
+closed over."""
 SMALL_WORK = 20_000_000
 """An order summing fewer entries than this (a tenth of a second) is kept without trying the others."""
 
@@ -198,10 +205,11 @@ class Elimination:
             neighbours = list(scope)
             if rule == "degree":
                 return len(neighbours), left
-            fill = 0  # "fill": pairs of neighbours that share no table yet and will
+            weighted = rule == "weighted fill"
+            fill = 0  # pairs of neighbours that share no table yet and will (weighted: by their class counts)
             for i, a in enumerate(neighbours):
                 near = {u for fid in touching[a] for u in live[fid][0]}
-                fill += sum(1 for b in neighbours[i + 1 :] if b not in near)
+                fill += sum(scope[a] * scope[b] if weighted else 1 for b in neighbours[i + 1 :] if b not in near)
             return fill, left
 
         heap = [(*estimate(v), v) for v in range(len(sizes)) if v not in keep and v not in self._tied]
