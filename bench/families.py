@@ -1,6 +1,6 @@
 """Every model family the project keeps an export of, side by side: planned at 8 and 64 devices, verified at 8.
 
-Usage: python bench/families.py [--families albert,t5,swin,qwen3,bloom,gpt_neox,moe] [--devices 8,64]
+Usage: python bench/families.py [--families albert,t5,swin,qwen3,bloom,gpt_neox,olmoe,moe] [--devices 8,64]
                                 [--checks forward,gradients,torch]
 
 Each command is the one a user types, run in a fresh process (`hf_exports.measure`):
@@ -32,6 +32,7 @@ EXPORTS = {
     "qwen3": "hf_qwen3_dynamo.onnx",
     "bloom": "hf_bloom_dynamo.onnx",
     "gpt_neox": "hf_gpt_neox_dynamo.onnx",
+    "olmoe": "hf_olmoe_dynamo.onnx",
 }
 CHECKS = {"forward": (), "gradients": ("--gradients",), "torch": ("--runtime", "torch")}
 
