@@ -534,3 +534,30 @@ def test_div_of_a_constant_by_an_activation_keeps_the_denominator_or_the_quotien
     kept, activations = kept_and_activations(model)
     assert kept & {"h", "out"}
     assert activations == HALF_8x16_FP16
+
+
+@pytest.mark.parametrize("share", [0.25, 0.75])
+def test_a_hinted_memory_walk_ends_at_the_same_plan_in_no_more_runs(share, monkeypatch):
+    """The walk's first run at a hinted weight (a like problem's multiplier) is a hull vertex like any
+    other: from the settled weight, or ten times off either way, the walk ends at the plan it finds
+    unhinted; from the settled weight it needs no more DP runs."""
+    from autopar.search.fold import Solver
+
+    model = block_stack(batch=64, width=8, hidden=32)
+    free = autopar.build(model, 4, profile(peak=RC_PEAK))
+    without, with_recompute = leanest(free, False), leanest(free, True)
+    problem = autopar.build(
+        model, 4, profile(capacity=with_recompute + share * (without - with_recompute), peak=RC_PEAK)
+    )
+    runs = []
+    minimise = Solver.minimise
+    monkeypatch.setattr(Solver, "minimise", lambda self, unary: runs.append(1) or minimise(self, unary))
+    plain = run_search(problem)
+    plain_runs = len(runs)
+    assert plain.lagrange_multiplier > 0  # memory binds: the walk ran
+    for scale in (1.0, 10.0, 0.1):
+        runs.clear()
+        hinted = run_search(problem, hint=plain.lagrange_multiplier * scale)
+        assert (hinted.choice, hinted.choices) == (plain.choice, plain.choices)
+        if scale == 1.0:
+            assert len(runs) <= plain_runs
