@@ -218,9 +218,9 @@ def _walk(
 
     A positive ``hint`` weight is run first. The run at any weight is a vertex of the hull optimal at
     that weight, so it replaces the end on its side of the capacity and the walk goes on between hull
-    vertices as before: it ends at the same vertex (up to plans tied on one edge of the hull), in fewer runs when the hint is near the weight
-    where the hull crosses the capacity (and its Lagrangian bound is then near its best, so a problem
-    that cannot beat ``bound`` is told in one run).
+    vertices as before: it ends at the same vertex (up to plans tied on one edge of the hull), in
+    fewer runs when the hint is near the weight where the hull crosses the capacity (and its
+    Lagrangian bound is then near its best, so a problem that cannot beat ``bound`` is told in one run).
     """
     if low.memory <= capacity:
         return low, 0.0
