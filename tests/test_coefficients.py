@@ -38,7 +38,12 @@ def layout_pairs(draw):
 @given(case=layout_pairs())
 def test_vectorised_coefficients_equal_the_scalar_ones(case):
     _, pairs = case
-    cost = CostModel(profile())
+    _assert_vectorised_equals_scalar(CostModel(profile()), pairs)
+
+
+def _assert_vectorised_equals_scalar(cost: CostModel, pairs: list[tuple[Layout, Layout]]) -> tuple:
+    """The pairs costed at once by `pair_coefficients` equal each costed by the scalar planner; the
+    vectorised (latency, per-byte) arrays come back."""
     layouts = sorted({layout for pair in pairs for layout in pair})
     index = {layout: i for i, layout in enumerate(layouts)}
     src = np.array([index[a] for a, _ in pairs])
@@ -46,6 +51,7 @@ def test_vectorised_coefficients_equal_the_scalar_ones(case):
     got = pair_coefficients(LayoutTable.of(layouts), src, dst, cost)
     for k, (a, b) in enumerate(pairs):
         assert (got[0][k], got[1][k]) == redistribution_coefficients(cost, a, b)
+    return got
 
 
 def _moved_runs(bits: int) -> list[tuple[Layout, Layout]]:
@@ -66,14 +72,7 @@ def _moved_runs(bits: int) -> list[tuple[Layout, Layout]]:
 @pytest.mark.parametrize("bits", [2, 3, 6, 16])
 def test_runs_moved_by_one_all_to_all_cost_what_the_scalar_planner_says(bits):
     cost = CostModel(profile())
-    pairs = _moved_runs(bits)
-    layouts = sorted({layout for pair in pairs for layout in pair})
-    index = {layout: i for i, layout in enumerate(layouts)}
-    src = np.array([index[a] for a, _ in pairs])
-    dst = np.array([index[b] for _, b in pairs])
-    got = pair_coefficients(LayoutTable.of(layouts), src, dst, cost)
-    for k, (a, b) in enumerate(pairs):
-        assert (got[0][k], got[1][k]) == redistribution_coefficients(cost, a, b)
+    got = _assert_vectorised_equals_scalar(cost, _moved_runs(bits))
     # the first pair is one AllToAll over every bit, of the local buffer (1/2^bits of the tensor)
     latency, per_byte = cost.collective_coefficients(Collective.ALL_TO_ALL, tuple(range(bits - 1, -1, -1)))
     assert (got[0][0], got[1][0]) == (latency, per_byte * 2.0**-bits)
