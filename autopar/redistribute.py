@@ -178,7 +178,10 @@ def _moving_run(
     next. The run's bits are not ``dim``'s to keep (the target puts them elsewhere). One AllToAll over m
     bits moves each rank's buffer once, (2^m - 1) / 2^m of it over the wire; a run that only fits whole
     (the target wants its first bit first, the source drops its last bit first) would otherwise be
-    gathered and sliced again.
+    gathered and sliced again. The run is taken wherever there is one, which is not always the cheaper
+    route: an AllToAll's latency grows with its group, so for small tensors the bit-at-a-time route can
+    be quicker, and a run across link levels pays the slow level's rate on more of the bytes. Choosing
+    per tensor would take two routes' costs per layout pair, where the search keeps one.
 
     >>> _moving_run([[], [2, 1, 0]], [(2, 1, 0), ()], 1)
     (0, 3)

@@ -65,7 +65,7 @@ def _moved_runs(bits: int) -> list[tuple[Layout, Layout]]:
         (Layout((every, ())), Layout((every[:half], every[half:]))),  # the first bits stay
         (Layout((every[half:], every[:half])), Layout(((), every))),  # appended after a kept prefix
         (Layout((every[half:], (), every[:half])), Layout(((), every[half:], ()))),  # moved and gathered
-        (Layout(((), every), every[:0]), Layout((every[:1], ()))),  # the run longer than what is wanted
+        (Layout(((), every)), Layout((every[:1], ()))),  # nobody wants the last bit: gathered first
     ]
 
 

@@ -238,6 +238,9 @@ def _walk(
             break
         weight = (high.seen - low.seen) / (low.memory - high.memory)
         if not low_weight < weight < high_weight:
+            # the ends meet at the bracket's edge (a hinted run lands where the hull crosses the capacity):
+            # the fitting end is optimal there, the weight an unhinted walk settles on
+            high_weight = min(high_weight, max(weight, low_weight))
             break
         trial = solve(weight)
         if trial.seen + weight * (trial.memory - capacity) >= bound:
