@@ -80,22 +80,24 @@ def megatron_strategies(layers: int, tp: int, dp: int) -> dict[str, list[list[in
 
 def megatron_flags(strategies: Path, pp: int) -> tuple[str, ...]:
     """Megatron's configuration as `autopar plan` flags: its strategies, its stages, every layer recomputed."""
-    return (*FLAGS, "--mode", "semi_auto_parallel", "--strategies", str(strategies)) + (
-        "--pipeline-stages",
-        str(pp),
-        "--recompute",
-    )
+    semi_auto = ("--mode", "semi_auto_parallel", "--strategies", str(strategies))
+    return (*FLAGS, *semi_auto, "--pipeline-stages", str(pp), "--recompute")
+
+
+def model_file(folder: Path, name: str) -> Path:
+    """The row's GPT (sequence 2048, vocabulary 51,200, the row's batch) written to ``folder``."""
+    layers, hidden, heads, _, batch, _, _, _ = ROWS[name]
+    path = folder / f"gpt-{name}.onnx"
+    model = build_transformer(kind="gpt", layers=layers, hidden=hidden, heads=heads, seq=SEQ, vocab=VOCAB, batch=batch)
+    onnx.save(model, path)
+    return path
 
 
 def fit_matmul_efficiency(folder: Path, steps: int = 14) -> float:
     """Bisect the a100 profile's `matmul_efficiency` at which Megatron's configuration of the 7.5B row
     predicts the published TF/GPU (the prediction falls as the efficiency does)."""
-    layers, hidden, heads, gpus, batch, tp, pp, published = ROWS[FIT_ROW]
-    path = folder / f"gpt-{FIT_ROW}.onnx"
-    onnx.save(
-        build_transformer(kind="gpt", layers=layers, hidden=hidden, heads=heads, seq=SEQ, vocab=VOCAB, batch=batch),
-        path,
-    )
+    layers, hidden, _, gpus, batch, tp, pp, published = ROWS[FIT_ROW]
+    path = model_file(folder, FIT_ROW)
     profile, flops = load_profile("a100"), paper_flops(batch, layers, hidden)
     low, high = 0.3, 1.0
     for _ in range(steps):
@@ -142,12 +144,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         for name in args.rows.split(","):
-            layers, hidden, heads, gpus, batch, tp, pp, published = ROWS[name]
-            path = Path(folder) / f"gpt-{name}.onnx"
-            model = build_transformer(
-                kind="gpt", layers=layers, hidden=hidden, heads=heads, seq=SEQ, vocab=VOCAB, batch=batch
-            )
-            onnx.save(model, path)
+            layers, hidden, _, gpus, batch, tp, pp, published = ROWS[name]
+            path = model_file(Path(folder), name)
             strategies = Path(folder) / f"megatron-{name}.json"
             strategies.write_text(json.dumps(megatron_strategies(layers, tp, gpus // (tp * pp))))
             flops = paper_flops(batch, layers, hidden)
