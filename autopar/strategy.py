@@ -8,6 +8,7 @@ search breaks ties toward earlier candidates, so ties go to data parallel as in 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -107,25 +108,9 @@ class OpRule:
         if self.given is not None:
             return list(self.given)
         labels = self.spec.label_order
-        limits = [self.max_exponent(label) for label in labels]
-        found: list[tuple[int, ...]] = []
-
-        def extend(prefix: list[int], budget: int) -> None:
-            if len(prefix) == len(labels):
-                found.append(tuple(prefix))
-                return
-            for e in range(min(limits[len(prefix)], budget) + 1):
-                extend(prefix + [e], budget - e)
-
-        extend([], self.mesh_bits)
-        dp = self.data_parallel
+        limits = tuple(self.max_exponent(label) for label in labels)
         batch = labels.index(self.batch_label) if self.batch_label in labels else None
-
-        def order(exponents: tuple[int, ...]) -> tuple:
-            others = sum(e for i, e in enumerate(exponents) if i != batch)
-            return (exponents != dp, others, -(exponents[batch] if batch is not None else 0), exponents)
-
-        return sorted(found, key=order)
+        return list(_enumerated(limits, self.mesh_bits, batch, self.data_parallel))
 
     @cached_property
     def data_parallel(self) -> tuple[int, ...]:
@@ -334,3 +319,33 @@ def num_candidates(rules: Sequence[OpRule]) -> int:
 
 def search_space_size(rules: Sequence[OpRule]) -> float:
     return math.prod(float(len(r.candidates)) for r in rules)
+
+
+@functools.lru_cache(maxsize=1024)
+def _enumerated(
+    limits: tuple[int, ...], mesh_bits: int, batch: int | None, data_parallel: tuple[int, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """Every exponent vector under ``limits`` (per label) with total at most ``mesh_bits``, data parallel
+    first, then by how much splits labels other than the batch (``batch``: its label's index), more batch
+    first. The same few lists serve every layer of a model, and every model planned at those limits:
+    listed once (a 96-layer transformer's operators ask two thousand times).
+
+    >>> _enumerated((1, 1), 1, 0, (1, 0))
+    ((1, 0), (0, 0), (0, 1))
+    """
+    found: list[tuple[int, ...]] = []
+
+    def extend(prefix: list[int], budget: int) -> None:
+        if len(prefix) == len(limits):
+            found.append(tuple(prefix))
+            return
+        for e in range(min(limits[len(prefix)], budget) + 1):
+            extend(prefix + [e], budget - e)
+
+    extend([], mesh_bits)
+
+    def order(exponents: tuple[int, ...]) -> tuple:
+        others = sum(e for i, e in enumerate(exponents) if i != batch)
+        return (exponents != data_parallel, others, -(exponents[batch] if batch is not None else 0), exponents)
+
+    return tuple(sorted(found, key=order))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from autopar.cost import CostModel
 from autopar.layout import Layout
 from autopar.redistribute import Collective
-from autopar.search.coefficients import LayoutTable, PairCache, distinct, pair_coefficients
+from autopar.search.coefficients import KeySet, LayoutTable, PairCache, distinct, pair_coefficients
 from autopar.search.costing import redistribution_coefficients
 from tests.conftest import profile
 
@@ -112,3 +112,30 @@ def test_distinct_is_numpy_s_unique_whether_keys_are_sparse_or_dense(keys, dense
         array = np.asarray(values, dtype=np.int64)
         found = distinct(array)
         assert found.dtype == np.int64 and found.tolist() == np.unique(array).tolist()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    parts=st.lists(st.lists(st.integers(0, 700), max_size=120), min_size=1, max_size=4),
+    sparse=st.lists(st.integers(0, 2**40), max_size=20),
+)
+def test_a_key_set_positions_keys_as_unique_and_searchsorted_do(parts, sparse):
+    """Dense keys (flags counted a word at a time) and sparse ones (sorted) give numpy's answers."""
+    for arrays in (
+        [np.asarray(p, dtype=np.int64) for p in parts],
+        [np.asarray(sparse + p, dtype=np.int64) for p in parts],
+    ):
+        found = KeySet.of(arrays)
+        every = np.concatenate(arrays)
+        unique = np.unique(every)
+        assert found.keys.tolist() == unique.tolist()
+        assert found.position(every).tolist() == np.searchsorted(unique, every).tolist()
+
+
+def test_keys_within_eight_per_key_are_flagged_and_sparser_ones_sorted():
+    keys = np.array([0, 63, 64, 65, 127, 200, 7, 7, *range(20)])  # 28 keys, the largest 200 < 8 x 28
+    dense = KeySet.of([keys])
+    assert dense.words is not None and dense.keys.tolist() == np.unique(keys).tolist()
+    assert dense.position(np.array([200, 64, 0, 127])).tolist() == [24, 21, 0, 23]
+    sparse = KeySet.of([np.array([5, 10_000])])
+    assert sparse.words is None and sparse.position(np.array([10_000, 5])).tolist() == [1, 0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 
@@ -562,3 +563,31 @@ def test_a_hinted_memory_walk_ends_at_the_same_plan_in_no_more_runs(share, monke
         if scale == 1.0:  # the settled weight: the same weight comes back, in fewer runs
             assert hinted.lagrange_multiplier == pytest.approx(plain.lagrange_multiplier, rel=1e-9)
             assert len(runs) < plain_runs
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.5, 0.75, 0.9])
+def test_a_walk_widening_from_a_hint_ends_where_the_plain_secant_walk_does(share, monkeypatch):
+    """While the leanest plan is the only one known to fit, the walk's weight grows at most `_WIDEN`
+    times a run: every run is still a hull vertex between the ends, so from any hint the walk ends at the
+    plan, memory choices and weight the unbounded secant walk (`_WIDEN` infinite) ends at."""
+    from autopar.search import driver
+
+    model = block_stack(batch=64, width=8, hidden=32)
+    free = autopar.build(model, 4, profile(peak=RC_PEAK))
+    without, with_recompute = leanest(free, False), leanest(free, True)
+    problem = autopar.build(
+        model, 4, profile(capacity=with_recompute + share * (without - with_recompute), peak=RC_PEAK)
+    )
+    monkeypatch.setattr(driver, "_WIDEN", math.inf)
+    plain = run_search(problem)
+    assert plain.lagrange_multiplier > 0  # memory binds: the walk ran
+    hinted = {scale: run_search(problem, hint=plain.lagrange_multiplier * scale) for scale in (1e-3, 0.1, 1.0, 10.0)}
+    monkeypatch.setattr(driver, "_WIDEN", 2.0)
+    widened = {scale: run_search(problem, hint=plain.lagrange_multiplier * scale) for scale in hinted}
+    for scale, found in hinted.items():
+        assert (
+            (widened[scale].choice, widened[scale].choices)
+            == (found.choice, found.choices)
+            == (plain.choice, plain.choices)
+        )
+        assert widened[scale].lagrange_multiplier == pytest.approx(found.lagrange_multiplier, rel=1e-9)

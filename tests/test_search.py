@@ -196,3 +196,23 @@ def test_weighted_fill_closes_a_cycle_over_its_cheapest_operator(seed, monkeypat
     assert elimination.largest == 288
     best, total = _brute_force_total(factors, unary)
     assert total(elimination.run(unary).backtrack()) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("cells", [1, 7, 64, 1 << 18])
+def test_a_step_sums_and_minimises_the_same_in_slabs_of_rows_or_of_blocks(cells, monkeypatch):
+    """A row larger than a slab is summed a block of its second axis at a time: every entry is the
+    broadcast sum's minimum, bit for bit, whatever the slab and however the parts broadcast."""
+    from autopar.search import dp
+
+    monkeypatch.setattr(dp, "_SLAB_CELLS", cells)
+    rng = np.random.default_rng(cells)
+    for shape in [(5, 9, 4), (3, 1, 6), (1, 40, 3), (6, 7, 2, 5), (4, 11)]:
+        for _ in range(4):
+            parts = [
+                rng.random(tuple(n if rng.random() < 0.6 else 1 for n in shape)) for _ in range(rng.integers(1, 4))
+            ]
+            parts.append(rng.random(shape))
+            whole = parts[0]
+            for part in parts[1:]:
+                whole = whole + part
+            assert np.array_equal(dp._sum_min(parts), whole.min(axis=-1))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -115,28 +116,67 @@ def pair_coefficients(
 
 
 def distinct(keys: np.ndarray) -> np.ndarray:
-    """The distinct values of an integer array, sorted: `np.unique` by a sort (numpy 2.4's hashing
-    `np.unique` takes seventeen times as long on the tens of millions of layout-pair keys a large
-    model has).
+    """The distinct values of an integer array, sorted (`KeySet`'s keys).
 
     >>> distinct(np.array([3, 1, 3, 2])).tolist()
     [1, 2, 3]
-
-    Keys that are dense (non-negative, the largest under four per key, as a layout pair's
-    ``source * layouts + target`` over every pair of a few thousand layouts is) are marked in a table
-    of flags instead: one pass, a tenth of the sort's time, and no more memory than its copy.
     """
-    if len(keys) and keys.dtype.kind == "i" and int(keys.min()) >= 0 and int(keys.max()) < 4 * len(keys):
-        seen = np.zeros(int(keys.max()) + 1, dtype=bool)
-        seen[keys] = True
-        return np.flatnonzero(seen).astype(keys.dtype, copy=False)
-    ordered = np.sort(keys)
-    if len(ordered) < 2:
-        return ordered
-    first = np.empty(len(ordered), dtype=bool)
-    first[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    return ordered[first]
+    return KeySet.of([keys]).keys
+
+
+@dataclass(frozen=True)
+class KeySet:
+    """The distinct values of a few integer arrays, sorted (``keys``), and where a value among them stands
+    (`position`): `np.unique` and `np.searchsorted` for the tens of millions of layout-pair keys a large model
+    has, where numpy 2.4's hashing `np.unique` takes seventeen times as long as a sort.
+
+    >>> found = KeySet.of([np.array([3, 1, 3]), np.array([2, 9])])
+    >>> found.keys.tolist(), found.position(np.array([9, 1, 3])).tolist()
+    ([1, 2, 3, 9], [3, 0, 2])
+
+    Keys that are dense (non-negative, the largest under eight per key given, as a layout pair's
+    ``source * layouts + target`` over the pairs of ten thousand layouts is) are marked in a table of flags
+    instead of sorted: one pass, and no more memory than the sort's copy. A key's position is then the flags
+    set before it, counted a 64-bit word at a time, where a binary search would take twenty-odd steps of
+    scattered reads: building a large model's edge tables takes a third less time.
+    """
+
+    keys: np.ndarray
+    words: np.ndarray | None = None  # the flags, 64 keys a word, key k at bit k % 64 (None: sorted keys only)
+    before: np.ndarray | None = None  # how many flags are set in the words before each
+
+    @classmethod
+    def of(cls, arrays: Sequence[np.ndarray]) -> "KeySet":
+        arrays = [array for array in arrays if len(array)]
+        if not arrays:
+            return cls(np.zeros(0, dtype=np.int64))
+        dtype = arrays[0].dtype
+        total = sum(len(array) for array in arrays)
+        least, most = min(int(array.min()) for array in arrays), max(int(array.max()) for array in arrays)
+        if dtype.kind != "i" or least < 0 or most >= 8 * total:
+            ordered = np.sort(np.concatenate(arrays))
+            first = np.empty(len(ordered), dtype=bool)
+            first[0] = True
+            np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+            return cls(ordered[first])
+        seen = np.zeros((most // 64 + 1) * 64, dtype=bool)
+        for array in arrays:
+            seen[array] = True
+        words = np.packbits(seen, bitorder="little").view("<u8")
+        before = np.zeros(len(words), dtype=np.int64)
+        np.cumsum(np.bitwise_count(words[:-1]), out=before[1:])
+        return cls(np.flatnonzero(seen).astype(dtype, copy=False), words, before)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def position(self, keys: np.ndarray) -> np.ndarray:
+        """Each of ``keys``' index in `keys` (every one of them must be there)."""
+        if self.words is None or self.before is None:
+            return np.searchsorted(self.keys, keys)
+        word = keys >> 6
+        below = (np.uint64(1) << (keys & 63).astype(np.uint64)) - np.uint64(1)
+        return self.before[word] + np.bitwise_count(self.words[word] & below)
 
 
 class PairCache:

@@ -26,7 +26,7 @@ from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
 from autopar.redistribute import Collective, symbolic_steps
-from autopar.search.coefficients import LayoutTable, PairCache, distinct
+from autopar.search.coefficients import KeySet, LayoutTable, PairCache
 from autopar.search.dataflow import Dataflow, TensorUse
 from autopar.search.dp import Factor
 from autopar.search.fold import RunEdges, Solver
@@ -730,13 +730,14 @@ def _edge_costs(
         forward_keys.append((forwards[key][:, None] * count + wholes[key][None, :]).reshape(-1))
         if key in backwards:
             backward_keys.append(backwards[key].keys(count).reshape(-1))
-    forward_unique = distinct(np.concatenate(forward_keys)) if forward_keys else np.zeros(0, dtype=np.int64)
-    if len(forward_unique) > MAX_LAYOUT_PAIRS:
+    forward_count = len(KeySet.of(forward_keys))
+    if forward_count > MAX_LAYOUT_PAIRS:
         raise TooLargeError(
-            f"{len(forward_unique):,} distinct redistributions between layouts would have to be costed on"
+            f"{forward_count:,} distinct redistributions between layouts would have to be costed on"
             f" {flow.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}, about a minute); use fewer devices."
         )
-    unique = distinct(np.concatenate([forward_unique, *backward_keys]))
+    pairs = KeySet.of([*forward_keys, *backward_keys])
+    unique = pairs.keys
     width = max((len(length) for length, _, _ in rows), default=1) or 1
     lengths = np.zeros((len(rows), width), dtype=np.int64)
     codes = np.zeros((len(rows), width), dtype=np.uint64)
@@ -749,7 +750,7 @@ def _edge_costs(
     )
 
     def look_up(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        where = np.searchsorted(unique, keys)
+        where = pairs.position(keys)
         return latency[where], per_byte[where]
 
     per_group: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, ...]] = {}

@@ -432,27 +432,31 @@ def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
     """min over the last axis of the broadcast sum of ``parts``, a slab of the first axis at a time.
 
     The sum over a three-operator scope can hold a hundred million entries; it is never built
-    whole, so memory stays small and pages are not faulted in for a table read once.
+    whole, so memory stays small and pages are not faulted in for a table read once. A slab stays
+    in cache: where one row of the first axis is larger (a fork's row over an attention MatMul's and
+    a Transpose's layouts, 1.4 million entries), each row is summed a block of its second axis at a
+    time, a quarter faster on those steps. Each entry is the same sum in the same order either way.
     """
     shape = np.broadcast_shapes(*(part.shape for part in parts))
-    rows = shape[0]
+    rows, columns = shape[0], shape[1]
     per_row = max(1, int(np.prod(shape[1:])))
-    step = max(1, _SLAB_CELLS // per_row)
+    wide = len(shape) > 2 and per_row > _SLAB_CELLS  # blocks of the second axis, one row at a time
+    height = 1 if wide else max(1, _SLAB_CELLS // per_row)
+    width = max(1, _SLAB_CELLS // max(1, int(np.prod(shape[2:])))) if wide else columns
     out = np.empty(shape[:-1])
 
     def slabs(first: int, last: int) -> None:
-        buffer = np.empty((min(step, last - first), *shape[1:]))
-        for start in range(first, last, step):
-            stop = min(last, start + step)
-            total = buffer[: stop - start]
-            pieces = [part[start:stop] if part.shape[0] > 1 else part for part in parts]
-            if len(pieces) == 1:
-                total[...] = pieces[0]
-            else:
-                np.add(pieces[0], pieces[1], out=total)
-                for piece in pieces[2:]:
-                    np.add(total, piece, out=total)
-            np.min(total, axis=-1, out=out[start:stop])
+        buffer = np.empty((min(height, last - first), min(width, columns), *shape[2:]))
+        for start in range(first, last, height):
+            stop = min(last, start + height)
+            block = [part[start:stop] if part.shape[0] > 1 else part for part in parts]
+            if not wide:
+                _add_min(block, buffer[: stop - start], out[start:stop])
+                continue
+            for left in range(0, columns, width):
+                right = min(columns, left + width)
+                pieces = [piece[:, left:right] if piece.shape[1] > 1 else piece for piece in block]
+                _add_min(pieces, buffer[:, : right - left], out[start:stop, left:right])
 
     workers = min(WORKERS, rows, max(1, rows * per_row // _PARALLEL_CELLS))
     if workers <= 1:
@@ -462,6 +466,17 @@ def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
     bounds = np.linspace(0, rows, workers + 1).astype(int)
     list(_pool().map(slabs, bounds[:-1], bounds[1:]))
     return out
+
+
+def _add_min(pieces: list[np.ndarray], total: np.ndarray, out: np.ndarray) -> None:
+    """``out`` = min over the last axis of the sum of ``pieces``, summed in ``total`` (their broadcast shape)."""
+    if len(pieces) == 1:
+        total[...] = pieces[0]
+    else:
+        np.add(pieces[0], pieces[1], out=total)
+        for piece in pieces[2:]:
+            np.add(total, piece, out=total)
+    np.min(total, axis=-1, out=out)
 
 
 @functools.cache

@@ -33,6 +33,11 @@ MODES = ("auto_parallel", "semi_auto_parallel", "data_parallel", "stand_alone")
 SEARCHED_MODES = ("auto_parallel", "semi_auto_parallel")  # the rest fix every strategy
 ALGORITHMS = ("dp", "ilp")
 _HULL_STEPS = 64  # hull vertices visited at most (a few in practice)
+_WIDEN = 8.0
+"""While the only plan known to fit is the leanest (at an infinite weight), a walk's next weight is at most
+this many times the last that did not fit: the leanest plan is far from where the hull crosses the capacity
+(ten or a hundred times slower), so the line to it overshoots the crossing by orders of magnitude, and the
+walk would climb back a run at a time."""
 
 
 @dataclass(frozen=True)
@@ -236,8 +241,11 @@ def _walk(
     for _ in range(_HULL_STEPS):
         if low.memory <= high.memory:
             break
-        weight = (high.seen - low.seen) / (low.memory - high.memory)
-        if not low_weight < weight < high_weight:
+        crossing = (high.seen - low.seen) / (low.memory - high.memory)
+        weight = crossing
+        if low_weight > 0.0 and math.isinf(high_weight):
+            weight = min(weight, low_weight * _WIDEN)  # the leanest plan is no neighbour: widen from below
+        if not low_weight * (1 + 1e-12) < weight < high_weight:
             # the ends meet at the bracket's edge (a hinted run lands where the hull crosses the capacity):
             # the fitting end is optimal there, the weight an unhinted walk settles on
             high_weight = min(high_weight, max(weight, low_weight))
@@ -246,7 +254,7 @@ def _walk(
         if trial.seen + weight * (trial.memory - capacity) >= bound:
             return None
         at_high = high.seen + weight * high.memory
-        if trial.seen + weight * trial.memory >= at_high - 1e-12 * abs(at_high):
+        if weight == crossing and trial.seen + weight * trial.memory >= at_high - 1e-12 * abs(at_high):
             high_weight = min(high_weight, weight)  # both ends are optimal at this weight
             break  # nothing below the segment: the plan that fits is the best on the hull
         if trial.memory <= capacity:
