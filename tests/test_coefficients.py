@@ -132,10 +132,10 @@ def test_a_key_set_positions_keys_as_unique_and_searchsorted_do(parts, sparse):
         assert found.position(every).tolist() == np.searchsorted(unique, every).tolist()
 
 
-def test_keys_within_eight_per_key_are_flagged_and_sparser_ones_sorted():
-    keys = np.array([0, 63, 64, 65, 127, 200, 7, 7, *range(20)])  # 28 keys, the largest 200 < 8 x 28
+def test_keys_within_sixteen_per_key_are_flagged_and_sparser_ones_sorted():
+    keys = np.array([0, 63, 64, 65, 127, 200, 7, 7, *range(20)])  # 28 keys, the largest 200 < 16 x 28
     dense = KeySet.of([keys])
     assert dense.words is not None and dense.keys.tolist() == np.unique(keys).tolist()
     assert dense.position(np.array([200, 64, 0, 127])).tolist() == [24, 21, 0, 23]
-    sparse = KeySet.of([np.array([5, 10_000])])
+    sparse = KeySet.of([np.array([5, 10_000])])  # 10,000 >= 16 x 2
     assert sparse.words is None and sparse.position(np.array([10_000, 5])).tolist() == [1, 0]

@@ -134,9 +134,10 @@ class KeySet:
     >>> found.keys.tolist(), found.position(np.array([9, 1, 3])).tolist()
     ([1, 2, 3, 9], [3, 0, 2])
 
-    Keys that are dense (non-negative, the largest under eight per key given, as a layout pair's
+    Keys that are dense (non-negative, the largest under sixteen per key given, as a layout pair's
     ``source * layouts + target`` over the pairs of ten thousand layouts is) are marked in a table of flags
-    instead of sorted: one pass, and no more memory than the sort's copy. A key's position is then the flags
+    instead of sorted: one pass, and no more memory than the sort (the keys joined, then sorted: sixteen
+    bytes a key). A key's position is then the flags
     set before it, counted a 64-bit word at a time, where a binary search would take twenty-odd steps of
     scattered reads: building a large model's edge tables takes a third less time.
     """
@@ -153,7 +154,7 @@ class KeySet:
         dtype = arrays[0].dtype
         total = sum(len(array) for array in arrays)
         least, most = min(int(array.min()) for array in arrays), max(int(array.max()) for array in arrays)
-        if dtype.kind != "i" or least < 0 or most >= 8 * total:
+        if dtype.kind != "i" or least < 0 or most >= 16 * total:
             ordered = np.sort(np.concatenate(arrays))
             first = np.empty(len(ordered), dtype=bool)
             first[0] = True
