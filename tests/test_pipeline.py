@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ from autopar.search.driver import run_search
 from autopar.search.pipeline import (
     ONE_STAGE,
     PipelineShape,
+    _min_max_search,
     compute_floor,
     cut_points,
     search_stages,
@@ -249,3 +251,67 @@ def test_the_report_draws_the_1f1b_schedule():
     schedule = page[page.index("id='schedule'") :].split("</section>")[0]
     assert schedule.count("forward of micro-batch") == 2 * 4 and schedule.count("backward of micro-batch") == 2 * 4
     assert "20.0% of each stage's step" in schedule
+
+
+class _TableStages:
+    """A stand-in for `_StageSearch` over integer stage times (ties everywhere): the exact time where it
+    beats ``beat``, else a bound no less than ``beat``, as the real search tells."""
+
+    def __init__(self, shape, floors, extra):
+        self.shape, self.floors, self.extra = shape, floors, extra
+        self.searched = 0
+
+    def exact(self, first, last, index):
+        return sum(self.floors[first:last]) + self.extra[(first, last, index)]
+
+    def time(self, first, last, index, beat=math.inf):
+        floor = sum(self.floors[first:last])
+        if floor >= beat:
+            return floor, None
+        self.searched += 1
+        seconds = self.exact(first, last, index)
+        return (seconds, "plan") if seconds < beat else (beat, None)
+
+
+def _reference_cuts(stages, points, count):
+    """(the least slowest stage, each stage's first operator): stage by stage from the last, the first
+    place, in order, of the least, every candidate cut costed in full."""
+
+    def best(index, b):  # (least slowest of stages 0..index with stage index ending at point b, where it starts)
+        if index == 0:
+            return stages.exact(0, points[b], 0), 0
+        return min((max(best(index - 1, a)[0], stages.exact(points[a], points[b], index)), a) for a in range(index, b))
+
+    least, _ = best(count - 1, len(points) - 1)
+    cuts = [len(points) - 1]
+    for index in range(count - 1, 0, -1):
+        cuts.append(best(index, cuts[-1])[1])
+    return least, tuple(points[b] for b in [0, *reversed(cuts[1:])])
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_cut_search_takes_the_first_of_the_least_from_the_last_stage_back(seed):
+    """On integer stage times full of ties, at 2 to 5 stages and under any bound: the least slowest stage
+    (as brute force over every cut finds it), and where cuts tie, each stage starting at the first place,
+    in order, of the least, from the last stage back (each stage's best given its end)."""
+    rng = np.random.default_rng(seed)
+    points = [0, *sorted(rng.choice(np.arange(1, 12), size=int(rng.integers(3, 8)), replace=False).tolist()), 12]
+    floors = rng.integers(0, 3, size=12).tolist()
+    last = len(points) - 1
+    for count in range(2, min(5, last) + 1):
+        shape = PipelineShape(count, 8)
+        extra = {(a, b, i): int(rng.integers(0, 4)) for a in points for b in points for i in range(count)}
+        stages = _TableStages(shape, floors, extra)
+
+        least, want = _reference_cuts(stages, points, count)
+        brute = min(
+            max(stages.exact(a, b, i) for i, (a, b) in enumerate(zip((0, *inner), (*inner, 12))))
+            for inner in itertools.combinations(points[1:-1], count - 1)
+        )
+        assert least == brute
+        for bound in (math.inf, least + 1, least, least - 1):
+            found = _min_max_search(stages, points, count, lambda a, b: sum(floors[points[a] : points[b]]), bound)
+            if least < bound:
+                assert found is not None and found.time_s == least and found.starts == want
+            else:
+                assert found is None

@@ -151,7 +151,7 @@ class KeySet:
         arrays = [array for array in arrays if len(array)]
         if not arrays:
             return cls(np.zeros(0, dtype=np.int64))
-        dtype = arrays[0].dtype
+        dtype = np.result_type(*arrays)
         total = sum(len(array) for array in arrays)
         least, most = min(int(array.min()) for array in arrays), max(int(array.max()) for array in arrays)
         if dtype.kind != "i" or least < 0 or most >= 16 * total:

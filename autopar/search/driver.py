@@ -32,12 +32,14 @@ from autopar.units import human_bytes
 MODES = ("auto_parallel", "semi_auto_parallel", "data_parallel", "stand_alone")
 SEARCHED_MODES = ("auto_parallel", "semi_auto_parallel")  # the rest fix every strategy
 ALGORITHMS = ("dp", "ilp")
-_HULL_STEPS = 64  # hull vertices visited at most (a few in practice)
+_HULL_STEPS = 64  # DP runs of a walk at most, widening ones included (a handful in practice)
 _WIDEN = 8.0
 """While the only plan known to fit is the leanest (at an infinite weight), a walk's next weight is at most
 this many times the last that did not fit: the leanest plan is far from where the hull crosses the capacity
 (ten or a hundred times slower), so the line to it overshoots the crossing by orders of magnitude, and the
-walk would climb back a run at a time."""
+walk would climb back a run at a time. At most `_WIDEN_RUNS` such runs (a hint 4,096 times too small); then
+the line to the leanest plan again."""
+_WIDEN_RUNS = 4
 
 
 @dataclass(frozen=True)
@@ -238,13 +240,15 @@ def _walk(
             high, high_weight = trial, hint
         else:
             low, low_weight = trial, hint
+    widened = 0
     for _ in range(_HULL_STEPS):
         if low.memory <= high.memory:
             break
         crossing = (high.seen - low.seen) / (low.memory - high.memory)
         weight = crossing
-        if low_weight > 0.0 and math.isinf(high_weight):
+        if low_weight > 0.0 and math.isinf(high_weight) and widened < _WIDEN_RUNS:
             weight = min(weight, low_weight * _WIDEN)  # the leanest plan is no neighbour: widen from below
+            widened += weight < crossing
         if not low_weight * (1 + 1e-12) < weight < high_weight:
             # the ends meet at the bracket's edge (a hinted run lands where the hull crosses the capacity):
             # the fitting end is optimal there, the weight an unhinted walk settles on

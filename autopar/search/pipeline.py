@@ -568,7 +568,8 @@ def _min_max_search(
     where it cannot beat that (a DP run or two, often none), the other is never searched. Searching
     every earlier stage at every end first, as a bottom-up DP does, searched most of them in full only
     to find the last stage could not beat the best found anyway (76.1B GPT, 2 stages: 10 of 19 stage
-    searches). The cuts are the same: every choice is the first, in order, of the least."""
+    searches). Where cuts tie, each stage starts at the first place, in order, of the least: for the
+    last stage, then for the stages before it given that start."""
     last = len(points) - 1
     # (stage index, end) -> (the least slowest stage, where that stage starts, the bound it was told):
     # exact where below its bound, else only known to be no less
