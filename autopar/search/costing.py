@@ -730,13 +730,13 @@ def _edge_costs(
         forward_keys.append((forwards[key][:, None] * count + wholes[key][None, :]).reshape(-1))
         if key in backwards:
             backward_keys.append(backwards[key].keys(count).reshape(-1))
-    forward = KeySet.of(forward_keys)
-    if len(forward) > MAX_LAYOUT_PAIRS:
+    forward_pairs = KeySet.of(forward_keys)
+    if len(forward_pairs) > MAX_LAYOUT_PAIRS:
         raise TooLargeError(
-            f"{len(forward):,} distinct redistributions between layouts would have to be costed on"
+            f"{len(forward_pairs):,} distinct redistributions between layouts would have to be costed on"
             f" {flow.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}, about a minute); use fewer devices."
         )
-    pairs = KeySet.of([forward.keys, *backward_keys])
+    pairs = KeySet.of([forward_pairs.keys, *backward_keys])
     unique = pairs.keys
     width = max((len(length) for length, _, _ in rows), default=1) or 1
     lengths = np.zeros((len(rows), width), dtype=np.int64)
