@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from autopar.cost import CostModel
 from autopar.layout import Layout
 from autopar.redistribute import Collective
-from autopar.search.coefficients import KeySet, LayoutTable, PairCache, distinct, pair_coefficients
+from autopar.search.coefficients import KeySet, LayoutTable, PairCache, pair_coefficients
 from autopar.search.costing import redistribution_coefficients
 from tests.conftest import profile
 
@@ -110,7 +110,7 @@ def test_a_pair_cache_gives_what_costing_each_pair_gives(first, second):
 def test_distinct_is_numpy_s_unique_whether_keys_are_sparse_or_dense(keys, dense):
     for values in (keys, dense, keys + dense):
         array = np.asarray(values, dtype=np.int64)
-        found = distinct(array)
+        found = KeySet.of([array]).keys
         assert found.dtype == np.int64 and found.tolist() == np.unique(array).tolist()
 
 

@@ -115,15 +115,6 @@ def pair_coefficients(
     return results[0], results[1]
 
 
-def distinct(keys: np.ndarray) -> np.ndarray:
-    """The distinct values of an integer array, sorted (`KeySet`'s keys).
-
-    >>> distinct(np.array([3, 1, 3, 2])).tolist()
-    [1, 2, 3]
-    """
-    return KeySet.of([keys]).keys
-
-
 @dataclass(frozen=True)
 class KeySet:
     """The distinct values of a few integer arrays, sorted (``keys``), and where a value among them stands
@@ -137,9 +128,9 @@ class KeySet:
     Keys that are dense (non-negative, the largest under sixteen per key given, as a layout pair's
     ``source * layouts + target`` over the pairs of ten thousand layouts is) are marked in a table of flags
     instead of sorted: one pass, and no more memory than the sort (the keys joined, then sorted: sixteen
-    bytes a key). A key's position is then the flags
-    set before it, counted a 64-bit word at a time, where a binary search would take twenty-odd steps of
-    scattered reads: building a large model's edge tables takes a third less time.
+    bytes a key). A key's position is then the flags set before it, counted a 64-bit word at a time, where a
+    binary search would take twenty-odd steps of scattered reads: building a large model's edge tables takes
+    a third less time.
     """
 
     keys: np.ndarray
