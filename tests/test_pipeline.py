@@ -36,7 +36,9 @@ from autopar.search.driver import run_search
 from autopar.search.pipeline import (
     ONE_STAGE,
     PipelineShape,
+    _copy_floors,
     _min_max_search,
+    _stage_floor,
     compute_floor,
     cut_points,
     search_stages,
@@ -151,6 +153,30 @@ def test_the_joint_search_equals_brute_force_over_cuts_stages_and_micro_batches(
     # the planner takes the best shape of all
     plan = autopar.plan(residual_stack(blocks, batch=batch), devices=devices, cost_model=profile(peak=1e9))
     assert plan.objective == pytest.approx(min(results.values()), rel=1e-12)
+
+
+@pytest.mark.parametrize(("blocks", "devices", "micro"), [(4, 8, 2), (6, 4, 4), (8, 16, 1)])
+def test_a_stage_floor_counting_whole_copies_bounds_every_stage_and_beats_the_operators_alone(
+    monkeypatch, blocks, devices, micro
+):
+    fold_short(monkeypatch)
+    model = residual_stack(blocks, batch=16 // micro)
+    problem = build_problem(load_model(model), CostModel(profile(peak=1e9)), devices)
+    shape = PipelineShape(2, micro)
+    points = [0, *cut_points(problem), problem.size]
+    copies = _copy_floors(problem, shape, points)
+    assert len(copies) == blocks - 1 or len(copies) == blocks  # the stack folds, and no cut splits a copy
+    tighter = 0
+    for a, b in itertools.combinations(points, 2):
+        for index in range(shape.stages):
+            stage = stage_problem(problem, a, b, shape, index)
+            within = [(range(r.start - a, r.stop - a), least) for r, least in copies if a <= r.start and r.stop <= b]
+            found = run_search(stage)
+            exact = stage.objective(found.choice, found.choices)
+            alone, counted = _stage_floor(stage), _stage_floor(stage, within)
+            assert alone <= counted * (1 + 1e-12) and counted <= exact * (1 + 1e-12)
+            tighter += counted > alone * (1 + 1e-6)
+    assert tighter > 0
 
 
 @pytest.mark.parametrize("cuts", [(0, 10), (0, 5, 15, 20)])
