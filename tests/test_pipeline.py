@@ -36,8 +36,11 @@ from autopar.search.driver import run_search
 from autopar.search.pipeline import (
     ONE_STAGE,
     PipelineShape,
+    _copies_in,
     _copy_floors,
+    _crossings,
     _min_max_search,
+    _send_costs,
     _stage_floor,
     compute_floor,
     cut_points,
@@ -169,14 +172,18 @@ def test_a_stage_floor_counting_whole_copies_bounds_every_stage_and_beats_the_op
     tighter = 0
     for a, b in itertools.combinations(points, 2):
         for index in range(shape.stages):
-            stage = stage_problem(problem, a, b, shape, index)
-            within = [(range(r.start - a, r.stop - a), least) for r, least in copies if a <= r.start and r.stop <= b]
+            sends = _send_costs(problem, _crossings(problem, a, b), a, index, shape)
+            stage = stage_problem(problem, a, b, shape, index, sends)
+            within = _copies_in(copies, a, b, sends, shape.slots)
             found = run_search(stage)
             exact = stage.objective(found.choice, found.choices)
             alone, counted = _stage_floor(stage), _stage_floor(stage, within)
-            assert alone <= counted * (1 + 1e-12) and counted <= exact * (1 + 1e-12)
+            assert counted <= exact * (1 + 1e-12)  # a lower bound
             tighter += counted > alone * (1 + 1e-6)
     assert tighter > 0
+    brute = every_cut(problem, shape)  # bounds prune, never change the answer: nothing beats the best plan,
+    assert search_stages(problem, shape, bound=brute.time_s) is None  # and the best plan beats a bound above it
+    assert search_stages(problem, shape, bound=brute.time_s * (1 + 1e-9)).time_s == pytest.approx(brute.time_s)
 
 
 @pytest.mark.parametrize("cuts", [(0, 10), (0, 5, 15, 20)])

@@ -489,16 +489,7 @@ class _StageSearch:
             return hit
         sends = _send_costs(self.problem, crossings, first, index, self.shape)
         stage = stage_problem(self.problem, first, last, self.shape, index, sends)
-        slots = self.shape.slots
-        within = tuple(  # each copy's bound plus the least its boundary sends add, once per slot
-            (inside, least + sum(slots * float(np.min(sends[i])) for i in inside if i in sends))
-            for inside, least in (
-                (range(block.start - first, block.stop - first), least)
-                for block, least in self.copies
-                if first <= block.start and block.stop <= last
-            )
-        )
-        floor = _stage_floor(stage, within)
+        floor = _stage_floor(stage, _copies_in(self.copies, first, last, sends, self.shape.slots))
         if floor >= beat:
             self.found[key] = (floor, None)
             return floor, None
@@ -534,10 +525,11 @@ def search_stages(
     ``bound`` seconds. ``recompute`` and ``hint``: as `run_search` takes them, for every stage.
 
     Exact: the cuts are a DP over the cut points minimising the slowest stage (min-max over a chain),
-    each stage's time the exact per-stage search's. A stage is searched only when its lower bound (the
-    sum of its operators' least time per micro-batch, times the slots, with each whole copy of a folded
-    block counted at `_copy_floors`' bound where that is larger) and the bounds of the stages before and
-    after it leave it a chance to beat the best plan found so far."""
+    each stage's time the exact per-stage search's; among equally fast cuts, `_min_max_search`'s rule
+    picks. A stage is searched only when lower bounds leave it a chance to beat the best plan found so
+    far: its own (`_stage_floor`) and, for the stages before and after it, the sum of their operators'
+    least time per micro-batch, times the slots, each whole copy of a folded block counted at
+    `_copy_floors`' bound where that is larger."""
     search = _StageSearch(problem, shape, mode, algorithm, recompute, hint)
     n, count = problem.size, shape.stages
     if starts is not None:
@@ -564,8 +556,8 @@ def search_stages(
         return None  # no cuts leave every stage's copies of the blocks fast enough
     # first the cuts that balance the stages' lower bounds: their plan bounds the exact search
     probe = _assemble(search, [points[b] for b in _min_max_cuts(floor, count, last)], bound)
-    if probe is not None:
-        bound = probe.time_s
+    if probe is not None:  # its ties too: the exact search's rule, not the bounds', picks among equal cuts
+        bound = probe.time_s * (1 + 1e-12)
     exact = _min_max_search(search, points, count, floor, bound)
     return exact if exact is not None else probe
 
@@ -579,13 +571,14 @@ def _min_max_value(cost: Callable[[int, int], float], count: int, last: int) -> 
 def _copy_floors(
     problem: SearchProblem, shape: PipelineShape, points: Sequence[int]
 ) -> tuple[tuple[range, float], ...]:
-    """Every copy of a folded block that no cut point splits, with a lower bound on the time per step of its
-    operators and the edges among them in any stage of ``shape``: one DP run over one copy, memory aside
-    (less a billionth, for rounding).
+    """Every copy of each folded run none of whose copies a cut point splits, with a lower bound on the time
+    per step of its operators and the edges among them in any stage of ``shape``: one DP run over one
+    copy per run, memory aside (less a billionth, for rounding).
 
     Copies are alike (their operators' costs and their edges among them are one table), and a stage's
-    cost of a copy is at least this: only edges from outside the copy and the sends of a stage's
-    boundary are left out, and those cost nothing less than zero. Where the best plan repeats one
+    cost of a copy is at least this: only the edges from outside the copy (the previous copy's, the
+    shared operators'), the sends of a stage's boundary and recomputed forwards are left out, and those
+    cost nothing less than zero. Where the best plan repeats one
     copy's layouts, as a uniform stack of layers does, the stage's time is within a few percent of the
     sum of its copies' bounds, where the operators' least times, each taken alone, fall a fifth short
     (76.1B GPT, 2 stages): the cut search then refutes most cuts without a DP run of their own."""
@@ -601,6 +594,19 @@ def _copy_floors(
         least = sum(float(u[c]) for u, c in zip(unary, choice))
         least += sum(factor.value([choice[u] for u in scope]) for factor, scope in copy._all_factors())
         found.extend((block, least * (1 - 1e-9)) for block in copies)
+    return tuple(found)
+
+
+def _copies_in(
+    copies: Sequence[tuple[range, float]], first: int, last: int, sends: dict[int, np.ndarray], slots: int
+) -> tuple[tuple[range, float], ...]:
+    """The copies (`_copy_floors`) wholly in the stage of operators ``first`` .. ``last - 1``, in its own
+    indices, each bound raised by the least its operators' boundary ``sends`` add, once per slot."""
+    found = []
+    for block, least in copies:
+        if first <= block.start and block.stop <= last:
+            inside = range(block.start - first, block.stop - first)
+            found.append((inside, least + sum(slots * float(np.min(sends[i])) for i in inside if i in sends)))
     return tuple(found)
 
 
