@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 
 import autopar
 from autopar.cost import CostModel
+from autopar.errors import InfeasibleError
 from autopar.graph import load_model
 from autopar.search import repeats
 from autopar.search.costing import build_problem
@@ -184,6 +185,51 @@ def test_a_stage_floor_counting_whole_copies_bounds_every_stage_and_beats_the_op
     brute = every_cut(problem, shape)  # bounds prune, never change the answer: nothing beats the best plan,
     assert search_stages(problem, shape, bound=brute.time_s) is None  # and the best plan beats a bound above it
     assert search_stages(problem, shape, bound=brute.time_s * (1 + 1e-9)).time_s == pytest.approx(brute.time_s)
+
+
+@pytest.mark.parametrize(("blocks", "batch", "devices", "micro", "share"), [(6, 64, 8, 2, 0.3), (5, 32, 4, 4, 1.0)])
+def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
+    monkeypatch, blocks, batch, devices, micro, share
+):
+    """Where memory binds, a stage is refuted without a DP run when the Lagrangian bound at the hint's memory
+    weight (the copies' bounds shared by every cut) cannot beat the best plan: never where a plan of the
+    stage that fits is faster, at the weight it settles on or far from it, recomputing or not; sometimes just
+    below its best; and the cut search with that hint still ends at brute force's plan."""
+    from autopar.search.pipeline import _StageSearch
+    from tests.test_memory_plan import RC_PEAK, block_stack, leanest
+
+    fold_short(monkeypatch)
+    model = block_stack(blocks=blocks, batch=batch // micro, width=8, hidden=32)
+    free = autopar.build(model, devices // 2, profile(peak=RC_PEAK))
+    without, with_recompute = leanest(free, False), leanest(free, True)
+    problem = autopar.build(
+        model, devices // 2, profile(capacity=with_recompute + share * (without - with_recompute), peak=RC_PEAK)
+    )
+    shape = PipelineShape(2, micro)
+    points = [0, *cut_points(problem), problem.size]
+    search = _StageSearch(problem, shape, "auto_parallel", "dp", None)
+    search.copies = _copy_floors(problem, shape, points)
+    refuted, weights = 0, []
+    for a, b in itertools.combinations(points, 2):
+        for index in range(shape.stages):
+            stage = stage_problem(problem, a, b, shape, index)
+            try:
+                found = run_search(stage)
+            except InfeasibleError:
+                continue  # nothing of this stage fits: nothing to refute wrongly
+            exact = stage.objective(found.choice, found.choices)
+            weights += [found.lagrange_multiplier] if found.lagrange_multiplier > 0 else []
+            for memory_weight in (found.lagrange_multiplier, 1e-12, 1e-10, 1e-8, 1e-6):
+                search.hint = memory_weight
+                if memory_weight > 0:
+                    assert not search._refuted_at_hint(stage, a, b, index, exact * (1 + 1e-9))
+                    refuted += search._refuted_at_hint(stage, a, b, index, exact * 0.999)
+    assert weights and refuted > 0  # memory binds, and the bound is close enough to refute
+    brute = every_cut(problem, shape)
+    for bound in (math.inf, brute.time_s * (1 + 1e-9), brute.time_s):
+        found = search_stages(problem, shape, bound=bound, hint=weights[0])
+        assert (found is None) == (bound == brute.time_s)
+        assert found is None or found.time_s == pytest.approx(brute.time_s, rel=1e-12)
 
 
 @pytest.mark.parametrize("cuts", [(0, 10), (0, 5, 15, 20)])

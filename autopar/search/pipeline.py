@@ -44,7 +44,8 @@ from autopar.layout import Layout
 from autopar.search.dataflow import TensorUse, kept_by
 from autopar.search.dp import Factor
 from autopar.search.driver import NothingFaster, SearchResult, run_search
-from autopar.search.fold import RunEdges, minimise
+from autopar.search.fold import RunEdges, Solver, minimise
+from autopar.search.ilp import recomputing
 from autopar.search.memory import Alternative, MemoryChoices
 from autopar.search.problem import SearchProblem
 from autopar.search.repeats import Repeat
@@ -288,10 +289,13 @@ def stage_problem(
     shape: PipelineShape,
     index: int,
     sends: dict[int, np.ndarray] | None = None,
+    boundary: bool = True,
 ) -> SearchProblem:
     """Stage ``index`` of ``shape``, operators ``first`` .. ``last - 1`` of a micro-batch's problem, as a
     problem of its own whose objective is the stage's time per step and whose memory is a device's.
-    ``sends``: `_send_costs` of the stage, where the caller has them.
+    ``sends``: `_send_costs` of the stage, where the caller has them. Without ``boundary`` the tensors it
+    reads from before ``first`` and keeps are not counted (a run of operators inside a stage, whose
+    producers count them).
 
     The whole problem of one stage and one micro-batch is the problem itself."""
     if first == 0 and last == problem.size and shape == ONE_STAGE:
@@ -305,7 +309,7 @@ def stage_problem(
     def per_step(time: np.ndarray, once: np.ndarray, node: int) -> np.ndarray:
         return slots * (time - once + sends.get(node - first, 0.0)) + once
 
-    kept = _kept_across(problem, first, last, crossings)
+    kept = _kept_across(problem, first, last, crossings) if boundary else {}
     activations = tuple(
         problem.node_activations[i] + kept[i - first] if i - first in kept else problem.node_activations[i]
         for i in nodes
@@ -462,6 +466,7 @@ class _StageSearch:
         self.found: dict[tuple, tuple[float, SearchResult | None]] = {}
         self.searches = 0
         self.copies: tuple[tuple[range, float], ...] = ()  # `_copy_floors`, once the cut search asks for them
+        self._copy_bounds: dict[tuple, float] = {}  # `_copy_lagrangian`'s
 
     def _key(self, first: int, last: int, index: int, crossings: _Crossings) -> tuple:
         graph = self.problem.graph
@@ -478,6 +483,43 @@ class _StageSearch:
         place = (self.shape.in_flight(index), receives, sends)
         return (tuple(self.classes[first:last]), into, out, place)
 
+    def _refuted_at_hint(self, stage: SearchProblem, first: int, last: int, index: int, beat: float) -> bool:
+        """Whether the Lagrangian bound at the hint's memory weight (`_stage_floor`), recomputing or not,
+        shows that no plan of the stage that fits beats ``beat``: where memory binds, this refutes a cut
+        whose walk would take two DP runs or more, with none (the copies' bounds are shared by every cut)."""
+        weight = self.hint
+        for recompute in recomputing(stage, self.recompute):
+            within = tuple(
+                (range(block.start - first, block.stop - first), self._copy_lagrangian(block, index, weight, recompute))
+                for block, _ in self.copies
+                if first <= block.start and block.stop <= last
+            )
+            if not within or _stage_floor(stage, within, weight, recompute) < beat:
+                return False
+        return True
+
+    def _copy_lagrangian(self, block: range, index: int, weight: float, recompute: bool) -> float:
+        """A lower bound on the Lagrangian (time + ``weight`` x memory) of one copy of a folded block, its
+        operators and the edges among them, in stage ``index`` wherever the cuts put it: one DP run over
+        the copy as a stage's operators are costed (`stage_problem`, its micro-batches in flight), without
+        what only a stage's boundary adds (sends, kept inputs), and, recomputing, with no share of the one
+        block's activations held at a time (which depends on how many copies the stage has). Once per copy
+        kind, stage place, weight and way."""
+        key = (self.classes[block.start], self.shape.in_flight(index), weight, recompute)
+        if key not in self._copy_bounds:
+            copy = stage_problem(self.problem, block.start, block.stop, self.shape, index, {}, boundary=False)
+            unary = copy.lagrangian(weight, recompute)[0]
+            if recompute:
+                for node, share in copy.recompute_share.items():
+                    unary[node] = unary[node] - weight * share * copy.node_activations[node]
+            solver = Solver.of(copy)
+            solver.bind(copy.main_factors(recompute), copy.recompute_folds if recompute else copy.folds)
+            choice = solver.minimise(unary)
+            least = sum(float(u[c]) for u, c in zip(unary, choice))
+            least += sum(factor.value([choice[u] for u in scope]) for factor, scope in copy._all_factors(recompute))
+            self._copy_bounds[key] = least - 1e-9 * abs(least)
+        return self._copy_bounds[key]
+
     def time(self, first: int, last: int, index: int, beat: float = math.inf) -> tuple[float, SearchResult | None]:
         """The stage's time per step and plan (infinite and None when nothing fits). A stage whose lower
         bound (`_stage_floor`) is no faster than ``beat`` is not searched: its bound comes back, with no
@@ -493,6 +535,9 @@ class _StageSearch:
         if floor >= beat:
             self.found[key] = (floor, None)
             return floor, None
+        if self.hint > 0.0 and beat < math.inf and self._refuted_at_hint(stage, first, last, index, beat):
+            self.found[key] = (beat, None)  # no plan of the stage that fits beats ``beat``: a bound
+            return beat, None
         self.searches += 1
         try:
             result = run_search(stage, self.mode, self.algorithm, self.recompute, beat, self.hint)
@@ -695,19 +740,26 @@ def _least(problem: SearchProblem, node: int, slots: int = 1) -> float:
     return max(0.0, min(float(np.min(slots * (time - once) + once)) for time, once in arrays))
 
 
-def _stage_floor(stage: SearchProblem, copies: Sequence[tuple[range, float]] = ()) -> float:
+def _stage_floor(
+    stage: SearchProblem, copies: Sequence[tuple[range, float]] = (), weight: float = 0.0, recompute: bool = False
+) -> float:
     """A lower bound on a stage's time: each operator at its least cost counting, per candidate, the least
     each edge into it costs (every edge counted once, at its last operator), memory and recomputation
     aside. Given ``copies`` (ranges of the stage's operators, each with a lower bound on their costs and
     the edges among them: `_copy_floors`), the same with each copy's bound and the least of the edges
-    into it counted instead of its operators', where that is larger."""
+    into it counted instead of its operators', where that is larger.
+
+    With a memory ``weight``, the same of the Lagrangian (time + weight x memory, recomputing or not as
+    ``recompute`` says) less weight x the capacity: no plan of that kind that fits is faster (the copies'
+    bounds then of the same Lagrangian, `_StageSearch._copy_lagrangian`)."""
     copy_of = np.full(stage.size, -1)
     for number, (block, _) in enumerate(copies):
         copy_of[block.start : block.stop] = number
     extra: list[np.ndarray | float] = [0.0] * stage.size
     outside: list[np.ndarray | float] = [0.0] * stage.size  # ``extra`` less the edges inside a copy
     least: dict[int, np.ndarray] = {}  # per factor table: its minimum over every axis but the last operator's
-    for factor, scope in stage._all_factors():
+    unary = stage.lagrangian(weight, recompute)[0]
+    for factor, scope in stage._all_factors(recompute):
         at = int(np.argmax(scope))
         key = id(factor.table) * 8 + at
         if key not in least:
@@ -718,13 +770,10 @@ def _stage_floor(stage: SearchProblem, copies: Sequence[tuple[range, float]] = (
             outside[scope[at]] = outside[scope[at]] + least[key][factor.maps[at]]
     alone, counted = 0.0, sum(bound for _, bound in copies)
     for node in range(stage.size):
-        arrays = [stage.node_time[node]]
-        if node in stage.sharded:
-            arrays.append(stage.sharded[node].time)
-        own = min(float(np.min(time + extra[node])) for time in arrays)
+        own = float(np.min(unary[node] + extra[node]))
         alone += own
         counted += float(np.min(outside[node])) if copy_of[node] >= 0 else own
-    return max(alone, counted, 0.0)
+    return max(max(alone, counted) - weight * stage.cost.capacity, 0.0)
 
 
 def _assemble(search: _StageSearch, bounds: Sequence[int], bound: float) -> PipelineResult | None:
