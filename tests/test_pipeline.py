@@ -49,6 +49,7 @@ from autopar.search.pipeline import (
     shape_floor,
     stage_problem,
 )
+from models.transformer import build_transformer
 from tests.conftest import RESNET50, make_model, profile, run_cli, simple_profile_dict, weight
 from tests.test_fold import residual_stack
 
@@ -187,7 +188,9 @@ def test_a_stage_floor_counting_whole_copies_bounds_every_stage_and_beats_the_op
     assert search_stages(problem, shape, bound=brute.time_s * (1 + 1e-9)).time_s == pytest.approx(brute.time_s)
 
 
-@pytest.mark.parametrize(("blocks", "batch", "devices", "micro", "share"), [(6, 64, 8, 2, 0.3), (5, 32, 4, 4, 1.0)])
+@pytest.mark.parametrize(
+    ("blocks", "batch", "devices", "micro", "share"), [(6, 64, 8, 2, 0.3), (5, 32, 4, 4, 1.0), (-4, 16, 4, 2, 0.5)]
+)
 def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     monkeypatch, blocks, batch, devices, micro, share
 ):
@@ -199,7 +202,12 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     from tests.test_memory_plan import RC_PEAK, block_stack, leanest
 
     fold_short(monkeypatch)
-    model = block_stack(blocks=blocks, batch=batch // micro, width=8, hidden=32)
+    if blocks > 0:
+        model = block_stack(blocks=blocks, batch=batch // micro, width=8, hidden=32)
+    else:  # GPT layers: a copy ends in the residual Add whose output the next stage keeps (`_kept_across`)
+        model = build_transformer(
+            kind="gpt", layers=-blocks, hidden=64, heads=4, seq=32, vocab=256, batch=batch // micro
+        )
     free = autopar.build(model, devices // 2, profile(peak=RC_PEAK))
     without, with_recompute = leanest(free, False), leanest(free, True)
     problem = autopar.build(

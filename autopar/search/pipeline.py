@@ -487,12 +487,26 @@ class _StageSearch:
         """Whether the Lagrangian bound at the hint's memory weight (`_stage_floor`), recomputing or not,
         shows that no plan of the stage that fits beats ``beat``: where memory binds, this refutes a cut
         whose walk would take two DP runs or more, with none (the copies' bounds are shared by every cut)."""
-        weight = self.hint
+        weight, held = self.hint, self.shape.in_flight(index)
+        blocks = [block for block, _ in self.copies if first <= block.start and block.stop <= last]
+        # a tensor kept by a later stage is not counted where it is made (`_kept_across`): the copy's own
+        # bound, which counts it, is lowered by the most that frees at its operators in this stage
+        freed = [
+            weight
+            * held
+            * sum(
+                max(0.0, -float(np.min(stage.node_activations[i - first] - self.problem.node_activations[i])))
+                for i in block
+            )
+            for block in blocks
+        ]
         for recompute in recomputing(stage, self.recompute):
             within = tuple(
-                (range(block.start - first, block.stop - first), self._copy_lagrangian(block, index, weight, recompute))
-                for block, _ in self.copies
-                if first <= block.start and block.stop <= last
+                (
+                    range(block.start - first, block.stop - first),
+                    self._copy_lagrangian(block, index, weight, recompute) - less,
+                )
+                for block, less in zip(blocks, freed)
             )
             if not within or _stage_floor(stage, within, weight, recompute) < beat:
                 return False
@@ -502,9 +516,9 @@ class _StageSearch:
         """A lower bound on the Lagrangian (time + ``weight`` x memory) of one copy of a folded block, its
         operators and the edges among them, in stage ``index`` wherever the cuts put it: one DP run over
         the copy as a stage's operators are costed (`stage_problem`, its micro-batches in flight), without
-        what only a stage's boundary adds (sends, kept inputs), and, recomputing, with no share of the one
-        block's activations held at a time (which depends on how many copies the stage has). Once per copy
-        kind, stage place, weight and way."""
+        what only a stage's boundary adds or takes away (sends, kept tensors: `_refuted_at_hint` takes the
+        latter off), and, recomputing, with no share of the one block's activations held at a time (which
+        depends on how many copies the stage has). Once per copy kind, stage place, weight and way."""
         key = (self.classes[block.start], self.shape.in_flight(index), weight, recompute)
         if key not in self._copy_bounds:
             copy = stage_problem(self.problem, block.start, block.stop, self.shape, index, {}, boundary=False)
