@@ -44,7 +44,7 @@ from autopar.layout import Layout
 from autopar.search.dataflow import TensorUse, kept_by
 from autopar.search.dp import Factor
 from autopar.search.driver import NothingFaster, SearchResult, run_search
-from autopar.search.fold import RunEdges, Solver, minimise
+from autopar.search.fold import RunEdges, Solver
 from autopar.search.ilp import recomputing
 from autopar.search.memory import Alternative, MemoryChoices
 from autopar.search.problem import SearchProblem
@@ -526,12 +526,7 @@ class _StageSearch:
             if recompute:
                 for node, share in copy.recompute_share.items():
                     unary[node] = unary[node] - weight * share * copy.node_activations[node]
-            solver = Solver.of(copy)
-            solver.bind(copy.main_factors(recompute), copy.recompute_folds if recompute else copy.folds)
-            choice = solver.minimise(unary)
-            least = sum(float(u[c]) for u, c in zip(unary, choice))
-            least += sum(factor.value([choice[u] for u in scope]) for factor, scope in copy._all_factors(recompute))
-            self._copy_bounds[key] = least - 1e-9 * abs(least)
+            self._copy_bounds[key] = _least_below(copy, unary, recompute)
         return self._copy_bounds[key]
 
     def time(self, first: int, last: int, index: int, beat: float = math.inf) -> tuple[float, SearchResult | None]:
@@ -648,12 +643,20 @@ def _copy_floors(
             continue
         one = repeat.block(1)
         copy = stage_problem(problem, one.start, one.stop, PipelineShape(1, shape.slots), 0)
-        unary, _ = copy.lagrangian(0.0, False)
-        choice = minimise(copy, unary)
-        least = sum(float(u[c]) for u, c in zip(unary, choice))
-        least += sum(factor.value([choice[u] for u in scope]) for factor, scope in copy._all_factors())
-        found.extend((block, least * (1 - 1e-9)) for block in copies)
+        least = _least_below(copy, copy.lagrangian(0.0, False)[0], False)
+        found.extend((block, least) for block in copies)
     return tuple(found)
+
+
+def _least_below(problem: SearchProblem, unary: Sequence[np.ndarray], recompute: bool) -> float:
+    """The least of ``unary`` plus every edge cost (recomputed forwards paid twice with ``recompute``) over
+    the problem's plans, by one exact DP run, less a billionth of it for rounding: a bound that stays below."""
+    solver = Solver.of(problem)
+    solver.bind(problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
+    choice = solver.minimise(unary)
+    least = sum(float(u[c]) for u, c in zip(unary, choice))
+    least += sum(factor.value([choice[u] for u in scope]) for factor, scope in problem._all_factors(recompute))
+    return least - 1e-9 * abs(least)
 
 
 def _copies_in(
