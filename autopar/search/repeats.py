@@ -97,6 +97,7 @@ def signatures(
     whole_ids: dict[tuple, int] = {}
     local_ids: dict[tuple, int] = {}
     source_ids: dict[tuple, int] = {}
+    values: dict[str, bytes] = {}  # a constant's bytes, once per tensor (every layer may read one mask)
     whole, local = [], []
     width = max((len(op.inputs) for op in graph.ops), default=0)
     relative = np.full((len(graph.ops), max(width, 1)), -1, dtype=np.int64)
@@ -118,7 +119,11 @@ def signatures(
                 where = (node - src, src_slot, is_output)
                 relative[node, slot] = source_ids.setdefault(("relative", *where), len(source_ids))
                 absolute[node, slot] = source_ids.setdefault(("absolute", *found), len(source_ids))
-            value = info.value.tobytes() if info.kind == "constant" and info.value is not None else None
+            value = None
+            if info.kind == "constant" and info.value is not None:
+                value = values.get(name)
+                if value is None:
+                    value = values[name] = info.value.tobytes()
             inputs.append((info.shape, info.dtype, info.kind, info.trainable, requires_grad.get(name, False), value))
             wheres.append(where if found is None else "used")
         outputs_ = tuple(
