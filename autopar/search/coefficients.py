@@ -221,6 +221,12 @@ class PairCache:
         return results[0], results[1]
 
 
+def _cells(array: np.ndarray) -> np.ndarray:
+    """A per-pair table's cells as one flat view (row * width + dim): writes through it change the table."""
+    assert array.flags.c_contiguous  # a copy would take the writes silently
+    return array.reshape(-1)
+
+
 def _drop(code: np.ndarray, count: np.ndarray) -> np.ndarray:
     """The code without its last ``count`` bits (16 or more drops everything)."""
     shift = (np.minimum(count, 15) * _NIBBLE).astype(np.uint64)
@@ -253,27 +259,29 @@ def _moving_runs(
     targets: np.ndarray,
     held_length: np.ndarray,
     held: np.ndarray,
+    rows: np.ndarray,
     length: np.ndarray,
     want_length: np.ndarray,
     want_code: np.ndarray,
     prefix: np.ndarray,
     dim: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`redistribute._moving_run` for many pairs: per row, how many of dim ``dim``'s last bits (``held``,
-    ``held_length`` of them) move in one AllToAll (0: none, the last is gathered) and to which dim.
+    """`redistribute._moving_run` for many pairs: per row (``rows`` of the per-pair arrays), how many of
+    dim ``dim``'s last bits (``held``, ``held_length`` of them) move in one AllToAll (0: none, the last is
+    gathered) and to which dim.
 
     The place the target layout (``targets``, indices of ``table``) gives the last bit fixes the only
-    candidate run; one comparison of packed codes checks it."""
-    rows = np.arange(len(held))
+    candidate run; one comparison of packed codes checks it. Only the cells read are gathered, never
+    whole rows."""
     last = (held & np.uint64(15)).astype(np.int64)
     where, place = table.places()
     target, position = where[targets, last], place[targets, last]
     into = np.maximum(target, 0)
-    have = length[rows, into]
-    runs = position + 1 - have
-    fits = (target >= 0) & (target != dim) & prefix[rows, into] & (runs >= 1) & (runs <= held_length)
+    cell = rows * length.shape[1] + into
+    runs = position + 1 - _cells(length)[cell]
+    fits = (target >= 0) & (target != dim) & _cells(prefix)[cell] & (runs >= 1) & (runs <= held_length)
     low = _low_nibbles(np.maximum(runs, 0))
-    wants = _drop(want_code[rows, into], np.maximum(want_length[rows, into] - position - 1, 0))
+    wants = _drop(_cells(want_code)[cell], np.maximum(_cells(want_length)[cell] - position - 1, 0))
     fits &= (wants & low) == (held & low)
     return np.where(fits, runs, 0), into
 
@@ -293,6 +301,7 @@ def _chunk_coefficients(
     partial = table.partial[src].copy()
     prefix, wanted = _status(length, code, want_length, want_code)
     total = length.sum(axis=1)
+    width = length.shape[1]
     pair = np.arange(count)
     # the open (not yet finished) fused step of every pair
     open_kind = np.full(count, -1, dtype=np.int64)
@@ -330,11 +339,13 @@ def _chunk_coefficients(
 
     def touch(rows: np.ndarray, dim: np.ndarray) -> None:
         """Recompute one cell per row after its bits changed, and the row's counts of wrong and growing dims."""
-        was_prefix, was_growing = prefix[rows, dim], wanted[rows, dim] >= 0
+        cell = rows * width + dim  # flat indices: one gather per array, where a 2-D index builds two
+        cells_prefix, cells_wanted = _cells(prefix), _cells(wanted)
+        was_prefix, was_growing = cells_prefix[cell], cells_wanted[cell] >= 0
         now_prefix, now_wanted = _status(
-            length[rows, dim], code[rows, dim], want_length[rows, dim], want_code[rows, dim]
+            _cells(length)[cell], _cells(code)[cell], _cells(want_length)[cell], _cells(want_code)[cell]
         )
-        prefix[rows, dim], wanted[rows, dim] = now_prefix, now_wanted
+        cells_prefix[cell], cells_wanted[cell] = now_prefix, now_wanted
         wrong[rows] += was_prefix.astype(np.int64) - now_prefix
         grows[rows] += (now_wanted >= 0).astype(np.int64) - was_growing
 
@@ -348,16 +359,19 @@ def _chunk_coefficients(
         rows = np.flatnonzero(~settled)  # a finished pair is settled
         if len(rows):
             d = np.argmax(~prefix[rows], axis=1)
-            held_length, held = length[rows, d], code[rows, d]
+            cell = rows * width + d
+            lengths, codes = _cells(length), _cells(code)
+            held_length, held = lengths[cell], codes[cell]
             runs, target = _moving_runs(
                 table,
                 dst[pair[rows]],
                 held_length,
                 held,
-                length[rows],
-                want_length[rows],
-                want_code[rows],
-                prefix[rows],
+                rows,
+                length,
+                want_length,
+                want_code,
+                prefix,
                 d,
             )
             moved = runs > 0
@@ -368,12 +382,13 @@ def _chunk_coefficients(
                 nibble = ((run >> np.uint64(_NIBBLE * j)) & np.uint64(15)).astype(np.int64)
                 mask |= np.where(j < popped, np.int64(1) << nibble, 0)
             shift = np.where(moved, total[rows], total[rows] - 1)
-            length[rows, d] -= popped
-            code[rows, d] = _drop(held, popped)
+            lengths[cell] -= popped
+            codes[cell] = _drop(held, popped)
             touch(rows, d)
             to, into, many = rows[moved], target[moved], runs[moved]
-            length[to, into] += many
-            code[to, into] = (code[to, into] << (many * _NIBBLE).astype(np.uint64)) | run[moved]
+            cell = to * width + into
+            lengths[cell] += many
+            codes[cell] = (codes[cell] << (many * _NIBBLE).astype(np.uint64)) | run[moved]
             touch(to, into)
             total[rows[~moved]] -= 1
             step(rows, np.where(moved, _A2A, _AG), np.where(moved, target, d), mask, shift)
@@ -382,12 +397,14 @@ def _chunk_coefficients(
         rows = np.flatnonzero(extend)
         if len(rows):
             d = np.argmax(wanted[rows] >= 0, axis=1)
-            bit = wanted[rows, d]
+            cell = rows * width + d
+            bit = _cells(wanted)[cell]
             reduces = (partial[rows] >> bit) & 1 == 1
             partial[rows[reduces]] &= ~(np.int64(1) << bit[reduces])
             shift = total[rows].copy()
-            length[rows, d] += 1
-            code[rows, d] = _append(code[rows, d], bit)
+            _cells(length)[cell] += 1
+            codes = _cells(code)
+            codes[cell] = _append(codes[cell], bit)
             touch(rows, d)
             total[rows] += 1
             step(rows, np.where(reduces, _RS, _SLICE), d, np.int64(1) << bit, shift)
