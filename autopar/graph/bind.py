@@ -8,6 +8,8 @@ silently wrong plan later.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import math
 import re
 
@@ -95,25 +97,22 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
     old = _declared_batch(proto)
     if old is None or old == batch:
         return
-    try:
-        inferred = shape_inference.infer_shapes(proto, data_prop=True)
-    except Exception:
+    infos = _file_shapes(proto)
+    if infos is None:
         return  # the strict inference after binding reports the problem
-    infos = value_infos(inferred)
     initializers = {init.name: init for init in proto.graph.initializer}
     for node in proto.graph.node:
         if node.op_type != "Reshape" or node.domain or len(node.input) < 2 or node.input[1] not in initializers:
             continue
         target = numpy_helper.to_array(initializers[node.input[1]])
-        vi = infos.get(node.input[0])
-        dims = vi.type.tensor_type.shape.dim if vi is not None and vi.type.HasField("tensor_type") else []
-        if target.ndim != 1 or not target.size or not dims or dims[0].dim_value != old:
+        dims = infos.get(node.input[0], ())
+        if target.ndim != 1 or not target.size or not dims or dims[0] != old:
             continue
         merged = [1]
-        for dim in dims:
-            if dim.dim_value <= 0:
+        for size in dims:
+            if size <= 0:
                 break
-            merged.append(merged[-1] * dim.dim_value)
+            merged.append(merged[-1] * size)
         if int(target[0]) not in (merged[1:] if old > 1 else [1]):  # a batch of 1 merges into anything
             continue
         rewritten = target.copy()
@@ -127,6 +126,36 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
                     onnx.helper.make_tensor_value_info(new_name, onnx.TensorProto.INT64, list(rewritten.shape))
                 )
         node.input[1] = new_name
+
+
+_FILE_SHAPES: collections.OrderedDict[bytes, dict[str, tuple[int, ...]] | None] = collections.OrderedDict()
+_FILE_SHAPES_KEPT = 4
+
+
+def _file_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, ...]] | None:
+    """Each tensor's sizes as the file infers them at its own batch (0 where unknown; None: inference
+    fails), once per file content: a search over micro-batch counts imports one file at each count, and
+    this inference is the same every time (a third of each import of the Megatron GPTs). Sizes only are
+    kept, never the inferred model."""
+    key = hashlib.sha256(proto.SerializeToString(deterministic=True)).digest()
+    if key in _FILE_SHAPES:
+        _FILE_SHAPES.move_to_end(key)
+        return _FILE_SHAPES[key]
+    found: dict[str, tuple[int, ...]] | None
+    try:
+        inferred = shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:
+        found = None
+    else:
+        found = {
+            name: tuple(dim.dim_value for dim in vi.type.tensor_type.shape.dim)
+            for name, vi in value_infos(inferred).items()
+            if vi.type.HasField("tensor_type")
+        }
+    _FILE_SHAPES[key] = found
+    while len(_FILE_SHAPES) > _FILE_SHAPES_KEPT:
+        _FILE_SHAPES.popitem(last=False)
+    return found
 
 
 # Operators ONNX defines as functions without a shape-inference rule (GroupNormalization): their
