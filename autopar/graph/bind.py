@@ -137,7 +137,10 @@ def _file_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, ...]] | None:
     fails), once per file content: a search over micro-batch counts imports one file at each count, and
     this inference is the same every time (a third of each import of the Megatron GPTs). Sizes only are
     kept, never the inferred model."""
-    key = hashlib.sha256(proto.SerializeToString(deterministic=True)).digest()
+    try:
+        key = hashlib.sha256(proto.SerializeToString(deterministic=True)).digest()
+    except Exception:
+        return None  # a model protobuf cannot hold (over 2 GB in memory): nor can inference read it
     if key in _FILE_SHAPES:
         _FILE_SHAPES.move_to_end(key)
         return _FILE_SHAPES[key]

@@ -178,7 +178,7 @@ class PairCache:
     layouts are mostly the same (a mesh bit's link does not depend on how many devices the mesh has,
     and a smaller batch only drops the splits it no longer divides), so each pair is costed once.
     Layouts are keyed by their packed rows (`OpRule.encoded_layouts`); the pairs are a sorted array
-    of keys beside their four coefficients.
+    of keys beside their two coefficients.
     """
 
     _cache: ClassVar["weakref.WeakKeyDictionary[CostModel, PairCache]"] = weakref.WeakKeyDictionary()
@@ -216,29 +216,31 @@ class PairCache:
                 result[missing] = part[again.reshape(-1)]
             # both key lists are sorted and share no key: merged in one pass (15 million held and 180 thousand
             # new: 0.7 s, where sorting them all again took 1.6 s)
+            placed = np.searchsorted(self.keys, new) + np.arange(len(new))  # where each new key lands
             kept = np.ones(len(self.keys) + len(new), dtype=bool)
-            kept[np.searchsorted(self.keys, new) + np.arange(len(new))] = False
-            self.keys = _merged(self.keys, new, kept)
-            self.values = [_merged(values, part, kept) for values, part in zip(self.values, fresh)]
+            kept[placed] = False
+            self.keys = _merged(self.keys, new, kept, placed)
+            self.values = [_merged(values, part, kept, placed) for values, part in zip(self.values, fresh)]
         return results[0], results[1]
 
 
-def _merged(old: np.ndarray, new: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """``old`` and ``new`` in one array, ``old``'s values where ``kept`` is set and ``new``'s elsewhere, each in
-    order (`np.insert` with many positions sorts them first).
+def _merged(old: np.ndarray, new: np.ndarray, kept: np.ndarray, placed: np.ndarray) -> np.ndarray:
+    """``old`` and ``new`` in one array: ``old``'s values, in order, where ``kept`` is set and ``new``'s at
+    ``placed`` (used instead of `np.insert`, which sorts its positions first).
 
-    >>> _merged(np.array([1, 5]), np.array([3, 9]), np.array([True, False, True, False])).tolist()
+    >>> _merged(np.array([1, 5]), np.array([3, 9]), np.array([True, False, True, False]), np.array([1, 3])).tolist()
     [1, 3, 5, 9]
     """
     merged = np.empty(len(kept), dtype=np.result_type(old, new))
     merged[kept] = old
-    merged[~kept] = new
+    merged[placed] = new
     return merged
 
 
 def _cells(array: np.ndarray) -> np.ndarray:
     """A per-pair table's cells as one flat view (row * width + dim): writes through it change the table."""
-    assert array.flags.c_contiguous  # a copy would take the writes silently
+    if not array.flags.c_contiguous:  # a copy would take the writes silently
+        raise ValueError("a per-pair table must be C-contiguous")
     return array.reshape(-1)
 
 
@@ -275,15 +277,16 @@ def _moving_runs(
     held_length: np.ndarray,
     held: np.ndarray,
     rows: np.ndarray,
+    width: int,
     length: np.ndarray,
     want_length: np.ndarray,
     want_code: np.ndarray,
     prefix: np.ndarray,
     dim: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`redistribute._moving_run` for many pairs: per row (``rows`` of the per-pair arrays), how many of
-    dim ``dim``'s last bits (``held``, ``held_length`` of them) move in one AllToAll (0: none, the last is
-    gathered) and to which dim.
+    """`redistribute._moving_run` for many pairs: per row (``rows`` of the per-pair arrays, ``width`` dims
+    wide), how many of dim ``dim``'s last bits (``held``, ``held_length`` of them) move in one AllToAll (0:
+    none, the last is gathered) and to which dim.
 
     The place the target layout (``targets``, indices of ``table``) gives the last bit fixes the only
     candidate run; one comparison of packed codes checks it. Only the cells read are gathered, never
@@ -292,7 +295,7 @@ def _moving_runs(
     where, place = table.places()
     target, position = where[targets, last], place[targets, last]
     into = np.maximum(target, 0)
-    cell = rows * length.shape[1] + into
+    cell = rows * width + into
     runs = position + 1 - _cells(length)[cell]
     fits = (target >= 0) & (target != dim) & _cells(prefix)[cell] & (runs >= 1) & (runs <= held_length)
     low = _low_nibbles(np.maximum(runs, 0))
@@ -354,13 +357,13 @@ def _chunk_coefficients(
 
     def touch(rows: np.ndarray, dim: np.ndarray) -> None:
         """Recompute one cell per row after its bits changed, and the row's counts of wrong and growing dims."""
-        cell = rows * width + dim  # flat indices: one gather per array, where a 2-D index builds two
-        cells_prefix, cells_wanted = _cells(prefix), _cells(wanted)
-        was_prefix, was_growing = cells_prefix[cell], cells_wanted[cell] >= 0
+        cell = rows * width + dim  # flat indices: a 1-D gather per array, cheaper than a 2-D advanced index
+        flat_prefix, flat_wanted = _cells(prefix), _cells(wanted)
+        was_prefix, was_growing = flat_prefix[cell], flat_wanted[cell] >= 0
         now_prefix, now_wanted = _status(
             _cells(length)[cell], _cells(code)[cell], _cells(want_length)[cell], _cells(want_code)[cell]
         )
-        cells_prefix[cell], cells_wanted[cell] = now_prefix, now_wanted
+        flat_prefix[cell], flat_wanted[cell] = now_prefix, now_wanted
         wrong[rows] += was_prefix.astype(np.int64) - now_prefix
         grows[rows] += (now_wanted >= 0).astype(np.int64) - was_growing
 
@@ -375,14 +378,15 @@ def _chunk_coefficients(
         if len(rows):
             d = np.argmax(~prefix[rows], axis=1)
             cell = rows * width + d
-            lengths, codes = _cells(length), _cells(code)
-            held_length, held = lengths[cell], codes[cell]
+            flat_length, flat_code = _cells(length), _cells(code)
+            held_length, held = flat_length[cell], flat_code[cell]
             runs, target = _moving_runs(
                 table,
                 dst[pair[rows]],
                 held_length,
                 held,
                 rows,
+                width,
                 length,
                 want_length,
                 want_code,
@@ -397,13 +401,13 @@ def _chunk_coefficients(
                 nibble = ((run >> np.uint64(_NIBBLE * j)) & np.uint64(15)).astype(np.int64)
                 mask |= np.where(j < popped, np.int64(1) << nibble, 0)
             shift = np.where(moved, total[rows], total[rows] - 1)
-            lengths[cell] -= popped
-            codes[cell] = _drop(held, popped)
+            flat_length[cell] -= popped
+            flat_code[cell] = _drop(held, popped)
             touch(rows, d)
             to, into, many = rows[moved], target[moved], runs[moved]
             cell = to * width + into
-            lengths[cell] += many
-            codes[cell] = (codes[cell] << (many * _NIBBLE).astype(np.uint64)) | run[moved]
+            flat_length[cell] += many
+            flat_code[cell] = (flat_code[cell] << (many * _NIBBLE).astype(np.uint64)) | run[moved]
             touch(to, into)
             total[rows[~moved]] -= 1
             step(rows, np.where(moved, _A2A, _AG), np.where(moved, target, d), mask, shift)
@@ -417,9 +421,9 @@ def _chunk_coefficients(
             reduces = (partial[rows] >> bit) & 1 == 1
             partial[rows[reduces]] &= ~(np.int64(1) << bit[reduces])
             shift = total[rows].copy()
-            _cells(length)[cell] += 1
-            codes = _cells(code)
-            codes[cell] = _append(codes[cell], bit)
+            flat_length, flat_code = _cells(length), _cells(code)
+            flat_length[cell] += 1
+            flat_code[cell] = _append(flat_code[cell], bit)
             touch(rows, d)
             total[rows] += 1
             step(rows, np.where(reduces, _RS, _SLICE), d, np.int64(1) << bit, shift)
