@@ -24,6 +24,8 @@ from autopar.ops import Keeps, OpDef, OpSpec, definition_for, spec_for
 from autopar.ops.base import Labels
 
 InStrategy = tuple[tuple[int, ...], ...]
+_KEPT_WITH_CANDIDATES = ("label_sizes", "batch_label", "candidate_count", "data_parallel")
+"""What an `OpRule` derives from its operator and mesh alone, whatever its candidates."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,13 @@ class OpRule:
 
     def with_candidates(self, candidates: Sequence[tuple[int, ...]]) -> "OpRule":
         """The same rule with these candidates only: a strategy the user fixed, or a repeated block's
-        copy that shares its first copy's list (`candidate_count` still counts them all)."""
-        return replace(self, given=tuple(candidates))
+        copy that shares its first copy's list (`candidate_count` still counts them all). What the rule
+        derives apart from its candidates is carried over, not derived again."""
+        rule = replace(self, given=tuple(candidates))
+        for name in _KEPT_WITH_CANDIDATES:
+            if name in self.__dict__:
+                rule.__dict__[name] = self.__dict__[name]
+        return rule
 
     @property
     def differentiable(self) -> bool:
@@ -96,11 +103,7 @@ class OpRule:
     @cached_property
     def candidate_count(self) -> int:
         """How many candidates there are, counted without listing them (for the size limits)."""
-        ways = [1] + [0] * self.mesh_bits  # ways[s]: label prefixes whose exponents sum to s
-        for label in self.spec.label_order:
-            limit = self.max_exponent(label)
-            ways = [sum(ways[s - e] for e in range(min(limit, s) + 1)) for s in range(self.mesh_bits + 1)]
-        return sum(ways)
+        return _counted(tuple(self.max_exponent(label) for label in self.spec.label_order), self.mesh_bits)
 
     @cached_property
     def candidates(self) -> list[tuple[int, ...]]:
@@ -319,6 +322,19 @@ def num_candidates(rules: Sequence[OpRule]) -> int:
 
 def search_space_size(rules: Sequence[OpRule]) -> float:
     return math.prod(float(len(r.candidates)) for r in rules)
+
+
+@functools.lru_cache(maxsize=1024)
+def _counted(limits: tuple[int, ...], mesh_bits: int) -> int:
+    """How many exponent vectors under ``limits`` sum to at most ``mesh_bits`` (`OpRule.candidate_count`).
+
+    >>> _counted((1, 1), 1), _counted((3,), 2)
+    (3, 3)
+    """
+    ways = [1] + [0] * mesh_bits  # ways[s]: label prefixes whose exponents sum to s
+    for limit in limits:
+        ways = [sum(ways[s - e] for e in range(min(limit, s) + 1)) for s in range(mesh_bits + 1)]
+    return sum(ways)
 
 
 @functools.lru_cache(maxsize=1024)

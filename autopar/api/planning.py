@@ -324,13 +324,27 @@ class _Shapes:
         floor = compute_floor(self.single)
         best: _Searched | None = None
         shapes = self.shapes()
-        for index, shape in enumerate(shapes):
+        rank = {shape: index for index, shape in enumerate(shapes)}  # on a tie, the shape listed first wins
+        order = _visiting_order(shapes)
+        if algorithm == "dp" and len(order) > 1 and order[0] == ONE_STAGE and order[1].stages == 1:
+            # one DP run says whether the whole batch's fastest plan fits (bound 0: only such a plan comes back);
+            # where it does not, memory binds, and a micro-batch count is searched first: the walk along the
+            # whole batch's memory hull, a handful of runs, is then most often refuted in one
+            started = time.perf_counter()
+            try:
+                fits = self._search_shape(self.single, ONE_STAGE, 0.0)
+            finally:
+                self.search_s += time.perf_counter() - started
+            best, order = (fits, order[1:]) if fits is not None else (None, [order[1], ONE_STAGE, *order[2:]])
+        for index, shape in enumerate(order):
             progress.report("pipeline shapes", index, len(shapes))
-            if best is not None and shape_floor(floor, options.num_devices, shape) >= best.time_s:
+            # a shape listed before the best one wins a tie with it, so it must be searched for one
+            bound = math.inf if best is None else best.time_s * (1 + _TIE if rank[shape] < rank[best.shape] else 1)
+            if shape_floor(floor, options.num_devices, shape) >= bound:
                 continue  # no plan of this shape can be faster
             if shape.stages == 1 and options.micro_batches is None and self._fits_whole(best):
                 continue  # one stage's fastest plan fits: micro-batches only repeat its work at smaller sizes
-            if best is not None and shape.stages == 1 and self._fewer_micro_batches_win(shape, best.time_s):
+            if shape.stages == 1 and self._fewer_micro_batches_win(shape, bound):
                 continue  # a divisor's fastest plan, memory aside, does not beat the best: nor does this shape
             if shape.stages > 1 and options.pipeline_stages is None and self._memory_free(best):
                 continue  # stages are searched where memory binds one stage (or asked for)
@@ -339,11 +353,11 @@ class _Shapes:
                 continue
             started = time.perf_counter()
             try:
-                searched = self._search_shape(problem, shape, best.time_s if best is not None else math.inf)
+                searched = self._search_shape(problem, shape, bound)
             finally:
                 self.search_s += time.perf_counter() - started
                 del problem  # a losing shape's problem is not held while the next is built
-            if searched is not None and (best is None or searched.time_s < best.time_s * (1 - 1e-12)):
+            if searched is not None and (best is None or _wins(searched, best, rank)):
                 best = searched
             del searched
         if best is None and self._refusals and not self._built & {(s.stages, s.micro_batches) for s in shapes}:
@@ -415,6 +429,35 @@ class _Shapes:
         self._hint = max(stage.result.lagrange_multiplier for stage in result.stages) or self._hint
         found = _joined(result, time.perf_counter() - started)
         return _Searched(problem, found, result if shape.stages > 1 else None, result.time_s, shape)
+
+
+_TIE = 1e-12
+"""Plans of two shapes this close in step time (relative) are a tie: the shape listed first wins."""
+
+
+def _wins(searched: _Searched, best: _Searched, rank: Mapping[PipelineShape, int]) -> bool:
+    """Whether a shape's plan beats the best so far: faster, or tied and listed first (`_Shapes.shapes`)."""
+    if searched.time_s < best.time_s * (1 - _TIE):
+        return True
+    return rank[searched.shape] < rank[best.shape] and searched.time_s <= best.time_s * (1 + _TIE)
+
+
+def _visiting_order(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
+    """The order shapes are searched in: the list's own, but for one stage's micro-batch counts after the
+    whole batch: the count a quarter of the way up their list first, then those below it down, then those
+    above it up.
+
+    Where memory binds one stage, the fastest plan is most often at a low but not the lowest count (fewer
+    do not fit without recomputing, more pay their collectives' latency more often, and the higher counts
+    are mostly ruled out by a divisor's fastest plan, `_fewer_micro_batches_win`, unbuilt), and a good plan
+    found early refutes the others in a DP run or two each, where counting up walks most of them in full.
+    The order changes how fast the search is, never what it finds: a tie goes to the shape listed first
+    whichever is searched first (`_wins`)."""
+    micro = [shape for shape in shapes[1:] if shape.stages == 1]
+    if len(micro) < 3 or shapes[0] != ONE_STAGE:
+        return list(shapes)
+    at = len(micro) // 4
+    return [shapes[0], *micro[at::-1], *micro[at + 1 :], *(shape for shape in shapes[1:] if shape.stages > 1)]
 
 
 def _joined(result: PipelineResult, seconds: float) -> SearchResult:

@@ -101,6 +101,11 @@ class Graph:
         return {op.name: op for op in self.ops}
 
     @cached_property
+    def position(self) -> Mapping[str, int]:
+        """Each operator's index in `ops`."""
+        return {op.name: index for index, op in enumerate(self.ops)}
+
+    @cached_property
     def producer(self) -> Mapping[str, str]:
         """The operator writing each computed tensor."""
         return {out: op.name for op in self.ops for out in op.outputs if out}

@@ -3,8 +3,9 @@
 An edge's cost is ``latency + per_byte * tensor_bytes``, and the two coefficients depend on
 the (source, target) layouts only. `redistribute.symbolic_steps` plans one pair at a time in
 Python (tens of microseconds); a model on 1024 devices has millions of distinct pairs. This
-module runs the same planner on every pair in lockstep: each round takes one step (one bit)
-for every pair still moving, and fuses consecutive steps exactly as `_merge` does. The
+module runs the same planner on every pair in lockstep: each round takes one step for every pair
+still moving (one bit, or a run of bits whose one-bit steps the planner would fuse: gathers of one
+dimension, slices or ReduceScatters of one), and fuses consecutive steps exactly as `_merge` does. The
 summation order of each pair's terms is the one `costing.redistribution_coefficients`
 uses, so the results are identical to the last bit (`tests/test_coefficients.py` checks it).
 
@@ -203,24 +204,33 @@ class PairCache:
         number = np.asarray([self.rows.setdefault(row, len(self.rows)) for row in rows], dtype=np.int64)
         keys = (number[src] << 32) | number[dst]
         at = np.searchsorted(self.keys, keys)
-        known = at < len(self.keys)
-        known[known] = self.keys[at[known]] == keys[known]
+        np.minimum(at, len(self.keys) - 1, out=at)
+        known = self.keys[at] == keys if len(self.keys) else np.zeros(len(keys), dtype=bool)
+        if known.all():  # every pair costed before (any problem after the first at a device count)
+            return self.values[0][at], self.values[1][at]
         missing = np.flatnonzero(~known)
         results = [np.empty(len(keys)) for _ in range(2)]
         for result, values in zip(results, self.values):
             result[known] = values[at[known]]
-        if len(missing):
-            new, first, again = np.unique(keys[missing], return_index=True, return_inverse=True)
-            fresh = pair_coefficients(table, src[missing][first], dst[missing][first], cost)
-            for result, part in zip(results, fresh):
-                result[missing] = part[again.reshape(-1)]
-            # both key lists are sorted and share no key: merged in one pass (15 million held and 180 thousand
-            # new: 0.7 s, where sorting them all again took 1.6 s)
-            placed = np.searchsorted(self.keys, new) + np.arange(len(new))  # where each new key lands
-            kept = np.ones(len(self.keys) + len(new), dtype=bool)
-            kept[placed] = False
-            self.keys = _merged(self.keys, new, kept, placed)
-            self.values = [_merged(values, part, kept, placed) for values, part in zip(self.values, fresh)]
+        asked = keys[missing]
+        if (asked[1:] > asked[:-1]).all():  # sorted and distinct, as a first problem asks (no sort needed)
+            new, costed, again = asked, missing, None
+        else:
+            new, first, again = np.unique(asked, return_index=True, return_inverse=True)
+            costed = missing[first]
+        fresh = pair_coefficients(table, src[costed], dst[costed], cost)
+        for result, part in zip(results, fresh):
+            result[missing] = part if again is None else part[again.reshape(-1)]
+        if not len(self.keys):  # an empty cache takes the new pairs as they are
+            self.keys, self.values = new, list(fresh)
+            return results[0], results[1]
+        # both key lists are sorted and share no key: merged in one pass (15 million held and 180 thousand
+        # new: 0.7 s, where sorting them all again took 1.6 s)
+        placed = np.searchsorted(self.keys, new) + np.arange(len(new))  # where each new key lands
+        kept = np.ones(len(self.keys) + len(new), dtype=bool)
+        kept[placed] = False
+        self.keys = _merged(self.keys, new, kept, placed)
+        self.values = [_merged(values, part, kept, placed) for values, part in zip(self.values, fresh)]
         return results[0], results[1]
 
 
@@ -248,10 +258,6 @@ def _drop(code: np.ndarray, count: np.ndarray) -> np.ndarray:
     """The code without its last ``count`` bits (16 or more drops everything)."""
     shift = (np.minimum(count, 15) * _NIBBLE).astype(np.uint64)
     return np.where(count >= 16, np.uint64(0), code >> shift)
-
-
-def _append(code: np.ndarray, bit: np.ndarray) -> np.ndarray:
-    return (code << np.uint64(_NIBBLE)) | bit.astype(np.uint64)
 
 
 def _status(
@@ -367,6 +373,42 @@ def _chunk_coefficients(
         wrong[rows] += was_prefix.astype(np.int64) - now_prefix
         grows[rows] += (now_wanted >= 0).astype(np.int64) - was_growing
 
+    def _gather_on(rows: np.ndarray, dim: np.ndarray) -> None:
+        """Rows that just gathered the last bit of ``dim``: while that dim is still wrong and its new last bit
+        moves nowhere, gather it too, fused into the open step, as the rounds after would (most of a
+        redistribution's first steps are such runs of gathers)."""
+        flat_length, flat_code, flat_prefix = _cells(length), _cells(code), _cells(prefix)
+        while len(rows):
+            cell = rows * width + dim
+            wrong_still = ~flat_prefix[cell]
+            rows, dim, cell = rows[wrong_still], dim[wrong_still], cell[wrong_still]
+            if not len(rows):
+                return
+            held = flat_code[cell]
+            runs, _ = _moving_runs(
+                table,
+                dst[pair[rows]],
+                flat_length[cell],
+                held,
+                rows,
+                width,
+                length,
+                want_length,
+                want_code,
+                prefix,
+                dim,
+            )
+            gathers = runs == 0
+            rows, dim, cell, held = rows[gathers], dim[gathers], cell[gathers], held[gathers]
+            if not len(rows):
+                return
+            bit = (held & np.uint64(15)).astype(np.int64)
+            flat_length[cell] -= 1
+            flat_code[cell] = held >> np.uint64(_NIBBLE)
+            touch(rows, dim)
+            total[rows] -= 1
+            step(rows, np.full(len(rows), _AG), dim, np.int64(1) << bit, total[rows])
+
     alive = np.ones(count, dtype=bool)
     wrong = (~prefix).sum(axis=1)  # per pair: dimensions whose bits are not a prefix of the target's
     grows = (wanted >= 0).sum(axis=1)  # per pair: dimensions still to extend
@@ -411,22 +453,41 @@ def _chunk_coefficients(
             touch(to, into)
             total[rows[~moved]] -= 1
             step(rows, np.where(moved, _A2A, _AG), np.where(moved, target, d), mask, shift)
-        # 2. every dimension holds a prefix of its target: extend the first one still growing
+            _gather_on(rows[~moved], d[~moved])
+        # 2. every dimension holds a prefix of its target: extend the first one still growing, by the run of
+        # its next wanted bits that are all partial (ReduceScatter) or all not (slice): one step, as the
+        # planner's one-bit steps of that run fuse into
         extend = settled & (grows > 0)  # a finished pair wants nothing more
         rows = np.flatnonzero(extend)
         if len(rows):
             d = np.argmax(wanted[rows] >= 0, axis=1)
             cell = rows * width + d
             bit = _cells(wanted)[cell]
-            reduces = (partial[rows] >> bit) & 1 == 1
-            partial[rows[reduces]] &= ~(np.int64(1) << bit[reduces])
-            shift = total[rows].copy()
+            held = partial[rows]
+            reduces = (held >> bit) & 1 == 1
             flat_length, flat_code = _cells(length), _cells(code)
-            flat_length[cell] += 1
-            flat_code[cell] = _append(flat_code[cell], bit)
+            room = _cells(want_length)[cell] - flat_length[cell]  # bits still wanted, the first being ``bit``
+            target = _cells(want_code)[cell]
+            many = np.ones(len(rows), dtype=np.int64)
+            mask = np.int64(1) << bit
+            going = room > 1
+            for j in range(1, int(room.max())):
+                going &= j < room
+                after = ((target >> (np.maximum(room - 1 - j, 0) * _NIBBLE).astype(np.uint64)) & np.uint64(15)).astype(
+                    np.int64
+                )
+                going &= ((held >> after) & 1 == 1) == reduces
+                if not going.any():
+                    break
+                many += going
+                mask |= np.where(going, np.int64(1) << after, 0)
+            partial[rows] = np.where(reduces, held & ~mask, held)
+            shift = total[rows].copy()
+            flat_length[cell] += many
+            flat_code[cell] = _drop(target, room - many)  # the target's bits so far: the held ones are its prefix
             touch(rows, d)
-            total[rows] += 1
-            step(rows, np.where(reduces, _RS, _SLICE), d, np.int64(1) << bit, shift)
+            total[rows] += many
+            step(rows, np.where(reduces, _RS, _SLICE), d, mask, shift)
         # 3. done: finish the open step, then AllReduce whatever is still partial; drop the pair
         done = settled & ~extend & alive
         rows = np.flatnonzero(done)

@@ -339,7 +339,7 @@ def meeting_layouts(graph: Graph, rules: Sequence[OpRule], node: int, meet: bool
     each candidate of a fork is one more the search minimises over, for every layer. Without ``meet``,
     the pass-throughs alone."""
     fork = rules[node]
-    index = {rule.op.name: at for at, rule in enumerate(rules)}
+    index = graph.position  # ``rules`` are the graph's operators', in order
     name, out = fork.op.inputs[0], fork.op.outputs[0]
     producer = rules[index[graph.producer[name]]]
     length, code, _ = producer.encoded_layouts(True, producer.op.outputs.index(name))
