@@ -108,12 +108,20 @@ class OpRule:
     @cached_property
     def candidates(self) -> list[tuple[int, ...]]:
         """All label exponent vectors with total split <= devices, data parallel first (or ``given``)."""
+        if self._enumeration is None:
+            return list(self.given or ())
+        return list(_enumerated(*self._enumeration))
+
+    @cached_property
+    def _enumeration(self) -> tuple[tuple[int, ...], int, int | None, tuple[int, ...]] | None:
+        """What `_enumerated` lists the candidates from (None: they are ``given``): rules alike in these
+        have the same candidates, so what is derived from them alone is derived once (`encoded_layouts`)."""
         if self.given is not None:
-            return list(self.given)
+            return None
         labels = self.spec.label_order
         limits = tuple(self.max_exponent(label) for label in labels)
         batch = labels.index(self.batch_label) if self.batch_label in labels else None
-        return list(_enumerated(limits, self.mesh_bits, batch, self.data_parallel))
+        return limits, self.mesh_bits, batch, self.data_parallel
 
     @cached_property
     def data_parallel(self) -> tuple[int, ...]:
@@ -278,29 +286,14 @@ class OpRule:
         per candidate: the mask of partial bits (with ``gradient``, of an output: the bits its
         gradient may arrive partial over, `gradient_bits`). Equal rows mean equal layouts.
         """
-        count = len(self.candidates)
-        order = self.spec.label_order
-        exponents = np.asarray(self.candidates, dtype=np.int64).reshape(count, len(order))
-        offsets = np.cumsum(exponents[:, ::-1], axis=1)[:, ::-1] - exponents
         labels = self.spec.outputs[slot] if is_output else self.spec.inputs[slot]
         name = (self.op.outputs if is_output else self.op.inputs)[slot]
         ndim = len(self.graph.tensor(name).shape)
-        lengths = np.zeros((count, ndim), dtype=np.int64)
-        codes = np.zeros((count, ndim), dtype=np.uint64)
-        for dim, label in enumerate(labels or ()):
-            if label is None:
-                continue
-            e, offset = exponents[:, order.index(label)], offsets[:, order.index(label)]
-            lengths[:, dim] = e
-            for t in range(int(e.max(initial=0))):
-                bit = np.where(t < e, offset + t, 0).astype(np.uint64)
-                codes[:, dim] |= np.where(t < e, bit << np.uint64(4 * t), np.uint64(0))
-        partial = np.zeros(count, dtype=np.int64)
-        if is_output:
-            for label in self.spec.gradient_labels if gradient else self.spec.reduced_labels:
-                i = order.index(label)
-                partial |= ((np.int64(1) << exponents[:, i]) - 1) << offsets[:, i]
-        return lengths, codes, partial
+        partial_labels = (self.spec.gradient_labels if gradient else self.spec.reduced_labels) if is_output else ()
+        how = (self.spec.label_order, labels, ndim, partial_labels)
+        if self._enumeration is not None:  # the same arrays for every rule listing the same candidates
+            return _encoded_enumeration(self._enumeration, *how)
+        return _encoded(tuple(self.candidates), *how)
 
     def shards(self, exponents: Sequence[int]) -> int:
         """How many distinct pieces of work the operator is cut into."""
@@ -322,6 +315,50 @@ def num_candidates(rules: Sequence[OpRule]) -> int:
 
 def search_space_size(rules: Sequence[OpRule]) -> float:
     return math.prod(float(len(r.candidates)) for r in rules)
+
+
+def _encoded(
+    candidates: Sequence[tuple[int, ...]],
+    order: tuple[str, ...],
+    labels: Labels | None,
+    ndim: int,
+    partial_labels: tuple[str, ...],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`OpRule.encoded_layouts` of these candidates (exponents over the labels in ``order``), for a tensor of
+    ``ndim`` dimensions labelled ``labels``, partial over the bits of ``partial_labels``; read-only arrays."""
+    count = len(candidates)
+    exponents = np.asarray(candidates, dtype=np.int64).reshape(count, len(order))
+    offsets = np.cumsum(exponents[:, ::-1], axis=1)[:, ::-1] - exponents
+    lengths = np.zeros((count, ndim), dtype=np.int64)
+    codes = np.zeros((count, ndim), dtype=np.uint64)
+    for dim, label in enumerate(labels or ()):
+        if label is None:
+            continue
+        e, offset = exponents[:, order.index(label)], offsets[:, order.index(label)]
+        lengths[:, dim] = e
+        for t in range(int(e.max(initial=0))):
+            bit = np.where(t < e, offset + t, 0).astype(np.uint64)
+            codes[:, dim] |= np.where(t < e, bit << np.uint64(4 * t), np.uint64(0))
+    partial = np.zeros(count, dtype=np.int64)
+    for label in partial_labels:
+        i = order.index(label)
+        partial |= ((np.int64(1) << exponents[:, i]) - 1) << offsets[:, i]
+    for array in (lengths, codes, partial):
+        array.flags.writeable = False  # shared between rules (`_encoded_enumeration`)
+    return lengths, codes, partial
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded_enumeration(
+    enumeration: tuple[tuple[int, ...], int, int | None, tuple[int, ...]],
+    order: tuple[str, ...],
+    labels: Labels | None,
+    ndim: int,
+    partial_labels: tuple[str, ...],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_encoded` of the candidates `_enumerated` lists from ``enumeration``: the operators of every layer of a
+    model, and of every problem planned at the same limits (each micro-batch count's), share them."""
+    return _encoded(_enumerated(*enumeration), order, labels, ndim, partial_labels)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -10,7 +10,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from autopar.errors import ComputedDimensionError, ModelImportError
-from autopar.graph import load_model
+from autopar.graph import bind, load_model
+from autopar.graph.bind import bind_dimensions
 from autopar.graph.shapes import resolve_shapes, split_computed
 
 
@@ -163,3 +164,23 @@ def test_hugging_face_exports_with_computed_shapes_plan_and_verify_with_no_flag(
     plan = autopar.plan(DATA / f"{name}.onnx", devices=4)
     report = autopar.verify(DATA / f"{name}.onnx", plan, gradients=True)
     assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("path", sorted(Path("tests/data").glob("*.onnx")), ids=lambda path: path.stem)
+def test_inference_skips_data_propagation_only_where_it_would_find_nothing_more(path, monkeypatch):
+    """An import infers a file with its declared shapes cleared (`bind_dimensions`): without data propagation
+    where no Shape or Size operator is there and every size comes out known, and the result is what inference
+    with propagation gives; the files with shape arithmetic (legacy Swin, T5 and Llama exports) still get it."""
+    proto = bind_dimensions(onnx.load(path, load_external_data=False), None, {})
+    asked = []
+    infer = shape_inference.infer_shapes
+
+    def recorded(model, *args, **kwargs):
+        asked.append(kwargs.get("data_prop", False))
+        return infer(model, *args, **kwargs)
+
+    monkeypatch.setattr(shape_inference, "infer_shapes", recorded)
+    inferred = bind._strict_inference(proto)
+    assert inferred == infer(proto, strict_mode=True, data_prop=True)
+    needs = any(node.op_type in ("Shape", "Size") for node in proto.graph.node)
+    assert asked[-1] == needs

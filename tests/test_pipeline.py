@@ -28,6 +28,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import autopar
+from autopar.api import planning
 from autopar.cost import CostModel
 from autopar.errors import InfeasibleError
 from autopar.graph import load_model
@@ -158,6 +159,63 @@ def test_the_joint_search_equals_brute_force_over_cuts_stages_and_micro_batches(
     # the planner takes the best shape of all
     plan = autopar.plan(residual_stack(blocks, batch=batch), devices=devices, cost_model=profile(peak=1e9))
     assert plan.objective == pytest.approx(min(results.values()), rel=1e-12)
+
+
+def test_the_order_shapes_are_searched_in_changes_no_plan(monkeypatch):
+    """Where memory binds, one stage's micro-batch counts are searched from a quarter of the way up (after a
+    one-run check on the whole batch) and the first good plan refutes the rest: the plans are those the
+    shapes' own order finds, byte for byte, and at the tighter memories more than one micro-batch wins."""
+    fold_short(monkeypatch)
+    model = residual_stack(4, width=8, batch=256)
+    need = autopar.plan(model, devices=8, cost_model=profile(peak=1e9)).memory_per_device
+    listed = []
+    for share in (0.5, 0.35, 0.25):
+        cost = profile(capacity=share * need, peak=1e9)
+        plans = [autopar.plan(model, devices=8, cost_model=cost)]
+        with monkeypatch.context() as patched:  # every shape in the list's own order, no check first
+            patched.setattr(planning._Shapes, "_visiting", lambda self, shapes: (None, list(shapes)))
+            plans.append(autopar.plan(model, devices=8, cost_model=cost))
+        assert [untimed(plan) for plan in plans[:1]] == [untimed(plan) for plan in plans[1:]]
+        listed.append(plans[0].search.choices.micro_batches)
+    assert max(listed) > 1
+
+
+def untimed(plan: autopar.Plan) -> str:
+    """A plan's JSON without the measured times (the only part that may differ between runs)."""
+
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("time_s", "phases_s")}
+        return [strip(v) for v in value] if isinstance(value, list) else value
+
+    return json.dumps(strip(json.loads(plan.to_json())), sort_keys=True)
+
+
+def test_a_tie_between_shapes_goes_to_the_shape_listed_first_whichever_is_searched_first():
+    found = {shape: planning._Searched(None, None, None, 2.0, shape) for shape in (ONE_STAGE, PipelineShape(1, 4))}
+    rank = {ONE_STAGE: 0, PipelineShape(1, 4): 1}
+    assert planning._wins(found[ONE_STAGE], found[PipelineShape(1, 4)], rank)
+    assert not planning._wins(found[PipelineShape(1, 4)], found[ONE_STAGE], rank)
+    faster = planning._Searched(None, None, None, 1.0, PipelineShape(1, 4))
+    assert planning._wins(faster, found[ONE_STAGE], rank)
+
+
+def test_one_stage_micro_batch_counts_are_visited_from_a_quarter_of_the_way_up():
+    shapes = [ONE_STAGE, *(PipelineShape(1, m) for m in (2, 3, 4, 6, 8, 12, 16, 24)), PipelineShape(2, 8)]
+    order = planning._visiting_order(shapes)
+    assert [(s.stages, s.micro_batches) for s in order] == [
+        (1, 1),
+        (1, 4),
+        (1, 3),
+        (1, 2),
+        (1, 6),
+        (1, 8),
+        (1, 12),
+        (1, 16),
+        (1, 24),
+        (2, 8),
+    ]
+    assert planning._visiting_order(shapes[:3]) == shapes[:3]  # too few counts to reorder
 
 
 @pytest.mark.parametrize(("blocks", "devices", "micro"), [(4, 8, 2), (6, 4, 4), (8, 16, 1)])

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
 from autopar.errors import StrategyError
+from autopar.graph import load_model
+from autopar.search.coefficients import LayoutTable
+from autopar.strategy import OpRule
 from tests.conftest import conv_model, make_model, rule_for, weight
+from tests.test_fold import residual_stack
 
 
 @pytest.mark.parametrize(
@@ -59,3 +64,19 @@ def test_a_broadcast_operator_lays_out_its_output_in_the_output_s_dim_order(bias
     exponents = rule.parse(strategy)
     assert rule.output_layouts(exponents)[0].dims == ((5, 4, 3, 2), (), (1, 0))
     assert rule.input_layouts(exponents)[inputs.index("B")].dims == ((1, 0),)
+
+
+def test_rules_listing_the_same_candidates_share_their_encoded_layouts_and_a_rule_with_new_ones_keeps_the_rest():
+    """Every layer's alike operators list the same candidates: their packed layouts are one set of read-only
+    arrays (derived once, for every problem planned at those limits), equal to the rows of their `Layout`s.
+    A rule given other candidates encodes those, and keeps what does not depend on them."""
+    graph = load_model(residual_stack(3))
+    first, second = (OpRule.build(graph.op(name), graph, 3) for name in ("n0", "n7"))
+    shared, again = first.encoded_layouts(True, 0), second.encoded_layouts(True, 0)
+    assert all(a is b and not a.flags.writeable for a, b in zip(shared, again))
+    table = LayoutTable.of([first.output_layout(c, 0) for c in range(len(first.candidates))])
+    assert np.array_equal(shared[0], table.length) and np.array_equal(shared[1], table.code)
+    assert first.candidate_count == len(first.candidates)
+    given = first.with_candidates(first.candidates[1:3])
+    assert given.candidate_count == first.candidate_count and given.label_sizes is first.label_sizes
+    assert [row.tolist() for row in given.encoded_layouts(True, 0)[1]] == shared[1][1:3].tolist()

@@ -322,20 +322,9 @@ class _Shapes:
         if parameter_state_bytes(self.single) / options.num_devices > self.cost.capacity:
             run_search(self.single, mode, algorithm, options.recompute)  # nothing can fit: its sentence says so
         floor = compute_floor(self.single)
-        best: _Searched | None = None
         shapes = self.shapes()
         rank = {shape: index for index, shape in enumerate(shapes)}  # on a tie, the shape listed first wins
-        order = _visiting_order(shapes)
-        if algorithm == "dp" and len(order) > 1 and order[0] == ONE_STAGE and order[1].stages == 1:
-            # one DP run says whether the whole batch's fastest plan fits (bound 0: only such a plan comes back);
-            # where it does not, memory binds, and a micro-batch count is searched first: the walk along the
-            # whole batch's memory hull, a handful of runs, is then most often refuted in one
-            started = time.perf_counter()
-            try:
-                fits = self._search_shape(self.single, ONE_STAGE, 0.0)
-            finally:
-                self.search_s += time.perf_counter() - started
-            best, order = (fits, order[1:]) if fits is not None else (None, [order[1], ONE_STAGE, *order[2:]])
+        best, order = self._visiting(shapes)
         for index, shape in enumerate(order):
             progress.report("pipeline shapes", index, len(shapes))
             # a shape listed before the best one wins a tie with it, so it must be searched for one
@@ -376,6 +365,22 @@ class _Shapes:
                 f" {options.num_devices} devices; leave them to the search."
             )
         return best
+
+    def _visiting(self, shapes: list[PipelineShape]) -> tuple[_Searched | None, list[PipelineShape]]:
+        """The whole batch's plan where it is found already, and the shapes to search, in the order to search
+        them (`_visiting_order`). With micro-batch counts to search, one DP run first says whether the whole
+        batch's fastest plan fits (bound 0: only such a plan comes back). Where it does not, memory binds, and
+        a micro-batch count is searched before the whole batch: the walk along the whole batch's memory hull,
+        a handful of runs, is then most often refuted in one."""
+        order = _visiting_order(shapes)
+        if self.options.search.value != "dp" or len(order) < 2 or order[0] != ONE_STAGE or order[1].stages > 1:
+            return None, order
+        started = time.perf_counter()
+        try:
+            fits = self._search_shape(self.single, ONE_STAGE, 0.0)
+        finally:
+            self.search_s += time.perf_counter() - started
+        return (fits, order[1:]) if fits is not None else (None, [order[1], ONE_STAGE, *order[2:]])
 
     def _note_fastest(self, shape: PipelineShape, fastest_s: float | None) -> None:
         if fastest_s is not None:

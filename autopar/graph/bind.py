@@ -205,12 +205,40 @@ def _type_like_first_input(proto: onnx.ModelProto) -> bool:
 
 
 def _strict_inference(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Strict inference with data propagation, which follows shape arithmetic (Shape, Gather, Concat, ...
+    into a Reshape) and costs ten to twenty times inference without it (0.17 s of a 0.6 s import of the
+    39.1B GPT). A graph that declares no shape past its inputs (as `bind_dimensions` leaves it), has no Shape
+    or Size operator and has every size known without propagation is inferred without it: propagation only
+    adds sizes where they are unknown, and there is no declared size for it to contradict (every file here
+    infers the same either way)."""
+    declared = proto.graph.value_info or any(out.type.tensor_type.HasField("shape") for out in proto.graph.output)
+    if not declared and not any(node.op_type in _SHAPE_READERS and not node.domain for node in proto.graph.node):
+        try:
+            quick = shape_inference.infer_shapes(proto, strict_mode=True, data_prop=False)
+        except Exception:  # said below, as the full inference says it
+            quick = None
+        if quick is not None and _every_size_known(quick):
+            return quick
     try:
         return shape_inference.infer_shapes(proto, strict_mode=True, data_prop=True)
     except Exception as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         message = re.sub(r"elem type differs from existing elem type: \((\d+)\) vs \((\d+)\)", _type_names, message)
         raise ModelImportError(f"ONNX shape inference failed: {message.rstrip('.')}.") from None
+
+
+_SHAPE_READERS = frozenset({"Shape", "Size"})
+
+
+def _every_size_known(proto: onnx.ModelProto) -> bool:
+    """Whether every tensor inference typed (and every graph output) has a static size on every axis."""
+    for info in (*proto.graph.value_info, *proto.graph.output):
+        tensor = info.type.tensor_type
+        if not info.type.HasField("tensor_type") or not tensor.HasField("shape"):
+            return False
+        if not all(dim.HasField("dim_value") for dim in tensor.shape.dim):
+            return False
+    return True
 
 
 def _type_names(match: re.Match[str]) -> str:

@@ -535,6 +535,8 @@ class _Layouts:
         self.ids: dict[bytes, int] = {}  # a packed layout row -> its number
         self.rows: list[tuple[np.ndarray, np.ndarray, int]] = []  # (lengths, codes, partial mask) by number
         self._cache: dict[tuple[int, bool, int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._stripped: dict[tuple[int, int], int] = {}  # (a layout's number, bits no longer partial) -> its number
+        self._partials = np.zeros(0, dtype=np.int64)  # each numbered layout's partial mask (`partial`)
 
     def carries(self, use: TensorUse) -> bool:
         """Whether the consumer sends a gradient back along the use (the runtime's rule)."""
@@ -562,14 +564,18 @@ class _Layouts:
                 partial = splits.absent_mask(rule.spec.inputs[slot])
             packed = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
             unique, first, positions = np.unique(packed, axis=0, return_index=True, return_inverse=True)
-            ids = [self._number(row, length[at], code[at], int(partial[at])) for row, at in zip(unique, first)]
-            self._cache[key] = (np.asarray(ids, dtype=np.int64), positions.reshape(-1).astype(np.int64))
+            rows = np.ascontiguousarray(unique).view(np.dtype((np.void, unique.dtype.itemsize * unique.shape[1])))
+            ids = np.empty(len(unique), dtype=np.int64)
+            for index, (row, at) in enumerate(zip(rows.reshape(-1).tolist(), first.tolist())):  # each row's bytes
+                ids[index] = self._number(bytes(row), length, code, partial, at)
+            self._cache[key] = (ids, positions.reshape(-1).astype(np.int64))
         return self._cache[key]
 
-    def _number(self, row: np.ndarray, length: np.ndarray, code: np.ndarray, partial: int) -> int:
-        index = self.ids.setdefault(row.tobytes(), len(self.ids))
+    def _number(self, row: bytes, length: np.ndarray, code: np.ndarray, partial: np.ndarray, at: int) -> int:
+        """The number of a packed layout row, given a new one if it has none (its arrays: row ``at``)."""
+        index = self.ids.setdefault(row, len(self.ids))
         if index == len(self.rows):
-            self.rows.append((length, code, partial))
+            self.rows.append((length[at], code[at], int(partial[at])))
         return index
 
     def whole(self, ids: np.ndarray) -> np.ndarray:
@@ -579,18 +585,22 @@ class _Layouts:
     def without(self, ids: np.ndarray, kept: int) -> np.ndarray:
         """The numbers of the same layouts no longer partial over the bits ``kept``: a gradient
         redistributed to a fork that takes it partial over ``kept`` reduces only its other bits."""
-        found = []
-        for index in ids.tolist():
-            length, code, partial = self.rows[index]
-            if partial & kept:
+        found = np.array(ids, dtype=np.int64)
+        for at in np.flatnonzero(self.partial(ids) & kept).tolist():
+            index = int(ids[at])
+            if (index, kept) not in self._stripped:
+                length, code, partial = self.rows[index]
                 row = np.concatenate([length.view(np.uint64), code, np.asarray([partial & ~kept]).view(np.uint64)])
-                index = self._number(row, length, code, partial & ~kept)
-            found.append(index)
-        return np.asarray(found, dtype=np.int64)
+                stripped = np.asarray([partial & ~kept], dtype=np.int64)
+                self._stripped[index, kept] = self._number(row.tobytes(), length[None], code[None], stripped, 0)
+            found[at] = self._stripped[index, kept]
+        return found
 
     def partial(self, ids: np.ndarray) -> np.ndarray:
         """The partial masks of these layouts."""
-        return np.asarray([self.rows[index][2] for index in ids.tolist()], dtype=np.int64)
+        if len(self._partials) < len(self.rows):  # rows were numbered since: the masks again
+            self._partials = np.asarray([partial for _, _, partial in self.rows], dtype=np.int64)
+        return self._partials[ids]
 
     def source(self, use: TensorUse, entry: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(numbers of the distinct layouts at the use's source, the source's candidates' positions
