@@ -284,7 +284,8 @@ class OpRule:
         Per candidate and dimension: how many bits split it and their packed code (four bits
         per mesh bit, most significant first, as `search.coefficients.LayoutTable` reads them);
         per candidate: the mask of partial bits (with ``gradient``, of an output: the bits its
-        gradient may arrive partial over, `gradient_bits`). Equal rows mean equal layouts.
+        gradient may arrive partial over, `gradient_bits`). Equal rows mean equal layouts. The arrays are
+        read-only: rules listing the same candidates share them.
         """
         labels = self.spec.outputs[slot] if is_output else self.spec.inputs[slot]
         name = (self.op.outputs if is_output else self.op.inputs)[slot]

@@ -168,9 +168,10 @@ def test_hugging_face_exports_with_computed_shapes_plan_and_verify_with_no_flag(
 
 @pytest.mark.parametrize("path", sorted(Path("tests/data").glob("*.onnx")), ids=lambda path: path.stem)
 def test_inference_skips_data_propagation_only_where_it_would_find_nothing_more(path, monkeypatch):
-    """An import infers a file with its declared shapes cleared (`bind_dimensions`): without data propagation
-    where no Shape or Size operator is there and every size comes out known, and the result is what inference
-    with propagation gives; the files with shape arithmetic (legacy Swin, T5 and Llama exports) still get it."""
+    """A file inferred with data propagation once is inferred at its next batch without it, where its graph
+    (its declared shapes cleared, as `bind_dimensions` leaves it) has no Shape or Size operator and every size
+    comes out known: the result is what inference with propagation gives. The files with shape arithmetic
+    (legacy Swin, T5 and Llama exports) still get it, and so does every file the first time."""
     proto = bind_dimensions(onnx.load(path, load_external_data=False), None, {})
     asked = []
     infer = shape_inference.infer_shapes
@@ -180,7 +181,26 @@ def test_inference_skips_data_propagation_only_where_it_would_find_nothing_more(
         return infer(model, *args, **kwargs)
 
     monkeypatch.setattr(shape_inference, "infer_shapes", recorded)
-    inferred = bind._strict_inference(proto)
-    assert inferred == infer(proto, strict_mode=True, data_prop=True)
-    needs = any(node.op_type in ("Shape", "Size") for node in proto.graph.node)
-    assert asked[-1] == needs
+    full = infer(proto, strict_mode=True, data_prop=True)
+    assert bind._strict_inference(proto) == full and asked == [True]
+    assert bind._strict_inference(proto, checked=True) == full
+    assert asked[-1] == any(node.op_type in ("Shape", "Size") for node in proto.graph.node)
+
+
+def test_a_file_is_inferred_with_data_propagation_at_its_first_batch_only(monkeypatch):
+    asked = []
+    infer = shape_inference.infer_shapes
+
+    def recorded(model, *args, **kwargs):
+        asked.append(kwargs.get("data_prop", False))
+        return infer(model, *args, **kwargs)
+
+    monkeypatch.setattr(shape_inference, "infer_shapes", recorded)
+    monkeypatch.setattr(bind, "_PROPAGATED", type(bind._PROPAGATED)())  # as in a fresh process
+    monkeypatch.setattr(bind, "_FILE_SHAPES", type(bind._FILE_SHAPES)())
+    path = Path("tests/data/torch_gpt_dynamo.onnx")  # declared at a batch of 4
+    first = load_model(path, batch=4)
+    assert asked == [True]
+    second = load_model(path, batch=2)  # the file's own sizes (to rebatch), then its strict inference
+    assert asked == [True, True, False]
+    assert second.tensor("ids").shape == (2, 16) and first.tensor("ids").shape == (4, 16)

@@ -444,7 +444,7 @@ def _wins(searched: _Searched, best: _Searched, rank: Mapping[PipelineShape, int
     """Whether a shape's plan beats the best so far: faster, or tied and listed first (`_Shapes.shapes`)."""
     if searched.time_s < best.time_s * (1 - _TIE):
         return True
-    return rank[searched.shape] < rank[best.shape] and searched.time_s <= best.time_s * (1 + _TIE)
+    return rank[searched.shape] < rank[best.shape] and searched.time_s < best.time_s * (1 + _TIE)
 
 
 def _visiting_order(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
@@ -456,8 +456,10 @@ def _visiting_order(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
     do not fit without recomputing, more pay their collectives' latency more often, and the higher counts
     are mostly ruled out by a divisor's fastest plan, `_fewer_micro_batches_win`, unbuilt), and a good plan
     found early refutes the others in a DP run or two each, where counting up walks most of them in full.
-    The order changes how fast the search is, never what it finds: a tie goes to the shape listed first
-    whichever is searched first (`_wins`)."""
+    The order changes how fast the search is, not what it finds: a tie goes to the shape listed first
+    whichever is searched first (`_wins`), and a walk ends at the same plan whatever weight it starts from,
+    up to plans tied on one edge of its hull (which the weights the walks start from, other shapes', may
+    pick differently)."""
     micro = [shape for shape in shapes[1:] if shape.stages == 1]
     if len(micro) < 3 or shapes[0] != ONE_STAGE:
         return list(shapes)

@@ -27,6 +27,9 @@ from autopar.graph.bind import (
     check_bindings,
     check_declared_sizes,
     check_reshapes,
+    content_key,
+    note_propagated,
+    propagated,
     rebatch_reshapes,
 )
 from autopar.graph.build import build_graph, freeze, train
@@ -62,11 +65,13 @@ def load_model(
     check_bindings(batch, dims or {})
     check_declared_sizes(proto, batch)
     declared = declared_types(proto)
+    key = content_key(proto) if batch is not None else None  # a search imports one file at many batches
     if batch is not None:
-        rebatch_reshapes(proto, batch)
+        rebatch_reshapes(proto, batch, key)
     symbols, computed = split_computed(dims or {}, proto)
     proto = bind_dimensions(proto, batch, symbols)
-    proto = resolve_shapes(proto, computed)
+    proto = resolve_shapes(proto, computed, checked=propagated(key))
+    note_propagated(key)
     check_declared_types(proto, declared)
     check_model(proto)
     check_data_inputs(proto)

@@ -1,4 +1,5 @@
-"""Binding sizes: the batch and symbolic dimensions, then shape inference with data propagation.
+"""Binding sizes: the batch and symbolic dimensions, then shape inference with data propagation (once per
+file content where nothing else needs it: `_strict_inference`).
 
 A contract for the steps after it: every data input has the requested batch and dimensions,
 every Reshape target that hard-coded the file's batch follows the new one, and shape inference
@@ -86,18 +87,19 @@ def _declared_batch(proto: onnx.ModelProto) -> int | None:
     return None
 
 
-def rebatch_reshapes(proto: onnx.ModelProto, batch: int) -> None:
+def rebatch_reshapes(proto: onnx.ModelProto, batch: int, key: bytes | None = None) -> None:
     """Exported CNNs often hard-code the batch in a Reshape target (``[1, 2048]``): rewrite it.
 
     A target is rewritten when the reshaped tensor's leading dimension is the file's batch and
     the target's first entry is that batch, or the batch times the dimensions after it that the
     Reshape merges into it (``[batch * seq, vocab]``; not for a batch of 1, which would match any
-    flattening): so the entry is the batch, not a feature.
+    flattening): so the entry is the batch, not a feature. ``key``: the file's `content_key`, where the
+    caller has it.
     """
     old = _declared_batch(proto)
     if old is None or old == batch:
         return
-    infos = _file_shapes(proto)
+    infos = _file_shapes(proto, key or content_key(proto))
     if infos is None:
         return  # the strict inference after binding reports the problem
     initializers = {init.name: init for init in proto.graph.initializer}
@@ -132,15 +134,39 @@ _FILE_SHAPES: collections.OrderedDict[bytes, dict[str, tuple[int, ...]] | None] 
 _FILE_SHAPES_KEPT = 4
 
 
-def _file_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, ...]] | None:
-    """Each tensor's sizes as the file infers them at its own batch (0 where unknown; None: inference
-    fails), once per file content: a search over micro-batch counts imports one file at each count, and
-    this inference is the same every time (a third of each import of the Megatron GPTs). Sizes only are
-    kept, never the inferred model."""
+def content_key(proto: onnx.ModelProto) -> bytes | None:
+    """A digest of a file's content (None: a model protobuf cannot hold, over 2 GB in memory, which inference
+    cannot read either)."""
     try:
-        key = hashlib.sha256(proto.SerializeToString(deterministic=True)).digest()
+        return hashlib.sha256(proto.SerializeToString(deterministic=True)).digest()
     except Exception:
-        return None  # a model protobuf cannot hold (over 2 GB in memory): nor can inference read it
+        return None
+
+
+_PROPAGATED: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+"""The `content_key` of files an import has inferred with data propagation (strictly, without an error)."""
+
+
+def propagated(key: bytes | None) -> bool:
+    """Whether a file of this content was inferred with data propagation before (`_strict_inference`)."""
+    return key is not None and key in _PROPAGATED
+
+
+def note_propagated(key: bytes | None) -> None:
+    if key is not None:
+        _PROPAGATED[key] = None
+        _PROPAGATED.move_to_end(key)
+        while len(_PROPAGATED) > 16:
+            _PROPAGATED.popitem(last=False)
+
+
+def _file_shapes(proto: onnx.ModelProto, key: bytes | None) -> dict[str, tuple[int, ...]] | None:
+    """Each tensor's sizes as the file infers them at its own batch (0 where unknown; None: inference
+    fails), once per file content (``key``, its `content_key`): a search over micro-batch counts imports
+    one file at each count, and this inference is the same every time (a third of each import of the
+    Megatron GPTs). Sizes only are kept, never the inferred model."""
+    if key is None:
+        return None
     if key in _FILE_SHAPES:
         _FILE_SHAPES.move_to_end(key)
         return _FILE_SHAPES[key]
@@ -166,15 +192,17 @@ def _file_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int, ...]] | None:
 SHAPE_OF_FIRST_INPUT = frozenset({"GroupNormalization"})
 
 
-def infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """Strict ONNX shape inference with data propagation (shape arithmetic is followed).
+def infer_shapes(proto: onnx.ModelProto, checked: bool = False) -> onnx.ModelProto:
+    """Strict ONNX shape inference with data propagation (shape arithmetic is followed); ``checked``: the
+    file was inferred so before, at another batch, and propagation may be left out where it finds nothing
+    more (`_strict_inference`).
 
     An output of an operator in `SHAPE_OF_FIRST_INPUT` that inference leaves untyped is typed as
     that operator's first input, and inference runs again from there.
     """
-    inferred = _strict_inference(proto)
+    inferred = _strict_inference(proto, checked)
     while _type_like_first_input(inferred):
-        inferred = _strict_inference(inferred)
+        inferred = _strict_inference(inferred, checked)
     return inferred
 
 
@@ -204,15 +232,18 @@ def _type_like_first_input(proto: onnx.ModelProto) -> bool:
     return typed
 
 
-def _strict_inference(proto: onnx.ModelProto) -> onnx.ModelProto:
+def _strict_inference(proto: onnx.ModelProto, checked: bool = False) -> onnx.ModelProto:
     """Strict inference with data propagation, which follows shape arithmetic (Shape, Gather, Concat, ...
     into a Reshape) and costs ten to twenty times inference without it (0.17 s of a 0.6 s import of the
-    39.1B GPT). A graph that declares no shape past its inputs (as `bind_dimensions` leaves it), has no Shape
-    or Size operator and has every size known without propagation is inferred without it: propagation only
-    adds sizes where they are unknown, and there is no declared size for it to contradict (every file here
-    infers the same either way)."""
+    39.1B GPT). A file inferred with it before (``checked``) is inferred without it where its graph declares
+    no shape past its inputs (as `bind_dimensions` leaves it), has no Shape or Size operator and has every
+    size known without it: propagation then only adds sizes where they are unknown, there is no declared size
+    to contradict, and what it checks of the file's constants (an index into a shape in range) it checked the
+    first time, the input sizes reaching it only through Shape and Size (every file here infers the same
+    either way)."""
     declared = proto.graph.value_info or any(out.type.tensor_type.HasField("shape") for out in proto.graph.output)
-    if not declared and not any(node.op_type in _SHAPE_READERS and not node.domain for node in proto.graph.node):
+    readers = any(node.op_type in _SHAPE_READERS and node.domain in ("", "ai.onnx") for node in proto.graph.node)
+    if checked and not declared and not readers:
         try:
             quick = shape_inference.infer_shapes(proto, strict_mode=True, data_prop=False)
         except Exception:  # said below, as the full inference says it

@@ -59,11 +59,12 @@ def split_computed(dims: Mapping[str, int], proto: onnx.ModelProto) -> tuple[dic
     return inputs, computed
 
 
-def resolve_shapes(proto: onnx.ModelProto, computed: Mapping[str, int]) -> onnx.ModelProto:
+def resolve_shapes(proto: onnx.ModelProto, computed: Mapping[str, int], checked: bool = False) -> onnx.ModelProto:
     """Infer shapes (strictly), folding shape chains and applying ``computed`` bindings until every
     size an operator reads is static or no round changes anything; then check that none is unknown.
+    ``checked``: as `bind.infer_shapes` takes it.
     """
-    inferred = infer_shapes(proto)
+    inferred = infer_shapes(proto, checked)
     applied: set[str] = set()
     for _ in range(MAX_ROUNDS):
         if not _unknown_sizes(inferred):

@@ -43,8 +43,8 @@ _WIDEN_RUNS = 4
 _FIRST_SHARE = 0.15
 """Without a hint, a walk's first weight prices the fastest plan's memory over the capacity at this share of
 its time. Fitted: the 39.1B GPT's walks at 1, 4 and 6 micro-batches end at a weight pricing it at 16-18 %
-(at 3, at 25 times its time: the walk then widens to it). A walk ends where it would without it, in fewer
-runs when it is near (4 micro-batches unhinted: 7 runs where 10)."""
+(at 3, at 25 times its time: the walk then widens to it). A walk ends where it would without it (up to plans
+tied on one edge of the hull), in fewer runs when it is near (4 micro-batches unhinted: 7 runs where 10)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,8 @@ def _constrained_dp(
     the model has repeated blocks, with it, and the faster plan that fits wins. Last comes a bound
     no plan beats, memory aside (the fastest plan's time less the most the tie-break can add), or
     None where the fastest plan was not needed. A finite ``beat`` ends the walk as soon as no plan
-    that fits can beat it (`NothingFaster`). A ``hint`` weight is each walk's first run (`_walk`).
+    that fits can beat it (`NothingFaster`). A ``hint`` weight is each walk's first run (`_walk`); without
+    one, a weight pricing the excess memory at `_FIRST_SHARE` of the time.
     """
     base = problem.objective(data_parallel_choice(problem))
     offsets = tie_break_offsets(problem.node_time, base)
