@@ -166,13 +166,9 @@ def test_hugging_face_exports_with_computed_shapes_plan_and_verify_with_no_flag(
     assert report.ok, report.problems
 
 
-@pytest.mark.parametrize("path", sorted(Path("tests/data").glob("*.onnx")), ids=lambda path: path.stem)
-def test_inference_skips_data_propagation_only_where_it_would_find_nothing_more(path, monkeypatch):
-    """A file inferred with data propagation once is inferred at its next batch without it, where its graph
-    (its declared shapes cleared, as `bind_dimensions` leaves it) has no Shape or Size operator and every size
-    comes out known: the result is what inference with propagation gives. The files with shape arithmetic
-    (legacy Swin, T5 and Llama exports) still get it, and so does every file the first time."""
-    proto = bind_dimensions(onnx.load(path, load_external_data=False), None, {})
+@pytest.fixture
+def propagating(monkeypatch):
+    """Whether each ONNX shape inference call from here on propagates data (a list), and the real inference."""
     asked = []
     infer = shape_inference.infer_shapes
 
@@ -181,21 +177,25 @@ def test_inference_skips_data_propagation_only_where_it_would_find_nothing_more(
         return infer(model, *args, **kwargs)
 
     monkeypatch.setattr(shape_inference, "infer_shapes", recorded)
+    return asked, infer
+
+
+@pytest.mark.parametrize("path", sorted(Path("tests/data").glob("*.onnx")), ids=lambda path: path.stem)
+def test_inference_skips_data_propagation_only_where_it_would_find_nothing_more(path, propagating):
+    """A file inferred with data propagation once is inferred at its next batch without it, where its graph
+    (its declared shapes cleared, as `bind_dimensions` leaves it) has no Shape or Size operator and every size
+    comes out known: the result is what inference with propagation gives. The files with shape arithmetic
+    (legacy Swin, T5 and Llama exports) still get it, and so does every file the first time."""
+    proto = bind_dimensions(onnx.load(path, load_external_data=False), None, {})
+    asked, infer = propagating
     full = infer(proto, strict_mode=True, data_prop=True)
     assert bind._strict_inference(proto) == full and asked == [True]
     assert bind._strict_inference(proto, checked=True) == full
     assert asked[-1] == any(node.op_type in ("Shape", "Size") for node in proto.graph.node)
 
 
-def test_a_file_is_inferred_with_data_propagation_at_its_first_batch_only(monkeypatch):
-    asked = []
-    infer = shape_inference.infer_shapes
-
-    def recorded(model, *args, **kwargs):
-        asked.append(kwargs.get("data_prop", False))
-        return infer(model, *args, **kwargs)
-
-    monkeypatch.setattr(shape_inference, "infer_shapes", recorded)
+def test_a_file_is_inferred_with_data_propagation_at_its_first_batch_only(propagating, monkeypatch):
+    asked, _ = propagating
     monkeypatch.setattr(bind, "_PROPAGATED", type(bind._PROPAGATED)())  # as in a fresh process
     monkeypatch.setattr(bind, "_FILE_SHAPES", type(bind._FILE_SHAPES)())
     path = Path("tests/data/torch_gpt_dynamo.onnx")  # declared at a batch of 4

@@ -373,6 +373,13 @@ def _chunk_coefficients(
         wrong[rows] += was_prefix.astype(np.int64) - now_prefix
         grows[rows] += (now_wanted >= 0).astype(np.int64) - was_growing
 
+    def moving(
+        rows: np.ndarray, dim: np.ndarray, held_length: np.ndarray, held: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`_moving_runs` of these rows' dim ``dim``, whose last ``held_length`` bits are ``held``."""
+        targets = dst[pair[rows]]
+        return _moving_runs(table, targets, held_length, held, rows, width, length, want_length, want_code, prefix, dim)
+
     def _gather_on(rows: np.ndarray, dim: np.ndarray) -> None:
         """Rows that just gathered the last bit of ``dim``: while that dim is still wrong and its new last bit
         moves nowhere, gather it too, fused into the open step, as the rounds after would (most of a
@@ -385,19 +392,7 @@ def _chunk_coefficients(
             if not len(rows):
                 return
             held = flat_code[cell]
-            runs, _ = _moving_runs(
-                table,
-                dst[pair[rows]],
-                flat_length[cell],
-                held,
-                rows,
-                width,
-                length,
-                want_length,
-                want_code,
-                prefix,
-                dim,
-            )
+            runs, _ = moving(rows, dim, flat_length[cell], held)
             gathers = runs == 0
             rows, dim, cell, held = rows[gathers], dim[gathers], cell[gathers], held[gathers]
             if not len(rows):
@@ -422,19 +417,7 @@ def _chunk_coefficients(
             cell = rows * width + d
             flat_length, flat_code = _cells(length), _cells(code)
             held_length, held = flat_length[cell], flat_code[cell]
-            runs, target = _moving_runs(
-                table,
-                dst[pair[rows]],
-                held_length,
-                held,
-                rows,
-                width,
-                length,
-                want_length,
-                want_code,
-                prefix,
-                d,
-            )
+            runs, target = moving(rows, d, held_length, held)
             moved = runs > 0
             popped = np.maximum(runs, 1)
             run = held & _low_nibbles(popped)
