@@ -334,7 +334,7 @@ class _Shapes:
             if shape.stages == 1 and options.micro_batches is None and self._fits_whole(best):
                 continue  # one stage's fastest plan fits: micro-batches only repeat its work at smaller sizes
             if shape.stages == 1 and self._fewer_micro_batches_win(shape, bound):
-                continue  # a divisor's fastest plan, memory aside, does not beat the best: nor does this shape
+                continue  # a divisor's fastest plan (or its own), memory aside, does not beat the best: nor does this
             if shape.stages > 1 and options.pipeline_stages is None and self._memory_free(best):
                 continue  # stages are searched where memory binds one stage (or asked for)
             problem = self.problem(shape.stages, shape.micro_batches)
@@ -387,10 +387,9 @@ class _Shapes:
             self._fastest[shape.micro_batches] = fastest_s
 
     def _fewer_micro_batches_win(self, shape: PipelineShape, best_s: float) -> bool:
-        """Some micro-batch count dividing ``shape``'s had no plan faster than ``best_s``, memory aside."""
-        return any(
-            m != shape.micro_batches and shape.micro_batches % m == 0 and t >= best_s for m, t in self._fastest.items()
-        )
+        """Some micro-batch count dividing ``shape``'s had no plan faster than ``best_s``, memory aside: its own
+        too, where it was searched before (the whole batch, in its one-run check, `_visiting`)."""
+        return any(shape.micro_batches % m == 0 and t >= best_s for m, t in self._fastest.items())
 
     def _memory_free(self, best: _Searched | None) -> bool:
         """The best plan so far is one stage's and memory did not bind it: the fastest plan fit as it was (no
