@@ -153,11 +153,17 @@ def propagated(key: bytes | None) -> bool:
 
 
 def note_propagated(key: bytes | None) -> None:
+    """Remember that a file of this content was inferred with data propagation (the last 16 files)."""
     if key is not None:
-        _PROPAGATED[key] = None
-        _PROPAGATED.move_to_end(key)
-        while len(_PROPAGATED) > 16:
-            _PROPAGATED.popitem(last=False)
+        _remember(_PROPAGATED, key, None, 16)
+
+
+def _remember(cache: collections.OrderedDict, key: bytes, value: object, kept: int) -> None:
+    """Put ``value`` at ``key`` in a per-file-content cache, newest last, keeping the ``kept`` newest."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > kept:
+        cache.popitem(last=False)
 
 
 def _file_shapes(proto: onnx.ModelProto, key: bytes | None) -> dict[str, tuple[int, ...]] | None:
@@ -181,9 +187,7 @@ def _file_shapes(proto: onnx.ModelProto, key: bytes | None) -> dict[str, tuple[i
             for name, vi in value_infos(inferred).items()
             if vi.type.HasField("tensor_type")
         }
-    _FILE_SHAPES[key] = found
-    while len(_FILE_SHAPES) > _FILE_SHAPES_KEPT:
-        _FILE_SHAPES.popitem(last=False)
+    _remember(_FILE_SHAPES, key, found, _FILE_SHAPES_KEPT)
     return found
 
 

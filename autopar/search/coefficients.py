@@ -380,7 +380,7 @@ def _chunk_coefficients(
         targets = dst[pair[rows]]
         return _moving_runs(table, targets, held_length, held, rows, width, length, want_length, want_code, prefix, dim)
 
-    def _gather_on(rows: np.ndarray, dim: np.ndarray) -> None:
+    def gather_on(rows: np.ndarray, dim: np.ndarray) -> None:
         """Rows that just gathered the last bit of ``dim``: while that dim is still wrong and its new last bit
         moves nowhere, gather it too, fused into the open step, as the rounds after would (most of a
         redistribution's first steps are such runs of gathers)."""
@@ -436,7 +436,7 @@ def _chunk_coefficients(
             touch(to, into)
             total[rows[~moved]] -= 1
             step(rows, np.where(moved, _A2A, _AG), np.where(moved, target, d), mask, shift)
-            _gather_on(rows[~moved], d[~moved])
+            gather_on(rows[~moved], d[~moved])
         # 2. every dimension holds a prefix of its target: extend the first one still growing, by the run of
         # its next wanted bits that are all partial (ReduceScatter) or all not (slice): one step, as the
         # planner's one-bit steps of that run fuse into
