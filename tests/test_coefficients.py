@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from autopar.cost import CostModel
 from autopar.layout import Layout
 from autopar.redistribute import Collective
-from autopar.search.coefficients import KeySet, LayoutTable, PairCache, pair_coefficients
+from autopar.search.coefficients import KeySet, LayoutTable, PairCache, PairSlots, pair_coefficients
 from autopar.search.costing import redistribution_coefficients
 from tests.conftest import profile
 
@@ -139,3 +139,58 @@ def test_keys_within_sixteen_per_key_are_flagged_and_sparser_ones_sorted():
     assert dense.position(np.array([200, 64, 0, 127])).tolist() == [24, 21, 0, 23]
     sparse = KeySet.of([np.array([5, 10_000])])  # 10,000 >= 16 x 2
     assert sparse.words is None and sparse.position(np.array([10_000, 5])).tolist() == [1, 0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(case=layout_pairs(), data=st.data())
+def test_a_group_among_a_kept_one_takes_the_slots_looking_its_pairs_up_gives(case, data):
+    """A group of pairs whose layouts are all among a kept group's takes its slots from it: the slots
+    `slots_of` gives its pairs; one with a layout the kept group lacks is not taken from it."""
+    _, pairs = case
+    cost = CostModel(profile())
+    cache = PairCache()
+    sources = sorted({a for a, _ in pairs})
+    targets = sorted({b for _, b in pairs})
+    layouts = sorted({*sources, *targets})
+    index = {layout: i for i, layout in enumerate(layouts)}
+    table = LayoutTable.of(layouts)
+    numbers = cache.numbers([repr(layout).encode() for layout in layouts])
+    src_ids = np.array([index[a] for a in sources])
+    dst_ids = np.array([index[b] for b in targets])
+    grid = np.meshgrid(src_ids, dst_ids, indexing="ij")
+    forward = cache.slots_of(numbers, table, grid[0].reshape(-1), grid[1].reshape(-1), cost).reshape(grid[0].shape)
+    cache.keep("group", PairSlots(numbers[src_ids], numbers[dst_ids], forward, None))
+    some_src = data.draw(st.lists(st.sampled_from(list(src_ids)), min_size=1, unique=True))
+    some_dst = data.draw(st.lists(st.sampled_from(list(dst_ids)), min_size=1, unique=True))
+    taken = cache.reused("group", numbers[some_src], numbers[some_dst])
+    assert taken is not None
+    rows, columns = np.meshgrid(some_src, some_dst, indexing="ij")
+    assert np.array_equal(
+        taken.forward, cache.slots_of(numbers, table, rows.reshape(-1), columns.reshape(-1), cost).reshape(rows.shape)
+    )
+    assert cache.reused("group", np.array([max(numbers) + 1]), numbers[some_dst]) is None
+    assert cache.reused("another", numbers[some_src], numbers[some_dst]) is None
+
+
+def test_a_problem_costed_after_another_has_the_tables_it_has_costed_alone():
+    """Problems built one after another on one cost model (a smaller batch, fewer devices: their groups
+    taken from the first's) have the tables, and count the layout pairs, each has built alone."""
+    from autopar.graph import load_model
+    from autopar.search.costing import build_problem
+    from models.transformer import build_transformer
+
+    def graph(batch: int):
+        return load_model(build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, batch=batch))
+
+    shared = CostModel(profile())
+    built = [build_problem(graph(batch), shared, devices) for batch, devices in ((16, 16), (4, 16), (8, 8))]
+    for problem, (batch, devices) in zip(built, ((16, 16), (4, 16), (8, 8))):
+        alone = build_problem(graph(batch), CostModel(profile()), devices)
+        assert problem.pairs_costed == alone.pairs_costed and problem.layouts_costed == alone.layouts_costed
+        assert len(problem.factors) == len(alone.factors)
+        for mine, theirs in zip(problem.factors, alone.factors):
+            assert mine.scope == theirs.scope and np.array_equal(mine.table, theirs.table)
+        for (_, mine), (_, theirs) in zip(problem.folds, alone.folds):
+            for f, g in zip((*mine.first, *mine.later), (*theirs.first, *theirs.later)):
+                assert np.array_equal(f.table, g.table)
+    assert PairCache.of(shared).groups  # the later problems had groups to take from

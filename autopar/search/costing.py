@@ -26,7 +26,7 @@ from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
 from autopar.redistribute import Collective, symbolic_steps
-from autopar.search.coefficients import KeySet, LayoutTable, PairCache
+from autopar.search.coefficients import KeySet, LayoutTable, PairCache, PairSlots
 from autopar.search.dataflow import Dataflow, TensorUse
 from autopar.search.dp import Factor
 from autopar.search.fold import RunEdges, Solver
@@ -693,8 +693,8 @@ def _twins(
         ends = (src_ids.tobytes(), src_pos.tobytes(), dst_ids.tobytes(), dst_pos.tobytes())
         edges.append((use.src_node, use.dst_node, keys.setdefault((*ends, *table), len(keys))))
     node_keys: list[tuple | None] = []
-    for c in costs:
-        if c.parameter_elements:
+    for node, c in enumerate(costs):
+        if c.parameter_elements or region[node] < 0:  # never tied either way: no key to make
             node_keys.append(None)
             continue
         arrays = (c.compute, c.forward, c.communication, c.gradient_sync, c.scatter, c.gather, c.memory)
@@ -714,61 +714,39 @@ def _edge_costs(
     A use costs its forward redistribution and, where a gradient comes back, the redistribution
     the runtime runs for it: from the consumer's layout, partial over the bits its gradient is
     partial on, to the producer's (`lowering.lower.gradient_paths`)."""
-    rows = layouts.rows
     groups: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, np.ndarray, bool, bool]] = {}
+    names: dict[tuple[bytes, bytes, bool, bool], tuple] = {}  # a group's name: its first use and its entry
     sources = [layouts.source(use, entry_of.get(index)) for index, use in enumerate(uses)]
     keys = []
-    for use, (src_ids, _, _) in zip(uses, sources):
+    for index, (use, (src_ids, _, _)) in enumerate(zip(uses, sources)):
         dst_ids = layouts.target(use)[0]
         keys.append((src_ids.tobytes(), dst_ids.tobytes(), layouts.carries(use), layouts.accepts(use)))
-        groups.setdefault(keys[-1], (src_ids, dst_ids, *keys[-1][2:]))
+        if keys[-1] not in groups:
+            groups[keys[-1]] = (src_ids, dst_ids, *keys[-1][2:])
+            ends = (use.src_node, use.src_slot, use.src_is_output, use.dst_node, use.dst_slot, entry_of.get(index))
+            names[keys[-1]] = (*ends, *keys[-1][2:])
     cells = sum(len(a) * len(b) for a, b, _, _ in groups.values())
     if cells > 2 * MAX_LAYOUT_PAIRS:
         raise TooLargeError(
             f"The edges between operators pair {cells:,} layouts on {flow.num_devices:,} devices (limit"
             f" {2 * MAX_LAYOUT_PAIRS:,}): costing them would take minutes and gigabytes; use fewer devices."
         )
-    # forward: from the source's layout (a fork's rows carry gradient bits its forward lacks) to the
-    # consumer's, whole; back: from the consumer's, partial where its gradient is, to the source's,
-    # whole or partial over the bits a fork takes it partial over (`_Backward`)
-    forwards = {key: layouts.whole(src) if accepts else src for key, (src, _, _, accepts) in groups.items()}
-    wholes = {key: layouts.whole(dst_ids) for key, (_, dst_ids, _, _) in groups.items()}
-    backwards = {key: _Backward.of(layouts, *group) for key, group in groups.items() if group[2]}
-    count = len(rows)
-    forward_keys, backward_keys = [], []
-    for key in groups:
-        forward_keys.append((forwards[key][:, None] * count + wholes[key][None, :]).reshape(-1))
-        if key in backwards:
-            backward_keys.append(backwards[key].keys(count).reshape(-1))
-    forward_pairs = KeySet.of(forward_keys)
-    if len(forward_pairs) > MAX_LAYOUT_PAIRS:
-        raise TooLargeError(
-            f"{len(forward_pairs):,} distinct redistributions between layouts would have to be costed on"
-            f" {flow.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}, about a minute); use fewer devices."
-        )
-    pairs = KeySet.of([forward_pairs.keys, *backward_keys])
-    unique = pairs.keys
-    width = max((len(length) for length, _, _ in rows), default=1) or 1
-    lengths = np.zeros((len(rows), width), dtype=np.int64)
-    codes = np.zeros((len(rows), width), dtype=np.uint64)
-    for index, (length, code, _) in enumerate(rows):
-        lengths[index, : len(length)] = length
-        codes[index, : len(code)] = code
-    table = LayoutTable(lengths, codes, np.array([partial for _, _, partial in rows], dtype=np.int64))
-    latency, per_byte = PairCache.of(flow.cost).coefficients(
-        list(layouts.ids), table, unique // count, unique % count, flow.cost
-    )
-
-    def look_up(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        where = pairs.position(keys)
-        return latency[where], per_byte[where]
-
+    cache = PairCache.of(flow.cost)
+    numbers = cache.numbers(list(layouts.ids))
+    slots = {key: cache.reused(names[key], numbers[src], numbers[dst]) for key, (src, dst, _, _) in groups.items()}
+    if all(found is not None for found in slots.values()):
+        _number_delivered(layouts, groups)
+        distinct = _distinct_pairs(flow, cache, [found for found in slots.values() if found is not None])
+    else:
+        distinct = _costed_slots(flow, layouts, groups, names, cache, slots)
+    latency, per_byte = cache.values
     per_group: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, ...]] = {}
-    for key in groups:
-        forward = look_up(forwards[key][:, None] * count + wholes[key][None, :])
-        if key in backwards:
-            backward_latency, backward_per_byte = look_up(backwards[key].keys(count))
-            per_group[key] = (*forward, forward[0] + backward_latency.T, forward[1] + backward_per_byte.T)
+    for key, found in slots.items():
+        assert found is not None  # every group's slots are known now
+        forward = (latency[found.forward], per_byte[found.forward])
+        if found.backward is not None:
+            backward = found.backward
+            per_group[key] = (*forward, forward[0] + latency[backward].T, forward[1] + per_byte[backward].T)
         else:
             per_group[key] = (*forward, *forward)
 
@@ -789,7 +767,88 @@ def _edge_costs(
         else:
             pair = _factor(use, src_pos, dst_pos, small), _factor(use, entry_pos, dst_pos, small)
         factors.append((pair[0], np.ascontiguousarray(forward), pair[1]))
-    return factors, len(rows), len(unique)
+    return factors, len(layouts.rows), distinct
+
+
+def _too_many_pairs(flow: Dataflow, count: int) -> None:
+    if count > MAX_LAYOUT_PAIRS:
+        raise TooLargeError(
+            f"{count:,} distinct redistributions between layouts would have to be costed on"
+            f" {flow.num_devices:,} devices (limit {MAX_LAYOUT_PAIRS:,}, about a minute); use fewer devices."
+        )
+
+
+def _number_delivered(
+    layouts: _Layouts, groups: Mapping[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, np.ndarray, bool, bool]]
+) -> None:
+    """Number the layouts the groups' redistributions deliver, whole or partial only where a fork takes a
+    gradient so (`_costed_slots`' rows, which the count of layouts costed takes in), costing nothing."""
+    for src, dst, carries, accepts in groups.values():
+        layouts.whole(dst)
+        if accepts:
+            layouts.whole(src)
+        if carries:
+            kept = layouts.partial(src) if accepts else np.zeros(1, dtype=np.int64)
+            for mask in sorted(set(kept.tolist())):
+                layouts.without(dst, mask)
+            layouts.whole(src)
+
+
+def _distinct_pairs(flow: Dataflow, cache: PairCache, groups: Sequence[PairSlots]) -> int:
+    """How many distinct layout pairs groups whose pairs were all costed before have (a pair has one
+    slot); refused as `_costed_slots` refuses, where their forward pairs are too many."""
+    seen = np.zeros(len(cache.values[0]), dtype=bool)
+    for found in groups:
+        seen[found.forward] = True
+    _too_many_pairs(flow, int(np.count_nonzero(seen)))
+    for found in groups:
+        if found.backward is not None:
+            seen[found.backward] = True
+    return int(np.count_nonzero(seen))
+
+
+def _costed_slots(
+    flow: Dataflow,
+    layouts: _Layouts,
+    groups: Mapping[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, np.ndarray, bool, bool]],
+    names: Mapping[tuple[bytes, bytes, bool, bool], tuple],
+    cache: PairCache,
+    slots: dict[tuple[bytes, bytes, bool, bool], PairSlots | None],
+) -> int:
+    """The slots of the groups ``slots`` has none for (into ``slots``, each kept in the cache for the
+    problems after), costing the layout pairs not costed before; then how many distinct pairs the
+    groups have, all of them. Refused before any costing where the distinct forward pairs are too many."""
+    rows = layouts.rows
+    # forward: from the source's layout (a fork's rows carry gradient bits its forward lacks) to the
+    # consumer's, whole; back: from the consumer's, partial where its gradient is, to the source's,
+    # whole or partial over the bits a fork takes it partial over (`_Backward`)
+    forwards = {key: layouts.whole(src) if accepts else src for key, (src, _, _, accepts) in groups.items()}
+    wholes = {key: layouts.whole(dst_ids) for key, (_, dst_ids, _, _) in groups.items()}
+    backwards = {key: _Backward.of(layouts, *group) for key, group in groups.items() if group[2]}
+    count = len(rows)
+    forward_keys = {key: (forwards[key][:, None] * count + wholes[key][None, :]) for key in groups}
+    backward_keys = {key: backward.keys(count) for key, backward in backwards.items()}
+    forward_pairs = KeySet.of([keys.reshape(-1) for keys in forward_keys.values()])
+    _too_many_pairs(flow, len(forward_pairs))
+    pairs = KeySet.of([forward_pairs.keys, *(keys.reshape(-1) for keys in backward_keys.values())])
+    unique = pairs.keys
+    width = max((len(length) for length, _, _ in rows), default=1) or 1
+    lengths = np.zeros((len(rows), width), dtype=np.int64)
+    codes = np.zeros((len(rows), width), dtype=np.uint64)
+    for index, (length, code, _) in enumerate(rows):
+        lengths[index, : len(length)] = length
+        codes[index, : len(code)] = code
+    table = LayoutTable(lengths, codes, np.array([partial for _, _, partial in rows], dtype=np.int64))
+    numbers = cache.numbers(list(layouts.ids))  # the rows numbered since too (partial rows made whole)
+    where = cache.slots_of(numbers, table, unique // count, unique % count, flow.cost)
+    for key, (src, dst, _, _) in groups.items():
+        if slots[key] is not None:
+            continue  # taken from a group kept before, which stays kept
+        backward = where[pairs.position(backward_keys[key])] if key in backward_keys else None
+        found = PairSlots(numbers[src], numbers[dst], where[pairs.position(forward_keys[key])], backward)
+        cache.keep(names[key], found)
+        slots[key] = found
+    return len(unique)
 
 
 @dataclass(frozen=True)
