@@ -208,14 +208,6 @@ class PairCache:
         """Each packed layout row's number, given a new one where it has none."""
         return np.asarray([self.rows.setdefault(row, len(self.rows)) for row in rows], dtype=np.int64)
 
-    def coefficients(
-        self, rows: Sequence[bytes], table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """`pair_coefficients` of ``src`` -> ``dst`` (indices of ``table``, whose packed rows are
-        ``rows``), costing only the pairs not costed before."""
-        slots = self.slots_of(self.numbers(rows), table, src, dst, cost)
-        return self.values[0][slots], self.values[1][slots]
-
     def slots_of(
         self, numbers: np.ndarray, table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
     ) -> np.ndarray:
@@ -252,13 +244,15 @@ class PairCache:
         self.slots = _merged(self.slots, slots, kept, placed)
         return found
 
-    def keep(self, name: Hashable, slots: "PairSlots") -> None:
-        """Keep a group's slots under its name (the latest group of a name replaces the one before), in
-        32 bits where they fit (half the memory: a 1024-device GPT's groups hold 30 million)."""
+    def keep(self, name: Hashable, slots: "PairSlots") -> "PairSlots":
+        """Keep a group's slots under its name, and give them back as kept: in 32 bits where they fit
+        (a 1024-device GPT's groups hold 30 million slots, 120 MB so). The latest group of a name
+        replaces the one before, and groups stay as long as the cost model does."""
         if len(self.values[0]) < 2**31:
             backward = None if slots.backward is None else slots.backward.astype(np.int32)
             slots = PairSlots(slots.sources, slots.targets, slots.forward.astype(np.int32), backward)
         self.groups[name] = slots
+        return slots
 
     def reused(self, name: Hashable, sources: np.ndarray, targets: np.ndarray) -> "PairSlots | None":
         """The slots of a group whose source and target layouts (numbers) are all among those of the
@@ -275,9 +269,9 @@ class PairCache:
 
 @dataclass(frozen=True)
 class PairSlots:
-    """The slots (`PairCache.values`) of a group of edges' layout pairs: ``forward`` per source and
-    target layout (numbers ``sources`` and ``targets``), ``backward`` (the gradient's way, None where
-    none comes back) per target and source layout."""
+    """The slots (`PairCache.values`) of a group of edges' layout pairs: ``forward`` a row per source and
+    a column per target layout (numbers ``sources`` and ``targets``), ``backward`` (the gradient's way,
+    None where none comes back) a row per target and a column per source layout."""
 
     sources: np.ndarray
     targets: np.ndarray
@@ -296,8 +290,9 @@ def _places(held: np.ndarray, wanted: np.ndarray) -> np.ndarray | None:
     if not len(held):
         return None
     order = np.argsort(held, kind="stable")
-    at = np.minimum(np.searchsorted(held[order], wanted), len(held) - 1)
-    return order[at] if np.array_equal(held[order][at], wanted) else None
+    ordered = held[order]
+    at = np.minimum(np.searchsorted(ordered, wanted), len(held) - 1)
+    return order[at] if np.array_equal(ordered[at], wanted) else None
 
 
 def _merged(old: np.ndarray, new: np.ndarray, kept: np.ndarray, placed: np.ndarray) -> np.ndarray:

@@ -781,16 +781,15 @@ def _too_many_pairs(flow: Dataflow, count: int) -> None:
 def _number_delivered(
     layouts: _Layouts, groups: Mapping[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, np.ndarray, bool, bool]]
 ) -> None:
-    """Number the layouts the groups' redistributions deliver, whole or partial only where a fork takes a
-    gradient so (`_costed_slots`' rows, which the count of layouts costed takes in), costing nothing."""
+    """Number the layout rows `_costed_slots` numbers beyond the groups' own (the whole rows a
+    redistribution delivers, the consumer rows a gradient's way back starts from), costing nothing: the
+    count of layouts costed is the same whichever of the two costs the edges."""
     for src, dst, carries, accepts in groups.values():
-        layouts.whole(dst)
         if accepts:
             layouts.whole(src)
+        layouts.whole(dst)
         if carries:
-            kept = layouts.partial(src) if accepts else np.zeros(1, dtype=np.int64)
-            for mask in sorted(set(kept.tolist())):
-                layouts.without(dst, mask)
+            _Backward.starts(layouts, src, dst, accepts)
             layouts.whole(src)
 
 
@@ -846,8 +845,7 @@ def _costed_slots(
             continue  # taken from a group kept before, which stays kept
         backward = where[pairs.position(backward_keys[key])] if key in backward_keys else None
         found = PairSlots(numbers[src], numbers[dst], where[pairs.position(forward_keys[key])], backward)
-        cache.keep(names[key], found)
-        slots[key] = found
+        slots[key] = cache.keep(names[key], found)
     return len(unique)
 
 
@@ -869,11 +867,20 @@ class _Backward:
     ) -> "_Backward":
         """``accepts``: the source is a fork, whose rows' partial bits are those it takes the gradient
         partial over (any other source's are its forward's, which its gradient never is)."""
-        kept = layouts.partial(src_ids) if accepts else np.zeros(len(src_ids), dtype=np.int64)
+        kept, starts = cls.starts(layouts, src_ids, dst_ids, accepts)
         dst = np.empty((len(dst_ids), len(src_ids)), dtype=np.int64)
-        for mask in sorted(set(kept.tolist())):
-            dst[:, kept == mask] = layouts.without(dst_ids, mask)[:, None]
+        for mask, rows in starts.items():
+            dst[:, kept == mask] = rows[:, None]
         return cls(dst, layouts.whole(src_ids))
+
+    @staticmethod
+    def starts(
+        layouts: _Layouts, src_ids: np.ndarray, dst_ids: np.ndarray, accepts: bool
+    ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """Per source row, the bits its gradient is taken partial over (none but a fork's), and per such
+        set of bits the consumer rows less them: where the ways back start."""
+        kept = layouts.partial(src_ids) if accepts else np.zeros(len(src_ids), dtype=np.int64)
+        return kept, {mask: layouts.without(dst_ids, mask) for mask in sorted(set(kept.tolist()))}
 
     def keys(self, count: int) -> np.ndarray:
         """The (consumer row, source row) pair keys, numbered as `_edge_costs` numbers pairs."""
