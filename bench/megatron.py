@@ -139,9 +139,9 @@ def main() -> None:
         return
     print(
         "| model | GPUs | Megatron's config | its predicted TF/GPU (vs published) | autopar's plan | predicted TF/GPU |"
-        " plan wall | plan RSS |"
+        " plan wall | plan RSS | where the planning time goes |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         for name in args.rows.split(","):
             layers, hidden, _, gpus, batch, tp, pp, published = ROWS[name]
@@ -155,9 +155,16 @@ def main() -> None:
                 f"| {name} | {gpus} | TP {tp}, PP {pp}: {describe(theirs)} |"
                 f" {tf_cell(theirs, flops, gpus, published)} |"
                 f" {describe(ours)} | {tf_cell(ours, flops, gpus, published)} | {ours['wall']:.1f} s |"
-                f" {ours['rss'] / 2**30:.2f} GiB |",
+                f" {ours['rss'] / 2**30:.2f} GiB | {phases(ours)} |",
                 flush=True,
             )
+
+
+def phases(result: dict) -> str:
+    """The plan's phases in seconds (`search.phases_s`: import, costing, search, lowering); the rest of the
+    wall is the process starting, reading the file and writing the plan."""
+    found = result.get("plan", {}).get("search", {}).get("phases_s") or {}
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in found.items()) or "-"
 
 
 def tf_cell(result: dict, flops: float, gpus: int, published: float) -> str:

@@ -216,3 +216,46 @@ def test_a_step_sums_and_minimises_the_same_in_slabs_of_rows_or_of_blocks(cells,
             for part in parts[1:]:
                 whole = whole + part
             assert np.array_equal(dp._sum_min(parts), whole.min(axis=-1))
+
+
+def test_an_elimination_of_a_structure_planned_before_takes_its_plan(monkeypatch):
+    """Planning reads the structure only (candidate counts, scopes, class maps, table shapes, kept operators,
+    ties, the limits), so a second elimination of the same structure takes the first one's plan without
+    planning, and runs to the same minimum on other tables; a class map or a limit that differs plans anew."""
+    from autopar.search import dp
+
+    sizes, factors, unary = _routed_cycle(0)
+    first = Elimination(sizes, factors)
+    planned = []
+    monkeypatch.setattr(Elimination, "_plan", lambda self, rule: planned.append(rule) or pytest.fail("planned"))
+    rng = np.random.default_rng(1)
+    other = [Factor(f.scope, f.maps, rng.random(f.table.shape)) for f in factors]
+    again = Elimination(sizes, other)
+    assert again.steps is first.steps and not planned
+    fresh = dp._PLANS.copy()
+    monkeypatch.undo()
+    dp._PLANS.clear()
+    assert Elimination(sizes, other).run(unary).backtrack() == again.run(unary).backtrack()
+    dp._PLANS.update(fresh)
+    merged = [Factor(f.scope, (np.zeros_like(f.maps[0]), f.maps[1]), f.table[:1]) for f in factors[:1]]
+    assert Elimination(sizes, merged + factors[1:]).steps is not first.steps
+    monkeypatch.setattr(dp, "MAX_TABLE_ENTRIES", 300)
+    assert Elimination(sizes, factors).steps is not first.steps
+
+
+def test_a_search_given_the_runs_of_one_before_it_takes_them_and_finds_the_same_plan(monkeypatch):
+    """`SearchCache`: a second search of one problem takes the first's solver and its DP runs at the weights
+    both try (the fastest plan's, at weight 0) and finds the plan a search without them finds."""
+    from autopar.search.driver import SearchCache
+
+    model = random_model(3)
+    problem = build_problem(load_model(model), CostModel(profile()), 4)
+    cache = SearchCache()
+    first = run_search(problem, cache=cache)
+    assert cache.solver is not None and (0.0, False, 1.0) in cache.runs
+    runs = []
+    original = Solver.minimise
+    monkeypatch.setattr(Solver, "minimise", lambda self, unary: runs.append(1) or original(self, unary))
+    again = run_search(problem, cache=cache)
+    assert not runs and again.choice == first.choice
+    assert run_search(problem).choice == first.choice and runs

@@ -46,6 +46,7 @@ from autopar.options import (
 from autopar.search.costing import build_problem, meeting_layouts
 from autopar.search.driver import (
     NothingFaster,
+    SearchCache,
     SearchResult,
     parameter_state_bytes,
     run_search,
@@ -253,6 +254,7 @@ class _Shapes:
         self._graphs: dict[int, Graph | ModelImportError] = {1: graph}  # per micro-batch count, for every stage count
         self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
         self._hint = 0.0  # the memory weight the last search that memory bound settled on: the next tries it first
+        self._single_runs = SearchCache()  # the whole batch is searched twice where memory binds (`_visiting`)
         single = self.problem(1, 1)
         assert single is not None  # the whole batch on every device: its errors are the user's
         self.single = single
@@ -359,8 +361,9 @@ class _Shapes:
                 f" stage{'s' if stages > 1 else ''}: {why}"
             ) from None
         if best is None:
-            run_search(self.single, mode, algorithm, options.recompute)  # raises when one stage does not fit: its
-            raise InfeasibleError(  # sentence says what does not fit and how many devices would hold it
+            # raises when one stage does not fit: its sentence says what does not fit and how many devices would hold it
+            run_search(self.single, mode, algorithm, options.recompute, cache=self._single_runs)
+            raise InfeasibleError(
                 f"No plan with the pipeline stages and micro-batches asked for fits in device memory on"
                 f" {options.num_devices} devices; leave them to the search."
             )
@@ -408,8 +411,9 @@ class _Shapes:
         started = time.perf_counter()
         if shape.stages == 1:  # the whole model as one stage (over the micro-batches: gradient accumulation)
             stage = problem if shape == ONE_STAGE else stage_problem(problem, 0, problem.size, shape, 0)
+            cache = self._single_runs if stage is self.single else None
             try:
-                found = run_search(stage, mode, algorithm, options.recompute, bound, self._hint)
+                found = run_search(stage, mode, algorithm, options.recompute, bound, self._hint, cache)
             except NothingFaster as beaten:
                 self._note_fastest(shape, beaten.fastest_s)
                 return None

@@ -67,6 +67,17 @@ class SearchResult:
     fastest_s: float | None = None
 
 
+@dataclass
+class SearchCache:
+    """What a DP search of one problem computes that a later search of the same problem takes again: its
+    solver and the plan of each DP run, by memory weight (a run is a function of the problem and its weight).
+    A pipeline search asks first whether the whole batch's fastest plan fits, and where it does not, searches
+    the whole batch again later, with a bound: that search starts from the same fastest plan."""
+
+    solver: Solver | None = None
+    runs: dict[tuple[float, bool, float], "_Point"] = field(default_factory=dict)
+
+
 class NothingFaster(InfeasibleError):
     """No plan of the problem that fits beats the bound the search was given (a search of one
     pipeline shape among several, or of one stage, that cannot win). ``fastest_s``: as
@@ -93,12 +104,14 @@ def run_search(
     recompute: bool | None = None,
     bound: float = math.inf,
     hint: float = 0.0,
+    cache: SearchCache | None = None,
 ) -> SearchResult:
     """The plan of ``mode`` on ``problem``; ``recompute`` True (False) makes every plan recompute the repeated
     blocks' forward (keep every activation); None leaves it to the memory walk. With a finite ``bound``
     (seconds) the DP's memory walk stops, raising `NothingFaster`, once no plan that fits can beat it.
     ``hint``: a memory weight to try first where memory binds (the multiplier a like problem settled on,
-    such as another micro-batch count's): it changes how many DP runs the walk takes, not where it ends."""
+    such as another micro-batch count's): it changes how many DP runs the walk takes, not where it ends.
+    ``cache``: the same problem's earlier searches' solver and DP runs, taken again (and filled)."""
     start = time.perf_counter()
     capacity = problem.cost.capacity
     multiplier = 0.0
@@ -115,8 +128,11 @@ def run_search(
         choice, choices = solve_ilp(problem, capacity, recompute=recompute)
         used = "ilp"
     else:
-        solver = Solver.of(problem)
-        choice, choices, multiplier, fastest = _constrained_dp(problem, solver, capacity, recompute, bound, hint)
+        cache = cache if cache is not None else SearchCache()
+        solver = cache.solver = cache.solver or Solver.of(problem)
+        choice, choices, multiplier, fastest = _constrained_dp(
+            problem, solver, capacity, recompute, bound, hint, cache.runs
+        )
         used, states = algorithm, solver.states()
     memory = problem.memory(choice, choices)
     if memory > capacity:
@@ -141,6 +157,7 @@ def _constrained_dp(
     recompute: bool | None = None,
     beat: float = math.inf,
     hint: float = 0.0,
+    runs: dict[tuple[float, bool, float], _Point] | None = None,
 ) -> tuple[list[int], MemoryChoices, float, float | None]:
     """The fastest plan that fits, by a walk along the Lagrangian's lower hull of (time, memory).
 
@@ -154,14 +171,23 @@ def _constrained_dp(
     no plan beats, memory aside (the fastest plan's time less the most the tie-break can add), or
     None where the fastest plan was not needed. A finite ``beat`` ends the walk as soon as no plan
     that fits can beat it (`NothingFaster`). A ``hint`` weight is each walk's first run (`_walk`); without
-    one, a weight pricing the excess memory at `_FIRST_SHARE` of the time.
+    one, a weight pricing the excess memory at `_FIRST_SHARE` of the time. ``runs``: DP runs of this problem
+    made before, by (weight, recompute, time scale), taken instead of running again (and filled).
     """
     base = problem.objective(data_parallel_choice(problem))
     offsets = tie_break_offsets(problem.node_time, base)
     slack = TIE_BREAK_FRACTION * max(base, 1e-12)  # the most the tie-break adds to a plan's time
     beat_seen = beat + slack  # a plan faster than ``beat`` is seen below this
 
+    runs = runs if runs is not None else {}
+
     def solve(weight: float, recompute: bool, time_scale: float = 1.0) -> _Point:
+        key = (weight, recompute, time_scale)
+        if key not in runs:
+            runs[key] = run(weight, recompute, time_scale)
+        return runs[key]
+
+    def run(weight: float, recompute: bool, time_scale: float) -> _Point:
         unary, takes = problem.lagrangian(weight, recompute, time_scale)
         solver.bind(problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
         choice = solver.minimise([u + time_scale * o for u, o in zip(unary, offsets)])

@@ -25,7 +25,8 @@ from typing import Protocol
 
 import numpy as np
 
-from autopar.search.dp import Elimination, Factor, Solved, joint_classes
+from autopar.limits import WORKERS
+from autopar.search.dp import PARALLEL_CELLS, Elimination, Factor, Solved, joint_classes, thread_pool
 from autopar.search.repeats import Repeat
 
 _PRODUCT_CHUNK_CELLS = 1 << 22  # cells of the temporary in one block of a min-plus product
@@ -78,11 +79,22 @@ def min_plus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     out = np.empty((a.shape[0], b.shape[1]))
     arg = np.empty((a.shape[0], b.shape[1]), dtype=np.int64)
     columns = np.ascontiguousarray(b.T)  # the summed index last: one contiguous pass finds the argmin
-    for start in range(0, a.shape[0], rows):
-        block = a[start : start + rows, None, :] + columns[None, :, :]
-        best = np.argmin(block, axis=2)
-        arg[start : start + rows] = best
-        out[start : start + rows] = np.take_along_axis(block, best[..., None], axis=2)[..., 0]
+
+    def blocks(first: int, last: int) -> None:
+        for start in range(first, last, rows):
+            stop = min(last, start + rows)
+            block = a[start:stop, None, :] + columns[None, :, :]
+            best = np.argmin(block, axis=2)
+            arg[start:stop] = best
+            out[start:stop] = np.take_along_axis(block, best[..., None], axis=2)[..., 0]
+
+    # a large product: its rows split between threads as a large elimination step's are (each row the same)
+    workers = min(WORKERS, a.shape[0], max(1, a.shape[0] * a.shape[1] * b.shape[1] // PARALLEL_CELLS))
+    if workers <= 1:
+        blocks(0, a.shape[0])
+        return out, arg
+    bounds = np.linspace(0, a.shape[0], workers + 1).astype(int)
+    list(thread_pool().map(blocks, bounds[:-1], bounds[1:]))
     return out, arg
 
 
