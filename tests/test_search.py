@@ -245,7 +245,8 @@ def test_an_elimination_of_a_structure_planned_before_takes_its_plan(monkeypatch
 
 def test_a_search_given_the_runs_of_one_before_it_takes_them_and_finds_the_same_plan(monkeypatch):
     """`SearchCache`: a second search of one problem takes the first's solver and its DP runs at the weights
-    both try (the fastest plan's, at weight 0) and finds the plan a search without them finds."""
+    both try (the fastest plan's, at weight 0) and finds the plan a search without them finds; it serves
+    no other problem, even an equal one."""
     from autopar.search.driver import SearchCache
 
     model = random_model(3)
@@ -259,3 +260,6 @@ def test_a_search_given_the_runs_of_one_before_it_takes_them_and_finds_the_same_
     again = run_search(problem, cache=cache)
     assert not runs and again.choice == first.choice
     assert run_search(problem).choice == first.choice and runs
+    other = build_problem(load_model(model), CostModel(profile()), 4)
+    with pytest.raises(ValueError, match="one problem"):
+        run_search(other, cache=cache)

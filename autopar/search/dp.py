@@ -188,7 +188,8 @@ class Elimination:
         limits = (ORDERS, SMALL_WORK, MAX_TABLE_ENTRIES, MAX_TABLE_LEFT)
         digest.update(repr((self.sizes, self.keep, self.ties, limits)).encode())
         for factor in self.initial:
-            digest.update(repr((factor.scope, factor.table.shape, [m.dtype.str for m in factor.maps])).encode())
+            maps = [(m.dtype.str, m.shape) for m in factor.maps]
+            digest.update(repr((factor.scope, factor.table.shape, maps)).encode())
             for classes in factor.maps:
                 digest.update(np.ascontiguousarray(classes).tobytes())
         return digest.digest()

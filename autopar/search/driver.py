@@ -1,7 +1,8 @@
 """Run a search mode on a costed problem, with device memory as a constraint.
 
 The driver owns the solver: it plans one (`fold.Solver`) on the problem's arrays for each DP
-search and binds it to the tables each memory choice needs; nothing is stored on the problem.
+search, or takes the one a `SearchCache` kept from an earlier search of the same problem, and binds
+it to the tables each memory choice needs; nothing is stored on the problem.
 
 Memory enters through a Lagrangian weight: if the fastest plan does not fit, the DP is rerun
 with ``time + lambda * memory``, walking the lower hull of (time, memory) to the best plan on
@@ -70,12 +71,22 @@ class SearchResult:
 @dataclass
 class SearchCache:
     """What a DP search of one problem computes that a later search of the same problem takes again: its
-    solver and the plan of each DP run, by memory weight (a run is a function of the problem and its weight).
-    A pipeline search asks first whether the whole batch's fastest plan fits, and where it does not, searches
-    the whole batch again later, with a bound: that search starts from the same fastest plan."""
+    solver and the plan of each DP run, by (memory weight, recompute, time scale): a run is a function of
+    the problem and those. A pipeline search asks first whether the whole batch's fastest plan fits, and
+    where it does not, searches the whole batch again later, with a bound: that search starts from the same
+    fastest plan. A cache serves the one problem it was first given (another is refused)."""
 
     solver: Solver | None = None
     runs: dict[tuple[float, bool, float], "_Point"] = field(default_factory=dict)
+    problem: SearchProblem | None = None
+
+    def serving(self, problem: SearchProblem) -> "SearchCache":
+        """This cache, bound to ``problem`` (a ValueError for a cache of another problem)."""
+        if self.problem is None:
+            self.problem = problem
+        elif self.problem is not problem:
+            raise ValueError("a search cache serves the one problem it was first given")
+        return self
 
 
 class NothingFaster(InfeasibleError):
@@ -128,7 +139,7 @@ def run_search(
         choice, choices = solve_ilp(problem, capacity, recompute=recompute)
         used = "ilp"
     else:
-        cache = cache if cache is not None else SearchCache()
+        cache = (cache if cache is not None else SearchCache()).serving(problem)
         solver = cache.solver = cache.solver or Solver.of(problem)
         choice, choices, multiplier, fastest = _constrained_dp(
             problem, solver, capacity, recompute, bound, hint, cache.runs

@@ -69,7 +69,8 @@ class _Product:
 
 
 def min_plus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(C, argmin) with C[i, j] = min_k a[i, k] + b[k, j], in blocks of rows to bound memory.
+    """(C, argmin) with C[i, j] = min_k a[i, k] + b[k, j], in blocks of rows to bound memory (a large
+    product's rows split between threads, each summing one block at a time).
 
     >>> c, k = min_plus(np.array([[0.0, 1.0]]), np.array([[5.0], [1.0]]))
     >>> float(c[0, 0]), int(k[0, 0])
