@@ -159,14 +159,14 @@ def test_overlap_windows_do_not_depend_on_folding(monkeypatch):
 def test_a_min_plus_product_split_between_threads_is_the_same_bit_for_bit(shape, monkeypatch):
     """A large product's rows are split between threads: every entry and every argmin (the first of equal
     sums) is what one thread finds, ties included."""
-    from autopar.search import fold
+    from autopar.search import dp, fold
 
     rows, inner, columns = shape
     rng = np.random.default_rng(rows)
     a = rng.integers(0, 4, (rows, inner)).astype(float)  # small integers: many equal sums
     b = rng.integers(0, 4, (inner, columns)).astype(float)
     alone = fold.min_plus(a, b)
-    monkeypatch.setattr(fold, "PARALLEL_CELLS", 1)
+    monkeypatch.setattr(dp, "_PARALLEL_CELLS", 1)
     monkeypatch.setattr(fold, "_PRODUCT_CHUNK_CELLS", 8)
     shared = fold.min_plus(a, b)
     assert np.array_equal(alone[0], shared[0]) and np.array_equal(alone[1], shared[1])

@@ -32,7 +32,7 @@ import functools
 import hashlib
 import heapq
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -454,7 +454,7 @@ def _merge_parts(parts: list[np.ndarray]) -> list[np.ndarray]:
 
 
 _SLAB_CELLS = 1 << 18  # entries of the summed table held at once (2 MB): it stays in cache
-PARALLEL_CELLS = 1 << 22  # a step this large is shared between threads
+_PARALLEL_CELLS = 1 << 22  # a step this large is shared between threads
 
 
 def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
@@ -491,14 +491,19 @@ def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
                 pieces = [piece[:, left:right] if piece.shape[1] > 1 else piece for piece in block]
                 _add_min(pieces, buffer[:, : right - left], out[start:stop, left:right])
 
-    workers = min(WORKERS, rows, max(1, rows * per_row // PARALLEL_CELLS))
-    if workers <= 1:
-        slabs(0, rows)
-        return out
-    # a large step: rows split between threads (numpy releases the GIL); each row's result is the same
-    bounds = np.linspace(0, rows, workers + 1).astype(int)
-    list(thread_pool().map(slabs, bounds[:-1], bounds[1:]))
+    over_rows(slabs, rows, rows * per_row)
     return out
+
+
+def over_rows(work: Callable[[int, int], None], rows: int, cells: int) -> None:
+    """``work(first, last)`` over rows 0 .. ``rows`` of a step of ``cells`` entries: a large step's rows split
+    between threads (numpy releases the GIL), each row's result the same whichever thread computes it."""
+    workers = min(WORKERS, rows, max(1, cells // _PARALLEL_CELLS))
+    if workers <= 1:
+        work(0, rows)
+        return
+    bounds = np.linspace(0, rows, workers + 1).astype(int)
+    list(_pool().map(work, bounds[:-1], bounds[1:]))
 
 
 def _add_min(pieces: list[np.ndarray], total: np.ndarray, out: np.ndarray) -> None:
@@ -513,7 +518,7 @@ def _add_min(pieces: list[np.ndarray], total: np.ndarray, out: np.ndarray) -> No
 
 
 @functools.cache
-def thread_pool() -> ThreadPoolExecutor:
+def _pool() -> ThreadPoolExecutor:
     """One pool for every large step (starting threads for each step costs more than some steps)."""
     return ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="autopar-dp")
 

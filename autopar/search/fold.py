@@ -25,8 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from autopar.limits import WORKERS
-from autopar.search.dp import PARALLEL_CELLS, Elimination, Factor, Solved, joint_classes, thread_pool
+from autopar.search.dp import Elimination, Factor, Solved, joint_classes, over_rows
 from autopar.search.repeats import Repeat
 
 _PRODUCT_CHUNK_CELLS = 1 << 22  # cells of the temporary in one block of a min-plus product
@@ -89,13 +88,7 @@ def min_plus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             arg[start:stop] = best
             out[start:stop] = np.take_along_axis(block, best[..., None], axis=2)[..., 0]
 
-    # a large product: its rows split between threads as a large elimination step's are (each row the same)
-    workers = min(WORKERS, a.shape[0], max(1, a.shape[0] * a.shape[1] * b.shape[1] // PARALLEL_CELLS))
-    if workers <= 1:
-        blocks(0, a.shape[0])
-        return out, arg
-    bounds = np.linspace(0, a.shape[0], workers + 1).astype(int)
-    list(thread_pool().map(blocks, bounds[:-1], bounds[1:]))
+    over_rows(blocks, a.shape[0], a.shape[0] * a.shape[1] * b.shape[1])  # as a large elimination step's
     return out, arg
 
 
