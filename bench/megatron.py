@@ -21,7 +21,8 @@ For each row, two fresh `autopar plan` processes on the a100 profile with Adam:
   every other operator and the micro-batch count.
 - autopar's own plan: nothing fixed, recomputation only where memory binds.
 Achieved teraFLOP/s per GPU are counted with the paper's formula (its equation 3, which counts the
-recomputed forward): 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) / (step x GPUs).
+recomputed forward): 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) / (step x GPUs). The planning times are
+with the compiled kernels where numba is installed (`autopar[fast]`, the first line says which).
 
 One number of the a100 profile is fitted to these runs, on the 7.5B row alone: `matmul_efficiency`,
 the share of peak large matrix products reach. ``--fit`` bisects the value at which Megatron's 7.5B
@@ -32,6 +33,7 @@ three larger rows are the check, never the fit.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import tempfile
@@ -46,6 +48,7 @@ import autopar  # noqa: E402
 from autopar.cost import load_profile  # noqa: E402
 from autopar.lowering.decisions import degrees  # noqa: E402
 from autopar.lowering.planfile import read_plan_file  # noqa: E402
+from autopar.search import native  # noqa: E402
 from autopar.search.calibration import with_compute_number  # noqa: E402
 from bench.scale import run_case  # noqa: E402
 from models.transformer import build_transformer  # noqa: E402
@@ -137,6 +140,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             print(f"fitted matmul_efficiency = {fit_matmul_efficiency(Path(folder)):.4f}")
         return
+    print(f"kernels: {kernels()}\n")
     print(
         "| model | GPUs | Megatron's config | its predicted TF/GPU (vs published) | autopar's plan | predicted TF/GPU |"
         " plan wall | plan RSS | where the planning time goes |"
@@ -158,6 +162,14 @@ def main() -> None:
                 f" {ours['rss'] / 2**30:.2f} GiB | {phases(ours)} |",
                 flush=True,
             )
+
+
+def kernels() -> str:
+    """Whether the planning processes run the compiled kernels (`autopar.search.native`), which change how
+    long planning takes, never the plan."""
+    if not native.enabled():
+        return "numpy (numba not installed, or AUTOPAR_NATIVE=0)"
+    return f"compiled (numba {importlib.metadata.version('numba')})"
 
 
 def phases(result: dict) -> str:

@@ -577,6 +577,14 @@ def test_dim_batch_points_to_the_batch_flag(capsys, tiny_path):
     assert err.rstrip().endswith("set the batch, the inputs' leading dimension, with --batch 8.")
 
 
+@pytest.mark.parametrize("name", ["N\r", "N\n", "N\x1b[2J"])
+def test_a_flag_holding_a_control_character_is_one_escaped_line(capsys, tiny_path, name):
+    code, out, err = run(capsys, "plan", tiny_path, "--dim", f"{name}=x")
+    assert code == 2 and out == ""
+    assert_one_line_error(err)
+    assert repr(name)[1:-1] in err and "must be an integer, got 'x'" in err
+
+
 def test_export_names_files_in_one_style(capsys, tiny_path, tmp_path, monkeypatch):
     code, out, err = run(capsys, "plan", tiny_path, "--devices", "2", "--format", "json")
     plan_path = tmp_path / "plan.json"

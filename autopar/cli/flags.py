@@ -26,6 +26,9 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         # argparse prefixes "argument --devices: " to a sentence that already names the flag
         message = re.sub(r"^argument (?:\S+/)?(\S+): (?=\1\b)", "", message)
+        # a flag's text may hold a line break or another control character (--dim $'N\r=8'): shown escaped,
+        # the sentence stays on one line
+        message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
         self.exit(2, f"autopar: error: {message} (see '{self.prog} --help').\n")
 
 

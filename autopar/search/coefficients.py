@@ -16,7 +16,7 @@ first, so "is a prefix of", "pop the last bit" and "the next bit wanted" are shi
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar
@@ -28,6 +28,7 @@ from autopar.cost import CostModel
 from autopar.layout import Layout
 from autopar.limits import MAX_DEVICES, WORKERS
 from autopar.redistribute import Collective
+from autopar.search import native
 
 # Step kinds as small integers; -1 is "no step".
 KINDS = (
@@ -97,11 +98,13 @@ def pair_coefficients(
     """(latency, seconds per byte of the whole tensor) of redistributing each ``src`` layout to its
     ``dst`` one (indices of ``table``); the target layouts must not be partial. A gradient's way
     back is a pair of its own: from the consumer's layout, partial where its gradient is, to the
-    producer's (`costing._edge_costs`).
+    producer's (`costing._edge_costs`). Many pairs at once go to the compiled planner where numba is
+    installed (`native`), which gives the same numbers.
     """
     count = len(src)
+    if native.enabled() and count >= NATIVE_PAIRS:
+        return _compiled_coefficients(table, src, dst, cost)
     results = [np.zeros(count) for _ in range(2)]
-    starts = range(0, count, CHUNK)
 
     def work(start: int) -> None:
         stop = min(start + CHUNK, count)
@@ -109,11 +112,52 @@ def pair_coefficients(
         for result, part in zip(results, chunk):
             result[start:stop] = part
 
-    # chunks are independent and numpy releases the GIL inside each operation: one thread per core
-    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        for done, _ in enumerate(pool.map(work, starts)):
-            progress.report("costing redistributions", done * CHUNK, count)
+    _over_chunks(work, count)
     return results[0], results[1]
+
+
+NATIVE_PAIRS = 1 << 20
+"""Pairs costed at once from which the compiled planner is used: numpy costs a million in about three
+seconds here, where importing numba and loading the kernels takes one or two."""
+
+
+def _over_chunks(work: Callable[[int], None], count: int) -> None:
+    """``work(start)`` for each chunk of ``count`` pairs: chunks are independent, and numpy and the compiled
+    planner release the GIL, so one thread per core."""
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        for done, _ in enumerate(pool.map(work, range(0, count, CHUNK))):
+            progress.report("costing redistributions", done * CHUNK, count)
+
+
+def _compiled_coefficients(
+    table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """`pair_coefficients` by the compiled planner (`native_jit.pair_coefficients`). The prices it reads
+    are filled beforehand; a pair that meets one missing all the same is run again once it is priced."""
+    if (table.partial[dst] != 0).any():
+        raise ValueError("a consumer never asks for a partial layout")
+    prices = _Prices.of(cost).filled()
+    where, place = table.places()
+    kernel = native.kernels().pair_coefficients
+
+    def run(src: np.ndarray, dst: np.ndarray, out: tuple[np.ndarray, np.ndarray, np.ndarray], start: int) -> None:
+        stop = min(start + CHUNK, len(src))
+        prices_read = (prices.masks, prices.radix, prices.latency, prices.per_byte)
+        kernel(table.length, table.code, table.partial, where, place, src, dst, *prices_read, *out, start, stop)
+
+    count = len(src)
+    found = (np.zeros(count), np.zeros(count), np.full(count, -1, dtype=np.int64))  # latency, per byte, missing
+    _over_chunks(lambda start: run(src, dst, found, start), count)
+    again = np.flatnonzero(found[2] >= 0)
+    while len(again):  # price what the tables lacked (in this thread), then run those pairs again
+        prices.fill(np.unique(found[2][again]))
+        redone = (np.zeros(len(again)), np.zeros(len(again)), np.full(len(again), -1, dtype=np.int64))
+        for start in range(0, len(again), CHUNK):
+            run(src[again], dst[again], redone, start)
+        for array, values in zip(found, redone):
+            array[again] = values
+        again = again[redone[2] >= 0]
+    return found[0], found[1]
 
 
 @dataclass(frozen=True)
@@ -214,6 +258,10 @@ class PairCache:
         """The slot in `values` of each pair ``src`` -> ``dst`` (indices of ``table``, whose rows are
         numbered ``numbers``), costing the pairs not costed before."""
         keys = (numbers[src] << 32) | numbers[dst]
+        if not len(self.keys) and (keys[1:] > keys[:-1]).all():  # the first problem: every pair new, in order
+            self.values = list(pair_coefficients(table, src, dst, cost))
+            self.keys, self.slots = keys, np.arange(len(keys), dtype=np.int64)
+            return self.slots.copy()
         at = np.searchsorted(self.keys, keys)
         np.minimum(at, len(self.keys) - 1, out=at)
         known = self.keys[at] == keys if len(self.keys) else np.zeros(len(keys), dtype=bool)
@@ -599,10 +647,27 @@ class _Prices:
         latency = self.latency[key]
         missing = np.isnan(latency)
         if missing.any():
-            for k in np.unique(key[missing]).tolist():
-                self.latency[k], self.per_byte[k] = self._price(k)
+            self.fill(np.unique(key[missing]))
             latency = self.latency[key]
         return latency, self.per_byte[key]
+
+    def filled(self) -> "_Prices":
+        """These prices with every key a mesh of up to `MAX_MESH_BITS` bits can ask priced (a few hundred), so
+        the compiled planner, which cannot price a key itself, seldom meets one unpriced."""
+        if not self.__dict__.get("_filled"):
+            bits = self.level_of[:MAX_MESH_BITS]
+            per_level = [bits.count(level) for level in range(self.levels)]
+            keys = np.arange(len(KINDS))
+            for level in range(self.levels):
+                keys = (keys[:, None] * self.radix + np.arange(per_level[level] + 1)).reshape(-1)
+            self.fill(keys[np.isnan(self.latency[keys])])
+            self.__dict__["_filled"] = True
+        return self
+
+    def fill(self, keys: np.ndarray) -> None:
+        """Price these keys (kind, then bits per level, as `look_up` makes them) into the tables."""
+        for k in keys.tolist():
+            self.latency[k], self.per_byte[k] = self._price(k)
 
     def _price(self, key: int) -> tuple[float, float]:
         counts = []

@@ -26,9 +26,10 @@ from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
 from autopar.redistribute import Collective, symbolic_steps
+from autopar.search import native
 from autopar.search.coefficients import KeySet, LayoutTable, PairCache, PairSlots
 from autopar.search.dataflow import Dataflow, TensorUse
-from autopar.search.dp import Factor
+from autopar.search.dp import Factor, over_rows
 from autopar.search.fold import RunEdges, Solver
 from autopar.search.memory import Alternative, CandidateSplits, recompute_savings, resident
 from autopar.search.problem import SearchProblem
@@ -740,24 +741,29 @@ def _edge_costs(
     else:
         distinct = _costed_slots(flow, layouts, groups, names, cache, slots)
     latency, per_byte = cache.values
+    found_slots = {key: found for key, found in slots.items() if found is not None}  # every group's, now
+    cells = sum(found.forward.size for found in found_slots.values())
+    compiled = native.enabled() and cells >= _NATIVE_TABLE_CELLS
     per_group: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, ...]] = {}
-    for key, found in slots.items():
-        assert found is not None  # every group's slots are known now
-        forward = (latency[found.forward], per_byte[found.forward])
+    for key, found in found_slots.items() if not compiled else ():
+        gathered = (latency[found.forward], per_byte[found.forward])
         if found.backward is not None:
             backward = found.backward
-            per_group[key] = (*forward, forward[0] + latency[backward].T, forward[1] + per_byte[backward].T)
+            per_group[key] = (*gathered, gathered[0] + latency[backward].T, gathered[1] + per_byte[backward].T)
         else:
-            per_group[key] = (*forward, *forward)
+            per_group[key] = (*gathered, *gathered)
 
     factors: list[tuple[Factor | None, np.ndarray, Factor | None]] = []
     for use, (_, src_pos, entry_pos), key in zip(uses, sources, keys):
         dst_pos = layouts.target(use)[1]
         info = flow.graph.tensor(use.tensor)
         total_bytes = info.numel * flow.itemsize(info)
-        forward_latency, forward_per_byte, both_latency, both_per_byte = per_group[key]
-        forward = forward_latency + forward_per_byte * total_bytes
-        small = both_latency + both_per_byte * total_bytes
+        if compiled:
+            forward, small = _compiled_tables(latency, per_byte, found_slots[key], total_bytes)
+        else:
+            forward_latency, forward_per_byte, both_latency, both_per_byte = per_group[key]
+            forward = forward_latency + forward_per_byte * total_bytes
+            small = both_latency + both_per_byte * total_bytes
         if use.src_node == use.dst_node:
             factors.append((None, small[src_pos, dst_pos], None))
             continue
@@ -768,6 +774,28 @@ def _edge_costs(
             pair = _factor(use, src_pos, dst_pos, small), _factor(use, entry_pos, dst_pos, small)
         factors.append((pair[0], np.ascontiguousarray(forward), pair[1]))
     return factors, len(layouts.rows), distinct
+
+
+_NATIVE_TABLE_CELLS = 1 << 24
+"""Edge-table entries of a problem from which its tables are filled by the compiled kernel (`native`):
+one pass per use over its pairs' slots, where numpy gathers each coefficient into a table of its own first."""
+
+
+def _compiled_tables(
+    latency: np.ndarray, per_byte: np.ndarray, found: PairSlots, total_bytes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A use's forward table and its table with the gradient's way back (the same table where none comes
+    back), as the numpy path makes them, by `native_jit.edge_tables`, its rows split between threads."""
+    forward = np.empty(found.forward.shape)
+    both = forward if found.backward is None else np.empty(found.forward.shape)
+    backward = found.backward if found.backward is not None else np.zeros((0, 0), dtype=found.forward.dtype)
+    kernel = native.kernels().edge_tables
+
+    def rows(first: int, last: int) -> None:
+        kernel(latency, per_byte, found.forward, backward, float(total_bytes), forward, both, first, last)
+
+    over_rows(rows, len(found.forward), found.forward.size)
+    return forward, both
 
 
 def _too_many_pairs(flow: Dataflow, count: int) -> None:

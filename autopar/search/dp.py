@@ -41,6 +41,7 @@ import numpy as np
 from autopar import progress
 from autopar.errors import SearchTooLargeError, TooLargeError
 from autopar.limits import MAX_TABLE_ENTRIES, MAX_TABLE_LEFT, WORKERS
+from autopar.search import native
 
 TIE_BREAK_FRACTION = 1e-9
 ORDERS = ("left", "fill", "work", "degree", "weighted fill")
@@ -455,6 +456,7 @@ def _merge_parts(parts: list[np.ndarray]) -> list[np.ndarray]:
 
 _SLAB_CELLS = 1 << 18  # entries of the summed table held at once (2 MB): it stays in cache
 _PARALLEL_CELLS = 1 << 22  # a step this large is shared between threads
+_NATIVE_CELLS = 1 << 24  # and, two-sided and with numba installed, compiled (`native`; smaller ones repay no import)
 
 
 def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
@@ -471,6 +473,8 @@ def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
     """
     parts = [np.ascontiguousarray(part) for part in parts]
     shape = np.broadcast_shapes(*(part.shape for part in parts))
+    if native.enabled() and np.prod(shape) >= _NATIVE_CELLS and _two_sided(parts):
+        return _min_plus_native(parts)
     rows, columns = shape[0], shape[1]
     per_row = max(1, int(np.prod(shape[1:])))
     wide = len(shape) > 2 and per_row > _SLAB_CELLS  # blocks of the second axis, one row at a time
@@ -492,6 +496,25 @@ def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
                 _add_min(pieces, buffer[:, : right - left], out[start:stop, left:right])
 
     over_rows(slabs, rows, rows * per_row)
+    return out
+
+
+def _two_sided(parts: list[np.ndarray]) -> bool:
+    """Two tables, one over (rows, 1, k) and one over (1, columns, k): a min-plus product, as most large
+    steps are (a chain's operator between its two neighbours)."""
+    if len(parts) != 2 or any(part.ndim != 3 for part in parts):
+        return False
+    (r0, c0, k0), (r1, c1, k1) = parts[0].shape, parts[1].shape
+    return k0 == k1 and ((c0 == 1 and r1 == 1) or (r0 == 1 and c1 == 1))
+
+
+def _min_plus_native(parts: list[np.ndarray]) -> np.ndarray:
+    """`_sum_min` of two tables (`_two_sided`) by the compiled kernel: the same sums, so the same minima."""
+    rows, columns = (parts[0], parts[1]) if parts[0].shape[1] == 1 and parts[1].shape[0] == 1 else parts[::-1]
+    a, b = rows[:, 0, :], columns[0]
+    out = np.empty((a.shape[0], b.shape[0]))
+    kernel = native.kernels().min_plus_rows
+    over_rows(lambda first, last: kernel(a, b, out, first, last), a.shape[0], out.size * a.shape[1])
     return out
 
 

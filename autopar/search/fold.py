@@ -25,10 +25,12 @@ from typing import Protocol
 
 import numpy as np
 
+from autopar.search import native
 from autopar.search.dp import Elimination, Factor, Solved, joint_classes, over_rows
 from autopar.search.repeats import Repeat
 
 _PRODUCT_CHUNK_CELLS = 1 << 22  # cells of the temporary in one block of a min-plus product
+_NATIVE_PRODUCT_CELLS = 1 << 24  # a product this large is compiled where numba is installed (`native`)
 
 
 # --- solving a folded run -----------------------------------------------------------------
@@ -79,6 +81,11 @@ def min_plus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     out = np.empty((a.shape[0], b.shape[1]))
     arg = np.empty((a.shape[0], b.shape[1]), dtype=np.int64)
     columns = np.ascontiguousarray(b.T)  # the summed index last: one contiguous pass finds the argmin
+    cells = a.shape[0] * a.shape[1] * b.shape[1]
+    if native.enabled() and cells >= _NATIVE_PRODUCT_CELLS and a.shape[1]:  # compiled: the same sums and argmins
+        kernel, rows_of_a = native.kernels().min_plus_argmin, np.ascontiguousarray(a)
+        over_rows(lambda first, last: kernel(rows_of_a, columns, out, arg, first, last), a.shape[0], cells)
+        return out, arg
 
     def blocks(first: int, last: int) -> None:
         for start in range(first, last, rows):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import numpy as np
@@ -706,16 +706,34 @@ def _min_max_search(
     searches). Where cuts tie, each stage starts at the first place, in order, of the least: for the
     last stage, then for the stages before it given that start."""
     last = len(points) - 1
+    cuts = _Cuts(search, points, floor)
+    if not cuts.best_before(count - 1, last, bound) < bound:
+        return None
+    ends = [last]
+    for index in range(count - 1, 0, -1):
+        ends.append(cuts.known[(index, ends[-1])][1])
+    return _assemble(search, [points[b] for b in [0, *reversed(ends)]], bound)
+
+
+@dataclass
+class _Cuts:
+    """`_min_max_search`'s DP: its memo and its recursion (a method, not a closure calling itself, whose
+    cell would hold the stage search, and every stage problem it holds, in a cycle only the collector frees)."""
+
+    search: _StageSearch
+    points: Sequence[int]
+    floor: Callable[[int, int], float]
     # (stage index, end) -> (the least slowest stage, where that stage starts, the bound it was told):
     # exact where below its bound, else only known to be no less
-    known: dict[tuple[int, int], tuple[float, int, float]] = {}
+    known: dict[tuple[int, int], tuple[float, int, float]] = field(default_factory=dict)
 
-    def lower(index: int, b: int) -> float:
+    def lower(self, index: int, b: int) -> float:
         """No cuts of stages 0..index ending at point b are faster: the slowest is no faster than the average."""
-        return floor(0, b) / (index + 1)
+        return self.floor(0, b) / (index + 1)
 
-    def best_before(index: int, b: int, beat: float) -> float:
-        hit = known.get((index, b))
+    def best_before(self, index: int, b: int, beat: float) -> float:
+        search, points, floor = self.search, self.points, self.floor
+        hit = self.known.get((index, b))
         if hit is not None and (hit[0] < hit[2] or hit[0] >= beat):
             return hit[0]
         if index == 0:
@@ -723,28 +741,21 @@ def _min_max_search(
         else:
             found, came = beat, -1
             for a in range(index, b):
-                before, own = lower(index - 1, a), floor(a, b)
+                before, own = self.lower(index - 1, a), floor(a, b)
                 if max(before, own) >= found:
                     continue  # cannot beat the best found
                 if own >= before:  # the stage first: it is the likelier to lose
                     seconds = search.time(points[a], points[b], index, found)[0]
-                    value = max(seconds, best_before(index - 1, a, found)) if seconds < found else seconds
+                    value = max(seconds, self.best_before(index - 1, a, found)) if seconds < found else seconds
                 else:
-                    before = best_before(index - 1, a, found)
+                    before = self.best_before(index - 1, a, found)
                     value = (
                         max(before, search.time(points[a], points[b], index, found)[0]) if before < found else before
                     )
                 if value < found:
                     found, came = value, a
-        known[(index, b)] = (found, came, beat)
+        self.known[(index, b)] = (found, came, beat)
         return found
-
-    if not best_before(count - 1, last, bound) < bound:
-        return None
-    cuts = [last]
-    for index in range(count - 1, 0, -1):
-        cuts.append(known[(index, cuts[-1])][1])
-    return _assemble(search, [points[b] for b in [0, *reversed(cuts)]], bound)
 
 
 def _least(problem: SearchProblem, node: int, slots: int = 1) -> float:

@@ -1,0 +1,272 @@
+"""The compiled kernels `autopar.search.native` calls (numba, imported only where it is installed).
+
+Each is the plain loop of what its numpy counterpart computes, in the same order of operations, so the
+results are the same to the last bit; `native` says what each is for.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_AG, _RS, _A2A, _AR, _SLICE = range(5)  # `coefficients.KINDS`, in its order
+_BITS_PER_CODE = 4  # `coefficients._NIBBLE`: a dimension's bits packed four bits each, the first highest
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def min_plus_rows(a: np.ndarray, b: np.ndarray, out: np.ndarray, first: int, last: int) -> None:
+    """Rows ``first`` .. ``last`` of out[i, j] = min_k a[i, k] + b[j, k] (``a`` and ``b`` C-contiguous).
+
+    Eight rows of ``a`` share each row of ``b`` while it is in cache, eight minima kept apart so that they
+    run side by side (a comparison and a select each: `min` costs a fifth more). Each entry is one
+    addition, as numpy's broadcast sum makes it, and the minimum of the same values whatever the order."""
+    columns, depth = b.shape
+    i = first
+    while i + 8 <= last:
+        a0, a1, a2, a3, a4, a5, a6, a7 = a[i], a[i + 1], a[i + 2], a[i + 3], a[i + 4], a[i + 5], a[i + 6], a[i + 7]
+        for j in range(columns):
+            bj = b[j]
+            m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.inf
+            for k in range(depth):
+                x = bj[k]
+                v = a0[k] + x
+                m0 = v if v < m0 else m0
+                v = a1[k] + x
+                m1 = v if v < m1 else m1
+                v = a2[k] + x
+                m2 = v if v < m2 else m2
+                v = a3[k] + x
+                m3 = v if v < m3 else m3
+                v = a4[k] + x
+                m4 = v if v < m4 else m4
+                v = a5[k] + x
+                m5 = v if v < m5 else m5
+                v = a6[k] + x
+                m6 = v if v < m6 else m6
+                v = a7[k] + x
+                m7 = v if v < m7 else m7
+            out[i, j], out[i + 1, j], out[i + 2, j], out[i + 3, j] = m0, m1, m2, m3
+            out[i + 4, j], out[i + 5, j], out[i + 6, j], out[i + 7, j] = m4, m5, m6, m7
+        i += 8
+    while i < last:
+        ai = a[i]
+        for j in range(columns):
+            bj = b[j]
+            m = np.inf
+            for k in range(depth):
+                v = ai[k] + bj[k]
+                m = v if v < m else m
+            out[i, j] = m
+        i += 1
+
+
+@_jit
+def min_plus_argmin(a: np.ndarray, b: np.ndarray, out: np.ndarray, arg: np.ndarray, first: int, last: int) -> None:
+    """`min_plus_rows` with ``arg[i, j]`` the first k at the minimum (numpy's argmin: the first, and 0
+    where every sum is infinite)."""
+    columns, depth = b.shape
+    for i in range(first, last):
+        ai = a[i]
+        for j in range(columns):
+            bj = b[j]
+            m = ai[0] + bj[0]
+            at = 0
+            for k in range(1, depth):
+                v = ai[k] + bj[k]
+                if v < m:
+                    m = v
+                    at = k
+            out[i, j] = m
+            arg[i, j] = at
+
+
+@_jit
+def _popcount(value: int) -> int:
+    count = 0
+    while value:
+        value &= value - 1
+        count += 1
+    return count
+
+
+@_jit
+def _price_key(kind: int, mask: int, level_masks: np.ndarray, radix: int) -> int:
+    """`coefficients._Prices.look_up`'s key: the kind, then the bits of ``mask`` in each link level."""
+    key = kind
+    for level in range(len(level_masks)):
+        key = key * radix + _popcount(mask & level_masks[level])
+    return key
+
+
+@_jit
+def _drop(code: np.uint64, count: int) -> np.uint64:
+    """A packed code without its last ``count`` bits (`coefficients._drop`)."""
+    if count >= 16:
+        return np.uint64(0)
+    return code >> np.uint64(_BITS_PER_CODE * count)
+
+
+@_jit
+def _low(code: np.uint64, count: int) -> np.uint64:
+    """The last ``count`` bits of a packed code."""
+    if count >= 16:
+        return code
+    return code & ((np.uint64(1) << np.uint64(_BITS_PER_CODE * count)) - np.uint64(1))
+
+
+@_jit
+def _is_prefix(code: np.uint64, held: int, want_code: np.uint64, wanted: int) -> bool:
+    """Whether the ``held`` bits packed in ``code`` are the first of the ``wanted`` ones in ``want_code``."""
+    return held <= wanted and _drop(want_code, wanted - held) == code
+
+
+@_jit
+def pair_coefficients(
+    length: np.ndarray,
+    code: np.ndarray,
+    partial: np.ndarray,
+    where: np.ndarray,
+    place: np.ndarray,
+    src: np.ndarray,
+    dst: np.ndarray,
+    level_masks: np.ndarray,
+    radix: int,
+    latency: np.ndarray,
+    per_byte: np.ndarray,
+    out_latency: np.ndarray,
+    out_per_byte: np.ndarray,
+    missing: np.ndarray,
+    first: int,
+    last: int,
+) -> None:
+    """Pairs ``first`` .. ``last``: (latency, seconds per byte) of redistributing layout ``src[p]`` to
+    ``dst[p]`` (rows of a `coefficients.LayoutTable`, with its `places`: ``where`` and ``place``), step for
+    step as `redistribute.symbolic_steps` plans it and `redistribute._merge` fuses it, each step priced from
+    the tables by kind and bits per link level (`coefficients._Prices`). A dimension's bits stay packed, as
+    in the table, so a step is a few shifts. A pair that meets a price not in the tables stops with its key
+    in ``missing`` (else -1), to be priced and run again."""
+    width = length.shape[1]
+    held = np.zeros(width, dtype=np.int64)
+    current = np.zeros(width, dtype=np.uint64)
+    for p in range(first, last):
+        s, t = src[p], dst[p]
+        total = 0
+        for d in range(width):
+            held[d] = length[s, d]
+            current[d] = code[s, d]
+            total += held[d]
+        left = partial[s]
+        open_kind, open_dim, open_mask, open_shift = -1, 0, 0, 0
+        sum_latency, sum_per_byte = 0.0, 0.0
+        missing[p] = -1
+        while True:
+            wrong = -1
+            for d in range(width):
+                if not _is_prefix(current[d], held[d], code[t, d], length[t, d]):
+                    wrong = d
+                    break
+            if wrong >= 0:  # 1. a bit where the target does not want it: an AllToAll's run, or gathered
+                d = wrong
+                bit = int(current[d] & np.uint64(15))
+                target, at = where[t, bit], place[t, bit]
+                count = 0
+                if target >= 0 and target != d:
+                    have = held[target]
+                    run = at + 1 - have
+                    wanted = length[t, target]
+                    if (
+                        1 <= run <= held[d]
+                        and _is_prefix(current[target], have, code[t, target], wanted)
+                        and _low(_drop(code[t, target], wanted - at - 1), run) == _low(current[d], run)
+                    ):
+                        count = run
+                if count > 0:
+                    moved = _low(current[d], count)
+                    kind, dim, mask, shift = _A2A, target, 0, total
+                    for q in range(count):
+                        mask |= 1 << int((moved >> np.uint64(_BITS_PER_CODE * q)) & np.uint64(15))
+                    current[d] = _drop(current[d], count)
+                    current[target] = (current[target] << np.uint64(_BITS_PER_CODE * count)) | moved
+                    held[d] -= count
+                    held[target] += count
+                else:
+                    current[d] = _drop(current[d], 1)
+                    held[d] -= 1
+                    total -= 1
+                    kind, dim, mask, shift = _AG, d, 1 << bit, total
+            else:  # 2. every dimension a prefix of its target: extend the first still short of it
+                grow = -1
+                for d in range(width):
+                    if held[d] < length[t, d]:
+                        grow = d
+                        break
+                if grow < 0:
+                    break
+                bit = int(_drop(code[t, grow], length[t, grow] - held[grow] - 1) & np.uint64(15))
+                kind = _SLICE
+                if (left >> bit) & 1:
+                    left &= ~(1 << bit)
+                    kind = _RS
+                dim, mask, shift = grow, 1 << bit, total
+                current[grow] = (current[grow] << np.uint64(_BITS_PER_CODE)) | np.uint64(bit)
+                held[grow] += 1
+                total += 1
+            if open_kind == kind and open_dim == dim and kind != _A2A:
+                open_mask |= mask
+                open_shift = min(open_shift, shift)
+                continue
+            if open_kind >= 0:
+                key = _price_key(open_kind, open_mask, level_masks, radix)
+                if np.isnan(latency[key]):
+                    missing[p] = key
+                    break
+                sum_latency += latency[key]
+                sum_per_byte += per_byte[key] * np.ldexp(1.0, -open_shift)
+            open_kind, open_dim, open_mask, open_shift = kind, dim, mask, shift
+        if missing[p] >= 0:
+            continue
+        if open_kind >= 0:  # 3. the last fused step, then an AllReduce of what is still partial
+            key = _price_key(open_kind, open_mask, level_masks, radix)
+            if np.isnan(latency[key]):
+                missing[p] = key
+                continue
+            sum_latency += latency[key]
+            sum_per_byte += per_byte[key] * np.ldexp(1.0, -open_shift)
+        if left:
+            key = _price_key(_AR, left, level_masks, radix)
+            if np.isnan(latency[key]):
+                missing[p] = key
+                continue
+            sum_latency += latency[key]
+            sum_per_byte += per_byte[key] * np.ldexp(1.0, -total)
+        out_latency[p] = sum_latency
+        out_per_byte[p] = sum_per_byte
+
+
+@_jit
+def edge_tables(
+    latency: np.ndarray,
+    per_byte: np.ndarray,
+    forward: np.ndarray,
+    backward: np.ndarray,
+    nbytes: float,
+    out_forward: np.ndarray,
+    out_both: np.ndarray,
+    first: int,
+    last: int,
+) -> None:
+    """Rows ``first`` .. ``last`` of a use's edge tables from its layout pairs' slots (`costing._edge_costs`):
+    ``out_forward[i, j]`` = latency + per byte x ``nbytes`` of pair ``forward[i, j]``, and ``out_both`` that
+    plus the gradient's way back, pair ``backward[j, i]``, the two coefficients summed first (where
+    ``backward`` has no rows there is none, and ``out_both`` is not written)."""
+    columns = forward.shape[1]
+    back = backward.shape[0] > 0
+    for i in range(first, last):
+        for j in range(columns):
+            slot = forward[i, j]
+            there, rate = latency[slot], per_byte[slot]
+            out_forward[i, j] = there + rate * nbytes
+            if back:
+                again = backward[j, i]
+                out_both[i, j] = (there + latency[again]) + (rate + per_byte[again]) * nbytes

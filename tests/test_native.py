@@ -1,0 +1,174 @@
+"""The compiled kernels give the numpy path's numbers, to the last bit (each is used only where numba is
+installed; without it these tests are skipped and the numpy path is the one tested everywhere else)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from autopar.cost import CostModel
+from autopar.graph import load_model
+from autopar.layout import Layout
+from autopar.search import coefficients, costing, dp, fold, native
+from autopar.search.coefficients import LayoutTable, PairCache, pair_coefficients
+from autopar.search.costing import build_problem, redistribution_coefficients
+from models.transformer import build_transformer
+from tests.conftest import profile
+from tests.test_coefficients import _moved_runs, layout_pairs
+
+pytest.importorskip("numba")
+
+
+@pytest.fixture
+def numpy_path(monkeypatch):
+    """A function that runs its argument with the kernels switched off (``AUTOPAR_NATIVE=0``)."""
+
+    def run(work):
+        with monkeypatch.context() as patch:
+            patch.setenv("AUTOPAR_NATIVE", "0")
+            assert not native.enabled()
+            return work()
+
+    return run
+
+
+def test_the_kernels_are_on_where_numba_is_and_off_when_the_environment_says_so(monkeypatch):
+    assert native.enabled()
+    monkeypatch.setenv("AUTOPAR_NATIVE", "0")
+    assert not native.enabled()
+
+
+def test_the_kernel_names_the_collective_kinds_as_the_numpy_planner_does():
+    kernels = native.kernels()
+    assert (kernels._AG, kernels._RS, kernels._A2A, kernels._AR, kernels._SLICE) == (
+        coefficients._AG,
+        coefficients._RS,
+        coefficients._A2A,
+        coefficients._AR,
+        coefficients._SLICE,
+    )
+    assert kernels._BITS_PER_CODE == coefficients._NIBBLE
+
+
+def _tables(rows: int, columns: int, depth: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Small integers (so many sums tie) with some infinite entries, as edge tables have."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 40, (rows, depth)).astype(float)
+    b = rng.integers(0, 40, (columns, depth)).astype(float)
+    a[rng.random(a.shape) < 0.05] = np.inf
+    b[rng.random(b.shape) < 0.05] = np.inf
+    a[1 % rows] = np.inf  # a whole row infinite: its minima are infinite
+    return a, b
+
+
+@pytest.mark.parametrize(("rows", "columns", "depth"), [(19, 23, 7), (8, 1, 5), (3, 30, 1), (64, 40, 33)])
+@pytest.mark.parametrize("rows_first", [True, False])
+def test_a_two_table_elimination_step_compiled_is_numpy_s_bit_for_bit(
+    monkeypatch, numpy_path, rows, columns, depth, rows_first
+):
+    a, b = _tables(rows, columns, depth, rows * columns)
+    parts = [a[:, None, :], b[None, :, :]]
+    parts = parts if rows_first else parts[::-1]
+    assert dp._two_sided(parts)
+    want = numpy_path(lambda: dp._sum_min(parts))
+    monkeypatch.setattr(dp, "_NATIVE_CELLS", 1)  # every step compiled, however small
+    got = dp._sum_min(parts)
+    assert got.shape == want.shape == (rows, columns)
+    assert np.array_equal(got, want)
+
+
+def test_a_three_table_or_one_sided_step_keeps_the_numpy_path():
+    a, b = _tables(4, 5, 3, 0)
+    assert not dp._two_sided([a[:, None, :], b[None, :, :], a[:, None, :]])
+    assert not dp._two_sided([a[:, None, :], a[:, None, :]])
+    assert not dp._two_sided([a[:, None, :], b[None, :, :2]])
+
+
+@pytest.mark.parametrize(("rows", "inner", "columns"), [(9, 13, 11), (1, 1, 1), (40, 64, 17)])
+def test_a_min_plus_product_compiled_has_numpy_s_minima_and_first_argmins(
+    monkeypatch, numpy_path, rows, inner, columns
+):
+    a, b = _tables(rows, columns, inner, rows + inner)
+    b = np.ascontiguousarray(b.T)  # (inner, columns): min_plus sums over a's columns and b's rows
+    want = numpy_path(lambda: fold.min_plus(a, b))
+    monkeypatch.setattr(fold, "_NATIVE_PRODUCT_CELLS", 1)
+    got = fold.min_plus(a, b)
+    assert np.array_equal(got[0], want[0])
+    assert np.array_equal(got[1], want[1])  # the first k at the minimum, 0 where every sum is infinite
+
+
+def _compiled_and_numpy(cost: CostModel, pairs: list[tuple[Layout, Layout]], numpy_path, monkeypatch) -> tuple:
+    layouts = sorted({layout for pair in pairs for layout in pair})
+    index = {layout: i for i, layout in enumerate(layouts)}
+    src = np.array([index[a] for a, _ in pairs])
+    dst = np.array([index[b] for _, b in pairs])
+    table = LayoutTable.of(layouts)
+    want = numpy_path(lambda: pair_coefficients(table, src, dst, cost))
+    monkeypatch.setattr(coefficients, "NATIVE_PAIRS", 1)
+    got = pair_coefficients(table, src, dst, cost)
+    return got, want
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=layout_pairs())
+def test_the_compiled_planner_costs_every_pair_as_numpy_and_the_scalar_planner_do(case):
+    _, pairs = case
+    cost = CostModel(profile())
+    with pytest.MonkeyPatch.context() as patch:
+        got, want = _compiled_and_numpy(cost, pairs, _numpy_path(patch), patch)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    for k, (a, b) in enumerate(pairs):
+        assert (got[0][k], got[1][k]) == redistribution_coefficients(cost, a, b)
+
+
+def _numpy_path(patch: pytest.MonkeyPatch):
+    def run(work):
+        with patch.context() as inner:
+            inner.setenv("AUTOPAR_NATIVE", "0")
+            return work()
+
+    return run
+
+
+@pytest.mark.parametrize("bits", [2, 6, 16])
+def test_the_compiled_planner_moves_runs_by_one_all_to_all_as_the_scalar_planner(monkeypatch, numpy_path, bits):
+    got, want = _compiled_and_numpy(CostModel(profile()), _moved_runs(bits), numpy_path, monkeypatch)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+def test_a_pair_that_meets_an_unpriced_collective_is_priced_and_run_again(monkeypatch, numpy_path):
+    """The prices are filled beforehand; left empty, every pair stops at its first step and is run again
+    once that price is in, until none is missing: the same numbers."""
+    monkeypatch.setattr(coefficients._Prices, "filled", lambda self: self)
+    pairs = _moved_runs(6) + [(Layout(((5, 4), (3,)), (2, 1)), Layout(((), (3, 1), (5,), (2,))))]
+    got, want = _compiled_and_numpy(CostModel(profile()), pairs, numpy_path, monkeypatch)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="partial"):
+        coefficients._compiled_coefficients(
+            LayoutTable.of([Layout(((0,),)), Layout(((),), (0,))]), np.array([0]), np.array([1]), CostModel(profile())
+        )
+
+
+def _tables_of(problem) -> list[np.ndarray]:
+    """Every edge table of a problem: the main graph's, and each folded run's, with and without recomputation."""
+    runs = [edges for _, edges in (*problem.folds, *problem.recompute_folds)]
+    return [f.table for f in problem.factors] + [f.table for edges in runs for f in (*edges.first, *edges.later)]
+
+
+def test_edge_tables_filled_by_the_kernel_are_numpy_s_bit_for_bit(monkeypatch, numpy_path):
+    """A GPT's edges at 64 devices: the gradient's way back summed in, tables written in both orientations,
+    a folded run's copies; the second build of each path takes its pairs' slots from the cache."""
+    graph = load_model(build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8))
+    cost = CostModel(profile())
+    want = numpy_path(lambda: build_problem(graph, cost, 64))
+    compiled_tables = costing._compiled_tables
+    monkeypatch.setattr(costing, "_NATIVE_TABLE_CELLS", 1)
+    monkeypatch.setattr(PairCache, "_cache", type(PairCache._cache)())  # cost the pairs again, too
+    filled = []
+    monkeypatch.setattr(costing, "_compiled_tables", lambda *a: filled.append(a) or compiled_tables(*a))
+    got = build_problem(graph, cost, 64)
+    assert len(filled) > 10 and any(found.backward is not None for _, _, found, _ in filled)
+    assert len(_tables_of(got)) == len(_tables_of(want)) > 10
+    for mine, theirs in zip(_tables_of(got), _tables_of(want)):
+        assert mine.shape == theirs.shape and np.array_equal(mine, theirs)
