@@ -72,7 +72,7 @@ def test_a_two_table_elimination_step_compiled_is_numpy_s_bit_for_bit(
     parts = parts if rows_first else parts[::-1]
     assert dp._two_sided(parts)
     want = numpy_path(lambda: dp._sum_min(parts))
-    monkeypatch.setattr(dp, "_NATIVE_CELLS", 1)  # every step compiled, however small
+    monkeypatch.setattr(native, "ENTRIES", 1)  # every step compiled, however small
     got = dp._sum_min(parts)
     assert got.shape == want.shape == (rows, columns)
     assert np.array_equal(got, want)
@@ -92,7 +92,7 @@ def test_a_min_plus_product_compiled_has_numpy_s_minima_and_first_argmins(
     a, b = _tables(rows, columns, inner, rows + inner)
     b = np.ascontiguousarray(b.T)  # (inner, columns): min_plus sums over a's columns and b's rows
     want = numpy_path(lambda: fold.min_plus(a, b))
-    monkeypatch.setattr(fold, "_NATIVE_PRODUCT_CELLS", 1)
+    monkeypatch.setattr(native, "ENTRIES", 1)
     got = fold.min_plus(a, b)
     assert np.array_equal(got[0], want[0])
     assert np.array_equal(got[1], want[1])  # the first k at the minimum, 0 where every sum is infinite
@@ -105,7 +105,7 @@ def _compiled_and_numpy(cost: CostModel, pairs: list[tuple[Layout, Layout]], num
     dst = np.array([index[b] for _, b in pairs])
     table = LayoutTable.of(layouts)
     want = numpy_path(lambda: pair_coefficients(table, src, dst, cost))
-    monkeypatch.setattr(coefficients, "NATIVE_PAIRS", 1)
+    monkeypatch.setattr(native, "PAIRS", 1)
     got = pair_coefficients(table, src, dst, cost)
     return got, want
 
@@ -145,7 +145,7 @@ def test_a_pair_that_meets_an_unpriced_collective_is_priced_and_run_again(monkey
     got, want = _compiled_and_numpy(CostModel(profile()), pairs, numpy_path, monkeypatch)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     with pytest.raises(ValueError, match="partial"):
-        coefficients._compiled_coefficients(
+        pair_coefficients(
             LayoutTable.of([Layout(((0,),)), Layout(((),), (0,))]), np.array([0]), np.array([1]), CostModel(profile())
         )
 
@@ -163,7 +163,7 @@ def test_edge_tables_filled_by_the_kernel_are_numpy_s_bit_for_bit(monkeypatch, n
     cost = CostModel(profile())
     want = numpy_path(lambda: build_problem(graph, cost, 64))
     compiled_tables = costing._compiled_tables
-    monkeypatch.setattr(costing, "_NATIVE_TABLE_CELLS", 1)
+    monkeypatch.setattr(native, "ENTRIES", 1)
     monkeypatch.setattr(PairCache, "_cache", type(PairCache._cache)())  # cost the pairs again, too
     filled = []
     monkeypatch.setattr(costing, "_compiled_tables", lambda *a: filled.append(a) or compiled_tables(*a))

@@ -102,7 +102,9 @@ def pair_coefficients(
     installed (`native`), which gives the same numbers.
     """
     count = len(src)
-    if native.enabled() and count >= NATIVE_PAIRS:
+    if (table.partial[dst] != 0).any():
+        raise ValueError("a consumer never asks for a partial layout")
+    if native.worth(count, native.PAIRS):
         return _compiled_coefficients(table, src, dst, cost)
     results = [np.zeros(count) for _ in range(2)]
 
@@ -114,11 +116,6 @@ def pair_coefficients(
 
     _over_chunks(work, count)
     return results[0], results[1]
-
-
-NATIVE_PAIRS = 1 << 20
-"""Pairs costed at once from which the compiled planner is used: numpy costs a million in about three
-seconds here, where importing numba and loading the kernels takes one or two."""
 
 
 def _over_chunks(work: Callable[[int], None], count: int) -> None:
@@ -134,8 +131,6 @@ def _compiled_coefficients(
 ) -> tuple[np.ndarray, np.ndarray]:
     """`pair_coefficients` by the compiled planner (`native_jit.pair_coefficients`). The prices it reads
     are filled beforehand; a pair that meets one missing all the same is run again once it is priced."""
-    if (table.partial[dst] != 0).any():
-        raise ValueError("a consumer never asks for a partial layout")
     prices = _Prices.of(cost).filled()
     where, place = table.places()
     kernel = native.kernels().pair_coefficients
@@ -425,8 +420,6 @@ def _chunk_coefficients(
     """The planner on a chunk of pairs in lockstep. Arrays hold the pairs still moving only
     (finished ones are dropped each round), and a round updates only the cells its step touched."""
     count = len(src)
-    if (table.partial[dst] != 0).any():
-        raise ValueError("a consumer never asks for a partial layout")
     length = table.length[src].copy()
     code = table.code[src].copy()
     want_length = table.length[dst].copy()

@@ -743,9 +743,9 @@ def _edge_costs(
     latency, per_byte = cache.values
     found_slots = {key: found for key, found in slots.items() if found is not None}  # every group's, now
     cells = sum(found.forward.size for found in found_slots.values())
-    compiled = native.enabled() and cells >= _NATIVE_TABLE_CELLS
+    compiled = native.worth(cells, native.ENTRIES)  # one pass per use, where numpy gathers each coefficient first
     per_group: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, ...]] = {}
-    for key, found in found_slots.items() if not compiled else ():
+    for key, found in () if compiled else found_slots.items():
         gathered = (latency[found.forward], per_byte[found.forward])
         if found.backward is not None:
             backward = found.backward
@@ -774,11 +774,6 @@ def _edge_costs(
             pair = _factor(use, src_pos, dst_pos, small), _factor(use, entry_pos, dst_pos, small)
         factors.append((pair[0], np.ascontiguousarray(forward), pair[1]))
     return factors, len(layouts.rows), distinct
-
-
-_NATIVE_TABLE_CELLS = 1 << 24
-"""Edge-table entries of a problem from which its tables are filled by the compiled kernel (`native`):
-one pass per use over its pairs' slots, where numpy gathers each coefficient into a table of its own first."""
 
 
 def _compiled_tables(

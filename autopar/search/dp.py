@@ -456,7 +456,6 @@ def _merge_parts(parts: list[np.ndarray]) -> list[np.ndarray]:
 
 _SLAB_CELLS = 1 << 18  # entries of the summed table held at once (2 MB): it stays in cache
 _PARALLEL_CELLS = 1 << 22  # a step this large is shared between threads
-_NATIVE_CELLS = 1 << 24  # and, two-sided and with numba installed, compiled (`native`; smaller ones repay no import)
 
 
 def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
@@ -473,7 +472,7 @@ def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
     """
     parts = [np.ascontiguousarray(part) for part in parts]
     shape = np.broadcast_shapes(*(part.shape for part in parts))
-    if native.enabled() and np.prod(shape) >= _NATIVE_CELLS and _two_sided(parts):
+    if native.worth(int(np.prod(shape)), native.ENTRIES) and _two_sided(parts):
         return _min_plus_native(parts)
     rows, columns = shape[0], shape[1]
     per_row = max(1, int(np.prod(shape[1:])))

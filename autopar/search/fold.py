@@ -30,7 +30,6 @@ from autopar.search.dp import Elimination, Factor, Solved, joint_classes, over_r
 from autopar.search.repeats import Repeat
 
 _PRODUCT_CHUNK_CELLS = 1 << 22  # cells of the temporary in one block of a min-plus product
-_NATIVE_PRODUCT_CELLS = 1 << 24  # a product this large is compiled where numba is installed (`native`)
 
 
 # --- solving a folded run -----------------------------------------------------------------
@@ -82,7 +81,7 @@ def min_plus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     arg = np.empty((a.shape[0], b.shape[1]), dtype=np.int64)
     columns = np.ascontiguousarray(b.T)  # the summed index last: one contiguous pass finds the argmin
     cells = a.shape[0] * a.shape[1] * b.shape[1]
-    if native.enabled() and cells >= _NATIVE_PRODUCT_CELLS and a.shape[1]:  # compiled: the same sums and argmins
+    if native.worth(cells, native.ENTRIES):  # compiled: the same sums and argmins
         kernel, rows_of_a = native.kernels().min_plus_argmin, np.ascontiguousarray(a)
         over_rows(lambda first, last: kernel(rows_of_a, columns, out, arg, first, last), a.shape[0], cells)
         return out, arg

@@ -31,6 +31,20 @@ import importlib.util
 import os
 from types import ModuleType
 
+PAIRS = 1 << 20
+"""Layout pairs costed at once from which the compiled planner is used: numpy costs a million in about three
+seconds here, where importing numba and loading the kernels takes one or two."""
+
+ENTRIES = 1 << 24
+"""Table entries (an elimination step's, a min-plus product's, a problem's edge tables') from which a kernel
+is used."""
+
+
+def worth(count: int, least: int) -> bool:
+    """Whether work of ``count`` items (pairs or entries) goes to a kernel: they are enabled and the work is
+    at least ``least`` (`PAIRS`, `ENTRIES`), large enough to repay importing numba."""
+    return count >= least and enabled()
+
 
 def enabled() -> bool:
     """Whether the compiled kernels are used: numba is installed and ``AUTOPAR_NATIVE`` is not ``0``."""
