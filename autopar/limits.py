@@ -18,10 +18,12 @@ holds one entry per element of a 1-D integer input (a label vector), so a batch 
 need tens of GB before planning starts; 2^24 costs about 1.4 GB and 4 s."""
 
 MAX_SEED = (1 << 64) - 1
-
-# Gradient accumulation tried when nothing fits in one batch: 2, 4, ... micro-batches, at most this many.
-MAX_MICRO_BATCHES = 64
 """Any non-negative integer below 2^64 seeds numpy's generator; a negative seed has no meaning."""
+
+MAX_MICRO_BATCHES = 64
+"""Micro-batches a plan may run the batch as (each count dividing the batch, up to this, is searched where
+memory binds): 1F1B's bubble can then be as small as (S - 1) / (S + 63) of a step. The Megatron-LM runs
+`bench/megatron.py` reproduces use up to 56 (Narayanan et al., SC21, Table 1)."""
 
 MAX_CANDIDATES_PER_OPERATOR = 50_000
 """Strategies of one operator (label splits with product <= devices): the costing loops over them."""

@@ -330,3 +330,23 @@ def test_a_sweep_is_a_value_that_shows_itself(tmp_path):
 def test_a_verify_report_prints_its_table():
     report = autopar.verify(RESNET50, autopar.plan(RESNET50, devices=8, batch=2), devices=8, batch=2)
     assert str(report).startswith("autopar verify: VERIFIED on 8 virtual devices")
+
+
+def test_a_plan_runs_the_cycle_collector_less_often_and_leaves_it_as_it_was(tiny, monkeypatch):
+    """While a plan is searched the youngest generation is collected after far more allocations than
+    Python's default (nothing a search drops waits for the collector); once the plan is made, or refused,
+    the thresholds are the caller's again."""
+    import gc
+
+    from autopar.api import planning
+
+    during: list[tuple[int, ...]] = []
+    search = planning._Shapes.search
+    monkeypatch.setattr(planning._Shapes, "search", lambda self: during.append(gc.get_threshold()) or search(self))
+    before = gc.get_threshold()
+    autopar.plan(tiny, devices=4)
+    assert gc.get_threshold() == before
+    assert during[0][0] >= max(planning._YOUNG_COLLECTION, before[0]) and during[0][1:] == before[1:]
+    with pytest.raises(AutoparError):
+        autopar.plan(tiny, devices=4, fixed={"no_such_op": ((1, 1, 1, 1),)})
+    assert gc.get_threshold() == before

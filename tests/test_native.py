@@ -39,6 +39,19 @@ def test_the_kernels_are_on_where_numba_is_and_off_when_the_environment_says_so(
     assert not native.enabled()
 
 
+def test_smaller_work_goes_to_the_kernels_once_numba_is_imported(monkeypatch):
+    """Before any work has paid for importing numba, only work of the threshold asked for goes to a kernel;
+    once the kernels are imported, work from `native.LOADED` items does too, and never less."""
+    import sys
+
+    native.kernels()
+    assert native.worth(native.LOADED, native.ENTRIES) and not native.worth(native.LOADED - 1, native.ENTRIES)
+    monkeypatch.delitem(sys.modules, "autopar.search.native_jit")
+    assert not native.worth(native.LOADED, native.ENTRIES) and native.worth(native.ENTRIES, native.ENTRIES)
+    monkeypatch.setenv("AUTOPAR_NATIVE", "0")
+    assert not native.worth(native.ENTRIES, native.ENTRIES)
+
+
 def test_the_kernel_names_the_collective_kinds_as_the_numpy_planner_does():
     kernels = native.kernels()
     assert (kernels._AG, kernels._RS, kernels._A2A, kernels._AR, kernels._SLICE) == (

@@ -198,6 +198,36 @@ def test_weighted_fill_closes_a_cycle_over_its_cheapest_operator(seed, monkeypat
     assert total(elimination.run(unary).backtrack()) == pytest.approx(best, rel=1e-12)
 
 
+def test_an_elimination_with_refused_orders_is_freed_when_dropped_without_the_collector(monkeypatch):
+    """An order refused as too large keeps its error without the traceback, and the error raised when every
+    order is refused lets go of the frame raising it: either way no cycle runs through the frame, which
+    holds the elimination and, through its callers, a whole search until the cycle collector runs."""
+    import gc
+    import weakref
+
+    from autopar.errors import SearchTooLargeError
+    from autopar.search import dp
+
+    sizes, factors, _ = _routed_cycle(0)
+    planned: list[weakref.ref] = []
+    structure = Elimination._structure
+    monkeypatch.setattr(Elimination, "_structure", lambda self: planned.append(weakref.ref(self)) or structure(self))
+    monkeypatch.setattr(dp, "MAX_TABLE_ENTRIES", 300)  # only weighted fill plans (the test above)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        elimination = Elimination(sizes, factors)
+        assert elimination.largest == 288
+        del elimination
+        monkeypatch.setattr(dp, "MAX_TABLE_ENTRIES", 100)  # every order refused
+        with pytest.raises(SearchTooLargeError):
+            Elimination(sizes, factors)
+        assert len(planned) == 2 and all(held() is None for held in planned)
+    finally:
+        if collecting:
+            gc.enable()
+
+
 @pytest.mark.parametrize("cells", [1, 7, 64, 1 << 18])
 def test_a_step_sums_and_minimises_the_same_in_slabs_of_rows_or_of_blocks(cells, monkeypatch):
     """A row larger than a slab is summed a block of its second axis at a time: every entry is the

@@ -167,8 +167,8 @@ class Elimination:
         for rule in ORDERS:
             try:
                 planned = self._plan(rule)
-            except TooLargeError as error:
-                refusal = error if refusal is None else refusal
+            except TooLargeError as error:  # kept without its traceback, which holds this frame: no cycle
+                refusal = error.with_traceback(None) if refusal is None else refusal
                 continue
             if best is None or planned[1] < best[1]:
                 best = planned
@@ -176,7 +176,10 @@ class Elimination:
                 break  # cheap enough: another order could save little
         if best is None:
             assert refusal is not None
-            raise refusal
+            try:
+                raise refusal
+            finally:
+                del refusal  # the raised error's traceback holds this frame
         self.steps, self.work, self.largest, self.leftover, self._leftover = best
         _PLANS[key] = best
         while len(_PLANS) > _PLANS_KEPT:

@@ -19,9 +19,11 @@ imports without it.
 numba is optional (``pip install autopar[fast]``): without it, or with ``AUTOPAR_NATIVE=0`` in the
 environment, `enabled` is False and callers keep their numpy path. Callers use the kernels only for
 work large enough to repay importing numba (a second or so): a million pairs, steps and problems' edge
-tables of sixteen million entries, so planning a small model never imports it. Each kernel compiles on
-its first call and is cached on disk, so only the first large plan on a machine pays the compilation
-(about six seconds).
+tables of sixteen million entries, so planning a small model never imports it. Once some work has paid
+for the import, smaller work goes to the kernels too (from `LOADED` items): a large model's later
+problems and smaller steps are each a few times faster compiled. Each kernel compiles on its first call
+and is cached on disk, so only the first large plan on a machine pays the compilation (about six
+seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from types import ModuleType
 
 PAIRS = 1 << 20
@@ -40,10 +43,21 @@ ENTRIES = 1 << 24
 is used."""
 
 
+LOADED = 1 << 16
+"""Items (pairs or entries) from which work goes to a kernel once numba is imported: below this, calling a
+kernel and splitting its rows between threads costs about what numpy takes."""
+
+
 def worth(count: int, least: int) -> bool:
     """Whether work of ``count`` items (pairs or entries) goes to a kernel: they are enabled and the work is
-    at least ``least`` (`PAIRS`, `ENTRIES`), large enough to repay importing numba."""
-    return count >= least and enabled()
+    at least ``least`` (`PAIRS`, `ENTRIES`), large enough to repay importing numba, or at least `LOADED`
+    where the kernels are imported already."""
+    if count < LOADED or not enabled():
+        return False
+    return count >= least or _KERNELS in sys.modules
+
+
+_KERNELS = "autopar.search.native_jit"
 
 
 def enabled() -> bool:
