@@ -350,3 +350,19 @@ def test_a_plan_runs_the_cycle_collector_less_often_and_leaves_it_as_it_was(tiny
     with pytest.raises(AutoparError):
         autopar.plan(tiny, devices=4, fixed={"no_such_op": ((1, 1, 1, 1),)})
     assert gc.get_threshold() == before
+
+
+def test_an_import_error_kept_for_later_holds_no_frames():
+    """A shape's refusal is kept (`_Shapes._refusals`) without the traceback of its raising or of the error
+    it was raised handling: their frames hold the search that keeps it."""
+    from autopar.api.planning import _detached
+    from autopar.errors import ModelImportError
+
+    try:
+        try:
+            raise ValueError("inner")
+        except ValueError:
+            raise ModelImportError("The model does not import.") from None
+    except ModelImportError as error:
+        kept = _detached(error)
+    assert kept.__traceback__ is None and kept.__context__ is None and str(kept) == "The model does not import."

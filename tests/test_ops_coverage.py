@@ -168,8 +168,9 @@ def test_unknown_operator_runs_replicated_and_is_reported(tmp_path, capsys):
         helper.make_node("Det", ["r"], ["Y"], name="det"),
     ]
     model = make_model(nodes, [("X", F, [4, 8, 8])], ["Y"])
-    with pytest.warns(FallbackWarning, match=r"det \(Det\)"):
+    with pytest.warns(FallbackWarning, match=r"det \(Det\)") as warned:
         plan = autopar.plan(model, devices=8)
+    assert warned[0].filename == __file__  # the warning names the line that asked for the plan
     assert plan.fallback_ops == ["det"]
     assert autopar.verify(model, plan).ok
     path = tmp_path / "det.onnx"

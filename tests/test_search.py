@@ -199,9 +199,10 @@ def test_weighted_fill_closes_a_cycle_over_its_cheapest_operator(seed, monkeypat
 
 
 def test_an_elimination_with_refused_orders_is_freed_when_dropped_without_the_collector(monkeypatch):
-    """An order refused as too large keeps its error without the traceback, and the error raised when every
-    order is refused lets go of the frame raising it: either way no cycle runs through the frame, which
-    holds the elimination and, through its callers, a whole search until the cycle collector runs."""
+    """An order refused as too large is let go of once another order plans, and the error raised when every
+    order is refused lets go of the frame raising it: either way no cycle runs through the frame (its
+    error's traceback holds it), which holds the elimination and, through its callers, a whole search
+    until the cycle collector runs."""
     import gc
     import weakref
 
@@ -209,6 +210,7 @@ def test_an_elimination_with_refused_orders_is_freed_when_dropped_without_the_co
     from autopar.search import dp
 
     sizes, factors, _ = _routed_cycle(0)
+    monkeypatch.setattr(dp, "_PLANS", type(dp._PLANS)())  # planned anew, not taken from the test above
     planned: list[weakref.ref] = []
     structure = Elimination._structure
     monkeypatch.setattr(Elimination, "_structure", lambda self: planned.append(weakref.ref(self)) or structure(self))

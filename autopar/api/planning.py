@@ -15,6 +15,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import onnx
 
@@ -219,7 +220,8 @@ class _Collector:
             if not self._plans:
                 self._saved = gc.get_threshold()
                 young, *older = self._saved
-                gc.set_threshold(max(young, _YOUNG_COLLECTION), *older)
+                if young:  # 0: the caller turned automatic collection off
+                    gc.set_threshold(max(young, _YOUNG_COLLECTION), *older)
             self._plans += 1
         try:
             yield
@@ -252,14 +254,14 @@ def _plan_with(model: ModelLike, options: PlanOptions) -> Plan:
             f"{len(problem.graph.renamed_ops)} operator(s) repeat a name used earlier in the file (ONNX"
             f" requires unique names); the plan calls them {pairs}{more}.",
             RenamedOperatorsWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of `plan`
         )
     phases = {"import": imported - started, "costing": shapes.costing_s, "search": shapes.search_s}
     unfixed = build_problem(graph, cost, options.num_devices) if fixed and pipeline is not None else shapes.single
     free = _free_plan(problem, searched.shape, options, cost, unfixed) if fixed else None
     result = Plan.lower(problem, found, mode, phases, free, pipeline=pipeline, single=unfixed if pipeline else None)
     if result.fallback_ops:
-        warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=3)
+        warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=4)
     return result
 
 
@@ -322,7 +324,7 @@ class _Shapes:
         except (ModelImportError, FixedStrategyError) as error:
             if key == (1, 1):
                 raise
-            self._refusals[key] = error.with_traceback(None)  # its frames hold this search: no cycle
+            self._refusals[key] = _detached(error)
             built = None
         else:
             self._built.add(key)
@@ -339,7 +341,7 @@ class _Shapes:
                     self.model, batch, options.dims, options.frozen, options.trainable
                 )
             except ModelImportError as error:
-                imported = error.with_traceback(None)  # its frames hold this search: no cycle
+                imported = _detached(error)
             self._graphs[micro_batches] = imported
         found = self._graphs[micro_batches]
         if isinstance(found, ModelImportError):
@@ -402,7 +404,8 @@ class _Shapes:
             why = str(error)
             if isinstance(error, ModelImportError) and self.step_batch is not None:
                 why = f"the model does not take a batch of {self.step_batch // micro} ({why.rstrip('.')})."
-            raise type(error)(
+            kind = ModelImportError if isinstance(error, ModelImportError) else FixedStrategyError
+            raise kind(
                 f"No plan with {micro} micro-batch{'es' if micro > 1 else ''} over {stages}"
                 f" stage{'s' if stages > 1 else ''}: {why}"
             ) from None
@@ -483,6 +486,16 @@ class _Shapes:
         self._hint = max(stage.result.lagrange_multiplier for stage in result.stages) or self._hint
         found = _joined(result, time.perf_counter() - started)
         return _Searched(problem, found, result if shape.stages > 1 else None, result.time_s, shape)
+
+
+_Kept = TypeVar("_Kept", bound=BaseException)
+
+
+def _detached(error: _Kept) -> _Kept:
+    """An error to keep, without the traceback of its raising or of the error it was raised handling: their
+    frames hold the search that keeps it, a cycle only the collector would free."""
+    error.__context__ = None
+    return error.with_traceback(None)
 
 
 _TIE = 1e-12

@@ -167,19 +167,21 @@ class Elimination:
         for rule in ORDERS:
             try:
                 planned = self._plan(rule)
-            except TooLargeError as error:  # kept without its traceback, which holds this frame: no cycle
-                refusal = error.with_traceback(None) if refusal is None else refusal
+            except TooLargeError as error:
+                refusal = error if refusal is None else refusal
                 continue
             if best is None or planned[1] < best[1]:
                 best = planned
             if planned[1] <= SMALL_WORK:
                 break  # cheap enough: another order could save little
+        # the refusal's traceback holds this frame, and its callers' (a whole search): not held by it after
         if best is None:
             assert refusal is not None
             try:
                 raise refusal
             finally:
-                del refusal  # the raised error's traceback holds this frame
+                del refusal
+        refusal = None
         self.steps, self.work, self.largest, self.leftover, self._leftover = best
         _PLANS[key] = best
         while len(_PLANS) > _PLANS_KEPT:

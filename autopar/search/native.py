@@ -52,9 +52,9 @@ def worth(count: int, least: int) -> bool:
     """Whether work of ``count`` items (pairs or entries) goes to a kernel: they are enabled and the work is
     at least ``least`` (`PAIRS`, `ENTRIES`), large enough to repay importing numba, or at least `LOADED`
     where the kernels are imported already."""
-    if count < LOADED or not enabled():
+    if not enabled():
         return False
-    return count >= least or _KERNELS in sys.modules
+    return count >= least or (count >= LOADED and _KERNELS in sys.modules)
 
 
 _KERNELS = "autopar.search.native_jit"
