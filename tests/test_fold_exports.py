@@ -219,9 +219,13 @@ def test_a_hugging_face_albert_export_plans_at_every_size(devices):
 def test_a_search_too_large_names_a_device_count_it_plans_on(monkeypatch):
     """With the shared Transposes free to split, ALBERT's search is refused; the advice is tried, not assumed."""
     from autopar.errors import SearchTooLargeError
+    from autopar.graph import load_model
+    from autopar.options import PlanOptions
     from autopar.search import costing
 
     monkeypatch.setattr(costing, "_weight_only", lambda graph, rules, shared: [])
     model = build_plain_gpt(layers=6, hidden=64, heads=4, seq=16, vocab=128, batch=8, shared_layers=True)
     with pytest.raises(SearchTooLargeError, match=r"it plans on 4 devices\.$"):
         autopar.plan(model, devices=8)
+    with pytest.raises(SearchTooLargeError, match=r"it plans on 4 devices\.$"):  # forks passing through from the start
+        costing.build_problem(load_model(model), PlanOptions.resolve(8).costs(), 8, meet=False)

@@ -460,3 +460,60 @@ def test_the_cut_search_takes_the_first_of_the_least_from_the_last_stage_back(se
                 assert found is not None and found.time_s == least and found.starts == want
             else:
                 assert found is None
+
+
+def _refusing_to_meet(monkeypatch, batches: tuple[int, ...]) -> list[tuple[int, bool]]:
+    """Costing refuses, as over its limits, the forks' meeting layouts at these batches: the checks asked
+    for, as (batch, whether forks meet), are listed."""
+    from autopar.errors import SearchTooLargeError
+    from autopar.search import costing
+
+    asked: list[tuple[int, bool]] = []
+    check = costing._Planned.check
+
+    def refusing(self) -> None:
+        graph = self.flow.graph
+        batch = graph.tensor(graph.inputs[0]).shape[0]
+        asked.append((batch, self.meet))
+        if self.meet and batch in batches:
+            raise SearchTooLargeError("Meeting takes the search over its limits.")
+        check(self)
+
+    monkeypatch.setattr(costing._Planned, "check", refusing)
+    return asked
+
+
+def test_one_stage_micro_batches_pass_forks_through_where_the_whole_batch_does(monkeypatch):
+    """Where meeting takes the whole batch's search over its limits, every one-stage micro-batch problem's
+    forks pass through from the start (no second build to meet the same limits); stages' problems still
+    meet where they can."""
+    from autopar.options import PlanOptions
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    asked = _refusing_to_meet(monkeypatch, (8,))
+    options = PlanOptions.resolve(4, profile(peak=1e9), None)
+    shapes = planning._Shapes(model, load_model(model), 8, options, options.costs())
+    assert not shapes.single.forks_meet and asked == [(8, True), (8, False)]
+    assert not shapes.problem(1, 2).forks_meet and asked[2:] == [(4, False)]
+    assert shapes.problem(2, 2).forks_meet and asked[3:] == [(4, True)]
+
+
+def test_a_micro_batch_count_whose_forks_pass_through_bounds_no_multiple_of_it_where_the_whole_batch_meets(
+    monkeypatch,
+):
+    """A plan of 4 micro-batches is one of 2, at least as fast, only if its candidates are there: where the
+    2-micro-batch problem's forks pass through and the whole batch's meet, a 4-micro-batch problem may meet,
+    so the 2's fastest plan bounds nothing (`_Shapes._fewer_micro_batches_win`)."""
+    from autopar.options import PlanOptions
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    asked = _refusing_to_meet(monkeypatch, (4,))
+    options = PlanOptions.resolve(4, profile(peak=1e9), None)
+    shapes = planning._Shapes(model, load_model(model), 8, options, options.costs())
+    two, four = PipelineShape(1, 2), PipelineShape(1, 4)
+    passing = shapes.problem(1, 2)
+    assert shapes.single.forks_meet and not passing.forks_meet and asked == [(8, True), (4, True), (4, False)]
+    shapes._note_fastest(passing, two, 5.0)
+    assert not shapes._fewer_micro_batches_win(four, 1.0)
+    shapes._note_fastest(shapes.problem(1, 4), four, 5.0)  # its forks meet: it bounds its multiples
+    assert shapes._fewer_micro_batches_win(PipelineShape(1, 8), 1.0)

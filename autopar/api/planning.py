@@ -318,9 +318,11 @@ class _Shapes:
         started = time.perf_counter()
         options = self.options
         built: SearchProblem | None
+        # one stage's micro-batches pass their forks through where the whole batch's do (`_fewer_micro_batches_win`)
+        meet = stages > 1 or key == (1, 1) or self.single.forks_meet
         try:
             graph = self._graph(micro_batches)
-            built = build_problem(graph, self.cost, options.num_devices // stages, fixed=options.fixed)
+            built = build_problem(graph, self.cost, options.num_devices // stages, fixed=options.fixed, meet=meet)
         except (ModelImportError, FixedStrategyError) as error:
             if key == (1, 1):
                 raise
@@ -434,13 +436,21 @@ class _Shapes:
             self.search_s += time.perf_counter() - started
         return (fits, order[1:]) if fits is not None else (None, [order[1], ONE_STAGE, *order[2:]])
 
-    def _note_fastest(self, shape: PipelineShape, fastest_s: float | None) -> None:
-        if fastest_s is not None:
+    def _note_fastest(self, problem: SearchProblem, shape: PipelineShape, fastest_s: float | None) -> None:
+        """Keep a count's fastest plan (memory aside) to bound its multiples, where it may: its forks meet, or
+        no one-stage problem's do (`_fewer_micro_batches_win`)."""
+        if fastest_s is not None and (problem.forks_meet or not self.single.forks_meet):
             self._fastest[shape.micro_batches] = fastest_s
 
     def _fewer_micro_batches_win(self, shape: PipelineShape, best_s: float) -> bool:
         """Some micro-batch count dividing ``shape``'s had no plan faster than ``best_s``, memory aside: its own
-        too, where it was searched before (the whole batch, in its one-run check, `_visiting`)."""
+        too, where it was searched before (the whole batch, in its one-run check, `_visiting`).
+
+        A plan of M' micro-batches is one of M' / M times fewer (M dividing M'), at least as fast, only where
+        its candidates are there too: a fork's meeting layouts are not where the fewer micro-batches' forks
+        only pass through (meeting went over the size limits). So a count bounds its multiples only where its
+        forks meet, or where the whole batch's do not: every one-stage problem's forks then pass through
+        (`problem`), so the counts compare like with like."""
         return any(shape.micro_batches % m == 0 and t >= best_s for m, t in self._fastest.items())
 
     def _memory_free(self, best: _Searched | None) -> bool:
@@ -464,13 +474,13 @@ class _Shapes:
             try:
                 found = run_search(stage, mode, algorithm, options.recompute, bound, self._hint, cache)
             except NothingFaster as beaten:
-                self._note_fastest(shape, beaten.fastest_s)
+                self._note_fastest(stage, shape, beaten.fastest_s)
                 return None
             except InfeasibleError:
                 if len(self.shapes()) == 1:
                     raise
                 return None
-            self._note_fastest(shape, found.fastest_s)
+            self._note_fastest(stage, shape, found.fastest_s)
             self._hint = found.lagrange_multiplier or self._hint
             if shape == ONE_STAGE:
                 return _Searched(problem, found, None, problem.objective(found.choice, found.choices))
@@ -555,7 +565,7 @@ def _free_plan(
     """With fixed strategies: the plan the search finds with nothing fixed, on the same graph (so at the
     same micro-batch size), stages and micro-batches, which the plan is compared with (None: nothing
     fits). ``single``: the whole batch on every device with nothing fixed (data parallel's problem)."""
-    free = build_problem(problem.graph, cost, problem.num_devices)
+    free = build_problem(problem.graph, cost, problem.num_devices, meet=problem.forks_meet)
     algorithm = options.search.value
     if shape == ONE_STAGE:
         try:

@@ -45,6 +45,7 @@ def build_problem(
     fold: bool = True,
     fixed: Mapping[str, Sequence[Sequence[int]]] | None = None,
     twins: bool = True,
+    meet: bool = True,
 ) -> SearchProblem:
     """Cost every candidate of every operator and every edge between them.
 
@@ -55,13 +56,16 @@ def build_problem(
     (`autopar.search.twins`) are tied: the search takes one candidate for both. Forks
     (`autopar.ops.fork`) take the layouts where their readers meet, unless the search would then go
     over its limits (T5 at 64 devices): they then only pass their tensor through, which is exactly
-    the search without them.
+    the search without them (``forks_meet`` is then False on the problem). Without ``meet`` they pass
+    through from the start.
     """
-    planned = _planned(graph, cost, num_devices, fold, fixed, twins)
+    planned = _planned(graph, cost, num_devices, fold, fixed, twins, meet)
     try:
         planned.check()
     except SearchTooLargeError as exc:
         try:  # forks are a saving, not a need: where meeting would go over the limits, they pass through
+            if not meet:
+                raise
             planned = _planned(graph, cost, num_devices, fold, fixed, twins, meet=False)
             planned.check()
         except SearchTooLargeError:
@@ -115,6 +119,7 @@ def build_problem(
         ties=MappingProxyType(ties),
         node_activations=tuple(c.activations for c in costs),
         blocks=tuple(blocks),
+        forks_meet=planned.meet,
     )
 
 
@@ -134,6 +139,7 @@ class _Planned:
     run_of: dict[int, int]
     copy_of: dict[int, int]
     entry_of: dict[int, int]
+    meet: bool  # the forks take the layouts where their readers meet (else they pass through)
 
     def check(self) -> None:
         """Refuse a search too large to run (`_check_search`), before any edge is costed."""
@@ -195,7 +201,7 @@ def _planned(
         costs.append(costs[copy_of[node]] if node in copy_of else _node_costs(flow, node))
     layouts = _Layouts(flow)
     ties = _twins(flow, costed, layouts, costs, repeats) if twins else {}
-    return _Planned(flow, costs, costed, layouts, repeats, blocks, unfolded, ties, run_of, copy_of, entry_of)
+    return _Planned(flow, costs, costed, layouts, repeats, blocks, unfolded, ties, run_of, copy_of, entry_of, meet)
 
 
 def _fewer_devices(

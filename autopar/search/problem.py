@@ -68,6 +68,7 @@ class SearchProblem(Dataflow):
     in_flight: int = 1  # micro-batches whose activations are held at once (a pipeline stage's, under 1F1B)
     blocks: tuple[Repeat, ...] = ()  # every run of repeated blocks, folded or not (where stages may be cut)
     recompute_factors: tuple[Factor, ...] = ()  # ``factors`` with recomputed forwards paid twice, where they differ
+    forks_meet: bool = True  # the forks' candidates are where their readers meet (False: they only pass through)
 
     def objective(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
         """Predicted step time of one assignment (candidate index per node).
