@@ -41,7 +41,9 @@ from autopar.search.pipeline import (
     _copies_in,
     _copy_floors,
     _crossings,
+    _leanest_memory,
     _min_max_search,
+    _min_max_value,
     _send_costs,
     _stage_floor,
     compute_floor,
@@ -244,6 +246,66 @@ def test_a_stage_floor_counting_whole_copies_bounds_every_stage_and_beats_the_op
     brute = every_cut(problem, shape)  # bounds prune, never change the answer: nothing beats the best plan,
     assert search_stages(problem, shape, bound=brute.time_s) is None  # and the best plan beats a bound above it
     assert search_stages(problem, shape, bound=brute.time_s * (1 + 1e-9)).time_s == pytest.approx(brute.time_s)
+
+
+def _stacks(kind: str, batch: int):
+    from tests.test_memory_plan import block_stack
+
+    if kind == "blocks":  # folded runs that recompute
+        return block_stack(blocks=6, batch=batch, width=8, hidden=32)
+    if kind == "residual":  # a residual stream crossing each cut
+        return residual_stack(4, batch=batch)
+    # GPT layers: a copy ends in the residual Add whose output the next stage keeps (`_kept_across`)
+    return build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=batch)
+
+
+@pytest.mark.parametrize(("kind", "folded"), [("blocks", True), ("residual", True), ("gpt", True), ("gpt", False)])
+@pytest.mark.parametrize(("stages", "micro"), [(2, 4), (4, 2), (2, 1)])
+def test_the_leanest_memory_of_a_stage_bounds_its_memory_floor_wherever_the_cuts_put_it(
+    monkeypatch, kind, folded, stages, micro
+):
+    """Every stage of every cut, at every place in the pipeline, needs at least `_leanest_memory`'s bytes,
+    recomputing or not (`memory_floor`: each operator at its leanest candidate and optimizer choice), and no
+    more than the whole problem's floor held for the fullest stage's micro-batches (`_no_cut_fits` skips the
+    bound below that); the bound is close where few activations cross, not a vacuous zero. Unfolded, every
+    layer's activations are held for each micro-batch in flight (folded, they may be recomputed)."""
+    if folded:
+        fold_short(monkeypatch)
+    problem = autopar.build(_stacks(kind, 16 // micro), 4, profile())
+    shape = PipelineShape(stages, micro)
+    points = [0, *cut_points(problem), problem.size]
+    lower = _leanest_memory(problem, shape, points)
+    closest = 0.0
+    for a, b in itertools.combinations(range(len(points)), 2):
+        for index in range(stages):
+            stage = stage_problem(problem, points[a], points[b], shape, index)
+            floor = min(stage.memory_floor(False), stage.memory_floor(True))
+            assert lower(index, a, b) <= floor * (1 + 1e-12)
+            assert lower(index, a, b) <= shape.in_flight(0) * problem.memory_floor(False) * (1 + 1e-12)
+            closest = max(closest, lower(index, a, b) / floor if floor else 0.0)
+    assert closest > 0.9
+
+
+@pytest.mark.parametrize("kind", ["blocks", "gpt"])
+def test_a_shape_no_cut_fits_is_refuted_without_a_stage_and_brute_force_agrees(monkeypatch, kind):
+    """Just below the least over cuts of the fullest stage's leanest memory, the cut search says nothing fits
+    without building a stage, and every cut has a stage that does not fit; just above, it searches."""
+    fold_short(monkeypatch)
+    model, shape = _stacks(kind, 4), PipelineShape(2, 4)
+    roomy = autopar.build(model, 4, profile())
+    points = [0, *cut_points(roomy), roomy.size]
+    least = _min_max_value(_leanest_memory(roomy, shape, points), shape.stages, len(points) - 1)
+    built = []
+    monkeypatch.setattr(
+        "autopar.search.pipeline.stage_problem", lambda *a, **k: built.append(a[1:3]) or stage_problem(*a, **k)
+    )
+    tight = autopar.build(model, 4, profile(capacity=least * (1 - 1e-6)))
+    assert search_stages(tight, shape) is None and not built
+    for cut in cut_points(tight):
+        stages = [stage_problem(tight, 0, cut, shape, 0), stage_problem(tight, cut, tight.size, shape, 1)]
+        assert any(min(stage.memory_floor(False), stage.memory_floor(True)) > least * (1 - 1e-6) for stage in stages)
+    search_stages(autopar.build(model, 4, profile(capacity=least * (1 + 1e-6))), shape)
+    assert built  # not refuted by the bound: its stages are searched
 
 
 @pytest.mark.parametrize(

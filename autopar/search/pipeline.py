@@ -31,6 +31,7 @@ place are searched once.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -592,13 +593,18 @@ def search_stages(
     last = len(points) - 1
     if last < count:
         return None
+    if _no_cut_fits(problem, shape, points):
+        return None
     each = [_least(problem, i, shape.slots) for i in range(n)]
     least = np.concatenate([[0.0], np.cumsum(each)])
 
     def floor(a: int, b: int) -> float:  # no stage over points a..b is faster
         return float(least[points[b]] - least[points[a]])
 
-    if _min_max_value(floor, count, last) >= bound:
+    def anywhere(index: int, a: int, b: int) -> float:  # the same, wherever the stage is
+        return floor(a, b)
+
+    if _min_max_value(anywhere, count, last) >= bound:
         return None  # not even the operators' least times leave a stage fast enough
     search.copies = _copy_floors(problem, shape, points)
     for block, copy_least in search.copies:  # a cut never splits a copy: its least counts as a whole
@@ -606,20 +612,79 @@ def search_stages(
             len(block) - 1
         )
     least = np.concatenate([[0.0], np.cumsum(each)])
-    if search.copies and _min_max_value(floor, count, last) >= bound:
+    if search.copies and _min_max_value(anywhere, count, last) >= bound:
         return None  # no cuts leave every stage's copies of the blocks fast enough
     # first the cuts that balance the stages' lower bounds: their plan bounds the exact search
-    probe = _assemble(search, [points[b] for b in _min_max_cuts(floor, count, last)], bound)
+    probe = _assemble(search, [points[b] for b in _min_max_cuts(anywhere, count, last)], bound)
     if probe is not None:  # its ties too: the exact search's rule, not the bounds', picks among equal cuts
         bound = probe.time_s * (1 + 1e-12)
     exact = _min_max_search(search, points, count, floor, bound)
     return exact if exact is not None else probe
 
 
-def _min_max_value(cost: Callable[[int, int], float], count: int, last: int) -> float:
-    """The least, over cuts into ``count`` stages, of the largest ``cost`` of a stage."""
+def _min_max_value(cost: Callable[[int, int, int], float], count: int, last: int) -> float:
+    """The least, over cuts into ``count`` stages, of the largest ``cost`` of a stage (its index, first
+    and last point)."""
     cuts = _min_max_cuts(cost, count, last)
-    return max(cost(a, b) for a, b in itertools.pairwise(cuts))
+    return max(cost(index, a, b) for index, (a, b) in enumerate(itertools.pairwise(cuts)))
+
+
+def _no_cut_fits(problem: SearchProblem, shape: PipelineShape, points: Sequence[int]) -> bool:
+    """Whether every cut at ``points`` leaves a stage whose leanest memory (`_leanest_memory`) is more than a
+    device holds. Where the whole problem's memory floor times the first stage's micro-batches fits, as in
+    most searches, no stage's bound can exceed the capacity (each operator's is between 0 and that many
+    times its leanest bytes, activations being part of them), so the min-max over the cuts is skipped."""
+    capacity = problem.cost.capacity * (1 + 1e-9)
+    if shape.in_flight(0) * problem.memory_floor(False) <= capacity:
+        return False
+    return _min_max_value(_leanest_memory(problem, shape, points), shape.stages, len(points) - 1) > capacity
+
+
+def _leanest_memory(
+    problem: SearchProblem, shape: PipelineShape, points: Sequence[int]
+) -> Callable[[int, int, int], float]:
+    """A lower bound on the bytes a device of stage ``index`` over points ``a`` .. ``b`` holds, for every
+    plan, memory choice and cut at ``points`` (`stage_problem`'s memory, operator by operator): the
+    stage's own parameters, inputs and activations, the latter for each micro-batch it holds, with
+    recomputation the whole run's share of one block's (1 / its copies, no more than any stage's). An
+    operator with a kept output some later point may put in another stage (`_kept_across` moves it
+    there) is counted without its activations at all: what a stage receives only adds.
+
+    Refuting a shape by this takes a min-max over the points where searching it takes a stage problem and
+    a DP run or more for every pair of points (ResNet-50 at a batch no stage count holds: seconds each)."""
+    n = problem.size
+    moving: set[int] = set()  # operators with a kept output some point may put in another stage
+    for use in problem.uses:
+        after = bisect.bisect_right(points, use.src_node)  # the first point after the writer
+        if after < len(points) and points[after] <= use.dst_node and use.src_is_output and use.tensor in problem.kept:
+            moving.add(use.src_node)
+    helds = sorted({shape.in_flight(index) for index in range(shape.stages)})
+    more = np.asarray(helds, dtype=float) - 1.0  # micro-batches held beyond the first
+    each = np.zeros((n, len(helds)))
+    alike: dict[tuple, np.ndarray] = {}  # the copies of a folded run share their arrays
+    for i in range(n):
+        memory, activations = problem.node_memory[i], problem.node_activations[i]
+        alternative = problem.sharded[i].memory if i in problem.sharded else None
+        share, moves = problem.recompute_share.get(i), i in moving
+        key = (id(memory), id(activations), id(alternative), share, moves)
+        if key not in alike:
+            least = np.full(len(helds), np.inf)
+            for base in (memory,) if alternative is None else (memory, alternative):
+                if moves:  # its activations may all move: only what it holds besides counts
+                    least = np.minimum(least, float((base - activations).min()))
+                    continue
+                least = np.minimum(least, (base[:, None] + activations[:, None] * more[None, :]).min(axis=0))
+                if share is not None:  # one block's share, the stage's no less than the whole run's
+                    least = np.minimum(least, float((base - (1.0 - share) * activations).min()))
+            alike[key] = least
+        each[i] = alike[key]
+    prefix = {held: np.concatenate([[0.0], np.cumsum(each[:, k])]) for k, held in enumerate(helds)}
+
+    def bytes_at_least(index: int, a: int, b: int) -> float:
+        held = prefix[shape.in_flight(index)]
+        return float(held[points[b]] - held[points[a]])
+
+    return bytes_at_least
 
 
 def _copy_floors(
@@ -672,17 +737,18 @@ def _copies_in(
     return tuple(found)
 
 
-def _min_max_cuts(cost: Callable[[int, int], float], count: int, last: int) -> list[int]:
+def _min_max_cuts(cost: Callable[[int, int, int], float], count: int, last: int) -> list[int]:
     """The cut points (indices, 0 and ``last`` included) that minimise the largest ``cost`` of a stage
-    over ``count`` stages: a min-max DP over a chain (Alpa and PipeDream partition so)."""
+    (its index, first and last point) over ``count`` stages: a min-max DP over a chain (Alpa and
+    PipeDream partition so)."""
     best = [[math.inf] * (last + 1) for _ in range(count)]
     came = [[0] * (last + 1) for _ in range(count)]
     for b in range(1, last + 1):
-        best[0][b] = cost(0, b)
+        best[0][b] = cost(0, 0, b)
     for index in range(1, count):
         for b in range(index + 1, last + 1):
             for a in range(index, b):
-                value = max(best[index - 1][a], cost(a, b))
+                value = max(best[index - 1][a], cost(index, a, b))
                 if value < best[index][b]:
                     best[index][b], came[index][b] = value, a
     cuts = [last]
