@@ -741,11 +741,11 @@ def _edge_costs(
     cache = PairCache.of(flow.cost)
     numbers = cache.numbers(list(layouts.ids))
     slots = {key: cache.reused(names[key], numbers[src], numbers[dst]) for key, (src, dst, _, _) in groups.items()}
-    if all(found is not None for found in slots.values()):
-        _number_delivered(layouts, groups)
-        distinct = _distinct_pairs(flow, cache, [found for found in slots.values() if found is not None])
-    else:
-        distinct = _costed_slots(flow, layouts, groups, names, cache, slots)
+    _number_delivered(layouts, {key: group for key, group in groups.items() if slots[key] is not None})
+    missing = {key: group for key, group in groups.items() if slots[key] is None}
+    if missing:  # only their pairs are looked up: a later problem's other groups hold millions
+        _costed_slots(flow, layouts, missing, names, cache, slots)
+    distinct = _distinct_pairs(flow, cache, [found for found in slots.values() if found is not None])
     latency, per_byte = cache.values
     found_slots = {key: found for key, found in slots.items() if found is not None}  # every group's, now
     cells = sum(found.forward.size for found in found_slots.values())
@@ -823,8 +823,8 @@ def _number_delivered(
 
 
 def _distinct_pairs(flow: Dataflow, cache: PairCache, groups: Sequence[PairSlots]) -> int:
-    """How many distinct layout pairs groups whose pairs were all costed before have (a pair has one
-    slot); refused as `_costed_slots` refuses, where their forward pairs are too many."""
+    """How many distinct layout pairs the groups have, all costed (a pair has one slot); refused as
+    `_costed_slots` refuses, where their forward pairs are too many."""
     seen = np.zeros(len(cache.values[0]), dtype=bool)
     for found in groups:
         seen[found.forward] = True
@@ -842,10 +842,10 @@ def _costed_slots(
     names: Mapping[tuple[bytes, bytes, bool, bool], tuple],
     cache: PairCache,
     slots: dict[tuple[bytes, bytes, bool, bool], PairSlots | None],
-) -> int:
-    """The slots of the groups ``slots`` has none for (into ``slots``, each kept in the cache for the
-    problems after), costing the layout pairs not costed before; then how many distinct pairs the
-    groups have, all of them. Refused before any costing where the distinct forward pairs are too many."""
+) -> None:
+    """The slots of ``groups`` (into ``slots``, each kept in the cache for the problems after), costing
+    the layout pairs not costed before. Refused before any costing where their distinct forward pairs
+    are too many."""
     rows = layouts.rows
     # forward: from the source's layout (a fork's rows carry gradient bits its forward lacks) to the
     # consumer's, whole; back: from the consumer's, partial where its gradient is, to the source's,
@@ -870,12 +870,9 @@ def _costed_slots(
     numbers = cache.numbers(list(layouts.ids))  # the rows numbered since too (partial rows made whole)
     where = cache.slots_of(numbers, table, unique // count, unique % count, flow.cost)
     for key, (src, dst, _, _) in groups.items():
-        if slots[key] is not None:
-            continue  # taken from a group kept before, which stays kept
         backward = where[pairs.position(backward_keys[key])] if key in backward_keys else None
         found = PairSlots(numbers[src], numbers[dst], where[pairs.position(forward_keys[key])], backward)
         slots[key] = cache.keep(names[key], found)
-    return len(unique)
 
 
 @dataclass(frozen=True)
