@@ -195,3 +195,37 @@ def test_a_problem_costed_after_another_has_the_tables_it_has_costed_alone():
             for f, g in zip((*mine.first, *mine.later), (*theirs.first, *theirs.later)):
                 assert np.array_equal(f.table, g.table)
     assert PairCache.of(shared).groups  # the later problems had groups to take from
+
+
+def test_a_problem_whose_groups_are_partly_kept_costs_only_the_others_and_has_its_tables_alone(monkeypatch):
+    """Where some of a problem's edge groups are kept and others not, only the others' pairs are looked up
+    (`_costed_slots` is given them alone), and the tables and counts are those it has built alone."""
+    from autopar.graph import load_model
+    from autopar.search import costing
+    from autopar.search.costing import build_problem
+    from models.transformer import build_transformer
+
+    graph = load_model(build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, batch=8))
+    shared = CostModel(profile())
+    build_problem(graph, shared, 8)
+    cache = PairCache.of(shared)
+    dropped = sorted(cache.groups, key=repr)[::3]  # a third of the groups no longer kept
+    for name in dropped:
+        del cache.groups[name]
+    looked_up: list[tuple[int, int]] = []
+    original = costing._costed_slots
+
+    def costed_slots(flow, layouts, groups, names, cache, slots):
+        looked_up.append((len(groups), len(slots)))
+        return original(flow, layouts, groups, names, cache, slots)
+
+    monkeypatch.setattr(costing, "_costed_slots", costed_slots)
+    again = build_problem(graph, shared, 8)
+    assert looked_up == [(len(dropped), len(cache.groups))]
+    alone = build_problem(graph, CostModel(profile()), 8)
+    assert again.pairs_costed == alone.pairs_costed and again.layouts_costed == alone.layouts_costed
+    for mine, theirs in zip((*again.factors, *again.recompute_factors), (*alone.factors, *alone.recompute_factors)):
+        assert mine.scope == theirs.scope and np.array_equal(mine.table, theirs.table)
+    for (_, mine), (_, theirs) in zip(again.folds, alone.folds):
+        for f, g in zip((*mine.first, *mine.later), (*theirs.first, *theirs.later)):
+            assert np.array_equal(f.table, g.table)
