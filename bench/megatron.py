@@ -127,7 +127,8 @@ def describe(result: dict) -> str:
         return f"refused: {result['error'][:120]}"
     plan = read_plan_file(result["plan"])
     recompute = ", recomputed" if plan.memory_plan.recompute else ""
-    return f"{degrees(plan)}, {plan.memory_plan.micro_batches} micro-batches{recompute}"
+    micro = plan.memory_plan.micro_batches
+    return f"{degrees(plan)}, {micro} micro-batch{'es' if micro > 1 else ''}{recompute}"
 
 
 def main() -> None:
