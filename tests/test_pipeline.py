@@ -42,8 +42,8 @@ from autopar.search.pipeline import (
     _copy_floors,
     _crossings,
     _leanest_memory,
+    _least_fullest_stage,
     _min_max_search,
-    _min_max_value,
     _send_costs,
     _stage_floor,
     compute_floor,
@@ -274,7 +274,11 @@ def test_the_leanest_memory_of_a_stage_bounds_its_memory_floor_wherever_the_cuts
     problem = autopar.build(_stacks(kind, 16 // micro), 4, profile())
     shape = PipelineShape(stages, micro)
     points = [0, *cut_points(problem), problem.size]
-    lower = _leanest_memory(problem, shape, points)
+    prefixes = _leanest_memory(problem, shape, points)
+
+    def lower(index: int, a: int, b: int) -> float:
+        return float(prefixes[index][b] - prefixes[index][a])
+
     closest = 0.0
     for a, b in itertools.combinations(range(len(points)), 2):
         for index in range(stages):
@@ -294,7 +298,14 @@ def test_a_shape_no_cut_fits_is_refuted_without_a_stage_and_brute_force_agrees(m
     model, shape = _stacks(kind, 4), PipelineShape(2, 4)
     roomy = autopar.build(model, 4, profile())
     points = [0, *cut_points(roomy), roomy.size]
-    least = _min_max_value(_leanest_memory(roomy, shape, points), shape.stages, len(points) - 1)
+    prefixes = _leanest_memory(roomy, shape, points)
+    least = _least_fullest_stage(prefixes)
+    ends = range(1, len(points) - 1)
+    every = [
+        max(float(at[b] - at[a]) for at, (a, b) in zip(prefixes, itertools.pairwise((0, *cut, len(points) - 1))))
+        for cut in itertools.combinations(ends, shape.stages - 1)
+    ]
+    assert least == pytest.approx(min(every), rel=1e-12)  # the min-max DP is brute force's
     built = []
     monkeypatch.setattr(
         "autopar.search.pipeline.stage_problem", lambda *a, **k: built.append(a[1:3]) or stage_problem(*a, **k)
