@@ -229,3 +229,32 @@ def test_a_problem_whose_groups_are_partly_kept_costs_only_the_others_and_has_it
     for (_, mine), (_, theirs) in zip(again.folds, alone.folds):
         for f, g in zip((*mine.first, *mine.later), (*theirs.first, *theirs.later)):
             assert np.array_equal(f.table, g.table)
+
+
+def test_layouts_stripped_of_partial_bits_are_numbered_as_one_at_a_time_numbers_them():
+    """`_Layouts.without` (a whole array at a time, a table per set of bits) gives each layout the number of
+    the same layout less those bits (itself where it has none of them), numbering the new ones in the order
+    they are first asked for, and the same numbers when asked again."""
+    from autopar.graph import load_model
+    from autopar.search import costing
+    from models.transformer import build_transformer
+
+    graph = load_model(build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, batch=8))
+    layouts = costing._planned(graph, CostModel(profile()), 8, True, None, True).layouts
+    every = np.arange(len(layouts.rows))
+    partial = np.flatnonzero(layouts.partial(every))
+    assert len(partial) > 4  # the model has layouts partial over some bits
+    asked = np.concatenate([partial[::-1], partial[:3], every])
+    for kept in (-1, 1, 2, 3):
+        before = len(layouts.rows)
+        found = layouts.without(asked, kept)
+        for index, number in zip(asked.tolist(), found.tolist()):
+            length, code, bits = layouts.rows[index]
+            if not bits & kept:
+                assert number == index
+            stripped = layouts.rows[number]
+            assert np.array_equal(stripped[0], length) and np.array_equal(stripped[1], code)
+            assert stripped[2] == bits & ~kept
+        new = [number for number in dict.fromkeys(found.tolist()) if number >= before]
+        assert new == list(range(before, len(layouts.rows)))  # numbered in the order first asked for
+        assert np.array_equal(layouts.without(asked, kept), found)  # again, from its table

@@ -542,7 +542,7 @@ class _Layouts:
         self.ids: dict[bytes, int] = {}  # a packed layout row -> its number
         self.rows: list[tuple[np.ndarray, np.ndarray, int]] = []  # (lengths, codes, partial mask) by number
         self._cache: dict[tuple[int, bool, int, bool], tuple[np.ndarray, np.ndarray]] = {}
-        self._stripped: dict[tuple[int, int], int] = {}  # (a layout's number, bits no longer partial) -> its number
+        self._stripped: dict[int, np.ndarray] = {}  # bits no longer partial -> per layout number, that of it less them
         self._partials = np.zeros(0, dtype=np.int64)  # each numbered layout's partial mask (`partial`)
 
     def carries(self, use: TensorUse) -> bool:
@@ -593,14 +593,22 @@ class _Layouts:
         """The numbers of the same layouts no longer partial over the bits ``kept``: a gradient
         redistributed to a fork that takes it partial over ``kept`` reduces only its other bits."""
         found = np.array(ids, dtype=np.int64)
-        for at in np.flatnonzero(self.partial(ids) & kept).tolist():
-            index = int(ids[at])
-            if (index, kept) not in self._stripped:
+        changed = np.flatnonzero(self.partial(ids) & kept)
+        if not len(changed):
+            return found
+        known = self._stripped.get(kept, np.zeros(0, dtype=np.int64))
+        wanted = found[changed]
+        if len(known) <= wanted.max() or (known[wanted] < 0).any():  # some layout not stripped of these bits yet
+            grown = np.full(max(len(self.rows), len(known)), -1, dtype=np.int64)
+            grown[: len(known)] = known
+            unknown = wanted[grown[wanted] < 0]
+            for index in unknown[np.sort(np.unique(unknown, return_index=True)[1])].tolist():  # numbered in order
                 length, code, partial = self.rows[index]
                 row = np.concatenate([length.view(np.uint64), code, np.asarray([partial & ~kept]).view(np.uint64)])
                 stripped = np.asarray([partial & ~kept], dtype=np.int64)
-                self._stripped[index, kept] = self._number(row.tobytes(), length[None], code[None], stripped, 0)
-            found[at] = self._stripped[index, kept]
+                grown[index] = self._number(row.tobytes(), length[None], code[None], stripped, 0)
+            self._stripped[kept] = known = grown
+        found[changed] = known[wanted]
         return found
 
     def partial(self, ids: np.ndarray) -> np.ndarray:
@@ -760,16 +768,21 @@ def _edge_costs(
             per_group[key] = (*gathered, *gathered)
 
     factors: list[tuple[Factor | None, np.ndarray, Factor | None]] = []
+    tables: dict[tuple[tuple[bytes, bytes, bool, bool], int], tuple[np.ndarray, np.ndarray]] = {}
     for use, (_, src_pos, entry_pos), key in zip(uses, sources, keys):
         dst_pos = layouts.target(use)[1]
         info = flow.graph.tensor(use.tensor)
         total_bytes = info.numel * flow.itemsize(info)
-        if compiled:
-            forward, small = _compiled_tables(latency, per_byte, found_slots[key], total_bytes)
-        else:
-            forward_latency, forward_per_byte, both_latency, both_per_byte = per_group[key]
-            forward = forward_latency + forward_per_byte * total_bytes
-            small = both_latency + both_per_byte * total_bytes
+        if (key, total_bytes) not in tables:  # uses of one group and size (a layer's q, k and v) share theirs
+            if compiled:
+                tables[key, total_bytes] = _compiled_tables(latency, per_byte, found_slots[key], total_bytes)
+            else:
+                forward_latency, forward_per_byte, both_latency, both_per_byte = per_group[key]
+                tables[key, total_bytes] = (
+                    forward_latency + forward_per_byte * total_bytes,
+                    both_latency + both_per_byte * total_bytes,
+                )
+        forward, small = tables[key, total_bytes]
         if use.src_node == use.dst_node:
             factors.append((None, small[src_pos, dst_pos], None))
             continue
