@@ -320,6 +320,41 @@ def test_a_shape_no_cut_fits_is_refuted_without_a_stage_and_brute_force_agrees(m
 
 
 @pytest.mark.parametrize(
+    "name", ["hf_gpt_neox_dynamo.onnx", "hf_bloom_dynamo.onnx", "hf_olmoe_dynamo.onnx", "torch_llama_dynamo.onnx"]
+)
+def test_the_memory_refutation_holds_on_exports_it_was_not_made_on(monkeypatch, name):
+    """On PyTorch exports of Hugging Face and torch modules (shared masks, rotary tables, experts): every stage
+    of every cut at every place needs at least `_leanest_memory`'s bytes, which some stage reaches; just below
+    the least over cuts of the fullest stage's, the cut search builds no stage and every cut has a stage that
+    does not fit; just above, it searches."""
+    model, shape = f"tests/data/{name}", PipelineShape(2, 4)
+    roomy = autopar.build(model, 4, profile())
+    points = [0, *cut_points(roomy), roomy.size]
+    prefixes = _leanest_memory(roomy, shape, points)
+    closest = 0.0
+    for a, b in itertools.combinations(range(len(points)), 2):
+        for index in range(shape.stages):
+            stage = stage_problem(roomy, points[a], points[b], shape, index)
+            floor = min(stage.memory_floor(False), stage.memory_floor(True))
+            lower = float(prefixes[index][b] - prefixes[index][a])
+            assert lower <= floor * (1 + 1e-12)
+            closest = max(closest, lower / floor if floor else 0.0)  # a stage of free operators holds nothing
+    assert closest > 0.99
+    least = _least_fullest_stage(prefixes)
+    built = []
+    monkeypatch.setattr(
+        "autopar.search.pipeline.stage_problem", lambda *a, **k: built.append(a[1:3]) or stage_problem(*a, **k)
+    )
+    tight = autopar.build(model, 4, profile(capacity=least * (1 - 1e-6)))
+    assert search_stages(tight, shape) is None and not built
+    for cut in cut_points(tight):
+        stages = [stage_problem(tight, 0, cut, shape, 0), stage_problem(tight, cut, tight.size, shape, 1)]
+        assert any(min(stage.memory_floor(False), stage.memory_floor(True)) > least * (1 - 1e-6) for stage in stages)
+    search_stages(autopar.build(model, 4, profile(capacity=least * (1 + 1e-6))), shape)
+    assert built  # not refuted by the bound: its stages are searched
+
+
+@pytest.mark.parametrize(
     ("blocks", "batch", "devices", "micro", "share"), [(6, 64, 8, 2, 0.3), (5, 32, 4, 4, 1.0), (-4, 16, 4, 2, 0.5)]
 )
 def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(

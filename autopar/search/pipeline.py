@@ -658,12 +658,12 @@ def _least_fullest_stage(prefixes: Sequence[np.ndarray]) -> float:
 def _leanest_memory(problem: SearchProblem, shape: PipelineShape, points: Sequence[int]) -> list[np.ndarray]:
     """Per stage index, the sums at each of the ``points`` of a lower bound on the bytes each operator
     before it adds to a device of that stage: a stage over points ``a`` .. ``b`` holds at least the
-    difference of the two. The bound holds for every
-    plan, memory choice and cut at ``points`` (`stage_problem`'s memory, operator by operator): the
-    stage's own parameters, inputs and activations, the latter for each micro-batch it holds, with
-    recomputation the whole run's share of one block's (1 / its copies, no more than any stage's). An
-    operator with a kept output some later point may put in another stage (`_kept_across` moves it
-    there) is counted without its activations at all: what a stage receives only adds.
+    difference of the two. The bound holds for every plan, memory choice and cut at ``points``
+    (`stage_problem`'s memory, operator by operator): the stage's own parameters, inputs and activations,
+    the latter for each micro-batch it holds, with recomputation the whole run's share of one block's
+    (1 / its copies, no more than any stage's). An operator with a kept output some later point may put
+    in another stage (`_kept_across` moves it there) is counted without its activations at all: what a
+    stage receives only adds.
 
     Refuting a shape by this takes a min-max over the points where searching it takes a stage problem and
     a DP run or more for every pair of points (ResNet-50 at a batch no stage count holds: seconds each)."""
