@@ -306,17 +306,7 @@ def test_a_shape_no_cut_fits_is_refuted_without_a_stage_and_brute_force_agrees(m
         for cut in itertools.combinations(ends, shape.stages - 1)
     ]
     assert least == pytest.approx(min(every), rel=1e-12)  # the min-max DP is brute force's
-    built = []
-    monkeypatch.setattr(
-        "autopar.search.pipeline.stage_problem", lambda *a, **k: built.append(a[1:3]) or stage_problem(*a, **k)
-    )
-    tight = autopar.build(model, 4, profile(capacity=least * (1 - 1e-6)))
-    assert search_stages(tight, shape) is None and not built
-    for cut in cut_points(tight):
-        stages = [stage_problem(tight, 0, cut, shape, 0), stage_problem(tight, cut, tight.size, shape, 1)]
-        assert any(min(stage.memory_floor(False), stage.memory_floor(True)) > least * (1 - 1e-6) for stage in stages)
-    search_stages(autopar.build(model, 4, profile(capacity=least * (1 + 1e-6))), shape)
-    assert built  # not refuted by the bound: its stages are searched
+    _refuted_just_below(monkeypatch, model, shape, least)
 
 
 @pytest.mark.parametrize(
@@ -341,6 +331,13 @@ def test_the_memory_refutation_holds_on_exports_it_was_not_made_on(monkeypatch, 
             closest = max(closest, lower / floor if floor else 0.0)  # a stage of free operators holds nothing
     assert closest > 0.99
     least = _least_fullest_stage(prefixes)
+    _refuted_just_below(monkeypatch, model, shape, least)
+
+
+def _refuted_just_below(monkeypatch, model, shape: PipelineShape, least: float) -> None:
+    """Just below ``least`` bytes a device (the least over cuts of the fullest stage's leanest memory), the cut
+    search of a 2-stage ``shape`` builds no stage and every cut has a stage that does not fit; just above, it
+    searches its stages."""
     built = []
     monkeypatch.setattr(
         "autopar.search.pipeline.stage_problem", lambda *a, **k: built.append(a[1:3]) or stage_problem(*a, **k)
