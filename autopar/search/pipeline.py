@@ -32,7 +32,6 @@ place are searched once.
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -601,7 +600,7 @@ def search_stages(
     def floor(a: int, b: int) -> float:  # no stage over points a..b is faster
         return float(least[points[b]] - least[points[a]])
 
-    if _min_max_value(floor, count, last) >= bound:
+    if _least_fullest_stage([least[points]] * count) >= bound:
         return None  # not even the operators' least times leave a stage fast enough
     search.copies = _copy_floors(problem, shape, points)
     for block, copy_least in search.copies:  # a cut never splits a copy: its least counts as a whole
@@ -609,7 +608,7 @@ def search_stages(
             len(block) - 1
         )
     least = np.concatenate([[0.0], np.cumsum(each)])
-    if search.copies and _min_max_value(floor, count, last) >= bound:
+    if search.copies and _least_fullest_stage([least[points]] * count) >= bound:
         return None  # no cuts leave every stage's copies of the blocks fast enough
     # first the cuts that balance the stages' lower bounds: their plan bounds the exact search
     probe = _assemble(search, [points[b] for b in _min_max_cuts(floor, count, last)], bound)
@@ -617,12 +616,6 @@ def search_stages(
         bound = probe.time_s * (1 + 1e-12)
     exact = _min_max_search(search, points, count, floor, bound)
     return exact if exact is not None else probe
-
-
-def _min_max_value(cost: Callable[[int, int], float], count: int, last: int) -> float:
-    """The least, over cuts into ``count`` stages, of the largest ``cost`` of a stage."""
-    cuts = _min_max_cuts(cost, count, last)
-    return max(cost(a, b) for a, b in itertools.pairwise(cuts))
 
 
 def _no_cut_fits(problem: SearchProblem, shape: PipelineShape, points: Sequence[int]) -> bool:
@@ -639,7 +632,8 @@ def _no_cut_fits(problem: SearchProblem, shape: PipelineShape, points: Sequence[
 def _least_fullest_stage(prefixes: Sequence[np.ndarray]) -> float:
     """The least, over cuts at the points, of the largest stage, stage i over points a .. b costing
     ``prefixes[i][b] - prefixes[i][a]``: the min-max DP over a chain, a whole row of points at a time
-    (a stage count of 128 over 200 points is 2.5 million pairs).
+    (a stage count of 128 over 200 points is 2.5 million pairs). The stages' time floors and their
+    leanest memory (`_no_cut_fits`) both take it.
 
     >>> float(_least_fullest_stage([np.array([0.0, 1.0, 3.0, 4.0])] * 2))
     3.0
