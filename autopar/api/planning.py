@@ -20,6 +20,8 @@ from typing import TypeVar
 import onnx
 
 from autopar import progress
+from autopar.api.lookahead import MARGIN, Job, Lookahead, job_model
+from autopar.api.lookahead import wanted as lookahead_wanted
 from autopar.cost import CostModel, load_profile
 from autopar.cost.mesh import Mesh
 from autopar.errors import (
@@ -377,18 +379,33 @@ class _Shapes:
         shapes = self.shapes()
         rank = {shape: index for index, shape in enumerate(shapes)}  # on a tie, the shape listed first wins
         best, order = self._visiting(shapes)
+        lookahead = self._lookahead(best, order)
+        try:
+            return self._searched(order, rank, best, floor, lookahead)
+        finally:
+            if lookahead is not None:
+                lookahead.close()
+
+    def _searched(
+        self,
+        order: Sequence[PipelineShape],
+        rank: Mapping[PipelineShape, int],
+        best: _Searched | None,
+        floor: float,
+        lookahead: Lookahead | None,
+    ) -> _Searched:
+        options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
+        shapes = self.shapes()
         for index, shape in enumerate(order):
             progress.report("pipeline shapes", index, len(shapes))
             # a shape listed before the best one wins a tie with it, so it must be searched for one
             bound = math.inf if best is None else best.time_s * (1 + _TIE if rank[shape] < rank[best.shape] else 1)
-            if shape_floor(floor, options.num_devices, shape) >= bound:
-                continue  # no plan of this shape can be faster
-            if shape.stages == 1 and options.micro_batches is None and self._fits_whole(best):
-                continue  # one stage's fastest plan fits: micro-batches only repeat its work at smaller sizes
-            if shape.stages == 1 and self._fewer_micro_batches_win(shape, bound):
-                continue  # a divisor's fastest plan (or its own), memory aside, does not beat the best: nor does this
-            if shape.stages > 1 and options.pipeline_stages is None and self._memory_free(best):
-                continue  # stages are searched where memory binds one stage (or asked for)
+            if not self._may_win(shape, best, bound, floor) or (
+                lookahead is not None and self._ruled_out_ahead(shape, bound, lookahead)
+            ):
+                if lookahead is not None:
+                    lookahead.drop(shape)
+                continue
             problem = self.problem(shape.stages, shape.micro_batches)
             if problem is None:
                 continue
@@ -419,6 +436,64 @@ class _Shapes:
                 f" {options.num_devices} devices; leave them to the search."
             )
         return best
+
+    def _may_win(self, shape: PipelineShape, best: _Searched | None, bound: float, floor: float) -> bool:
+        """Whether a shape is left a chance to beat ``bound`` by what is known without building it."""
+        options = self.options
+        if shape_floor(floor, options.num_devices, shape) >= bound:
+            return False  # no plan of this shape can be faster
+        if shape.stages == 1 and options.micro_batches is None and self._fits_whole(best):
+            return False  # one stage's fastest plan fits: micro-batches only repeat its work at smaller sizes
+        if shape.stages == 1 and self._fewer_micro_batches_win(shape, bound):
+            return False  # a divisor's fastest plan (or its own), memory aside, does not beat the best: nor does this
+        # stages are searched where memory binds one stage (or asked for)
+        return not (shape.stages > 1 and options.pipeline_stages is None and self._memory_free(best))
+
+    def _ruled_out_ahead(self, shape: PipelineShape, bound: float, lookahead: Lookahead) -> bool:
+        """Whether a pipeline shape's floor, worked out by the helper (`autopar.api.lookahead`), is clearly
+        no faster than ``bound``: `search_stages` would build the shape only to find so."""
+        seconds = lookahead.floor(shape) if shape.stages > 1 and bound < math.inf else None
+        if seconds is None:
+            return False
+        self._built.add((shape.stages, shape.micro_batches))  # the helper built it
+        return seconds >= bound * (1 + MARGIN)
+
+    def _lookahead(self, best: _Searched | None, order: Sequence[PipelineShape]) -> Lookahead | None:
+        """A helper working out the pipeline shapes' floors ahead of the search (`autopar.api.lookahead`),
+        where it pays: memory binds the whole batch (so stages are searched), the cuts are the search's,
+        the model is large (`LOOKAHEAD_OPERATORS`) and there are several pipeline shapes after the first
+        shape (searched with no bound, which no floor rules out)."""
+        options = self.options
+        ahead = [shape for shape in order[1:] if shape.stages > 1]
+        if (
+            best is not None
+            or order[0] == ONE_STAGE  # the whole batch first: it may fit, and then no stages are searched
+            or options.stage_starts
+            or isinstance(self.model, Graph)
+            or len(ahead) < 2
+            or self.single.size < LOOKAHEAD_OPERATORS
+            or not lookahead_wanted()
+        ):
+            return None
+        batches = {  # as `_graph` imports each count: the whole batch as the caller gave it
+            micro: options.batch if micro == 1 else _micro_batch(self.step_batch, micro, self.graph)
+            for micro in {shape.micro_batches for shape in ahead}
+        }
+        fixed = options.fixed
+        job = Job(
+            model=job_model(self.model),
+            batches=batches,
+            dims=dict(options.dims),
+            frozen=tuple(options.frozen),
+            trainable=tuple(options.trainable),
+            cost=self.cost,
+            num_devices=options.num_devices,
+            fixed=None if fixed is None else {name: [list(s) for s in given] for name, given in fixed.items()},
+        )
+        try:
+            return Lookahead(job, ahead)
+        except OSError:  # no process can be started here: the search builds every shape itself
+            return None
 
     def _visiting(self, shapes: list[PipelineShape]) -> tuple[_Searched | None, list[PipelineShape]]:
         """The whole batch's plan where it is found already, and the shapes to search, in the order to search
@@ -510,6 +585,10 @@ def _detached(error: _Kept) -> _Kept:
 
 _TIE = 1e-12
 """Plans of two shapes this close in step time (relative) are a tie: the shape listed first wins."""
+
+LOOKAHEAD_OPERATORS = 1000
+"""Operators from which pipeline shapes' floors are worked out ahead (`autopar.api.lookahead`): below this,
+costing a shape takes well under a second, no more than starting the helper."""
 
 
 def _wins(searched: _Searched, best: _Searched, rank: Mapping[PipelineShape, int]) -> bool:

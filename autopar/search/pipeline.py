@@ -589,33 +589,64 @@ def search_stages(
     if starts is not None:
         return _assemble(search, [*starts, n], bound)
     points = [0, *cut_points(problem), n]
-    last = len(points) - 1
-    if last < count:
-        return None
-    if _no_cut_fits(problem, shape, points):
-        return None
-    each = [_least(problem, i, shape.slots) for i in range(n)]
-    least = np.concatenate([[0.0], np.cumsum(each)])
+    floors = _shape_floors(problem, shape, points, bound)
+    if floors.seconds >= bound:
+        return None  # not even the stages' lower bounds leave one fast enough (or no cut fits)
+    search.copies = floors.copies
+    least, last = floors.least, len(points) - 1
 
     def floor(a: int, b: int) -> float:  # no stage over points a..b is faster
         return float(least[points[b]] - least[points[a]])
 
-    if _least_fullest_stage([least[points]] * count) >= bound:
-        return None  # not even the operators' least times leave a stage fast enough
-    search.copies = _copy_floors(problem, shape, points)
-    for block, copy_least in search.copies:  # a cut never splits a copy: its least counts as a whole
-        each[block.start : block.stop] = [max(copy_least, sum(each[block.start : block.stop]))] + [0.0] * (
-            len(block) - 1
-        )
-    least = np.concatenate([[0.0], np.cumsum(each)])
-    if search.copies and _least_fullest_stage([least[points]] * count) >= bound:
-        return None  # no cuts leave every stage's copies of the blocks fast enough
     # first the cuts that balance the stages' lower bounds: their plan bounds the exact search
     probe = _assemble(search, [points[b] for b in _min_max_cuts(floor, count, last)], bound)
     if probe is not None:  # its ties too: the exact search's rule, not the bounds', picks among equal cuts
         bound = probe.time_s * (1 + 1e-12)
     exact = _min_max_search(search, points, count, floor, bound)
     return exact if exact is not None else probe
+
+
+@dataclass(frozen=True)
+class _ShapeFloors:
+    """What bounds a shape's plans from below before any stage is searched (`_shape_floors`)."""
+
+    seconds: float  # no cuts at the points give a faster plan (infinite: none has the stages, or fits)
+    least: np.ndarray  # sums over the operators before each one of their least time per step
+    copies: tuple[tuple[range, float], ...]  # `_copy_floors`
+
+
+def _shape_floors(
+    problem: SearchProblem, shape: PipelineShape, points: Sequence[int], bound: float = math.inf
+) -> _ShapeFloors:
+    """The lower bounds `search_stages` refutes a shape by, cheapest first, stopping at one no less than
+    ``bound``: too few points for the stages, or every cut leaves a stage that does not fit
+    (`_no_cut_fits`: infinite); the least fullest stage with each operator at its least time; the same
+    with each whole copy of a folded block at its `_copy_floors` bound where that is larger."""
+    n, count = problem.size, shape.stages
+    if len(points) - 1 < count or _no_cut_fits(problem, shape, points):
+        return _ShapeFloors(math.inf, np.zeros(n + 1), ())
+    each = [_least(problem, i, shape.slots) for i in range(n)]
+    least = np.concatenate([[0.0], np.cumsum(each)])
+    seconds = _least_fullest_stage([least[points]] * count)
+    if seconds >= bound:
+        return _ShapeFloors(seconds, least, ())
+    copies = _copy_floors(problem, shape, points)
+    if not copies:
+        return _ShapeFloors(seconds, least, copies)
+    for block, copy_least in copies:  # a cut never splits a copy: its least counts as a whole
+        each[block.start : block.stop] = [max(copy_least, sum(each[block.start : block.stop]))] + [0.0] * (
+            len(block) - 1
+        )
+    least = np.concatenate([[0.0], np.cumsum(each)])
+    return _ShapeFloors(_least_fullest_stage([least[points]] * count), least, copies)
+
+
+def pipeline_floor(problem: SearchProblem, shape: PipelineShape) -> float:
+    """No plan of ``shape`` over ``problem`` (one micro-batch's, on one stage's devices) with the cuts
+    left to the search is faster than this (infinite: none fits): `search_stages` with a ``bound`` no
+    more than it returns None before it searches a stage. A search can so rule a shape out from this
+    one number, computed elsewhere (`autopar.api.lookahead`)."""
+    return _shape_floors(problem, shape, [0, *cut_points(problem), problem.size]).seconds
 
 
 def _no_cut_fits(problem: SearchProblem, shape: PipelineShape, points: Sequence[int]) -> bool:

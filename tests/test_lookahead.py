@@ -1,0 +1,153 @@
+"""The helper process that works pipeline shapes' floors out ahead of the search.
+
+A floor it answers is the one the search refutes a shape by before it searches a stage; a plan is the
+same, byte for byte, with the helper ruling shapes out or without it; the helper answers in the order it
+is asked, skips what the search dropped, and neither a model it cannot import nor its death holds the
+search up.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import autopar
+from autopar.api import lookahead, planning
+from autopar.api.lookahead import Job, Lookahead, floor_of, job_model
+from autopar.graph import load_model
+from autopar.options import PlanOptions
+from autopar.search.costing import build_problem
+from autopar.search.pipeline import PipelineShape, pipeline_floor, search_stages
+from models.transformer import build_transformer
+from tests.conftest import profile
+from tests.test_pipeline import untimed
+
+SHAPES = [PipelineShape(2, 4), PipelineShape(4, 2), PipelineShape(2, 8)]
+
+
+def _gpt(batch: int = 64):
+    return build_transformer(kind="gpt", layers=8, hidden=64, heads=4, seq=32, vocab=256, batch=batch)
+
+
+def _costs(**fields):
+    return PlanOptions.resolve(8, profile(peak=1e9, **fields), None).costs()
+
+
+def _job(model, cost, devices: int = 8, batch: int = 64) -> Job:
+    return Job(
+        model=job_model(model),
+        batches={m: batch // m for m in (1, 2, 4, 8)},
+        dims={},
+        frozen=(),
+        trainable=(),
+        cost=cost,
+        num_devices=devices,
+        fixed=None,
+    )
+
+
+def _answered(helper: Lookahead, shape: PipelineShape, timeout: float = 120.0) -> float | None:
+    """The helper's floor of ``shape``, once it has answered it or will not (the search itself never waits)."""
+    _settle(helper, shape, timeout)
+    return helper.floor(shape)
+
+
+def _settle(helper: Lookahead, shape: PipelineShape, timeout: float = 120.0) -> None:
+    ends = time.monotonic() + timeout
+    while time.monotonic() < ends:
+        with helper._lock:
+            if shape in helper._floors or (shape != helper._asked and shape not in helper._open):
+                return
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_floor_worked_out_ahead_is_the_one_the_search_refutes_by(monkeypatch, shape):
+    """The helper's floor equals the search's own, which refutes the shape at that bound before any stage is
+    searched, and which the shape's best plan does not beat."""
+    model, cost = _gpt(), _costs()
+    job = _job(model, cost)
+    problem = build_problem(load_model(model, batch=64 // shape.micro_batches), cost, 8 // shape.stages)
+    floor = pipeline_floor(problem, shape)
+    assert floor_of(job, shape, {}) == floor
+    searched = []
+    monkeypatch.setattr("autopar.search.pipeline.run_search", lambda *a, **k: searched.append(a) or None)
+    assert search_stages(problem, shape, bound=floor) is None and not searched
+    monkeypatch.undo()
+    found = search_stages(problem, shape)
+    assert found is not None and found.time_s >= floor * (1 - 1e-12)
+
+
+def test_the_helper_answers_in_the_order_asked_and_skips_what_the_search_dropped():
+    cost = _costs()
+    model = _gpt()
+    helper = Lookahead(_job(model, cost), SHAPES)
+    try:
+        helper.drop(SHAPES[2])
+        graphs: dict = {}
+        for shape in SHAPES[:2]:
+            assert _answered(helper, shape) == pytest.approx(floor_of(_job(model, cost), shape, graphs), rel=1e-12)
+        assert helper.floor(SHAPES[2]) is None  # dropped: never asked
+    finally:
+        helper.close()
+    assert helper._process.returncode is not None
+
+
+def test_a_model_the_helper_cannot_build_and_a_helper_gone_leave_the_search_to_build_the_shapes():
+    cost = _costs()
+    broken = Lookahead(Job(b"not a model", {4: 16}, {}, (), (), cost, 8, None), SHAPES[:1])
+    try:
+        assert _answered(broken, SHAPES[0]) is None
+    finally:
+        broken.close()
+    gone = Lookahead(_job(_gpt(), cost), SHAPES)
+    gone._process.kill()
+    gone._process.wait()
+    started = time.monotonic()
+    try:
+        assert [_answered(gone, shape, timeout=30.0) for shape in SHAPES[1:]] == [None, None]
+    finally:
+        gone.close()
+    assert time.monotonic() - started < 30.0
+
+
+def test_plans_are_the_same_with_shapes_ruled_out_ahead_and_without(monkeypatch):
+    """Where memory binds and a pipeline wins, the helper's floors rule shapes out unbuilt, and the plans,
+    at several memories, are those the search makes with no helper, byte for byte."""
+    model = _gpt()
+    need = autopar.plan(model, devices=8, cost_model=profile(peak=1e9)).memory_per_device
+    ruled_out, pipelined = [], []
+    judged = planning._Shapes._ruled_out_ahead
+
+    floor = Lookahead.floor
+
+    def waiting(self, shape):  # the search takes no floor not yet in: here it waits, so the helper is used
+        _settle(self, shape)
+        return floor(self, shape)
+
+    def judging(self, shape, bound, helper):
+        ruled_out.append(judged(self, shape, bound, helper))
+        return ruled_out[-1]
+
+    for share in (0.08, 0.1):
+        cost = profile(capacity=share * need, peak=1e9)
+        monkeypatch.setenv("AUTOPAR_LOOKAHEAD", "0")
+        alone = autopar.plan(model, devices=8, cost_model=cost)
+        with monkeypatch.context() as patched:
+            patched.setenv("AUTOPAR_LOOKAHEAD", "1")
+            patched.setattr(lookahead, "wanted", lambda: True)
+            patched.setattr(planning, "lookahead_wanted", lambda: True)
+            patched.setattr(planning, "LOOKAHEAD_OPERATORS", 0)
+            patched.setattr(Lookahead, "floor", waiting)
+            patched.setattr(planning._Shapes, "_ruled_out_ahead", judging)
+            helped = autopar.plan(model, devices=8, cost_model=cost)
+        assert untimed(helped) == untimed(alone)
+        pipelined.append(alone.file.pipeline is not None)
+    assert any(pipelined)  # a pipeline wins somewhere
+    assert any(ruled_out)  # some shape was ruled out by a floor from the helper
+
+
+def test_the_helper_is_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_LOOKAHEAD", "0")
+    assert not lookahead.wanted()
