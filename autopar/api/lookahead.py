@@ -65,7 +65,7 @@ class Lookahead:
     search's order asked as each answer comes in (by a thread reading them)."""
 
     def __init__(self, job: Job, shapes: Sequence[PipelineShape]) -> None:
-        self._lock = threading.Condition()
+        self._lock = threading.RLock()  # the reader's and the search's; a failed send clears under it too
         self._open = list(shapes)  # not yet asked, nor taken by the search
         self._asked: PipelineShape | None = None
         self._floors: dict[PipelineShape, float | None] = {}
@@ -114,9 +114,11 @@ class Lookahead:
                 stream.close()
 
     def _ask_next(self) -> None:
-        """Ask for the first shape still open (the lock held)."""
+        """Ask for the first shape still open (the lock held), saying which micro-batch counts the shapes after
+        it need (the helper lets the other models go)."""
         self._asked = self._open.pop(0) if self._open else None
-        if self._asked is not None and not self._send(self._asked):
+        later = frozenset(shape.micro_batches for shape in self._open)
+        if self._asked is not None and not self._send((self._asked, later)):
             self._asked = None
 
     def _send(self, message: object) -> bool:
@@ -140,13 +142,11 @@ class Lookahead:
             with self._lock:
                 self._floors[shape] = seconds
                 self._ask_next()
-                self._lock.notify_all()
 
     def _lost(self) -> None:
         with self._lock:
             self._open.clear()
             self._asked = None
-            self._lock.notify_all()
 
 
 def job_model(model: str | Path | onnx.ModelProto) -> str | bytes:
@@ -176,19 +176,22 @@ def floor_of(job: Job, shape: PipelineShape, graphs: dict[int, Graph]) -> float 
 
 
 def main() -> None:
-    """The helper: a `Job`, then shapes, each answered with its floor, until its input ends."""
+    """The helper: a `Job`, then shapes (each with the micro-batch counts of the shapes still to come), each
+    answered with its floor, until its input ends."""
     source, answers = sys.stdin.buffer, sys.stdout.buffer
     if hasattr(os, "nice"):
-        os.nice(19)  # the search's own threads come first: the helper takes what they leave
+        os.nice(19)  # the search's own threads come first: the helper takes the time they leave
     job: Job = pickle.load(source)
     graphs: dict[int, Graph] = {}
     while True:
         try:
-            shape = pickle.load(source)
+            shape, later = pickle.load(source)
         except EOFError:
             return
         pickle.dump((shape, floor_of(job, shape, graphs)), answers)
         answers.flush()
+        for micro in set(graphs) - later:
+            del graphs[micro]
 
 
 if __name__ == "__main__":
