@@ -3,7 +3,7 @@
 Where memory binds a large model, the search rules most pipeline shapes out by their floors
 (`autopar.search.pipeline.pipeline_floor`) before it searches a stage, yet each floor needs the
 model imported at the shape's micro-batch and its problem costed: seconds a shape, and most of a
-1,024-device plan's time (76.1B GPT: 12 of 15 pipeline shapes). A helper process, on a core the
+1,024-device plan's time (76.1B GPT: 11 of 15 pipeline shapes). A helper process, on a core the
 search leaves idle, works the floors out in the order the search visits the shapes, and the search
 skips a shape whose floor cannot beat its best plan without building it.
 
@@ -91,8 +91,7 @@ class Lookahead:
         """The shape's floor (None: not worked out yet, and the search builds the shape itself: where the
         helper is working on it, the search does not wait, since it may be nearly done or barely started)."""
         with self._lock:
-            if shape in self._open:
-                self._open.remove(shape)
+            self.drop(shape)
             return self._floors.get(shape)
 
     def drop(self, shape: PipelineShape) -> None:

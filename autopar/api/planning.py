@@ -381,13 +381,14 @@ class _Shapes:
         best, order = self._visiting(shapes)
         lookahead = self._lookahead(best, order)
         try:
-            return self._searched(order, rank, best, floor, lookahead)
+            return self._searched(shapes, order, rank, best, floor, lookahead)
         finally:
             if lookahead is not None:
                 lookahead.close()
 
     def _searched(
         self,
+        shapes: Sequence[PipelineShape],
         order: Sequence[PipelineShape],
         rank: Mapping[PipelineShape, int],
         best: _Searched | None,
@@ -395,7 +396,6 @@ class _Shapes:
         lookahead: Lookahead | None,
     ) -> _Searched:
         options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
-        shapes = self.shapes()
         for index, shape in enumerate(order):
             progress.report("pipeline shapes", index, len(shapes))
             # a shape listed before the best one wins a tie with it, so it must be searched for one
