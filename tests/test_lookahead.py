@@ -115,8 +115,22 @@ def test_a_model_the_helper_cannot_build_and_a_helper_gone_leave_the_search_to_b
 def test_plans_are_the_same_with_shapes_ruled_out_ahead_and_without(monkeypatch):
     """Where memory binds and a pipeline wins, the helper's floors rule shapes out unbuilt, and the plans,
     at several memories, are those the search makes with no helper, byte for byte."""
-    model = _gpt()
-    need = autopar.plan(model, devices=8, cost_model=profile(peak=1e9)).memory_per_device
+    ruled_out, pipelined = _with_and_without(monkeypatch, _gpt(), 8, (0.08, 0.1))
+    assert any(pipelined)  # a pipeline wins somewhere
+    assert any(ruled_out)  # some shape was ruled out by a floor from the helper
+
+
+def test_plans_of_a_pytorch_export_are_the_same_with_shapes_ruled_out_ahead_and_without(monkeypatch):
+    """The same on a torch.export of a Llama module (rotary tables, a shared mask) this project did not
+    write, at 16 devices, where memory binds."""
+    ruled_out, _ = _with_and_without(monkeypatch, "tests/data/torch_llama_dynamo.onnx", 16, (0.35, 0.25))
+    assert any(ruled_out)
+
+
+def _with_and_without(monkeypatch, model, devices: int, shares) -> tuple[list[bool], list[bool]]:
+    """Plan ``model`` at each share of its unconstrained memory with no helper and with one it waits for, and
+    check the plans are byte-identical; what the helper's floors ruled out, and where a pipeline won."""
+    need = autopar.plan(model, devices=devices, cost_model=profile(peak=1e9)).memory_per_device
     ruled_out, pipelined = [], []
     judged = planning._Shapes._ruled_out_ahead
 
@@ -130,10 +144,10 @@ def test_plans_are_the_same_with_shapes_ruled_out_ahead_and_without(monkeypatch)
         ruled_out.append(judged(self, shape, bound, helper))
         return ruled_out[-1]
 
-    for share in (0.08, 0.1):
+    for share in shares:
         cost = profile(capacity=share * need, peak=1e9)
         monkeypatch.setenv("AUTOPAR_LOOKAHEAD", "0")
-        alone = autopar.plan(model, devices=8, cost_model=cost)
+        alone = autopar.plan(model, devices=devices, cost_model=cost)
         with monkeypatch.context() as patched:
             patched.setenv("AUTOPAR_LOOKAHEAD", "1")
             patched.setattr(lookahead, "wanted", lambda: True)
@@ -141,11 +155,10 @@ def test_plans_are_the_same_with_shapes_ruled_out_ahead_and_without(monkeypatch)
             patched.setattr(planning, "LOOKAHEAD_OPERATORS", 0)
             patched.setattr(Lookahead, "floor", waiting)
             patched.setattr(planning._Shapes, "_ruled_out_ahead", judging)
-            helped = autopar.plan(model, devices=8, cost_model=cost)
+            helped = autopar.plan(model, devices=devices, cost_model=cost)
         assert untimed(helped) == untimed(alone)
         pipelined.append(alone.file.pipeline is not None)
-    assert any(pipelined)  # a pipeline wins somewhere
-    assert any(ruled_out)  # some shape was ruled out by a floor from the helper
+    return ruled_out, pipelined
 
 
 def test_the_helper_is_turned_off_by_the_environment(monkeypatch):
