@@ -1,18 +1,20 @@
-"""The helper process that works pipeline shapes' floors out ahead of the search.
+"""The helper process that imports models and works pipeline shapes' floors out ahead of the search.
 
-A floor it answers is the one the search refutes a shape by before it searches a stage; a plan is the
-same, byte for byte, with the helper ruling shapes out or without it; the helper answers in the order it
-is asked, skips what the search dropped, and neither a model it cannot import nor its death holds the
-search up.
+A floor it answers is the one the search refutes a shape by before it searches a stage; a model it sends
+is the one the search imports; a plan is the same, byte for byte, with the helper or without it; the
+helper answers in the order it is asked, skips what the search dropped or took, and neither a model it
+cannot import nor its death holds the search up; while it works out floors it has a core of its own.
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import pytest
 
 import autopar
+from autopar import limits
 from autopar.api import lookahead, planning
 from autopar.api.lookahead import Job, Lookahead, floor_of, job_model
 from autopar.graph import load_model
@@ -53,11 +55,16 @@ def _answered(helper: Lookahead, shape: PipelineShape, timeout: float = 120.0) -
     return helper.floor(shape)
 
 
-def _settle(helper: Lookahead, shape: PipelineShape, timeout: float = 120.0) -> None:
+def _settle(helper: Lookahead, shape: PipelineShape | None = None, timeout: float = 120.0) -> None:
+    """Until the helper has answered ``shape`` (every floor it has open, for None) or will not."""
     ends = time.monotonic() + timeout
     while time.monotonic() < ends:
         with helper._lock:
-            if shape in helper._floors or (shape != helper._asked and shape not in helper._open):
+            if shape is None and helper._asked is None and not helper._open:
+                return
+            if shape is not None and (
+                shape in helper._floors or (shape != helper._asked and shape not in helper._open)
+            ):
                 return
         time.sleep(0.01)
 
@@ -79,19 +86,59 @@ def test_a_floor_worked_out_ahead_is_the_one_the_search_refutes_by(monkeypatch, 
     assert found is not None and found.time_s >= floor * (1 - 1e-12)
 
 
-def test_the_helper_answers_in_the_order_asked_and_skips_what_the_search_dropped():
+def test_the_helper_answers_in_the_order_asked_and_skips_what_the_search_dropped_or_took():
     cost = _costs()
     model = _gpt()
-    helper = Lookahead(_job(model, cost), SHAPES)
+    helper = Lookahead(_job(model, cost), SHAPES[:1])
     try:
+        helper.extend(SHAPES[1:])
         helper.drop(SHAPES[2])
         graphs: dict = {}
-        for shape in SHAPES[:2]:
-            assert _answered(helper, shape) == pytest.approx(floor_of(_job(model, cost), shape, graphs), rel=1e-12)
+        assert _answered(helper, SHAPES[0]) == pytest.approx(floor_of(_job(model, cost), SHAPES[0], graphs), rel=1e-12)
+        _settle(helper)
+        assert helper.floor(SHAPES[1]) == pytest.approx(floor_of(_job(model, cost), SHAPES[1], graphs), rel=1e-12)
         assert helper.floor(SHAPES[2]) is None  # dropped: never asked
+        assert not helper.take(SHAPES[1])  # answered: the search takes its floor, not the shape
+        helper.extend([PipelineShape(8, 2), PipelineShape(4, 4)])  # the first asked at once, being idle
+        assert not helper.take(PipelineShape(8, 2))  # under way: the search leaves it to the helper
+        assert helper.take(PipelineShape(4, 4))  # not reached: the search takes it, and the helper never works it out
+        _settle(helper)
+        assert helper.floor(PipelineShape(8, 2)) is not None and helper.floor(PipelineShape(4, 4)) is None
     finally:
         helper.close()
     assert helper._process.returncode is not None
+
+
+def test_the_helper_sends_the_models_asked_for_as_the_search_imports_them():
+    model, cost = _gpt(), _costs()
+    helper = Lookahead(_job(model, cost), (), graphs=[4, 2])
+    try:
+        ends = time.monotonic() + 120
+        while time.monotonic() < ends and len(helper._graphs) < 2:
+            time.sleep(0.01)
+        for micro in (4, 2):
+            sent = helper.graph(micro)
+            assert sent is not None and pickle.dumps(sent) == pickle.dumps(load_model(model, batch=64 // micro))
+        assert helper.graph(4) is None  # taken
+    finally:
+        helper.close()
+
+
+def test_the_search_lends_the_helper_a_core_while_it_waits_on_its_floors(monkeypatch):
+    monkeypatch.setattr(limits, "WORKERS", 2)
+    assert limits.workers() == 2
+    helper = Lookahead(_job(_gpt(), _costs()), SHAPES)
+    try:
+        assert limits.workers() == 2  # floors asked, but not waited on: the search's threads take both cores
+        helper.share()
+        with helper._lock:  # the helper's core while it works on a floor
+            assert limits.workers() == (1 if helper._asked is not None else 2)
+        _settle(helper)
+        assert limits.workers() == 2  # none left: taken back
+        helper.extend([PipelineShape(8, 2)])
+    finally:
+        helper.close()
+    assert limits.workers() == 2
 
 
 def test_a_model_the_helper_cannot_build_and_a_helper_gone_leave_the_search_to_build_the_shapes():
@@ -101,15 +148,18 @@ def test_a_model_the_helper_cannot_build_and_a_helper_gone_leave_the_search_to_b
         assert _answered(broken, SHAPES[0]) is None
     finally:
         broken.close()
-    gone = Lookahead(_job(_gpt(), cost), SHAPES)
+    gone = Lookahead(_job(_gpt(), cost), SHAPES, graphs=[2])
     gone._process.kill()
     gone._process.wait()
     started = time.monotonic()
     try:
         assert [_answered(gone, shape, timeout=30.0) for shape in SHAPES[1:]] == [None, None]
+        gone.wait()  # nothing under way: at once
+        assert gone.take(SHAPES[2]) and gone.graph(2) is None
     finally:
         gone.close()
     assert time.monotonic() - started < 30.0
+    assert limits.workers() == limits.WORKERS  # its core given back
 
 
 def test_plans_are_the_same_with_shapes_ruled_out_ahead_and_without(monkeypatch):
@@ -132,17 +182,17 @@ def _with_and_without(monkeypatch, model, devices: int, shares) -> tuple[list[bo
     check the plans are byte-identical; what the helper's floors ruled out, and where a pipeline won."""
     need = autopar.plan(model, devices=devices, cost_model=profile(peak=1e9)).memory_per_device
     ruled_out, pipelined = [], []
-    judged = planning._Shapes._ruled_out_ahead
+    floors = Lookahead.floors
+    chance = planning._Shapes._left_a_chance
 
-    floor = Lookahead.floor
+    def waiting(self):  # the search takes no floor not yet in: here it waits for all, so the helper is used
+        _settle(self)
+        return floors(self)
 
-    def waiting(self, shape):  # the search takes no floor not yet in: here it waits, so the helper is used
-        _settle(self, shape)
-        return floor(self, shape)
-
-    def judging(self, shape, bound, helper):
-        ruled_out.append(judged(self, shape, bound, helper))
-        return ruled_out[-1]
+    def judging(self, shape, seconds, best, rank, floor):
+        left = chance(self, shape, seconds, best, rank, floor)
+        ruled_out.append(seconds is not None and not left and chance(self, shape, None, best, rank, floor))
+        return left
 
     for share in shares:
         cost = profile(capacity=share * need, peak=1e9)
@@ -153,10 +203,11 @@ def _with_and_without(monkeypatch, model, devices: int, shares) -> tuple[list[bo
             patched.setattr(lookahead, "wanted", lambda: True)
             patched.setattr(planning, "lookahead_wanted", lambda: True)
             patched.setattr(planning, "LOOKAHEAD_OPERATORS", 0)
-            patched.setattr(Lookahead, "floor", waiting)
-            patched.setattr(planning._Shapes, "_ruled_out_ahead", judging)
+            patched.setattr(Lookahead, "floors", waiting)
+            patched.setattr(planning._Shapes, "_left_a_chance", judging)
             helped = autopar.plan(model, devices=devices, cost_model=cost)
         assert untimed(helped) == untimed(alone)
+        assert limits.workers() == limits.WORKERS  # the helper's core given back
         pipelined.append(alone.file.pipeline is not None)
     return ruled_out, pipelined
 

@@ -22,7 +22,7 @@ import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -31,7 +31,9 @@ import onnx
 
 from autopar.cost import CostModel
 from autopar.graph import Graph
+from autopar.limits import WORKERS, lend_cores
 from autopar.search.pipeline import PipelineShape
+from autopar.search.problem import SearchProblem
 
 MARGIN = 1e-9
 """How much slower than the best plan (relative) a floor must be for the search to skip its shape: sums
@@ -40,7 +42,8 @@ in another order differ in their last bits, far below this."""
 
 @dataclass(frozen=True)
 class Job:
-    """What the helper needs to cost a shape's problem as the search would (`_Shapes.problem`)."""
+    """What the helper needs to import the model and cost a shape's problem as the search would
+    (`_Shapes.problem`)."""
 
     model: str | bytes  # a file's path, or a serialised ModelProto
     batches: Mapping[int, int | None]  # a micro-batch count's batch (None: the file's own)
@@ -61,14 +64,19 @@ def wanted() -> bool:
 
 
 class Lookahead:
-    """The helper process and its answers: one shape asked at a time, the next still open in the
-    search's order asked as each answer comes in (by a thread reading them)."""
+    """The helper process and its answers: one request at a time, the next sent as each answer comes in (by
+    a thread reading them): floors in the search's order, or, while none is open, the models asked for."""
 
-    def __init__(self, job: Job, shapes: Sequence[PipelineShape]) -> None:
-        self._lock = threading.RLock()  # the reader's and the search's; a failed send clears under it too
-        self._open = list(shapes)  # not yet asked, nor taken by the search
-        self._asked: PipelineShape | None = None
+    def __init__(self, job: Job, shapes: Sequence[PipelineShape], graphs: Sequence[int] = ()) -> None:
+        """``graphs``: micro-batch counts whose models the helper imports first, and sends (`graph`)."""
+        self._lock = threading.Condition(threading.RLock())  # the reader's and the search's
+        self._open: list[PipelineShape] = []  # floors not yet asked, nor taken by the search
+        self._asked: PipelineShape | int | None = None  # the floor (or the model) the helper is working on
+        self._models = list(graphs)  # micro-batch counts whose models are yet to be asked
         self._floors: dict[PipelineShape, float | None] = {}
+        self._graphs: dict[int, Graph] = {}  # models imported and sent by the helper, not yet taken
+        self._give_back: Callable[[], None] | None = None  # the core lent to the helper (`share`)
+        self._sharing = False
         package = str(Path(__file__).resolve().parents[2])  # this autopar, wherever the caller found it
         paths = os.environ.get("PYTHONPATH")
         self._process = subprocess.Popen(
@@ -80,18 +88,45 @@ class Lookahead:
         )
         assert self._process.stdin is not None and self._process.stdout is not None
         self._send(job)
-        with self._lock:
-            self._ask_next()
+        self.extend(shapes)
         self._reader = threading.Thread(
             target=self._read, args=(self._process.stdout,), name="autopar-lookahead", daemon=True
         )
         self._reader.start()
 
-    def floor(self, shape: PipelineShape) -> float | None:
-        """The shape's floor (None: not worked out yet, and the search builds the shape itself: where the
-        helper is working on it, the search does not wait, since it may be nearly done or barely started)."""
+    def extend(self, shapes: Sequence[PipelineShape]) -> None:
+        """More floors to work out, after those asked before. From the first, the search's threads leave the
+        helper a core (`limits.workers`): importing models, it takes only the time the search leaves."""
         with self._lock:
-            self.drop(shape)
+            self._open.extend(shape for shape in shapes if shape not in self._open)
+            if self._asked is None:
+                self._ask_next()
+
+    def share(self) -> None:
+        """From now, the search's threads leave the helper a core while it works out floors (`limits.workers`):
+        the search waits on them. Until then it runs at the lowest priority, in the time the search's threads
+        leave (a search that does not wait on floors runs faster on two threads than on one beside the
+        helper: the 39.1B GPT's micro-batch counts)."""
+        with self._lock:
+            self._sharing = True
+            self._lend(isinstance(self._asked, PipelineShape))
+
+    def graph(self, micro_batches: int) -> Graph | None:
+        """The model at that micro-batch count's size, where the helper has sent it (taken: the caller keeps it;
+        where it has not, the helper is no longer asked for it: the caller imports it)."""
+        with self._lock:
+            if micro_batches in self._models:
+                self._models.remove(micro_batches)
+            return self._graphs.pop(micro_batches, None)
+
+    def floors(self) -> dict[PipelineShape, float | None]:
+        """The floors answered so far (None: the helper could not build the shape)."""
+        with self._lock:
+            return dict(self._floors)
+
+    def floor(self, shape: PipelineShape) -> float | None:
+        """The shape's floor, if answered (None: not yet, or the helper could not build the shape)."""
+        with self._lock:
             return self._floors.get(shape)
 
     def drop(self, shape: PipelineShape) -> None:
@@ -100,8 +135,22 @@ class Lookahead:
             if shape in self._open:
                 self._open.remove(shape)
 
+    def take(self, shape: PipelineShape) -> bool:
+        """Whether the search may work on ``shape`` itself: its floor is neither answered nor under way (it is
+        no longer asked of the helper)."""
+        with self._lock:
+            self.drop(shape)
+            return shape != self._asked and shape not in self._floors
+
+    def wait(self) -> None:
+        """Until the helper answers the floor under way (at once where none is)."""
+        with self._lock:
+            asked = self._asked
+            while isinstance(asked, PipelineShape) and self._asked == asked:
+                self._lock.wait()
+
     def close(self) -> None:
-        """Stop the helper (whatever it is working on) and the thread reading it."""
+        """Stop the helper (whatever it is working on) and the thread reading it, and take its core back."""
         with self._lock:
             self._open.clear()
         if self._process.poll() is None:
@@ -111,14 +160,32 @@ class Lookahead:
         for stream in (self._process.stdin, self._process.stdout):
             if stream is not None:
                 stream.close()
+        self._lend(False)
 
     def _ask_next(self) -> None:
-        """Ask for the first shape still open (the lock held), saying which micro-batch counts the shapes after
-        it need (the helper lets the other models go)."""
-        self._asked = self._open.pop(0) if self._open else None
-        later = frozenset(shape.micro_batches for shape in self._open)
-        if self._asked is not None and not self._send((self._asked, later)):
+        """Ask for the first floor still open (the lock held), saying which micro-batch counts the floors after
+        it need (the helper lets the other models go); with none open, the next model. The helper has a core
+        of its own while it works out floors the search waits on (`share`)."""
+        self._models = [micro for micro in self._models if micro not in self._graphs]
+        if self._open:
+            self._asked = self._open.pop(0)
+            request: tuple = ("floor", self._asked, frozenset(shape.micro_batches for shape in self._open))
+        elif self._models:
+            self._asked = self._models.pop(0)
+            request = ("graph", self._asked)
+        else:
             self._asked = None
+        self._lend(self._sharing and isinstance(self._asked, PipelineShape))
+        if self._asked is not None and not self._send(request):
+            self._asked = None
+
+    def _lend(self, lent: bool) -> None:
+        """Lend the helper a core, or take it back."""
+        if lent and self._give_back is None:
+            self._give_back = lend_cores(1)
+        elif not lent and self._give_back is not None:
+            self._give_back()
+            self._give_back = None
 
     def _send(self, message: object) -> bool:
         stream = self._process.stdin
@@ -126,7 +193,7 @@ class Lookahead:
         try:
             pickle.dump(message, stream)
             stream.flush()
-        except (BrokenPipeError, OSError, ValueError):  # the helper is gone: the search builds every shape
+        except (BrokenPipeError, OSError, ValueError):  # the helper is gone: the search works without it
             self._lost()
             return False
         return True
@@ -134,18 +201,25 @@ class Lookahead:
     def _read(self, stream: BinaryIO) -> None:
         while True:
             try:
-                shape, seconds = pickle.load(stream)
+                kind, key, answer = pickle.load(stream)
             except Exception:  # the helper ended (closed, or failed): nothing more comes
                 self._lost()
                 return
             with self._lock:
-                self._floors[shape] = seconds
+                if kind == "graph" and answer is not None:
+                    self._graphs[key] = answer
+                else:
+                    self._floors[key] = answer
                 self._ask_next()
+                self._lock.notify_all()
 
     def _lost(self) -> None:
         with self._lock:
             self._open.clear()
+            self._models.clear()
             self._asked = None
+            self._lend(False)
+            self._lock.notify_all()
 
 
 def job_model(model: str | Path | onnx.ModelProto) -> str | bytes:
@@ -157,41 +231,62 @@ def floor_of(job: Job, shape: PipelineShape, graphs: dict[int, Graph]) -> float 
     """A pipeline shape's floor (`pipeline_floor`) on its problem as the search builds it (None: the
     problem could not be built, which the search then finds out for itself). ``graphs``: each micro-batch
     count's model, imported once."""
-    from autopar.graph import load_model
-    from autopar.search.costing import build_problem
     from autopar.search.pipeline import pipeline_floor
 
     try:
-        micro = shape.micro_batches
-        if micro not in graphs:
-            model = job.model if isinstance(job.model, str) else onnx.load_from_string(job.model)
-            graphs[micro] = load_model(
-                model, batch=job.batches[micro], dims=dict(job.dims), frozen=job.frozen, trainable=job.trainable
-            )
-        problem = build_problem(graphs[micro], job.cost, job.num_devices // shape.stages, fixed=job.fixed)
-        return pipeline_floor(problem, shape)
+        return pipeline_floor(_problem(job, shape, graphs), shape)
     except Exception:  # any refusal is the search's to report, when it builds the shape itself
         return None
 
 
+def _problem(job: Job, shape: PipelineShape, graphs: dict[int, Graph]) -> SearchProblem:
+    from autopar.search.costing import build_problem
+
+    graph = _graph(job, shape.micro_batches, graphs)
+    return build_problem(graph, job.cost, job.num_devices // shape.stages, fixed=job.fixed)
+
+
+def _graph(job: Job, micro: int, graphs: dict[int, Graph]) -> Graph:
+    """The model at a micro-batch count's size, imported once (kept in ``graphs``)."""
+    from autopar.graph import load_model
+
+    if micro not in graphs:
+        model = job.model if isinstance(job.model, str) else onnx.load_from_string(job.model)
+        graphs[micro] = load_model(
+            model, batch=job.batches[micro], dims=dict(job.dims), frozen=job.frozen, trainable=job.trainable
+        )
+    return graphs[micro]
+
+
 def main() -> None:
-    """The helper: a `Job`, then shapes (each with the micro-batch counts of the shapes still to come), each
-    answered with its floor, until its input ends."""
+    """The helper: a `Job`, then requests until its input ends, each answered in turn: a micro-batch count's
+    model (imported, kept for the floors, and sent), or a shape's floor (with the micro-batch counts of the
+    floors still to come: the other models are let go)."""
     source, answers = sys.stdin.buffer, sys.stdout.buffer
     if hasattr(os, "nice"):
-        os.nice(19)  # the search's own threads come first: the helper takes the time they leave
+        os.nice(19)  # the search comes first: the helper takes the time it leaves
+    lend_cores(WORKERS - 1)  # one thread: the helper works on the one core the search leaves it
     job: Job = pickle.load(source)
     graphs: dict[int, Graph] = {}
     while True:
         try:
-            shape, later = pickle.load(source)
+            kind, key, *rest = pickle.load(source)
         except EOFError:
             return
-        pickle.dump((shape, floor_of(job, shape, graphs)), answers)
+        if kind == "graph":
+            try:
+                answer: Graph | float | None = _graph(job, key, graphs)
+            except Exception:  # the search imports it itself, and reports what fails
+                answer = None
+        else:
+            answer = floor_of(job, key, graphs)
+            for micro in set(graphs) - rest[0]:
+                del graphs[micro]
+        pickle.dump((kind, key, answer), answers)
         answers.flush()
-        for micro in set(graphs) - later:
-            del graphs[micro]
 
 
 if __name__ == "__main__":
-    main()
+    from autopar.api.lookahead import main as helper  # its answers' classes pickled under this module's name
+
+    helper()

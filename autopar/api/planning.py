@@ -305,9 +305,20 @@ class _Shapes:
         self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
         self._hint = 0.0  # the memory weight the last search that memory bound settled on: the next tries it first
         self._single_runs = SearchCache()  # the whole batch is searched twice where memory binds (`_visiting`)
-        single = self.problem(1, 1)
+        self._helper = self._early_helper()  # imports the micro-batch counts' models while the whole batch is costed
+        try:
+            single = self.problem(1, 1)
+        except BaseException:
+            self.close()
+            raise
         assert single is not None  # the whole batch on every device: its errors are the user's
         self.single = single
+
+    def close(self) -> None:
+        """Stop the helper, if one is running (`autopar.api.lookahead`)."""
+        if self._helper is not None:
+            self._helper.close()
+            self._helper = None
 
     def problem(self, stages: int, micro_batches: int) -> SearchProblem | None:
         """One micro-batch's problem on one stage's devices (None: the model does not import at that batch,
@@ -337,6 +348,10 @@ class _Shapes:
 
     def _graph(self, micro_batches: int) -> Graph:
         """The model at one micro-batch's size, imported once (the graph is read, never changed)."""
+        if micro_batches not in self._graphs and self._helper is not None:
+            sent = self._helper.graph(micro_batches)
+            if sent is not None:
+                self._graphs[micro_batches] = sent
         if micro_batches not in self._graphs:
             options = self.options
             batch = _micro_batch(self.step_batch, micro_batches, self.graph)
@@ -367,7 +382,7 @@ class _Shapes:
         elif not options.mode.searched or self.step_batch is None or isinstance(self.model, Graph):
             micro = [1]
         else:
-            micro = [m for m in range(1, min(self.step_batch, MAX_MICRO_BATCHES) + 1) if self.step_batch % m == 0]
+            micro = self._micro_batch_counts()
         shapes = [PipelineShape(s, m) for s in counts for m in micro]
         return sorted(shapes, key=lambda p: (p != ONE_STAGE, p.slots / p.micro_batches, p.stages, p.micro_batches))
 
@@ -378,13 +393,11 @@ class _Shapes:
         floor = compute_floor(self.single)
         shapes = self.shapes()
         rank = {shape: index for index, shape in enumerate(shapes)}  # on a tie, the shape listed first wins
-        best, order = self._visiting(shapes)
-        lookahead = self._lookahead(best, order)
         try:
-            return self._searched(shapes, order, rank, best, floor, lookahead)
+            best, order = self._visiting(shapes)
+            return self._searched(shapes, order, rank, best, floor, self._lookahead(best, order))
         finally:
-            if lookahead is not None:
-                lookahead.close()
+            self.close()
 
     def _searched(
         self,
@@ -397,24 +410,18 @@ class _Shapes:
     ) -> _Searched:
         options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
         for index, shape in enumerate(order):
+            if lookahead is not None and shape.stages > 1:  # the pipeline shapes, with the helper
+                best = self._shared(order[index:], rank, best, floor, lookahead)
+                break
             progress.report("pipeline shapes", index, len(shapes))
-            # a shape listed before the best one wins a tie with it, so it must be searched for one
-            bound = math.inf if best is None else best.time_s * (1 + _TIE if rank[shape] < rank[best.shape] else 1)
-            if not self._may_win(shape, best, bound, floor) or (
-                lookahead is not None and self._ruled_out_ahead(shape, bound, lookahead)
-            ):
-                if lookahead is not None:
-                    lookahead.drop(shape)
+            bound = self._bound(shape, best, rank)
+            if not self._may_win(shape, best, bound, floor):
                 continue
             problem = self.problem(shape.stages, shape.micro_batches)
             if problem is None:
                 continue
-            started = time.perf_counter()
-            try:
-                searched = self._search_shape(problem, shape, bound)
-            finally:
-                self.search_s += time.perf_counter() - started
-                del problem  # a losing shape's problem is not held while the next is built
+            searched = self._timed_search(problem, shape, bound)
+            del problem  # a losing shape's problem is not held while the next is built
             if searched is not None and (best is None or _wins(searched, best, rank)):
                 best = searched
             del searched
@@ -437,6 +444,84 @@ class _Shapes:
             )
         return best
 
+    def _bound(self, shape: PipelineShape, best: _Searched | None, rank: Mapping[PipelineShape, int]) -> float:
+        """The step time ``shape`` must beat: the best plan's (a shape listed before the best one wins a tie
+        with it, so it must be searched for one)."""
+        if best is None:
+            return math.inf
+        return best.time_s * (1 + _TIE if rank[shape] < rank[best.shape] else 1)
+
+    def _timed_search(self, problem: SearchProblem, shape: PipelineShape, bound: float) -> _Searched | None:
+        started = time.perf_counter()
+        try:
+            return self._search_shape(problem, shape, bound)
+        finally:
+            self.search_s += time.perf_counter() - started
+
+    def _shared(
+        self,
+        shapes: Sequence[PipelineShape],
+        rank: Mapping[PipelineShape, int],
+        best: _Searched | None,
+        floor: float,
+        lookahead: Lookahead,
+    ) -> _Searched | None:
+        """The best of ``best`` and the pipeline shapes' plans, the floors shared with the helper
+        (`autopar.api.lookahead`), which works them out in the list's order: the shape of lowest floor in is
+        searched first, each skipped once its floor is clearly no faster than the best plan found (`MARGIN`);
+        with none in, the next shape the helper has not reached is searched (its floor is the search's first
+        step). So a shape whose floor the helper has in is not built to be ruled out, and a good plan is found
+        early, which rules out more shapes by the bounds that need no building (`_may_win`). Working every
+        floor out first, to search lowest floor first throughout, took longer (76.1B GPT: 74-77 s, where
+        55-73 s): until a good plan is found, many more shapes need their floors.
+
+        The plan does not depend on the order: each shape's search is exact (what it finds faster than its
+        bound is its best plan, whatever the bound), every stage search starts from the same memory weight
+        (`_search_shape`), and a tie goes to the shape listed first."""
+        done: set[PipelineShape] = set()  # searched, or ruled out
+        lookahead.share()
+        while True:
+            floors = lookahead.floors()
+            for shape in shapes:
+                if shape not in done and not self._left_a_chance(shape, floors.get(shape), best, rank, floor):
+                    done.add(shape)
+                    lookahead.drop(shape)
+                    if floors.get(shape) is not None:
+                        self._built.add((shape.stages, shape.micro_batches))  # the helper built it
+            known = [s for s in shapes if s not in done and s in floors]  # a None floor: the helper could not build it
+            shape = min(known, key=lambda s: (_or_least(floors[s]), rank[s]), default=None)
+            if shape is None:  # no floor in: the next shape the helper has not reached, searched here
+                shape = next((s for s in shapes if s not in done and lookahead.take(s)), None)
+            if shape is None:
+                if all(s in done for s in shapes):
+                    return best
+                lookahead.wait()  # for the floor under way
+                continue
+            done.add(shape)
+            progress.report("pipeline shapes", len(done), len(shapes))
+            problem = self.problem(shape.stages, shape.micro_batches)
+            if problem is None:
+                continue
+            searched = self._timed_search(problem, shape, self._bound(shape, best, rank))
+            del problem
+            if searched is not None and (best is None or _wins(searched, best, rank)):
+                best = searched
+            del searched
+
+    def _left_a_chance(
+        self,
+        shape: PipelineShape,
+        seconds: float | None,
+        best: _Searched | None,
+        rank: Mapping[PipelineShape, int],
+        floor: float,
+    ) -> bool:
+        """Whether a pipeline shape, of floor ``seconds`` (None: not known), may still beat the best plan."""
+        bound = self._bound(shape, best, rank)
+        if seconds is not None and seconds >= bound * (1 + MARGIN):
+            return False
+        return self._may_win(shape, best, bound, floor)
+
     def _may_win(self, shape: PipelineShape, best: _Searched | None, bound: float, floor: float) -> bool:
         """Whether a shape is left a chance to beat ``bound`` by what is known without building it."""
         options = self.options
@@ -449,20 +534,61 @@ class _Shapes:
         # stages are searched where memory binds one stage (or asked for)
         return not (shape.stages > 1 and options.pipeline_stages is None and self._memory_free(best))
 
-    def _ruled_out_ahead(self, shape: PipelineShape, bound: float, lookahead: Lookahead) -> bool:
-        """Whether a pipeline shape's floor, worked out by the helper (`autopar.api.lookahead`), is clearly
-        no faster than ``bound``: `search_stages` would build the shape only to find so."""
-        seconds = lookahead.floor(shape) if shape.stages > 1 and bound < math.inf else None
-        if seconds is None:
-            return False
-        self._built.add((shape.stages, shape.micro_batches))  # the helper built it
-        return seconds >= bound * (1 + MARGIN)
+    def _early_helper(self) -> Lookahead | None:
+        """A helper started before the whole batch is costed (`autopar.api.lookahead`), where the search will
+        walk micro-batch counts and may search stages: a large model (`LOOKAHEAD_OPERATORS`) whose batch the
+        search splits. It imports each count's model meanwhile, on the core costing leaves idle, and sends
+        them; it works out floors once the search asks (`_lookahead`)."""
+        options, micro = self.options, self._micro_batch_counts()
+        if (
+            isinstance(self.model, Graph)
+            or len(self.graph.ops) < LOOKAHEAD_OPERATORS
+            or not options.mode.searched
+            or options.search.value != "dp"
+            or options.micro_batches is not None
+            or options.stage_starts
+            or len(micro) < 3
+            or not lookahead_wanted()
+        ):
+            return None
+        one_stage = [ONE_STAGE, *(PipelineShape(1, m) for m in micro if m > 1)]
+        counts = [shape.micro_batches for shape in _visiting_order(one_stage)[1:]]  # in the order the search visits
+        return self._start_helper([], counts)
+
+    def _micro_batch_counts(self) -> list[int]:
+        """The micro-batch counts the search may try: the batch's divisors, up to `MAX_MICRO_BATCHES`."""
+        if self.step_batch is None:
+            return [1]
+        return [m for m in range(1, min(self.step_batch, MAX_MICRO_BATCHES) + 1) if self.step_batch % m == 0]
+
+    def _start_helper(self, shapes: Sequence[PipelineShape], graphs: Sequence[int]) -> Lookahead | None:
+        options = self.options
+        batches = {  # as `_graph` imports each count: the whole batch as the caller gave it
+            micro: options.batch if micro == 1 else _micro_batch(self.step_batch, micro, self.graph)
+            for micro in {*(shape.micro_batches for shape in shapes), *graphs, *self._micro_batch_counts()}
+        }
+        fixed = options.fixed
+        job = Job(
+            model=job_model(self.model),  # type: ignore[arg-type]  # never a Graph (`_early_helper`, `_lookahead`)
+            batches=batches,
+            dims=dict(options.dims),
+            frozen=tuple(options.frozen),
+            trainable=tuple(options.trainable),
+            cost=self.cost,
+            num_devices=options.num_devices,
+            fixed=None if fixed is None else {name: [list(s) for s in given] for name, given in fixed.items()},
+        )
+        try:
+            return Lookahead(job, shapes, graphs)
+        except OSError:  # no process can be started here: the search does all the work itself
+            return None
 
     def _lookahead(self, best: _Searched | None, order: Sequence[PipelineShape]) -> Lookahead | None:
         """A helper working out the pipeline shapes' floors ahead of the search (`autopar.api.lookahead`),
         where it pays: memory binds the whole batch (so stages are searched), the cuts are the search's,
         the model is large (`LOOKAHEAD_OPERATORS`) and there are several pipeline shapes after the first
-        shape (searched with no bound, which no floor rules out)."""
+        shape (searched with no bound, which no floor rules out). The helper started early, if it was, is
+        asked for them; elsewhere it is stopped."""
         options = self.options
         ahead = [shape for shape in order[1:] if shape.stages > 1]
         if (
@@ -474,26 +600,13 @@ class _Shapes:
             or self.single.size < LOOKAHEAD_OPERATORS
             or not lookahead_wanted()
         ):
+            self.close()
             return None
-        batches = {  # as `_graph` imports each count: the whole batch as the caller gave it
-            micro: options.batch if micro == 1 else _micro_batch(self.step_batch, micro, self.graph)
-            for micro in {shape.micro_batches for shape in ahead}
-        }
-        fixed = options.fixed
-        job = Job(
-            model=job_model(self.model),
-            batches=batches,
-            dims=dict(options.dims),
-            frozen=tuple(options.frozen),
-            trainable=tuple(options.trainable),
-            cost=self.cost,
-            num_devices=options.num_devices,
-            fixed=None if fixed is None else {name: [list(s) for s in given] for name, given in fixed.items()},
-        )
-        try:
-            return Lookahead(job, ahead)
-        except OSError:  # no process can be started here: the search builds every shape itself
-            return None
+        if self._helper is None:
+            self._helper = self._start_helper(ahead, ())
+        else:
+            self._helper.extend(ahead)
+        return self._helper
 
     def _visiting(self, shapes: list[PipelineShape]) -> tuple[_Searched | None, list[PipelineShape]]:
         """The whole batch's plan where it is found already, and the shapes to search, in the order to search
@@ -568,7 +681,6 @@ class _Shapes:
         result = search_stages(problem, shape, mode, algorithm, starts, bound, options.recompute, self._hint)
         if result is None:
             return None
-        self._hint = max(stage.result.lagrange_multiplier for stage in result.stages) or self._hint
         found = _joined(result, time.perf_counter() - started)
         return _Searched(problem, found, result if shape.stages > 1 else None, result.time_s, shape)
 
@@ -616,6 +728,10 @@ def _visiting_order(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
         return list(shapes)
     at = len(micro) // 4
     return [shapes[0], *micro[at::-1], *micro[at + 1 :], *(shape for shape in shapes[1:] if shape.stages > 1)]
+
+
+def _or_least(seconds: float | None) -> float:
+    return -math.inf if seconds is None else seconds
 
 
 def _joined(result: PipelineResult, seconds: float) -> SearchResult:

@@ -23,10 +23,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from autopar import progress
+from autopar import limits, progress
 from autopar.cost import CostModel
 from autopar.layout import Layout
-from autopar.limits import MAX_DEVICES, WORKERS
+from autopar.limits import MAX_DEVICES
 from autopar.redistribute import Collective
 from autopar.search import native
 
@@ -121,7 +121,7 @@ def pair_coefficients(
 def _over_chunks(work: Callable[[int], None], count: int) -> None:
     """``work(start)`` for each chunk of ``count`` pairs: chunks are independent, and numpy and the compiled
     planner release the GIL, so one thread per core."""
-    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+    with ThreadPoolExecutor(max_workers=limits.workers()) as pool:
         for done, _ in enumerate(pool.map(work, range(0, count, CHUNK))):
             progress.report("costing redistributions", done * CHUNK, count)
 

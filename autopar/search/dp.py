@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar import progress
+from autopar import limits, progress
 from autopar.errors import SearchTooLargeError, TooLargeError
 from autopar.limits import MAX_TABLE_ENTRIES, MAX_TABLE_LEFT, WORKERS
 from autopar.search import native
@@ -525,7 +525,7 @@ def _min_plus_native(parts: list[np.ndarray]) -> np.ndarray:
 def over_rows(work: Callable[[int, int], None], rows: int, cells: int) -> None:
     """``work(first, last)`` over rows 0 .. ``rows`` of a step of ``cells`` entries: a large step's rows split
     between threads (numpy releases the GIL), each row's result the same whichever thread computes it."""
-    workers = min(WORKERS, rows, max(1, cells // _PARALLEL_CELLS))
+    workers = min(limits.workers(), rows, max(1, cells // _PARALLEL_CELLS))
     if workers <= 1:
         work(0, rows)
         return
