@@ -1,18 +1,21 @@
-"""Pipeline shapes' floors, worked out ahead in a helper process while the search runs.
+"""Models imported and pipeline shapes' floors worked out ahead, in a helper process, while the search runs.
 
 Where memory binds a large model, the search rules most pipeline shapes out by their floors
 (`autopar.search.pipeline.pipeline_floor`) before it searches a stage, yet each floor needs the
 model imported at the shape's micro-batch and its problem costed: seconds a shape, and most of a
-1,024-device plan's time (76.1B GPT: 11 of 15 pipeline shapes). A helper process, on a core the
-search leaves idle, works the floors out in the order the search visits the shapes, and the search
-skips a shape whose floor cannot beat its best plan without building it.
+1,024-device plan's time (76.1B GPT: 11 of 15 pipeline shapes). A helper process works the floors out
+in the order the search visits the shapes; the search takes the shape of lowest floor in first, and
+skips a shape whose floor cannot beat its best plan without building it. Started before the whole
+batch is costed, the helper first imports the model at each micro-batch count the search will walk
+and sends it (a pickled `Graph` is read back in hundredths of a second; importing takes most of one).
 
 The plan is the same with the helper or without it, whenever its answers arrive: a floor is the
 number the search computes itself before it searches a stage, a shape is skipped only where its floor
 is clearly no faster than the best plan (a margin far above rounding, so a floor computed in another
-process in another order of sums decides nothing the search's own would not), and a shape whose
-floor is not in yet is built and searched as before. The helper starts only for large models with
-shapes to rule out, on a machine with more than one core, and ``AUTOPAR_LOOKAHEAD=0`` turns it off.
+process in another order of sums decides nothing the search's own would not), the order shapes are
+searched in changes how fast the search is, not what it finds, and a model sent is the one the search
+imports. The helper starts only for large models whose batch the search splits, on a machine with more
+than one core, and ``AUTOPAR_LOOKAHEAD=0`` turns it off.
 """
 
 from __future__ import annotations
