@@ -482,14 +482,14 @@ class _Shapes:
         lookahead.share()
         while True:
             floors = lookahead.floors()
-            for shape in shapes:
-                if shape not in done and not self._left_a_chance(shape, floors.get(shape), best, rank, floor):
-                    done.add(shape)
-                    lookahead.drop(shape)
-                    if floors.get(shape) is not None:
-                        self._built.add((shape.stages, shape.micro_batches))  # the helper built it
+            for listed in shapes:
+                if listed not in done and not self._left_a_chance(listed, floors.get(listed), best, rank, floor):
+                    done.add(listed)
+                    lookahead.drop(listed)
+                    if floors.get(listed) is not None:
+                        self._built.add((listed.stages, listed.micro_batches))  # the helper built it
             known = [s for s in shapes if s not in done and s in floors]  # a None floor: the helper could not build it
-            shape = min(known, key=lambda s: (_or_least(floors[s]), rank[s]), default=None)
+            shape: PipelineShape | None = min(known, key=lambda s: (_or_least(floors[s]), rank[s]), default=None)
             if shape is None:  # no floor in: the next shape the helper has not reached, searched here
                 shape = next((s for s in shapes if s not in done and lookahead.take(s)), None)
             if shape is None:
