@@ -98,8 +98,7 @@ class Lookahead:
         self._reader.start()
 
     def extend(self, shapes: Sequence[PipelineShape]) -> None:
-        """More floors to work out, after those asked before. From the first, the search's threads leave the
-        helper a core (`limits.workers`): importing models, it takes only the time the search leaves."""
+        """More floors to work out, after those asked before (and before any model not yet asked)."""
         with self._lock:
             self._open.extend(shape for shape in shapes if shape not in self._open)
             if self._asked is None:
@@ -290,6 +289,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from autopar.api.lookahead import main as helper  # its answers' classes pickled under this module's name
-
-    helper()
+    main()
