@@ -198,7 +198,7 @@ def plan_with(model: ModelLike, options: PlanOptions) -> Plan:
         return _plan_with(model, options)
 
 
-_YOUNG_COLLECTION = 50_000
+YOUNG_COLLECTION = 50_000
 """Allocations between two collections of the youngest generation while planning (Python's default: 700)."""
 
 
@@ -223,7 +223,7 @@ class _Collector:
                 self._saved = gc.get_threshold()
                 young, *older = self._saved
                 if young:  # 0: the caller turned automatic collection off
-                    gc.set_threshold(max(young, _YOUNG_COLLECTION), *older)
+                    gc.set_threshold(max(young, YOUNG_COLLECTION), *older)
             self._plans += 1
         try:
             yield
@@ -355,12 +355,14 @@ class _Shapes:
         if micro_batches not in self._graphs:
             options = self.options
             batch = _micro_batch(self.step_batch, micro_batches, self.graph)
+            imported: Graph | ModelImportError
             try:
-                imported: Graph | ModelImportError = model_graph(
-                    self.model, batch, options.dims, options.frozen, options.trainable
-                )
+                imported = graph = model_graph(self.model, batch, options.dims, options.frozen, options.trainable)
             except ModelImportError as error:
                 imported = _detached(error)
+            else:
+                if self._helper is not None:  # its floors at this count need it too
+                    self._helper.share_model(micro_batches, graph)
             self._graphs[micro_batches] = imported
         found = self._graphs[micro_batches]
         if isinstance(found, ModelImportError):
@@ -383,8 +385,7 @@ class _Shapes:
             micro = [1]
         else:
             micro = self._micro_batch_counts()
-        shapes = [PipelineShape(s, m) for s in counts for m in micro]
-        return sorted(shapes, key=lambda p: (p != ONE_STAGE, p.slots / p.micro_batches, p.stages, p.micro_batches))
+        return _listed([PipelineShape(s, m) for s in counts for m in micro])
 
     def search(self) -> _Searched:
         options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
@@ -469,7 +470,7 @@ class _Shapes:
         """The best of ``best`` and the pipeline shapes' plans, the floors shared with the helper
         (`autopar.api.lookahead`), which works them out in the list's order: the shape of lowest floor in is
         searched first, each skipped once its floor is clearly no faster than the best plan found (`MARGIN`);
-        with none in, the next shape the helper has not reached is searched (its floor is the search's first
+        with none in, a shape the helper has not reached is searched (`_take`; its floor is the search's first
         step). So a shape whose floor the helper has in is not built to be ruled out, and a good plan is found
         early, which rules out more shapes by the bounds that need no building (`_may_win`). Working every
         floor out first, to search lowest floor first throughout, took longer (76.1B GPT: 74-77 s, where
@@ -491,7 +492,7 @@ class _Shapes:
             known = [s for s in shapes if s not in done and s in floors]  # a None floor: the helper could not build it
             shape: PipelineShape | None = min(known, key=lambda s: (_or_least(floors[s]), rank[s]), default=None)
             if shape is None:  # no floor in: the next shape the helper has not reached, searched here
-                shape = next((s for s in shapes if s not in done and lookahead.take(s)), None)
+                shape = self._take(shapes, done, lookahead)
             if shape is None:
                 if all(s in done for s in shapes):
                     return best
@@ -507,6 +508,16 @@ class _Shapes:
             if searched is not None and (best is None or _wins(searched, best, rank)):
                 best = searched
             del searched
+
+    @staticmethod
+    def _take(shapes: Sequence[PipelineShape], done: set[PipelineShape], lookahead: Lookahead) -> PipelineShape | None:
+        """The next shape the helper has not reached, to search here: of more than the fewest stages first. The
+        fewest-stage shapes cost the most to build (the most devices a stage), and the helper, working down the
+        list, meets them first; the search, whose time the plan waits on, takes the quicker ones."""
+        open_ = [shape for shape in shapes if shape not in done]
+        fewest = min((shape.stages for shape in open_), default=0)
+        ordered = [*(s for s in open_ if s.stages > fewest), *(s for s in open_ if s.stages == fewest)]
+        return next((shape for shape in ordered if lookahead.take(shape)), None)
 
     def _left_a_chance(
         self,
@@ -537,8 +548,9 @@ class _Shapes:
     def _early_helper(self) -> Lookahead | None:
         """A helper started before the whole batch is costed (`autopar.api.lookahead`), where the search will
         walk micro-batch counts and may search stages: a large model (`LOOKAHEAD_OPERATORS`) whose batch the
-        search splits. It imports each count's model meanwhile, on the core costing leaves idle, and sends
-        them; it works out floors once the search asks (`_lookahead`)."""
+        search splits. On the core costing leaves idle, it imports the models of the counts the search walks
+        first, then works out the floors of the pipeline shapes the search would visit (every stage count up to
+        the devices: the cut points are not known yet), until the search says which it needs (`_lookahead`)."""
         options, micro = self.options, self._micro_batch_counts()
         if (
             isinstance(self.model, Graph)
@@ -552,10 +564,11 @@ class _Shapes:
         ):
             return None
         one_stage = [ONE_STAGE, *(PipelineShape(1, m) for m in micro if m > 1)]
-        # the counts the search visits first, down from a quarter of the way up (`_visiting_order`): the rest are
-        # mostly ruled out unbuilt, and a model held in both processes is 25 MB (76.1B GPT)
-        first = _visiting_order(one_stage)[1 : (len(one_stage) - 1) // 4 + 2]
-        return self._start_helper([], [shape.micro_batches for shape in first])
+        # the first half of the counts the search visits (`_visiting_order`): the rest are mostly ruled out unbuilt
+        first = _visiting_order(one_stage)[1 : (len(one_stage) - 1) // 2 + 2]
+        stages = range(1, options.num_devices.bit_length())
+        guessed = _listed([PipelineShape(1 << k, m) for k in stages for m in micro])
+        return self._start_helper([], [shape.micro_batches for shape in first], guessed)
 
     def _micro_batch_counts(self) -> list[int]:
         """The micro-batch counts the search may try: the batch's divisors, up to `MAX_MICRO_BATCHES`."""
@@ -563,7 +576,9 @@ class _Shapes:
             return [1]
         return [m for m in range(1, min(self.step_batch, MAX_MICRO_BATCHES) + 1) if self.step_batch % m == 0]
 
-    def _start_helper(self, shapes: Sequence[PipelineShape], graphs: Sequence[int]) -> Lookahead | None:
+    def _start_helper(
+        self, shapes: Sequence[PipelineShape], graphs: Sequence[int], guessed: Sequence[PipelineShape] = ()
+    ) -> Lookahead | None:
         options = self.options
         batches = {  # as `_graph` imports each count: the whole batch as the caller gave it
             micro: options.batch if micro == 1 else _micro_batch(self.step_batch, micro, self.graph)
@@ -581,7 +596,7 @@ class _Shapes:
             fixed=None if fixed is None else {name: [list(s) for s in given] for name, given in fixed.items()},
         )
         try:
-            return Lookahead(job, shapes, graphs)
+            return Lookahead(job, shapes, graphs, guessed)
         except OSError:  # no process can be started here: the search does all the work itself
             return None
 
@@ -710,6 +725,16 @@ def _wins(searched: _Searched, best: _Searched, rank: Mapping[PipelineShape, int
     if searched.time_s < best.time_s * (1 - _TIE):
         return True
     return rank[searched.shape] < rank[best.shape] and searched.time_s < best.time_s * (1 + _TIE)
+
+
+def _listed(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
+    """Shapes in the order the search lists them (`_Shapes.shapes`): the one-stage, one-micro-batch plan first,
+    then by the share of a step each stage works (the least bubble first), fewer stages and micro-batches first.
+
+    >>> [(p.stages, p.micro_batches) for p in _listed([PipelineShape(2, 2), PipelineShape(2, 8), ONE_STAGE])]
+    [(1, 1), (2, 8), (2, 2)]
+    """
+    return sorted(shapes, key=lambda p: (p != ONE_STAGE, p.slots / p.micro_batches, p.stages, p.micro_batches))
 
 
 def _visiting_order(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:

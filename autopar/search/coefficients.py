@@ -233,8 +233,29 @@ class PairCache:
         self.rows: dict[bytes, int] = {}  # a packed layout row -> its number
         self.keys = np.zeros(0, dtype=np.int64)  # source number << 32 | target number, sorted
         self.slots = np.zeros(0, dtype=np.int64)  # where each key's coefficients are in `values`
-        self.values = [np.zeros(0) for _ in range(2)]  # latency, seconds per byte; in the order costed
+        self._buffers = [np.zeros(0) for _ in range(2)]  # `values`, with room to grow (`_append`)
+        self._count = 0  # pairs costed: the buffers' entries in use
         self.groups: dict[Hashable, PairSlots] = {}  # the slots of a group's pairs, by the group's name
+
+    @property
+    def values(self) -> list[np.ndarray]:
+        """Latency and seconds per byte of every pair costed, in the order costed (a pair's slot indexes them)."""
+        return [buffer[: self._count] for buffer in self._buffers]
+
+    def _append(self, fresh: Sequence[np.ndarray]) -> np.ndarray:
+        """Keep newly costed pairs' coefficients after the others; their slots. The buffers at least double when
+        they grow: appending to arrays of tens of millions of pairs copied (and paged in) them all each time."""
+        first, count = self._count, self._count + len(fresh[0])
+        if count > len(self._buffers[0]):
+            capacity = max(count, 2 * len(self._buffers[0]))
+            grown = [np.empty(capacity) for _ in self._buffers]
+            for new, old in zip(grown, self._buffers):
+                new[:first] = old[:first]
+            self._buffers = grown
+        for buffer, part in zip(self._buffers, fresh):
+            buffer[first:count] = part
+        self._count = count
+        return np.arange(first, count, dtype=np.int64)
 
     @classmethod
     def of(cls, cost: CostModel) -> "PairCache":
@@ -254,8 +275,7 @@ class PairCache:
         numbered ``numbers``), costing the pairs not costed before."""
         keys = (numbers[src] << 32) | numbers[dst]
         if not len(self.keys) and (keys[1:] > keys[:-1]).all():  # the first problem: every pair new, in order
-            self.values = list(pair_coefficients(table, src, dst, cost))
-            self.keys, self.slots = keys, np.arange(len(keys), dtype=np.int64)
+            self.keys, self.slots = keys, self._append(pair_coefficients(table, src, dst, cost))
             return self.slots.copy()
         at = np.searchsorted(self.keys, keys)
         np.minimum(at, len(self.keys) - 1, out=at)
@@ -271,10 +291,8 @@ class PairCache:
         else:
             new, first, again = np.unique(asked, return_index=True, return_inverse=True)
             costed = missing[first]
-        fresh = pair_coefficients(table, src[costed], dst[costed], cost)
-        slots = np.arange(len(self.values[0]), len(self.values[0]) + len(new), dtype=np.int64)
+        slots = self._append(pair_coefficients(table, src[costed], dst[costed], cost))
         found[missing] = slots if again is None else slots[again.reshape(-1)]
-        self.values = [np.concatenate([values, part]) for values, part in zip(self.values, fresh)]
         if not len(self.keys):  # an empty cache takes the new pairs as they are
             self.keys, self.slots = new, slots
             return found
@@ -291,7 +309,7 @@ class PairCache:
         """Keep a group's slots under its name, and give them back as kept: in 32 bits where they fit
         (a 1024-device GPT's groups hold 30 million slots, 120 MB so). The latest group of a name
         replaces the one before, and groups stay as long as the cost model does."""
-        if len(self.values[0]) < 2**31:
+        if self._count < 2**31:
             backward = None if slots.backward is None else slots.backward.astype(np.int32)
             slots = PairSlots(slots.sources, slots.targets, slots.forward.astype(np.int32), backward)
         self.groups[name] = slots
