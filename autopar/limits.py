@@ -39,6 +39,10 @@ here (`bench/scale.py`; 0.2 us compiled, `search.native`): a minute of costing a
 arrays at the limit.
 ResNet-50 needs 0.81 million at 1,024 devices, one GPT-3-shaped layer 8.8 million."""
 
+YOUNG_COLLECTION = 50_000
+"""Allocations between two collections of the youngest generation while a plan is under way, in the search
+and its helper (Python's default: 700; `api.planning._Collector`)."""
+
 MAX_TABLE_ENTRIES = 400_000_000
 """Entries one elimination step sums and minimises (its operators' layouts multiplied): summed a slab
 at a time, never held whole, about a second each. GPT-3's attention at 1,024 devices needs 140 million."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import autopar
+from autopar import limits
 from autopar.api import choice_for
 from autopar.errors import AutoparError, StrategyError
 from autopar.graph import Graph, load_model
@@ -346,7 +347,7 @@ def test_a_plan_runs_the_cycle_collector_less_often_and_leaves_it_as_it_was(tiny
     before = gc.get_threshold()
     autopar.plan(tiny, devices=4)
     assert gc.get_threshold() == before
-    assert during[0][0] >= max(planning._YOUNG_COLLECTION, before[0]) and during[0][1:] == before[1:]
+    assert during[0][0] >= max(limits.YOUNG_COLLECTION, before[0]) and during[0][1:] == before[1:]
     with pytest.raises(AutoparError):
         autopar.plan(tiny, devices=4, fixed={"no_such_op": ((1, 1, 1, 1),)})
     assert gc.get_threshold() == before

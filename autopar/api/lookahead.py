@@ -41,7 +41,7 @@ import onnx
 
 from autopar.cost import CostModel
 from autopar.graph import Graph
-from autopar.limits import WORKERS, lend_cores
+from autopar.limits import WORKERS, YOUNG_COLLECTION, lend_cores
 from autopar.search.pipeline import PipelineShape
 
 MARGIN = 1e-9
@@ -323,8 +323,6 @@ def main() -> None:
     if hasattr(os, "nice"):
         os.nice(19)  # the search comes first: the helper takes the time it leaves
     lend_cores(WORKERS - 1)  # one thread: the helper works on the one core the search leaves it
-    from autopar.api.planning import YOUNG_COLLECTION
-
     young, *older = gc.get_threshold()
     gc.set_threshold(max(young, YOUNG_COLLECTION), *older)  # as rarely as the search collects (`planning._Collector`)
     job: Job

@@ -33,7 +33,7 @@ from autopar.errors import (
     RenamedOperatorsWarning,
 )
 from autopar.graph import Graph, freeze, load_model, train
-from autopar.limits import MAX_MICRO_BATCHES
+from autopar.limits import MAX_MICRO_BATCHES, YOUNG_COLLECTION
 from autopar.lowering import (
     Plan,
 )
@@ -196,10 +196,6 @@ def plan_with(model: ModelLike, options: PlanOptions) -> Plan:
     """The plan for a model under checked options (`plan` with its keywords gathered)."""
     with _collector.fewer():
         return _plan_with(model, options)
-
-
-YOUNG_COLLECTION = 50_000
-"""Allocations between two collections of the youngest generation while planning (Python's default: 700)."""
 
 
 class _Collector:
