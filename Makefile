@@ -9,15 +9,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint pytest wheel-check bench clean
 
-# planning needs only the core (numpy, onnx, pydantic): the demo installs that much
+# planning needs only the core (numpy, onnx, pydantic): the demo installs that much;
+# --no-cache-dir: the test extras fill about 4.5 GB (mindspore 2.5), and pip's cache would keep a second copy of every wheel it downloads
 $(CORE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e .
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-cache-dir -e .
 	touch $(CORE)
 
 # the tests also run torch, jax, mindspore, onnxruntime, highspy and the linters
 $(STAMP): $(CORE)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test,lint]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-cache-dir -e ".[test,lint]"
 	touch $(STAMP)
 
 demo: $(CORE)
