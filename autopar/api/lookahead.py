@@ -334,7 +334,8 @@ def main() -> None:
             return
         if kind == "graph":
             try:
-                model_at(job, key, folder)
+                if not _model_path(folder, key).is_file():  # the search left it already: nothing to read back
+                    model_at(job, key, folder)
                 answer: bool | float | None = True
             except Exception:  # the search imports it itself, and reports what fails
                 answer = None
