@@ -9,7 +9,8 @@ a function, ``importlib.import_module`` of a module named in a string), except u
   shared modules and values) never imports a verifier (spmd, runtime), an exporter or a face
   (report, api, cli), not even through another package;
 - the cost model never depends on the search;
-- the verifiers, the exporters and the report read the plan lowering gives them, never the search;
+- the verifiers, the exporters, the report and the trainer (autopar.torch) read the plan lowering gives them,
+  never the search;
 - no cycle between packages.
 """
 
@@ -44,8 +45,16 @@ CORE = (
     "autopar.options",
     "autopar.stdio",
 )
-READERS = ("autopar.spmd", "autopar.runtime", "autopar.export", "autopar.report")
-FACES = ("autopar.spmd", "autopar.runtime", "autopar.export", "autopar.report", "autopar.api", "autopar.cli")
+READERS = ("autopar.spmd", "autopar.runtime", "autopar.export", "autopar.report", "autopar.torch")
+FACES = (
+    "autopar.spmd",
+    "autopar.runtime",
+    "autopar.export",
+    "autopar.report",
+    "autopar.torch",
+    "autopar.api",
+    "autopar.cli",
+)
 
 Graph = Mapping[str, set[str]]
 

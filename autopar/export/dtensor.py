@@ -46,12 +46,10 @@ import onnx
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError, PlanFileError
 from autopar.export.logical import Group, axis_links, logical_groups, placement_kinds, tensor_groups
-from autopar.graph import load_model
-from autopar.graph.proto import data_inputs
-from autopar.graph.types import Graph
 from autopar.layout import Layout
 from autopar.lowering.axes import LogicalAxis, logical_axes
 from autopar.lowering.planfile import PlanFile
+from autopar.lowering.program import plan_graph
 
 # --- what both framework exports place -------------------------------------------------------------
 
@@ -88,7 +86,7 @@ class PlanTensors:
 
 def plan_tensors(plan: PlanFile, model: onnx.ModelProto | None) -> PlanTensors:
     """What the dtensor and jax exports write: shapes from ``model`` (bound as the plan was), if given."""
-    graph = _graph_for(plan, model) if model is not None else None
+    graph = plan_graph(plan, model) if model is not None else None
     trainable = {entry.parameter: entry.layout.layout() for entry in plan.gradient_sync}
 
     def kind_of(tensor: str) -> str:
@@ -126,39 +124,6 @@ def plan_tensors(plan: PlanFile, model: onnx.ModelProto | None) -> PlanTensors:
         if name not in parameters and (graph is None or name in graph.tensors):
             parameters[name] = boundary(name, layout)
     return PlanTensors(plan.mesh, logical_axes(plan), parameters, tuple(ops), graph is not None)
-
-
-def _graph_for(plan: PlanFile, model: onnx.ModelProto) -> Graph:
-    """The model imported with the sizes the plan was made for; PlanFileError if it is another model."""
-    batch, dims = _bindings(plan, model)
-    try:
-        graph = load_model(model, batch=batch, dims=dims)
-    except AutoparError as exc:
-        raise PlanFileError(f"The model cannot be read with the plan's input shapes: {exc}") from None
-    if plan.context is not None and plan.context.model_fingerprint != graph.fingerprint:
-        raise PlanFileError(
-            f"The plan was made for another model ({plan.model!r}, fingerprint {plan.context.model_fingerprint}),"
-            f" not this {graph.name!r} ({graph.fingerprint})."
-        )
-    return graph
-
-
-def _bindings(plan: PlanFile, model: onnx.ModelProto) -> tuple[int | None, dict[str, int]]:
-    """The batch and symbolic sizes that give the model's data inputs the plan's shapes."""
-    batch: int | None = None
-    dims: dict[str, int] = {}
-    if plan.context is None:
-        return batch, dims
-    for info in data_inputs(model):
-        planned = plan.context.inputs.get(info.name)
-        if not planned or not info.type.HasField("tensor_type"):
-            continue
-        for axis, (dim, size) in enumerate(zip(info.type.tensor_type.shape.dim, planned)):
-            if dim.HasField("dim_param") and dim.dim_param:
-                dims[dim.dim_param] = size
-            elif axis == 0 and dim.dim_value != size:  # a different batch, or a placeholder (0, -1)
-                batch = size
-    return batch, dims
 
 
 # --- the logical axes as mesh dimensions ------------------------------------------------------------

@@ -30,6 +30,7 @@ from autopar.graph.bind import (
     content_key,
     note_propagated,
     propagated,
+    rebatch_constants,
     rebatch_reshapes,
 )
 from autopar.graph.build import build_graph, freeze, train
@@ -68,6 +69,7 @@ def load_model(
     key = content_key(proto) if batch is not None else None  # a search imports one file at many batches
     if batch is not None:
         rebatch_reshapes(proto, batch, key)
+        rebatch_constants(proto, batch)
     symbols, computed = split_computed(dims or {}, proto)
     proto = bind_dimensions(proto, batch, symbols)
     proto = resolve_shapes(proto, computed, checked=propagated(key))

@@ -14,6 +14,7 @@ import hashlib
 import math
 import re
 
+import numpy as np
 import onnx
 from onnx import numpy_helper, shape_inference
 
@@ -93,7 +94,9 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int, key: bytes | None = Non
     A target is rewritten when the reshaped tensor's leading dimension is the file's batch and
     the target's first entry is that batch, or the batch times the dimensions after it that the
     Reshape merges into it (``[batch * seq, vocab]``; not for a batch of 1, which would match any
-    flattening): so the entry is the batch, not a feature. ``key``: the file's `content_key`, where the
+    flattening): so the entry is the batch, not a feature. An Expand's target is rewritten where
+    both lead with the file's batch (grouped-query attention's ``repeat_kv`` writes
+    ``[batch, kv_heads, groups, seq, head_dim]``). ``key``: the file's `content_key`, where the
     caller has it.
     """
     old = _declared_batch(proto)
@@ -104,11 +107,15 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int, key: bytes | None = Non
         return  # the strict inference after binding reports the problem
     initializers = {init.name: init for init in proto.graph.initializer}
     for node in proto.graph.node:
-        if node.op_type != "Reshape" or node.domain or len(node.input) < 2 or node.input[1] not in initializers:
+        if node.op_type not in ("Reshape", "Expand") or node.domain or len(node.input) < 2:
+            continue
+        if node.input[1] not in initializers:
             continue
         target = numpy_helper.to_array(initializers[node.input[1]])
         dims = infos.get(node.input[0], ())
         if target.ndim != 1 or not target.size or not dims or dims[0] != old:
+            continue
+        if node.op_type == "Expand" and (old == 1 or int(target[0]) != old):
             continue
         merged = [1]
         for size in dims:
@@ -128,6 +135,42 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int, key: bytes | None = Non
                     onnx.helper.make_tensor_value_info(new_name, onnx.TensorProto.INT64, list(rewritten.shape))
                 )
         node.input[1] = new_name
+
+
+# operators that read a stored table element by element (a mask added to scores, a mask selected by)
+_ELEMENT_WISE_READERS = frozenset({"Add", "Sub", "Mul", "Div", "Where", "And", "Or", "Not", "Equal", "Less", "Greater"})
+
+
+def rebatch_constants(proto: onnx.ModelProto, batch: int) -> None:
+    """A stored table that repeats one slice for every sample of the file's batch (the causal mask a
+    Hugging Face model expands to the batch it was exported at) is stored again for ``batch`` samples.
+
+    Only tables read element by element, at least two-dimensional, leading with the file's batch and the
+    same in every slice along it: the values each sample reads stay the values it read.
+    """
+    old = _declared_batch(proto)
+    if old is None or old == batch or old == 1:
+        return
+    readers: dict[str, set[str]] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.op_type)
+    for index, tensor in enumerate(proto.graph.initializer):
+        if (
+            len(tensor.dims) < 2
+            or tensor.dims[0] != old
+            or not readers.get(tensor.name, set()) <= _ELEMENT_WISE_READERS
+        ):
+            continue
+        if tensor.name not in readers or tensor.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        value = numpy_helper.to_array(tensor)
+        if not (value == value[:1]).all():
+            continue
+        rebatched = numpy_helper.from_array(
+            np.ascontiguousarray(np.broadcast_to(value[:1], (batch, *value.shape[1:]))), tensor.name
+        )
+        proto.graph.initializer[index].CopyFrom(rebatched)
 
 
 _FILE_SHAPES: collections.OrderedDict[bytes, dict[str, tuple[int, ...]] | None] = collections.OrderedDict()

@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from types import MappingProxyType
 
+import onnx
+
 from autopar.cost.mesh import Mesh
 from autopar.cost.model import CostModel
-from autopar.errors import StrategyError
-from autopar.graph import Graph, TensorInfo
+from autopar.errors import AutoparError, PlanFileError, StrategyError
+from autopar.graph import Graph, TensorInfo, load_model
+from autopar.graph.proto import data_inputs
 from autopar.layout import Layout
 from autopar.lowering.lower import check_context, gradient_paths, gradient_sync, redistributions
 from autopar.lowering.planfile import GradientPath, GradientSync, PlanFile, Redistribution
@@ -130,6 +133,45 @@ def program_from_file(
     return _program(
         graph, ops, mesh, owner, requires_grad, cost, plan.redistributions, plan.gradients, plan.gradient_sync
     )
+
+
+def plan_graph(plan: PlanFile, model: onnx.ModelProto) -> Graph:
+    """``model`` imported as ``plan`` was made for it: its input shapes bound, the parameters it trains trained
+    and the others frozen; PlanFileError (one sentence) if the plan was made for another model."""
+    batch, dims = _bindings(plan, model)
+    trained = {entry.parameter for entry in plan.gradient_sync}
+    try:
+        graph = load_model(model, batch=batch, dims=dims)
+        frozen = [t.name for t in graph.parameters if t.trainable and t.name not in trained]
+        made_trainable = [name for name in trained if name in graph.tensors and graph.tensor(name).kind == "constant"]
+        if plan.gradient_sync and (frozen or made_trainable):
+            graph = load_model(model, batch=batch, dims=dims, frozen=frozen, trainable=made_trainable)
+    except AutoparError as exc:
+        raise PlanFileError(f"The model cannot be read with the plan's input shapes: {exc}") from None
+    if plan.context is not None and plan.context.model_fingerprint != graph.fingerprint:
+        raise PlanFileError(
+            f"The plan was made for another model ({plan.model!r}, fingerprint {plan.context.model_fingerprint}),"
+            f" not this {graph.name!r} ({graph.fingerprint})."
+        )
+    return graph
+
+
+def _bindings(plan: PlanFile, model: onnx.ModelProto) -> tuple[int | None, dict[str, int]]:
+    """The batch and symbolic sizes that give the model's data inputs the plan's shapes."""
+    batch: int | None = None
+    dims: dict[str, int] = {}
+    if plan.context is None:
+        return batch, dims
+    for info in data_inputs(model):
+        planned = plan.context.inputs.get(info.name)
+        if not planned or not info.type.HasField("tensor_type"):
+            continue
+        for axis, (dim, size) in enumerate(zip(info.type.tensor_type.shape.dim, planned)):
+            if dim.HasField("dim_param") and dim.dim_param:
+                dims[dim.dim_param] = size
+            elif axis == 0 and dim.dim_value != size:  # a different batch, or a placeholder (0, -1)
+                batch = size
+    return batch, dims
 
 
 def exponents_for(rules: Sequence[OpRule], strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[tuple[int, ...]]:

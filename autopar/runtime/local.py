@@ -32,8 +32,8 @@ def run_local(
     if reduced and not all(shard_index(rank, bits[label]) == 0 for label in reduced):
         for slot in spec.local_once_inputs:
             value = inputs[slot] if slot < len(inputs) else None
-            if value is not None:
-                inputs[slot] = torch.zeros_like(value)
+            if value is not None:  # times zero, not a new zero: its gradient (zero) still flows through autograd
+                inputs[slot] = value * 0
 
     def run(local: list[torch.Tensor | None]) -> list[torch.Tensor]:
         return run_op(op, graph, local)

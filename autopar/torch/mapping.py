@@ -1,0 +1,645 @@
+"""Which part of the user's module each part of the plan is: its exported program's nodes against the plan.
+
+The dynamo exporter translates each FX node of the decomposed program (`autopar.torch.capture`) into
+zero or more ONNX operators and records the node in each one's metadata (``pkg.torch.onnx.fx_node``).
+`map_module` reads that record back and sorts the FX nodes into units the trainer runs in order:
+
+- `NodeUnit`: a node with operators in the plan. It runs as the module's own ATen call on the rank's
+  shards, its tensor arguments read in the layouts the plan's operators read them in (`Read`), its
+  outputs in the layouts they write.
+- `ForkUnit`: a fork the importer inserted (`autopar.ops.fork`): a place where readers meet, no node.
+- `WholeUnit`: a node the exporter folded into a constant (the causal mask, rotary tables): computed
+  whole on every rank from buffers and constants, as the plan's constants are.
+
+A node with no operator that passes one value on unchanged (``alias``, ``clone``, a ``view`` to the same
+shape, ``dropout`` of probability 0) is looked through; any other is refused in one sentence.
+
+Arguments pair with the operators' inputs by the value they carry: an activation by the node that
+computes it (forks and `getitem` seen through), a data input by name, a parameter by its ``state_dict``
+key, a folded constant by the node it came from. The rest pair by shape, one parameter of the node with
+one stored weight of its operators: the exporter's optimiser stores ``linear``'s weight transposed
+(``val_N``), and the importer gives each reader of a vector that several layers share a copy of its own
+(``weight.1``, `autopar.graph.build`). What cannot be paired is refused, never replicated silently.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from autopar.errors import AutoparError
+from autopar.lowering.program import PlanProgram
+from autopar.ops.fork import FORK, FORK_DOMAIN
+
+FX_NODE_KEY = "pkg.torch.onnx.fx_node"
+aten = torch.ops.aten
+
+# nodes that pass their one value on unchanged when shape and dtype stay (the exporter writes no operator)
+_PASS_THROUGH = {
+    aten.alias.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.expand.default,
+    aten.slice.Tensor,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten._to_copy.default,
+    aten.type_as.default,
+    aten.dropout.default,
+}
+
+# an argument the exporter's translation reads permuted, where its optimiser then stores the result
+# (``linear``: ``MatMul(x, W^T)`` with ``W^T`` folded into ``val_N``): target -> {argument: permutation}
+STORED_PERMUTED = {aten.linear.default: {1: (1, 0)}}
+
+# calls that move a shard's elements alone (no size, no index written in them): one the exporter merged into its
+# reader's operator (two Transposes become one) runs on the shard its reader reads, just before the reader
+_INLINE = {
+    aten.transpose.int,
+    aten.permute.default,
+    aten.t.default,
+    aten.numpy_T.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+}
+
+# a parameter viewed before use, which the exporter folds into the stored weight: target -> permutation
+_PARAMETER_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default}
+
+
+class MappingError(AutoparError):
+    """The module and the plan's model do not match, or the model file lacks what pairs them."""
+
+
+@dataclass(frozen=True)
+class Read:
+    """One tensor argument of a node, as the plan reads it: the operator, its input slot and the tensor there.
+
+    ``permutation``: the argument holds the plan's tensor with its dimensions taken in this order (a
+    weight the exporter stored transposed); None when they are the same.
+    """
+
+    arg: str  # the FX value (node name) the argument carries
+    tensor: str  # what the plan's operator reads (its model's name: a fork's output, a weight's copy)
+    consumer: int  # the planned operator (an index into `PlanProgram.ops`)
+    slot: int
+    permutation: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class NodeUnit:
+    """An FX node the plan has operators for (see the module docstring)."""
+
+    node: str
+    ops: tuple[int, ...]  # its planned operators, in graph order
+    reads: tuple[Read, ...]  # one per distinct tensor argument that carries data
+    outputs: tuple[tuple[str, int], ...]  # per value it returns, in order: (tensor, the planned op writing it)
+
+
+@dataclass(frozen=True)
+class ForkUnit:
+    op: int  # the fork's planned operator
+
+
+@dataclass(frozen=True)
+class WholeUnit:
+    node: str
+
+
+@dataclass(frozen=True)
+class DerivedUnit:
+    """A node computed from parameters (and constants) that the exporter folded into a stored weight (a token
+    type embedding looked up at constant indices, a class token expanded to the batch)."""
+
+    node: str
+
+
+Unit = NodeUnit | ForkUnit | WholeUnit | DerivedUnit
+
+
+@dataclass(frozen=True)
+class ParameterUse:
+    """A stored weight of the plan that is (a view of) one of the module's parameters."""
+
+    tensor: str  # the plan's name
+    parameter: str  # the module's state_dict key
+    permutation: tuple[int, ...] | None  # the plan's tensor is the parameter permuted so (None: as it is)
+
+
+@dataclass(frozen=True)
+class ModuleMap:
+    """The plan's operators and tensors against the module's FX nodes, parameters and inputs."""
+
+    units: tuple[Unit, ...]
+    parameters: Mapping[str, ParameterUse]  # plan tensor -> the parameter it is
+    inputs: Mapping[str, str]  # plan data input -> FX placeholder
+    node_of: Mapping[str, str]  # FX node -> the node whose value it passes on (itself for the rest)
+    outputs: tuple[str, ...]  # the FX values the module returns (looked through)
+    placeholders: Mapping[str, str] = field(default_factory=dict)  # FX placeholder -> state_dict key or input
+    buffers: Mapping[str, str] = field(default_factory=dict)  # FX placeholder -> buffer / constant key
+    # stored tables the plan trains as weights where the module computes them from buffers and constants (rotary
+    # frequencies the exporter folded): read as the constants they are, their planned moves and synchronisation
+    # left out
+    untrained: frozenset[str] = frozenset()
+    # stored weights the exporter folded from parameters: plan tensor -> the FX node computing it (a `DerivedUnit`)
+    derived: Mapping[str, str] = field(default_factory=dict)
+    # nodes the exporter merged into their readers' operators (`_INLINE`): node -> the node whose value it moves
+    inline: Mapping[str, str] = field(default_factory=dict)
+
+    def parameter_names(self) -> list[str]:
+        """The module's parameters the plan trains or reads, in a fixed order."""
+        return sorted({use.parameter for use in self.parameters.values()})
+
+
+def fx_node_name(metadata: str) -> str | None:
+    """The FX node an operator's ``pkg.torch.onnx.fx_node`` record names.
+
+    >>> fx_node_name("%linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](...)")
+    'linear'
+    """
+    found = re.match(r"\s*%([^\s:]+)", metadata)
+    return found.group(1) if found else None
+
+
+def fx_node_target(metadata: str) -> str | None:
+    """The operator an ``fx_node`` record names.
+
+    >>> fx_node_target("%linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](...)")
+    'torch.ops.aten.linear.default'
+    """
+    found = re.search(r"target=([^\]]+)\]", metadata)
+    return found.group(1) if found else None
+
+
+def _nodes_of(program: PlanProgram) -> tuple[dict[str, list[int]], list[int]]:
+    """FX node -> its planned operators, and the operators without a record (the exporter's optimiser wrote
+    some anew: three Slices of one tensor become a Split); MappingError if no operator has one."""
+    found: dict[str, list[int]] = {}
+    missing: list[int] = []
+    for index, planned in enumerate(program.ops):
+        op = planned.rule.op
+        if op.domain == FORK_DOMAIN and op.op_type == FORK:
+            continue
+        record = next((p.value for p in op.proto.metadata_props if p.key == FX_NODE_KEY), None) if op.proto else None
+        name = fx_node_name(record) if record else None
+        if name is None:
+            missing.append(index)
+            continue
+        found.setdefault(name, []).append(index)
+    if missing and not found:
+        raise MappingError(
+            f"The plan's model does not say which module node its operators come from (no operator has the dynamo"
+            f" exporter's '{FX_NODE_KEY}' record, e.g. {program.ops[missing[0]].name!r}): export the module with"
+            " torch.onnx.export(..., dynamo=True), keep the node metadata, and plan that file."
+        )
+    return found, missing
+
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The node's arguments that are values of the graph, each once, in order."""
+    seen: list[torch.fx.Node] = []
+    for arg in node.all_input_nodes:
+        if arg not in seen:
+            seen.append(arg)
+    return seen
+
+
+def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+    value = node.meta.get("val")
+    return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _dtype(node: torch.fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _passes_on(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether ``node`` (no operator of its own) gives back ``source``'s value unchanged."""
+    if node.target not in _PASS_THROUGH or _shape(node) != _shape(source) or _dtype(node) != _dtype(source):
+        return False
+    if node.target == aten.dropout.default:  # the same shape for a slice: the whole dimension
+        args: Any = node.args
+        probability = args[1] if len(args) > 1 else node.kwargs.get("p", 0.5)
+        training = args[2] if len(args) > 2 else node.kwargs.get("train", True)
+        return bool(probability == 0 or not training)
+    return True
+
+
+def _permutation_of(node: torch.fx.Node) -> tuple[int, ...] | None:
+    """The dimension order a view of a parameter gives (``t``, ``transpose``, ``permute``), None for others."""
+    args: Any = node.args
+    value = args[0]
+    shape = _shape(value) if isinstance(value, torch.fx.Node) else None
+    if shape is None:
+        return None
+    rank = len(shape)
+    if node.target in (aten.t.default, aten.numpy_T.default):
+        return tuple(reversed(range(rank)))
+    if node.target == aten.transpose.int:
+        a, b = (int(d) % rank for d in args[1:3])
+        order = list(range(rank))
+        order[a], order[b] = order[b], order[a]
+        return tuple(order)
+    if node.target == aten.permute.default:
+        return tuple(int(d) % rank for d in args[1])
+    return None
+
+
+def _compose(first: tuple[int, ...] | None, then: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The order of ``x.permute(first).permute(then)`` as one permutation (None is the identity)."""
+    if first is None:
+        return then
+    if then is None:
+        return first
+    combined = tuple(first[d] for d in then)
+    return None if combined == tuple(range(len(combined))) else combined
+
+
+def inverse(permutation: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation undoing ``permutation``.
+
+    >>> inverse((2, 0, 1))
+    (1, 2, 0)
+    """
+    out = [0] * len(permutation)
+    for position, dim in enumerate(permutation):
+        out[dim] = position
+    return tuple(out)
+
+
+def _permuted(shape: Sequence[int], permutation: tuple[int, ...] | None) -> tuple[int, ...]:
+    return tuple(shape) if permutation is None else tuple(shape[d] for d in permutation)
+
+
+class _Mapper:
+    def __init__(self, program: PlanProgram, exported: torch.export.ExportedProgram) -> None:
+        self.program, self.graph = program, program.graph
+        self.exported = exported
+        self.nodes = {node.name: node for node in exported.graph.nodes}
+        signature = exported.graph_signature
+        self.parameter_key = dict(signature.inputs_to_parameters)
+        self.buffer_key = {**signature.inputs_to_buffers, **signature.inputs_to_lifted_tensor_constants}
+        self.user_inputs = list(signature.user_inputs)
+        self.ops_of, self.unattributed = _nodes_of(program)
+        unknown = sorted(set(self.ops_of) - set(self.nodes))
+        if unknown:
+            raise MappingError(
+                f"The plan's model has operators from node {unknown[0]!r}, which this module's exported program"
+                " does not have: the plan was made for another module, or for other input shapes."
+            )
+        for name, indices in sorted(self.ops_of.items()):
+            op = program.ops[indices[0]].rule.op
+            record = next((p.value for p in op.proto.metadata_props if p.key == FX_NODE_KEY), "") if op.proto else ""
+            target = fx_node_target(record)
+            if target is not None and not target.endswith(str(self.nodes[name].target)):
+                raise MappingError(
+                    f"The plan's model computes node {name!r} with {target}, where this module computes it with"
+                    f" {self.nodes[name].target}: the plan was made for another module."
+                )
+        self.op_index = {planned.name: index for index, planned in enumerate(program.ops)}
+        self.fork_input = {
+            planned.rule.op.outputs[0]: planned.rule.op.inputs[0]
+            for planned in program.ops
+            if planned.rule.op.domain == FORK_DOMAIN and planned.rule.op.op_type == FORK
+        }
+        self.kind: dict[str, str] = {}  # FX node -> "data" (carries inputs or parameters), "whole" or "parameter"
+        self.node_of: dict[str, str] = {}  # FX node -> the node whose value it carries
+        self.view_of: dict[str, tuple[str, tuple[int, ...] | None]] = {}  # -> (parameter placeholder, order)
+        self.value_of: dict[str, str] = {}  # plan tensor -> FX value
+        self.units: list[Unit] = []
+        self.parameters: dict[str, ParameterUse] = {}
+        self.untrained: set[str] = set()
+        self.derived: dict[str, str] = {}
+        self.inline: dict[str, str] = {}
+
+    # --- what each node is ------------------------------------------------------------------
+
+    def run(self) -> ModuleMap:
+        for node in self.exported.graph.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                pass
+            else:
+                raise MappingError(
+                    f"The exported program has a {node.op} node ({node.name!r}), which autopar cannot run."
+                )
+        self._check_every_op_placed()
+        returned = [self.node_of.get(arg.name, arg.name) for arg in self._returned()]
+        inputs = {name: name for name in self.user_inputs if name in self.graph.tensors}
+        missing = sorted(name for name in self.graph.inputs if name not in inputs)
+        if missing:
+            raise MappingError(
+                f"The plan's model reads input {missing[0]!r}, which the module's forward does not take."
+            )
+        placeholders = {**self.parameter_key, **{name: name for name in self.user_inputs}}
+        return ModuleMap(
+            tuple(self.units),
+            dict(self.parameters),
+            inputs,
+            dict(self.node_of),
+            tuple(returned),
+            placeholders,
+            dict(self.buffer_key),
+            frozenset(self.untrained),
+            dict(self.derived),
+            dict(self.inline),
+        )
+
+    def _returned(self) -> list[torch.fx.Node]:
+        output = next(node for node in self.exported.graph.nodes if node.op == "output")
+        return list(output.all_input_nodes)
+
+    def _placeholder(self, node: torch.fx.Node) -> None:
+        self.node_of[node.name] = node.name
+        if node.name in self.parameter_key:
+            self.kind[node.name] = "parameter"
+            self.view_of[node.name] = (node.name, None)
+        elif node.name in self.buffer_key:
+            self.kind[node.name] = "whole"
+        else:
+            self.kind[node.name] = "data"
+            if node.name in self.graph.tensors:
+                self.value_of[node.name] = node.name
+
+    def _call(self, node: torch.fx.Node) -> None:
+        args = _tensor_args(node)
+        kinds = {self.kind[self.node_of[arg.name]] for arg in args}
+        self.node_of[node.name] = node.name
+        if node.name in self.ops_of:
+            self.kind[node.name] = "data"
+            self._node_unit(node, args)
+            return
+        if node.target == operator.getitem:
+            source = self.node_of[args[0].name]
+            self.kind[node.name] = self.kind[source]
+            if self.kind[source] == "whole":
+                self.units.append(WholeUnit(node.name))
+            return  # a NodeUnit's outputs name their getitem nodes (`_outputs`)
+        if node.target == aten._assert_tensor_metadata.default or not node.users:
+            self.kind[node.name] = "whole"
+            return  # a check, or a value nothing reads
+        if kinds <= {"whole"}:
+            self.kind[node.name] = "whole"
+            self.units.append(WholeUnit(node.name))
+            return
+        if kinds == {"parameter"} and len(args) == 1 and node.target in _PARAMETER_VIEWS:
+            placeholder, order = self.view_of[self.node_of[args[0].name]]
+            self.kind[node.name] = "parameter"
+            self.view_of[node.name] = (placeholder, _compose(order, _permutation_of(node)))
+            return
+        data = [arg for arg in args if self.kind[self.node_of[arg.name]] != "whole"]
+        claimed = self._claim(node, data)
+        if claimed:
+            self.ops_of[node.name] = claimed
+            self.kind[node.name] = "data"
+            self._node_unit(node, args)
+            return
+        if len(data) == 1 and _passes_on(node, data[0]):
+            source = self.node_of[data[0].name]
+            self.node_of[node.name] = source
+            self.kind[node.name] = self.kind[source]
+            if source in self.view_of:
+                self.view_of[node.name] = self.view_of[source]
+            return
+        if len(data) == 1 and node.target in _INLINE and self.kind[self.node_of[data[0].name]] == "data":
+            self.kind[node.name] = "data"
+            self.inline[node.name] = self.node_of[data[0].name]
+            return
+        if kinds <= {"parameter", "whole", "derived"}:
+            for arg in args:
+                value = self.node_of[arg.name]
+                if self.kind[value] == "parameter" and self.view_of[value] != (value, None):
+                    raise MappingError(
+                        f"Module node {node.name!r} computes from a view of parameter {arg.name!r}, which the exporter"
+                        " folded into a stored weight: autopar's trainer cannot follow that fold."
+                    )
+            self.kind[node.name] = "derived"
+            self.units.append(DerivedUnit(node.name))
+            return
+        raise MappingError(
+            f"Module node {node.name!r} ({node.target}) computes from the model's data, but the plan has no operator"
+            " for it: the plan was made from another export of this module, or the exporter merged it with a node"
+            " that computed the same value when it exported (a fresh model's identical norms: export it after"
+            " setting its parameters apart)."
+        )
+
+    def _claim(self, node: torch.fx.Node, data: list[torch.fx.Node]) -> list[int]:
+        """The operators without a record that compute this node: an operator reading exactly the node's data
+        arguments and writing as many values as it returns."""
+        wanted = {self.node_of[arg.name] for arg in data}
+        value = node.meta.get("val")
+        count = len(value) if isinstance(value, (tuple, list)) else 1
+        for index in self.unattributed:
+            op = self.program.ops[index].rule.op
+            reads = {
+                self._value_of_tensor(name)
+                for name in op.inputs
+                if name and self.graph.tensor(name).kind not in ("constant", "parameter")
+            }
+            if reads == wanted and len([out for out in op.outputs if out]) == count:
+                self.unattributed.remove(index)
+                return [index]
+        return []
+
+    # --- a node with operators ----------------------------------------------------------------
+
+    def _node_unit(self, node: torch.fx.Node, args: list[torch.fx.Node]) -> None:
+        ops = sorted(self.ops_of[node.name])
+        produced = {out for index in ops for out in self.program.ops[index].rule.op.outputs if out}
+        outputs = self._outputs(node, ops)
+        by_value: dict[str, torch.fx.Node] = {}
+        for arg in args:
+            value = self.node_of[arg.name]
+            while value in self.inline:  # the operators read what the merged node moves
+                value = self.inline[value]
+            by_value.setdefault(value, arg)
+        reads: list[Read] = []
+        left: list[tuple[int, int, str]] = []
+        for index in ops:
+            for slot, name in enumerate(self.program.ops[index].rule.op.inputs):
+                if not name or name in produced:
+                    continue
+                carried = self._value_of_tensor(name)
+                if carried is not None and carried in by_value:
+                    reads.append(self._read(node, by_value[carried], carried, name, index, slot, stored=False))
+                elif self.graph.tensor(name).kind in ("parameter", "constant"):
+                    left.append((index, slot, name))
+                else:
+                    raise MappingError(
+                        f"Operator {self.program.ops[index].name!r} of the plan reads {name!r}, which module node"
+                        f" {node.name!r} does not read: the plan was made for another module."
+                    )
+        paired = {read.arg for read in reads}
+        for value, arg in by_value.items():
+            if value in paired:
+                continue
+            match = self._pair_stored(node, arg, left)
+            if match is None:
+                if self.kind[value] == "whole":
+                    continue  # a constant the operators hold in folded form (a shape, a scale)
+                raise MappingError(
+                    f"Module node {node.name!r} reads {arg.name!r}, which none of the plan's operators for it reads:"
+                    " the plan was made for another module."
+                )
+            left.remove(match)
+            reads.append(self._read(node, arg, value, match[2], match[0], match[1], stored=True))
+        for index, _, name in left:
+            if self.graph.tensor(name).kind == "parameter":
+                raise MappingError(
+                    f"The plan's weight {name!r} (read by {self.program.ops[index].name!r}) is none of module node"
+                    f" {node.name!r}'s parameters: the plan was made for another module."
+                )
+        for tensor, _ in outputs:
+            self.value_of.setdefault(tensor, node.name)
+        self.units.append(NodeUnit(node.name, tuple(ops), tuple(reads), tuple(outputs)))
+        for index in ops:  # each fork right after the value it forks
+            for out in self.program.ops[index].rule.op.outputs:
+                self.units += [ForkUnit(fork) for fork in self._forks_of(out)]
+
+    def _read(
+        self, node: torch.fx.Node, arg: torch.fx.Node, value: str, tensor: str, index: int, slot: int, stored: bool
+    ) -> Read:
+        """The argument ``arg`` (carrying ``value``) as operator ``index`` reads ``tensor`` in ``slot``; ``stored``:
+        the tensor is a weight the exporter stored for it (`STORED_PERMUTED`), not the value itself."""
+        order = self._stored_permutation(node, arg) if stored else None
+        if self.kind[value] == "derived":
+            if self.graph.tensor(tensor).kind != "parameter":
+                raise MappingError(
+                    f"The plan's model stores {tensor!r} as a constant, which the module computes from its parameters"
+                    f" (module node {value!r}): plan with --trainable {tensor} so that its gradient is planned."
+                )
+            self.derived[tensor] = value
+        elif self.graph.tensor(tensor).kind == "parameter" and self.kind[value] == "whole":
+            self.untrained.add(tensor)  # a table the importer took for a weight (see `ModuleMap.untrained`)
+        elif self.graph.tensor(tensor).kind == "parameter":
+            if self.kind[value] != "parameter":
+                raise MappingError(
+                    f"The plan trains {tensor!r} (read by {self.program.ops[index].name!r}), which the module computes"
+                    f" from its data: the plan was made for another module."
+                )
+            placeholder, viewed = self.view_of[value]
+            use = ParameterUse(tensor, self.parameter_key[placeholder], _identity_none(_compose(viewed, order)))
+            held = self.parameters.setdefault(tensor, use)
+            if held != use:
+                raise MappingError(
+                    f"The plan's weight {tensor!r} is read as module parameter {held.parameter!r} and as"
+                    f" {use.parameter!r} (by node {node.name!r}): the plan was made for another module."
+                )
+        return Read(value, tensor, index, slot, _identity_none(order))
+
+    def _forks_of(self, tensor: str) -> list[int]:
+        return [
+            self.op_index[consumer]
+            for consumer in self.graph.consumers.get(tensor, ())
+            if self.graph.op(consumer).domain == FORK_DOMAIN and self.graph.op(consumer).op_type == FORK
+        ]
+
+    def _value_of_tensor(self, tensor: str) -> str | None:
+        """The FX value a plan tensor carries: forks seen through, parameters by key, constants by name."""
+        tensor = self.fork_input.get(tensor, tensor)
+        if tensor in self.value_of:
+            return self.value_of[tensor]
+        for placeholder, key in self.parameter_key.items():
+            if key == tensor:
+                return placeholder
+        for placeholder, key in self.buffer_key.items():
+            if key == tensor:
+                return placeholder
+        node = self.nodes.get(tensor)
+        if (
+            node is not None
+            and node.op == "call_function"
+            and self.kind.get(self.node_of.get(tensor, ""))
+            in (
+                "whole",
+                "derived",
+            )
+        ):
+            return self.node_of[tensor]
+        return None
+
+    def _outputs(self, node: torch.fx.Node, ops: list[int]) -> list[tuple[str, int]]:
+        """The plan tensors the node's values are, in the order it returns them, each with its writer."""
+        writer = {out: index for index in ops for out in self.program.ops[index].rule.op.outputs if out}
+        mine = {self.program.ops[index].name for index in ops}
+        read_outside = [
+            out
+            for out in writer
+            if out in self.graph.outputs or any(consumer not in mine for consumer in self.graph.consumers.get(out, ()))
+        ]
+        value = node.meta.get("val")
+        if isinstance(value, (tuple, list)):
+            last = self.program.ops[ops[-1]].rule.op
+            if len(ops) != 1 or len(last.outputs) != len(value):
+                raise MappingError(
+                    f"Module node {node.name!r} returns {len(value)} values, which autopar cannot pair with its"
+                    f" {len(ops)} operator(s) in the plan."
+                )
+            for user in node.users:
+                position: Any = user.args[1]
+                if user.target == operator.getitem and last.outputs[int(position)]:
+                    self.value_of[last.outputs[int(position)]] = user.name
+            return [(out, ops[0]) for out in last.outputs]
+        if len(read_outside) != 1:
+            listed = f" ({', '.join(read_outside[:3])})" if read_outside else ""
+            raise MappingError(
+                f"Module node {node.name!r} becomes operators with {len(read_outside)} outputs read elsewhere"
+                f"{listed}, where the module returns one value."
+            )
+        tensor = read_outside[0]
+        if _shape(node) is not None and tuple(self.graph.tensor(tensor).shape) != _shape(node):
+            raise MappingError(
+                f"Module node {node.name!r} has shape {list(_shape(node) or ())} where the plan's {tensor!r} has"
+                f" {list(self.graph.tensor(tensor).shape)}: the plan was made for another module, or for other input"
+                " shapes."
+            )
+        return [(tensor, writer[tensor])]
+
+    def _pair_stored(
+        self, node: torch.fx.Node, arg: torch.fx.Node, left: list[tuple[int, int, str]]
+    ) -> tuple[int, int, str] | None:
+        """The first stored weight or constant of the node's operators that ``arg`` is, by shape."""
+        shape = _shape(arg)
+        if shape is None:
+            return None
+        order = self._stored_permutation(node, arg)
+        return next((c for c in left if tuple(self.graph.tensor(c[2]).shape) == _permuted(shape, order)), None)
+
+    def _stored_permutation(self, node: torch.fx.Node, arg: torch.fx.Node) -> tuple[int, ...] | None:
+        """How the exporter orders an argument's dimensions where it stores it (`STORED_PERMUTED`)."""
+        position = next((i for i, a in enumerate(node.args) if a is arg), None)
+        permuted = STORED_PERMUTED.get(node.target)  # type: ignore[call-overload]
+        return permuted.get(position) if permuted and position is not None else None
+
+    def _check_every_op_placed(self) -> None:
+        placed = {index for unit in self.units if isinstance(unit, NodeUnit) for index in unit.ops}
+        placed |= {unit.op for unit in self.units if isinstance(unit, ForkUnit)}
+        missing = [planned.name for index, planned in enumerate(self.program.ops) if index not in placed]
+        if missing:
+            raise MappingError(f"The plan's operator {missing[0]!r} belongs to no node of the module's program.")
+
+
+def _identity_none(permutation: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    return None if permutation is None or permutation == tuple(range(len(permutation))) else permutation
+
+
+def map_module(program: PlanProgram, exported: torch.export.ExportedProgram) -> ModuleMap:
+    """Pair the plan's operators and tensors with the module's nodes and parameters (see the module docstring)."""
+    return _Mapper(program, exported).run()

@@ -1,0 +1,585 @@
+"""`parallelize`: the user's module, sharded as planned, trained with their own optimizer, loop and data.
+
+On every rank of a ``torchrun`` job (gloo on CPU, NCCL on GPUs), ``parallelize(module, plan, model,
+example_inputs)`` changes the module in place and returns it:
+
+- every parameter the rank's part of the plan reads becomes a DTensor on the plan's logical mesh
+  (`autopar.lowering.axes`, cut per tensor as `autopar.export.logical` cuts it) with the plan's placements,
+  the rank keeping only its shard. A parameter the parallel optimizer splits is stored split (its gradient
+  and optimizer state follow) and gathered once a step before its first use. Under pipeline stages a rank
+  holds its stage's parameters only (the others are set to None);
+- its ``forward`` runs the plan's program on the rank's shards (`autopar.torch.step`): the module's own ATen
+  calls, the plan's collectives between them and, through autograd, the plan's gradient paths and
+  synchronisation. It takes the batch the plan was made for (the same on every rank: each rank takes its
+  shards) and returns what the module returns, whole on every rank;
+- ``train_step(*batch)`` runs a whole step on the global batch, over the plan's micro-batches (a pipelined
+  plan's stages under torch's ``Schedule1F1B``, `autopar.torch.pipeline`), synchronises the gradients as
+  planned, checks the collectives the step ran against the plan's (`Trainer.check`) and returns the loss.
+
+The module's class is swapped for a subclass (as ``fully_shard`` does), so ``isinstance`` still holds and its
+``state_dict`` keeps its keys: ``torch.distributed.checkpoint`` saves and loads it (`autopar.torch.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from autopar.errors import AutoparError
+from autopar.export.logical import tensor_groups
+from autopar.graph import Graph, freeze, read_model
+from autopar.layout import Layout
+from autopar.lowering import Plan, PlanFile, PlanProgram, load_plan_file, program_from_file
+from autopar.lowering.axes import LogicalAxis, logical_axes
+from autopar.lowering.planfile import GradientPath, GradientSync, Redistribution
+from autopar.lowering.program import plan_graph
+from autopar.lowering.staged import StagedProgram, staged_program
+from autopar.options import PlanOptions, Precision
+from autopar.redistribute import Collective, Step, redistribute
+from autopar.runtime.collectives import DistributedCollectives
+from autopar.runtime.program import Schedule
+from autopar.spmd.compare import Tally, collectives_differ
+from autopar.torch.capture import exported_program
+from autopar.torch.mapping import ModuleMap, inverse, map_module
+from autopar.torch.moves import Mover
+from autopar.torch.pipeline import PlannedStage, StageModule, send_label
+from autopar.torch.step import RankProgram
+
+
+class TrainingError(AutoparError):
+    """The module, the plan and the job do not fit together, or a step did not run as planned."""
+
+
+PlanLike = Plan | PlanFile | str | Path
+ModelLike = str | Path | onnx.ModelProto
+
+
+def permuted_layout(layout: Layout, permutation: tuple[int, ...] | None) -> Layout:
+    """The layout of ``x.permute(permutation)`` for ``x`` in ``layout``.
+
+    >>> permuted_layout(Layout(((1,), ())), (1, 0)).describe()
+    '[-,b1]'
+    """
+    if permutation is None:
+        return layout
+    return Layout(tuple(layout.dims[d] for d in permutation), layout.partial, layout.partial_op)
+
+
+def _placement(layout: Layout, bits: tuple[int, ...]) -> Placement:
+    for dim, dim_bits in enumerate(layout.dims):
+        if bits and bits[0] in dim_bits:
+            return Shard(dim)
+    if bits and bits[0] in layout.partial:
+        return Partial(str(layout.partial_op))
+    return Replicate()
+
+
+class Meshes:
+    """The DeviceMeshes a plan's tensors live on: the logical axes, cut per tensor, each built once (every
+    rank builds the same ones in the same order: each creates process groups). A pipelined plan's tensors
+    live on their stage's part of it (the mesh without the ``pipeline`` axis)."""
+
+    def __init__(self, axes: Sequence[LogicalAxis], world: int, device_type: str, stage_bits: Sequence[int]) -> None:
+        self.axes, self.world, self.device_type = tuple(axes), world, device_type
+        self.stage_bits = frozenset(stage_bits)
+        self.built: dict[tuple[tuple[str, tuple[int, ...]], ...], Any] = {}
+
+    def placements(self, layout: Layout) -> tuple[Any, tuple[Placement, ...]]:
+        """The mesh (this rank's stage of it) and the placements of a tensor of ``layout``."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        groups = tensor_groups(layout, self.axes, ordered=True)
+        if groups not in self.built:
+            grid = torch.arange(self.world)
+            bits = [bit for _, group_bits in groups for bit in group_bits]
+            if bits:  # dimension i of the (2, ..., 2) grid is bit len - 1 - i: row-major, highest bit first
+                grid = grid.reshape([2] * len(bits)).permute([len(bits) - 1 - bit for bit in bits])
+            grid = grid.reshape([1 << len(group_bits) for _, group_bits in groups])
+            self.built[groups] = DeviceMesh(self.device_type, grid, mesh_dim_names=tuple(name for name, _ in groups))
+        mesh = self.built[groups]
+        kept = [(name, bits) for name, bits in groups if not set(bits) & self.stage_bits]
+        if len(kept) != len(groups):
+            mesh = mesh[tuple(name for name, _ in kept)]
+        return mesh, tuple(_placement(layout, bits) for _, bits in kept)
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Trainer:
+    """The plan's view of one rank of the module (see the module docstring); ``module.autopar``."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        plan: PlanFile,
+        graph: Graph,
+        program: PlanProgram,
+        mapping: ModuleMap,
+        exported: torch.export.ExportedProgram,
+        staged: StagedProgram | None,
+    ) -> None:
+        self.plan, self.graph, self.program, self.mapping = plan, graph, program, mapping
+        self.exported, self.staged = exported, staged
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = _device()
+        self.micro_batches = plan.memory_plan.micro_batches
+        per = staged.stage_devices if staged is not None else self.world
+        self.stage = self.rank // per
+        self.stage_ops = frozenset(staged.stages[self.stage]) if staged is not None else None
+        self.redistributions, self.gradients, self.syncs = self._listed()
+        self.schedule = Schedule.of(self.redistributions, self.gradients, self.syncs)
+        self.tally = Tally()
+        self.derived_tally = Tally()  # folded weights' gradient reductions (`ModuleMap.derived`), not in the plan
+        self.steps_run = 0
+        collectives = DistributedCollectives(self.rank, self.world, self._bit_sets(), self.device)
+        self.rank_program = RankProgram(
+            program,
+            self.schedule,
+            mapping,
+            exported.graph_module,
+            Mover(collectives, self.tally, self.rank),
+            stage_ops=self.stage_ops,
+            derived_mover=Mover(collectives, self.derived_tally, self.rank),
+        )
+        stage_bits = plan.pipeline.bits if plan.pipeline is not None else ()
+        self.meshes = Meshes(logical_axes(plan), self.world, self.device.type, stage_bits)
+        self.stored: dict[str, Layout] = {}  # state_dict key -> its layout as stored on this rank
+        self._shard_parameters(module)
+        self.pipeline: Any = None
+        if staged is not None:
+            self.pipeline = self._pipeline(module, staged)
+
+    def _mine(self, op: str) -> bool:
+        return self.stage_ops is None or self.graph.position[op] in self.stage_ops
+
+    def _listed(self) -> tuple[list[Redistribution], list[GradientPath], list[GradientSync]]:
+        """The plan's collectives this rank runs: its stage's, less those of tables the module does not train
+        (`ModuleMap.untrained`) and of the gradients that then no longer flow."""
+        program, untrained, needs = self.program, self.mapping.untrained, self.program.requires_grad
+        moves = [
+            entry
+            for entry in program.redistributions
+            if entry.tensor not in untrained
+            and self._mine(entry.consumer if entry.consumer in self.graph.position else entry.producer)
+        ]
+        paths = [entry for entry in program.gradients if needs.get(entry.tensor, False) and self._mine(entry.consumer)]
+        syncs = [
+            entry
+            for entry in program.gradient_sync
+            if entry.parameter not in untrained and self._mine(program.ops[program.owner[entry.parameter][0]].name)
+        ]
+        return moves, paths, syncs
+
+    def _bit_sets(self) -> list[tuple[int, ...]]:
+        """Every set of mesh bits any rank's collectives use (every rank creates every group, in one order)."""
+        program = self.program
+        steps = [s.step() for entry in program.redistributions for s in entry.steps]
+        steps += [s.step() for entry in program.gradients for s in entry.steps]
+        steps += [step for step in (entry.step() for entry in program.gradient_sync) if step is not None]
+        syncs = {entry.parameter: entry.step() for entry in program.gradient_sync}
+        for name in self.mapping.derived:  # a folded weight's gradient is summed over the bits it is stored split by
+            node, slot = program.owner[name]
+            split = set(program.ops[node].input_layout(slot).split_bits)
+            sync = syncs.get(name)
+            if sync is not None and sync.kind == Collective.REDUCE_SCATTER:
+                split |= set(sync.bits)
+            if split:
+                steps.append(Step(Collective.ALL_REDUCE, tuple(sorted(split, reverse=True)), 0))
+        if self.staged is not None:
+            for crossing in self.staged.crossings:
+                shape = program.graph.tensor(crossing.tensor).shape
+                steps += list(redistribute(crossing.written, Layout(crossing.written.dims), shape, crossing.itemsize))
+                if crossing.gradient is not None:
+                    steps += list(redistribute(crossing.gradient, Layout(crossing.gradient.dims), shape, 4))
+        return sorted({step.bits for step in steps})
+
+    # --- parameters -----------------------------------------------------------------------------
+
+    def _shard_parameters(self, module: torch.nn.Module) -> None:
+        uses: dict[str, list[tuple[str, tuple[int, ...] | None]]] = {}
+        program = self.program
+        for tensor, use in self.mapping.parameters.items():
+            uses.setdefault(use.parameter, []).append((tensor, use.permutation))
+        named = dict(module.named_parameters(remove_duplicate=False))
+        layouts: dict[str, Layout] = {}
+        for key in sorted(uses):
+            found = {
+                permuted_layout(self.rank_program.stored_layout(t), inverse(p) if p else None) for t, p in uses[key]
+            }
+            if len(found) != 1:
+                raise TrainingError(
+                    f"Module parameter {key!r} is planned in {len(found)} layouts (it is read as "
+                    f"{', '.join(t for t, _ in uses[key])}); autopar's trainer keeps one copy of each parameter."
+                )
+            tensor, permutation = uses[key][0]
+            expected = tuple(self.graph.tensor(tensor).shape)
+            shape = tuple(named[key].shape)
+            if (tuple(shape[d] for d in permutation) if permutation else shape) != expected:
+                raise TrainingError(
+                    f"Module parameter {key!r} has shape {list(shape)}, where the plan's {tensor!r} has"
+                    f" {list(expected)}: the plan was made for another module."
+                )
+            layouts[key] = found.pop()
+        for key in sorted(named):  # one order on every rank: a mesh's first use creates its process groups
+            self.meshes.placements(layouts.get(key, Layout.replicated(named[key].dim())))
+        for key in sorted(uses):
+            owners = {program.ops[program.owner[t][0]].name for t, _ in uses[key]}
+            if not any(self._mine(owner) for owner in owners):
+                self._replace(module, key, None)  # another stage's
+                continue
+            self.stored[key] = layouts[key]
+            self._replace(module, key, self._distribute(named[key], layouts[key]))
+        for key, parameter in named.items():
+            if key not in uses and not isinstance(parameter, DTensor):  # one the plan never reads: replicated
+                self._replace(module, key, self._distribute(parameter, Layout.replicated(parameter.dim())))
+
+    def _distribute(self, parameter: torch.Tensor, layout: Layout) -> torch.nn.Parameter:
+        mesh, placements = self.meshes.placements(layout)
+        full = parameter.detach().to(self.device)
+        local = full[layout.local_slices(self.rank, tuple(full.shape))].contiguous()
+        value = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+        return torch.nn.Parameter(value, requires_grad=parameter.requires_grad)
+
+    @staticmethod
+    def _replace(module: torch.nn.Module, key: str, value: torch.nn.Parameter | None) -> None:
+        owner_path, _, name = key.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        owner.register_parameter(name, value)
+
+    def _parameters(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's shard of each parameter it holds (a parameter no operator reads, only folded weights
+        computed from it, is whole)."""
+        named: dict[str, Any] = dict(module.named_parameters(remove_duplicate=False))
+        return {key: value.to_local() for key, value in named.items()}
+
+    def _constants(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+        constants = dict(self.exported.constants)
+        out = {}
+        for placeholder, key in self.mapping.buffers.items():
+            value = buffers.get(key, constants.get(key))
+            if value is None:
+                raise TrainingError(f"The module has no buffer {key!r}, which the plan's program reads.")
+            out[placeholder] = torch.as_tensor(value).to(self.device)
+        return out
+
+    # --- running --------------------------------------------------------------------------------
+
+    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The plan's data inputs (plan name -> tensor) from a call of the module's forward."""
+        flat, _ = pytree.tree_flatten((args, kwargs))
+        names = list(self.exported.graph_signature.user_inputs)
+        if len(flat) != len(names):
+            raise TrainingError(f"The module was planned with {len(names)} input(s); this call passes {len(flat)}.")
+        given = {name: value for name, value in zip(names, flat) if isinstance(value, torch.Tensor)}
+        out = {}
+        for name, placeholder in self.mapping.inputs.items():
+            value = given[placeholder].to(self.device)
+            want = tuple(self.graph.tensor(name).shape)
+            if tuple(value.shape) != want:
+                raise TrainingError(
+                    f"Input {name!r} has shape {list(value.shape)}; the plan runs {list(want)} a micro-batch"
+                    + (" (call train_step with the whole batch)" if self.micro_batches > 1 else "")
+                    + "."
+                )
+            out[name] = value
+        return out
+
+    def forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One micro-batch's forward (the plan's whole batch where it has one micro-batch), outputs whole."""
+        if self.staged is not None:
+            raise TrainingError("A pipelined plan runs whole steps: call train_step(*batch).")
+        inputs = self._inputs(args, kwargs)
+        if not self.rank_program.defer_sync:
+            self.rank_program.gathered.clear()
+        run = self.rank_program.forward(inputs, self._parameters(module), self._constants(module))
+        outputs = [run.output(name) for name in self.graph.outputs]
+        return pytree.tree_unflatten(outputs, self.exported.call_spec.out_spec)
+
+    def train_step(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """See `ParallelModule.train_step`."""
+        count = self.micro_batches
+        program = self.rank_program
+        program.gathered.clear()
+        program.defer_sync = count > 1
+        try:
+            if self.staged is not None:
+                loss = self._pipelined_step(module, args, kwargs)
+            else:
+                losses = []
+                for micro in _micro_batches(args, kwargs, count):
+                    out = self.forward(module, *micro)
+                    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                        raise TrainingError("train_step needs a module whose forward returns the loss alone.")
+                    (out / count).backward()
+                    losses.append(out.detach())
+                loss = torch.stack(losses).mean()
+                if count > 1:
+                    self._add_gradients(module, program.synchronise(), 1.0)
+        finally:
+            program.defer_sync = False
+            program.gathered.clear()
+        self.steps_run += 1
+        self.check()
+        return loss
+
+    def _add_gradients(self, module: torch.nn.Module, gradients: Mapping[str, torch.Tensor], scale: float) -> None:
+        """Add each plan tensor's synchronised gradient, times ``scale``, to its parameter's."""
+        named: dict[str, Any] = dict(module.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for tensor, grad in gradients.items():
+                use = self.mapping.parameters[tensor]
+                parameter = named[use.parameter]
+                local = (grad.permute(inverse(use.permutation)) if use.permutation else grad) * scale
+                if parameter.grad is None:
+                    parameter.grad = DTensor.from_local(
+                        local.contiguous(),
+                        parameter.device_mesh,
+                        parameter.placements,
+                        run_check=False,
+                        shape=parameter.shape,
+                        stride=parameter.stride(),
+                    )
+                else:
+                    parameter.grad.to_local().add_(local)
+
+    # --- pipeline stages --------------------------------------------------------------------------
+
+    def _pipeline(self, module: torch.nn.Module, staged: StagedProgram) -> Any:
+        from torch.distributed.pipelining import Schedule1F1B
+
+        per, stages = staged.stage_devices, len(staged.stages)
+        group = None
+        for local in range(per):  # every rank creates every stage-to-stage group, in one order
+            members = [stage * per + local for stage in range(stages)]
+            created = dist.new_group(members)
+            if self.rank in members:
+                group = created
+        last = self.stage == stages - 1
+        outs = [c for c in staged.crossings if c.from_stage == self.stage]
+        skipping = [c for c in staged.crossings if c.to_stage != c.from_stage + 1]
+        if skipping:
+            c = skipping[0]
+            raise TrainingError(
+                f"The plan sends {c.tensor!r} from stage {c.from_stage} to stage {c.to_stage}, past the stages between;"
+                " torch's pipelining passes each stage's outputs to the next stage only."
+            )
+        elsewhere = [name for name in self.graph.outputs if not last or not self._mine(self.graph.producer[name])]
+        if elsewhere and last:
+            raise TrainingError(f"The module's output {elsewhere[0]!r} is computed before the last pipeline stage.")
+        self.micro_inputs: list[dict[str, torch.Tensor]] = []
+
+        def run(micro_batch: int, received: Sequence[torch.Tensor]) -> Any:
+            into = [c for c in staged.crossings if c.to_stage == self.stage]
+            arrived = {(c.tensor, c.consumer, c.slot): value for c, value in zip(into, received)}
+            result = self.rank_program.forward(
+                self.micro_inputs[micro_batch], self._parameters(module), self._constants(module), arrived
+            )
+            if last:
+                return result.output(self.graph.outputs[0])
+            return tuple(result.leaving(c.tensor, c.producer) for c in outs)
+
+        self.stage_module = StageModule(run)
+
+        def dtype_of(tensor: str) -> torch.dtype:
+            return torch.from_numpy(np.zeros(0, dtype=self.graph.tensor(tensor).dtype)).dtype
+
+        stage = PlannedStage(self.stage_module, staged, self.rank, self.device, group, self.tally, dtype_of)
+        return Schedule1F1B(stage, staged.micro_batches, loss_fn=lambda output, target: output, scale_grads=False)
+
+    def _pipelined_step(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        assert self.staged is not None  # a pipelined plan
+        count = self.staged.micro_batches
+        self.micro_inputs = [self._inputs(*micro) for micro in _micro_batches(args, kwargs, count)]
+        self.stage_module.micro_batch = 0
+        losses: list[torch.Tensor] = []
+        self.pipeline.step(
+            target=torch.zeros(count), losses=losses, return_outputs=False
+        )  # the loss is the output itself
+        self._add_gradients(module, self.rank_program.synchronise(), 1.0)
+        with torch.no_grad():  # the micro-batches' mean, as the whole batch's loss is
+            for key in self.stored:
+                grad = module.get_parameter(key).grad
+                if grad is not None:
+                    grad.to_local().div_(count)  # type: ignore[attr-defined]
+        loss = torch.stack([value.detach().reshape(()) for value in losses]).mean() if losses else torch.zeros(())
+        dist.broadcast(loss, src=self.world - 1)  # every rank reports the loss the last stage computed
+        return loss
+
+    # --- executed against planned ---------------------------------------------------------------------
+
+    def planned(self, steps: int = 1) -> Tally:
+        """The collectives and messages ``steps`` steps of the plan run on this rank: forward and backward per
+        micro-batch, the gradient synchronisation (and the parallel optimizer's AllGather) once a step."""
+        tally = Tally()
+        count = self.micro_batches
+        for _ in range(steps):
+            for entry in self.redistributions:
+                for _ in range(count):
+                    for s in entry.steps:
+                        tally.add("forward", s.step(), s.bytes)
+            for path in self.gradients:
+                for _ in range(count):
+                    for c in path.steps:
+                        tally.add("backward", c.step(), c.bytes)
+            for sync in self.syncs:
+                step = sync.step()
+                if step is not None:
+                    tally.add("sync", step, step.nbytes)
+                gather = self.rank_program.gather_step(sync.parameter)
+                if gather is not None:
+                    tally.add("sync", gather, gather.nbytes)
+            if self.staged is not None:
+                self._planned_crossings(tally, self.staged)
+        return tally
+
+    def _planned_crossings(self, tally: Tally, staged: StagedProgram) -> None:
+        count, per = staged.micro_batches, staged.stage_devices
+        for crossing in staged.crossings:
+            shape = staged.program.graph.tensor(crossing.tensor).shape
+            if crossing.from_stage == self.stage:
+                for step in redistribute(crossing.written, Layout(crossing.written.dims), shape, crossing.itemsize):
+                    for _ in range(count):
+                        tally.add("forward", step, step.nbytes)
+            if crossing.to_stage == self.stage and crossing.gradient is not None:
+                for step in redistribute(crossing.gradient, Layout(crossing.gradient.dims), shape, crossing.itemsize):
+                    for _ in range(count):
+                        tally.add("backward", step, step.nbytes)
+        for transfer in staged.planned_transfers():
+            if transfer.sender == self.rank:
+                sender, receiver = transfer.sender // per, transfer.receiver // per
+                tally.add_send(send_label(transfer.direction, sender, receiver), transfer.nbytes)
+
+    def check(self) -> None:
+        """Raise TrainingError naming the first collective the steps since the last check ran otherwise than the
+        plan lists (kind, group size, count, bytes); then count afresh."""
+        executed, planned = self.tally.as_dict(), self.planned(max(self.steps_run, 1)).as_dict()
+        self.tally.count.clear()
+        self.tally.nbytes.clear()
+        steps, self.steps_run = self.steps_run, 0
+        if executed != planned:
+            raise TrainingError(
+                f"Rank {self.rank}: {collectives_differ(executed, planned)} (over {max(steps, 1)} step(s))."
+            )
+
+
+def _micro_batches(
+    args: tuple[Any, ...], kwargs: dict[str, Any], count: int
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The call's tensors split into ``count`` micro-batches along their first dimension."""
+    if count == 1:
+        return [(args, kwargs)]
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    for value in flat:
+        if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] % count):
+            raise TrainingError(
+                f"An input of shape {list(value.shape)} does not split into the plan's {count} micro-batches."
+            )
+    pieces = [value.chunk(count) if isinstance(value, torch.Tensor) else [value] * count for value in flat]
+    return [pytree.tree_unflatten([piece[m] for piece in pieces], spec) for m in range(count)]
+
+
+class ParallelModule:
+    """Mixed into the user's module class by `parallelize`: ``forward`` runs the plan (`Trainer`)."""
+
+    autopar: Trainer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.autopar.forward(self, args, kwargs)  # type: ignore[arg-type]
+
+    def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of one step on the global batch, over the plan's micro-batches (and pipeline
+        stages), gradients synchronised as planned and the step's collectives checked against the plan's
+        (`Trainer.check`); the loss (the module's one output), averaged over the micro-batches."""
+        return self.autopar.train_step(self, args, kwargs)  # type: ignore[arg-type]
+
+
+def _plan_file(plan: PlanLike) -> PlanFile:
+    if isinstance(plan, Plan):
+        return plan.file
+    if isinstance(plan, PlanFile):
+        return plan
+    return load_plan_file(plan)
+
+
+def _as_planned(inputs: Sequence[Any], plan: PlanFile) -> tuple[Any, ...]:
+    """The example inputs cut to the plan's micro-batch (their first samples), as its model was captured."""
+    sizes = [shape[0] for shape in (plan.context.inputs.values() if plan.context else ()) if shape]
+    batch = min(sizes) if sizes else None
+    return tuple(
+        value[:batch] if isinstance(value, torch.Tensor) and batch and value.dim() and value.shape[0] > batch else value
+        for value in inputs
+    )
+
+
+def _check_parameters(module: torch.nn.Module, graph: Graph) -> None:
+    """The module's parameters that the plan's model stores under their own names have the model's shapes."""
+    shapes = {key: tuple(value.shape) for key, value in module.named_parameters(remove_duplicate=False)}
+    for info in graph.parameters:
+        if info.name in shapes and shapes[info.name] != tuple(info.shape):
+            raise TrainingError(
+                f"Module parameter {info.name!r} has shape {list(shapes[info.name])}, where the plan's model has"
+                f" {list(info.shape)}: the plan was made for another module."
+            )
+
+
+def parallelize(
+    module: torch.nn.Module, plan: PlanLike, model: ModelLike, example_inputs: Sequence[Any]
+) -> torch.nn.Module:
+    """The module, parallelized as ``plan`` says, on this rank of the running torch.distributed job.
+
+    ``model`` is the file the plan was made from (``torch.onnx.export(module, example_inputs, dynamo=True)``),
+    whose node metadata pairs the plan's operators with the module's nodes; ``example_inputs`` are what the
+    module's forward takes (a batch the plan was made for, or more samples of the same shapes).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise TrainingError("parallelize needs a running torch.distributed job (torchrun, init_process_group).")
+    file = _plan_file(plan)
+    world = dist.get_world_size()
+    if world != file.devices:
+        raise TrainingError(f"The plan is for {file.devices} devices; this job has {world} processes.")
+    graph = plan_graph(file, model if isinstance(model, onnx.ModelProto) else read_model(model))
+    costs = PlanOptions(file.devices, precision=Precision(file.precision)).costs()  # element sizes: the precision alone
+    staged = staged_program(graph, file, costs) if file.pipeline is not None else None
+    program = staged.program if staged is not None else program_from_file(graph, file, file.devices, costs)
+    _check_parameters(module, graph)
+    exported = exported_program(module, _as_planned(example_inputs, file))
+    mapping = map_module(program, exported)
+    if mapping.derived:
+        names = ", ".join(f"{tensor} ({node})" for tensor, node in sorted(mapping.derived.items()))
+        warnings.warn(
+            f"The exporter folded module nodes computed from parameters into the stored weights {names}: autopar"
+            " keeps those parameters whole on every rank and sums their gradients over the devices the plan splits"
+            " the weights over, one AllReduce each a step that the plan does not list (Trainer.derived_tally).",
+            stacklevel=2,
+        )
+    if mapping.untrained:  # not trained: nor is what the plan computes from them alone
+        names = ", ".join(sorted(mapping.untrained))
+        warnings.warn(
+            f"The plan trains {names}, which the module computes from its buffers and constants: autopar reads them"
+            " as the constants they are, without the collectives the plan lists for them.",
+            stacklevel=2,
+        )
+        graph = freeze(graph, sorted(mapping.untrained))
+        staged = staged_program(graph, file, costs) if file.pipeline is not None else None
+        program = staged.program if staged is not None else program_from_file(graph, file, file.devices, costs)
+    module.autopar = Trainer(module, file, graph, program, mapping, exported, staged)  # type: ignore[assignment]
+    cls = module.__class__
+    module.__class__ = type(f"Parallel{cls.__name__}", (ParallelModule, cls), {})
+    return module
+
+
+__all__ = ["ParallelModule", "Trainer", "TrainingError", "parallelize"]

@@ -1,0 +1,219 @@
+"""Small Hugging Face models the project did not write, random-initialised, each with its training loss.
+
+Every family is built from its transformers configuration (a few layers, hidden 64, vocabulary 128,
+dropout 0 so that a sharded run can equal one process exactly) and wrapped so that its forward takes
+``(inputs, labels)`` and returns the loss: the module a user plans (``torch.onnx.export(module, batch,
+dynamo=True)``) and then trains with the plan (`autopar.torch.parallelize`). `batch` draws a seeded
+batch for it. The tests and ``bench/train.py`` build their models here; transformers is a test
+dependency, not one of autopar's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+VOCAB = 128
+SEQ = 16
+
+
+class WithLoss(torch.nn.Module):
+    """``model(keyword=inputs, labels=labels).loss``: the module's one output is its loss."""
+
+    def __init__(self, model: torch.nn.Module, keyword: str, **options: object) -> None:
+        super().__init__()
+        self.model = model
+        self.keyword = keyword
+        self.options = options
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.keyword: inputs}, labels=labels, **self.options).loss
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one family's module and a batch for it."""
+
+    name: str
+    build: Callable[[int], torch.nn.Module]  # layers -> module
+    batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (samples, seed) -> (inputs, labels)
+    kind: str  # "tokens" (a language model), "image" or "classes"
+
+
+def _eager(config: object) -> object:
+    config._attn_implementation = "eager"  # type: ignore[attr-defined]
+    return config
+
+
+def _tokens(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (samples, SEQ), generator=generator)
+    return ids, torch.randint(0, VOCAB, (samples, SEQ), generator=generator)
+
+
+def _sentences(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (samples, SEQ), generator=generator)
+    return ids, torch.randint(0, 4, (samples,), generator=generator)
+
+
+def _images(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randn((samples, 3, 32, 32), generator=generator)
+    return pixels, torch.randint(0, 10, (samples,), generator=generator)
+
+
+def _seeded(build: Callable[[int], torch.nn.Module]) -> Callable[[int], torch.nn.Module]:
+    """The family's module from seed 0, its vectors (norm scales, biases) moved off their initial values.
+
+    A fresh model's norm scales are all ones and its biases all zeros: the exporter's optimiser merges
+    operators that then compute the same value (GPT-NeoX's two norms of one input) and drops a bias of
+    zeros, so its file would say less than the module trains."""
+
+    def seeded(layers: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        module = build(layers)
+        with torch.no_grad():
+            for parameter in module.parameters():
+                if parameter.dim() == 1:
+                    parameter.add_(0.02 * torch.randn_like(parameter))
+        return module
+
+    return seeded
+
+
+def _llama(layers: int) -> torch.nn.Module:
+    import transformers as hf
+
+    config = hf.LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+    )
+    return WithLoss(hf.LlamaForCausalLM(_eager(config)), "input_ids", use_cache=False)
+
+
+def _qwen3(layers: int) -> torch.nn.Module:
+    import transformers as hf
+
+    config = hf.Qwen3Config(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+    )
+    return WithLoss(hf.Qwen3ForCausalLM(_eager(config)), "input_ids", use_cache=False)
+
+
+def _gpt_neox(layers: int) -> torch.nn.Module:
+    import transformers as hf
+
+    config = hf.GPTNeoXConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=256,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    return WithLoss(hf.GPTNeoXForCausalLM(_eager(config)), "input_ids", use_cache=False)
+
+
+def _bert(layers: int) -> torch.nn.Module:
+    import transformers as hf
+
+    config = hf.BertConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        num_labels=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return WithLoss(hf.BertForSequenceClassification(_eager(config)), "input_ids")
+
+
+def _vit(layers: int) -> torch.nn.Module:
+    import transformers as hf
+
+    config = hf.ViTConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=8,
+        num_labels=10,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return WithLoss(hf.ViTForImageClassification(_eager(config)), "pixel_values")
+
+
+def _resnet(layers: int) -> torch.nn.Module:
+    import transformers as hf
+
+    config = hf.ResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 32],
+        depths=[layers, layers],
+        layer_type="basic",
+        num_labels=10,
+    )
+    return WithLoss(hf.ResNetForImageClassification(config), "pixel_values")
+
+
+def _moe(layers: int) -> torch.nn.Module:
+    """OLMoE: 8 experts, top 2, run as transformers' ``batched_mm`` (each routed token's expert weights gathered
+    from the stacks; the default ``grouped_mm`` calls an operator the ONNX exporter cannot translate)."""
+    import transformers as hf
+
+    config = hf.OlmoeConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+    )
+    config._experts_implementation = "batched_mm"
+    return WithLoss(hf.OlmoeForCausalLM(_eager(config)), "input_ids", use_cache=False)
+
+
+FAMILIES = {
+    family.name: family
+    for family in (
+        Family("llama", _seeded(_llama), _tokens, "tokens"),
+        Family("qwen3", _seeded(_qwen3), _tokens, "tokens"),
+        Family("gpt_neox", _seeded(_gpt_neox), _tokens, "tokens"),
+        Family("bert", _seeded(_bert), _sentences, "classes"),
+        Family("vit", _seeded(_vit), _images, "image"),
+        Family("resnet", _seeded(_resnet), _images, "image"),
+        Family("moe", _seeded(_moe), _tokens, "tokens"),
+    )
+}
+
+
+def export(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], path: str, optimize: bool = True) -> None:
+    """Write the module's dynamo export, node metadata and all, as a user does before planning."""
+    program = torch.onnx.export(module, inputs, dynamo=True, verbose=False, optimize=optimize)
+    assert program is not None  # the dynamo exporter always returns its program
+    program.save(path)

@@ -1,0 +1,277 @@
+"""Training a Hugging Face model nobody here wrote with its plan (`autopar.torch`), on torch.distributed processes.
+
+Each case trains the module from `tests.hf_families` both ways, one process with torch's own AdamW and the
+plan's ranks (gloo, forked by `autopar.runtime.launch.run_workers`) with the same AdamW, and compares: the loss
+at every step (relative 1e-5), the final parameters (relative, in norm: Adam divides by the root of a running
+square, so a last-digit difference in a gradient near zero moves a weight by up to the learning rate, which
+elementwise comparison would call a mismatch), every parameter's local storage against the plan's layout, and
+the collectives of every step against the plan's (`train_step` checks them and raises otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("onnxscript")
+
+import torch.distributed as dist  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.cost import HardwareProfile  # noqa: E402
+from autopar.lowering import load_plan_file  # noqa: E402
+from autopar.runtime.launch import RuntimeFailure, run_workers  # noqa: E402
+from tests.conftest import simple_profile_dict  # noqa: E402
+from tests.hf_families import FAMILIES, export  # noqa: E402
+
+LEARNING_RATE = 1e-3
+STEPS = 3
+
+
+def _profile(capacity: float) -> HardwareProfile:
+    return HardwareProfile.model_validate(simple_profile_dict(capacity))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The Llama family's export at batch 8 and at batch 16, with the plans the cases train."""
+    folder = tmp_path_factory.mktemp("llama")
+    family = FAMILIES["llama"]
+    found: dict[str, Any] = {"folder": folder}
+    for batch in (8, 16):
+        path = folder / f"llama{batch}.onnx"
+        export(family.build(2), family.batch(batch, 0), str(path))
+        found[f"model{batch}"] = str(path)
+
+    def keep(name: str, plan: autopar.Plan) -> None:
+        target = folder / f"{name}.json"
+        target.write_text(json.dumps(plan.to_dict()))
+        found[name] = str(target)
+
+    keep("searched", autopar.plan(found["model8"], devices=8, optimizer="adam"))
+    keep("sharded", autopar.plan(found["model8"], devices=8, cost_model=_profile(3e5), optimizer="adam"))
+    keep(
+        "pipelined",
+        autopar.plan(
+            found["model16"], devices=8, cost_model=_profile(3e5), optimizer="adam", pipeline_stages=2, micro_batches=4
+        ),
+    )
+    keep("data4", autopar.plan(found["model8"], devices=4, mode="data_parallel", optimizer="adam"))
+    keep("one", autopar.plan(found["model8"], devices=1, optimizer="adam"))
+    return found
+
+
+def _reference(name: str, batches: list[tuple[Any, ...]]) -> tuple[list[float], dict[str, Any]]:
+    module = FAMILIES[name].build(2)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+    losses = []
+    for batch in batches:
+        loss = module(*batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {key: value.detach().clone() for key, value in module.state_dict().items()}
+
+
+def _train(name: str, plan: str, model: str, batches: list[tuple[Any, ...]]) -> Any:
+    """What each rank runs: parallelize, then AdamW steps; its losses, whole parameters and local storage."""
+
+    def work(rank: int, world: int, device: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        from autopar.torch import parallelize
+
+        module = parallelize(FAMILIES[name].build(2), plan, model, batches[0])
+        optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+        losses = []
+        for batch in batches:
+            losses.append(module.train_step(*batch).item())
+            optimizer.step()
+            optimizer.zero_grad()
+        trainer = module.autopar
+        storage = {}
+        for key, parameter in module.named_parameters():
+            assert isinstance(parameter, DTensor), key
+            layout = trainer.stored.get(key)
+            if layout is not None:
+                storage[key] = (tuple(parameter.to_local().shape), layout.local_shape(tuple(parameter.shape)))
+        whole = {key: value.full_tensor().detach().clone() for key, value in module.state_dict().items()}
+        return losses, whole, storage
+
+    return work
+
+
+def _check(name: str, results: list[Any], reference: tuple[list[float], dict[str, Any]]) -> None:
+    losses, state = reference
+    whole: dict[str, Any] = {}
+    for rank_losses, rank_whole, storage in results:
+        assert max(abs(a - b) / abs(b) for a, b in zip(rank_losses, losses)) <= 1e-5
+        for key, (held, planned) in storage.items():
+            assert held == planned, f"{key}: the rank stores {held}, the plan says {planned}"
+        whole.update(rank_whole)
+    assert set(whole) == set(state)
+    for key, value in state.items():
+        error = ((whole[key] - value).norm() / value.norm().clamp(min=1e-30)).item()
+        assert error <= 1e-4, f"{key}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("plan", ["searched", "sharded"])
+def test_trains_as_one_process(llama: dict[str, Any], plan: str) -> None:
+    batches = [FAMILIES["llama"].batch(8, seed) for seed in range(STEPS)]
+    results = run_workers(8, _train("llama", llama[plan], llama["model8"], batches), timeout_s=240)
+    _check("llama", results, _reference("llama", batches))
+    if plan == "sharded":  # the plan shards weights: tensor parallel and the parallel optimizer
+        file = load_plan_file(llama[plan])
+        assert file.memory_plan.parallel_optimizer
+        assert any(len(bits) for op in file.ops if op.op_type == "MatMul" for bits in op.inputs[1].layout.dims)
+
+
+def test_pipelined_plan_trains_as_one_process(llama: dict[str, Any]) -> None:
+    file = load_plan_file(llama["pipelined"])
+    assert file.pipeline is not None and len(file.pipeline.stages) == 2 and file.pipeline.micro_batches == 4
+    assert autopar.plan(llama["model16"], devices=8, cost_model=_profile(3e5), optimizer="adam",
+                        pipeline_stages=2, micro_batches=4).degrees.tensor == 2  # fmt: skip
+    batches = [FAMILIES["llama"].batch(16, seed) for seed in range(STEPS)]
+    results = run_workers(8, _train("llama", llama["pipelined"], llama["model16"], batches), timeout_s=240)
+    _check("llama", results, _reference("llama", batches))
+
+
+def test_checkpoint_loads_under_another_plan_and_unsharded(llama: dict[str, Any], tmp_path: Path) -> None:
+    """Saved under the sharded plan on 8 ranks after two steps, resumed under data parallel on 4: the losses are
+    those of not stopping; and the plain module reads the same checkpoint in one process."""
+    from autopar.torch import load_unsharded
+
+    family = FAMILIES["llama"]
+    batches = [family.batch(8, seed) for seed in range(4)]
+    folder = str(tmp_path / "checkpoint")
+
+    def first(rank: int, world: int, device: Any) -> list[float]:
+        from autopar.torch import parallelize, save
+
+        module = parallelize(family.build(2), llama["sharded"], llama["model8"], batches[0])
+        optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+        losses = []
+        for batch in batches[:2]:
+            losses.append(module.train_step(*batch).item())
+            optimizer.step()
+            optimizer.zero_grad()
+        save(module, optimizer, folder)
+        return losses
+
+    def second(rank: int, world: int, device: Any) -> list[float]:
+        from autopar.torch import load, parallelize
+
+        module = parallelize(family.build(2), llama["data4"], llama["model8"], batches[0])
+        optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+        load(module, optimizer, folder)
+        losses = []
+        for batch in batches[2:]:
+            losses.append(module.train_step(*batch).item())
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses
+
+    expected, _ = _reference("llama", batches)
+    resumed = run_workers(8, first, timeout_s=240)[0] + run_workers(4, second, timeout_s=240)[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, expected)) <= 1e-5
+    plain = family.build(2)
+    load_unsharded(plain, folder)
+    assert abs(plain(*batches[2]).item() - expected[2]) <= 1e-5 * abs(expected[2])
+
+
+@pytest.fixture
+def one_process() -> Any:
+    """A torch.distributed job of this one process (for one-device plans)."""
+    from autopar.runtime.launch import free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_device_plan_trains_in_this_process(llama: dict[str, Any], one_process: Any) -> None:
+    from autopar.torch import parallelize
+
+    batches = [FAMILIES["llama"].batch(8, seed) for seed in range(2)]
+    module = parallelize(FAMILIES["llama"].build(2), llama["one"], llama["model8"], batches[0])
+    assert isinstance(module, type(FAMILIES["llama"].build(1)))  # the user's class, still
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+    losses = []
+    for batch in batches:
+        loss = module(*batch)  # the user's own loop: forward, backward, step
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    expected, _ = _reference("llama", batches)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) <= 1e-5
+    # a weight the exporter stored transposed (linear's val_N) is traced back to its parameter
+    uses = module.autopar.mapping.parameters
+    assert any(use.parameter.endswith("q_proj.weight") and use.permutation == (1, 0) for use in uses.values())
+
+
+# --- bad input: one sentence, nothing runs ---------------------------------------------------------------
+
+
+def test_a_plan_for_another_device_count_is_refused(llama: dict[str, Any], one_process: Any) -> None:
+    from autopar.torch import TrainingError, parallelize
+
+    with pytest.raises(TrainingError, match="for 8 devices; this job has 1 processes"):
+        parallelize(FAMILIES["llama"].build(2), llama["searched"], llama["model8"], FAMILIES["llama"].batch(8, 0))
+
+
+def test_another_module_is_refused(llama: dict[str, Any], one_process: Any) -> None:
+    from autopar.errors import AutoparError
+    from autopar.torch import parallelize
+
+    family = FAMILIES["qwen3"]
+    with pytest.raises(AutoparError, match="another module"):
+        parallelize(family.build(2), llama["one"], llama["model8"], family.batch(8, 0))
+
+
+def test_a_reshaped_parameter_is_refused(llama: dict[str, Any], one_process: Any) -> None:
+    from autopar.errors import AutoparError
+    from autopar.torch import parallelize
+
+    module = FAMILIES["llama"].build(2)
+    table = module.model.model.embed_tokens
+    table.weight = torch.nn.Parameter(torch.zeros(table.weight.shape[0], table.weight.shape[1] * 2))
+    with pytest.raises(AutoparError, match=re.escape("'model.model.embed_tokens.weight' has shape [128, 128]")):
+        parallelize(module, llama["one"], llama["model8"], FAMILIES["llama"].batch(8, 0))
+
+
+def test_a_model_file_without_node_records_is_refused(one_process: Any) -> None:
+    from autopar.torch import parallelize
+    from autopar.torch.mapping import MappingError
+
+    legacy = Path(__file__).parent / "data" / "torch_llama_legacy.onnx"
+    plan = autopar.plan(str(legacy), devices=1)
+    with pytest.raises(MappingError, match=re.escape("export the module with torch.onnx.export")):
+        parallelize(FAMILIES["llama"].build(2), plan, str(legacy), FAMILIES["llama"].batch(8, 0))
+
+
+def test_a_rank_that_dies_ends_the_others(llama: dict[str, Any]) -> None:
+    batch = FAMILIES["llama"].batch(8, 0)
+
+    def work(rank: int, world: int, device: Any) -> None:
+        from autopar.torch import parallelize
+
+        module = parallelize(FAMILIES["llama"].build(2), llama["sharded"], llama["model8"], batch)
+        if rank == 3:
+            raise RuntimeError("rank 3 stops here")
+        module.train_step(*batch)
+
+    with pytest.raises(RuntimeFailure, match="Rank 3 of the torch runtime died: RuntimeError: rank 3 stops here"):
+        run_workers(8, work, timeout_s=60)
