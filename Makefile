@@ -28,8 +28,8 @@ demo: $(CORE)
 test: lint pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check autopar tests bench models
-	$(BIN)/ruff format --check autopar tests bench models
+	$(BIN)/ruff check autopar tests bench models examples
+	$(BIN)/ruff format --check autopar tests bench models examples
 	$(BIN)/mypy
 
 pytest: $(STAMP)

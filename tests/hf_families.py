@@ -10,6 +10,8 @@ dependency, not one of autopar's.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -214,6 +216,9 @@ FAMILIES = {
 
 def export(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], path: str, optimize: bool = True) -> None:
     """Write the module's dynamo export, node metadata and all, as a user does before planning."""
-    program = torch.onnx.export(module, inputs, dynamo=True, verbose=False, optimize=optimize)
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # "no torchvision"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "exporting a model in training mode": it is trained
+        program = torch.onnx.export(module, inputs, dynamo=True, verbose=False, optimize=optimize)
     assert program is not None  # the dynamo exporter always returns its program
     program.save(path)

@@ -10,9 +10,15 @@ zero or more ONNX operators and records the node in each one's metadata (``pkg.t
 - `ForkUnit`: a fork the importer inserted (`autopar.ops.fork`): a place where readers meet, no node.
 - `WholeUnit`: a node the exporter folded into a constant (the causal mask, rotary tables): computed
   whole on every rank from buffers and constants, as the plan's constants are.
+- `DerivedUnit`: a node computed from parameters that the exporter folded into a stored weight (BERT's token
+  type embedding at constant indices, ViT's class token expanded to the batch): computed whole from those
+  parameters, kept whole, its weight's gradient summed over the devices the plan splits it by.
 
 A node with no operator that passes one value on unchanged (``alias``, ``clone``, a ``view`` to the same
-shape, ``dropout`` of probability 0) is looked through; any other is refused in one sentence.
+shape, ``dropout`` of probability 0) is looked through; one the exporter merged into its reader's operator
+(two Transposes become one) runs just before its reader on the shard the reader reads (``inline``); a value
+one node's operators compute and another's read too (the exporter computed it once) makes both run as their
+operators (``shared``); any other is refused in one sentence.
 
 Arguments pair with the operators' inputs by the value they carry: an activation by the node that
 computes it (forks and `getitem` seen through), a data input by name, a parameter by its ``state_dict``
@@ -34,7 +40,7 @@ import torch
 import torch.fx
 
 from autopar.errors import AutoparError
-from autopar.lowering.program import PlanProgram
+from autopar.lowering.program import PlannedOp, PlanProgram
 from autopar.ops.fork import FORK, FORK_DOMAIN
 
 FX_NODE_KEY = "pkg.torch.onnx.fx_node"
@@ -158,6 +164,9 @@ class ModuleMap:
     derived: Mapping[str, str] = field(default_factory=dict)
     # nodes the exporter merged into their readers' operators (`_INLINE`): node -> the node whose value it moves
     inline: Mapping[str, str] = field(default_factory=dict)
+    # values one node's operators compute and another's read too (the exporter computed them once for both): the
+    # nodes run as their operators (`Read.arg` "" marks such a read)
+    shared: frozenset[str] = frozenset()
 
     def parameter_names(self) -> list[str]:
         """The module's parameters the plan trains or reads, in a fixed order."""
@@ -184,6 +193,12 @@ def fx_node_target(metadata: str) -> str | None:
     return found.group(1) if found else None
 
 
+def _record(planned: PlannedOp) -> str:
+    """An operator's ``fx_node`` record ("" where the file has none)."""
+    proto = planned.rule.op.proto
+    return next((p.value for p in proto.metadata_props if p.key == FX_NODE_KEY), "") if proto is not None else ""
+
+
 def _nodes_of(program: PlanProgram) -> tuple[dict[str, list[int]], list[int]]:
     """FX node -> its planned operators, and the operators without a record (the exporter's optimiser wrote
     some anew: three Slices of one tensor become a Split); MappingError if no operator has one."""
@@ -193,7 +208,7 @@ def _nodes_of(program: PlanProgram) -> tuple[dict[str, list[int]], list[int]]:
         op = planned.rule.op
         if op.domain == FORK_DOMAIN and op.op_type == FORK:
             continue
-        record = next((p.value for p in op.proto.metadata_props if p.key == FX_NODE_KEY), None) if op.proto else None
+        record = _record(planned)
         name = fx_node_name(record) if record else None
         if name is None:
             missing.append(index)
@@ -302,9 +317,7 @@ class _Mapper:
                 " does not have: the plan was made for another module, or for other input shapes."
             )
         for name, indices in sorted(self.ops_of.items()):
-            op = program.ops[indices[0]].rule.op
-            record = next((p.value for p in op.proto.metadata_props if p.key == FX_NODE_KEY), "") if op.proto else ""
-            target = fx_node_target(record)
+            target = fx_node_target(_record(program.ops[indices[0]]))
             if target is not None and not target.endswith(str(self.nodes[name].target)):
                 raise MappingError(
                     f"The plan's model computes node {name!r} with {target}, where this module computes it with"
@@ -316,7 +329,9 @@ class _Mapper:
             for planned in program.ops
             if planned.rule.op.domain == FORK_DOMAIN and planned.rule.op.op_type == FORK
         }
-        self.kind: dict[str, str] = {}  # FX node -> "data" (carries inputs or parameters), "whole" or "parameter"
+        # FX node -> "data" (computed from the inputs), "parameter" (a parameter or a view of one), "whole" (from
+        # buffers and constants alone) or "derived" (from parameters, not a view: a `DerivedUnit`)
+        self.kind: dict[str, str] = {}
         self.node_of: dict[str, str] = {}  # FX node -> the node whose value it carries
         self.view_of: dict[str, tuple[str, tuple[int, ...] | None]] = {}  # -> (parameter placeholder, order)
         self.value_of: dict[str, str] = {}  # plan tensor -> FX value
@@ -325,6 +340,7 @@ class _Mapper:
         self.untrained: set[str] = set()
         self.derived: dict[str, str] = {}
         self.inline: dict[str, str] = {}
+        self.shared: set[str] = set()
 
     # --- what each node is ------------------------------------------------------------------
 
@@ -360,6 +376,7 @@ class _Mapper:
             frozenset(self.untrained),
             dict(self.derived),
             dict(self.inline),
+            frozenset(self.shared),
         )
 
     def _returned(self) -> list[torch.fx.Node]:
@@ -477,7 +494,9 @@ class _Mapper:
                 if not name or name in produced:
                     continue
                 carried = self._value_of_tensor(name)
-                if carried is not None and carried in by_value:
+                if name in self.shared:  # computed by another node's operators for this one too
+                    reads.append(Read("", name, index, slot))
+                elif carried is not None and carried in by_value:
                     reads.append(self._read(node, by_value[carried], carried, name, index, slot, stored=False))
                 elif self.graph.tensor(name).kind in ("parameter", "constant"):
                     left.append((index, slot, name))
@@ -492,8 +511,8 @@ class _Mapper:
                 continue
             match = self._pair_stored(node, arg, left)
             if match is None:
-                if self.kind[value] == "whole":
-                    continue  # a constant the operators hold in folded form (a shape, a scale)
+                if self.kind[value] == "whole" or any(not read.arg for read in reads):
+                    continue  # a constant the operators hold folded (a shape, a scale), or read as a shared value
                 raise MappingError(
                     f"Module node {node.name!r} reads {arg.name!r}, which none of the plan's operators for it reads:"
                     " the plan was made for another module."
@@ -597,14 +616,15 @@ class _Mapper:
                 if user.target == operator.getitem and last.outputs[int(position)]:
                     self.value_of[last.outputs[int(position)]] = user.name
             return [(out, ops[0]) for out in last.outputs]
-        if len(read_outside) != 1:
-            listed = f" ({', '.join(read_outside[:3])})" if read_outside else ""
-            raise MappingError(
-                f"Module node {node.name!r} becomes operators with {len(read_outside)} outputs read elsewhere"
-                f"{listed}, where the module returns one value."
-            )
-        tensor = read_outside[0]
-        if _shape(node) is not None and tuple(self.graph.tensor(tensor).shape) != _shape(node):
+        shape = _shape(node)
+        own = [
+            t for t in read_outside if shape is None or _same_but_batch(tuple(self.graph.tensor(t).shape), shape)
+        ] or read_outside
+        if not own:
+            raise MappingError(f"Module node {node.name!r} becomes operators none of whose outputs is read.")
+        tensor = max(own, key=lambda t: writer[t])  # the last one written; others are shared (`ModuleMap.shared`)
+        self.shared.update(t for t in read_outside if t != tensor)
+        if shape is not None and not _same_but_batch(tuple(self.graph.tensor(tensor).shape), shape):
             raise MappingError(
                 f"Module node {node.name!r} has shape {list(_shape(node) or ())} where the plan's {tensor!r} has"
                 f" {list(self.graph.tensor(tensor).shape)}: the plan was made for another module, or for other input"
@@ -620,7 +640,13 @@ class _Mapper:
         if shape is None:
             return None
         order = self._stored_permutation(node, arg)
-        return next((c for c in left if tuple(self.graph.tensor(c[2]).shape) == _permuted(shape, order)), None)
+        want = _permuted(shape, order)
+
+        def fits(name: str) -> bool:  # a weight exactly; a constant table perhaps at the plan's micro-batch
+            info = self.graph.tensor(name)
+            return tuple(info.shape) == want or (info.kind == "constant" and _same_but_batch(tuple(info.shape), want))
+
+        return next((c for c in left if fits(c[2])), None)
 
     def _stored_permutation(self, node: torch.fx.Node, arg: torch.fx.Node) -> tuple[int, ...] | None:
         """How the exporter orders an argument's dimensions where it stores it (`STORED_PERMUTED`)."""
@@ -634,6 +660,20 @@ class _Mapper:
         missing = [planned.name for index, planned in enumerate(self.program.ops) if index not in placed]
         if missing:
             raise MappingError(f"The plan's operator {missing[0]!r} belongs to no node of the module's program.")
+
+
+def _same_but_batch(planned: tuple[int, ...], captured: tuple[int, ...]) -> bool:
+    """Whether a plan tensor's shape is a captured value's, but for a smaller leading batch (the plan's micro-batch
+    of the batch the module was exported at)."""
+    if planned == captured:
+        return True
+    return (
+        len(planned) == len(captured)
+        and len(planned) > 0
+        and planned[1:] == captured[1:]
+        and 0 < planned[0] < captured[0]
+        and captured[0] % planned[0] == 0
+    )
 
 
 def _identity_none(permutation: tuple[int, ...] | None) -> tuple[int, ...] | None:

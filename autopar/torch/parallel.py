@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import AutoparError
 from autopar.export.logical import tensor_groups
 from autopar.graph import Graph, freeze, read_model
+from autopar.graph.proto import data_inputs
 from autopar.layout import Layout
 from autopar.lowering import Plan, PlanFile, PlanProgram, load_plan_file, program_from_file
 from autopar.lowering.axes import LogicalAxis, logical_axes
@@ -339,8 +340,14 @@ class Trainer:
     def _add_gradients(self, module: torch.nn.Module, gradients: Mapping[str, torch.Tensor], scale: float) -> None:
         """Add each plan tensor's synchronised gradient, times ``scale``, to its parameter's."""
         named: dict[str, Any] = dict(module.named_parameters(remove_duplicate=False))
+        derived = {tensor: grad for tensor, grad in gradients.items() if tensor in self.mapping.derived}
+        if derived:  # back through the parameters the folded weights come from, computed again
+            values = self.rank_program.derived_values(self._parameters(module), self._constants(module), list(derived))
+            torch.autograd.backward([values[t] for t in derived], [grad * scale for grad in derived.values()])
         with torch.no_grad():
             for tensor, grad in gradients.items():
+                if tensor in derived:
+                    continue
                 use = self.mapping.parameters[tensor]
                 parameter = named[use.parameter]
                 local = (grad.permute(inverse(use.permutation)) if use.permutation else grad) * scale
@@ -359,7 +366,7 @@ class Trainer:
     # --- pipeline stages --------------------------------------------------------------------------
 
     def _pipeline(self, module: torch.nn.Module, staged: StagedProgram) -> Any:
-        from torch.distributed.pipelining import Schedule1F1B
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         per, stages = staged.stage_devices, len(staged.stages)
         group = None
@@ -398,7 +405,10 @@ class Trainer:
             return torch.from_numpy(np.zeros(0, dtype=self.graph.tensor(tensor).dtype)).dtype
 
         stage = PlannedStage(self.stage_module, staged, self.rank, self.device, group, self.tally, dtype_of)
-        return Schedule1F1B(stage, staged.micro_batches, loss_fn=lambda output, target: output, scale_grads=False)
+        # torch's 1F1B wants a micro-batch a stage at least; with fewer, 1F1B's order is GPipe's (forwards, then
+        # backwards), which torch runs as ScheduleGPipe
+        schedule = Schedule1F1B if staged.micro_batches >= stages else ScheduleGPipe
+        return schedule(stage, staged.micro_batches, loss_fn=lambda output, target: output, scale_grads=False)
 
     def _pipelined_step(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         assert self.staged is not None  # a pipelined plan
@@ -515,10 +525,16 @@ def _plan_file(plan: PlanLike) -> PlanFile:
     return load_plan_file(plan)
 
 
-def _as_planned(inputs: Sequence[Any], plan: PlanFile) -> tuple[Any, ...]:
-    """The example inputs cut to the plan's micro-batch (their first samples), as its model was captured."""
-    sizes = [shape[0] for shape in (plan.context.inputs.values() if plan.context else ()) if shape]
-    batch = min(sizes) if sizes else None
+def _as_exported(inputs: Sequence[Any], model: onnx.ModelProto) -> tuple[Any, ...]:
+    """The example inputs cut to the batch the model file was exported at (their first samples): captured at that
+    batch, the module's program has the nodes the file's records name (the plan may run smaller micro-batches
+    through it: a shape a node writes is made the plan's, `autopar.torch.local`)."""
+    sizes = [
+        info.type.tensor_type.shape.dim[0].dim_value
+        for info in data_inputs(model)
+        if info.type.HasField("tensor_type") and info.type.tensor_type.shape.dim
+    ]
+    batch = min((size for size in sizes if size > 0), default=None)
     return tuple(
         value[:batch] if isinstance(value, torch.Tensor) and batch and value.dim() and value.shape[0] > batch else value
         for value in inputs
@@ -551,12 +567,13 @@ def parallelize(
     world = dist.get_world_size()
     if world != file.devices:
         raise TrainingError(f"The plan is for {file.devices} devices; this job has {world} processes.")
-    graph = plan_graph(file, model if isinstance(model, onnx.ModelProto) else read_model(model))
+    proto = model if isinstance(model, onnx.ModelProto) else read_model(model)
+    graph = plan_graph(file, proto)
     costs = PlanOptions(file.devices, precision=Precision(file.precision)).costs()  # element sizes: the precision alone
     staged = staged_program(graph, file, costs) if file.pipeline is not None else None
     program = staged.program if staged is not None else program_from_file(graph, file, file.devices, costs)
     _check_parameters(module, graph)
-    exported = exported_program(module, _as_planned(example_inputs, file))
+    exported = exported_program(module, _as_exported(example_inputs, proto))
     mapping = map_module(program, exported)
     if mapping.derived:
         names = ", ".join(f"{tensor} ({node})" for tensor, node in sorted(mapping.derived.items()))

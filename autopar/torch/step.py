@@ -148,7 +148,9 @@ class RankProgram:
             layout.local_shape(program.graph.tensor(tensor).shape) if tensor and layout is not None else None
             for (tensor, _), layout in zip(unit.outputs, layouts)
         )
-        as_operators = self._moves_inside(unit) or self._reads_twice(reads)
+        shares = any(out in self.mapping.shared for index in unit.ops for out in program.ops[index].rule.op.outputs)
+        as_operators = self._moves_inside(unit) or self._reads_twice(reads) or shares
+        as_operators = as_operators or any(not plan.read.arg for plan in reads)
         for index in unit.ops:
             why = shards.unsupported(program.ops[index])
             if why is not None:
@@ -316,6 +318,18 @@ class RankProgram:
         run.run()
         return run
 
+    def derived_values(
+        self, parameters: Mapping[str, torch.Tensor], constants: Mapping[str, torch.Tensor], names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """Folded weights as their stored shards, computed again from the parameters (with autograd)."""
+        run = Pass(self, {}, parameters, constants, {})
+        for unit in self.units:
+            if isinstance(unit, WholeUnit):
+                run._whole(unit)
+            elif isinstance(unit, DerivedUnit):
+                run._derived(unit)
+        return {name: run._stored(name) for name in names}
+
     def synchronise(self) -> dict[str, torch.Tensor]:
         """The owners' accumulated gradients, synchronised once (with ``defer_sync``): plan tensor -> stored."""
         out = {}
@@ -394,7 +408,8 @@ class Pass:
         if derived is not None:
             layout = self.p.stored_layout(name)
             mover = self.p.derived_mover or self.p.mover
-            return Slice.apply(self.whole[derived], layout, self.p.rank, mover, self.p.program.gradient_itemsize)
+            whole = _planned(self.whole[derived], self.p.program.graph.tensor(name).shape)
+            return Slice.apply(whole, layout, self.p.rank, mover, self.p.program.gradient_itemsize)
         use = self.p.mapping.parameters[name]
         local = self.parameters[use.parameter]
         return local.permute(use.permutation) if use.permutation else local
@@ -428,7 +443,9 @@ class Pass:
                 raise PlanMismatch(f"Constant {name!r} has no value the module computes.")
             if read.permutation:
                 whole = whole.permute(read.permutation)
-            return whole[plan.layout.local_slices(p.rank, tuple(whole.shape))]
+            return _planned(whole, p.program.graph.tensor(name).shape)[
+                plan.layout.local_slices(p.rank, tuple(p.program.graph.tensor(name).shape))
+            ]
         if plan.kind == "received":
             return self._move(self.received[(name, p.program.ops[read.consumer].name, read.slot)], plan)
         if plan.kind == "activation":
@@ -636,6 +653,16 @@ class Pass:
             return p.mover.run(x, steps, "forward", itemsize)
 
         return Move.apply(held.value, forward, lambda grad: grad)
+
+
+def _planned(whole: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A value the module computed at the batch it was exported at, as the plan's micro-batch has it: its first
+    samples (the tables a batch repeats, `autopar.graph.bind.rebatch_constants`)."""
+    if tuple(whole.shape) == tuple(shape) or not whole.dim() or len(shape) != whole.dim():
+        return whole
+    if tuple(whole.shape[1:]) == tuple(shape[1:]) and whole.shape[0] > shape[0]:
+        return whole[: shape[0]]
+    return whole
 
 
 class Slice(torch.autograd.Function):
