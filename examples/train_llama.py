@@ -17,6 +17,7 @@ import os
 import resource
 import tempfile
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -80,7 +81,9 @@ def main() -> None:
     model_file, plan_file = folder / "llama.onnx", folder / "llama.plan.json"
     if rank == 0:  # export and plan once; the other ranks read the files
         folder.mkdir(parents=True, exist_ok=True)
-        program = torch.onnx.export(module, example, dynamo=True, verbose=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "exporting a model in training mode": it is trained
+            program = torch.onnx.export(module, example, dynamo=True, verbose=False)
         program.save(str(model_file))
         plan = autopar.plan(str(model_file), devices=world, optimizer="adam")
         plan_file.write_text(json.dumps(plan.to_dict()))  # what `autopar plan --format json` writes

@@ -11,6 +11,7 @@ The decomposition table is the exporter's own (torch 2.13's ``torch.onnx._intern
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,9 @@ def exported_program(module: torch.nn.Module, inputs: Sequence[Any]) -> torch.ex
             " 'autopar[torch]' (torch==2.13.0 and onnxscript)."
         ) from None
     try:
-        program = torch.export.export(module, tuple(inputs), strict=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations, not the user's
+            program = torch.export.export(module, tuple(inputs), strict=False)
     except Exception as exc:  # torch.export raises many kinds; the user needs the first line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"torch.export cannot capture the module on these inputs: {first}") from None
@@ -44,4 +47,6 @@ def exported_program(module: torch.nn.Module, inputs: Sequence[Any]) -> torch.ex
         registry = _registration.ONNXRegistry.from_torchlib()
     finally:
         quiet.setLevel(level)
-    return _core._prepare_exported_program_for_export(program, registry=registry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return _core._prepare_exported_program_for_export(program, registry=registry)
