@@ -135,6 +135,24 @@ def test_trains_as_one_process(llama: dict[str, Any], plan: str) -> None:
         assert any(len(bits) for op in file.ops if op.op_type == "MatMul" for bits in op.inputs[1].layout.dims)
 
 
+@pytest.mark.parametrize("name", ["bert", "moe"])
+def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
+    """BERT: a weight the exporter folded from parameters (the token type embedding at constant indices), lookups
+    in split tables; OLMoE: eight experts run as batched_mm, a value the exporter computed once for two nodes.
+    Each on a plan with half the memory the searched plan needs (it shards weights)."""
+    family = FAMILIES[name]
+    batches = [family.batch(8, seed) for seed in range(2)]
+    model = str(tmp_path / f"{name}.onnx")
+    export(family.build(2), batches[0], model)
+    need = autopar.plan(model, devices=8, optimizer="adam").file.totals.memory_per_device_bytes
+    plan = autopar.plan(model, devices=8, cost_model=_profile(need * 0.5), optimizer="adam")
+    assert plan.degrees.data * plan.degrees.tensor * plan.degrees.sequence > 1 or plan.file.pipeline is not None
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_dict()))
+    results = run_workers(8, _train(name, str(path), model, batches), timeout_s=240)
+    _check(name, results, _reference(name, batches))
+
+
 def test_pipelined_plan_trains_as_one_process(llama: dict[str, Any]) -> None:
     file = load_plan_file(llama["pipelined"])
     assert file.pipeline is not None and len(file.pipeline.stages) == 2 and file.pipeline.micro_batches == 4

@@ -81,6 +81,26 @@ class Schedule:
         return tally
 
 
+def follow(src: Layout, steps: Sequence[Step], dst: Layout, what: str) -> tuple[int, ...]:
+    """Check that ``steps`` lead from ``src`` to ``dst`` (PlanBroken naming ``what`` if not); the bits over which
+    the result is still to be made partial (`as_partial`: a gradient a fork takes partial over bits it is whole on)."""
+    try:
+        reached = apply_steps(src, steps)
+    except ValueError as exc:
+        raise PlanBroken(f"the plan's {what} is malformed: {exc}") from None
+    if reached != dst and reached.dims == dst.dims:
+        try:
+            return as_partial(reached, dst)
+        except ValueError:
+            pass
+    if reached != dst:
+        raise PlanBroken(
+            f"the plan's {what} leaves it in layout {reached.describe()} but {dst.describe()} is needed"
+            " (a collective is missing or wrong)"
+        )
+    return ()
+
+
 def payload_numel(step: Step, before: torch.Tensor, after: torch.Tensor) -> int:
     """Elements of a step's per-rank payload, as `Step.nbytes` counts them."""
     return after.numel() if step.kind == Collective.ALL_GATHER else before.numel()
@@ -141,23 +161,7 @@ class TrainingStep:
         return buffers
 
     def _follow(self, src: Layout, steps: Sequence[Step], dst: Layout, what: str) -> tuple[int, ...]:
-        """Check that ``steps`` lead from ``src`` to ``dst``; the bits over which the result is still to be
-        made partial (`as_partial`: a gradient a fork takes partial over bits it is whole on)."""
-        try:
-            reached = apply_steps(src, steps)
-        except ValueError as exc:
-            raise PlanBroken(f"the plan's {what} is malformed: {exc}") from None
-        if reached != dst and reached.dims == dst.dims:
-            try:
-                return as_partial(reached, dst)
-            except ValueError:
-                pass
-        if reached != dst:
-            raise PlanBroken(
-                f"the plan's {what} leaves it in layout {reached.describe()} but {dst.describe()} is needed"
-                " (a collective is missing or wrong)"
-            )
-        return ()
+        return follow(src, steps, dst, what)
 
     # --- forward --------------------------------------------------------------------------
 

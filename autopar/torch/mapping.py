@@ -664,7 +664,11 @@ class _Mapper:
 
 def _same_but_batch(planned: tuple[int, ...], captured: tuple[int, ...]) -> bool:
     """Whether a plan tensor's shape is a captured value's, but for a smaller leading batch (the plan's micro-batch
-    of the batch the module was exported at)."""
+    of the batch the module was exported at).
+
+    >>> _same_but_batch((4, 16, 64), (8, 16, 64)), _same_but_batch((64, 64), (128, 64)), _same_but_batch((3,), (8,))
+    (True, True, False)
+    """
     if planned == captured:
         return True
     return (

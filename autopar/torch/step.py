@@ -30,9 +30,9 @@ import torch.fx
 from autopar.layout import Layout, ReduceOp
 from autopar.lowering.planfile import GRAPH_OUTPUT
 from autopar.lowering.program import PlannedOp, PlanProgram
-from autopar.redistribute import Collective, Step, apply_steps, as_partial, redistribute
+from autopar.redistribute import Collective, Step, redistribute
 from autopar.runtime.local import run_local
-from autopar.runtime.program import Schedule
+from autopar.runtime.program import PlanBroken, Schedule, follow
 from autopar.torch import local as shards
 from autopar.torch.mapping import DerivedUnit, ForkUnit, MappingError, ModuleMap, NodeUnit, Read, WholeUnit, inverse
 from autopar.torch.moves import Move, Mover, ParameterRead
@@ -73,21 +73,12 @@ class NodePlan:
 
 
 def _follow(source: Layout, steps: tuple[Step, ...], target: Layout, what: str) -> tuple[int, ...]:
-    """Check that ``steps`` take ``source`` to ``target``; the bits still to be made partial locally."""
+    """`autopar.runtime.program.follow`, its refusal as this module's error (one sentence)."""
     try:
-        reached = apply_steps(source, steps)
-    except ValueError as exc:
-        raise PlanMismatch(f"The plan's {what} is malformed: {exc}.") from None
-    if reached != target and reached.dims == target.dims:
-        try:
-            return as_partial(reached, target)
-        except ValueError:
-            pass
-    if reached != target:
-        raise PlanMismatch(
-            f"The plan's {what} leaves it in layout {reached.describe()}, where {target.describe()} is needed."
-        )
-    return ()
+        return follow(source, steps, target, what)
+    except PlanBroken as exc:
+        text = str(exc)
+        raise PlanMismatch(f"{text[:1].upper()}{text[1:]}.") from None
 
 
 @dataclass
