@@ -85,8 +85,7 @@ class PlannedStage(PipelineStage):
             for piece in pieces:
                 if piece.receiver != self.local:
                     continue
-                dtype = self.dtype_of(crossing.tensor) if direction == FORWARD else torch.get_default_dtype()
-                buffer = torch.empty(_shape(piece.target), dtype=dtype, device=self.device)
+                buffer = torch.empty(_shape(piece.target), dtype=self.dtype_of(crossing.tensor), device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buffer, self._global(sender_stage, piece.sender)))
                 pending.append((index, piece.target, buffer))
         self._pending[key] = pending

@@ -533,7 +533,7 @@ class Pass:
             (),
         )
         if gathered:  # a lookup on a table split along the axis it looks up: the rows this rank holds
-            full = self._full_size(plan, node)
+            full = _looked_up_size(node)
             out: Any = shards.masked_lookup(node.target, args, kwargs, full, p.rank, gathered)
             if out is None:
                 raise PlanMismatch(f"Module node {node.name!r} ({node.target}) looks up rows of a table split by rows.")
@@ -543,14 +543,6 @@ class Pass:
         if plan.divisor > 1:
             outputs[0] = outputs[0] / plan.divisor
         self._keep(plan, outputs)
-
-    def _full_size(self, plan: NodePlan, node: torch.fx.Node) -> int:
-        """The whole size of the axis a lookup node looks up (its table's, as the module sees it)."""
-        table: Any = node.args[0]
-        shape = table.meta["val"].shape
-        axis = 0 if node.target == torch.ops.aten.embedding.default else int(node.args[1])  # type: ignore[arg-type]
-        del plan
-        return int(shape[axis])
 
     def _keep(self, plan: NodePlan, outputs: list[Any]) -> None:
         for (tensor, writer), layout, shape, value in zip(plan.unit.outputs, plan.layouts, plan.local_shapes, outputs):
@@ -644,6 +636,13 @@ class Pass:
             return p.mover.run(x, steps, "forward", itemsize)
 
         return Move.apply(held.value, forward, lambda grad: grad)
+
+
+def _looked_up_size(node: torch.fx.Node) -> int:
+    """The whole size of the axis a lookup node looks up (its table's, as the module sees it)."""
+    args: Any = node.args
+    axis = 0 if node.target == torch.ops.aten.embedding.default else int(args[1])
+    return int(args[0].meta["val"].shape[axis])
 
 
 def _planned(whole: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
