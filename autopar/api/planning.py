@@ -31,12 +31,14 @@ from autopar.errors import (
     InfeasibleError,
     ModelImportError,
     RenamedOperatorsWarning,
+    StrategyError,
 )
 from autopar.graph import Graph, freeze, load_model, train
 from autopar.limits import MAX_MICRO_BATCHES, YOUNG_COLLECTION
 from autopar.lowering import (
     Plan,
 )
+from autopar.ops.norm import batch_statistics
 from autopar.options import (
     DEFAULT_COST_MODEL,
     DEFAULT_DEVICES,
@@ -375,6 +377,12 @@ class _Shapes:
             counts = [1 << k for k in range(most.bit_length()) if 1 << k <= most]
         else:
             counts = [1]
+        coupled = next((op.name for op in self.graph.ops if batch_statistics(op)), None)
+        if coupled is not None and (options.micro_batches or 1) > 1:
+            raise StrategyError(
+                f"Operator {coupled!r} normalises with its batch's statistics (a BatchNorm in training), which"
+                f" {options.micro_batches} micro-batches would change; plan it with micro_batches=1."
+            )
         if options.micro_batches is not None:
             micro = [options.micro_batches]
         elif not options.mode.searched or self.step_batch is None or isinstance(self.model, Graph):
@@ -568,8 +576,8 @@ class _Shapes:
 
     def _micro_batch_counts(self) -> list[int]:
         """The micro-batch counts the search may try: the batch's divisors, up to `MAX_MICRO_BATCHES`."""
-        if self.step_batch is None:
-            return [1]
+        if self.step_batch is None or any(batch_statistics(op) for op in self.graph.ops):
+            return [1]  # (a BatchNorm in training would normalise each micro-batch with its own statistics)
         return [m for m in range(1, min(self.step_batch, MAX_MICRO_BATCHES) + 1) if self.step_batch % m == 0]
 
     def _start_helper(

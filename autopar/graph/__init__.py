@@ -36,6 +36,7 @@ from autopar.graph.bind import (
 from autopar.graph.build import build_graph, freeze, train
 from autopar.graph.forks import insert_forks
 from autopar.graph.read import read_model
+from autopar.graph.records import restore_training_batch_norms
 from autopar.graph.shapes import resolve_shapes, split_computed
 from autopar.graph.types import ElidedValue, Graph, OpNode, TensorInfo, TensorKind
 from autopar.graph.validate import (
@@ -62,6 +63,7 @@ def load_model(
     ``trainable``: of float constants to train all the same (`train`).
     """
     proto = read_model(model)
+    restore_training_batch_norms(proto)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
     check_bindings(batch, dims or {})
     check_declared_sizes(proto, batch)

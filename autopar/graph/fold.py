@@ -1,10 +1,11 @@
 """Constant folding: operators whose value is known at import become constants every rank holds.
 
 Covers ``Constant``, weight-elided parameters written as ``ConstantOfShape(shape initializer)``
-(the pattern the onnx package's own model-zoo test files use), ``Shape``/``Size`` read from
-the inferred shapes, and any operator whose inputs are all known values (Gather on a shape,
-Concat, Range, Unsqueeze, Cast, ...), evaluated once by onnx's reference evaluator. Operators
-the registry marks as not foldable (random ones, Dropout) are never evaluated.
+(the pattern the onnx package's own model-zoo test files use), ``Shape``/``Size`` read from the inferred
+shapes or a stored tensor's, ``CastLike`` of a known value (the target's type is all it reads: the dynamo
+exporter's unoptimised zero bias is ``Expand(CastLike(0, x), Shape(W))``), and any operator whose inputs
+are all known values (Gather on a shape, Concat, Range, Unsqueeze, Cast, ...), evaluated once by onnx's
+reference evaluator. Operators the registry marks as not foldable (random ones, Dropout) are never evaluated.
 """
 
 from __future__ import annotations
@@ -58,15 +59,22 @@ def fold_constant(
     if node.domain or len(node.output) != 1:
         return None
     if node.op_type in ("Shape", "Size"):
-        try:
-            in_shape, _ = shape_of(node.input[0], infos)
-        except ModelImportError:
-            return None
+        known = constants.get(node.input[0])
+        if known is not None:  # a stored tensor (inference types no initializer that is not an input)
+            in_shape = tuple(int(d) for d in known.shape)
+        else:
+            try:
+                in_shape, _ = shape_of(node.input[0], infos)
+            except ModelImportError:
+                return None
         if node.op_type == "Size":
             return np.asarray(math.prod(in_shape), dtype=np.int64)
         attrs = attributes(node)
         start, end = attrs.get("start", 0), attrs.get("end", len(in_shape))
         return np.asarray(in_shape[slice(start, end)], dtype=np.int64)
+    if node.op_type == "CastLike" and isinstance(constants.get(node.input[0]), np.ndarray):
+        like = _dtype_of(node.input[1], infos)  # only the target's type is read, never its data
+        return None if like is None else np.asarray(constants[node.input[0]]).astype(like)
     present = [name for name in node.input if name]
     definition = lookup(node.op_type, node.domain, opset_of(proto))
     if (
@@ -83,6 +91,14 @@ def fold_constant(
     if math.prod(out_shape) > FOLD_MAX_ELEMENTS:
         return None
     return _evaluate(node, constants, proto)
+
+
+def _dtype_of(name: str, infos: dict[str, onnx.ValueInfoProto]) -> np.dtype | None:
+    """A tensor's element type as numpy's, or None where inference did not say."""
+    info = infos.get(name)
+    if info is None or not info.type.HasField("tensor_type") or not info.type.tensor_type.elem_type:
+        return None
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type))
 
 
 def _evaluate(node: onnx.NodeProto, constants: dict[str, Any], proto: onnx.ModelProto) -> np.ndarray | None:

@@ -3,7 +3,10 @@
 BatchNormalization with running statistics (ONNX inference form) is a per-channel affine map:
 every dimension may be split and the per-channel parameters follow the channel split.
 (Training frameworks compute batch statistics per device in data parallel, as MindSpore does
-without SyncBatchNorm; the graph's semantics here are the ONNX ones.)
+without SyncBatchNorm; the graph's semantics here are the ONNX ones.) In training form
+(``training_mode``, which the importer restores where PyTorch's exporter recorded a training
+BatchNorm: `autopar.graph.records`) it normalises with the batch's own statistics: batch and
+spatial axes stay whole, as the other normalisations keep theirs.
 
 The others normalise over some axes: those stay whole on each rank (splitting them would need
 a cross-device reduction inside the operator); the remaining axes split freely.
@@ -155,6 +158,13 @@ def torch_softmax_flattened(t: Any, op: NodeView, inputs: list[Any]) -> list[Any
     return [_flattened(x, normalize_axis(int(op.attrs.get("axis", 1)), x.dim()), function)]
 
 
+def batch_statistics(op: Any) -> bool:
+    """Whether an operator (an `autopar.graph.OpNode`) normalises with its batch's own statistics: a
+    BatchNormalization in training form. Micro-batches would change what it computes.
+    """
+    return op.op_type == "BatchNormalization" and not op.domain and bool(int(op.attrs.get("training_mode", 0)))
+
+
 @register(
     "BatchNormalization",
     mindspore=MindSporePrimitive("ops.BatchNorm", 5),
@@ -166,8 +176,12 @@ def torch_softmax_flattened(t: Any, op: NodeView, inputs: list[Any]) -> list[Any
     torch_kernel=torch_batch_norm,
 )
 def batch_norm(op: NodeView, graph: GraphView) -> OpSpec:
+    """Inference form: every axis splits. Training form: the batch's statistics are the operator's own,
+    so the axes they reduce (batch and spatial) stay whole and only channels split."""
     rank = len(shape(graph, op.inputs[0]))
     x = dim_labels(rank)
+    if int(op.attrs.get("training_mode", 0)):
+        x = (None, x[1]) + tuple(None for _ in range(rank - 2))
     channel = (x[1],)
     inputs = (x,) + tuple(channel if name else None for name in op.inputs[1:])
     outputs = (x,) + tuple(channel for name in op.outputs[1:] if name)

@@ -82,6 +82,11 @@ _INLINE = {
     aten.squeeze.dims,
 }
 
+# nodes returning values their operator does not write: target -> the operator's output slot of each value (None:
+# one it does not write; a training BatchNorm's saved mean and deviation are for its backward, which autograd keeps)
+_RETURNS: dict[str, tuple[int | None, ...]] = {
+    "aten._native_batch_norm_legit_functional.default": (0, None, None, 1, 2),
+}
 # a parameter viewed before use, which the exporter folds into the stored weight: target -> permutation
 _PARAMETER_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default}
 
@@ -157,8 +162,8 @@ class ModuleMap:
     placeholders: Mapping[str, str] = field(default_factory=dict)  # FX placeholder -> state_dict key or input
     buffers: Mapping[str, str] = field(default_factory=dict)  # FX placeholder -> buffer / constant key
     # stored tables the plan trains as weights where the module computes them from buffers and constants (rotary
-    # frequencies the exporter folded): read as the constants they are, their planned moves and synchronisation
-    # left out
+    # frequencies the exporter folded), and running statistics the module holds as buffers: read as the constants
+    # they are, their planned moves and synchronisation left out
     untrained: frozenset[str] = frozenset()
     # stored weights the exporter folded from parameters: plan tensor -> the FX node computing it (a `DerivedUnit`)
     derived: Mapping[str, str] = field(default_factory=dict)
@@ -167,6 +172,9 @@ class ModuleMap:
     # values one node's operators compute and another's read too (the exporter computed them once for both): the
     # nodes run as their operators (`Read.arg` "" marks such a read)
     shared: frozenset[str] = frozenset()
+    # buffers the module's forward writes (a training BatchNorm's running statistics, its step count): buffer key ->
+    # (the plan tensor that is its new value, or "" where the FX node of that name computes it whole)
+    mutated: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     def parameter_names(self) -> list[str]:
         """The module's parameters the plan trains or reads, in a fixed order."""
@@ -346,6 +354,16 @@ class _Mapper:
 
     def run(self) -> ModuleMap:
         for node in self.exported.graph.nodes:
+            if node.target == aten._native_batch_norm_legit_functional.default and not any(
+                self.program.ops[index].rule.op.op_type == "BatchNormalization"
+                for index in self.ops_of.get(node.name, ())
+            ):
+                raise MappingError(
+                    f"Module node {node.name!r} is a BatchNorm in training, which the plan's model does not have: the"
+                    " dynamo exporter's optimiser folded it into its Conv as if it normalised with running statistics;"
+                    " export the module with torch.onnx.export(..., dynamo=True, optimize=False) and plan that file."
+                )
+        for node in self.exported.graph.nodes:
             if node.op == "placeholder":
                 self._placeholder(node)
             elif node.op == "call_function":
@@ -377,7 +395,24 @@ class _Mapper:
             dict(self.derived),
             dict(self.inline),
             frozenset(self.shared),
+            self._mutated(),
         )
+
+    def _mutated(self) -> dict[str, tuple[str, str]]:
+        """The buffers the forward writes and where their new values are (`ModuleMap.mutated`)."""
+        tensor_of = {value: tensor for tensor, value in self.value_of.items()}
+        found = {}
+        for name, key in sorted(self.exported.graph_signature.buffers_to_mutate.items()):
+            source = self.node_of.get(name, name)
+            if source in tensor_of:
+                found[key] = (tensor_of[source], "")
+            elif self.kind.get(source) == "whole":
+                found[key] = ("", source)
+            else:
+                raise MappingError(
+                    f"The module's forward writes buffer {key!r} from node {name!r}, which the plan does not compute."
+                )
+        return found
 
     def _returned(self) -> list[torch.fx.Node]:
         output = next(node for node in self.exported.graph.nodes if node.op == "output")
@@ -606,16 +641,22 @@ class _Mapper:
         value = node.meta.get("val")
         if isinstance(value, (tuple, list)):
             last = self.program.ops[ops[-1]].rule.op
-            if len(ops) != 1 or len(last.outputs) != len(value):
+            slots = _RETURNS.get(str(node.target), tuple(range(len(value))))
+            if (
+                len(ops) != 1
+                or len(slots) != len(value)
+                or sorted(slot for slot in slots if slot is not None) != list(range(len(last.outputs)))
+            ):
                 raise MappingError(
                     f"Module node {node.name!r} returns {len(value)} values, which autopar cannot pair with its"
                     f" {len(ops)} operator(s) in the plan."
                 )
             for user in node.users:
                 position: Any = user.args[1]
-                if user.target == operator.getitem and last.outputs[int(position)]:
-                    self.value_of[last.outputs[int(position)]] = user.name
-            return [(out, ops[0]) for out in last.outputs]
+                slot = slots[int(position)] if user.target == operator.getitem else None
+                if slot is not None and last.outputs[slot]:
+                    self.value_of[last.outputs[slot]] = user.name
+            return [(last.outputs[slot] if slot is not None else "", ops[0]) for slot in slots]
         shape = _shape(node)
         own = [
             t for t in read_outside if shape is None or _same_but_batch(tuple(self.graph.tensor(t).shape), shape)

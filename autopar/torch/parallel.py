@@ -144,6 +144,8 @@ class Trainer:
         self.schedule = Schedule.of(self.redistributions, self.gradients, self.syncs)
         self.tally = Tally()
         self.derived_tally = Tally()  # folded weights' gradient reductions (`ModuleMap.derived`), not in the plan
+        self.buffer_tally = Tally()  # buffers the forward writes, gathered where the plan splits them: not in it
+        self._writes: Any = None  # the last forward's pass, whose buffer writes train_step keeps for the step's end
         self.steps_run = 0
         collectives = DistributedCollectives(self.rank, self.world, self._bit_sets(), self.device)
         self.rank_program = RankProgram(
@@ -155,6 +157,7 @@ class Trainer:
             stage_ops=self.stage_ops,
             derived_mover=Mover(collectives, self.derived_tally, self.rank),
         )
+        self.buffer_mover = Mover(collectives, self.buffer_tally, self.rank)
         stage_bits = plan.pipeline.bits if plan.pipeline is not None else ()
         self.meshes = Meshes(logical_axes(plan), self.world, self.device.type, stage_bits)
         self.stored: dict[str, Layout] = {}  # state_dict key -> its layout as stored on this rank
@@ -199,6 +202,13 @@ class Trainer:
                 split |= set(sync.bits)
             if split:
                 steps.append(Step(Collective.ALL_REDUCE, tuple(sorted(split, reverse=True)), 0))
+        for tensor, _ in self.mapping.mutated.values():  # a buffer the forward writes, gathered whole
+            if tensor:
+                written = program.op(program.graph.producer[tensor])
+                layout = written.outputs[written.rule.op.outputs.index(tensor)]
+                shape = program.graph.tensor(tensor).shape
+                if layout is not None:
+                    steps += list(redistribute(layout, Layout(tuple(() for _ in shape)), shape, 4))
         if self.staged is not None:
             for crossing in self.staged.crossings:
                 shape = program.graph.tensor(crossing.tensor).shape
@@ -308,7 +318,27 @@ class Trainer:
             self.rank_program.gathered.clear()
         run = self.rank_program.forward(inputs, self._parameters(module), self._constants(module))
         outputs = [run.output(name) for name in self.graph.outputs]
+        if self._writes is None:
+            self._write_buffers(module, run)
+        else:
+            self._writes = run  # within a step: the buffers are written once, at its end (`train_step`)
         return pytree.tree_unflatten(outputs, self.exported.call_spec.out_spec)
+
+    def _write_buffers(self, module: torch.nn.Module, run: Any) -> None:
+        """Write the buffers the module's forward writes (`ModuleMap.mutated`) with the values of ``run``, each
+        whole on the ranks whose stage computes it."""
+        if not self.mapping.mutated:
+            return
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for key, source in sorted(self.mapping.mutated.items()):
+                value = run.buffer_value(source, self.buffer_mover)
+                if value is None:
+                    continue
+                owner_path, _, name = key.rpartition(".")
+                owner = module.get_submodule(owner_path) if owner_path else module
+                # a new tensor, not written in place: the step's backward may still hold the old one
+                owner._buffers[name] = value.reshape(buffers[key].shape).to(buffers[key].dtype).clone()
 
     def train_step(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         """See `ParallelModule.train_step`."""
@@ -316,6 +346,7 @@ class Trainer:
         program = self.rank_program
         program.gathered.clear()
         program.defer_sync = count > 1
+        self._writes = False  # a micro-batch's forward leaves its pass here; the last one's writes the buffers
         try:
             if self.staged is not None:
                 loss = self._pipelined_step(module, args, kwargs)
@@ -330,9 +361,12 @@ class Trainer:
                 loss = torch.stack(losses).mean()
                 if count > 1:
                     self._add_gradients(module, program.synchronise(), 1.0)
+            if self._writes is not False:
+                self._write_buffers(module, self._writes)
         finally:
             program.defer_sync = False
             program.gathered.clear()
+            self._writes = None
         self.steps_run += 1
         self.check()
         return loss
@@ -395,6 +429,7 @@ class Trainer:
             result = self.rank_program.forward(
                 self.micro_inputs[micro_batch], self._parameters(module), self._constants(module), arrived
             )
+            self._writes = result
             if last:
                 return result.output(self.graph.outputs[0])
             return tuple(result.leaving(c.tensor, c.producer) for c in outs)
@@ -583,14 +618,15 @@ def parallelize(
             " the weights over, one AllReduce each a step that the plan does not list (Trainer.derived_tally).",
             stacklevel=2,
         )
-    if mapping.untrained:  # not trained: nor is what the plan computes from them alone
-        names = ", ".join(sorted(mapping.untrained))
+    trained = sorted(name for name in mapping.untrained if graph.tensor(name).trainable)  # (not running statistics)
+    if trained:  # not trained: nor is what the plan computes from them alone
+        names = ", ".join(trained)
         warnings.warn(
             f"The plan trains {names}, which the module computes from its buffers and constants: autopar reads them"
             " as the constants they are, without the collectives the plan lists for them.",
             stacklevel=2,
         )
-        graph = freeze(graph, sorted(mapping.untrained))
+        graph = freeze(graph, trained)
         staged = staged_program(graph, file, costs) if file.pipeline is not None else None
         program = staged.program if staged is not None else program_from_file(graph, file, file.devices, costs)
     module.autopar = Trainer(module, file, graph, program, mapping, exported, staged)  # type: ignore[assignment]

@@ -620,6 +620,22 @@ class Pass:
 
         return Move.apply(held.value, forward, lambda grad: p.mover.masked(grad, masked))
 
+    def buffer_value(self, source: tuple[str, str], mover: Mover) -> torch.Tensor | None:
+        """A buffer's new value, whole (`ModuleMap.mutated`), gathered by ``mover`` where the plan splits it; None
+        where another stage computes it."""
+        tensor, node = source
+        if node:
+            return self.whole[node].detach()
+        p = self.p
+        producer = p.program.graph.producer[tensor]
+        held = self.held.get((tensor, producer))
+        if held is None:
+            return None
+        info = p.program.graph.tensor(tensor)
+        itemsize = p.program.itemsize(info)
+        steps = redistribute(held.layout, Layout(tuple(() for _ in info.shape)), info.shape, itemsize)
+        return mover.run(held.value.detach(), steps, "buffers", itemsize)
+
     def output(self, tensor: str) -> torch.Tensor:
         """A graph output, reduced as the plan reduces it (its layout's partial bits), on this rank."""
         p = self.p
