@@ -128,9 +128,6 @@ class Layout:
             slices.append(slice(start, start + chunk))
         return tuple(slices)
 
-    def is_valid_for(self, shape: Sequence[int]) -> bool:
-        return len(shape) == self.ndim and all(size % self.split(d) == 0 for d, size in enumerate(shape))
-
     def describe(self) -> str:
         """Compact text: ``[b2b1,-]`` splits dim 0 by bits 2 and 1; partial bits follow.
 

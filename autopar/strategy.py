@@ -9,7 +9,6 @@ search breaks ties toward earlier candidates, so ties go to data parallel as in 
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -308,14 +307,6 @@ def _present(layout: Layout | None, op: str, role: str, slot: int) -> Layout:
     if layout is None:
         raise ValueError(f"operator {op!r} has no {role} {slot}")
     return layout
-
-
-def num_candidates(rules: Sequence[OpRule]) -> int:
-    return sum(len(r.candidates) for r in rules)
-
-
-def search_space_size(rules: Sequence[OpRule]) -> float:
-    return math.prod(float(len(r.candidates)) for r in rules)
 
 
 def _encoded(

@@ -141,12 +141,17 @@ def test_out_table(capsys, tiny_path, tmp_path):
     assert "step time:" in target.read_text(encoding="utf-8")
 
 
-def test_out_to_unwritable_place(capsys, tiny_path, tmp_path):
-    code, out, err = run(capsys, "plan", tiny_path, "--devices", "1", "--out", tmp_path / "no" / "such" / "dir.json")
-    assert code == 1
-    assert out == ""
-    assert_one_line_error(err)
-    assert "Cannot write" in err
+@pytest.mark.parametrize("command", ["plan", "report"])
+def test_out_nothing_could_be_written_to_is_refused_before_planning(capsys, tiny_path, tmp_path, monkeypatch, command):
+    """A missing folder or a directory as ``--out`` is a bad flag: one sentence, exit 2, and no search runs."""
+    import autopar.api
+
+    monkeypatch.setattr(autopar.api, "plan_with", lambda *args: pytest.fail("planned"))
+    for target, said in ((tmp_path / "no" / "such" / "dir.json", "does not exist"), (tmp_path, "is a directory")):
+        code, out, err = run(capsys, command, tiny_path, "--devices", "1", "--out", target)
+        assert code == 2 and out == ""
+        assert_one_line_error(err)
+        assert said in err
 
 
 # --- bad arguments ------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopar.context import opened
 from autopar.cost import CostModel
 from autopar.layout import Layout
 from autopar.redistribute import Collective
@@ -184,7 +185,9 @@ def test_a_problem_costed_after_another_has_the_tables_it_has_costed_alone():
         return load_model(build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, batch=batch))
 
     shared = CostModel(profile())
-    built = [build_problem(graph(batch), shared, devices) for batch, devices in ((16, 16), (4, 16), (8, 8))]
+    with opened():  # one plan: the later problems take the first's pairs (`autopar.context`)
+        built = [build_problem(graph(batch), shared, devices) for batch, devices in ((16, 16), (4, 16), (8, 8))]
+        assert PairCache.of(shared).groups  # the later problems had groups to take from
     for problem, (batch, devices) in zip(built, ((16, 16), (4, 16), (8, 8))):
         alone = build_problem(graph(batch), CostModel(profile()), devices)
         assert problem.pairs_costed == alone.pairs_costed and problem.layouts_costed == alone.layouts_costed
@@ -194,7 +197,6 @@ def test_a_problem_costed_after_another_has_the_tables_it_has_costed_alone():
         for (_, mine), (_, theirs) in zip(problem.folds, alone.folds):
             for f, g in zip((*mine.first, *mine.later), (*theirs.first, *theirs.later)):
                 assert np.array_equal(f.table, g.table)
-    assert PairCache.of(shared).groups  # the later problems had groups to take from
 
 
 def test_a_problem_whose_groups_are_partly_kept_costs_only_the_others_and_has_its_tables_alone(monkeypatch):
@@ -207,21 +209,22 @@ def test_a_problem_whose_groups_are_partly_kept_costs_only_the_others_and_has_it
 
     graph = load_model(build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, batch=8))
     shared = CostModel(profile())
-    build_problem(graph, shared, 8)
-    cache = PairCache.of(shared)
-    dropped = sorted(cache.groups, key=repr)[::3]  # a third of the groups no longer kept
-    for name in dropped:
-        del cache.groups[name]
-    looked_up: list[tuple[int, int]] = []
-    original = costing._costed_slots
+    with opened():  # one plan (`autopar.context`)
+        build_problem(graph, shared, 8)
+        cache = PairCache.of(shared)
+        dropped = sorted(cache.groups, key=repr)[::3]  # a third of the groups no longer kept
+        for name in dropped:
+            del cache.groups[name]
+        looked_up: list[tuple[int, int]] = []
+        original = costing._costed_slots
 
-    def costed_slots(flow, layouts, groups, names, cache, slots):
-        looked_up.append((len(groups), len(slots)))
-        return original(flow, layouts, groups, names, cache, slots)
+        def costed_slots(flow, layouts, groups, names, cache, slots):
+            looked_up.append((len(groups), len(slots)))
+            return original(flow, layouts, groups, names, cache, slots)
 
-    monkeypatch.setattr(costing, "_costed_slots", costed_slots)
-    again = build_problem(graph, shared, 8)
-    assert looked_up == [(len(dropped), len(cache.groups))]
+        monkeypatch.setattr(costing, "_costed_slots", costed_slots)
+        again = build_problem(graph, shared, 8)
+        assert looked_up == [(len(dropped), len(cache.groups))]
     alone = build_problem(graph, CostModel(profile()), 8)
     assert again.pairs_costed == alone.pairs_costed and again.layouts_costed == alone.layouts_costed
     for mine, theirs in zip((*again.factors, *again.recompute_factors), (*alone.factors, *alone.recompute_factors)):

@@ -452,19 +452,21 @@ def test_batch_override_rewrites_a_hard_coded_reshape_batch():
 
 
 def test_a_file_imported_at_one_batch_after_another_is_rebatched_as_if_imported_alone():
-    """The sizes a file infers at its own batch are inferred once per file content (`bind._file_shapes`):
-    the second and third batches take them from there, and a file of other content is inferred anew."""
-    from autopar.graph import bind
+    """The sizes a file infers at its own batch are inferred once per file content in a plan
+    (`bind._file_shapes`, `autopar.context`): the second and third batches take them from there, and a file
+    of other content is inferred anew."""
+    from autopar.context import opened
 
-    bind._FILE_SHAPES.clear()
-    model = _hard_coded_reshape(batch=2, target=(2, 48))
-    shapes = {batch: load_model(model, batch=batch).tensor("y").shape for batch in (32, 4, 32)}
-    assert shapes == {32: (32, 48), 4: (4, 48)} and len(bind._FILE_SHAPES) == 1
-    wider = _hard_coded_reshape(batch=2, target=(2, 48))
-    wider.graph.input[0].type.tensor_type.shape.dim[2].dim_value = 16  # (2, 6, 16): 96 features a sample
-    wider.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 96
-    wider.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array([2, 96], np.int64), "target"))
-    assert load_model(wider, batch=4).tensor("y").shape == (4, 96) and len(bind._FILE_SHAPES) == 2
+    with opened() as plan:
+        model = _hard_coded_reshape(batch=2, target=(2, 48))
+        shapes = {batch: load_model(model, batch=batch).tensor("y").shape for batch in (32, 4, 32)}
+        assert shapes == {32: (32, 48), 4: (4, 48)} and len(plan.file_shapes) == 1
+        wider = _hard_coded_reshape(batch=2, target=(2, 48))
+        wider.graph.input[0].type.tensor_type.shape.dim[2].dim_value = 16  # (2, 6, 16): 96 features a sample
+        wider.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 96
+        wider.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array([2, 96], np.int64), "target"))
+        assert load_model(wider, batch=4).tensor("y").shape == (4, 96) and len(plan.file_shapes) == 2
+    assert not plan.file_shapes  # closed with the plan
 
 
 def test_reshape_that_changes_the_element_count_is_an_import_error():

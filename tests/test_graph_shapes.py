@@ -9,6 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
+from autopar.context import opened
 from autopar.errors import ComputedDimensionError, ModelImportError
 from autopar.graph import bind, load_model
 from autopar.graph.bind import bind_dimensions
@@ -196,11 +197,10 @@ def test_inference_skips_data_propagation_only_where_it_would_find_nothing_more(
 
 def test_a_file_is_inferred_with_data_propagation_at_its_first_batch_only(propagating, monkeypatch):
     asked, _ = propagating
-    monkeypatch.setattr(bind, "_PROPAGATED", type(bind._PROPAGATED)())  # as in a fresh process
-    monkeypatch.setattr(bind, "_FILE_SHAPES", type(bind._FILE_SHAPES)())
     path = Path("tests/data/torch_gpt_dynamo.onnx")  # declared at a batch of 4
-    first = load_model(path, batch=4)
-    assert asked == [True]
-    second = load_model(path, batch=2)  # the file's own sizes (to rebatch), then its strict inference
-    assert asked == [True, True, False]
+    with opened():  # one plan (`autopar.context`)
+        first = load_model(path, batch=4)
+        assert asked == [True]
+        second = load_model(path, batch=2)  # the file's own sizes (to rebatch), then its strict inference
+        assert asked == [True, True, False]
     assert second.tensor("ids").shape == (2, 16) and first.tensor("ids").shape == (4, 16)

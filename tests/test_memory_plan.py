@@ -551,17 +551,17 @@ def test_a_hinted_memory_walk_ends_at_the_same_plan_in_no_more_runs(share, monke
         model, 4, profile(capacity=with_recompute + share * (without - with_recompute), peak=RC_PEAK)
     )
     runs = []
-    minimise = Solver.minimise
-    monkeypatch.setattr(Solver, "minimise", lambda self, unary: runs.append(1) or minimise(self, unary))
+    minimise = Solver.solve
+    monkeypatch.setattr(Solver, "solve", lambda self, unary: runs.append(1) or minimise(self, unary))
     plain = run_search(problem)
     plain_runs = len(runs)
-    assert plain.lagrange_multiplier > 0  # memory binds: the walk ran
+    assert plain.memory_multiplier > 0  # memory binds: the walk ran
     for scale in (1.0, 10.0, 0.1):
         runs.clear()
-        hinted = run_search(problem, hint=plain.lagrange_multiplier * scale)
+        hinted = run_search(problem, hint=plain.memory_multiplier * scale)
         assert (hinted.choice, hinted.choices) == (plain.choice, plain.choices)
         if scale == 1.0:  # the settled weight: the same weight comes back, in fewer runs
-            assert hinted.lagrange_multiplier == pytest.approx(plain.lagrange_multiplier, rel=1e-9)
+            assert hinted.memory_multiplier == pytest.approx(plain.memory_multiplier, rel=1e-9)
             assert len(runs) < plain_runs
 
 
@@ -580,14 +580,14 @@ def test_a_walk_widening_from_a_hint_ends_where_the_plain_secant_walk_does(share
     )
     monkeypatch.setattr(driver, "_WIDEN", math.inf)
     plain = run_search(problem)
-    assert plain.lagrange_multiplier > 0  # memory binds: the walk ran
-    hinted = {scale: run_search(problem, hint=plain.lagrange_multiplier * scale) for scale in (1e-3, 0.1, 1.0, 10.0)}
+    assert plain.memory_multiplier > 0  # memory binds: the walk ran
+    hinted = {scale: run_search(problem, hint=plain.memory_multiplier * scale) for scale in (1e-3, 0.1, 1.0, 10.0)}
     monkeypatch.setattr(driver, "_WIDEN", 2.0)
-    widened = {scale: run_search(problem, hint=plain.lagrange_multiplier * scale) for scale in hinted}
+    widened = {scale: run_search(problem, hint=plain.memory_multiplier * scale) for scale in hinted}
     for scale, found in hinted.items():
         assert (
             (widened[scale].choice, widened[scale].choices)
             == (found.choice, found.choices)
             == (plain.choice, plain.choices)
         )
-        assert widened[scale].lagrange_multiplier == pytest.approx(found.lagrange_multiplier, rel=1e-9)
+        assert widened[scale].memory_multiplier == pytest.approx(found.memory_multiplier, rel=1e-9)

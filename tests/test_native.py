@@ -11,7 +11,7 @@ from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.layout import Layout
 from autopar.search import coefficients, costing, dp, fold, native
-from autopar.search.coefficients import LayoutTable, PairCache, pair_coefficients
+from autopar.search.coefficients import LayoutTable, pair_coefficients
 from autopar.search.costing import build_problem, redistribution_coefficients
 from models.transformer import build_transformer
 from tests.conftest import profile
@@ -177,7 +177,7 @@ def test_edge_tables_filled_by_the_kernel_are_numpy_s_bit_for_bit(monkeypatch, n
     want = numpy_path(lambda: build_problem(graph, cost, 64))
     compiled_tables = costing._compiled_tables
     monkeypatch.setattr(native, "ENTRIES", 1)
-    monkeypatch.setattr(PairCache, "_cache", type(PairCache._cache)())  # cost the pairs again, too
+    # each build_problem is a plan of its own (`autopar.context`): the pairs are costed again, too
     filled = []
     monkeypatch.setattr(costing, "_compiled_tables", lambda *a: filled.append(a) or compiled_tables(*a))
     got = build_problem(graph, cost, 64)

@@ -389,8 +389,8 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
             except InfeasibleError:
                 continue  # nothing of this stage fits: nothing to refute wrongly
             exact = stage.objective(found.choice, found.choices)
-            weights += [found.lagrange_multiplier] if found.lagrange_multiplier > 0 else []
-            for memory_weight in (found.lagrange_multiplier, 1e-12, 1e-10, 1e-8, 1e-6):
+            weights += [found.memory_multiplier] if found.memory_multiplier > 0 else []
+            for memory_weight in (found.memory_multiplier, 1e-12, 1e-10, 1e-8, 1e-6):
                 search.hint = memory_weight
                 if memory_weight > 0:
                     assert not search._refuted_at_hint(stage, a, b, index, exact * (1 + 1e-9))
@@ -568,23 +568,20 @@ def test_the_cut_search_takes_the_first_of_the_least_from_the_last_stage_back(se
 
 
 def _refusing_to_meet(monkeypatch, batches: tuple[int, ...]) -> list[tuple[int, bool]]:
-    """Costing refuses, as over its limits, the forks' meeting layouts at these batches: the checks asked
+    """Costing finds the forks' meeting layouts past its table limits at these batches: the checks asked
     for, as (batch, whether forks meet), are listed."""
-    from autopar.errors import SearchTooLargeError
     from autopar.search import costing
 
     asked: list[tuple[int, bool]] = []
-    check = costing._Planned.check
+    exact = costing._Planned.exact
 
-    def refusing(self) -> None:
+    def refusing(self) -> bool:
         graph = self.flow.graph
         batch = graph.tensor(graph.inputs[0]).shape[0]
         asked.append((batch, self.meet))
-        if self.meet and batch in batches:
-            raise SearchTooLargeError("Meeting takes the search over its limits.")
-        check(self)
+        return not (self.meet and batch in batches) and exact(self)
 
-    monkeypatch.setattr(costing._Planned, "check", refusing)
+    monkeypatch.setattr(costing._Planned, "exact", refusing)
     return asked
 
 
@@ -598,9 +595,9 @@ def test_one_stage_micro_batches_pass_forks_through_where_the_whole_batch_does(m
     asked = _refusing_to_meet(monkeypatch, (8,))
     options = PlanOptions.resolve(4, profile(peak=1e9), None)
     shapes = planning._Shapes(model, load_model(model), 8, options, options.costs())
-    assert not shapes.single.forks_meet and asked == [(8, True), (8, False)]
-    assert not shapes.problem(1, 2).forks_meet and asked[2:] == [(4, False)]
-    assert shapes.problem(2, 2).forks_meet and asked[3:] == [(4, True)]
+    assert not shapes.single.forks_meet and asked == [(8, True)]
+    assert not shapes.problem(1, 2).forks_meet and asked[1:] == []  # passing through needs no check
+    assert shapes.problem(2, 2).forks_meet and asked[1:] == [(4, True)]
 
 
 def test_a_micro_batch_count_whose_forks_pass_through_bounds_no_multiple_of_it_where_the_whole_batch_meets(
@@ -617,7 +614,7 @@ def test_a_micro_batch_count_whose_forks_pass_through_bounds_no_multiple_of_it_w
     shapes = planning._Shapes(model, load_model(model), 8, options, options.costs())
     two, four = PipelineShape(1, 2), PipelineShape(1, 4)
     passing = shapes.problem(1, 2)
-    assert shapes.single.forks_meet and not passing.forks_meet and asked == [(8, True), (4, True), (4, False)]
+    assert shapes.single.forks_meet and not passing.forks_meet and asked == [(8, True), (4, True)]
     shapes._note_fastest(passing, two, 5.0)
     assert not shapes._fewer_micro_batches_win(four, 1.0)
     shapes._note_fastest(shapes.problem(1, 4), four, 5.0)  # its forks meet: it bounds its multiples

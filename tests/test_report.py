@@ -25,7 +25,7 @@ from autopar.report.html import (
     warnings_of,
 )
 from models.transformer import build_preset
-from tests.conftest import export_gpt, run_cli
+from tests.conftest import export_gpt, profile, run_cli
 
 RESNET50 = "models/resnet50.onnx"
 BALANCED = ("svg", "table", "section", "tr", "td", "th", "div", "thead", "tbody", "ul", "li", "text", "title")
@@ -307,7 +307,7 @@ def test_a_plan_file_alone_says_what_it_cannot_compare(resnet):
     _, data = resnet
     page = report_html(json.loads(json.dumps(data)))
     assert parse(page).problems == []
-    assert "not computed" in page  # stand-alone
+    assert "needs the plan on its problem" in page  # stand-alone
     assert "needs the data-parallel plan" in page
 
 
@@ -392,3 +392,35 @@ def test_a_browser_renders_the_page(resnet, tmp_path):
     assert colours is not None and len(colours) > 50  # text, cards, the coloured map: not a blank page
     white = sum(count for count, colour in colours if colour == (255, 255, 255))
     assert white < 0.95 * image.size[0] * image.size[1]
+
+
+def test_a_pipelined_plans_timeline_and_stand_alone_card_mean_what_they_say():
+    """A pipelined plan's step splits into forward and backward in the shares its operators have (not all of
+    its compute as forward), and its stand-alone plan is the whole batch's on every device, one stage (not
+    the plan itself, a speed-up of 1); a stand-alone plan no device can hold gets no speed-up, and the card
+    says why."""
+    from autopar.api import comparison, compute_split
+    from autopar.report.figures import summary_figures
+    from autopar.report.sections import summary_section
+
+    model = build_preset("gpt2", layers=4)
+    plan = autopar.plan(model, devices=8, pipeline_stages=2, micro_batches=4)
+    assert plan.pipeline is not None
+    data = plan.file
+    forward, recompute = compute_split(plan)
+    phases = dict(timeline_phases(data, forward, recompute))
+    assert 0 < phases["forward"] < phases["backward"]
+    assert phases["forward"] + phases["backward"] == pytest.approx(data.totals.compute_s, rel=1e-9)
+    other = comparison(plan)
+    assert other.stand_alone.pipeline is None and other.stand_alone.memory_plan.micro_batches == 1
+    assert other.stand_alone.totals.step_time_s != data.totals.step_time_s
+    speedup = summary_figures(data, other.stand_alone)["speedup_vs_stand_alone"]
+    assert speedup == pytest.approx(other.stand_alone.totals.step_time_s / data.totals.step_time_s)
+    used, whole = data.totals.memory_per_device_bytes, other.stand_alone.totals.memory_per_device_bytes
+    assert used < whole
+    small = autopar.plan(
+        model, devices=8, pipeline_stages=2, micro_batches=4, cost_model=profile(capacity=(used + whole) / 2)
+    )
+    alone = comparison(small).stand_alone
+    assert summary_figures(small.file, alone)["speedup_vs_stand_alone"] is None
+    assert "does not fit one device" in summary_section(small.file, alone)

@@ -15,7 +15,7 @@ import autopar
 from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.search.costing import build_problem
-from autopar.search.dp import Elimination, Factor, tie_break_unary
+from autopar.search.dp import Elimination, Factor, TableLimits, tie_break_unary
 from autopar.search.driver import data_parallel_choice, run_search
 from autopar.search.fold import Solver, minimise
 from tests.conftest import every_plan, make_model, profile, random_model
@@ -191,43 +191,54 @@ def test_weighted_fill_closes_a_cycle_over_its_cheapest_operator(seed, monkeypat
     is what makes the search look further); it is exact (brute force over all 9,216 assignments)."""
     sizes, factors, unary = _routed_cycle(seed)
     assert Elimination(sizes, factors).largest == 576
-    monkeypatch.setattr("autopar.search.dp.MAX_TABLE_ENTRIES", 300)
-    elimination = Elimination(sizes, factors)
-    assert elimination.largest == 288
+    elimination = Elimination(sizes, factors, limits=TableLimits(entries=300))
+    assert elimination.largest == 288 and elimination.exact
     best, total = _brute_force_total(factors, unary)
     assert total(elimination.run(unary).backtrack()) == pytest.approx(best, rel=1e-12)
 
 
 def test_an_elimination_with_refused_orders_is_freed_when_dropped_without_the_collector(monkeypatch):
-    """An order refused as too large is let go of once another order plans, and the error raised when every
-    order is refused lets go of the frame raising it: either way no cycle runs through the frame (its
-    error's traceback holds it), which holds the elimination and, through its callers, a whole search
-    until the cycle collector runs."""
+    """An order refused as too large is let go of once another order plans, and so is every exact order's
+    refusal where the elimination is then split (`dp._split`): no cycle runs through a frame (a refusal's
+    traceback holds it), which holds the elimination and, through its callers, a whole search until the
+    cycle collector runs."""
     import gc
     import weakref
 
-    from autopar.errors import SearchTooLargeError
-    from autopar.search import dp
-
     sizes, factors, _ = _routed_cycle(0)
-    monkeypatch.setattr(dp, "_PLANS", type(dp._PLANS)())  # planned anew, not taken from the test above
     planned: list[weakref.ref] = []
     structure = Elimination._structure
     monkeypatch.setattr(Elimination, "_structure", lambda self: planned.append(weakref.ref(self)) or structure(self))
-    monkeypatch.setattr(dp, "MAX_TABLE_ENTRIES", 300)  # only weighted fill plans (the test above)
     collecting = gc.isenabled()
     gc.disable()
     try:
-        elimination = Elimination(sizes, factors)
+        elimination = Elimination(sizes, factors, limits=TableLimits(entries=300))  # only weighted fill plans
         assert elimination.largest == 288
         del elimination
-        monkeypatch.setattr(dp, "MAX_TABLE_ENTRIES", 100)  # every order refused
-        with pytest.raises(SearchTooLargeError):
-            Elimination(sizes, factors)
+        elimination = Elimination(sizes, factors, limits=TableLimits(entries=100))  # every exact order refused
+        assert not elimination.exact
+        del elimination
         assert len(planned) == 2 and all(held() is None for held in planned)
     finally:
         if collecting:
             gc.enable()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_an_elimination_past_its_limits_answers_with_a_plan_and_a_lower_bound(seed):
+    """Where every exact order passes the table limits, steps are split into groups within them: the value
+    `run` gives is at most the least total (brute force over every assignment), and the plan it backtracks
+    costs at least that; within the limits the value is the plan's total, the optimum."""
+    sizes, factors, unary = _routed_cycle(seed)
+    best, total = _brute_force_total(factors, unary)
+    exact = Elimination(sizes, factors).run(unary)
+    assert exact.value == pytest.approx(best, rel=1e-12) == total(exact.backtrack())
+    for entries in (100, 40, 20):
+        elimination = Elimination(sizes, factors, limits=TableLimits(entries=entries, left=entries))
+        assert not elimination.exact and elimination.largest <= max(entries, 64)
+        solved = elimination.run(unary)
+        assert solved.value <= best * (1 + 1e-12)
+        assert total(solved.backtrack()) >= best * (1 - 1e-12)
 
 
 @pytest.mark.parametrize("cells", [1, 7, 64, 1 << 18])
@@ -252,27 +263,27 @@ def test_a_step_sums_and_minimises_the_same_in_slabs_of_rows_or_of_blocks(cells,
 
 def test_an_elimination_of_a_structure_planned_before_takes_its_plan(monkeypatch):
     """Planning reads the structure only (candidate counts, scopes, class maps, table shapes, kept operators,
-    ties, the limits), so a second elimination of the same structure takes the first one's plan without
-    planning, and runs to the same minimum on other tables; a class map or a limit that differs plans anew."""
-    from autopar.search import dp
+    ties, the limits), so a second elimination of the same structure in one plan (`autopar.context`) takes the
+    first one's plan without planning, and runs to the same minimum on other tables; a class map or a limit
+    that differs plans anew, and so does an elimination in another plan."""
+    from autopar.context import opened
 
     sizes, factors, unary = _routed_cycle(0)
-    first = Elimination(sizes, factors)
-    planned = []
-    monkeypatch.setattr(Elimination, "_plan", lambda self, rule: planned.append(rule) or pytest.fail("planned"))
     rng = np.random.default_rng(1)
     other = [Factor(f.scope, f.maps, rng.random(f.table.shape)) for f in factors]
-    again = Elimination(sizes, other)
-    assert again.steps is first.steps and not planned
-    fresh = dp._PLANS.copy()
-    monkeypatch.undo()
-    dp._PLANS.clear()
-    assert Elimination(sizes, other).run(unary).backtrack() == again.run(unary).backtrack()
-    dp._PLANS.update(fresh)
-    merged = [Factor(f.scope, (np.zeros_like(f.maps[0]), f.maps[1]), f.table[:1]) for f in factors[:1]]
-    assert Elimination(sizes, merged + factors[1:]).steps is not first.steps
-    monkeypatch.setattr(dp, "MAX_TABLE_ENTRIES", 300)
-    assert Elimination(sizes, factors).steps is not first.steps
+    alone = Elimination(sizes, other).run(unary).backtrack()
+    with opened():
+        first = Elimination(sizes, factors)
+        planned = []
+        with monkeypatch.context() as patched:
+            patched.setattr(Elimination, "_plan", lambda self, *args: planned.append(args) or pytest.fail("planned"))
+            again = Elimination(sizes, other)
+        assert again.steps is first.steps and not planned
+        assert again.run(unary).backtrack() == alone
+        merged = [Factor(f.scope, (np.zeros_like(f.maps[0]), f.maps[1]), f.table[:1]) for f in factors[:1]]
+        assert Elimination(sizes, merged + factors[1:]).steps is not first.steps
+        assert Elimination(sizes, factors, limits=TableLimits(entries=300)).steps is not first.steps
+    assert Elimination(sizes, factors).steps is not first.steps  # another plan plans anew
 
 
 def test_a_search_given_the_runs_of_one_before_it_takes_them_and_finds_the_same_plan(monkeypatch):
@@ -287,11 +298,45 @@ def test_a_search_given_the_runs_of_one_before_it_takes_them_and_finds_the_same_
     first = run_search(problem, cache=cache)
     assert cache.solver is not None and (0.0, False, 1.0) in cache.runs
     runs = []
-    original = Solver.minimise
-    monkeypatch.setattr(Solver, "minimise", lambda self, unary: runs.append(1) or original(self, unary))
+    original = Solver.solve
+    monkeypatch.setattr(Solver, "solve", lambda self, unary: runs.append(1) or original(self, unary))
     again = run_search(problem, cache=cache)
     assert not runs and again.choice == first.choice
     assert run_search(problem).choice == first.choice and runs
     other = build_problem(load_model(model), CostModel(profile()), 4)
     with pytest.raises(ValueError, match="one problem"):
         run_search(other, cache=cache)
+
+
+def test_a_bounded_search_brackets_the_ilp_optimum():
+    """The gap is honest: on 20 random problems small enough for HiGHS's exact ILP, searched with table limits
+    so small that most steps are split, the lower bound the search gives is at most the ILP's optimum and
+    its plan is at least as slow; half of them with so little memory that it binds (the bound is then
+    Lagrangian). Within today's limits the same problems are exact: the bound is the plan's own time."""
+    pytest.importorskip("highspy")
+    from autopar.errors import InfeasibleError
+
+    split = bound_by_memory = 0
+    for seed in range(20):
+        model = load_model(random_model(seed))
+        problem = build_problem(model, CostModel(profile(peak=1e8)), 8)
+        if seed % 2:  # a device with room for half of what the fastest plan needs over the leanest
+            fastest = run_search(problem)
+            floor = problem.memory_floor(False)
+            capacity = floor + 0.5 * (problem.memory(fastest.choice, fastest.choices) - floor)
+            problem = build_problem(model, CostModel(profile(capacity=capacity, peak=1e8)), 8)
+        try:
+            optimum = run_search(problem, algorithm="ilp")
+        except InfeasibleError:
+            continue
+        best = problem.objective(optimum.choice, optimum.choices)
+        exact = run_search(problem)
+        if exact.exact:
+            assert exact.bound_s == problem.objective(exact.choice, exact.choices) == pytest.approx(best, rel=1e-9)
+        found = run_search(problem, table_limits=TableLimits(entries=16, left=4))
+        planned = problem.objective(found.choice, found.choices)
+        assert found.bound_s is not None and found.bound_s <= best * (1 + 1e-9) + 1e-15
+        assert planned >= best * (1 - 1e-9)
+        split += found.steps_split > 0
+        bound_by_memory += found.memory_multiplier > 0
+    assert split >= 10 and bound_by_memory >= 3

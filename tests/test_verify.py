@@ -164,3 +164,28 @@ def test_a_forward_check_counts_every_ranks_copies_before_drawing_anything(monke
     monkeypatch.setattr(runner, "MAX_VERIFY_BYTES", need)
     monkeypatch.undo()
     assert autopar.verify(tiny_resnet, plan).ok
+
+
+def test_verify_without_a_plan_runs_the_plan_that_plan_prints(monkeypatch):
+    """`autopar verify MODEL` with no plan verifies the plan `autopar plan MODEL` prints for the same options
+    (the whole search: micro-batches and recomputation where memory binds), not another search's."""
+    from autopar.api import verification
+    from models.transformer import build_transformer
+    from tests.conftest import profile
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=16, vocab=128, batch=8)
+    free = autopar.plan(model, devices=4, cost_model=profile())
+    tight = profile(capacity=0.6 * free.memory_per_device)
+    printed = autopar.plan(model, devices=4, cost_model=tight)
+    assert printed.strategies != free.strategies or printed.search.choices != free.search.choices
+    verified = []
+    run = verification.verify_program
+    monkeypatch.setattr(
+        verification, "verify_program", lambda program, **kw: verified.append(program) or run(program, **kw)
+    )
+    assert autopar.verify(model, devices=4, cost_model=tight).ok
+
+    def shown(program):
+        return [(op.name, op.exponents, op.inputs, op.outputs) for op in program.ops], program.graph.inputs
+
+    assert shown(verified[0]) == shown(printed.program)

@@ -14,17 +14,21 @@ from autopar.search.memory import MemoryChoices
 
 
 def _sibling(plan: Plan, choice: Sequence[int], mode: str) -> Plan:
-    """The plan of another choice on ``plan``'s own problem (same micro-batches, no other memory relief)."""
+    """The plan of another choice on ``plan``'s own problem (same micro-batches, no other memory relief); a
+    pipelined plan's is the whole batch's on every device, one stage (`Plan.single`), as data parallel runs."""
     search = dataclasses.replace(
         plan.search,
         choice=tuple(choice),
         method=mode,
-        lagrange_multiplier=0.0,
+        memory_multiplier=0.0,
         candidates_kept=None,
         candidates_dropped=None,
-        choices=MemoryChoices(micro_batches=plan.search.choices.micro_batches),
+        choices=MemoryChoices(micro_batches=1 if plan.pipeline is not None else plan.search.choices.micro_batches),
     )
-    return dataclasses.replace(plan, choice=tuple(choice), search=search, mode=mode, phases_s={})
+    sibling = dataclasses.replace(plan, choice=tuple(choice), search=search, mode=mode, phases_s={})
+    if plan.pipeline is None or plan.single is None:
+        return sibling
+    return dataclasses.replace(sibling, problem=plan.single, pipeline=None, single=None)
 
 
 def compute_split(plan: Plan) -> tuple[float, float]:
@@ -44,6 +48,12 @@ def compute_split(plan: Plan) -> tuple[float, float]:
         if choices.recompute
         else 0.0
     )
+    if plan.pipeline is not None:
+        # the step's compute is the pipeline's (its slowest stage's, micro-batch after micro-batch), not the
+        # sum over every operator: each part keeps its share of one micro-batch's compute on every stage
+        total = sum(float(problem.node_compute[i][c]) for i, c in enumerate(plan.choice)) + recompute
+        share = plan.file.totals.compute_s / total if total > 0 else 0.0
+        return forward * share, recompute * share
     return forward * choices.micro_batches, recompute * choices.micro_batches
 
 
@@ -57,7 +67,7 @@ def comparison(plan: Plan) -> Comparison:
     """
     progress.report("comparisons", 0, 2)
     base = plan.free if plan.free is not None else plan
-    problem = base.problem
+    problem = base.single if base.pipeline is not None and base.single is not None else base.problem
     dp_choice = data_parallel_choice(problem)
     same = base is plan and list(plan.choice) == dp_choice
     data_parallel = plan if same else _sibling(base, dp_choice, "data_parallel")

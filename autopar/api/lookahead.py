@@ -39,6 +39,7 @@ from typing import BinaryIO
 
 import onnx
 
+from autopar.context import opened
 from autopar.cost import CostModel
 from autopar.graph import Graph
 from autopar.limits import WORKERS, YOUNG_COLLECTION, lend_cores
@@ -327,6 +328,12 @@ def main() -> None:
     gc.set_threshold(max(young, YOUNG_COLLECTION), *older)  # as rarely as the search collects (`planning._Collector`)
     job: Job
     job, folder = pickle.load(source)
+    with opened():  # one context for the helper's whole run: the costed pairs serve every floor
+        _serve(job, folder, source, answers)
+
+
+def _serve(job: Job, folder: str, source: BinaryIO, answers: BinaryIO) -> None:
+    """Answer the search's requests until its input ends (`main`)."""
     while True:
         try:
             kind, key = pickle.load(source)

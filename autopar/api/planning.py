@@ -6,14 +6,11 @@ predicted step time of any full assignment of them (`evaluate`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
-import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,6 +19,7 @@ import onnx
 from autopar import progress
 from autopar.api.lookahead import MARGIN, Job, Lookahead, job_model
 from autopar.api.lookahead import wanted as lookahead_wanted
+from autopar.context import opened
 from autopar.cost import CostModel, load_profile
 from autopar.cost.mesh import Mesh
 from autopar.errors import (
@@ -34,7 +32,7 @@ from autopar.errors import (
     StrategyError,
 )
 from autopar.graph import Graph, freeze, load_model, train
-from autopar.limits import MAX_MICRO_BATCHES, YOUNG_COLLECTION
+from autopar.limits import MAX_MICRO_BATCHES
 from autopar.lowering import (
     Plan,
 )
@@ -196,43 +194,8 @@ def plan(
 
 def plan_with(model: ModelLike, options: PlanOptions) -> Plan:
     """The plan for a model under checked options (`plan` with its keywords gathered)."""
-    with _collector.fewer():
+    with opened():  # every cache, pool and thread the plan uses, closed when it returns
         return _plan_with(model, options)
-
-
-class _Collector:
-    """Python's cycle collector, run less often while any plan is under way (in any thread), and as it was
-    once none is.
-
-    Planning a large model allocates millions of small objects (layouts, rules, factors) and holds
-    hundreds of thousands: at the default thresholds the collector ran 4,800 times in a plan of the
-    76.1B GPT and walked every object held 22 times, about 7 s of it, to free almost nothing (what a
-    search drops is freed as it is dropped: no cycle holds a problem). Less often: under 2 s."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._plans = 0
-        self._saved = gc.get_threshold()
-
-    @contextlib.contextmanager
-    def fewer(self) -> Iterator[None]:
-        with self._lock:
-            if not self._plans:
-                self._saved = gc.get_threshold()
-                young, *older = self._saved
-                if young:  # 0: the caller turned automatic collection off
-                    gc.set_threshold(max(young, YOUNG_COLLECTION), *older)
-            self._plans += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._plans -= 1
-                if not self._plans:
-                    gc.set_threshold(*self._saved)
-
-
-_collector = _Collector()
 
 
 def _plan_with(model: ModelLike, options: PlanOptions) -> Plan:
@@ -667,7 +630,7 @@ class _Shapes:
         memory weight, no recomputation the search chose; a parallel optimizer taken because it is faster,
         or recomputation the options ask for, does not count)."""
         chose_recompute = best is not None and best.found.choices.recompute and self.options.recompute is None
-        return best is not None and best.pipeline is None and not chose_recompute and not best.found.lagrange_multiplier
+        return best is not None and best.pipeline is None and not chose_recompute and not best.found.memory_multiplier
 
     def _fits_whole(self, best: _Searched | None) -> bool:
         """`_memory_free`, over the whole batch (one micro-batch)."""
@@ -690,7 +653,7 @@ class _Shapes:
                     raise
                 return None
             self._note_fastest(stage, shape, found.fastest_s)
-            self._hint = found.lagrange_multiplier or self._hint
+            self._hint = found.memory_multiplier or self._hint
             if shape == ONE_STAGE:
                 return _Searched(problem, found, None, problem.objective(found.choice, found.choices))
             seconds = stage.objective(found.choice, found.choices)
@@ -768,7 +731,10 @@ def _or_least(seconds: float | None) -> float:
 def _joined(result: PipelineResult, seconds: float) -> SearchResult:
     """A pipeline's stages as one search result on the micro-batch's problem."""
     first = result.stages[0].result
-    return SearchResult(result.choice, first.method, seconds, first.lagrange_multiplier, choices=result.choices)
+    exact = all(stage.result.exact for stage in result.stages)
+    return SearchResult(
+        result.choice, first.method, seconds, first.memory_multiplier, choices=result.choices, exact=exact
+    )
 
 
 def _stage_starts(problem: SearchProblem, names: Sequence[str]) -> tuple[int, ...]:

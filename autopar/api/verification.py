@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from autopar.api.planning import ModelLike, _micro_batch, common_batch, model_graph
+from autopar.api.planning import ModelLike, _micro_batch, common_batch, model_graph, plan_with
 from autopar.errors import AutoparError
 from autopar.graph import Graph
 from autopar.limits import MAX_SEED
@@ -33,7 +33,6 @@ from autopar.options import (
     runtime_of,
 )
 from autopar.search.costing import build_problem
-from autopar.search.driver import run_search
 from autopar.spmd import VerifyReport, verify_program
 
 
@@ -94,6 +93,8 @@ def verify(
         optimizer=optimizer,
         memory_reserve=memory_reserve,
     )
+    if plan_or_strategies is None:  # the plan the model's annotations hold, else the one `plan` prints
+        plan_or_strategies = _annotated(model, options) or plan_with(model, options)
     staged = _pipelined(model, plan_or_strategies, options)
     if staged is not None:
         from autopar.runtime.launch import DEFAULT_TIMEOUT_S
@@ -131,13 +132,14 @@ def _program(model: ModelLike, given: Plan | PlanFile | Mapping[str, Any] | None
         costs = options.replace(precision=given.precision).costs()
         return program_from_file(graph, given, options.num_devices, costs)
     problem = build_problem(graph, options.costs(), options.num_devices)
-    if given is None:  # a model exported with `--to onnx` carries its plan
-        from autopar.export.onnx_sharding import annotated_strategies
+    return program_of(problem, problem.choice_for(given or {}))
 
-        given = annotated_strategies(graph.model, options.num_devices)
-    if given is None:
-        return Plan.lower(problem, run_search(problem), "auto_parallel").program
-    return program_of(problem, problem.choice_for(given))
+
+def _annotated(model: ModelLike, options: PlanOptions) -> Mapping[str, Any] | None:
+    """The strategies a model exported with ``autopar export --to onnx`` carries (None: it carries none)."""
+    from autopar.export.onnx_sharding import annotated_strategies
+
+    return annotated_strategies(model_graph(model, options.batch, options.dims).model, options.num_devices)
 
 
 def _pipelined(

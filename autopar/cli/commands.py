@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar import progress
-from autopar.cli.flags import UsageError, defaults_of
+from autopar.cli.flags import UsageError, check_out, defaults_of
 from autopar.cli.output import ProgressLine, emit, say_plan_warnings, say_warnings
 from autopar.errors import AutoparWarning, FixedStrategyError
 from autopar.limits import MAX_DIMENSION
@@ -82,6 +82,7 @@ def _plan_batch(plan_file: Any) -> int | None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    check_out(args.out)
     import autopar
     from autopar.report import plan_table
 
@@ -181,6 +182,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    check_out(args.out)
     import autopar
     from autopar.report.sweep import sweep_html
 
@@ -216,6 +218,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    check_out(args.out)
     import autopar
     from autopar.report.html import plan_report
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import re
+from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
@@ -18,6 +19,25 @@ from autopar.units import parse_bytes
 
 class UsageError(AutoparError):
     """Flags that cannot go together, found once they are read: exit 2, as argparse's own errors."""
+
+
+def check_out(out: str | None) -> None:
+    """Refuse, before any work, an ``--out`` nothing could be written to: a directory, or a file in a folder
+    that does not exist (one sentence, exit 2, where writing would have failed after the whole search).
+
+    >>> check_out(".")
+    Traceback (most recent call last):
+    ...
+    autopar.cli.flags.UsageError: --out '.' is a directory: name a file to write.
+    """
+    if not out:
+        return
+    target = Path(out)
+    if target.is_dir():
+        raise UsageError(f"--out {out!r} is a directory: name a file to write.")
+    folder = target.parent
+    if str(folder) and not folder.is_dir():
+        raise UsageError(f"--out {out!r} is in a folder that does not exist ({str(folder)!r}).")
 
 
 class _Parser(argparse.ArgumentParser):

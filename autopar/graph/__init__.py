@@ -22,6 +22,7 @@ from pathlib import Path
 
 import onnx
 
+from autopar.context import planning
 from autopar.graph.bind import (
     bind_dimensions,
     check_bindings,
@@ -37,6 +38,7 @@ from autopar.graph.build import build_graph, freeze, train
 from autopar.graph.forks import insert_forks
 from autopar.graph.read import read_model
 from autopar.graph.records import restore_training_batch_norms
+from autopar.graph.sequences import slice_sequences
 from autopar.graph.shapes import resolve_shapes, split_computed
 from autopar.graph.types import ElidedValue, Graph, OpNode, TensorInfo, TensorKind
 from autopar.graph.validate import (
@@ -49,6 +51,7 @@ from autopar.graph.validate import (
 )
 
 
+@planning
 def load_model(
     model: str | Path | onnx.ModelProto,
     batch: int | None = None,
@@ -64,6 +67,7 @@ def load_model(
     """
     proto = read_model(model)
     restore_training_batch_norms(proto)
+    slice_sequences(proto)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
     check_bindings(batch, dims or {})
     check_declared_sizes(proto, batch)

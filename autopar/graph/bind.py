@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, shape_inference
 
+from autopar import context
 from autopar.errors import ModelImportError, UnknownSymbolError
 from autopar.graph.proto import data_inputs, value_infos
 from autopar.limits import MAX_DIMENSION
@@ -173,8 +174,7 @@ def rebatch_constants(proto: onnx.ModelProto, batch: int) -> None:
         proto.graph.initializer[index].CopyFrom(rebatched)
 
 
-_FILE_SHAPES: collections.OrderedDict[bytes, dict[str, tuple[int, ...]] | None] = collections.OrderedDict()
-_FILE_SHAPES_KEPT = 4
+_FILE_SHAPES_KEPT = 4  # files whose shapes a plan keeps (`autopar.context`)
 
 
 def content_key(proto: onnx.ModelProto) -> bytes | None:
@@ -186,19 +186,17 @@ def content_key(proto: onnx.ModelProto) -> bytes | None:
         return None
 
 
-_PROPAGATED: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-"""The `content_key` of files an import has inferred with data propagation (strictly, without an error)."""
-
-
 def propagated(key: bytes | None) -> bool:
-    """Whether a file of this content was inferred with data propagation before (`_strict_inference`)."""
-    return key is not None and key in _PROPAGATED
+    """Whether a file of this content was inferred with data propagation before in this plan (strictly,
+    without an error: `_strict_inference`)."""
+    return key is not None and key in context.current().propagated
 
 
 def note_propagated(key: bytes | None) -> None:
-    """Remember that a file of this content was inferred with data propagation (the last 16 files)."""
+    """Remember, for the rest of the plan, that a file of this content was inferred with data propagation
+    (the last 16 files)."""
     if key is not None:
-        _remember(_PROPAGATED, key, None, 16)
+        _remember(context.current().propagated, key, None, 16)
 
 
 def _remember(cache: collections.OrderedDict, key: bytes, value: object, kept: int) -> None:
@@ -216,9 +214,10 @@ def _file_shapes(proto: onnx.ModelProto, key: bytes | None) -> dict[str, tuple[i
     Megatron GPTs). Sizes only are kept, never the inferred model."""
     if key is None:
         return None
-    if key in _FILE_SHAPES:
-        _FILE_SHAPES.move_to_end(key)
-        return _FILE_SHAPES[key]
+    shapes = context.current().file_shapes
+    if key in shapes:
+        shapes.move_to_end(key)
+        return shapes[key]
     found: dict[str, tuple[int, ...]] | None
     try:
         inferred = shape_inference.infer_shapes(proto, data_prop=True)
@@ -230,7 +229,7 @@ def _file_shapes(proto: onnx.ModelProto, key: bytes | None) -> dict[str, tuple[i
             for name, vi in value_infos(inferred).items()
             if vi.type.HasField("tensor_type")
         }
-    _remember(_FILE_SHAPES, key, found, _FILE_SHAPES_KEPT)
+    _remember(shapes, key, found, _FILE_SHAPES_KEPT)
     return found
 
 

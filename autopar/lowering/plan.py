@@ -206,7 +206,8 @@ class Plan:
                 time_s=round(self.search.time_s, 4),
                 candidates=sum(len(rule.candidates) for rule in problem.rules),
                 operators=problem.size,
-                memory_multiplier=rounded(self.search.lagrange_multiplier),
+                memory_multiplier=rounded(self.search.memory_multiplier),
+                **self._proof(),
                 phases_s={name: round(seconds, 4) for name, seconds in phases.items()} if phases else None,
                 layouts=problem.layouts_costed or None,
                 layout_pairs=problem.pairs_costed or None,
@@ -230,6 +231,19 @@ class Plan:
                 or None,
             ),
         )
+
+    def _proof(self) -> dict[str, Any]:
+        """What the search proved of the plan (`SearchSummary`'s exact, lower_bound_s, gap, steps_split)."""
+        found = self.search
+        if found.method not in ("dp", "ilp"):
+            return {}
+        proof: dict[str, Any] = {"exact": found.exact, "steps_split": found.steps_split or None}
+        if not found.exact and found.bound_s is not None:
+            objective = self.objective
+            bound = min(found.bound_s, objective)
+            proof["lower_bound_s"] = rounded(bound)
+            proof["gap"] = rounded(objective / bound - 1.0) if bound > 0 else None
+        return proof
 
     @cached_property
     def program(self) -> PlanProgram:

@@ -355,12 +355,29 @@ class SearchSummary(_OmitsUnset):
         "candidates_kept",
         "candidates_dropped",
         "unfolded_runs",
+        "exact",
+        "lower_bound_s",
+        "gap",
+        "steps_split",
     )
     algorithm: str = Field(description="how the strategies were chosen: dp, ilp, data_parallel, stand_alone, given")
     time_s: NonNegativeFloat
     candidates: NonNegativeInt
     operators: NonNegativeInt
     memory_multiplier: NonNegativeFloat
+    exact: bool | None = Field(
+        default=None,
+        description="the search proved no plan of this pipeline shape that fits is faster (dp and ilp only)",
+    )
+    lower_bound_s: float | None = Field(
+        default=None, description="where not exact: no plan of this pipeline shape that fits steps faster"
+    )
+    gap: NonNegativeFloat | None = Field(
+        default=None, description="where not exact: the plan's step over lower_bound_s, less one"
+    )
+    steps_split: NonNegativeInt | None = Field(
+        default=None, description="elimination steps split into groups to stay within the table limits"
+    )
     phases_s: dict[str, NonNegativeFloat] | None = Field(
         default=None, description="measured seconds of import, costing, search and lowering"
     )

@@ -88,9 +88,6 @@ class StagedProgram:
     def stage_devices(self) -> int:
         return self.program.num_devices
 
-    def stage_of_node(self, node: int) -> int:
-        return next(index for index, nodes in enumerate(self.stages) if node in nodes)
-
     def planned_transfers(self) -> list[Transfer]:
         """Every message the plan implies, in a fixed order: per crossing, micro-batch and direction."""
         found = []

@@ -32,11 +32,6 @@ FORK = "Fork"
 GRADIENT_LABEL = "g"
 
 
-def is_fork(op: NodeView) -> bool:
-    """Whether ``op`` is a fork the importer inserted (not an operator of the model's file)."""
-    return op.op_type == FORK and op.domain == FORK_DOMAIN
-
-
 def _local(call: LocalCall) -> list[Any]:
     return [call.inputs[0]]
 

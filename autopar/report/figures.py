@@ -84,8 +84,17 @@ def summary_figures(plan: PlanLike, stand_alone: PlanLike | None = None) -> dict
         "memory_per_device_bytes": totals.memory_per_device_bytes,
         "memory_capacity_bytes": totals.memory_capacity_bytes,
         "speedup_vs_data_parallel": totals.speedup_vs_data_parallel,
-        "speedup_vs_stand_alone": (alone.totals.step_time_s / step if alone is not None and step > 0 else None),
+        "speedup_vs_stand_alone": (
+            alone.totals.step_time_s / step if alone is not None and step > 0 and stand_alone_fits(alone) else None
+        ),
     }
+
+
+def stand_alone_fits(alone: PlanFile) -> bool:
+    """Whether the stand-alone plan (every operator whole on every device) fits one device's memory: a speed-up
+    over a plan no device can run says nothing."""
+    totals = alone.totals
+    return not totals.memory_usable_bytes or totals.memory_per_device_bytes <= totals.memory_usable_bytes
 
 
 def warnings_of(plan: PlanLike) -> list[str]:

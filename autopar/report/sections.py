@@ -16,6 +16,7 @@ from autopar.report.figures import (
     incoming_seconds,
     is_image_model,
     samples_per_step,
+    stand_alone_fits,
     summary_figures,
     warnings_of,
 )
@@ -29,6 +30,17 @@ def _card(key: str, label: str, value: float | None, shown: str, note: str) -> s
         f"<div class='card' data-key='{key}'{exact}><div class='label'>{escape(label)}</div>"
         f"<div class='value'>{escape(shown)}</div><div class='note'>{escape(note)}</div></div>"
     )
+
+
+def _stand_alone_detail(stand_alone: PlanFile | None) -> str:
+    """What the stand-alone card compares with, or why it compares with nothing."""
+    if stand_alone is None:
+        return "needs the plan on its problem (a plan file alone cannot say)"
+    totals = stand_alone.totals
+    if not stand_alone_fits(stand_alone):
+        need, usable = human_bytes(totals.memory_per_device_bytes), human_bytes(totals.memory_usable_bytes)
+        return f"the model does not fit one device: every operator whole needs {need} of {usable}"
+    return f"stand-alone {ms(totals.step_time_s)} (every operator whole on every device)"
 
 
 def summary_section(data: PlanFile, stand_alone: PlanFile | None) -> str:
@@ -82,10 +94,8 @@ def summary_section(data: PlanFile, stand_alone: PlanFile | None) -> str:
             "speedup_vs_stand_alone",
             "speed-up vs stand-alone",
             vs_alone,
-            f"{vs_alone:.2f}" if vs_alone is not None else "not computed",
-            f"stand-alone {ms(stand_alone.totals.step_time_s)} (every operator whole on every device)"
-            if stand_alone is not None
-            else "needs the plan on its problem (a plan file alone cannot say)",
+            f"{vs_alone:.2f}" if vs_alone is not None else "none",
+            _stand_alone_detail(stand_alone),
         ),
     ]
     if totals.fixed_cost_s is not None and totals.free_step_time_s is not None:

@@ -9,7 +9,7 @@ from typing import Any
 from autopar.cost.mesh import Mesh
 from autopar.graph import Graph
 from autopar.lowering import GRAPH_OUTPUT, SCHEMA, Plan
-from autopar.lowering.planfile import CollectiveStep, OpEntry, PlanFile
+from autopar.lowering.planfile import CollectiveStep, OpEntry, PlanFile, SearchSummary
 from autopar.report.figures import fold_groups, incoming_seconds, samples_per_step, summary_figures
 from autopar.report.format import figure_ms, link_levels, memory_against_usable, strategy_text
 from autopar.spmd import VerifyReport
@@ -135,9 +135,28 @@ def _plan_summary(plan: Plan) -> list[str]:
         lines.append(f"fallback ops:     {len(data.fallback_ops)} kept replicated: {', '.join(data.fallback_ops)}")
     lines.append(
         f"search:           {data.search.algorithm} over {data.search.candidates} candidates"
-        f" of {data.search.operators} operators"
+        f" of {data.search.operators} operators{_proof(data.search)}"
     )
     return lines
+
+
+def _proof(search: SearchSummary) -> str:
+    """What the search proved: exact, or how far the plan can be from the fastest and why."""
+    if search.exact is None:
+        return ""
+    if search.exact:
+        return ", exact"
+    why = []
+    if search.steps_split:
+        why.append(f"{search.steps_split} elimination steps split to stay within the table limits")
+    if search.memory_multiplier:
+        why.append("memory binds")
+    because = f" ({'; '.join(why)})" if why else ""
+    if search.gap is None or search.lower_bound_s is None:
+        return f", not proved the fastest{because}"
+    gap = f"{100 * search.gap:.2f} %" if search.gap >= 1e-4 else "0.01 %"  # the bound keeps the tie-break's slack
+    bound = f"{1e3 * search.lower_bound_s:.3f} ms"
+    return f", within {gap} of the fastest plan that fits: none is faster than {bound}{because}"
 
 
 def _columns(rows: list[list[str]], header: list[str], right: set[int]) -> list[str]:

@@ -33,8 +33,6 @@ from autopar.spmd.runner import check_verification_size
 from autopar.spmd.values import materialise
 from autopar.units import human_bytes
 
-RUNTIMES = ("virtual", "torch")
-
 
 def trainable_parameters(program: PlanProgram) -> list[str]:
     return sorted(p.name for p in program.graph.parameters if p.trainable and p.name in program.owner)

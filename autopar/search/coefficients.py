@@ -15,15 +15,13 @@ first, so "is a prefix of", "pop the last bit" and "the next bit wanted" are shi
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 
-from autopar import limits, progress
+from autopar import context, limits, progress
 from autopar.cost import CostModel
 from autopar.layout import Layout
 from autopar.limits import MAX_DEVICES
@@ -227,8 +225,6 @@ class PairCache:
     up again in the sorted keys took most of a later problem's costing (76.1B GPT: 2 of 5 s a problem).
     """
 
-    _cache: ClassVar["weakref.WeakKeyDictionary[CostModel, PairCache]"] = weakref.WeakKeyDictionary()
-
     def __init__(self) -> None:
         self.rows: dict[bytes, int] = {}  # a packed layout row -> its number
         self.keys = np.zeros(0, dtype=np.int64)  # source number << 32 | target number, sorted
@@ -259,10 +255,8 @@ class PairCache:
 
     @classmethod
     def of(cls, cost: CostModel) -> "PairCache":
-        cache = cls._cache.get(cost)
-        if cache is None:
-            cache = cls._cache[cost] = cls()
-        return cache
+        """The pairs the plan under way has costed on this cost model (`autopar.context`)."""
+        return context.current().for_cost_model("pairs", cost, lambda _: cls())
 
     def numbers(self, rows: Sequence[bytes]) -> np.ndarray:
         """Each packed layout row's number, given a new one where it has none."""
@@ -621,8 +615,6 @@ class _Prices:
     vector fills a small dense table; a mask is turned into its counts with popcounts.
     """
 
-    _cache: ClassVar["weakref.WeakKeyDictionary[CostModel, _Prices]"] = weakref.WeakKeyDictionary()
-
     def __init__(self, cost: CostModel) -> None:
         profile = cost.profile
         names: list[str] = []
@@ -646,10 +638,8 @@ class _Prices:
 
     @classmethod
     def of(cls, cost: CostModel) -> "_Prices":
-        prices = cls._cache.get(cost)
-        if prices is None:
-            prices = cls._cache[cost] = cls(cost)
-        return prices
+        """The prices the plan under way has looked up on this cost model (`autopar.context`)."""
+        return context.current().for_cost_model("prices", cost, cls)
 
     def look_up(self, kind: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         key = kind.astype(np.int64)

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from autopar import progress
+from autopar.context import planning
 from autopar.cost import CostModel
-from autopar.errors import FixedStrategyError, SearchTooLargeError, StrategyError, TooLargeError
+from autopar.errors import FixedStrategyError, StrategyError, TooLargeError
 from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
@@ -38,6 +39,7 @@ from autopar.search.twins import find_twins
 from autopar.strategy import OpRule
 
 
+@planning
 def build_problem(
     graph: Graph,
     cost: CostModel,
@@ -60,18 +62,9 @@ def build_problem(
     through from the start.
     """
     planned = _planned(graph, cost, num_devices, fold, fixed, twins, meet)
-    try:
-        planned.check()
-    except SearchTooLargeError as exc:
-        try:  # forks are a saving, not a need: where meeting would go over the limits, they pass through
-            if not meet:
-                raise
-            planned = _planned(graph, cost, num_devices, fold, fixed, twins, meet=False)
-            planned.check()
-        except SearchTooLargeError:
-            raise SearchTooLargeError(
-                f"{exc}; {_fewer_devices(graph, cost, num_devices, fold, fixed, twins)}."
-            ) from None
+    if meet and not planned.exact():
+        # forks are a saving, not a need: where meeting would pass the table limits, they pass through
+        planned = _planned(graph, cost, num_devices, fold, fixed, twins, meet=False)
     flow, costs, costed, layouts = planned.flow, planned.costs, planned.costed, planned.layouts
     rules = flow.rules
     repeats, blocks, unfolded, ties = planned.repeats, planned.blocks, planned.unfolded, planned.ties
@@ -141,9 +134,12 @@ class _Planned:
     entry_of: dict[int, int]
     meet: bool  # the forks take the layouts where their readers meet (else they pass through)
 
-    def check(self) -> None:
-        """Refuse a search too large to run (`_check_search`), before any edge is costed."""
-        _check_search(self.flow.rules, self.layouts, self.costed, self.entry_of, self.repeats, self.run_of, self.ties)
+    def exact(self) -> bool:
+        """Whether the search stays within its table limits (`_search_is_exact`), known before any edge is
+        costed."""
+        return _search_is_exact(
+            self.flow.rules, self.layouts, self.costed, self.entry_of, self.repeats, self.run_of, self.ties
+        )
 
 
 def _planned(
@@ -202,28 +198,6 @@ def _planned(
     layouts = _Layouts(flow)
     ties = _twins(flow, costed, layouts, costs, repeats) if twins else {}
     return _Planned(flow, costs, costed, layouts, repeats, blocks, unfolded, ties, run_of, copy_of, entry_of, meet)
-
-
-def _fewer_devices(
-    graph: Graph,
-    cost: CostModel,
-    num_devices: int,
-    fold: bool,
-    fixed: Mapping[str, Sequence[Sequence[int]]] | None,
-    twins: bool,
-) -> str:
-    """Advice for a search refused at ``num_devices``: the largest smaller power of two it plans on, tried
-    (up to the search's own check) rather than assumed, since fewer devices can also mean more layouts
-    (a dimension split fewer ways keeps more of them apart)."""
-    devices = num_devices // 2
-    while devices >= 1:
-        try:
-            _planned(graph, cost, devices, fold, fixed, twins, meet=False).check()
-        except TooLargeError:
-            devices //= 2
-            continue
-        return f"it plans on {devices:,} device{'s' if devices > 1 else ''}"
-    return "no smaller number of devices plans either; the data_parallel mode needs no search"
 
 
 @dataclass(frozen=True)
@@ -649,7 +623,7 @@ def _factor(use: TensorUse, src_pos: np.ndarray, dst_pos: np.ndarray, table: np.
     return Factor((use.dst_node, use.src_node), (dst_pos, src_pos), table.T)
 
 
-def _check_search(
+def _search_is_exact(
     rules: Sequence[OpRule],
     layouts: _Layouts,
     uses: list[TensorUse],
@@ -657,10 +631,10 @@ def _check_search(
     repeats: Sequence[Repeat],
     run_of: dict[int, int],
     ties: Mapping[int, int],
-) -> None:
-    """Plan the search on placeholder tables before any cost is computed, and drop the plan: a
-    table too large is refused now, in a second, not after a minute of costing. Planning reads
-    shapes only, so the driver's solver, planned on the costed problem, is this one."""
+) -> bool:
+    """Plan the search on placeholder tables before any cost is computed: whether every elimination step
+    stays within the table limits. Planning reads shapes only, so the driver's solver, planned on the costed
+    problem, is this one."""
     main: list[Factor] = []
     first: list[list[Factor]] = [[] for _ in repeats]
     later: list[list[Factor]] = [[] for _ in repeats]
@@ -674,7 +648,7 @@ def _check_search(
         else:
             main.append(found[0])
     folds = [(repeat, RunEdges(tuple(f), tuple(g))) for repeat, f, g in zip(repeats, first, later)]
-    Solver(sizes=[len(rule.candidates) for rule in rules], factors=main, folds=folds, ties=ties)
+    return Solver(sizes=[len(rule.candidates) for rule in rules], factors=main, folds=folds, ties=ties).exact
 
 
 def _twins(

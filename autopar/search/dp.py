@@ -31,16 +31,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import heapq
-from collections import OrderedDict
+import math
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from autopar import limits, progress
+from autopar import context, limits, progress
 from autopar.errors import SearchTooLargeError, TooLargeError
-from autopar.limits import MAX_TABLE_ENTRIES, MAX_TABLE_LEFT, WORKERS
+from autopar.limits import MAX_TABLE_ENTRIES, MAX_TABLE_LEFT
 from autopar.search import native
 
 TIE_BREAK_FRACTION = 1e-9
@@ -59,10 +58,9 @@ closed over."""
 SMALL_WORK = 20_000_000
 """An order summing fewer entries than this (a tenth of a second) is kept without trying the others."""
 _PLANS_KEPT = 64
-"""Plans kept for eliminations of a structure planned again: the size check before costing plans each
-problem's elimination and its solver plans the same again (76.1B GPT on 1,024 GPUs: 37 of 102 plannings
-taken)."""
-_PLANS: "OrderedDict[bytes, tuple]" = OrderedDict()
+"""Plans kept for eliminations of a structure planned again, in the plan's context (`autopar.context`): the
+size check before costing plans each problem's elimination and its solver plans the same again (76.1B GPT
+on 1,024 GPUs: 37 of 102 plannings taken)."""
 
 
 _Live = tuple[tuple[int, ...], tuple[np.ndarray, ...], tuple[int, ...]]  # a factor's scope, class maps, shape
@@ -114,6 +112,50 @@ class _Step:
     output: int  # id of the new factor (or -1 when ``rest`` is empty)
     # a node of one class: per factor (its id, the new factor's id or -1, the node's axis, its class there)
     apart: tuple[tuple[int, int, int, int], ...] = ()
+    unary: bool = True  # the node's own costs are summed here (one group of a `_Split` only)
+
+
+@dataclass(frozen=True)
+class _Split:
+    """A node eliminated from several groups of its factors at once (`_split`): each group is a step of its
+    own, minimised over the node apart from the others, the node's own costs in the first."""
+
+    node: int
+    groups: tuple[_Step, ...]
+    classes: tuple[np.ndarray, ...]  # per group: the node's class per candidate there
+    entries: tuple[int, ...]  # per group: the entries its table sums
+
+
+BOUNDED_SHARE = 2
+"""The share of the table limits a search that cannot be exact keeps to (`TableLimits.bounded`)."""
+
+
+@dataclass(frozen=True)
+class TableLimits:
+    """How large one elimination step may be: ``entries`` summed and minimised, ``left`` kept after it.
+
+    >>> TableLimits(100, 10).fits(60, 6), TableLimits(100, 10).fits(60, 2)
+    (True, False)
+    """
+
+    entries: int = MAX_TABLE_ENTRIES
+    left: int = MAX_TABLE_LEFT
+
+    def bounded(self) -> "TableLimits":
+        """The limits of a search that cannot be exact, a `BOUNDED_SHARE` of these: none of its steps is as
+        large as an exact search's largest, which it need not be (a step of 400 million entries takes seconds
+        and, held for backtracking, gigabytes). Measured on four full-width exports at 64 devices
+        (`bench/large_exports.py`): at half the limits the worst gap was 8.7 %, at the limits 16 %, at an
+        eighth 22 %; the gaps of one model move either way with the share."""
+        return TableLimits(self.entries // BOUNDED_SHARE, self.left // BOUNDED_SHARE)
+
+    def fits(self, entries: int, node_classes: int) -> bool:
+        """Whether a step summing ``entries`` and minimising over ``node_classes`` of them stays within both."""
+        return entries <= self.entries and entries // max(node_classes, 1) <= self.left
+
+
+TABLE_LIMITS = TableLimits()
+"""The limits every search keeps to (`autopar.limits`); tests give smaller ones to split small problems."""
 
 
 def joint_classes(maps: list[np.ndarray], counts: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -145,53 +187,59 @@ class Elimination:
         factors: Sequence[Factor],
         keep: Sequence[int] = (),
         ties: Mapping[int, int] | None = None,
+        limits: TableLimits = TABLE_LIMITS,
     ) -> None:
         self.sizes = list(sizes)
         self.keep = tuple(keep)
+        self.limits = limits
         kept = set(self.keep)
         self.ties = tuple(sorted((t, r) for t, r in (ties or {}).items() if t not in kept and r not in kept))
         self._tied = dict(self.ties)
         self.initial = [self._tie(f) for f in factors]
-        self.steps: list[_Step] = []
+        self.steps: list[_Step | _Split] = []
         self.largest = 0
         self.work = 0
         self.leftover: list[int] = []
         key = self._structure()
-        planned = _PLANS.get(key)
-        if planned is not None:
-            _PLANS.move_to_end(key)
-            self.steps, self.work, self.largest, self.leftover, self._leftover = planned
-            return
+        plans = context.current().eliminations
+        planned = plans.get(key)
+        if planned is None:
+            planned = self._best_order(bounded=False) or self._best_order(bounded=True)
+            assert planned is not None  # a bounded order always answers
+            plans[key] = planned
+            while len(plans) > _PLANS_KEPT:
+                plans.popitem(last=False)
+        else:
+            plans.move_to_end(key)
+        self.steps, self.work, self.largest, self.leftover, self._leftover = planned
+        self.splits = sum(isinstance(step, _Split) for step in self.steps)
+        """Steps split to stay within the limits (`_split`): where any is, `run` gives a lower bound of the
+        optimum and a plan that need not reach it."""
+        self.exact = not self.splits
+
+    def _best_order(self, bounded: bool) -> tuple | None:
+        """The plan of the order summing the fewest entries (None: every order passes the limits). ``bounded``:
+        a step past the bounded search's limits (`TableLimits.bounded`) is split (`_split`); the order
+        splitting the fewest nodes is kept."""
         best: tuple | None = None
-        refusal: TooLargeError | None = None
+        limits = self.limits.bounded() if bounded else self.limits
         for rule in ORDERS:
             try:
-                planned = self._plan(rule)
-            except TooLargeError as error:
-                refusal = error if refusal is None else refusal
+                planned = self._plan(rule, limits, bounded)
+            except TooLargeError:
                 continue
-            if best is None or planned[1] < best[1]:
-                best = planned
-            if planned[1] <= SMALL_WORK:
+            splits = sum(isinstance(step, _Split) for step in planned[0])
+            if best is None or (splits, planned[1]) < best[0]:
+                best = ((splits, planned[1]), planned)
+            if planned[1] <= SMALL_WORK and not splits:
                 break  # cheap enough: another order could save little
-        # the refusal's traceback holds this frame, and its callers' (a whole search): not held by it after
-        if best is None:
-            assert refusal is not None
-            try:
-                raise refusal
-            finally:
-                del refusal
-        refusal = None
-        self.steps, self.work, self.largest, self.leftover, self._leftover = best
-        _PLANS[key] = best
-        while len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
+        return None if best is None else best[1]
 
     def _structure(self) -> bytes:
         """A digest of all that planning reads (the candidate counts, the kept operators and the ties, each
         factor's scope, class maps and table shape, the orders and the limits): equal digests, equal plans."""
         digest = hashlib.blake2b(digest_size=32)
-        limits = (ORDERS, SMALL_WORK, MAX_TABLE_ENTRIES, MAX_TABLE_LEFT)
+        limits = (ORDERS, SMALL_WORK, self.limits.entries, self.limits.left)
         digest.update(repr((self.sizes, self.keep, self.ties, limits)).encode())
         for factor in self.initial:
             maps = [(m.dtype.str, m.shape) for m in factor.maps]
@@ -206,9 +254,12 @@ class Elimination:
             return factor
         return Factor(tuple(self._tied.get(u, u) for u in factor.scope), factor.maps, factor.table)
 
-    def _plan(self, rule: str) -> tuple[list[_Step], int, int, list[int], dict[int, _Live]]:
-        """(steps, entries summed in all, the largest step, leftover factor ids, their structure) of one order."""
-        steps: list[_Step] = []
+    def _plan(
+        self, rule: str, limits: TableLimits, bounded: bool
+    ) -> tuple[list[_Step | _Split], int, int, list[int], dict[int, _Live]]:
+        """(steps, entries summed in all, the largest step, leftover factor ids, their structure) of one order;
+        a step past the limits is refused (SearchTooLargeError) or, ``bounded``, split (`_split`)."""
+        steps: list[_Step | _Split] = []
         largest = work_done = 0
         sizes = self.sizes
         live: dict[int, _Live] = {}
@@ -257,84 +308,28 @@ class Elimination:
                 continue
             done.add(v)
             bucket = sorted(touching[v])
-            # the eliminated node's axis last: its min and argmin run over contiguous memory
-            scope = sorted({u for fid in bucket for u in live[fid][0]} - {v}) + [v]
-            joint_maps: dict[int, np.ndarray] = {}
-            per_factor: dict[tuple[int, int], np.ndarray] = {}
-            counts: dict[int, int] = {}
-            for u in scope:
-                fids = [fid for fid in bucket if u in live[fid][0]]
-                maps = [live[fid][1][live[fid][0].index(u)] for fid in fids]
-                shapes = [live[fid][2][live[fid][0].index(u)] for fid in fids]
-                if maps:
-                    joint, subs = joint_classes(maps, shapes)
-                else:
-                    joint, subs = np.zeros(sizes[u], dtype=np.int64), []
-                joint_maps[u] = joint
-                counts[u] = int(joint.max()) + 1 if len(joint) else 0
-                for fid, sub in zip(fids, subs):
-                    per_factor[(fid, u)] = sub
+            scope, joint_maps, per_factor, counts = _joint(v, bucket, live, sizes)
             rest = tuple(u for u in scope if u != v)
             if counts[v] == 1 and len(bucket) > 1 and rest:
                 step, next_id = _apart(v, bucket, live, touching, per_factor, joint_maps[v], next_id)
                 steps.append(step)
                 work_done += sum(int(np.prod(live[out][2])) for _, out, _, _ in step.apart if out >= 0)
-                for u in rest:
-                    if u not in keep and u not in done:
-                        current[u] = estimate(u)
-                        heapq.heappush(heap, (*current[u], u))
-                continue
-            entries = 1
-            for u in scope:
-                entries *= counts[u]
-            left = entries // max(counts[v], 1)
-            if entries > MAX_TABLE_ENTRIES or left > MAX_TABLE_LEFT:
-                raise SearchTooLargeError(
-                    f"The search would sum a table of {entries:,} entries and keep one of {left:,} (limits"
-                    f" {MAX_TABLE_ENTRIES:,} and {MAX_TABLE_LEFT:,}): the model's operators have too many"
-                    " candidate layouts on this many devices"
-                )
-            largest = max(largest, entries)
-            work_done += entries
-            gathers = []
-            for fid in bucket:
-                f_scope = live[fid][0]
-                shape = tuple(counts[u] if u in f_scope else 1 for u in scope)
-                index = tuple(per_factor[(fid, u)] for u in f_scope)
-                same = all(len(i) == n and np.array_equal(i, np.arange(n)) for i, n in zip(index, live[fid][2]))
-                positions = [scope.index(u) for u in f_scope]
-                order = tuple(np.argsort(positions).tolist())
-                gathers.append(
-                    _Gather(fid, None if same else index, None if order == tuple(range(len(order))) else order, shape)
-                )
-            axis = scope.index(v)
-            members = np.argsort(joint_maps[v], kind="stable")
-            starts = np.searchsorted(joint_maps[v][members], np.arange(counts[v]))
-            for fid in bucket:
-                for u in live[fid][0]:
-                    touching[u].discard(fid)
-                del live[fid]
-            output = -1
-            if rest:
-                output = next_id
-                next_id += 1
-                live[output] = (rest, tuple(joint_maps[u] for u in rest), tuple(counts[u] for u in rest))
-                for u in rest:
-                    touching[u].add(output)
-            node_shape = tuple(counts[v] if u == v else 1 for u in scope)
-            steps.append(
-                _Step(
-                    v,
-                    rest,
-                    tuple(gathers),
-                    axis,
-                    node_shape,
-                    members,
-                    starts,
-                    tuple(joint_maps[u] for u in rest),
-                    output,
-                )
-            )
+            else:
+                entries = math.prod(counts[u] for u in scope)
+                if limits.fits(entries, counts[v]):
+                    step, next_id = _summed(v, bucket, scope, joint_maps, per_factor, counts, live, touching, next_id)
+                    steps.append(step)
+                    largest, work_done = max(largest, entries), work_done + entries
+                elif not bounded:
+                    raise SearchTooLargeError(
+                        f"The search would sum a table of {entries:,} entries and keep one of"
+                        f" {entries // max(counts[v], 1):,} (limits {limits.entries:,} and {limits.left:,}):"
+                        " the model's operators have too many candidate layouts on this many devices"
+                    )
+                else:
+                    split, next_id = _split(v, bucket, live, touching, sizes, limits, next_id)
+                    steps.append(split)
+                    largest, work_done = max(largest, *split.entries), work_done + sum(split.entries)
             for u in rest:
                 if u in keep or u in done:
                     continue
@@ -353,10 +348,11 @@ class Elimination:
 
     def states(self) -> tuple[int, int]:
         """(classes kept, candidates dropped) over the eliminated and tied operators (a tied operator's
-        candidates are its twin's: none is a state of its own)."""
-        kept = sum(len(step.starts) for step in self.steps)
+        candidates are its twin's: none is a state of its own; a split node keeps its first group's)."""
+        steps = [step.groups[0] if isinstance(step, _Split) else step for step in self.steps]
+        kept = sum(len(step.starts) for step in steps)
         tied = sum(self.sizes[t] for t, _ in self.ties)
-        return kept, sum(len(step.members) for step in self.steps) - kept + tied
+        return kept, sum(len(step.members) for step in steps) - kept + tied
 
     def leftover_structure(self) -> list[tuple[tuple[int, ...], tuple[np.ndarray, ...]]]:
         """(scope, class maps) of each factor `run` leaves over the kept operators."""
@@ -372,36 +368,70 @@ class Elimination:
             unary = list(unary)
             for twin, partner in self.ties:
                 unary[partner] = np.asarray(unary[partner], dtype=float) + unary[twin]
-        records: list[tuple[_Step, list[np.ndarray], np.ndarray]] = []
+        records: list[tuple[_Step | _Split, list, np.ndarray]] = []
+        value = 0.0
         every = max(1, len(self.steps) // 100)
         for done, step in enumerate(self.steps):
             if done % every == 0:
                 progress.report("search", done, len(self.steps))
-            values = np.asarray(unary[step.node], dtype=float)[step.members]
-            best_unary = np.minimum.reduceat(values, step.starts)
-            is_best = values == np.repeat(best_unary, np.diff(np.append(step.starts, len(values))))
-            first = np.minimum.reduceat(np.where(is_best, np.arange(len(values)), len(values)), step.starts)
+            costs = np.asarray(unary[step.node], dtype=float)
+            if isinstance(step, _Split):
+                kept_parts = []
+                for group in step.groups:
+                    parts = [gather.take(tables.pop(gather.factor)) for gather in group.gathers]
+                    kept_parts.append(parts)
+                    value += _minimise(group, parts, costs, tables)
+                records.append((step, kept_parts, costs))
+                continue
             if step.apart:
-                constant = float(best_unary[0])  # what no choice changes goes into the first factor left
+                best = float(np.min(costs))  # what no choice changes goes into the first factor left
                 kept: list[tuple[int, np.ndarray]] = []
                 for fid, out, axis, position in step.apart:
                     table = np.take(tables.pop(fid), position, axis=axis)
                     if out < 0:
-                        constant += float(table)
+                        best += float(table)
                     else:
                         kept.append((out, table))
                 for index, (out, table) in enumerate(kept):
-                    tables[out] = table + constant if index == 0 else table
-                records.append((step, [], step.members[first]))
+                    tables[out] = table + best if index == 0 else table
+                value += 0.0 if kept else best
+                records.append((step, [], step.members[_first_best(costs, step)]))
                 continue
             parts = [gather.take(tables.pop(gather.factor)) for gather in step.gathers]
-            parts = _merge_parts([*parts, best_unary.reshape(step.node_shape)])
+            parts = _merge_parts([*parts, _best_per_class(costs, step).reshape(step.node_shape)])
             if step.rest:
                 tables[step.output] = _sum_min(parts)
-            records.append((step, parts, step.members[first]))
+            else:
+                value += float(np.min(functools.reduce(np.add, parts)))
+            records.append((step, parts, step.members[_first_best(costs, step)]))
         structure = self.leftover_structure()
         leftover = [Factor(*structure[i], tables[fid]) for i, fid in enumerate(self.leftover)]
-        return Solved(len(self.sizes), records, leftover, self.ties)
+        return Solved(len(self.sizes), records, leftover, self.ties, value)
+
+
+def _best_per_class(costs: np.ndarray, step: _Step) -> np.ndarray:
+    """The node's least cost in each of its classes at ``step``."""
+    return np.minimum.reduceat(costs[step.members], step.starts)
+
+
+def _first_best(costs: np.ndarray, step: _Step) -> np.ndarray:
+    """Per class of the node at ``step``, the position in ``step.members`` of its first cheapest candidate."""
+    values = costs[step.members]
+    best = np.minimum.reduceat(values, step.starts)
+    is_best = values == np.repeat(best, np.diff(np.append(step.starts, len(values))))
+    return np.minimum.reduceat(np.where(is_best, np.arange(len(values)), len(values)), step.starts)
+
+
+def _minimise(group: _Step, parts: list[np.ndarray], costs: np.ndarray, tables: dict[int, np.ndarray]) -> float:
+    """One group of a split step: its table minimised over the node joins ``tables``; where it joins no
+    other operator, its minimum is returned instead (0 otherwise)."""
+    if group.unary:
+        parts = [*parts, _best_per_class(costs, group).reshape(group.node_shape)]
+    parts = _merge_parts(parts)
+    if group.rest:
+        tables[group.output] = _sum_min(parts)
+        return 0.0
+    return float(np.min(functools.reduce(np.add, parts)))
 
 
 def _apart(
@@ -439,6 +469,109 @@ def _apart(
     members = np.argsort(classes, kind="stable")
     step = _Step(v, (), (), 0, (1,), members, np.zeros(1, dtype=np.int64), (), -1, tuple(apart))
     return step, next_id
+
+
+def _joint(
+    v: int, bucket: Sequence[int], live: Mapping[int, _Live], sizes: Sequence[int]
+) -> tuple[list[int], dict[int, np.ndarray], dict[tuple[int, int], np.ndarray], dict[int, int]]:
+    """(scope, joint class per candidate, each factor's class per joint class, class counts) of the
+    operators the factors of ``bucket`` join, the eliminated node ``v`` last (its min and argmin then run
+    over contiguous memory)."""
+    scope = sorted({u for fid in bucket for u in live[fid][0]} - {v}) + [v]
+    joint_maps: dict[int, np.ndarray] = {}
+    per_factor: dict[tuple[int, int], np.ndarray] = {}
+    counts: dict[int, int] = {}
+    for u in scope:
+        fids = [fid for fid in bucket if u in live[fid][0]]
+        maps = [live[fid][1][live[fid][0].index(u)] for fid in fids]
+        shapes = [live[fid][2][live[fid][0].index(u)] for fid in fids]
+        if maps:
+            joint, subs = joint_classes(maps, shapes)
+        else:
+            joint, subs = np.zeros(sizes[u], dtype=np.int64), []
+        joint_maps[u] = joint
+        counts[u] = int(joint.max()) + 1 if len(joint) else 0
+        for fid, sub in zip(fids, subs):
+            per_factor[(fid, u)] = sub
+    return scope, joint_maps, per_factor, counts
+
+
+def _summed(
+    v: int,
+    bucket: Sequence[int],
+    scope: Sequence[int],
+    joint_maps: Mapping[int, np.ndarray],
+    per_factor: Mapping[tuple[int, int], np.ndarray],
+    counts: Mapping[int, int],
+    live: dict[int, _Live],
+    touching: list[set[int]],
+    next_id: int,
+    unary: bool = True,
+) -> tuple[_Step, int]:
+    """The step summing the factors of ``bucket`` (and, with ``unary``, the node's own costs) and minimising
+    over ``v``: the factors leave ``live`` and the table it leaves over the rest of ``scope`` joins it."""
+    rest = tuple(u for u in scope if u != v)
+    gathers = []
+    for fid in bucket:
+        f_scope = live[fid][0]
+        shape = tuple(counts[u] if u in f_scope else 1 for u in scope)
+        index = tuple(per_factor[(fid, u)] for u in f_scope)
+        same = all(len(i) == n and np.array_equal(i, np.arange(n)) for i, n in zip(index, live[fid][2]))
+        positions = [scope.index(u) for u in f_scope]
+        order = tuple(np.argsort(positions).tolist())
+        gathers.append(
+            _Gather(fid, None if same else index, None if order == tuple(range(len(order))) else order, shape)
+        )
+    members = np.argsort(joint_maps[v], kind="stable")
+    starts = np.searchsorted(joint_maps[v][members], np.arange(counts[v]))
+    for fid in bucket:
+        for u in live[fid][0]:
+            touching[u].discard(fid)
+        del live[fid]
+    output = -1
+    if rest:
+        output, next_id = next_id, next_id + 1
+        live[output] = (rest, tuple(joint_maps[u] for u in rest), tuple(counts[u] for u in rest))
+        for u in rest:
+            touching[u].add(output)
+    node_shape = tuple(counts[v] if u == v else 1 for u in scope)
+    rest_maps = tuple(joint_maps[u] for u in rest)
+    step = _Step(v, rest, tuple(gathers), scope.index(v), node_shape, members, starts, rest_maps, output, unary=unary)
+    return step, next_id
+
+
+def _split(
+    v: int,
+    bucket: Sequence[int],
+    live: dict[int, _Live],
+    touching: list[set[int]],
+    sizes: Sequence[int],
+    limits: "TableLimits",
+    next_id: int,
+) -> tuple["_Split", int]:
+    """Eliminate ``v`` from groups of its factors (mini-buckets, Dechter and Rish 2003), each group's table
+    within the limits, each minimised over ``v`` on its own: min over v of a sum is at least the sum of the
+    minima, so every table left is a lower bound of the exact one, and the search's value a lower bound of
+    the optimum. The largest factors are placed first, each into the first group it fits."""
+    groups: list[list[int]] = []
+    for fid in sorted(bucket, key=lambda f: (-math.prod(live[f][2]), f)):
+        for group in groups:
+            scope, _, _, counts = _joint(v, [*group, fid], live, sizes)
+            if limits.fits(math.prod(counts[u] for u in scope), counts[v]):
+                group.append(fid)
+                break
+        else:
+            groups.append([fid])
+    steps, classes, entries = [], [], []
+    for index, group in enumerate(groups):
+        scope, joint_maps, per_factor, counts = _joint(v, sorted(group), live, sizes)
+        step, next_id = _summed(
+            v, sorted(group), scope, joint_maps, per_factor, counts, live, touching, next_id, unary=index == 0
+        )
+        steps.append(step)
+        classes.append(joint_maps[v])
+        entries.append(math.prod(counts[u] for u in scope))
+    return _Split(v, tuple(steps), tuple(classes), tuple(entries)), next_id
 
 
 def _merge_parts(parts: list[np.ndarray]) -> list[np.ndarray]:
@@ -526,11 +659,12 @@ def over_rows(work: Callable[[int, int], None], rows: int, cells: int) -> None:
     """``work(first, last)`` over rows 0 .. ``rows`` of a step of ``cells`` entries: a large step's rows split
     between threads (numpy releases the GIL), each row's result the same whichever thread computes it."""
     workers = min(limits.workers(), rows, max(1, cells // _PARALLEL_CELLS))
-    if workers <= 1:
+    pool = context.current().pool() if workers > 1 else None
+    if pool is None:
         work(0, rows)
         return
     bounds = np.linspace(0, rows, workers + 1).astype(int)
-    list(_pool().map(work, bounds[:-1], bounds[1:]))
+    list(pool.map(work, bounds[:-1], bounds[1:]))
 
 
 def _add_min(pieces: list[np.ndarray], total: np.ndarray, out: np.ndarray) -> None:
@@ -544,20 +678,17 @@ def _add_min(pieces: list[np.ndarray], total: np.ndarray, out: np.ndarray) -> No
     np.min(total, axis=-1, out=out)
 
 
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    """One pool for every large step (starting threads for each step costs more than some steps)."""
-    return ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="autopar-dp")
-
-
 @dataclass(frozen=True)
 class Solved:
     """One run of an elimination: the argmin tables to backtrack, and the factors left over kept operators."""
 
     size: int
-    records: list[tuple[_Step, list[np.ndarray], np.ndarray]]
+    records: list[tuple[_Step | _Split, list, np.ndarray]]
     leftover: list[Factor]
     ties: tuple[tuple[int, int], ...] = ()  # (tied operator, the one whose candidate it takes)
+    value: float = 0.0
+    """The minimum of what was eliminated and joins no kept operator (the whole objective where nothing is
+    kept): exact where the elimination is, a lower bound of it where a step was split."""
 
     def backtrack(self, kept: dict[int, int] | None = None) -> list[int]:
         """A candidate per operator: kept operators as given, every eliminated one at its argmin."""
@@ -570,17 +701,28 @@ class Solved:
         """The eliminated (and tied) operators' argmin given the kept ones (and the kept ones), as a mapping."""
         choice = dict(kept)
         for step, parts, representative in reversed(self.records):
+            if isinstance(step, _Split):  # every group's table at the neighbours' choices, candidate by candidate
+                total = np.array(representative, dtype=float)  # here: the node's own costs
+                for group, classes, group_parts in zip(step.groups, step.classes, parts):
+                    total += _row(group, group_parts, choice)[classes]
+                choice[step.node] = int(np.argmin(total))
+                continue
             if step.apart:  # one class: its cheapest candidate, whatever the neighbours chose
                 choice[step.node] = int(representative[0])
                 continue
-            at = tuple(int(m[choice[u]]) for m, u in zip(step.rest_maps, step.rest))
             # the eliminated node's costs at the neighbours' chosen classes: the argmin is recomputed
             # here on one row instead of stored for the whole table
-            row = sum(part[tuple(a if n > 1 else 0 for a, n in zip(at, part.shape))] for part in parts)
-            choice[step.node] = int(representative[int(np.argmin(row))])
+            choice[step.node] = int(representative[int(np.argmin(_row(step, parts, choice)))])
         for twin, partner in self.ties:
             choice[twin] = choice[partner]
         return choice
+
+
+def _row(step: _Step, parts: Sequence[np.ndarray], choice: Mapping[int, int]) -> np.ndarray:
+    """The sum of a step's parts at its other operators' chosen classes, over the node's classes."""
+    at = tuple(int(m[choice[u]]) for m, u in zip(step.rest_maps, step.rest))
+    row = sum(part[tuple(a if n > 1 else 0 for a, n in zip(at, part.shape))] for part in parts)
+    return np.broadcast_to(row, (len(step.starts),))
 
 
 def tie_break_offsets(node_time: Sequence[np.ndarray], base_objective: float) -> list[np.ndarray]:

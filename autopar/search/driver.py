@@ -21,18 +21,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.context import planning
 from autopar.errors import InfeasibleError
 from autopar.limits import MAX_DEVICES
-from autopar.search.dp import TIE_BREAK_FRACTION, tie_break_offsets
+from autopar.options import Mode
+from autopar.search.descent import descend
+from autopar.search.dp import TABLE_LIMITS, TIE_BREAK_FRACTION, TableLimits, tie_break_offsets
 from autopar.search.fold import Solver
 from autopar.search.ilp import recomputing
 from autopar.search.memory import NO_MEMORY_CHOICES, MemoryChoices
 from autopar.search.problem import SearchProblem
 from autopar.units import human_bytes
 
-MODES = ("auto_parallel", "semi_auto_parallel", "data_parallel", "stand_alone")
-SEARCHED_MODES = ("auto_parallel", "semi_auto_parallel")  # the rest fix every strategy
-ALGORITHMS = ("dp", "ilp")
 _HULL_STEPS = 64  # DP runs of a walk at most, widening ones included (a handful in practice)
 _WIDEN = 8.0
 """While the only plan known to fit is the leanest (at an infinite weight), a walk's next weight is at most
@@ -53,7 +53,7 @@ class SearchResult:
     """A candidate index per operator, and how it was found.
 
     ``method`` is the solver (``dp``, ``ilp``) or the fixed mode (``data_parallel``,
-    ``stand_alone``), or ``given`` for strategies a user supplied; ``lagrange_multiplier`` is
+    ``stand_alone``), or ``given`` for strategies a user supplied; ``memory_multiplier`` is
     the memory weight the constrained DP settled on (0 when the fastest plan fits). ``fastest_s``:
     where the DP ran, no plan of the problem is faster than this, memory aside (None: not known).
     """
@@ -61,11 +61,19 @@ class SearchResult:
     choice: tuple[int, ...]
     method: str
     time_s: float
-    lagrange_multiplier: float = 0.0
+    memory_multiplier: float = 0.0
     candidates_kept: int | None = None
     candidates_dropped: int | None = None
     choices: MemoryChoices = field(default=NO_MEMORY_CHOICES)
     fastest_s: float | None = None
+    exact: bool = True
+    bound_s: float | None = None
+    steps_split: int = 0
+    """``exact``: the plan is the fastest of the problem that fits (every elimination step within the table
+    limits, and the fastest plan fits memory), up to the tie-break. ``bound_s``: no plan of the problem that
+    fits is faster than this (the plan's own time where exact; a lower bound from the split tables and the
+    memory weights tried otherwise; None: not known). ``steps_split``: elimination steps split to stay within
+    the table limits (`dp._split`)."""
 
 
 @dataclass
@@ -108,6 +116,7 @@ def stand_alone_choice(problem: SearchProblem) -> list[int]:
     return [rule.candidates.index(rule.stand_alone) for rule in problem.rules]
 
 
+@planning
 def run_search(
     problem: SearchProblem,
     mode: str = "auto_parallel",
@@ -116,39 +125,70 @@ def run_search(
     bound: float = math.inf,
     hint: float = 0.0,
     cache: SearchCache | None = None,
+    table_limits: TableLimits = TABLE_LIMITS,
 ) -> SearchResult:
     """The plan of ``mode`` on ``problem``; ``recompute`` True (False) makes every plan recompute the repeated
     blocks' forward (keep every activation); None leaves it to the memory walk. With a finite ``bound``
     (seconds) the DP's memory walk stops, raising `NothingFaster`, once no plan that fits can beat it.
     ``hint``: a memory weight to try first where memory binds (the multiplier a like problem settled on,
     such as another micro-batch count's): it changes how many DP runs the walk takes, not where it ends.
-    ``cache``: the same problem's earlier searches' solver and DP runs, taken again (and filled)."""
+    ``cache``: the same problem's earlier searches' solver and DP runs, taken again (and filled).
+    ``table_limits``: how large an elimination step may be before it is split (`dp._split`)."""
     start = time.perf_counter()
     capacity = problem.cost.capacity
     multiplier = 0.0
     choices = NO_MEMORY_CHOICES
     states: tuple[int | None, int | None] = (None, None)
     fastest: float | None = None
+    exact, floor, solver = True, None, None
     if mode == "data_parallel":
-        choice, used = data_parallel_choice(problem), "data_parallel"
+        choice, used, exact = data_parallel_choice(problem), "data_parallel", False
     elif mode == "stand_alone":
-        choice, used = stand_alone_choice(problem), "stand_alone"
+        choice, used, exact = stand_alone_choice(problem), "stand_alone", False
     elif algorithm == "ilp":
         from autopar.search.ilp import solve_ilp
 
         choice, choices = solve_ilp(problem, capacity, recompute=recompute)
         used = "ilp"
+        floor = problem.objective(choice, choices)
     else:
         cache = (cache if cache is not None else SearchCache()).serving(problem)
-        solver = cache.solver = cache.solver or Solver.of(problem)
-        choice, choices, multiplier, fastest = _constrained_dp(
+        solver = cache.solver = cache.solver or Solver.of(problem, table_limits)
+        choice, choices, multiplier, fastest, fits = _constrained_dp(
             problem, solver, capacity, recompute, bound, hint, cache.runs
         )
         used, states = algorithm, solver.states()
+        floor = problem.objective(choice, choices)
+        exact = solver.exact and fits
+        if not exact:
+            floor = min(floor, _lower_bound(problem, cache.runs, recompute, capacity))
     memory = problem.memory(choice, choices)
     if memory > capacity:
         raise InfeasibleError(_infeasible_message(problem, choice, capacity, mode, choices))
-    return SearchResult(tuple(choice), used, time.perf_counter() - start, multiplier, *states, choices, fastest)
+    seconds = time.perf_counter() - start
+    split = solver.splits if solver is not None else 0
+    return SearchResult(tuple(choice), used, seconds, multiplier, *states, choices, fastest, exact, floor, split)
+
+
+def _lower_bound(
+    problem: SearchProblem, runs: dict[tuple[float, bool, float], "_Point"], recompute: bool | None, capacity: float
+) -> float:
+    """A time no plan of the problem that fits beats, from the DP runs a search made: a run at memory weight w
+    found no plan with time + w x memory below its value (a lower bound where its tables were split), so every
+    plan that fits takes at least that value less w x capacity (Lagrangian duality), less what the tie-break
+    adds. The least over the memory choices (recomputation or not) that can fit; the best weight of each."""
+    base = problem.objective(data_parallel_choice(problem))
+    slack = TIE_BREAK_FRACTION * max(base, 1e-12)
+    plain = [p.floor for (w, r, scale), p in runs.items() if w == 0.0 and not r and scale == 1.0]
+    least = math.inf
+    for kind in recomputing(problem, recompute):
+        if problem.memory_floor(kind) > capacity * (1 + 1e-12):
+            continue  # no plan of this kind fits
+        bounds = [p.floor - w * capacity for (w, r, scale), p in runs.items() if r == kind and scale == 1.0]
+        if kind and plain:
+            bounds += plain  # a plan recomputing is no faster than the same plan keeping its activations
+        least = min(least, max(bounds, default=-math.inf) - slack)
+    return least
 
 
 @dataclass(frozen=True)
@@ -159,6 +199,7 @@ class _Point:
     choices: MemoryChoices
     seen: float
     memory: float
+    floor: float = -math.inf  # what the run's DP found no plan below (time + weight x memory, tie-break included)
 
 
 def _constrained_dp(
@@ -169,7 +210,7 @@ def _constrained_dp(
     beat: float = math.inf,
     hint: float = 0.0,
     runs: dict[tuple[float, bool, float], _Point] | None = None,
-) -> tuple[list[int], MemoryChoices, float, float | None]:
+) -> tuple[list[int], MemoryChoices, float, float | None, bool]:
     """The fastest plan that fits, by a walk along the Lagrangian's lower hull of (time, memory).
 
     Each DP run minimises time + lambda * memory, each operator taking the parallel optimizer
@@ -180,10 +221,11 @@ def _constrained_dp(
     not fit are the memory choices searched: each walk is done without recomputation and, where
     the model has repeated blocks, with it, and the faster plan that fits wins. Last comes a bound
     no plan beats, memory aside (the fastest plan's time less the most the tie-break can add), or
-    None where the fastest plan was not needed. A finite ``beat`` ends the walk as soon as no plan
-    that fits can beat it (`NothingFaster`). A ``hint`` weight is each walk's first run (`_walk`); without
-    one, a weight pricing the excess memory at `_FIRST_SHARE` of the time. ``runs``: DP runs of this problem
-    made before, by (weight, recompute, time scale), taken instead of running again (and filled).
+    None where the fastest plan was not needed, and whether the fastest plan fits. A finite ``beat``
+    ends the walk as soon as no plan that fits can beat it (`NothingFaster`). A ``hint`` weight is each
+    walk's first run (`_walk`); without one, a weight pricing the excess memory at `_FIRST_SHARE` of the
+    time. ``runs``: DP runs of this problem made before, by (weight, recompute, time scale), taken instead
+    of running again (and filled).
     """
     base = problem.objective(data_parallel_choice(problem))
     offsets = tie_break_offsets(problem.node_time, base)
@@ -201,10 +243,13 @@ def _constrained_dp(
     def run(weight: float, recompute: bool, time_scale: float) -> _Point:
         unary, takes = problem.lagrangian(weight, recompute, time_scale)
         solver.bind(problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
-        choice = solver.minimise([u + time_scale * o for u, o in zip(unary, offsets)])
+        seen_unary = [u + time_scale * o for u, o in zip(unary, offsets)]
+        choice, floor = solver.solve(seen_unary)
+        if not solver.exact:  # a plan backtracked through split tables: what one operator's move gains, taken
+            choice = descend(seen_unary, problem.all_factors(recompute), choice)
         choices = problem.choices_at(choice, takes, recompute)
         seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(offsets, choice))
-        return _Point(choice, choices, seen, problem.memory(choice, choices))
+        return _Point(choice, choices, seen, problem.memory(choice, choices), floor)
 
     def leanest(recompute: bool) -> _Point:
         """The plan of least memory, the faster of equally lean ones: memory is a sum over operators,
@@ -219,9 +264,9 @@ def _constrained_dp(
     first = kinds[0]
     fits_first = problem.memory_floor(first) <= capacity * (1 + 1e-12)
     fast = solve(0.0, first) if fits_first else None  # a plan that cannot fit needs no run to say so
-    fastest = fast.seen - slack if fast is not None else None
+    fastest = None if fast is None else (fast.seen if solver.exact else min(fast.seen, fast.floor)) - slack
     if fast is not None and fast.memory <= capacity:
-        return fast.choice, fast.choices, 0.0, fastest
+        return fast.choice, fast.choices, 0.0, fastest, True
     if fast is not None and fast.seen >= beat_seen and not math.isinf(beat):
         raise NothingFaster(f"no plan is faster than {beat:.6g} s", fastest)
     best: tuple[_Point, float] | None = None
@@ -252,7 +297,7 @@ def _constrained_dp(
         message = _infeasible_message(problem, least.choice, capacity, "auto_parallel", least.choices)
         raise InfeasibleError(message)
     solver.bind(problem.factors, problem.folds)
-    return best[0].choice, best[0].choices, best[1], fastest
+    return best[0].choice, best[0].choices, best[1], fastest, False
 
 
 def _walk(
@@ -343,7 +388,7 @@ def _infeasible_message(
     heavy = ", ".join(
         f"{name} ({human_bytes(nbytes)})" for name, _, nbytes in sorted(items, key=lambda item: (-item[2], item[0]))[:3]
     )
-    what = "the leanest plan" if mode in SEARCHED_MODES else f"the {mode} plan"
+    what = "the leanest plan" if Mode(mode).searched else f"the {mode} plan"
     state = parameter_state_bytes(problem)
     floor = max(1, math.ceil(state / capacity))
     devices = 1 << (floor - 1).bit_length()

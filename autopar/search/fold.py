@@ -19,6 +19,7 @@ between equally fast plans may resolve differently).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,7 +27,7 @@ from typing import Protocol
 import numpy as np
 
 from autopar.search import native
-from autopar.search.dp import Elimination, Factor, Solved, joint_classes, over_rows
+from autopar.search.dp import TABLE_LIMITS, Elimination, Factor, Solved, TableLimits, joint_classes, over_rows
 from autopar.search.repeats import Repeat
 
 _PRODUCT_CHUNK_CELLS = 1 << 22  # cells of the temporary in one block of a min-plus product
@@ -137,7 +138,12 @@ class FoldedRun:
     """
 
     def __init__(
-        self, repeat: Repeat, edges: RunEdges, sizes: Sequence[int], ties: Mapping[int, int] | None = None
+        self,
+        repeat: Repeat,
+        edges: RunEdges,
+        sizes: Sequence[int],
+        ties: Mapping[int, int] | None = None,
+        limits: TableLimits = TABLE_LIMITS,
     ) -> None:
         self.repeat = repeat
         self.edges = edges
@@ -148,7 +154,7 @@ class FoldedRun:
         run_sizes = [*sizes, sizes[self.p] + sizes[self.q]]
         factors = [self._entry_factor(first, later) for first, later in zip(edges.first, edges.later)]
         keep = [u for u in range(len(run_sizes)) if u not in block or u == self.q]
-        self.elimination = Elimination(run_sizes, factors, keep, ties)
+        self.elimination = Elimination(run_sizes, factors, keep, ties, limits)
         structure = self.elimination.leftover_structure()
         entry, self._first = self._classes(self.entry, structure, run_sizes)
         self.classes = int(entry.max()) + 1
@@ -186,6 +192,12 @@ class FoldedRun:
     @property
     def last(self) -> int:
         return self.repeat.last(self.repeat.copies - 1)
+
+    @property
+    def table_entries(self) -> int:
+        """Entries of the run's table in the main graph (`placeholder`): over the classes the first copy reads,
+        the candidates of the run's last operator and the classes of the shared operators."""
+        return self.classes * len(self.follows) * math.prod(self.shared_counts)
 
     def placeholder(self, q_candidates: int) -> Factor:
         """The main graph's factor over the operator before the run, its last one and the shared ones
@@ -301,7 +313,9 @@ class Costed(Protocol):
 
 
 class Solver:
-    """The exact search of one problem: the main graph's elimination plus one per folded run."""
+    """The search of one problem: the main graph's elimination plus one per folded run. Exact (``exact``)
+    wherever every elimination step stays within the table limits; otherwise `solve` gives a plan and a
+    lower bound of the optimum (`dp._split`)."""
 
     def __init__(
         self,
@@ -310,30 +324,50 @@ class Solver:
         factors: Sequence[Factor] = (),
         folds: Sequence[tuple[Repeat, RunEdges]] = (),
         ties: Mapping[int, int] | None = None,
+        limits: TableLimits = TABLE_LIMITS,
     ) -> None:
         """The solver of ``sizes`` candidates per operator, ``factors`` and ``folds`` (whose tables
         may be placeholders of the right shape: planning reads shapes only); ``ties`` maps the
-        operators of twin branches to the one whose candidate they take (`autopar.search.twins`)."""
+        operators of twin branches to the one whose candidate they take (`autopar.search.twins`);
+        ``limits`` bound each elimination step."""
         self.sizes = list(sizes)
-        self.runs = [FoldedRun(repeat, edges, self.sizes, ties) for repeat, edges in folds]
+        runs = [FoldedRun(repeat, edges, self.sizes, ties, limits) for repeat, edges in folds]
+        # a run whose table over its boundaries would pass the limits of a table kept (its copies read many
+        # shared operators that split) is searched copy by copy in the main graph instead
+        self.unfolded = tuple(index for index, run in enumerate(runs) if run.table_entries > limits.left)
+        self.runs = [run for index, run in enumerate(runs) if index not in self.unfolded]
         placeholders = [run.placeholder(self.sizes[run.last]) for run in self.runs]
-        self.first_placeholder = len(factors)
+        given = [*factors, *self._copies(folds)]
+        self.first_placeholder = len(given)
         folded = {u for run in self.runs for u in run.repeat.folded if u != run.last}
-        self.main = Elimination(self.sizes, list(factors) + placeholders, sorted(folded), ties)
+        self.main = Elimination(self.sizes, given + placeholders, sorted(folded), ties, limits)
         self.largest = max([self.main.largest] + [run.elimination.largest for run in self.runs])
+        self.splits = self.main.splits + sum(run.elimination.splits for run in self.runs)
+        self.exact = not self.splits
+
+    def _copies(self, folds: Sequence[tuple[Repeat, RunEdges]]) -> list[Factor]:
+        """The edges of every copy of the runs searched copy by copy, each in its own copy's scope."""
+        found: list[Factor] = []
+        for index in self.unfolded:
+            repeat, edges = folds[index]
+            found += edges.first
+            for k in range(1, repeat.copies):
+                found += [Factor(repeat.shift(f.scope, k), f.maps, f.table) for f in edges.later]
+        return found
 
     def bind(self, factors: Sequence[Factor], folds: Sequence[tuple[Repeat, RunEdges]]) -> None:
         """Swap the placeholder tables this solver was planned on for the costed ones."""
-        self.main.bind(factors)
+        self.main.bind([*factors, *self._copies(folds)])
+        folds = [fold for index, fold in enumerate(folds) if index not in self.unfolded]
         for run, (_, edges) in zip(self.runs, folds):
             run.elimination.bind([run._entry_factor(f, g) for f, g in zip(edges.first, edges.later)])
             run.edges = edges
 
     @classmethod
-    def of(cls, problem: Costed) -> "Solver":
+    def of(cls, problem: Costed, limits: TableLimits = TABLE_LIMITS) -> "Solver":
         """The solver planned on a costed problem's arrays (bound to its tables without recomputation)."""
         sizes = [len(t) for t in problem.node_time]
-        return cls(sizes=sizes, factors=problem.factors, folds=problem.folds, ties=problem.ties)
+        return cls(sizes=sizes, factors=problem.factors, folds=problem.folds, ties=problem.ties, limits=limits)
 
     def states(self) -> tuple[int, int]:
         """(candidates kept as states, candidates dropped as exactly dominated), over every operator.
@@ -351,16 +385,24 @@ class Solver:
         return kept, dropped
 
     def minimise(self, unary: Sequence[np.ndarray]) -> list[int]:
-        """Exact argmin of node costs ``unary`` plus every edge cost."""
+        """The argmin of node costs ``unary`` plus every edge cost (exact where the solver is)."""
+        return self.solve(unary)[0]
+
+    def solve(self, unary: Sequence[np.ndarray]) -> tuple[list[int], float]:
+        """(a candidate per operator, the least objective any plan has): the argmin and its objective where
+        the solver is ``exact``; else a plan and a lower bound that need not meet."""
         solved = [run.solve(unary) for run in self.runs]
         tables = {self.first_placeholder + i: s.joined for i, s in enumerate(solved)}
         main_unary = list(unary)
         for run in self.runs:
             main_unary[run.last] = np.zeros(self.sizes[run.last])  # its cost is inside G
-        choice = self.main.run(main_unary, tables).backtrack()
+        main = self.main.run(main_unary, tables)
+        choice = main.backtrack()
         for s in solved:
             s.unfold(choice)
-        return choice
+        # what a copy's elimination minimised apart from its boundaries is the same in every copy
+        value = main.value + sum(s.run.repeat.copies * s.solved.value for s in solved)
+        return choice, value
 
 
 def minimise(problem: Costed, unary: Sequence[np.ndarray]) -> list[int]:

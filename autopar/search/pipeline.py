@@ -39,6 +39,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from autopar.context import planning
 from autopar.errors import InfeasibleError
 from autopar.layout import Layout
 from autopar.search.dataflow import TensorUse, kept_by
@@ -558,11 +559,12 @@ class _StageSearch:
             hit = (math.inf, None)
         else:
             hit = (stage.objective(result.choice, result.choices), result)
-            self.hint = result.lagrange_multiplier or self.hint
+            self.hint = result.memory_multiplier or self.hint
         self.found[key] = hit
         return hit
 
 
+@planning
 def search_stages(
     problem: SearchProblem,
     shape: PipelineShape,
@@ -755,7 +757,7 @@ def _least_below(problem: SearchProblem, unary: Sequence[np.ndarray], recompute:
     solver.bind(problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
     choice = solver.minimise(unary)
     least = sum(float(u[c]) for u, c in zip(unary, choice))
-    least += sum(factor.value([choice[u] for u in scope]) for factor, scope in problem._all_factors(recompute))
+    least += sum(factor.value([choice[u] for u in scope]) for factor, scope in problem.all_factors(recompute))
     return least - 1e-9 * abs(least)
 
 
@@ -887,7 +889,7 @@ def _stage_floor(
     outside: list[np.ndarray | float] = [0.0] * stage.size  # ``extra`` less the edges inside a copy
     least: dict[int, np.ndarray] = {}  # per factor table: its minimum over every axis but the last operator's
     unary = stage.lagrangian(weight, recompute)[0]
-    for factor, scope in stage._all_factors(recompute):
+    for factor, scope in stage.all_factors(recompute):
         at = int(np.argmax(scope))
         key = id(factor.table) * 8 + at
         if key not in least:

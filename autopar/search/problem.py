@@ -76,7 +76,7 @@ class SearchProblem(Dataflow):
         With k micro-batches the step is k micro-steps, the gradient sync paid once.
         """
         total = sum(float(self.node_arrays(i, choices)[0][c]) for i, c in enumerate(choice))
-        for factor, scope in self._all_factors(choices.recompute):
+        for factor, scope in self.all_factors(choices.recompute):
             total += factor.value([choice[u] for u in scope])
         if choices.micro_batches == 1:
             return total
@@ -90,7 +90,7 @@ class SearchProblem(Dataflow):
         """The edge factors outside folded runs, with recomputed forwards paid twice if ``recompute``."""
         return self.recompute_factors if recompute and self.recompute_factors else self.factors
 
-    def _all_factors(self, recompute: bool = False) -> list[tuple[Factor, tuple[int, ...]]]:
+    def all_factors(self, recompute: bool = False) -> list[tuple[Factor, tuple[int, ...]]]:
         """Every edge factor with the operators it joins in its copy (its own scope outside folded runs)."""
         found = [(factor, factor.scope) for factor in self.main_factors(recompute)]
         for repeat, edges in self.recompute_folds if recompute else self.folds:
@@ -153,7 +153,7 @@ class SearchProblem(Dataflow):
     def edges_for(self, recompute: bool) -> dict[tuple[int, int], np.ndarray]:
         """`edges`, with the forward redistributions inside repeated blocks paid twice if ``recompute``."""
         edges: dict[tuple[int, int], np.ndarray] = {}
-        for factor, (i, j) in self._all_factors(recompute):
+        for factor, (i, j) in self.all_factors(recompute):
             rows, cols = factor.maps
             matrix = factor.table[np.ix_(rows, cols)]
             edges[(i, j)] = edges[(i, j)] + matrix if (i, j) in edges else matrix

@@ -1,0 +1,198 @@
+"""Plan full-size Hugging Face models the search once refused for the size of its tables.
+
+Usage: python bench/large_exports.py [--kinds llama3_8b,albert,deepseek_v3,mamba2] [--devices 64]
+                                     [--layers 2] [--batch 8] [--seq 512] [--out FOLDER]
+
+Each model is built from its transformers configuration at its published width (Llama-3-8B: hidden 4,096,
+32 heads, 8 key-value heads, MLP 14,336, vocabulary 128,256; ALBERT-xxlarge; DeepSeek-V3's latent attention
+and routed experts, fewer of them; Mamba2-2.7B) with a few layers, its parameters on torch's meta device so
+that no weight is ever allocated, given its training loss and exported by torch's dynamo exporter
+(``optimize=False``: the optimiser folds constants, which meta tensors do not have). The file keeps each
+parameter's shape and points its data at a file that is not written, as ``bench/hf_exports.py`` does;
+buffers (rotary frequencies, position ids) are stored. Then ``autopar plan FILE --devices N --cost-model h100
+--optimizer adam --quiet`` runs in a fresh process: printed are its wall time, CPU time, peak memory, the
+predicted step and what the search proved (exact, or the gap to its lower bound).
+
+Needs torch, onnxscript and transformers (the test extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from hf_exports import autopar, measure
+
+# bench/transformers.py would shadow Hugging Face's package of that name
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+def configuration(kind: str, layers: int, seq: int):
+    import transformers as hf
+
+    if kind == "llama3_8b":
+        return hf.LlamaConfig(
+            num_hidden_layers=layers,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+        )
+    if kind == "albert":
+        return hf.AlbertConfig(
+            num_hidden_layers=layers,
+            hidden_size=4096,
+            num_attention_heads=64,
+            intermediate_size=16384,
+            embedding_size=128,
+            vocab_size=30000,
+            max_position_embeddings=seq,
+        )
+    if kind == "deepseek_v3":
+        return hf.DeepseekV3Config(
+            num_hidden_layers=layers,
+            first_k_dense_replace=1,
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            n_routed_experts=16,
+            n_shared_experts=1,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            vocab_size=129280,
+        )
+    if kind == "mamba2":
+        return hf.Mamba2Config(
+            num_hidden_layers=layers,
+            hidden_size=2560,
+            state_size=128,
+            num_heads=80,
+            head_dim=64,
+            n_groups=1,
+            expand=2,
+            chunk_size=256,
+            vocab_size=50288,
+        )
+    raise SystemExit(f"unknown kind {kind!r}: choose llama3_8b, albert, deepseek_v3 or mamba2")
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers lands on the meta device (shape and type, no storage); buffers
+    are computed as usual."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, parameter: torch.nn.Parameter | None) -> None:
+        register(module, name, parameter)
+        if parameter is not None:
+            moved = module._parameters[name].to("meta")  # type: ignore[union-attr]
+            module._parameters[name] = type(parameter)(moved, requires_grad=parameter.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def export(kind: str, layers: int, batch: int, seq: int, path: Path) -> None:
+    import onnx
+    import torch
+    import transformers as hf
+    from onnx import numpy_helper
+
+    config = configuration(kind, layers, seq)
+    config._attn_implementation = "eager"
+    # each routed token's expert weights gathered from the stacks: the default grouped_mm calls operators
+    # (histc) the ONNX exporter cannot translate
+    config._experts_implementation = "batched_mm"
+    masked = kind == "albert"
+    with parameters_on_meta():
+        model = (hf.AutoModelForMaskedLM if masked else hf.AutoModelForCausalLM).from_config(config)
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            options = {} if masked else {"use_cache": False}
+            return self.model(input_ids=ids, labels=labels, **options).loss
+
+    module = WithLoss(model)
+    buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+    module = module.to("meta")
+    ids = torch.zeros((batch, seq), dtype=torch.int64, device="meta")
+    program = torch.onnx.export(torch.export.export(module, (ids, ids)), dynamo=True, optimize=False)
+    stored = {name: ([int(d) for d in v.shape], int(v.dtype)) for name, v in program.model.graph.initializers.items()}
+    program.save(str(path), include_initializers=False)
+    proto = onnx.load(str(path), load_external_data=False)
+    for name, (dims, dtype) in stored.items():
+        if name in buffers:
+            tensor = numpy_helper.from_array(buffers[name].numpy(), name)
+        else:  # its shape and type; its data in a file that is never written
+            tensor = onnx.TensorProto(name=name, data_type=dtype, dims=dims, data_location=onnx.TensorProto.EXTERNAL)
+            tensor.external_data.add(key="location", value=path.name + ".weights")
+        proto.graph.initializer.append(tensor)
+    for node in proto.graph.node:  # the layer names a plan shows stay; the exporter's stack traces go
+        kept = [(p.key, p.value) for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"]
+        del node.metadata_props[:]
+        for key, value in kept:
+            node.metadata_props.add(key=key, value=value)
+    onnx.save(proto, str(path))
+
+
+def plan(path: Path, devices: int) -> str:
+    done = measure(autopar("plan", str(path), "--devices", str(devices), "--cost-model", "h100", "--optimizer", "adam"))
+    head = f"{done.wall:.1f} s ({done.cpu:.1f} s CPU) | {done.rss / 2**20:,.0f} MiB"
+    if done.code:
+        return f"{head} | refused: {done.refusal[:200]} | |"
+    lines = done.out.splitlines()
+    step = next((line for line in lines if line.startswith("step time:")), "").split(":", 1)[-1].strip()
+    search = next((line for line in lines if line.startswith("search:")), "").split(":", 1)[-1].strip()
+    return f"{head} | {step.split('(')[0].strip()} | {search} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default="llama3_8b,albert,deepseek_v3,mamba2")
+    parser.add_argument("--devices", default="64")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--out", type=Path, help="keep the exports in this folder (as KIND.onnx)")
+    args = parser.parse_args()
+    print("| model | devices | autopar plan wall (CPU) | peak memory | predicted step | search |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        for kind in args.kinds.split(","):
+            path = (args.out or Path(folder)) / f"{kind}.onnx"
+            try:
+                export(kind, args.layers, args.batch, args.seq, path)
+            except Exception as error:  # an export torch cannot write is a row, not the end of the table
+                print(f"| {kind} | | export failed: {type(error).__name__}: {str(error)[:150]} | | | |", flush=True)
+                continue
+            for devices in (int(d) for d in args.devices.split(",")):
+                label = f"{kind} ({args.layers} layers, batch {args.batch}, sequence {args.seq})"
+                print(f"| {label} | {devices} | {plan(path, devices)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
