@@ -8,8 +8,6 @@ code they guard gets faster.
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable
 
 MAX_DEVICES = 1 << 16
 """65,536 devices (16 mesh bits): beyond any cluster a single job trains on today."""
@@ -54,40 +52,6 @@ MAX_VERIFY_BYTES = 20_000_000_000
 """Weights and inputs (held whole and as shards, so counted three times) plus every activation of
 a verification run: DenseNet-121 at batch 32 needs 10.4 GB; ResNet-50 at batch 256 would need 39 GB."""
 
-WORKERS = max(1, min(8, os.cpu_count() or 1))
+WORKERS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 """Threads for the two numpy-heavy loops (costing chunks, large DP steps) at most: numpy releases the GIL.
-How many they take now: `workers`."""
-
-_lent = [0]  # cores lent to helper processes now
-_lending = threading.Lock()
-
-
-def workers() -> int:
-    """Threads the numpy-heavy loops take now: `WORKERS`, less the cores lent to helper processes
-    (`lend_cores`), at least one. A helper's work is the plan's too: beside it, two threads on two cores
-    slowed both (76.1B GPT on two cores: 63 s to plan, 56 s with one thread).
-
-    >>> release = lend_cores(WORKERS)
-    >>> workers()
-    1
-    >>> release()
-    >>> workers() == WORKERS
-    True
-    """
-    return max(1, WORKERS - _lent[0])
-
-
-def lend_cores(count: int) -> Callable[[], None]:
-    """Lend ``count`` cores to a helper process (`workers` takes that many fewer threads) until the function
-    returned is called (once; later calls do nothing)."""
-    with _lending:
-        _lent[0] += count
-    returned = [False]
-
-    def release() -> None:
-        with _lending:
-            if not returned[0]:
-                returned[0] = True
-                _lent[0] -= count
-
-    return release
+The cores this process may run on (``taskset -c 0`` leaves one: two threads there only take turns)."""

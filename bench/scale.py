@@ -152,7 +152,7 @@ def run_case(
 ) -> dict:
     """Run `autopar plan` (with ``flags``) in a fresh process; wall seconds, peak RSS, and the plan or the
     refusal. The RSS is the process's own peak (the kernel's count) or, where larger, the most the process
-    and the helper it may start (`autopar.api.lookahead`) held together, sampled as it runs."""
+    and any process it starts held together, sampled as it runs."""
     argv = [sys.executable, "-m", "autopar.cli", "plan", str(path), "--devices", str(devices)]
     argv += ["--cost-model", cost_model, *flags]
     argv += ["--format", "json", "--quiet"]

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autopar  # noqa: E402
-from autopar.search.driver import run_search  # noqa: E402
+from autopar.search.driver import SearchOptions, run_search  # noqa: E402
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
         results = {}
         for algorithm in ("dp", "ilp"):
             start = time.perf_counter()
-            choice = run_search(problem, algorithm=algorithm).choice
+            choice = run_search(problem, SearchOptions(algorithm=algorithm)).choice
             results[algorithm] = (problem.objective(choice), time.perf_counter() - start)
         (dp, dp_s), (ilp, ilp_s) = results["dp"], results["ilp"]
         print(

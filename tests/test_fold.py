@@ -14,7 +14,7 @@ from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.search import repeats
 from autopar.search.costing import build_problem
-from autopar.search.driver import run_search
+from autopar.search.driver import SearchOptions, run_search
 from autopar.search.fold import min_plus
 from models.transformer import build_preset
 from tests.conftest import make_model, profile, weight
@@ -60,7 +60,7 @@ def test_folded_equals_unfolded_and_ilp_on_residual_stacks(blocks, devices):
     slow = unfolded.objective(run_search(unfolded).choice)
     assert fast == pytest.approx(slow, rel=1e-12)
     pytest.importorskip("highspy")
-    exact = unfolded.objective(run_search(unfolded, algorithm="ilp").choice)
+    exact = unfolded.objective(run_search(unfolded, SearchOptions(algorithm="ilp")).choice)
     assert fast == pytest.approx(exact, rel=1e-7)
 
 

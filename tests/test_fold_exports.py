@@ -16,7 +16,7 @@ from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.search import repeats
 from autopar.search.costing import build_problem
-from autopar.search.driver import run_search
+from autopar.search.driver import SearchOptions, run_search
 from tests.conftest import profile
 from tests.plain_gpt import build_plain_gpt
 from tests.torch_llama import CONFIG, DATA
@@ -34,7 +34,7 @@ def _objectives(graph, devices: int, ilp: bool = True) -> tuple[float, ...]:
     assert folded.folds, "nothing folded"
     found = [unfolded.objective(run_search(folded).choice), unfolded.objective(run_search(unfolded).choice)]
     if ilp:
-        found.append(unfolded.objective(run_search(unfolded, algorithm="ilp").choice))
+        found.append(unfolded.objective(run_search(unfolded, SearchOptions(algorithm="ilp")).choice))
     return tuple(found)
 
 

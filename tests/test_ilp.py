@@ -10,7 +10,7 @@ import autopar
 from autopar.cost import CostModel, load_profile
 from autopar.graph import load_model
 from autopar.search.costing import build_problem
-from autopar.search.driver import run_search
+from autopar.search.driver import SearchOptions, run_search
 from tests.conftest import every_plan, profile, random_model
 
 pytest.importorskip("highspy")
@@ -20,8 +20,8 @@ pytest.importorskip("highspy")
 @given(seed=st.integers(0, 2**31 - 1), devices=st.sampled_from([2, 4, 8]), peak=st.sampled_from([1e6, 1e9]))
 def test_ilp_equals_dp_on_random_graphs(seed, devices, peak):
     problem = build_problem(load_model(random_model(seed)), CostModel(profile(peak=peak)), devices)
-    dp = problem.objective(run_search(problem, algorithm="dp").choice)
-    ilp = problem.objective(run_search(problem, algorithm="ilp").choice)
+    dp = problem.objective(run_search(problem, SearchOptions(algorithm="dp")).choice)
+    ilp = problem.objective(run_search(problem, SearchOptions(algorithm="ilp")).choice)
     assert ilp == pytest.approx(dp, rel=1e-7, abs=1e-15)
 
 
@@ -36,7 +36,7 @@ def test_ilp_is_exact_under_a_binding_memory_limit():
     capacity = tighter[-1]
     problem = build_problem(load_model(model), CostModel(profile(capacity=capacity)), 4)
     best = min(problem.objective(*plan) for plan in every_plan(problem) if problem.memory(*plan) <= capacity)
-    found = run_search(problem, algorithm="ilp")
+    found = run_search(problem, SearchOptions(algorithm="ilp"))
     assert problem.memory(found.choice, found.choices) <= capacity * (1 + 1e-9)
     assert problem.objective(found.choice, found.choices) == pytest.approx(best, rel=1e-7)
 
@@ -54,7 +54,7 @@ def test_a_four_layer_gpt_on_sixteen_devices_folded_or_not_equals_the_ilp(monkey
 
     graph = load_model(build_preset("gpt2", layers=4, hidden=256, heads=4, seq=128, batch=8))
     problem = build_problem(graph, CostModel(load_profile("ascend910")), 16)
-    exact = problem.objective(run_search(problem, algorithm="ilp").choice)
+    exact = problem.objective(run_search(problem, SearchOptions(algorithm="ilp")).choice)
     assert problem.objective(run_search(problem).choice) == pytest.approx(exact, rel=1e-9)
     # fold the layers: three copies from the second layer norm on, and the first layer joins them
     monkeypatch.setattr(repeats, "MIN_FOLDED_COPIES", 2)

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 import autopar
 from autopar.cost import HardwareProfile
 from autopar.lowering.lower import gradient_sync
-from autopar.search.driver import run_search
+from autopar.search.driver import SearchOptions, run_search
 from autopar.search.fold import minimise
 from autopar.search.memory import MemoryChoices
 from autopar.search.problem import SearchProblem
@@ -130,7 +130,7 @@ def test_parallel_optimizer_plan_equals_brute_force_and_the_ilp():
     for choice, choices in every_plan(problem):
         assert items_total(problem, choice, choices) == pytest.approx(problem.memory(choice, choices), rel=1e-12)
     pytest.importorskip("highspy")
-    ilp = run_search(problem, algorithm="ilp")
+    ilp = run_search(problem, SearchOptions(algorithm="ilp"))
     assert problem.memory(ilp.choice, ilp.choices) <= CAPACITY
     assert problem.objective(ilp.choice, ilp.choices) == pytest.approx(best, rel=1e-9)
 
@@ -288,7 +288,7 @@ def test_recomputation_is_chosen_when_only_it_fits():
 
     # the DP's plan is the ILP's (solved with and without recomputation) at this capacity
     pytest.importorskip("highspy")
-    ilp = run_search(problem, algorithm="ilp")
+    ilp = run_search(problem, SearchOptions(algorithm="ilp"))
     assert ilp.choices.recompute
     assert problem.memory(ilp.choice, ilp.choices) <= capacity * (1 + 1e-12)
     assert plan.objective == pytest.approx(problem.objective(ilp.choice, ilp.choices), rel=1e-9)
@@ -307,7 +307,7 @@ def test_recomputation_under_any_capacity_fits_and_never_beats_the_ilp(share):
     assert dp.choices.recompute and problem.memory(dp.choice, dp.choices) <= capacity
     assert items_total(problem, dp.choice, dp.choices) == pytest.approx(problem.memory(dp.choice, dp.choices))
     pytest.importorskip("highspy")
-    ilp = run_search(problem, algorithm="ilp")
+    ilp = run_search(problem, SearchOptions(algorithm="ilp"))
     assert ilp.choices.recompute and problem.memory(ilp.choice, ilp.choices) <= capacity * (1 + 1e-12)
     assert problem.objective(ilp.choice, ilp.choices) <= problem.objective(dp.choice, dp.choices) * (1 + 1e-9)
 
@@ -558,7 +558,7 @@ def test_a_hinted_memory_walk_ends_at_the_same_plan_in_no_more_runs(share, monke
     assert plain.memory_multiplier > 0  # memory binds: the walk ran
     for scale in (1.0, 10.0, 0.1):
         runs.clear()
-        hinted = run_search(problem, hint=plain.memory_multiplier * scale)
+        hinted = run_search(problem, SearchOptions(hint=plain.memory_multiplier * scale))
         assert (hinted.choice, hinted.choices) == (plain.choice, plain.choices)
         if scale == 1.0:  # the settled weight: the same weight comes back, in fewer runs
             assert hinted.memory_multiplier == pytest.approx(plain.memory_multiplier, rel=1e-9)
@@ -581,9 +581,12 @@ def test_a_walk_widening_from_a_hint_ends_where_the_plain_secant_walk_does(share
     monkeypatch.setattr(driver, "_WIDEN", math.inf)
     plain = run_search(problem)
     assert plain.memory_multiplier > 0  # memory binds: the walk ran
-    hinted = {scale: run_search(problem, hint=plain.memory_multiplier * scale) for scale in (1e-3, 0.1, 1.0, 10.0)}
+    hinted = {
+        scale: run_search(problem, SearchOptions(hint=plain.memory_multiplier * scale))
+        for scale in (1e-3, 0.1, 1.0, 10.0)
+    }
     monkeypatch.setattr(driver, "_WIDEN", 2.0)
-    widened = {scale: run_search(problem, hint=plain.memory_multiplier * scale) for scale in hinted}
+    widened = {scale: run_search(problem, SearchOptions(hint=plain.memory_multiplier * scale)) for scale in hinted}
     for scale, found in hinted.items():
         assert (
             (widened[scale].choice, widened[scale].choices)

@@ -34,7 +34,7 @@ from autopar.errors import InfeasibleError
 from autopar.graph import load_model
 from autopar.search import repeats
 from autopar.search.costing import build_problem
-from autopar.search.driver import run_search
+from autopar.search.driver import SearchOptions, run_search
 from autopar.search.pipeline import (
     ONE_STAGE,
     PipelineShape,
@@ -244,8 +244,10 @@ def test_a_stage_floor_counting_whole_copies_bounds_every_stage_and_beats_the_op
             tighter += counted > alone * (1 + 1e-6)
     assert tighter > 0
     brute = every_cut(problem, shape)  # bounds prune, never change the answer: nothing beats the best plan,
-    assert search_stages(problem, shape, bound=brute.time_s) is None  # and the best plan beats a bound above it
-    assert search_stages(problem, shape, bound=brute.time_s * (1 + 1e-9)).time_s == pytest.approx(brute.time_s)
+    assert search_stages(problem, shape, SearchOptions(bound=brute.time_s)) is None  # and it beats a bound above it
+    assert search_stages(problem, shape, SearchOptions(bound=brute.time_s * (1 + 1e-9))).time_s == pytest.approx(
+        brute.time_s
+    )
 
 
 def _stacks(kind: str, batch: int):
@@ -378,7 +380,7 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     )
     shape = PipelineShape(2, micro)
     points = [0, *cut_points(problem), problem.size]
-    search = _StageSearch(problem, shape, "auto_parallel", "dp", None)
+    search = _StageSearch(problem, shape, SearchOptions())
     search.copies = _copy_floors(problem, shape, points)
     refuted, weights = 0, []
     for a, b in itertools.combinations(points, 2):
@@ -398,7 +400,7 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     assert weights and refuted > 0  # memory binds, and the bound is close enough to refute
     brute = every_cut(problem, shape)
     for bound in (math.inf, brute.time_s * (1 + 1e-9), brute.time_s):
-        found = search_stages(problem, shape, bound=bound, hint=weights[0])
+        found = search_stages(problem, shape, SearchOptions(bound=bound, hint=weights[0]))
         assert (found is None) == (bound == brute.time_s)
         assert found is None or found.time_s == pytest.approx(brute.time_s, rel=1e-12)
 
@@ -412,7 +414,7 @@ def test_each_stage_of_a_fixed_cut_equals_the_ilp(monkeypatch, cuts):
     bounds = [*cuts, problem.size]
     for index in range(len(cuts)):
         stage = stage_problem(problem, bounds[index], bounds[index + 1], shape, index)
-        dp, ilp = run_search(stage), run_search(stage, algorithm="ilp")
+        dp, ilp = run_search(stage), run_search(stage, SearchOptions(algorithm="ilp"))
         assert stage.objective(dp.choice, dp.choices) == pytest.approx(
             stage.objective(ilp.choice, ilp.choices), rel=1e-7
         )

@@ -16,7 +16,7 @@ from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.search.costing import build_problem
 from autopar.search.dp import Elimination, Factor, TableLimits, tie_break_unary
-from autopar.search.driver import data_parallel_choice, run_search
+from autopar.search.driver import SearchOptions, data_parallel_choice, run_search
 from autopar.search.fold import Solver, minimise
 from tests.conftest import every_plan, make_model, profile, random_model
 
@@ -165,7 +165,7 @@ def test_t5_export_dp_equals_ilp():
     problem = build_problem(load_model(DATA / "hf_t5_legacy.onnx"), CostModel(profile(peak=1e9)), 4)
     assert any(step.apart for step in Solver.of(problem).main.steps)
     dp = problem.objective(run_search(problem).choice)
-    assert dp == pytest.approx(problem.objective(run_search(problem, algorithm="ilp").choice), rel=1e-9)
+    assert dp == pytest.approx(problem.objective(run_search(problem, SearchOptions(algorithm="ilp")).choice), rel=1e-9)
 
 
 def _routed_cycle(seed: int) -> tuple[list[int], list[Factor], list[np.ndarray]]:
@@ -326,14 +326,14 @@ def test_a_bounded_search_brackets_the_ilp_optimum():
             capacity = floor + 0.5 * (problem.memory(fastest.choice, fastest.choices) - floor)
             problem = build_problem(model, CostModel(profile(capacity=capacity, peak=1e8)), 8)
         try:
-            optimum = run_search(problem, algorithm="ilp")
+            optimum = run_search(problem, SearchOptions(algorithm="ilp"))
         except InfeasibleError:
             continue
         best = problem.objective(optimum.choice, optimum.choices)
         exact = run_search(problem)
         if exact.exact:
             assert exact.bound_s == problem.objective(exact.choice, exact.choices) == pytest.approx(best, rel=1e-9)
-        found = run_search(problem, table_limits=TableLimits(entries=16, left=4))
+        found = run_search(problem, SearchOptions(table_limits=TableLimits(entries=16, left=4)))
         planned = problem.objective(found.choice, found.choices)
         assert found.bound_s is not None and found.bound_s <= best * (1 + 1e-9) + 1e-15
         assert planned >= best * (1 - 1e-9)

@@ -15,7 +15,7 @@ from autopar.cost import CostModel
 from autopar.graph import load_model
 from autopar.search.costing import build_problem
 from autopar.search.dp import Elimination, Factor
-from autopar.search.driver import run_search
+from autopar.search.driver import SearchOptions, run_search
 from autopar.search.fold import Solver
 from autopar.search.twins import find_twins
 from tests.conftest import profile
@@ -139,7 +139,9 @@ def test_tied_objective_equals_untied_unfolded_and_ilp(devices):
     found = unfolded.objective(run_search(tied).choice)
     assert found == pytest.approx(unfolded.objective(run_search(unfolded).choice), rel=1e-12)
     if devices == 4:
-        assert found == pytest.approx(unfolded.objective(run_search(unfolded, algorithm="ilp").choice), rel=1e-9)
+        assert found == pytest.approx(
+            unfolded.objective(run_search(unfolded, SearchOptions(algorithm="ilp")).choice), rel=1e-9
+        )
 
 
 def test_models_without_twin_branches_have_no_ties():

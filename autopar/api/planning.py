@@ -17,8 +17,6 @@ from typing import TypeVar
 import onnx
 
 from autopar import progress
-from autopar.api.lookahead import MARGIN, Job, Lookahead, job_model
-from autopar.api.lookahead import wanted as lookahead_wanted
 from autopar.context import opened
 from autopar.cost import CostModel, load_profile
 from autopar.cost.mesh import Mesh
@@ -53,6 +51,7 @@ from autopar.search.costing import build_problem, meeting_layouts
 from autopar.search.driver import (
     NothingFaster,
     SearchCache,
+    SearchOptions,
     SearchResult,
     parameter_state_bytes,
     run_search,
@@ -266,20 +265,10 @@ class _Shapes:
         self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
         self._hint = 0.0  # the memory weight the last search that memory bound settled on: the next tries it first
         self._single_runs = SearchCache()  # the whole batch is searched twice where memory binds (`_visiting`)
-        self._helper = self._early_helper()  # imports the micro-batch counts' models while the whole batch is costed
-        try:
-            single = self.problem(1, 1)
-        except BaseException:
-            self.close()
-            raise
+        self.searching = SearchOptions(options.mode, options.search, options.recompute)  # every search's
+        single = self.problem(1, 1)
         assert single is not None  # the whole batch on every device: its errors are the user's
         self.single = single
-
-    def close(self) -> None:
-        """Stop the helper, if one is running (`autopar.api.lookahead`)."""
-        if self._helper is not None:
-            self._helper.close()
-            self._helper = None
 
     def problem(self, stages: int, micro_batches: int) -> SearchProblem | None:
         """One micro-batch's problem on one stage's devices (None: the model does not import at that batch,
@@ -309,21 +298,14 @@ class _Shapes:
 
     def _graph(self, micro_batches: int) -> Graph:
         """The model at one micro-batch's size, imported once (the graph is read, never changed)."""
-        if micro_batches not in self._graphs and self._helper is not None:
-            sent = self._helper.graph(micro_batches)
-            if sent is not None:
-                self._graphs[micro_batches] = sent
         if micro_batches not in self._graphs:
             options = self.options
             batch = _micro_batch(self.step_batch, micro_batches, self.graph)
             imported: Graph | ModelImportError
             try:
-                imported = graph = model_graph(self.model, batch, options.dims, options.frozen, options.trainable)
+                imported = model_graph(self.model, batch, options.dims, options.frozen, options.trainable)
             except ModelImportError as error:
                 imported = _detached(error)
-            else:
-                if self._helper is not None:  # its floors at this count need it too
-                    self._helper.share_model(micro_batches, graph)
             self._graphs[micro_batches] = imported
         found = self._graphs[micro_batches]
         if isinstance(found, ModelImportError):
@@ -355,17 +337,14 @@ class _Shapes:
         return _listed([PipelineShape(s, m) for s in counts for m in micro])
 
     def search(self) -> _Searched:
-        options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
+        options = self.options
         if parameter_state_bytes(self.single) / options.num_devices > self.cost.capacity:
-            run_search(self.single, mode, algorithm, options.recompute)  # nothing can fit: its sentence says so
+            run_search(self.single, self.searching)  # nothing can fit: its sentence says so
         floor = compute_floor(self.single)
         shapes = self.shapes()
         rank = {shape: index for index, shape in enumerate(shapes)}  # on a tie, the shape listed first wins
-        try:
-            best, order = self._visiting(shapes)
-            return self._searched(shapes, order, rank, best, floor, self._lookahead(best, order))
-        finally:
-            self.close()
+        best, order = self._visiting(shapes)
+        return self._searched(shapes, order, rank, best, floor)
 
     def _searched(
         self,
@@ -374,13 +353,9 @@ class _Shapes:
         rank: Mapping[PipelineShape, int],
         best: _Searched | None,
         floor: float,
-        lookahead: Lookahead | None,
     ) -> _Searched:
-        options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
+        options = self.options
         for index, shape in enumerate(order):
-            if lookahead is not None and shape.stages > 1:  # the pipeline shapes, with the helper
-                best = self._shared(order[index:], rank, best, floor, lookahead)
-                break
             progress.report("pipeline shapes", index, len(shapes))
             bound = self._bound(shape, best, rank)
             if not self._may_win(shape, best, bound, floor):
@@ -405,7 +380,7 @@ class _Shapes:
             ) from None
         if best is None:
             # raises when one stage does not fit: its sentence says what does not fit and how many devices would hold it
-            run_search(self.single, mode, algorithm, options.recompute, cache=self._single_runs)
+            run_search(self.single, self.searching, cache=self._single_runs)
             raise InfeasibleError(
                 f"No plan with the pipeline stages and micro-batches asked for fits in device memory on"
                 f" {options.num_devices} devices; leave them to the search."
@@ -426,80 +401,6 @@ class _Shapes:
         finally:
             self.search_s += time.perf_counter() - started
 
-    def _shared(
-        self,
-        shapes: Sequence[PipelineShape],
-        rank: Mapping[PipelineShape, int],
-        best: _Searched | None,
-        floor: float,
-        lookahead: Lookahead,
-    ) -> _Searched | None:
-        """The best of ``best`` and the pipeline shapes' plans, the floors shared with the helper
-        (`autopar.api.lookahead`), which works them out in the list's order: the shape of lowest floor in is
-        searched first, each skipped once its floor is clearly no faster than the best plan found (`MARGIN`);
-        with none in, a shape the helper has not reached is searched (`_take`; its floor is the search's first
-        step). So a shape whose floor the helper has in is not built to be ruled out, and a good plan is found
-        early, which rules out more shapes by the bounds that need no building (`_may_win`). Working every
-        floor out first, to search lowest floor first throughout, took longer (76.1B GPT: 74-77 s, where
-        55-73 s): until a good plan is found, many more shapes need their floors.
-
-        The plan does not depend on the order: each shape's search is exact (what it finds faster than its
-        bound is its best plan, whatever the bound), every stage search starts from the same memory weight
-        (`_search_shape`), and a tie goes to the shape listed first."""
-        done: set[PipelineShape] = set()  # searched, or ruled out
-        lookahead.share()
-        while True:
-            floors = lookahead.floors()
-            for listed in shapes:
-                if listed not in done and not self._left_a_chance(listed, floors.get(listed), best, rank, floor):
-                    done.add(listed)
-                    lookahead.drop(listed)
-                    if floors.get(listed) is not None:
-                        self._built.add((listed.stages, listed.micro_batches))  # the helper built it
-            known = [s for s in shapes if s not in done and s in floors]  # a None floor: the helper could not build it
-            shape: PipelineShape | None = min(known, key=lambda s: (_or_least(floors[s]), rank[s]), default=None)
-            if shape is None:  # no floor in: the next shape the helper has not reached, searched here
-                shape = self._take(shapes, done, lookahead)
-            if shape is None:
-                if all(s in done for s in shapes):
-                    return best
-                lookahead.wait()  # for the floor under way
-                continue
-            done.add(shape)
-            progress.report("pipeline shapes", len(done), len(shapes))
-            problem = self.problem(shape.stages, shape.micro_batches)
-            if problem is None:
-                continue
-            searched = self._timed_search(problem, shape, self._bound(shape, best, rank))
-            del problem
-            if searched is not None and (best is None or _wins(searched, best, rank)):
-                best = searched
-            del searched
-
-    @staticmethod
-    def _take(shapes: Sequence[PipelineShape], done: set[PipelineShape], lookahead: Lookahead) -> PipelineShape | None:
-        """The next shape the helper has not reached, to search here: of more than the fewest stages first. The
-        fewest-stage shapes cost the most to build (the most devices a stage), and the helper, working down the
-        list, meets them first; the search, whose time the plan waits on, takes the quicker ones."""
-        open_ = [shape for shape in shapes if shape not in done]
-        fewest = min((shape.stages for shape in open_), default=0)
-        ordered = [*(s for s in open_ if s.stages > fewest), *(s for s in open_ if s.stages == fewest)]
-        return next((shape for shape in ordered if lookahead.take(shape)), None)
-
-    def _left_a_chance(
-        self,
-        shape: PipelineShape,
-        seconds: float | None,
-        best: _Searched | None,
-        rank: Mapping[PipelineShape, int],
-        floor: float,
-    ) -> bool:
-        """Whether a pipeline shape, of floor ``seconds`` (None: not known), may still beat the best plan."""
-        bound = self._bound(shape, best, rank)
-        if seconds is not None and seconds >= bound * (1 + MARGIN):
-            return False
-        return self._may_win(shape, best, bound, floor)
-
     def _may_win(self, shape: PipelineShape, best: _Searched | None, bound: float, floor: float) -> bool:
         """Whether a shape is left a chance to beat ``bound`` by what is known without building it."""
         options = self.options
@@ -512,85 +413,11 @@ class _Shapes:
         # stages are searched where memory binds one stage (or asked for)
         return not (shape.stages > 1 and options.pipeline_stages is None and self._memory_free(best))
 
-    def _early_helper(self) -> Lookahead | None:
-        """A helper started before the whole batch is costed (`autopar.api.lookahead`), where the search will
-        walk micro-batch counts and may search stages: a large model (`LOOKAHEAD_OPERATORS`) whose batch the
-        search splits. On the core costing leaves idle, it imports the models of the counts the search walks
-        first, then works out the floors of the pipeline shapes the search would visit (every stage count up to
-        the devices: the cut points are not known yet), until the search says which it needs (`_lookahead`)."""
-        options, micro = self.options, self._micro_batch_counts()
-        if (
-            isinstance(self.model, Graph)
-            or len(self.graph.ops) < LOOKAHEAD_OPERATORS
-            or not options.mode.searched
-            or options.search.value != "dp"
-            or options.micro_batches is not None
-            or options.stage_starts
-            or len(micro) < 3
-            or not lookahead_wanted()
-        ):
-            return None
-        one_stage = [ONE_STAGE, *(PipelineShape(1, m) for m in micro if m > 1)]
-        # the first half of the counts the search visits (`_visiting_order`): the rest are mostly ruled out unbuilt
-        first = _visiting_order(one_stage)[1 : (len(one_stage) - 1) // 2 + 2]
-        stages = range(1, options.num_devices.bit_length())
-        guessed = _listed([PipelineShape(1 << k, m) for k in stages for m in micro])
-        return self._start_helper([], [shape.micro_batches for shape in first], guessed)
-
     def _micro_batch_counts(self) -> list[int]:
         """The micro-batch counts the search may try: the batch's divisors, up to `MAX_MICRO_BATCHES`."""
         if self.step_batch is None or any(batch_statistics(op) for op in self.graph.ops):
             return [1]  # (a BatchNorm in training would normalise each micro-batch with its own statistics)
         return [m for m in range(1, min(self.step_batch, MAX_MICRO_BATCHES) + 1) if self.step_batch % m == 0]
-
-    def _start_helper(
-        self, shapes: Sequence[PipelineShape], graphs: Sequence[int], guessed: Sequence[PipelineShape] = ()
-    ) -> Lookahead | None:
-        options = self.options
-        batches = {  # as `_graph` imports each count: the whole batch as the caller gave it
-            micro: options.batch if micro == 1 else _micro_batch(self.step_batch, micro, self.graph)
-            for micro in {*(shape.micro_batches for shape in shapes), *graphs, *self._micro_batch_counts()}
-        }
-        fixed = options.fixed
-        job = Job(
-            model=job_model(self.model),  # type: ignore[arg-type]  # never a Graph (`_early_helper`, `_lookahead`)
-            batches=batches,
-            dims=dict(options.dims),
-            frozen=tuple(options.frozen),
-            trainable=tuple(options.trainable),
-            cost=self.cost,
-            num_devices=options.num_devices,
-            fixed=None if fixed is None else {name: [list(s) for s in given] for name, given in fixed.items()},
-        )
-        try:
-            return Lookahead(job, shapes, graphs, guessed)
-        except OSError:  # no process can be started here: the search does all the work itself
-            return None
-
-    def _lookahead(self, best: _Searched | None, order: Sequence[PipelineShape]) -> Lookahead | None:
-        """A helper working out the pipeline shapes' floors ahead of the search (`autopar.api.lookahead`),
-        where it pays: memory binds the whole batch (so stages are searched), the cuts are the search's,
-        the model is large (`LOOKAHEAD_OPERATORS`) and there are several pipeline shapes after the first
-        shape (searched with no bound, which no floor rules out). The helper started early, if it was, is
-        asked for them; elsewhere it is stopped."""
-        options = self.options
-        ahead = [shape for shape in order[1:] if shape.stages > 1]
-        if (
-            best is not None
-            or order[0] == ONE_STAGE  # the whole batch first: it may fit, and then no stages are searched
-            or options.stage_starts
-            or isinstance(self.model, Graph)
-            or len(ahead) < 2
-            or self.single.size < LOOKAHEAD_OPERATORS
-            or not lookahead_wanted()
-        ):
-            self.close()
-            return None
-        if self._helper is None:
-            self._helper = self._start_helper(ahead, ())
-        else:
-            self._helper.extend(ahead)
-        return self._helper
 
     def _visiting(self, shapes: list[PipelineShape]) -> tuple[_Searched | None, list[PipelineShape]]:
         """The whole batch's plan where it is found already, and the shapes to search, in the order to search
@@ -638,13 +465,14 @@ class _Shapes:
 
     def _search_shape(self, problem: SearchProblem, shape: PipelineShape, bound: float) -> _Searched | None:
         """The best plan of one shape (None: nothing fits, or nothing faster than ``bound``)."""
-        options, mode, algorithm = self.options, self.options.mode.value, self.options.search.value
+        options = self.options
+        searching = dataclasses.replace(self.searching, bound=bound, hint=self._hint)
         started = time.perf_counter()
         if shape.stages == 1:  # the whole model as one stage (over the micro-batches: gradient accumulation)
             stage = problem if shape == ONE_STAGE else stage_problem(problem, 0, problem.size, shape, 0)
             cache = self._single_runs if stage is self.single else None
             try:
-                found = run_search(stage, mode, algorithm, options.recompute, bound, self._hint, cache)
+                found = run_search(stage, searching, cache)
             except NothingFaster as beaten:
                 self._note_fastest(stage, shape, beaten.fastest_s)
                 return None
@@ -662,7 +490,7 @@ class _Shapes:
             whole = PipelineResult(shape, (StagePlan(0, problem.size, found, seconds),))
             return _Searched(problem, _joined(whole, time.perf_counter() - started), None, seconds, shape)
         starts = _stage_starts(problem, options.stage_starts) if options.stage_starts else None
-        result = search_stages(problem, shape, mode, algorithm, starts, bound, options.recompute, self._hint)
+        result = search_stages(problem, shape, searching, starts)
         if result is None:
             return None
         found = _joined(result, time.perf_counter() - started)
@@ -681,10 +509,6 @@ def _detached(error: _Kept) -> _Kept:
 
 _TIE = 1e-12
 """Plans of two shapes this close in step time (relative) are a tie: the shape listed first wins."""
-
-LOOKAHEAD_OPERATORS = 1000
-"""Operators from which pipeline shapes' floors are worked out ahead (`autopar.api.lookahead`): below this,
-costing a shape takes well under a second, no more than starting the helper."""
 
 
 def _wins(searched: _Searched, best: _Searched, rank: Mapping[PipelineShape, int]) -> bool:
@@ -724,16 +548,19 @@ def _visiting_order(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
     return [shapes[0], *micro[at::-1], *micro[at + 1 :], *(shape for shape in shapes[1:] if shape.stages > 1)]
 
 
-def _or_least(seconds: float | None) -> float:
-    return -math.inf if seconds is None else seconds
-
-
 def _joined(result: PipelineResult, seconds: float) -> SearchResult:
     """A pipeline's stages as one search result on the micro-batch's problem."""
     first = result.stages[0].result
     exact = all(stage.result.exact for stage in result.stages)
+    split = sum(stage.result.steps_split for stage in result.stages)
     return SearchResult(
-        result.choice, first.method, seconds, first.memory_multiplier, choices=result.choices, exact=exact
+        result.choice,
+        first.method,
+        seconds,
+        first.memory_multiplier,
+        choices=result.choices,
+        exact=exact,
+        steps_split=split,
     )
 
 
@@ -758,15 +585,15 @@ def _free_plan(
     same micro-batch size), stages and micro-batches, which the plan is compared with (None: nothing
     fits). ``single``: the whole batch on every device with nothing fixed (data parallel's problem)."""
     free = build_problem(problem.graph, cost, problem.num_devices, meet=problem.forks_meet)
-    algorithm = options.search.value
+    searching = SearchOptions(Mode.AUTO_PARALLEL, options.search, options.recompute)
     if shape == ONE_STAGE:
         try:
-            result = run_search(free, "auto_parallel", algorithm, options.recompute)
+            result = run_search(free, searching)
         except InfeasibleError:
             return None
         return Plan.lower(free, result, "auto_parallel")
     starts = _stage_starts(free, options.stage_starts) if options.stage_starts else None
-    pipeline = search_stages(free, shape, "auto_parallel", algorithm, starts, recompute=options.recompute)
+    pipeline = search_stages(free, shape, searching, starts)
     if pipeline is None:
         return None
     found = _joined(pipeline, 0.0)

@@ -149,9 +149,9 @@ def _proof(search: SearchSummary) -> str:
     why = []
     if search.steps_split:
         why.append(f"{search.steps_split} elimination steps split to stay within the table limits")
-    if search.memory_multiplier:
-        why.append("memory binds")
-    because = f" ({'; '.join(why)})" if why else ""
+    if search.memory_multiplier or not why:
+        why.append("memory binds: the plan is the best its memory walk reached")
+    because = f" ({'; '.join(why)})"
     if search.gap is None or search.lower_bound_s is None:
         return f", not proved the fastest{because}"
     gap = f"{100 * search.gap:.2f} %" if search.gap >= 1e-4 else "0.01 %"  # the bound keeps the tie-break's slack

@@ -119,7 +119,7 @@ def pair_coefficients(
 def _over_chunks(work: Callable[[int], None], count: int) -> None:
     """``work(start)`` for each chunk of ``count`` pairs: chunks are independent, and numpy and the compiled
     planner release the GIL, so one thread per core."""
-    with ThreadPoolExecutor(max_workers=limits.workers()) as pool:
+    with ThreadPoolExecutor(max_workers=limits.WORKERS) as pool:
         for done, _ in enumerate(pool.map(work, range(0, count, CHUNK))):
             progress.report("costing redistributions", done * CHUNK, count)
 

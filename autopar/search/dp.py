@@ -272,31 +272,7 @@ class Elimination:
         keep = set(self.keep)
 
         def estimate(v: int) -> tuple[int, int]:
-            """The order's key for eliminating v next (see `ORDERS`)."""
-            scope: dict[int, int] = {}
-            for fid in touching[v]:
-                f_scope, _, shape = live[fid]
-                for u, count in zip(f_scope, shape):
-                    scope[u] = min(sizes[u], scope.get(u, 1) * count)
-            own = scope.pop(v, 1)
-            if own == 1:
-                return 0, 0  # one class: its factors only lose its axis (see `_apart`), no table grows
-            left = 1
-            for count in scope.values():
-                left *= count
-            if rule == "left":
-                return left, left * own
-            if rule == "work":
-                return left * own, left
-            neighbours = list(scope)
-            if rule == "degree":
-                return len(neighbours), left
-            weighted = rule == "weighted fill"
-            fill = 0  # pairs of neighbours that share no table yet and will (weighted: by their class counts)
-            for i, a in enumerate(neighbours):
-                near = {u for fid in touching[a] for u in live[fid][0]}
-                fill += sum(scope[a] * scope[b] if weighted else 1 for b in neighbours[i + 1 :] if b not in near)
-            return fill, left
+            return _order_key(rule, v, touching, live, sizes)
 
         heap = [(*estimate(v), v) for v in range(len(sizes)) if v not in keep and v not in self._tied]
         heapq.heapify(heap)
@@ -308,16 +284,17 @@ class Elimination:
                 continue
             done.add(v)
             bucket = sorted(touching[v])
-            scope, joint_maps, per_factor, counts = _joint(v, bucket, live, sizes)
-            rest = tuple(u for u in scope if u != v)
+            joint = _joint(v, bucket, live, sizes)
+            counts = joint.counts
+            rest = tuple(u for u in joint.scope if u != v)
             if counts[v] == 1 and len(bucket) > 1 and rest:
-                step, next_id = _apart(v, bucket, live, touching, per_factor, joint_maps[v], next_id)
+                step, next_id = _apart(v, bucket, live, touching, joint.per_factor, joint.maps[v], next_id)
                 steps.append(step)
                 work_done += sum(int(np.prod(live[out][2])) for _, out, _, _ in step.apart if out >= 0)
             else:
-                entries = math.prod(counts[u] for u in scope)
+                entries = joint.entries
                 if limits.fits(entries, counts[v]):
-                    step, next_id = _summed(v, bucket, scope, joint_maps, per_factor, counts, live, touching, next_id)
+                    step, next_id = _summed(v, bucket, joint, live, touching, next_id)
                     steps.append(step)
                     largest, work_done = max(largest, entries), work_done + entries
                 elif not bounded:
@@ -471,12 +448,53 @@ def _apart(
     return step, next_id
 
 
-def _joint(
-    v: int, bucket: Sequence[int], live: Mapping[int, _Live], sizes: Sequence[int]
-) -> tuple[list[int], dict[int, np.ndarray], dict[tuple[int, int], np.ndarray], dict[int, int]]:
-    """(scope, joint class per candidate, each factor's class per joint class, class counts) of the
-    operators the factors of ``bucket`` join, the eliminated node ``v`` last (its min and argmin then run
-    over contiguous memory)."""
+def _order_key(
+    rule: str, v: int, touching: Sequence[set[int]], live: Mapping[int, _Live], sizes: Sequence[int]
+) -> tuple[int, int]:
+    """The key of order ``rule`` for eliminating ``v`` next (see `ORDERS`): smallest first."""
+    scope: dict[int, int] = {}
+    for fid in touching[v]:
+        f_scope, _, shape = live[fid]
+        for u, count in zip(f_scope, shape):
+            scope[u] = min(sizes[u], scope.get(u, 1) * count)
+    own = scope.pop(v, 1)
+    if own == 1:
+        return 0, 0  # one class: its factors only lose its axis (see `_apart`), no table grows
+    left = math.prod(scope.values())
+    if rule == "left":
+        return left, left * own
+    if rule == "work":
+        return left * own, left
+    neighbours = list(scope)
+    if rule == "degree":
+        return len(neighbours), left
+    weighted = rule == "weighted fill"
+    fill = 0  # pairs of neighbours that share no table yet and will (weighted: by their class counts)
+    for i, a in enumerate(neighbours):
+        near = {u for fid in touching[a] for u in live[fid][0]}
+        fill += sum(scope[a] * scope[b] if weighted else 1 for b in neighbours[i + 1 :] if b not in near)
+    return fill, left
+
+
+@dataclass(frozen=True)
+class _Joint:
+    """The operators a bucket of factors joins, the eliminated node last (its min and argmin then run over
+    contiguous memory): each one's joint class per candidate, each factor's class per joint class, the class
+    counts."""
+
+    scope: list[int]
+    maps: dict[int, np.ndarray]
+    per_factor: dict[tuple[int, int], np.ndarray]
+    counts: dict[int, int]
+
+    @property
+    def entries(self) -> int:
+        """Entries of the table summed over the whole scope."""
+        return math.prod(self.counts[u] for u in self.scope)
+
+
+def _joint(v: int, bucket: Sequence[int], live: Mapping[int, _Live], sizes: Sequence[int]) -> _Joint:
+    """The operators the factors of ``bucket`` join, ``v`` last (`_Joint`)."""
     scope = sorted({u for fid in bucket for u in live[fid][0]} - {v}) + [v]
     joint_maps: dict[int, np.ndarray] = {}
     per_factor: dict[tuple[int, int], np.ndarray] = {}
@@ -493,23 +511,21 @@ def _joint(
         counts[u] = int(joint.max()) + 1 if len(joint) else 0
         for fid, sub in zip(fids, subs):
             per_factor[(fid, u)] = sub
-    return scope, joint_maps, per_factor, counts
+    return _Joint(scope, joint_maps, per_factor, counts)
 
 
 def _summed(
     v: int,
     bucket: Sequence[int],
-    scope: Sequence[int],
-    joint_maps: Mapping[int, np.ndarray],
-    per_factor: Mapping[tuple[int, int], np.ndarray],
-    counts: Mapping[int, int],
+    joint: _Joint,
     live: dict[int, _Live],
     touching: list[set[int]],
     next_id: int,
     unary: bool = True,
 ) -> tuple[_Step, int]:
     """The step summing the factors of ``bucket`` (and, with ``unary``, the node's own costs) and minimising
-    over ``v``: the factors leave ``live`` and the table it leaves over the rest of ``scope`` joins it."""
+    over ``v``: the factors leave ``live`` and the table it leaves over the rest of the scope joins it."""
+    scope, joint_maps, per_factor, counts = joint.scope, joint.maps, joint.per_factor, joint.counts
     rest = tuple(u for u in scope if u != v)
     gathers = []
     for fid in bucket:
@@ -556,21 +572,19 @@ def _split(
     groups: list[list[int]] = []
     for fid in sorted(bucket, key=lambda f: (-math.prod(live[f][2]), f)):
         for group in groups:
-            scope, _, _, counts = _joint(v, [*group, fid], live, sizes)
-            if limits.fits(math.prod(counts[u] for u in scope), counts[v]):
+            trial = _joint(v, [*group, fid], live, sizes)
+            if limits.fits(trial.entries, trial.counts[v]):
                 group.append(fid)
                 break
         else:
             groups.append([fid])
     steps, classes, entries = [], [], []
     for index, group in enumerate(groups):
-        scope, joint_maps, per_factor, counts = _joint(v, sorted(group), live, sizes)
-        step, next_id = _summed(
-            v, sorted(group), scope, joint_maps, per_factor, counts, live, touching, next_id, unary=index == 0
-        )
+        joint = _joint(v, sorted(group), live, sizes)
+        step, next_id = _summed(v, sorted(group), joint, live, touching, next_id, unary=index == 0)
         steps.append(step)
-        classes.append(joint_maps[v])
-        entries.append(math.prod(counts[u] for u in scope))
+        classes.append(joint.maps[v])
+        entries.append(joint.entries)
     return _Split(v, tuple(steps), tuple(classes), tuple(entries)), next_id
 
 
@@ -658,7 +672,7 @@ def _min_plus_native(parts: list[np.ndarray]) -> np.ndarray:
 def over_rows(work: Callable[[int, int], None], rows: int, cells: int) -> None:
     """``work(first, last)`` over rows 0 .. ``rows`` of a step of ``cells`` entries: a large step's rows split
     between threads (numpy releases the GIL), each row's result the same whichever thread computes it."""
-    workers = min(limits.workers(), rows, max(1, cells // _PARALLEL_CELLS))
+    workers = min(limits.WORKERS, rows, max(1, cells // _PARALLEL_CELLS))
     pool = context.current().pool() if workers > 1 else None
     if pool is None:
         work(0, rows)

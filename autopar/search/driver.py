@@ -24,7 +24,7 @@ import numpy as np
 from autopar.context import planning
 from autopar.errors import InfeasibleError
 from autopar.limits import MAX_DEVICES
-from autopar.options import Mode
+from autopar.options import Mode, SearchAlgorithm
 from autopar.search.descent import descend
 from autopar.search.dp import TABLE_LIMITS, TIE_BREAK_FRACTION, TableLimits, tie_break_offsets
 from autopar.search.fold import Solver
@@ -46,6 +46,33 @@ _FIRST_SHARE = 0.15
 its time. Fitted: the 39.1B GPT's walks at 1, 4 and 6 micro-batches end at a weight pricing it at 16-18 %
 (at 3, at 25 times its time: the walk then widens to it). A walk ends where it would without it (up to plans
 tied on one edge of the hull), in fewer runs when it is near (4 micro-batches unhinted: 7 runs where 10)."""
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How one problem is searched. ``mode``: MindSpore's parallel mode (the searched ones search; data
+    parallel and stand-alone fix every strategy); ``algorithm``: the elimination DP or the ILP that checks it;
+    ``recompute``: True (False) makes every plan recompute the repeated blocks' forward (keep every activation),
+    None leaves it to the memory walk; ``bound``: with a finite one (seconds) the DP's memory walk stops,
+    raising `NothingFaster`, once no plan that fits can beat it; ``hint``: a memory weight to try first where
+    memory binds (the multiplier a like problem settled on), which changes how many DP runs the walk takes,
+    not where it ends; ``table_limits``: how large an elimination step may be before it is split
+    (`dp._split`). A mode or algorithm given by name is read as its enumeration (an unknown one is refused).
+
+    >>> SearchOptions(algorithm="ilp").algorithm is SearchAlgorithm.ILP
+    True
+    """
+
+    mode: Mode = Mode.AUTO_PARALLEL
+    algorithm: SearchAlgorithm = SearchAlgorithm.DP
+    recompute: bool | None = None
+    bound: float = math.inf
+    hint: float = 0.0
+    table_limits: TableLimits = TABLE_LIMITS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+        object.__setattr__(self, "algorithm", SearchAlgorithm(self.algorithm))
 
 
 @dataclass(frozen=True)
@@ -118,22 +145,12 @@ def stand_alone_choice(problem: SearchProblem) -> list[int]:
 
 @planning
 def run_search(
-    problem: SearchProblem,
-    mode: str = "auto_parallel",
-    algorithm: str = "dp",
-    recompute: bool | None = None,
-    bound: float = math.inf,
-    hint: float = 0.0,
-    cache: SearchCache | None = None,
-    table_limits: TableLimits = TABLE_LIMITS,
+    problem: SearchProblem, options: SearchOptions | None = None, cache: SearchCache | None = None
 ) -> SearchResult:
-    """The plan of ``mode`` on ``problem``; ``recompute`` True (False) makes every plan recompute the repeated
-    blocks' forward (keep every activation); None leaves it to the memory walk. With a finite ``bound``
-    (seconds) the DP's memory walk stops, raising `NothingFaster`, once no plan that fits can beat it.
-    ``hint``: a memory weight to try first where memory binds (the multiplier a like problem settled on,
-    such as another micro-batch count's): it changes how many DP runs the walk takes, not where it ends.
-    ``cache``: the same problem's earlier searches' solver and DP runs, taken again (and filled).
-    ``table_limits``: how large an elimination step may be before it is split (`dp._split`)."""
+    """The plan ``options`` ask for (`SearchOptions`; the defaults: auto-parallel by the DP) on ``problem``.
+    ``cache``: the same problem's earlier searches' solver and DP runs, taken again (and filled)."""
+    options = options or SearchOptions()
+    mode, recompute, bound, hint = options.mode, options.recompute, options.bound, options.hint
     start = time.perf_counter()
     capacity = problem.cost.capacity
     multiplier = 0.0
@@ -141,11 +158,11 @@ def run_search(
     states: tuple[int | None, int | None] = (None, None)
     fastest: float | None = None
     exact, floor, solver = True, None, None
-    if mode == "data_parallel":
-        choice, used, exact = data_parallel_choice(problem), "data_parallel", False
-    elif mode == "stand_alone":
-        choice, used, exact = stand_alone_choice(problem), "stand_alone", False
-    elif algorithm == "ilp":
+    if mode == Mode.DATA_PARALLEL:
+        choice, used, exact = data_parallel_choice(problem), mode.value, False
+    elif mode == Mode.STAND_ALONE:
+        choice, used, exact = stand_alone_choice(problem), mode.value, False
+    elif options.algorithm == SearchAlgorithm.ILP:
         from autopar.search.ilp import solve_ilp
 
         choice, choices = solve_ilp(problem, capacity, recompute=recompute)
@@ -153,11 +170,11 @@ def run_search(
         floor = problem.objective(choice, choices)
     else:
         cache = (cache if cache is not None else SearchCache()).serving(problem)
-        solver = cache.solver = cache.solver or Solver.of(problem, table_limits)
+        solver = cache.solver = cache.solver or Solver.of(problem, options.table_limits)
         choice, choices, multiplier, fastest, fits = _constrained_dp(
             problem, solver, capacity, recompute, bound, hint, cache.runs
         )
-        used, states = algorithm, solver.states()
+        used, states = options.algorithm.value, solver.states()
         floor = problem.objective(choice, choices)
         exact = solver.exact and fits
         if not exact:

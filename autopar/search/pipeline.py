@@ -32,6 +32,7 @@ place are searched once.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,7 @@ from autopar.errors import InfeasibleError
 from autopar.layout import Layout
 from autopar.search.dataflow import TensorUse, kept_by
 from autopar.search.dp import Factor
-from autopar.search.driver import NothingFaster, SearchResult, run_search
+from autopar.search.driver import NothingFaster, SearchOptions, SearchResult, run_search
 from autopar.search.fold import RunEdges, Solver
 from autopar.search.ilp import recomputing
 from autopar.search.memory import Alternative, MemoryChoices
@@ -450,14 +451,11 @@ class _StageSearch:
         self,
         problem: SearchProblem,
         shape: PipelineShape,
-        mode: str,
-        algorithm: str,
-        recompute: bool | None,
-        hint: float = 0.0,
+        options: SearchOptions,
     ) -> None:
-        self.problem, self.shape, self.mode, self.algorithm = problem, shape, mode, algorithm
-        self.recompute = recompute
-        self.hint = hint  # the memory weight the last stage that memory bound settled on (`run_search`'s hint)
+        self.problem, self.shape, self.options = problem, shape, options
+        self.recompute = options.recompute
+        self.hint = options.hint  # the memory weight the last stage that memory bound settled on
         classes = list(range(problem.size))
         for repeat, _ in problem.folds:
             for k in range(1, repeat.copies):
@@ -550,7 +548,7 @@ class _StageSearch:
             return beat, None
         self.searches += 1
         try:
-            result = run_search(stage, self.mode, self.algorithm, self.recompute, beat, self.hint)
+            result = run_search(stage, dataclasses.replace(self.options, bound=beat, hint=self.hint))
         except NothingFaster:
             hit = (beat, None)  # no plan of the stage beats ``beat``: a bound, as the floor's
             self.found[key] = hit
@@ -568,17 +566,13 @@ class _StageSearch:
 def search_stages(
     problem: SearchProblem,
     shape: PipelineShape,
-    mode: str = "auto_parallel",
-    algorithm: str = "dp",
+    options: SearchOptions | None = None,
     starts: Sequence[int] | None = None,
-    bound: float = math.inf,
-    recompute: bool | None = None,
-    hint: float = 0.0,
 ) -> PipelineResult | None:
     """The fastest pipelined plan of one micro-batch's problem (``problem``, on one stage's devices)
     with ``shape``'s stages and micro-batches: the cuts (or the given ``starts``, each stage's first
     operator) and every stage's plan. None when no cut gives a plan that fits and is faster than
-    ``bound`` seconds. ``recompute`` and ``hint``: as `run_search` takes them, for every stage.
+    ``options.bound`` seconds; the other `SearchOptions` are every stage's.
 
     Exact: the cuts are a DP over the cut points minimising the slowest stage (min-max over a chain),
     each stage's time the exact per-stage search's; among equally fast cuts, `_min_max_search`'s rule
@@ -586,7 +580,9 @@ def search_stages(
     far: its own (`_stage_floor`) and, for the stages before and after it, the sum of their operators'
     least time per micro-batch, times the slots, each whole copy of a folded block counted at
     `_copy_floors`' bound where that is larger."""
-    search = _StageSearch(problem, shape, mode, algorithm, recompute, hint)
+    options = options or SearchOptions()
+    bound = options.bound
+    search = _StageSearch(problem, shape, options)
     n, count = problem.size, shape.stages
     if starts is not None:
         return _assemble(search, [*starts, n], bound)
@@ -641,14 +637,6 @@ def _shape_floors(
         )
     least = np.concatenate([[0.0], np.cumsum(each)])
     return _ShapeFloors(_least_fullest_stage([least[points]] * count), least, copies)
-
-
-def pipeline_floor(problem: SearchProblem, shape: PipelineShape) -> float:
-    """No plan of ``shape`` over ``problem`` (one micro-batch's, on one stage's devices) with the cuts
-    left to the search is faster than this (infinite: none fits): `search_stages` with a ``bound`` no
-    more than it returns None before it searches a stage. A search can so rule a shape out from this
-    one number, computed elsewhere (`autopar.api.lookahead`)."""
-    return _shape_floors(problem, shape, [0, *cut_points(problem), problem.size]).seconds
 
 
 def _no_cut_fits(problem: SearchProblem, shape: PipelineShape, points: Sequence[int]) -> bool:
