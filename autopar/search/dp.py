@@ -1,4 +1,4 @@
-"""Elimination dynamic programming over the operator graph (OptCNN / MindSpore DP), exact.
+"""Elimination dynamic programming over the operator graph (OptCNN / MindSpore DP), exact within its limits.
 
 The objective is a sum of node costs and pairwise edge costs, so eliminating operators one
 at a time is exact: eliminating a node folds its cost and its edges into a new cost table
@@ -20,6 +20,11 @@ The order is greedy (smallest table left behind first, kept in a heap, so a 20,0
 chain is planned in linear time) and depends on the structure only: an `Elimination` is
 planned once and `Elimination.run` replays it for each unary cost (the memory constraint's
 Lagrangian weight changes the unary costs, never the structure).
+
+Past the limits: where every order would sum or keep a table larger than `TableLimits` allows, the
+elimination is planned again within half of them, and a step past those is split into groups of its
+factors, each minimised over the node on its own (`_split`): the search then answers with a plan and a
+lower bound of the optimum (`Solved.value`) instead of refusing; `Elimination.exact` says which it did.
 
 Ties: every candidate list starts with the data-parallel strategy and a candidate's unary cost
 carries a tiny penalty growing with its position (1e-9 of the data-parallel objective in

@@ -1,7 +1,9 @@
 """The compiled kernels `autopar.search.native` calls (numba, imported only where it is installed).
 
 Each is the plain loop of what its numpy counterpart computes, in the same order of operations, so the
-results are the same to the last bit; `native` says what each is for.
+results are the same to the last bit; `native` says what each is for. A kernel's parameters are the arrays
+it reads and writes, one each: numba compiles functions of arrays, not of the values that hold them, so a
+kernel's parameter list is as long as its data (`tests/test_shape.py` exempts this module for that).
 """
 
 from __future__ import annotations
