@@ -82,11 +82,7 @@ def export(kind: str, layers: int, hidden: int, batch: int, seq: int, path: Path
     ids = torch.randint(0, config.vocab_size, (batch, seq))
     torch.onnx.export(model, (ids, ids), str(path), dynamo=True, input_names=["ids", "labels"])
     proto = onnx.load(str(path))
-    for node in proto.graph.node:  # the layer names a plan shows stay; the exporter's stack traces go
-        kept = [(p.key, p.value) for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"]
-        del node.metadata_props[:]
-        for key, value in kept:
-            node.metadata_props.add(key=key, value=value)
+    keep_layer_names(proto)
     buffers = {name for name, _ in model.named_buffers()}
     for tensor in proto.graph.initializer:
         if tensor.name not in buffers and tensor.data_type == onnx.TensorProto.FLOAT and math.prod(tensor.dims) > 1:
@@ -94,6 +90,15 @@ def export(kind: str, layers: int, hidden: int, batch: int, seq: int, path: Path
     onnx.save(proto, str(path))
     for stray in (path.parent / (path.name + ".weights"), path.parent / (path.name + ".data")):
         stray.unlink(missing_ok=True)
+
+
+def keep_layer_names(proto) -> None:
+    """Of each node's metadata only its layer names stay (a plan shows them); the exporter's stack traces go."""
+    for node in proto.graph.node:
+        kept = [(p.key, p.value) for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"]
+        del node.metadata_props[:]
+        for key, value in kept:
+            node.metadata_props.add(key=key, value=value)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from hf_exports import autopar, measure
+from hf_exports import autopar, keep_layer_names, measure
 
 # bench/transformers.py would shadow Hugging Face's package of that name
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -151,11 +151,7 @@ def export(kind: str, layers: int, batch: int, seq: int, path: Path) -> None:
             tensor = onnx.TensorProto(name=name, data_type=dtype, dims=dims, data_location=onnx.TensorProto.EXTERNAL)
             tensor.external_data.add(key="location", value=path.name + ".weights")
         proto.graph.initializer.append(tensor)
-    for node in proto.graph.node:  # the layer names a plan shows stay; the exporter's stack traces go
-        kept = [(p.key, p.value) for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"]
-        del node.metadata_props[:]
-        for key, value in kept:
-            node.metadata_props.add(key=key, value=value)
+    keep_layer_names(proto)
     onnx.save(proto, str(path))
 
 
