@@ -339,11 +339,11 @@ def test_a_plan_runs_the_cycle_collector_less_often_and_leaves_it_as_it_was(tiny
     the thresholds are the caller's again."""
     import gc
 
-    from autopar.api import planning
+    from autopar.search.shape_search import ShapeSearch
 
     during: list[tuple[int, ...]] = []
-    search = planning._Shapes.search
-    monkeypatch.setattr(planning._Shapes, "search", lambda self: during.append(gc.get_threshold()) or search(self))
+    search = ShapeSearch.search
+    monkeypatch.setattr(ShapeSearch, "search", lambda self: during.append(gc.get_threshold()) or search(self))
     before = gc.get_threshold()
     autopar.plan(tiny, devices=4)
     assert gc.get_threshold() == before
@@ -354,10 +354,10 @@ def test_a_plan_runs_the_cycle_collector_less_often_and_leaves_it_as_it_was(tiny
 
 
 def test_an_import_error_kept_for_later_holds_no_frames():
-    """A shape's refusal is kept (`_Shapes._refusals`) without the traceback of its raising or of the error
+    """A shape's refusal is kept (`ShapeSearch._refusals`) without the traceback of its raising or of the error
     it was raised handling: their frames hold the search that keeps it."""
-    from autopar.api.planning import _detached
     from autopar.errors import ModelImportError
+    from autopar.search.shape_search import _detached
 
     try:
         try:

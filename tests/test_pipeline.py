@@ -28,30 +28,24 @@ import pytest
 from onnx import TensorProto, helper
 
 import autopar
-from autopar.api import planning
 from autopar.cost import CostModel
 from autopar.errors import InfeasibleError
 from autopar.graph import load_model
 from autopar.search import repeats
 from autopar.search.costing import build_problem
+from autopar.search.cuts import _min_max_search, search_stages
 from autopar.search.driver import SearchOptions, run_search
-from autopar.search.pipeline import (
-    ONE_STAGE,
-    PipelineShape,
-    _copies_in,
-    _copy_floors,
-    _crossings,
-    _leanest_memory,
-    _least_fullest_stage,
-    _min_max_search,
-    _send_costs,
-    _stage_floor,
+from autopar.search.floors import (
     compute_floor,
-    cut_points,
-    search_stages,
+    copies_in,
+    copy_floors,
+    leanest_memory,
+    least_fullest,
     shape_floor,
-    stage_problem,
+    stage_floor,
 )
+from autopar.search.pipeline import ONE_STAGE, PipelineShape, cut_crossings, cut_points, send_costs, stage_problem
+from autopar.search.shape_search import ShapeSearch
 from models.transformer import build_transformer
 from tests.conftest import RESNET50, make_model, profile, run_cli, simple_profile_dict, weight
 from tests.test_fold import residual_stack
@@ -175,7 +169,7 @@ def test_the_order_shapes_are_searched_in_changes_no_plan(monkeypatch):
         cost = profile(capacity=share * need, peak=1e9)
         plans = [autopar.plan(model, devices=8, cost_model=cost)]
         with monkeypatch.context() as patched:  # every shape in the list's own order, no check first
-            patched.setattr(planning._Shapes, "_visiting", lambda self, shapes: (None, list(shapes)))
+            patched.setattr(ShapeSearch, "_visiting", lambda self, shapes: (None, list(shapes)))
             plans.append(autopar.plan(model, devices=8, cost_model=cost))
         assert [untimed(plan) for plan in plans[:1]] == [untimed(plan) for plan in plans[1:]]
         listed.append(plans[0].search.choices.micro_batches)
@@ -193,33 +187,6 @@ def untimed(plan: autopar.Plan) -> str:
     return json.dumps(strip(json.loads(plan.to_json())), sort_keys=True)
 
 
-def test_a_tie_between_shapes_goes_to_the_shape_listed_first_whichever_is_searched_first():
-    found = {shape: planning._Searched(None, None, None, 2.0, shape) for shape in (ONE_STAGE, PipelineShape(1, 4))}
-    rank = {ONE_STAGE: 0, PipelineShape(1, 4): 1}
-    assert planning._wins(found[ONE_STAGE], found[PipelineShape(1, 4)], rank)
-    assert not planning._wins(found[PipelineShape(1, 4)], found[ONE_STAGE], rank)
-    faster = planning._Searched(None, None, None, 1.0, PipelineShape(1, 4))
-    assert planning._wins(faster, found[ONE_STAGE], rank)
-
-
-def test_one_stage_micro_batch_counts_are_visited_from_a_quarter_of_the_way_up():
-    shapes = [ONE_STAGE, *(PipelineShape(1, m) for m in (2, 3, 4, 6, 8, 12, 16, 24)), PipelineShape(2, 8)]
-    order = planning._visiting_order(shapes)
-    assert [(s.stages, s.micro_batches) for s in order] == [
-        (1, 1),
-        (1, 4),
-        (1, 3),
-        (1, 2),
-        (1, 6),
-        (1, 8),
-        (1, 12),
-        (1, 16),
-        (1, 24),
-        (2, 8),
-    ]
-    assert planning._visiting_order(shapes[:3]) == shapes[:3]  # too few counts to reorder
-
-
 @pytest.mark.parametrize(("blocks", "devices", "micro"), [(4, 8, 2), (6, 4, 4), (8, 16, 1)])
 def test_a_stage_floor_counting_whole_copies_bounds_every_stage_and_beats_the_operators_alone(
     monkeypatch, blocks, devices, micro
@@ -229,17 +196,17 @@ def test_a_stage_floor_counting_whole_copies_bounds_every_stage_and_beats_the_op
     problem = build_problem(load_model(model), CostModel(profile(peak=1e9)), devices)
     shape = PipelineShape(2, micro)
     points = [0, *cut_points(problem), problem.size]
-    copies = _copy_floors(problem, shape, points)
+    copies = copy_floors(problem, shape, points)
     assert len(copies) == blocks - 1 or len(copies) == blocks  # the stack folds, and no cut splits a copy
     tighter = 0
     for a, b in itertools.combinations(points, 2):
         for index in range(shape.stages):
-            sends = _send_costs(problem, _crossings(problem, a, b), a, index, shape)
+            sends = send_costs(problem, cut_crossings(problem, a, b), a, index, shape)
             stage = stage_problem(problem, a, b, shape, index, sends)
-            within = _copies_in(copies, a, b, sends, shape.slots)
+            within = copies_in(copies, a, b, sends, shape.slots)
             found = run_search(stage)
             exact = stage.objective(found.choice, found.choices)
-            alone, counted = _stage_floor(stage), _stage_floor(stage, within)
+            alone, counted = stage_floor(stage), stage_floor(stage, within)
             assert counted <= exact * (1 + 1e-12)  # a lower bound
             tighter += counted > alone * (1 + 1e-6)
     assert tighter > 0
@@ -266,7 +233,7 @@ def _stacks(kind: str, batch: int):
 def test_the_leanest_memory_of_a_stage_bounds_its_memory_floor_wherever_the_cuts_put_it(
     monkeypatch, kind, folded, stages, micro
 ):
-    """Every stage of every cut, at every place in the pipeline, needs at least `_leanest_memory`'s bytes,
+    """Every stage of every cut, at every place in the pipeline, needs at least `leanest_memory`'s bytes,
     recomputing or not (`memory_floor`: each operator at its leanest candidate and optimizer choice), and no
     more than the whole problem's floor held for the fullest stage's micro-batches (`_no_cut_fits` skips the
     bound below that); the bound is close where few activations cross, not a vacuous zero. Unfolded, every
@@ -276,7 +243,7 @@ def test_the_leanest_memory_of_a_stage_bounds_its_memory_floor_wherever_the_cuts
     problem = autopar.build(_stacks(kind, 16 // micro), 4, profile())
     shape = PipelineShape(stages, micro)
     points = [0, *cut_points(problem), problem.size]
-    prefixes = _leanest_memory(problem, shape, points)
+    prefixes = leanest_memory(problem, shape, points)
 
     def lower(index: int, a: int, b: int) -> float:
         return float(prefixes[index][b] - prefixes[index][a])
@@ -300,8 +267,8 @@ def test_a_shape_no_cut_fits_is_refuted_without_a_stage_and_brute_force_agrees(m
     model, shape = _stacks(kind, 4), PipelineShape(2, 4)
     roomy = autopar.build(model, 4, profile())
     points = [0, *cut_points(roomy), roomy.size]
-    prefixes = _leanest_memory(roomy, shape, points)
-    least = _least_fullest_stage(prefixes)
+    prefixes = leanest_memory(roomy, shape, points)
+    least = least_fullest(prefixes)[0]
     ends = range(1, len(points) - 1)
     every = [
         max(float(at[b] - at[a]) for at, (a, b) in zip(prefixes, itertools.pairwise((0, *cut, len(points) - 1))))
@@ -316,13 +283,13 @@ def test_a_shape_no_cut_fits_is_refuted_without_a_stage_and_brute_force_agrees(m
 )
 def test_the_memory_refutation_holds_on_exports_it_was_not_made_on(monkeypatch, name):
     """On PyTorch exports of Hugging Face and torch modules (shared masks, rotary tables, experts): every stage
-    of every cut at every place needs at least `_leanest_memory`'s bytes, which some stage reaches; just below
+    of every cut at every place needs at least `leanest_memory`'s bytes, which some stage reaches; just below
     the least over cuts of the fullest stage's, the cut search builds no stage and every cut has a stage that
     does not fit; just above, it searches."""
     model, shape = f"tests/data/{name}", PipelineShape(2, 4)
     roomy = autopar.build(model, 4, profile())
     points = [0, *cut_points(roomy), roomy.size]
-    prefixes = _leanest_memory(roomy, shape, points)
+    prefixes = leanest_memory(roomy, shape, points)
     closest = 0.0
     for a, b in itertools.combinations(range(len(points)), 2):
         for index in range(shape.stages):
@@ -332,7 +299,7 @@ def test_the_memory_refutation_holds_on_exports_it_was_not_made_on(monkeypatch, 
             assert lower <= floor * (1 + 1e-12)
             closest = max(closest, lower / floor if floor else 0.0)  # a stage of free operators holds nothing
     assert closest > 0.99
-    least = _least_fullest_stage(prefixes)
+    least = least_fullest(prefixes)[0]
     _refuted_just_below(monkeypatch, model, shape, least)
 
 
@@ -342,7 +309,7 @@ def _refuted_just_below(monkeypatch, model, shape: PipelineShape, least: float) 
     searches its stages."""
     built = []
     monkeypatch.setattr(
-        "autopar.search.pipeline.stage_problem", lambda *a, **k: built.append(a[1:3]) or stage_problem(*a, **k)
+        "autopar.search.cuts.stage_problem", lambda *a, **k: built.append(a[1:3]) or stage_problem(*a, **k)
     )
     tight = autopar.build(model, 4, profile(capacity=least * (1 - 1e-6)))
     assert search_stages(tight, shape) is None and not built
@@ -363,7 +330,7 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     weight (the copies' bounds shared by every cut) cannot beat the best plan: never where a plan of the
     stage that fits is faster, at the weight it settles on or far from it, recomputing or not; sometimes just
     below its best; and the cut search with that hint still ends at brute force's plan."""
-    from autopar.search.pipeline import _StageSearch
+    from autopar.search.cuts import _StageSearch
     from tests.test_memory_plan import RC_PEAK, block_stack, leanest
 
     fold_short(monkeypatch)
@@ -381,7 +348,7 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     shape = PipelineShape(2, micro)
     points = [0, *cut_points(problem), problem.size]
     search = _StageSearch(problem, shape, SearchOptions())
-    search.copies = _copy_floors(problem, shape, points)
+    search.copies = copy_floors(problem, shape, points)
     refuted, weights = 0, []
     for a, b in itertools.combinations(points, 2):
         for index in range(shape.stages):
@@ -567,57 +534,3 @@ def test_the_cut_search_takes_the_first_of_the_least_from_the_last_stage_back(se
                 assert found is not None and found.time_s == least and found.starts == want
             else:
                 assert found is None
-
-
-def _refusing_to_meet(monkeypatch, batches: tuple[int, ...]) -> list[tuple[int, bool]]:
-    """Costing finds the forks' meeting layouts past its table limits at these batches: the checks asked
-    for, as (batch, whether forks meet), are listed."""
-    from autopar.search import costing
-
-    asked: list[tuple[int, bool]] = []
-    exact = costing._Planned.exact
-
-    def refusing(self) -> bool:
-        graph = self.flow.graph
-        batch = graph.tensor(graph.inputs[0]).shape[0]
-        asked.append((batch, self.meet))
-        return not (self.meet and batch in batches) and exact(self)
-
-    monkeypatch.setattr(costing._Planned, "exact", refusing)
-    return asked
-
-
-def test_one_stage_micro_batches_pass_forks_through_where_the_whole_batch_does(monkeypatch):
-    """Where meeting takes the whole batch's search over its limits, every one-stage micro-batch problem's
-    forks pass through from the start (no second build to meet the same limits); stages' problems still
-    meet where they can."""
-    from autopar.options import PlanOptions
-
-    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=8)
-    asked = _refusing_to_meet(monkeypatch, (8,))
-    options = PlanOptions.resolve(4, profile(peak=1e9), None)
-    shapes = planning._Shapes(model, load_model(model), 8, options, options.costs())
-    assert not shapes.single.forks_meet and asked == [(8, True)]
-    assert not shapes.problem(1, 2).forks_meet and asked[1:] == []  # passing through needs no check
-    assert shapes.problem(2, 2).forks_meet and asked[1:] == [(4, True)]
-
-
-def test_a_micro_batch_count_whose_forks_pass_through_bounds_no_multiple_of_it_where_the_whole_batch_meets(
-    monkeypatch,
-):
-    """A plan of 4 micro-batches is one of 2, at least as fast, only if its candidates are there: where the
-    2-micro-batch problem's forks pass through and the whole batch's meet, a 4-micro-batch problem may meet,
-    so the 2's fastest plan bounds nothing (`_Shapes._fewer_micro_batches_win`)."""
-    from autopar.options import PlanOptions
-
-    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=8)
-    asked = _refusing_to_meet(monkeypatch, (4,))
-    options = PlanOptions.resolve(4, profile(peak=1e9), None)
-    shapes = planning._Shapes(model, load_model(model), 8, options, options.costs())
-    two, four = PipelineShape(1, 2), PipelineShape(1, 4)
-    passing = shapes.problem(1, 2)
-    assert shapes.single.forks_meet and not passing.forks_meet and asked == [(8, True), (4, True)]
-    shapes._note_fastest(passing, two, 5.0)
-    assert not shapes._fewer_micro_batches_win(four, 1.0)
-    shapes._note_fastest(shapes.problem(1, 4), four, 5.0)  # its forks meet: it bounds its multiples
-    assert shapes._fewer_micro_batches_win(PipelineShape(1, 8), 1.0)

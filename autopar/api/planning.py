@@ -6,13 +6,10 @@ predicted step time of any full assignment of them (`evaluate`).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import onnx
 
@@ -23,18 +20,11 @@ from autopar.cost.mesh import Mesh
 from autopar.errors import (
     AutoparError,
     FallbackWarning,
-    FixedStrategyError,
     InfeasibleError,
-    ModelImportError,
     RenamedOperatorsWarning,
-    StrategyError,
 )
 from autopar.graph import Graph, freeze, load_model, train
-from autopar.limits import MAX_MICRO_BATCHES
-from autopar.lowering import (
-    Plan,
-)
-from autopar.ops.norm import batch_statistics
+from autopar.lowering import Plan
 from autopar.options import (
     DEFAULT_COST_MODEL,
     DEFAULT_DEVICES,
@@ -48,26 +38,14 @@ from autopar.options import (
     check_devices,
 )
 from autopar.search.costing import build_problem, meeting_layouts
+from autopar.search.cuts import search_stages
 from autopar.search.driver import (
-    NothingFaster,
-    SearchCache,
     SearchOptions,
-    SearchResult,
-    parameter_state_bytes,
     run_search,
 )
-from autopar.search.pipeline import (
-    ONE_STAGE,
-    PipelineResult,
-    PipelineShape,
-    StagePlan,
-    compute_floor,
-    cut_points,
-    search_stages,
-    shape_floor,
-    stage_problem,
-)
+from autopar.search.pipeline import ONE_STAGE, PipelineShape
 from autopar.search.problem import SearchProblem
+from autopar.search.shape_search import ShapeSearch, common_batch, joined, stage_starts
 from autopar.strategy import OpRule
 
 ModelLike = str | Path | onnx.ModelProto | Graph
@@ -204,9 +182,13 @@ def _plan_with(model: ModelLike, options: PlanOptions) -> Plan:
     started = time.perf_counter()
     progress.report("import", 0, 1)
     graph = model_graph(model, batch, dims, frozen, options.trainable)
-    step_batch = common_batch(graph)
     imported = time.perf_counter()
-    shapes = _Shapes(model, graph, step_batch, options, cost)
+
+    def imports(micro_batches: int) -> Graph:
+        size = _micro_batch(common_batch(graph), micro_batches, graph)
+        return model_graph(model, size, dims, frozen, options.trainable)
+
+    shapes = ShapeSearch(graph, options, cost, imports, rebatches=not isinstance(model, Graph))
     searched = shapes.search()
     problem, found, pipeline = searched.problem, searched.found, searched.pipeline
     if problem.graph.renamed_ops:
@@ -227,357 +209,6 @@ def _plan_with(model: ModelLike, options: PlanOptions) -> Plan:
     return result
 
 
-@dataclasses.dataclass(frozen=True)
-class _Searched:
-    """The best plan of every pipeline shape tried: one micro-batch's problem on one stage's devices,
-    the plan on it and, with more than one stage, the stages."""
-
-    problem: SearchProblem
-    found: SearchResult
-    pipeline: PipelineResult | None
-    time_s: float
-    shape: PipelineShape = ONE_STAGE
-
-
-class _Shapes:
-    """The joint search over pipeline shapes: every stage count S (a power of two) and micro-batch
-    count M (a divisor of the batch) the options leave open, each searched exactly on the problem of
-    one micro-batch over N/S devices (`autopar.search.pipeline`); the fastest plan that fits wins, the
-    fewer stages and micro-batches on a tie. A shape whose lower bound (`shape_floor`) is no faster
-    than the best plan found is not searched, nor, once the whole batch's fastest one-stage plan fits
-    as it is, one stage over micro-batches (gradient accumulation): the same strategies over the whole
-    batch do each micro-batch's work at once, at sizes no less efficient, and pay each collective's
-    latency once, so micro-batches pay only where memory binds; for the same reason no one-stage plan
-    over M' micro-batches is faster than the fastest one (memory aside) over M micro-batches where M
-    divides M', so such a shape is skipped once that bound cannot win. Stages are searched where memory binds
-    the one-stage plans (the case they are for: the model's state or activations do not fit as they
-    are), or where the options ask for them; elsewhere one stage stands, so a model that fits keeps
-    today's plan and its planning time."""
-
-    def __init__(
-        self, model: ModelLike, graph: Graph, step_batch: int | None, options: PlanOptions, cost: CostModel
-    ) -> None:
-        self.model, self.graph, self.step_batch, self.options, self.cost = model, graph, step_batch, options, cost
-        self.costing_s = self.search_s = 0.0
-        self._built: set[tuple[int, int]] = set()  # shapes whose problem was built (the losers' are dropped)
-        self._refusals: dict[tuple[int, int], ModelImportError | FixedStrategyError] = {}  # why a shape has none
-        self._graphs: dict[int, Graph | ModelImportError] = {1: graph}  # per micro-batch count, for every stage count
-        self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
-        self._hint = 0.0  # the memory weight the last search that memory bound settled on: the next tries it first
-        self._single_runs = SearchCache()  # the whole batch is searched twice where memory binds (`_visiting`)
-        self.searching = SearchOptions(options.mode, options.search, options.recompute)  # every search's
-        single = self.problem(1, 1)
-        assert single is not None  # the whole batch on every device: its errors are the user's
-        self.single = single
-
-    def problem(self, stages: int, micro_batches: int) -> SearchProblem | None:
-        """One micro-batch's problem on one stage's devices (None: the model does not import at that batch,
-        or a fixed strategy does not fit that many devices or that micro-batch). Each shape asks once, but
-        for the first (`single`, kept): a problem is held only while its shape is searched or holds the best
-        plan, so a search of many shapes holds few at a time. Each micro-batch count's graph is imported once."""
-        key = (stages, micro_batches)
-        if key == (1, 1) and key in self._built:
-            return self.single
-        started = time.perf_counter()
-        options = self.options
-        built: SearchProblem | None
-        # one stage's micro-batches pass their forks through where the whole batch's do (`_fewer_micro_batches_win`)
-        meet = stages > 1 or key == (1, 1) or self.single.forks_meet
-        try:
-            graph = self._graph(micro_batches)
-            built = build_problem(graph, self.cost, options.num_devices // stages, fixed=options.fixed, meet=meet)
-        except (ModelImportError, FixedStrategyError) as error:
-            if key == (1, 1):
-                raise
-            self._refusals[key] = _detached(error)
-            built = None
-        else:
-            self._built.add(key)
-        self.costing_s += time.perf_counter() - started
-        return built
-
-    def _graph(self, micro_batches: int) -> Graph:
-        """The model at one micro-batch's size, imported once (the graph is read, never changed)."""
-        if micro_batches not in self._graphs:
-            options = self.options
-            batch = _micro_batch(self.step_batch, micro_batches, self.graph)
-            imported: Graph | ModelImportError
-            try:
-                imported = model_graph(self.model, batch, options.dims, options.frozen, options.trainable)
-            except ModelImportError as error:
-                imported = _detached(error)
-            self._graphs[micro_batches] = imported
-        found = self._graphs[micro_batches]
-        if isinstance(found, ModelImportError):
-            raise found
-        return found
-
-    def shapes(self) -> list[PipelineShape]:
-        """The shapes the options leave open, the one-stage, one-micro-batch plan first."""
-        options, devices = self.options, self.options.num_devices
-        if options.pipeline_stages is not None:
-            counts = [options.pipeline_stages]
-        elif options.mode.searched:
-            most = min(devices, len(cut_points(self.single)) + 1)
-            counts = [1 << k for k in range(most.bit_length()) if 1 << k <= most]
-        else:
-            counts = [1]
-        coupled = next((op.name for op in self.graph.ops if batch_statistics(op)), None)
-        if coupled is not None and (options.micro_batches or 1) > 1:
-            raise StrategyError(
-                f"Operator {coupled!r} normalises with its batch's statistics (a BatchNorm in training), which"
-                f" {options.micro_batches} micro-batches would change; plan it with micro_batches=1."
-            )
-        if options.micro_batches is not None:
-            micro = [options.micro_batches]
-        elif not options.mode.searched or self.step_batch is None or isinstance(self.model, Graph):
-            micro = [1]
-        else:
-            micro = self._micro_batch_counts()
-        return _listed([PipelineShape(s, m) for s in counts for m in micro])
-
-    def search(self) -> _Searched:
-        options = self.options
-        if parameter_state_bytes(self.single) / options.num_devices > self.cost.capacity:
-            run_search(self.single, self.searching)  # nothing can fit: its sentence says so
-        floor = compute_floor(self.single)
-        shapes = self.shapes()
-        rank = {shape: index for index, shape in enumerate(shapes)}  # on a tie, the shape listed first wins
-        best, order = self._visiting(shapes)
-        return self._searched(shapes, order, rank, best, floor)
-
-    def _searched(
-        self,
-        shapes: Sequence[PipelineShape],
-        order: Sequence[PipelineShape],
-        rank: Mapping[PipelineShape, int],
-        best: _Searched | None,
-        floor: float,
-    ) -> _Searched:
-        options = self.options
-        for index, shape in enumerate(order):
-            progress.report("pipeline shapes", index, len(shapes))
-            bound = self._bound(shape, best, rank)
-            if not self._may_win(shape, best, bound, floor):
-                continue
-            problem = self.problem(shape.stages, shape.micro_batches)
-            if problem is None:
-                continue
-            searched = self._timed_search(problem, shape, bound)
-            del problem  # a losing shape's problem is not held while the next is built
-            if searched is not None and (best is None or _wins(searched, best, rank)):
-                best = searched
-            del searched
-        if best is None and self._refusals and not self._built & {(s.stages, s.micro_batches) for s in shapes}:
-            (stages, micro), error = next(iter(self._refusals.items()))  # no shape asked for could be built
-            why = str(error)
-            if isinstance(error, ModelImportError) and self.step_batch is not None:
-                why = f"the model does not take a batch of {self.step_batch // micro} ({why.rstrip('.')})."
-            kind = ModelImportError if isinstance(error, ModelImportError) else FixedStrategyError
-            raise kind(
-                f"No plan with {micro} micro-batch{'es' if micro > 1 else ''} over {stages}"
-                f" stage{'s' if stages > 1 else ''}: {why}"
-            ) from None
-        if best is None:
-            # raises when one stage does not fit: its sentence says what does not fit and how many devices would hold it
-            run_search(self.single, self.searching, cache=self._single_runs)
-            raise InfeasibleError(
-                f"No plan with the pipeline stages and micro-batches asked for fits in device memory on"
-                f" {options.num_devices} devices; leave them to the search."
-            )
-        return best
-
-    def _bound(self, shape: PipelineShape, best: _Searched | None, rank: Mapping[PipelineShape, int]) -> float:
-        """The step time ``shape`` must beat: the best plan's (a shape listed before the best one wins a tie
-        with it, so it must be searched for one)."""
-        if best is None:
-            return math.inf
-        return best.time_s * (1 + _TIE if rank[shape] < rank[best.shape] else 1)
-
-    def _timed_search(self, problem: SearchProblem, shape: PipelineShape, bound: float) -> _Searched | None:
-        started = time.perf_counter()
-        try:
-            return self._search_shape(problem, shape, bound)
-        finally:
-            self.search_s += time.perf_counter() - started
-
-    def _may_win(self, shape: PipelineShape, best: _Searched | None, bound: float, floor: float) -> bool:
-        """Whether a shape is left a chance to beat ``bound`` by what is known without building it."""
-        options = self.options
-        if shape_floor(floor, options.num_devices, shape) >= bound:
-            return False  # no plan of this shape can be faster
-        if shape.stages == 1 and options.micro_batches is None and self._fits_whole(best):
-            return False  # one stage's fastest plan fits: micro-batches only repeat its work at smaller sizes
-        if shape.stages == 1 and self._fewer_micro_batches_win(shape, bound):
-            return False  # a divisor's fastest plan (or its own), memory aside, does not beat the best: nor does this
-        # stages are searched where memory binds one stage (or asked for)
-        return not (shape.stages > 1 and options.pipeline_stages is None and self._memory_free(best))
-
-    def _micro_batch_counts(self) -> list[int]:
-        """The micro-batch counts the search may try: the batch's divisors, up to `MAX_MICRO_BATCHES`."""
-        if self.step_batch is None or any(batch_statistics(op) for op in self.graph.ops):
-            return [1]  # (a BatchNorm in training would normalise each micro-batch with its own statistics)
-        return [m for m in range(1, min(self.step_batch, MAX_MICRO_BATCHES) + 1) if self.step_batch % m == 0]
-
-    def _visiting(self, shapes: list[PipelineShape]) -> tuple[_Searched | None, list[PipelineShape]]:
-        """The whole batch's plan where it is found already, and the shapes to search, in the order to search
-        them (`_visiting_order`). With micro-batch counts to search, one DP run first says whether the whole
-        batch's fastest plan fits (bound 0: only such a plan comes back). Where it does not, memory binds, and
-        a micro-batch count is searched before the whole batch: the walk along the whole batch's memory hull,
-        a handful of runs, is then most often refuted in one."""
-        order = _visiting_order(shapes)
-        if self.options.search.value != "dp" or len(order) < 2 or order[0] != ONE_STAGE or order[1].stages > 1:
-            return None, order
-        started = time.perf_counter()
-        try:
-            fits = self._search_shape(self.single, ONE_STAGE, 0.0)
-        finally:
-            self.search_s += time.perf_counter() - started
-        return (fits, order[1:]) if fits is not None else (None, [order[1], ONE_STAGE, *order[2:]])
-
-    def _note_fastest(self, problem: SearchProblem, shape: PipelineShape, fastest_s: float | None) -> None:
-        """Keep a count's fastest plan (memory aside) to bound its multiples, where it may: its forks meet, or
-        no one-stage problem's do (`_fewer_micro_batches_win`)."""
-        if fastest_s is not None and (problem.forks_meet or not self.single.forks_meet):
-            self._fastest[shape.micro_batches] = fastest_s
-
-    def _fewer_micro_batches_win(self, shape: PipelineShape, best_s: float) -> bool:
-        """Some micro-batch count dividing ``shape``'s had no plan faster than ``best_s``, memory aside: its own
-        too, where it was searched before (the whole batch, in its one-run check, `_visiting`).
-
-        A plan of M' micro-batches is one of M' / M times fewer (M dividing M'), at least as fast, only where
-        its candidates are there too: a fork's meeting layouts are not where the fewer micro-batches' forks
-        only pass through (meeting went over the size limits). So a count bounds its multiples only where its
-        forks meet, or where the whole batch's do not: every one-stage problem's forks then pass through
-        (`problem`), so the counts compare like with like."""
-        return any(shape.micro_batches % m == 0 and t >= best_s for m, t in self._fastest.items())
-
-    def _memory_free(self, best: _Searched | None) -> bool:
-        """The best plan so far is one stage's and memory did not bind it: the fastest plan fit as it was (no
-        memory weight, no recomputation the search chose; a parallel optimizer taken because it is faster,
-        or recomputation the options ask for, does not count)."""
-        chose_recompute = best is not None and best.found.choices.recompute and self.options.recompute is None
-        return best is not None and best.pipeline is None and not chose_recompute and not best.found.memory_multiplier
-
-    def _fits_whole(self, best: _Searched | None) -> bool:
-        """`_memory_free`, over the whole batch (one micro-batch)."""
-        return self._memory_free(best) and best is not None and best.found.choices.micro_batches == 1
-
-    def _search_shape(self, problem: SearchProblem, shape: PipelineShape, bound: float) -> _Searched | None:
-        """The best plan of one shape (None: nothing fits, or nothing faster than ``bound``)."""
-        options = self.options
-        searching = dataclasses.replace(self.searching, bound=bound, hint=self._hint)
-        started = time.perf_counter()
-        if shape.stages == 1:  # the whole model as one stage (over the micro-batches: gradient accumulation)
-            stage = problem if shape == ONE_STAGE else stage_problem(problem, 0, problem.size, shape, 0)
-            cache = self._single_runs if stage is self.single else None
-            try:
-                found = run_search(stage, searching, cache)
-            except NothingFaster as beaten:
-                self._note_fastest(stage, shape, beaten.fastest_s)
-                return None
-            except InfeasibleError:
-                if len(self.shapes()) == 1:
-                    raise
-                return None
-            self._note_fastest(stage, shape, found.fastest_s)
-            self._hint = found.memory_multiplier or self._hint
-            if shape == ONE_STAGE:
-                return _Searched(problem, found, None, problem.objective(found.choice, found.choices))
-            seconds = stage.objective(found.choice, found.choices)
-            if seconds >= bound:
-                return None
-            whole = PipelineResult(shape, (StagePlan(0, problem.size, found, seconds),))
-            return _Searched(problem, _joined(whole, time.perf_counter() - started), None, seconds, shape)
-        starts = _stage_starts(problem, options.stage_starts) if options.stage_starts else None
-        result = search_stages(problem, shape, searching, starts)
-        if result is None:
-            return None
-        found = _joined(result, time.perf_counter() - started)
-        return _Searched(problem, found, result if shape.stages > 1 else None, result.time_s, shape)
-
-
-_Kept = TypeVar("_Kept", bound=BaseException)
-
-
-def _detached(error: _Kept) -> _Kept:
-    """An error to keep, without the traceback of its raising or of the error it was raised handling: their
-    frames hold the search that keeps it, a cycle only the collector would free."""
-    error.__context__ = None
-    return error.with_traceback(None)
-
-
-_TIE = 1e-12
-"""Plans of two shapes this close in step time (relative) are a tie: the shape listed first wins."""
-
-
-def _wins(searched: _Searched, best: _Searched, rank: Mapping[PipelineShape, int]) -> bool:
-    """Whether a shape's plan beats the best so far: faster, or tied and listed first (`_Shapes.shapes`)."""
-    if searched.time_s < best.time_s * (1 - _TIE):
-        return True
-    return rank[searched.shape] < rank[best.shape] and searched.time_s < best.time_s * (1 + _TIE)
-
-
-def _listed(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
-    """Shapes in the order the search lists them (`_Shapes.shapes`): the one-stage, one-micro-batch plan first,
-    then by the share of a step each stage works (the least bubble first), fewer stages and micro-batches first.
-
-    >>> [(p.stages, p.micro_batches) for p in _listed([PipelineShape(2, 2), PipelineShape(2, 8), ONE_STAGE])]
-    [(1, 1), (2, 8), (2, 2)]
-    """
-    return sorted(shapes, key=lambda p: (p != ONE_STAGE, p.slots / p.micro_batches, p.stages, p.micro_batches))
-
-
-def _visiting_order(shapes: Sequence[PipelineShape]) -> list[PipelineShape]:
-    """The order shapes are searched in: the list's own, but for one stage's micro-batch counts after the
-    whole batch: the count a quarter of the way up their list first, then those below it down, then those
-    above it up.
-
-    Where memory binds one stage, the fastest plan is most often at a low but not the lowest count (fewer
-    do not fit without recomputing, more pay their collectives' latency more often, and the higher counts
-    are mostly ruled out by a divisor's fastest plan, `_fewer_micro_batches_win`, unbuilt), and a good plan
-    found early refutes the others in a DP run or two each, where counting up walks most of them in full.
-    The order changes how fast the search is, not what it finds: a tie goes to the shape listed first
-    whichever is searched first (`_wins`), and a walk ends at the same plan whatever weight it starts from,
-    up to plans tied on one edge of its hull (which the weights the walks start from, other shapes', may
-    pick differently)."""
-    micro = [shape for shape in shapes[1:] if shape.stages == 1]
-    if len(micro) < 3 or shapes[0] != ONE_STAGE:
-        return list(shapes)
-    at = len(micro) // 4
-    return [shapes[0], *micro[at::-1], *micro[at + 1 :], *(shape for shape in shapes[1:] if shape.stages > 1)]
-
-
-def _joined(result: PipelineResult, seconds: float) -> SearchResult:
-    """A pipeline's stages as one search result on the micro-batch's problem."""
-    first = result.stages[0].result
-    exact = all(stage.result.exact for stage in result.stages)
-    split = sum(stage.result.steps_split for stage in result.stages)
-    return SearchResult(
-        result.choice,
-        first.method,
-        seconds,
-        first.memory_multiplier,
-        choices=result.choices,
-        exact=exact,
-        steps_split=split,
-    )
-
-
-def _stage_starts(problem: SearchProblem, names: Sequence[str]) -> tuple[int, ...]:
-    """Each stage's first operator from the names of those after the first; one sentence for a name the
-    model lacks or an order the graph does not have."""
-    index = {rule.op.name: node for node, rule in enumerate(problem.rules)}
-    starts = [0]
-    for name in names:
-        if name not in index:
-            raise AutoparError(f"A stage is to start at {name!r}, which the model does not have.")
-        if index[name] <= starts[-1]:
-            raise AutoparError(f"The stage starting at {name!r} does not come after the stage before it in the graph.")
-        starts.append(index[name])
-    return tuple(starts)
-
-
 def _free_plan(
     problem: SearchProblem, shape: PipelineShape, options: PlanOptions, cost: CostModel, single: SearchProblem
 ) -> Plan | None:
@@ -592,20 +223,14 @@ def _free_plan(
         except InfeasibleError:
             return None
         return Plan.lower(free, result, "auto_parallel")
-    starts = _stage_starts(free, options.stage_starts) if options.stage_starts else None
+    starts = stage_starts(free, options.stage_starts) if options.stage_starts else None
     pipeline = search_stages(free, shape, searching, starts)
     if pipeline is None:
         return None
-    found = _joined(pipeline, 0.0)
+    found = joined(pipeline, 0.0)
     if shape.stages == 1:
         return Plan.lower(free, found, "auto_parallel")
     return Plan.lower(free, found, "auto_parallel", pipeline=pipeline, single=single)
-
-
-def common_batch(graph: Graph) -> int | None:
-    """The leading size every data input shares (the batch), or None."""
-    sizes = {graph.tensor(name).shape[0] for name in graph.inputs if graph.tensor(name).shape}
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _micro_batch(step_batch: int | None, micro_batches: int, graph: Graph) -> int:

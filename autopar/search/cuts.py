@@ -1,0 +1,276 @@
+"""The cut search: where a pipeline's stages start, and each stage's plan (`search_stages`).
+
+For one shape (S stages, M micro-batches) and one micro-batch's problem, a DP over the cut points
+takes the cuts whose slowest stage is fastest (a min-max over a chain), each stage's time the exact
+per-stage search's (`autopar.search.pipeline.stage_problem` searched by `run_search`). Stages alike
+in their operators, reads and place are searched once, and the lower bounds of
+`autopar.search.floors` keep most stages from being searched at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.context import planning
+from autopar.errors import InfeasibleError
+from autopar.search.dataflow import TensorUse
+from autopar.search.driver import NothingFaster, SearchOptions, SearchResult, run_search
+from autopar.search.floors import copies_in, least_below, least_fullest, shape_floors, stage_floor
+from autopar.search.ilp import recomputing
+from autopar.search.pipeline import (
+    Crossings,
+    PipelineResult,
+    PipelineShape,
+    StagePlan,
+    cut_crossings,
+    cut_points,
+    send_costs,
+    stage_link_bit,
+    stage_problem,
+)
+from autopar.search.problem import SearchProblem
+
+
+class _StageSearch:
+    """Each stage's exact plan, searched once per kind of stage: stages alike in their operators
+    (copies of one block count alike), in what crosses their cuts and in their place in the
+    pipeline have the same plan."""
+
+    def __init__(
+        self,
+        problem: SearchProblem,
+        shape: PipelineShape,
+        options: SearchOptions,
+    ) -> None:
+        self.problem, self.shape, self.options = problem, shape, options
+        self.recompute = options.recompute
+        self.hint = options.hint  # the memory weight the last stage that memory bound settled on
+        classes = list(range(problem.size))
+        for repeat, _ in problem.folds:
+            for k in range(1, repeat.copies):
+                for node in repeat.block(k):
+                    classes[node] = node - k * repeat.period
+        self.classes = classes
+        self.found: dict[tuple, tuple[float, SearchResult | None]] = {}
+        self.searches = 0
+        self.copies: tuple[tuple[range, float], ...] = ()  # `copy_floors`, once the cut search asks for them
+        self._copy_bounds: dict[tuple, float] = {}  # `_copy_lagrangian`'s
+
+    def _key(self, first: int, last: int, index: int, crossings: Crossings) -> tuple:
+        graph = self.problem.graph
+
+        def what(use: TensorUse) -> tuple:
+            info = graph.tensor(use.tensor)
+            grad = self.problem.requires_grad.get(use.tensor, False)
+            return (info.kind, info.shape, info.dtype, grad, use.tensor in self.problem.kept)
+
+        into = tuple(sorted((u.dst_node - first, u.dst_slot, *what(u)) for u in crossings.into))
+        out = tuple(sorted((u.src_node - first, u.src_slot, u.src_is_output, *what(u)) for u in crossings.out))
+        receives = stage_link_bit(0, index - 1, index) if index > 0 else None
+        sends = stage_link_bit(0, index, index + 1) if index < self.shape.stages - 1 else None
+        place = (self.shape.in_flight(index), receives, sends)
+        return (tuple(self.classes[first:last]), into, out, place)
+
+    def _refuted_at_hint(self, stage: SearchProblem, first: int, last: int, index: int, beat: float) -> bool:
+        """Whether the Lagrangian bound at the hint's memory weight (`stage_floor`), recomputing or not,
+        shows that no plan of the stage that fits beats ``beat``: where memory binds, this refutes a cut
+        whose walk would take two DP runs or more, with none (the copies' bounds are shared by every cut)."""
+        weight, held = self.hint, self.shape.in_flight(index)
+        blocks = [block for block, _ in self.copies if first <= block.start and block.stop <= last]
+        # a tensor kept by a later stage is not counted where it is made (`_kept_across`): the copy's own
+        # bound, which counts it, is lowered by the most that frees at its operators in this stage
+        freed = [
+            weight
+            * held
+            * sum(
+                max(0.0, -float(np.min(stage.node_activations[i - first] - self.problem.node_activations[i])))
+                for i in block
+            )
+            for block in blocks
+        ]
+        for recompute in recomputing(stage, self.recompute):
+            within = tuple(
+                (
+                    range(block.start - first, block.stop - first),
+                    self._copy_lagrangian(block, index, weight, recompute) - less,
+                )
+                for block, less in zip(blocks, freed)
+            )
+            if not within or stage_floor(stage, within, weight, recompute) < beat:
+                return False
+        return True
+
+    def _copy_lagrangian(self, block: range, index: int, weight: float, recompute: bool) -> float:
+        """A lower bound on the Lagrangian (time + ``weight`` x memory) of one copy of a folded block, its
+        operators and the edges among them, in stage ``index`` wherever the cuts put it: one DP run over
+        the copy as a stage's operators are costed (`stage_problem`, its micro-batches in flight), without
+        what only a stage's boundary adds or takes away (sends, kept tensors: `_refuted_at_hint` takes the
+        latter off), and, recomputing, with no share of the one block's activations held at a time (which
+        depends on how many copies the stage has). Once per copy kind, stage place, weight and way."""
+        key = (self.classes[block.start], self.shape.in_flight(index), weight, recompute)
+        if key not in self._copy_bounds:
+            copy = stage_problem(self.problem, block.start, block.stop, self.shape, index, {}, boundary=False)
+            unary = copy.lagrangian(weight, recompute)[0]
+            if recompute:
+                for node, share in copy.recompute_share.items():
+                    unary[node] = unary[node] - weight * share * copy.node_activations[node]
+            self._copy_bounds[key] = least_below(copy, unary, recompute)
+        return self._copy_bounds[key]
+
+    def time(self, first: int, last: int, index: int, beat: float = math.inf) -> tuple[float, SearchResult | None]:
+        """The stage's time per step and plan (infinite and None when nothing fits). A stage whose lower
+        bound (`stage_floor`) is no faster than ``beat`` is not searched: its bound comes back, with no
+        plan."""
+        crossings = cut_crossings(self.problem, first, last)
+        key = self._key(first, last, index, crossings)
+        hit = self.found.get(key)
+        if hit is not None and (hit[1] is not None or math.isinf(hit[0]) or hit[0] >= beat):
+            return hit
+        sends = send_costs(self.problem, crossings, first, index, self.shape)
+        stage = stage_problem(self.problem, first, last, self.shape, index, sends)
+        floor = stage_floor(stage, copies_in(self.copies, first, last, sends, self.shape.slots))
+        if floor >= beat:
+            self.found[key] = (floor, None)
+            return floor, None
+        if self.hint > 0.0 and beat < math.inf and self._refuted_at_hint(stage, first, last, index, beat):
+            self.found[key] = (beat, None)  # no plan of the stage that fits beats ``beat``: a bound
+            return beat, None
+        self.searches += 1
+        try:
+            result = run_search(stage, dataclasses.replace(self.options, bound=beat, hint=self.hint))
+        except NothingFaster:
+            hit = (beat, None)  # no plan of the stage beats ``beat``: a bound, as the floor's
+            self.found[key] = hit
+            return hit
+        except InfeasibleError:
+            hit = (math.inf, None)
+        else:
+            hit = (stage.objective(result.choice, result.choices), result)
+            self.hint = result.memory_multiplier or self.hint
+        self.found[key] = hit
+        return hit
+
+
+@planning
+def search_stages(
+    problem: SearchProblem,
+    shape: PipelineShape,
+    options: SearchOptions | None = None,
+    starts: Sequence[int] | None = None,
+) -> PipelineResult | None:
+    """The fastest pipelined plan of one micro-batch's problem (``problem``, on one stage's devices)
+    with ``shape``'s stages and micro-batches: the cuts (or the given ``starts``, each stage's first
+    operator) and every stage's plan. None when no cut gives a plan that fits and is faster than
+    ``options.bound`` seconds; the other `SearchOptions` are every stage's.
+
+    Exact: the cuts are a DP over the cut points minimising the slowest stage (min-max over a chain),
+    each stage's time the exact per-stage search's; among equally fast cuts, `_min_max_search`'s rule
+    picks. A stage is searched only when lower bounds leave it a chance to beat the best plan found so
+    far: its own (`stage_floor`) and, for the stages before and after it, the sum of their operators'
+    least time per micro-batch, times the slots, each whole copy of a folded block counted at
+    `copy_floors`' bound where that is larger."""
+    options = options or SearchOptions()
+    bound = options.bound
+    search = _StageSearch(problem, shape, options)
+    n, count = problem.size, shape.stages
+    if starts is not None:
+        return _assemble(search, [*starts, n], bound)
+    points = [0, *cut_points(problem), n]
+    floors = shape_floors(problem, shape, points, bound)
+    if floors.seconds >= bound:
+        return None  # not even the stages' lower bounds leave one fast enough (or no cut fits)
+    search.copies = floors.copies
+    least = floors.least
+
+    def floor(a: int, b: int) -> float:  # no stage over points a..b is faster
+        return float(least[points[b]] - least[points[a]])
+
+    # first the cuts that balance the stages' lower bounds: their plan bounds the exact search
+    probe = _assemble(search, [points[b] for b in least_fullest([least[points]] * count)[1]], bound)
+    if probe is not None:  # its ties too: the exact search's rule, not the bounds', picks among equal cuts
+        bound = probe.time_s * (1 + 1e-12)
+    exact = _min_max_search(search, points, count, floor, bound)
+    return exact if exact is not None else probe
+
+
+def _min_max_search(
+    search: _StageSearch, points: Sequence[int], count: int, floor: Callable[[int, int], float], bound: float
+) -> PipelineResult | None:
+    """The exact min-max DP over the cut points, each stage searched only where its lower bound and
+    those of the stages around it leave it a chance to beat ``bound`` (None: nothing does).
+
+    Top down, from the last stage: the cuts of stages 0..i ending at a point are the best over where
+    stage i starts of the slower of stage i and the best cuts of the stages before it. Of those two,
+    the one more likely to lose (the larger lower bound) is searched first, told the best found so far:
+    where it cannot beat that (a DP run or two, often none), the other is never searched. Searching
+    every earlier stage at every end first, as a bottom-up DP does, searched most of them in full only
+    to find the last stage could not beat the best found anyway (76.1B GPT, 2 stages: 10 of 19 stage
+    searches). Where cuts tie, each stage starts at the first place, in order, of the least: for the
+    last stage, then for the stages before it given that start."""
+    last = len(points) - 1
+    cuts = _Cuts(search, points, floor)
+    if not cuts.best_before(count - 1, last, bound) < bound:
+        return None
+    ends = [last]
+    for index in range(count - 1, 0, -1):
+        ends.append(cuts.known[(index, ends[-1])][1])
+    return _assemble(search, [points[b] for b in [0, *reversed(ends)]], bound)
+
+
+@dataclass
+class _Cuts:
+    """`_min_max_search`'s DP: its memo and its recursion (a method, not a closure calling itself, whose
+    cell would hold the stage search, and every stage problem it holds, in a cycle only the collector frees)."""
+
+    search: _StageSearch
+    points: Sequence[int]
+    floor: Callable[[int, int], float]
+    # (stage index, end) -> (the least slowest stage, where that stage starts, the bound it was told):
+    # exact where below its bound, else only known to be no less
+    known: dict[tuple[int, int], tuple[float, int, float]] = field(default_factory=dict)
+
+    def lower(self, index: int, b: int) -> float:
+        """No cuts of stages 0..index ending at point b are faster: the slowest is no faster than the average."""
+        return self.floor(0, b) / (index + 1)
+
+    def best_before(self, index: int, b: int, beat: float) -> float:
+        search, points, floor = self.search, self.points, self.floor
+        hit = self.known.get((index, b))
+        if hit is not None and (hit[0] < hit[2] or hit[0] >= beat):
+            return hit[0]
+        if index == 0:
+            found, came = search.time(points[0], points[b], 0, beat)[0], 0
+        else:
+            found, came = beat, -1
+            for a in range(index, b):
+                before, own = self.lower(index - 1, a), floor(a, b)
+                if max(before, own) >= found:
+                    continue  # cannot beat the best found
+                if own >= before:  # the stage first: it is the likelier to lose
+                    seconds = search.time(points[a], points[b], index, found)[0]
+                    value = max(seconds, self.best_before(index - 1, a, found)) if seconds < found else seconds
+                else:
+                    before = self.best_before(index - 1, a, found)
+                    value = (
+                        max(before, search.time(points[a], points[b], index, found)[0]) if before < found else before
+                    )
+                if value < found:
+                    found, came = value, a
+        self.known[(index, b)] = (found, came, beat)
+        return found
+
+
+def _assemble(search: _StageSearch, bounds: Sequence[int], bound: float) -> PipelineResult | None:
+    """The plan of given cuts (None: a stage does not fit)."""
+    stages = []
+    for index in range(search.shape.stages):
+        seconds, result = search.time(bounds[index], bounds[index + 1], index, bound)
+        if result is None or seconds >= bound:
+            return None
+        stages.append(StagePlan(bounds[index], bounds[index + 1], result, seconds))
+    return PipelineResult(search.shape, tuple(stages))

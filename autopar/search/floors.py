@@ -1,0 +1,283 @@
+"""Lower bounds on pipelined plans: no plan of a shape, a cut or a stage is faster than these.
+
+The shape search (`autopar.search.shape_search`) skips a shape by `shape_floor`; the cut search
+(`autopar.search.cuts`) skips a cut by `shape_floors` and a stage by `stage_floor`, each bound
+taken from the costs of the problem itself, so a skipped shape, cut or stage is one the exact
+search would not have picked.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.search.fold import Solver
+from autopar.search.pipeline import PipelineShape, stage_problem
+from autopar.search.problem import SearchProblem
+from autopar.strategy import OpRule
+
+
+@dataclass(frozen=True)
+class ShapeFloors:
+    """What bounds a shape's plans from below before any stage is searched (`shape_floors`)."""
+
+    seconds: float  # no cuts at the points give a faster plan (infinite: none has the stages, or fits)
+    least: np.ndarray  # sums over the operators before each one of their least time per step
+    copies: tuple[tuple[range, float], ...]  # `copy_floors`
+
+
+def shape_floors(
+    problem: SearchProblem, shape: PipelineShape, points: Sequence[int], bound: float = math.inf
+) -> ShapeFloors:
+    """The lower bounds `search_stages` refutes a shape by, cheapest first, stopping at one no less than
+    ``bound``: too few points for the stages, or every cut leaves a stage that does not fit
+    (`_no_cut_fits`: infinite); the least fullest stage with each operator at its least time; the same
+    with each whole copy of a folded block at its `copy_floors` bound where that is larger."""
+    n, count = problem.size, shape.stages
+    if len(points) - 1 < count or _no_cut_fits(problem, shape, points):
+        return ShapeFloors(math.inf, np.zeros(n + 1), ())
+    each = [_least(problem, i, shape.slots) for i in range(n)]
+    least = np.concatenate([[0.0], np.cumsum(each)])
+    seconds = least_fullest([least[points]] * count)[0]
+    if seconds >= bound:
+        return ShapeFloors(seconds, least, ())
+    copies = copy_floors(problem, shape, points)
+    if not copies:
+        return ShapeFloors(seconds, least, copies)
+    for block, copy_least in copies:  # a cut never splits a copy: its least counts as a whole
+        each[block.start : block.stop] = [max(copy_least, sum(each[block.start : block.stop]))] + [0.0] * (
+            len(block) - 1
+        )
+    least = np.concatenate([[0.0], np.cumsum(each)])
+    return ShapeFloors(least_fullest([least[points]] * count)[0], least, copies)
+
+
+def _no_cut_fits(problem: SearchProblem, shape: PipelineShape, points: Sequence[int]) -> bool:
+    """Whether every cut at ``points`` leaves a stage whose leanest memory (`leanest_memory`) is more than a
+    device holds. Where the whole problem's memory floor times the first stage's micro-batches fits, as in
+    most searches, no stage's bound can exceed the capacity (each operator's is between 0 and that many
+    times its leanest bytes, activations being part of them), so the min-max over the cuts is skipped."""
+    capacity = problem.cost.capacity * (1 + 1e-9)
+    if shape.in_flight(0) * problem.memory_floor(False) <= capacity:
+        return False
+    return least_fullest(leanest_memory(problem, shape, points))[0] > capacity
+
+
+def least_fullest(prefixes: Sequence[np.ndarray]) -> tuple[float, list[int]]:
+    """The least, over cuts at the points, of the largest stage, stage i over points a .. b costing
+    ``prefixes[i][b] - prefixes[i][a]``, and the cuts that give it (point indices, the first and last
+    included; among equal cuts, each stage from the last back starts at the first place of the least):
+    the min-max DP over a chain (Alpa and PipeDream partition so), a whole row of points at a time (a
+    stage count of 128 over 200 points is 2.5 million pairs). The stages' time floors, the cuts that
+    balance them and the stages' leanest memory (`_no_cut_fits`) all take it.
+
+    >>> least_fullest([np.array([0.0, 1.0, 3.0, 4.0])] * 2)
+    (3.0, [0, 1, 3])
+    """
+    first = prefixes[0]
+    best = first - first[0]  # stage 0 ending at each point
+    best[0] = np.inf  # a stage has at least one step between its points
+    below = np.tril(np.ones((len(first), len(first)), dtype=bool))  # a stage ends after it starts
+    came: list[np.ndarray] = []  # per stage after the first: where it starts, for each point it ends at
+    for prefix in prefixes[1:]:
+        ending = np.maximum(best[:, None], prefix[None, :] - prefix[:, None])  # [start, end]
+        ending[below] = np.inf
+        came.append(ending.argmin(axis=0))
+        best = ending.min(axis=0)
+    cuts = [len(first) - 1]
+    for starts in reversed(came):
+        cuts.append(int(starts[cuts[-1]]))
+    return float(best[-1]), [0, *reversed(cuts)]
+
+
+def leanest_memory(problem: SearchProblem, shape: PipelineShape, points: Sequence[int]) -> list[np.ndarray]:
+    """Per stage index, the sums at each of the ``points`` of a lower bound on the bytes each operator
+    before it adds to a device of that stage: a stage over points ``a`` .. ``b`` holds at least the
+    difference of the two. The bound holds for every plan, memory choice and cut at ``points``
+    (`stage_problem`'s memory, operator by operator): the stage's own parameters, inputs and activations,
+    the latter for each micro-batch it holds, with recomputation the whole run's share of one block's
+    (1 / its copies, no more than any stage's). An operator with a kept output some later point may put
+    in another stage (`_kept_across` moves it there) is counted without its activations at all: what a
+    stage receives only adds.
+
+    Refuting a shape by this takes a min-max over the points where searching it takes a stage problem and
+    a DP run or more for every pair of points (ResNet-50 at a batch no stage count holds: seconds each)."""
+    n = problem.size
+    moving: set[int] = set()  # operators with a kept output some point may put in another stage
+    for use in problem.uses:
+        after = bisect.bisect_right(points, use.src_node)  # the first point after the writer
+        if after < len(points) and points[after] <= use.dst_node and use.src_is_output and use.tensor in problem.kept:
+            moving.add(use.src_node)
+    helds = sorted({shape.in_flight(index) for index in range(shape.stages)})
+    more = np.asarray(helds, dtype=float) - 1.0  # micro-batches held beyond the first
+    each = np.zeros((n, len(helds)))
+    alike: dict[tuple, np.ndarray] = {}  # the copies of a folded run share their arrays
+    for i in range(n):
+        memory, activations = problem.node_memory[i], problem.node_activations[i]
+        alternative = problem.sharded[i].memory if i in problem.sharded else None
+        share, moves = problem.recompute_share.get(i), i in moving
+        key = (id(memory), id(activations), id(alternative), share, moves)
+        if key not in alike:
+            least = np.full(len(helds), np.inf)
+            for base in (memory,) if alternative is None else (memory, alternative):
+                if moves:  # its activations may all move: only what it holds besides counts
+                    least = np.minimum(least, float((base - activations).min()))
+                    continue
+                least = np.minimum(least, (base[:, None] + activations[:, None] * more[None, :]).min(axis=0))
+                if share is not None:  # one block's share, the stage's no less than the whole run's
+                    least = np.minimum(least, float((base - (1.0 - share) * activations).min()))
+            alike[key] = least
+        each[i] = alike[key]
+    at = {held: np.concatenate([[0.0], np.cumsum(each[:, k])])[list(points)] for k, held in enumerate(helds)}
+    return [at[shape.in_flight(index)] for index in range(shape.stages)]
+
+
+def copy_floors(problem: SearchProblem, shape: PipelineShape, points: Sequence[int]) -> tuple[tuple[range, float], ...]:
+    """Every copy of each folded run none of whose copies a cut point splits, with a lower bound on the time
+    per step of its operators and the edges among them in any stage of ``shape``: one DP run over one
+    copy per run, memory aside (less a billionth, for rounding).
+
+    Copies are alike (their operators' costs and their edges among them are one table), and a stage's
+    cost of a copy is at least this: only the edges from outside the copy (the previous copy's, the
+    shared operators'), the sends of a stage's boundary and recomputed forwards are left out, and those
+    cost nothing less than zero. Where the best plan repeats one
+    copy's layouts, as a uniform stack of layers does, the stage's time is within a few percent of the
+    sum of its copies' bounds, where the operators' least times, each taken alone, fall a fifth short
+    (76.1B GPT, 2 stages): the cut search then refutes most cuts without a DP run of their own."""
+    found: list[tuple[range, float]] = []
+    for repeat, _ in problem.folds:
+        copies = [repeat.block(k) for k in range(repeat.copies)]
+        if repeat.copies < 2 or any(block.start < p < block.stop for block in copies for p in points):
+            continue
+        one = repeat.block(1)
+        copy = stage_problem(problem, one.start, one.stop, PipelineShape(1, shape.slots), 0)
+        least = least_below(copy, copy.lagrangian(0.0, False)[0], False)
+        found.extend((block, least) for block in copies)
+    return tuple(found)
+
+
+def least_below(problem: SearchProblem, unary: Sequence[np.ndarray], recompute: bool) -> float:
+    """The least of ``unary`` plus every edge cost (recomputed forwards paid twice with ``recompute``) over
+    the problem's plans, by one exact DP run, less a billionth of it for rounding: a bound that stays below."""
+    solver = Solver.of(problem)
+    solver.bind(problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
+    choice = solver.minimise(unary)
+    least = sum(float(u[c]) for u, c in zip(unary, choice))
+    least += sum(factor.value([choice[u] for u in scope]) for factor, scope in problem.all_factors(recompute))
+    return least - 1e-9 * abs(least)
+
+
+def copies_in(
+    copies: Sequence[tuple[range, float]], first: int, last: int, sends: dict[int, np.ndarray], slots: int
+) -> tuple[tuple[range, float], ...]:
+    """The copies (`copy_floors`) wholly in the stage of operators ``first`` .. ``last - 1``, in its own
+    indices, each bound raised by the least its operators' boundary ``sends`` add, once per slot."""
+    found = []
+    for block, least in copies:
+        if first <= block.start and block.stop <= last:
+            inside = range(block.start - first, block.stop - first)
+            found.append((inside, least + sum(slots * float(np.min(sends[i])) for i in inside if i in sends)))
+    return tuple(found)
+
+
+def _least(problem: SearchProblem, node: int, slots: int = 1) -> float:
+    """An operator's least time per step over its candidates (with or without a parallel optimizer),
+    its time per micro-batch paid ``slots`` times and its time per step once."""
+    arrays = [(problem.node_time[node], problem.node_sync[node])]
+    if node in problem.sharded:
+        alternative = problem.sharded[node]
+        arrays.append((alternative.time, alternative.sync))
+    return max(0.0, min(float(np.min(slots * (time - once) + once)) for time, once in arrays))
+
+
+def stage_floor(
+    stage: SearchProblem, copies: Sequence[tuple[range, float]] = (), weight: float = 0.0, recompute: bool = False
+) -> float:
+    """A lower bound on a stage's time: each operator at its least cost counting, per candidate, the least
+    each edge into it costs (every edge counted once, at its last operator), memory and recomputation
+    aside. Given ``copies`` (ranges of the stage's operators, each with a lower bound on their costs and
+    the edges among them: `copy_floors`), the same with each copy's bound and the least of the edges
+    into it counted instead of its operators', where that is larger.
+
+    With a memory ``weight``, the same of the Lagrangian (time + weight x memory, recomputing or not as
+    ``recompute`` says) less weight x the capacity: no plan of that kind that fits is faster (the copies'
+    bounds then of the same Lagrangian, `_StageSearch._copy_lagrangian`)."""
+    copy_of = np.full(stage.size, -1)
+    for number, (block, _) in enumerate(copies):
+        copy_of[block.start : block.stop] = number
+    extra: list[np.ndarray | float] = [0.0] * stage.size
+    outside: list[np.ndarray | float] = [0.0] * stage.size  # ``extra`` less the edges inside a copy
+    least: dict[int, np.ndarray] = {}  # per factor table: its minimum over every axis but the last operator's
+    unary = stage.lagrangian(weight, recompute)[0]
+    for factor, scope in stage.all_factors(recompute):
+        at = int(np.argmax(scope))
+        key = id(factor.table) * 8 + at
+        if key not in least:
+            axes = tuple(axis for axis in range(factor.table.ndim) if axis != at)
+            least[key] = factor.table.min(axis=axes) if axes else factor.table
+        extra[scope[at]] = extra[scope[at]] + least[key][factor.maps[at]]
+        if copy_of[scope[at]] < 0 or any(copy_of[u] != copy_of[scope[at]] for u in scope):
+            outside[scope[at]] = outside[scope[at]] + least[key][factor.maps[at]]
+    alone, counted = 0.0, sum(bound for _, bound in copies)
+    for node in range(stage.size):
+        own = float(np.min(unary[node] + extra[node]))
+        alone += own
+        counted += float(np.min(outside[node])) if copy_of[node] >= 0 else own
+    return max(max(alone, counted) - weight * stage.cost.capacity, 0.0)
+
+
+def compute_floor(problem: SearchProblem) -> float:
+    """Seconds of forward and backward compute one device needs at least, were the whole problem's
+    work spread over it alone at each operator's best rate (its FLOPs at the fastest rate its class
+    reaches, or its bytes at the memory bandwidth, whichever is slower).
+
+    Work is at most linear in the batch and a stage splits it over at most its devices, so
+    ``shape_floor`` of this bounds every plan of a pipeline shape from below. A matmul's best rate is
+    the fastest its smallest dimension allows (`CostModel.fastest_matmul_rate_up_to`): on a device,
+    and at a smaller micro-batch, each of its dimensions is at most the whole one, so its smallest is
+    too (`costing.matmul_smallest_dim`; attention's head dimension keeps its products off the peak)."""
+    cost = problem.cost
+    total = 0.0
+    for node, rule in enumerate(problem.rules):
+        spec = rule.spec
+        if spec.op_class == "free":
+            continue
+        if spec.matmul_labels is not None:
+            rate = cost.fastest_matmul_rate_up_to(_smallest_dim(rule))
+        else:
+            rate = cost.cube_flops if spec.op_class == "cube" else cost.vector_flops
+        traffic = sum(
+            problem.graph.tensor(name).numel * problem.itemsize(problem.graph.tensor(name))
+            for name in (*rule.op.inputs, *rule.op.outputs)
+            if name
+        )
+        forward = max(rule.op.flops / rate, traffic / cost.memory_bandwidth)
+        total += forward * (1.0 + cost.backward_factor * problem.backward_passes(node))
+    return total
+
+
+def _smallest_dim(rule: OpRule) -> float:
+    """The smallest of a matmul's M, N and K, whole (an absent one, or one of unknown size, counts 1), as
+    `costing.matmul_smallest_dim` takes it with no dimension split."""
+    smallest = math.inf
+    for label in rule.spec.matmul_labels or ():
+        sizes = rule.label_sizes.get(label, set()) if label is not None else set()
+        if label is None or not sizes:
+            return 1.0
+        smallest = min(smallest, float(max(sizes)))
+    return smallest
+
+
+def shape_floor(floor: float, num_devices: int, shape: PipelineShape) -> float:
+    """A lower bound on any plan's step with ``shape`` on ``num_devices`` devices, from `compute_floor`
+    of the whole batch: the slowest stage is no faster than the average, (M + S - 1) slots of
+    1/S of the work of one micro-batch spread over N/S devices.
+
+    >>> shape_floor(8.0, 8, PipelineShape(2, 4)) == 8.0 / 8 * 5 / 4
+    True
+    """
+    return floor * shape.slots / (shape.micro_batches * num_devices)
