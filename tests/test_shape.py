@@ -17,10 +17,6 @@ COMPILED = {"native_jit.py"}
 WAITING = {
     "coefficients.py:_moving_runs",
     "coefficients.py:_chunk_coefficients",
-    "driver.py:_constrained_dp",
-    "ilp.py:_solve",
-    "pipeline.py:stage_problem",
-    "repeats.py:find_repeats",
 }
 
 

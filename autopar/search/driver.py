@@ -219,6 +219,46 @@ class _Point:
     floor: float = -math.inf  # what the run's DP found no plan below (time + weight x memory, tie-break included)
 
 
+@dataclass
+class _Runs:
+    """The DP runs of one problem's memory walk, each made once (``made``: by weight, recompute and time
+    scale), seen with the tie-break ``offsets`` added (`tie_break_offsets`)."""
+
+    problem: SearchProblem
+    solver: Solver
+    offsets: list[np.ndarray]
+    made: dict[tuple[float, bool, float], _Point]
+
+    def solve(self, weight: float, recompute: bool, time_scale: float = 1.0) -> _Point:
+        """The plan that minimises time_scale x time + weight x memory (recomputing or not)."""
+        key = (weight, recompute, time_scale)
+        if key not in self.made:
+            self.made[key] = self._run(weight, recompute, time_scale)
+        return self.made[key]
+
+    def _run(self, weight: float, recompute: bool, time_scale: float) -> _Point:
+        problem, solver = self.problem, self.solver
+        unary, takes = problem.lagrangian(weight, recompute, time_scale)
+        solver.bind(problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
+        seen_unary = [u + time_scale * o for u, o in zip(unary, self.offsets)]
+        choice, floor = solver.solve(seen_unary)
+        if not solver.exact:  # a plan backtracked through split tables: what one operator's move gains, taken
+            choice = descend(seen_unary, problem.all_factors(recompute), choice)
+        choices = problem.choices_at(choice, takes, recompute)
+        seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(self.offsets, choice))
+        return _Point(choice, choices, seen, problem.memory(choice, choices), floor)
+
+    def leanest(self, recompute: bool) -> _Point:
+        """The plan of least memory, the faster of equally lean ones: memory is a sum over operators,
+        so each takes its leanest candidate (no DP run); the walk needs it only as a plan that fits."""
+        problem = self.problem
+        unary, takes = problem.lagrangian(1.0, recompute, 1e-9)
+        choice = [int(np.argmin(u + 1e-9 * o)) for u, o in zip(unary, self.offsets)]
+        choices = problem.choices_at(choice, takes, recompute)
+        seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(self.offsets, choice))
+        return _Point(choice, choices, seen, problem.memory(choice, choices))
+
+
 def _constrained_dp(
     problem: SearchProblem,
     solver: Solver,
@@ -245,37 +285,10 @@ def _constrained_dp(
     of running again (and filled).
     """
     base = problem.objective(data_parallel_choice(problem))
-    offsets = tie_break_offsets(problem.node_time, base)
     slack = TIE_BREAK_FRACTION * max(base, 1e-12)  # the most the tie-break adds to a plan's time
     beat_seen = beat + slack  # a plan faster than ``beat`` is seen below this
-
-    runs = runs if runs is not None else {}
-
-    def solve(weight: float, recompute: bool, time_scale: float = 1.0) -> _Point:
-        key = (weight, recompute, time_scale)
-        if key not in runs:
-            runs[key] = run(weight, recompute, time_scale)
-        return runs[key]
-
-    def run(weight: float, recompute: bool, time_scale: float) -> _Point:
-        unary, takes = problem.lagrangian(weight, recompute, time_scale)
-        solver.bind(problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
-        seen_unary = [u + time_scale * o for u, o in zip(unary, offsets)]
-        choice, floor = solver.solve(seen_unary)
-        if not solver.exact:  # a plan backtracked through split tables: what one operator's move gains, taken
-            choice = descend(seen_unary, problem.all_factors(recompute), choice)
-        choices = problem.choices_at(choice, takes, recompute)
-        seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(offsets, choice))
-        return _Point(choice, choices, seen, problem.memory(choice, choices), floor)
-
-    def leanest(recompute: bool) -> _Point:
-        """The plan of least memory, the faster of equally lean ones: memory is a sum over operators,
-        so each takes its leanest candidate (no DP run); the walk needs it only as a plan that fits."""
-        unary, takes = problem.lagrangian(1.0, recompute, 1e-9)
-        choice = [int(np.argmin(u + 1e-9 * o)) for u, o in zip(unary, offsets)]
-        choices = problem.choices_at(choice, takes, recompute)
-        seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(offsets, choice))
-        return _Point(choice, choices, seen, problem.memory(choice, choices))
+    dp = _Runs(problem, solver, tie_break_offsets(problem.node_time, base), runs if runs is not None else {})
+    solve, leanest = dp.solve, dp.leanest
 
     kinds = recomputing(problem, recompute)
     first = kinds[0]

@@ -31,7 +31,7 @@ stage's plan coming from the exact per-stage search (`autopar.search.cuts`, its 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
@@ -228,55 +228,6 @@ def _kept_across(problem: SearchProblem, first: int, last: int, crossings: Cross
     return moved
 
 
-def _restricted_folds(
-    problem: SearchProblem, folds: Sequence[tuple[Repeat, RunEdges]], first: int, last: int
-) -> tuple[list[Factor], list[tuple[Repeat, RunEdges]], dict[int, int]]:
-    """The stage's part of each folded run: its copies inside the stage, still folded, but for a first
-    copy that reads a copy of an earlier stage (its edges become plain factors).
-
-    Returns (plain factors, runs, run copies per operator), every scope in the stage's own indices."""
-    plain: list[Factor] = []
-    runs: list[tuple[Repeat, RunEdges]] = []
-    copies_in: dict[int, int] = {}
-
-    def moved(factor: Factor, repeat: Repeat, k: int) -> Factor:
-        return Factor(tuple(u - first for u in repeat.shift(factor.scope, k)), factor.maps, factor.table)
-
-    for repeat, edges in folds:
-        ks = [k for k in range(repeat.copies) if first <= repeat.block(k).start and repeat.block(k).stop <= last]
-        if not ks:
-            continue
-        for k in ks:
-            for node in repeat.block(k):
-                copies_in[node - first] = len(ks)
-        ka, kb = ks[0], ks[-1] + 1
-        c0 = ka if repeat.last(ka - 1) >= first else ka + 1  # the first copy reading a copy of this stage
-        pairs = [
-            (f, g)
-            for f, g in zip(edges.first, edges.later)
-            if all(u >= repeat.start - 1 or first <= u < last for u in f.scope)  # its shared operators are here
-        ]
-        folded = kb - c0 >= 1
-        for k in range(ka, kb if not folded else c0):
-            for f, g in pairs:
-                factor = moved(f if k == 0 else g, repeat, k)
-                if all(0 <= u < last - first for u in factor.scope):
-                    plain.append(factor)
-        if folded:
-            start = repeat.start + c0 * repeat.period - first
-            shared = tuple(x - first for x in repeat.shared if first <= x < last)
-            sub = Repeat(start, repeat.period, kb - c0, shared)
-            if c0 == 0:
-                run = RunEdges(
-                    tuple(moved(f, repeat, 0) for f, _ in pairs), tuple(moved(g, repeat, 0) for _, g in pairs)
-                )
-            else:
-                later = tuple(moved(g, repeat, c0) for _, g in pairs)
-                run = RunEdges(later, later)
-            runs.append((sub, run))
-    return plain, runs, copies_in
-
-
 def stage_problem(
     problem: SearchProblem,
     first: int,
@@ -287,7 +238,8 @@ def stage_problem(
     boundary: bool = True,
 ) -> SearchProblem:
     """Stage ``index`` of ``shape``, operators ``first`` .. ``last - 1`` of a micro-batch's problem, as a
-    problem of its own whose objective is the stage's time per step and whose memory is a device's.
+    problem of its own whose objective is the stage's time per step and whose memory is a device's: the
+    operators restricted (`SearchProblem.restricted`), then rescaled to the schedule (`_per_step`).
     ``sends``: `send_costs` of the stage, where the caller has them. Without ``boundary`` the tensors it
     reads from before ``first`` and keeps are not counted (a run of operators inside a stage, whose
     producers count them).
@@ -295,44 +247,37 @@ def stage_problem(
     The whole problem of one stage and one micro-batch is the problem itself."""
     if first == 0 and last == problem.size and shape == ONE_STAGE:
         return problem
-    slots, held = shape.slots, shape.in_flight(index)
     crossings = cut_crossings(problem, first, last)
     if sends is None:
         sends = send_costs(problem, crossings, first, index, shape)
-    nodes = range(first, last)
+    kept = _kept_across(problem, first, last, crossings) if boundary else {}
+    return _per_step(problem.restricted(first, last), shape.slots, shape.in_flight(index), sends, kept)
+
+
+def _per_step(
+    part: SearchProblem, slots: int, held: int, sends: Mapping[int, np.ndarray], kept: Mapping[int, np.ndarray]
+) -> SearchProblem:
+    """A stage's operators (``part``, numbered from 0) costed per step of the schedule: each one's time per
+    micro-batch and its boundary ``sends`` paid in every one of the ``slots``, its sync once, the edges in
+    every slot; its bytes with what crosses the cuts (``kept``, `_kept_across`) and the activations of
+    ``held`` micro-batches (recomputing: one block's, of the copies in the stage, and every block's input)."""
 
     def per_step(time: np.ndarray, once: np.ndarray, node: int) -> np.ndarray:
-        return slots * (time - once + sends.get(node - first, 0.0)) + once
+        return slots * (time - once + sends.get(node, 0.0)) + once
 
-    kept = _kept_across(problem, first, last, crossings) if boundary else {}
-    activations = tuple(
-        problem.node_activations[i] + kept[i - first] if i - first in kept else problem.node_activations[i]
-        for i in nodes
-    )
-    own_memory = tuple(
-        problem.node_memory[i] + kept[i - first] if i - first in kept else problem.node_memory[i] for i in nodes
-    )
-    node_time = tuple(per_step(problem.node_time[i], problem.node_sync[i], i) for i in nodes)
-    node_communication = tuple(per_step(problem.node_communication[i], problem.node_sync[i], i) for i in nodes)
-    node_memory = tuple(own_memory[i - first] + (held - 1) * activations[i - first] for i in nodes)
+    nodes = range(part.size)
+    activations = tuple(part.node_activations[i] + kept[i] if i in kept else part.node_activations[i] for i in nodes)
+    own_memory = tuple(part.node_memory[i] + kept[i] if i in kept else part.node_memory[i] for i in nodes)
     sharded = {
-        i - first: Alternative(
+        i: Alternative(
             per_step(alt.time, alt.sync, i),
             per_step(alt.communication, alt.sync, i),
-            alt.memory + kept.get(i - first, 0.0) + (held - 1) * activations[i - first],
+            alt.memory + kept.get(i, 0.0) + (held - 1) * activations[i],
             alt.hidden,
             alt.sync,
         )
-        for i, alt in problem.sharded.items()
-        if first <= i < last
+        for i, alt in part.sharded.items()
     }
-    plain, folds, copies_in = _restricted_folds(problem, problem.folds, first, last)
-    plain_again, recompute_folds, _ = _restricted_folds(problem, problem.recompute_folds, first, last)
-    main = [
-        Factor(tuple(u - first for u in f.scope), f.maps, f.table)
-        for f in problem.factors
-        if all(first <= u < last for u in f.scope)
-    ]
     scale = float(slots)
 
     def scaled(factors: Sequence[Factor]) -> tuple[Factor, ...]:
@@ -342,55 +287,23 @@ def stage_problem(
         return [(r, e.with_tables([f.table * scale for f in e.first])) for r, e in runs]
 
     # recomputation: one block's activations at a time, the blocks' inputs for every micro-batch held
-    recompute_time = {i - first: slots * t for i, t in problem.recompute_time.items() if first <= i < last}
-    recompute_memory: dict[int, np.ndarray] = {}
-    recompute_share: dict[int, float] = {}
-    for i, freed in problem.recompute_memory.items():
-        if not first <= i < last:
-            continue
-        if i in problem.recompute_share:
-            share = 1.0 / copies_in.get(i - first, 1)
-            recompute_memory[i - first] = (share - held) * activations[i - first]
-            recompute_share[i - first] = share
-        else:
-            recompute_memory[i - first] = np.zeros_like(freed)
-    ties = {a - first: b - first for a, b in problem.ties.items() if first <= a < last and first <= b < last}
-    for repeat, _ in problem.folds:
-        for a, b in problem.ties.items():
-            if a in repeat.block(0) and b in repeat.block(0):
-                for k in range(1, repeat.copies):
-                    a_k, b_k = a + k * repeat.period, b + k * repeat.period
-                    if first <= a_k < last and first <= b_k < last:
-                        ties[a_k - first] = b_k - first
-    uses = tuple(
-        TensorUse(u.tensor, u.src_node - first, u.src_slot, u.src_is_output, u.dst_node - first, u.dst_slot)
-        for u in problem.uses
-        if first <= u.src_node < last and first <= u.dst_node < last
-    )
-    owner = {name: (node - first, slot) for name, (node, slot) in problem.owner.items() if first <= node < last}
+    recompute_memory = {
+        i: (part.recompute_share[i] - held) * activations[i] if i in part.recompute_share else np.zeros_like(freed)
+        for i, freed in part.recompute_memory.items()
+    }
     return replace(
-        problem,
-        rules=problem.rules[first:last],
-        uses=uses,
-        owner=MappingProxyType(owner),
-        fixed=frozenset(i - first for i in problem.fixed if first <= i < last),
-        node_time=node_time,
-        node_compute=tuple(slots * problem.node_compute[i] for i in nodes),
-        node_communication=node_communication,
-        node_memory=node_memory,
-        node_hidden=problem.node_hidden[first:last],
-        node_sync=problem.node_sync[first:last],
+        part,
+        node_time=tuple(per_step(part.node_time[i], part.node_sync[i], i) for i in nodes),
+        node_compute=tuple(slots * compute for compute in part.node_compute),
+        node_communication=tuple(per_step(part.node_communication[i], part.node_sync[i], i) for i in nodes),
+        node_memory=tuple(own_memory[i] + (held - 1) * activations[i] for i in nodes),
         sharded=MappingProxyType(sharded),
-        recompute_time=MappingProxyType(recompute_time),
+        recompute_time=MappingProxyType({i: slots * t for i, t in part.recompute_time.items()}),
         recompute_memory=MappingProxyType(recompute_memory),
-        recompute_share=MappingProxyType(recompute_share),
-        factors=scaled(main + plain),
-        recompute_factors=scaled(main + plain_again) if plain_again else (),
-        folds=scaled_runs(folds),
-        recompute_folds=scaled_runs(recompute_folds),
-        unfolded=(),
-        blocks=(),
-        ties=MappingProxyType(ties),
+        factors=scaled(part.factors),
+        recompute_factors=scaled(part.recompute_factors),
+        folds=scaled_runs(part.folds),
+        recompute_folds=scaled_runs(part.recompute_folds),
         node_activations=activations,
         in_flight=held,
     )

@@ -16,14 +16,14 @@ additive too and is kept beside the time, for the capacity constraint.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
 
 import numpy as np
 
 from autopar.errors import StrategyError
-from autopar.search.dataflow import Dataflow
+from autopar.search.dataflow import Dataflow, TensorUse
 from autopar.search.dp import Factor
 from autopar.search.fold import RunEdges
 from autopar.search.memory import NO_MEMORY_CHOICES, Alternative, MemoryChoices, memory_items
@@ -85,6 +85,69 @@ class SearchProblem(Dataflow):
             for i, c in enumerate(choice)
         )
         return choices.micro_batches * (total - once) + once
+
+    def restricted(self, first: int, last: int) -> SearchProblem:
+        """Operators ``first`` .. ``last - 1`` as a problem of their own, numbered from 0: their arrays, the
+        uses, owners, ties and edges among them, and each folded run's copies inside, still folded
+        (`_restricted_runs`); recomputing, one block's activations stay of the copies inside, not of the
+        whole run's. What crosses the ends is the caller's (`pipeline.stage_problem` adds a stage's)."""
+        nodes = range(first, last)
+        plain, folds, copies_in = _restricted_runs(self.folds, first, last)
+        plain_again, recompute_folds, _ = _restricted_runs(self.recompute_folds, first, last)
+
+        def inside(factors: Sequence[Factor]) -> list[Factor]:
+            return [
+                Factor(tuple(u - first for u in f.scope), f.maps, f.table)
+                for f in factors
+                if all(first <= u < last for u in f.scope)
+            ]
+
+        share = {i - first: 1.0 / copies_in.get(i - first, 1) for i in self.recompute_share if first <= i < last}
+        recompute_memory = {
+            i - first: (share[i - first] - self.in_flight) * self.node_activations[i] if i - first in share else freed
+            for i, freed in self.recompute_memory.items()
+            if first <= i < last
+        }
+        ties = {a - first: b - first for a, b in self.ties.items() if first <= a < last and first <= b < last}
+        for repeat, _ in self.folds:  # the twins of every copy inside, where the run's own name copy 0's
+            for a, b in self.ties.items():
+                if a in repeat.block(0) and b in repeat.block(0):
+                    for k in range(1, repeat.copies):
+                        a_k, b_k = a + k * repeat.period, b + k * repeat.period
+                        if first <= a_k < last and first <= b_k < last:
+                            ties[a_k - first] = b_k - first
+        uses = tuple(
+            TensorUse(u.tensor, u.src_node - first, u.src_slot, u.src_is_output, u.dst_node - first, u.dst_slot)
+            for u in self.uses
+            if first <= u.src_node < last and first <= u.dst_node < last
+        )
+        main = inside(self.factors)
+        again = plain_again or self.recompute_factors
+        return replace(
+            self,
+            rules=self.rules[first:last],
+            uses=uses,
+            owner=MappingProxyType({t: (n - first, slot) for t, (n, slot) in self.owner.items() if first <= n < last}),
+            fixed=frozenset(i - first for i in self.fixed if first <= i < last),
+            node_time=self.node_time[first:last],
+            node_compute=self.node_compute[first:last],
+            node_communication=self.node_communication[first:last],
+            node_memory=self.node_memory[first:last],
+            node_hidden=self.node_hidden[first:last],
+            node_sync=self.node_sync[first:last],
+            node_activations=self.node_activations[first:last],
+            sharded=MappingProxyType({i - first: alt for i, alt in self.sharded.items() if first <= i < last}),
+            recompute_time=MappingProxyType({i - first: t for i, t in self.recompute_time.items() if i in nodes}),
+            recompute_memory=MappingProxyType(recompute_memory),
+            recompute_share=MappingProxyType(share),
+            factors=tuple(main + plain),
+            recompute_factors=tuple(inside(self.main_factors(True)) + plain_again) if again else (),
+            folds=folds,
+            recompute_folds=recompute_folds,
+            unfolded=(),
+            blocks=(),
+            ties=MappingProxyType(ties),
+        )
 
     def main_factors(self, recompute: bool = False) -> tuple[Factor, ...]:
         """The edge factors outside folded runs, with recomputed forwards paid twice if ``recompute``."""
@@ -215,3 +278,52 @@ class SearchProblem(Dataflow):
                     if fork.input_layout(c, 0).dims == produced.dims and not fork.gradient_bits(fork.candidates[c])
                 )
         return choice
+
+
+def _restricted_runs(
+    folds: Sequence[tuple[Repeat, RunEdges]], first: int, last: int
+) -> tuple[list[Factor], list[tuple[Repeat, RunEdges]], dict[int, int]]:
+    """The part of each folded run within operators ``first`` .. ``last - 1``: its copies inside, still
+    folded, but for a first copy that reads a copy before ``first`` (its edges become plain factors).
+
+    Returns (plain factors, runs, run copies per operator), every scope in the part's own indices."""
+    plain: list[Factor] = []
+    runs: list[tuple[Repeat, RunEdges]] = []
+    copies_in: dict[int, int] = {}
+
+    def moved(factor: Factor, repeat: Repeat, k: int) -> Factor:
+        return Factor(tuple(u - first for u in repeat.shift(factor.scope, k)), factor.maps, factor.table)
+
+    for repeat, edges in folds:
+        ks = [k for k in range(repeat.copies) if first <= repeat.block(k).start and repeat.block(k).stop <= last]
+        if not ks:
+            continue
+        for k in ks:
+            for node in repeat.block(k):
+                copies_in[node - first] = len(ks)
+        ka, kb = ks[0], ks[-1] + 1
+        c0 = ka if repeat.last(ka - 1) >= first else ka + 1  # the first copy reading a copy of this stage
+        pairs = [
+            (f, g)
+            for f, g in zip(edges.first, edges.later)
+            if all(u >= repeat.start - 1 or first <= u < last for u in f.scope)  # its shared operators are here
+        ]
+        folded = kb - c0 >= 1
+        for k in range(ka, kb if not folded else c0):
+            for f, g in pairs:
+                factor = moved(f if k == 0 else g, repeat, k)
+                if all(0 <= u < last - first for u in factor.scope):
+                    plain.append(factor)
+        if folded:
+            start = repeat.start + c0 * repeat.period - first
+            shared = tuple(x - first for x in repeat.shared if first <= x < last)
+            sub = Repeat(start, repeat.period, kb - c0, shared)
+            if c0 == 0:
+                run = RunEdges(
+                    tuple(moved(f, repeat, 0) for f, _ in pairs), tuple(moved(g, repeat, 0) for _, g in pairs)
+                )
+            else:
+                later = tuple(moved(g, repeat, c0) for _, g in pairs)
+                run = RunEdges(later, later)
+            runs.append((sub, run))
+    return plain, runs, copies_in

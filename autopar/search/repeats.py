@@ -181,17 +181,9 @@ def find_repeats(size: int, uses: Sequence, structure: Structure) -> tuple[list[
         if use.src_node != use.dst_node:
             reads[use.dst_node].append((use.src_node, use.dst_slot))
             readers[use.src_node].append(use.dst_node)
-    last_seen: dict[int, int] = {}
-    distances: dict[int, int] = {}
-    for i, s in enumerate(seq.tolist()):
-        if s in last_seen:
-            d = i - last_seen[s]
-            distances[d] = distances.get(d, 0) + 1
-        last_seen[s] = i
-    periods = sorted(distances, key=lambda d: (-distances[d] * d, d))[:MAX_PERIODS_TRIED]
     candidates: list[Repeat] = []
     refused: list[Unfolded] = []
-    for period in periods:
+    for period in _periods(seq):
         if MIN_FOLDED_COPIES * period + 1 > size:
             continue  # no room for the copies and the operator before them
         same = structure.same(period)
@@ -204,36 +196,69 @@ def find_repeats(size: int, uses: Sequence, structure: Structure) -> tuple[list[
             while j < len(same) and same[j]:
                 j += 1
             # operators i .. j + period - 1 repeat with this period
-            best_refusal: Unfolded | None = None
-            phases: list[Repeat] = []  # the earliest clean phase, then the earliest read from a copy's like
-            for offset in range(2 * period):  # the first copy may need the run's second block as its input
-                start = max(i + offset, 1)
-                copies = (j + period - start) // period
-                if copies < MIN_FOLDED_COPIES:
-                    if best_refusal is not None and not best_refusal.clean:
-                        reason = f"fewer than {MIN_FOLDED_COPIES} copies line up with a clean boundary"
-                        best_refusal = Unfolded(i, period, (j - i) // period + 1, reason, i)
-                    break
-                alike = seq[start - 1] == seq[start + period - 1]
-                if phases and not alike:
-                    continue
-                found = _valid_prefix(Repeat(start, period, copies), reads, readers)
-                if isinstance(found, Repeat):
-                    phases.append(found)
-                    if alike:
-                        best_refusal = None
-                        break
-                elif alike and (best_refusal is None or found.clean > best_refusal.clean):
-                    best_refusal = found  # the phase whose copies line up longest says the most
-            if phases and _alike(phases[-1], seq):
-                # the copies keep the block boundaries the graph's repetition shows (the first copy reads
-                # an operator like every copy's last); the first copy may read an unlike one (the
-                # embedding before the first layer) only to extend such a run: every copy's start
-                # bounds an overlap window, so a run found nowhere else would change the cost model
-                candidates.append(max(reversed(phases), key=lambda r: r.copies))
-            elif best_refusal is not None:
-                refused.append(best_refusal)
+            found = _run_in(i, j, period, seq, reads, readers)
+            if isinstance(found, Repeat):
+                candidates.append(found)
+            elif found is not None:
+                refused.append(found)
             i = j
+    return _chosen(size, candidates, refused)
+
+
+def _periods(seq: np.ndarray) -> list[int]:
+    """The distances between repeated signatures, most frequent (weighted by length) first."""
+    last_seen: dict[int, int] = {}
+    distances: dict[int, int] = {}
+    for i, s in enumerate(seq.tolist()):
+        if s in last_seen:
+            d = i - last_seen[s]
+            distances[d] = distances.get(d, 0) + 1
+        last_seen[s] = i
+    return sorted(distances, key=lambda d: (-distances[d] * d, d))[:MAX_PERIODS_TRIED]
+
+
+def _run_in(
+    i: int,
+    j: int,
+    period: int,
+    seq: np.ndarray,
+    reads: list[list[tuple[int, int]]],
+    readers: list[list[int]],
+) -> Repeat | Unfolded | None:
+    """The run to fold where operators ``i`` .. ``j + period - 1`` repeat with ``period``, or why none is
+    (None: nothing worth saying)."""
+    best_refusal: Unfolded | None = None
+    phases: list[Repeat] = []  # the earliest clean phase, then the earliest read from a copy's like
+    for offset in range(2 * period):  # the first copy may need the run's second block as its input
+        start = max(i + offset, 1)
+        copies = (j + period - start) // period
+        if copies < MIN_FOLDED_COPIES:
+            if best_refusal is not None and not best_refusal.clean:
+                reason = f"fewer than {MIN_FOLDED_COPIES} copies line up with a clean boundary"
+                best_refusal = Unfolded(i, period, (j - i) // period + 1, reason, i)
+            break
+        alike = seq[start - 1] == seq[start + period - 1]
+        if phases and not alike:
+            continue
+        found = _valid_prefix(Repeat(start, period, copies), reads, readers)
+        if isinstance(found, Repeat):
+            phases.append(found)
+            if alike:
+                best_refusal = None
+                break
+        elif alike and (best_refusal is None or found.clean > best_refusal.clean):
+            best_refusal = found  # the phase whose copies line up longest says the most
+    if phases and _alike(phases[-1], seq):
+        # the copies keep the block boundaries the graph's repetition shows (the first copy reads
+        # an operator like every copy's last); the first copy may read an unlike one (the
+        # embedding before the first layer) only to extend such a run: every copy's start
+        # bounds an overlap window, so a run found nowhere else would change the cost model
+        return max(reversed(phases), key=lambda r: r.copies)
+    return best_refusal
+
+
+def _chosen(size: int, candidates: list[Repeat], refused: list[Unfolded]) -> tuple[list[Repeat], list[Unfolded]]:
+    """The runs folded, the most operators first where they overlap, and the stretches left unfolded."""
     chosen: list[Repeat] = []
     taken = np.zeros(size, dtype=bool)
     for repeat in sorted(candidates, key=lambda r: (-(r.copies - 1) * r.period, r.start, r.period)):
