@@ -627,3 +627,28 @@ def test_the_t5_export_trains_each_norm_scale_torch_trains():
     finals = ["model.decoder.final_layer_norm.weight", "model.encoder.final_layer_norm.weight"]
     assert scales == sorted(encoder + decoder + finals)
     assert not [op for op in graph.ops if op.op_type == "Identity"]
+
+
+def test_a_buffer_only_the_routing_reads_gets_no_gradient_in_the_plan_the_runtime_or_the_report():
+    """DeepSeek-V3's router adds a buffer (``e_score_correction_bias``) to its scores only to choose the top-k
+    experts: its indices, not its values, go on, so autograd gives the buffer no gradient. It is not trained:
+    no gradient sync in the plan, none run by the runtime (the data-parallel plan verifies with gradients,
+    every collective as listed), and the report counts its elements as frozen. The rest of the router trains."""
+    import autopar
+    from autopar.graph import gradient_reaches
+    from autopar.report import inspect_summary
+
+    path = REPO / "tests" / "data" / "hf_deepseek_v3_dynamo.onnx"
+    graph = load_model(path)
+    bias = [name for name in graph.tensors if name.endswith("e_score_correction_bias")]
+    gate = [name for name in graph.tensors if name.endswith("mlp.gate.weight")]
+    assert len(bias) == 1 and len(gate) == 1
+    assert not graph.tensor(bias[0]).trainable and graph.tensor(gate[0]).trainable
+    assert gradient_reaches(graph)[gate[0]] and not gradient_reaches(graph)[bias[0]]
+    plan = autopar.plan(path, devices=8, mode="data_parallel")
+    synced = {entry["parameter"] for entry in plan.gradient_sync()}
+    assert gate[0] in synced and bias[0] not in synced
+    assert autopar.verify(path, plan, gradients=True).ok
+    counted = inspect_summary(graph)["parameters"]
+    trained = sum(p.numel for p in graph.parameters if p.name in synced)
+    assert counted["trainable_elements"] == trained < counted["elements"]

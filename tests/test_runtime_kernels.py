@@ -102,7 +102,7 @@ def trainable_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 # Non-differentiable operators and those whose float inputs are configuration only
-NO_GRADIENT = {"equal_and_not", "range"}
+NO_GRADIENT = {"equal_and_not", "range", "arg_max_kept", "arg_min_dropped"}
 
 
 @pytest.mark.parametrize("case", sorted(set(CASES) - NO_GRADIENT))
@@ -225,3 +225,24 @@ def test_an_operator_without_a_torch_kernel_is_named():
     graph = load_model(model)
     with pytest.raises(AutoparError, match=r"'det' \(Det\)"):
         run_graph(graph, materialise(graph))
+
+
+def test_a_cast_between_floats_keeps_verification_in_float64():
+    """Verification runs every float in float64 (`runtime.verify.in_float64`): a Cast to float32 or float16
+    there keeps float64, so its result meets the float64 values it is combined with (a router casting its
+    input to float32 before a MatMul with a weight the import folded to float64); casts to integers and
+    from float32 are as the model writes them."""
+    import torch
+
+    def cast_to(kind: int):
+        return load_model(
+            make_model([helper.make_node("Cast", ["x"], ["y"], to=kind)], [("x", TensorProto.FLOAT, [2, 3])], ["y"])
+        )
+
+    graph = cast_to(TensorProto.FLOAT16)
+    cast = graph.ops[0]
+    wide = torch.ones(2, 3, dtype=torch.float64)
+    assert run_op(cast, graph, [wide])[0].dtype == torch.float64
+    assert run_op(cast, graph, [wide.float()])[0].dtype == torch.float16
+    to_int = cast_to(TensorProto.INT64)
+    assert run_op(to_int.ops[0], to_int, [wide])[0].dtype == torch.int64

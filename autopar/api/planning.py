@@ -23,7 +23,7 @@ from autopar.errors import (
     InfeasibleError,
     RenamedOperatorsWarning,
 )
-from autopar.graph import Graph, freeze, load_model, train
+from autopar.graph import Graph, freeze, load_model, train, untrained
 from autopar.lowering import Plan
 from autopar.options import (
     DEFAULT_COST_MODEL,
@@ -63,7 +63,7 @@ def model_graph(
     frozen = [frozen] if isinstance(frozen, str) else list(frozen)
     trainable = [trainable] if isinstance(trainable, str) else list(trainable)
     if isinstance(model, Graph):
-        return freeze(train(model, trainable), frozen)
+        return untrained(freeze(train(model, trainable), frozen))
     return load_model(model, batch=batch, dims=dict(dims or {}), frozen=frozen, trainable=trainable)
 
 

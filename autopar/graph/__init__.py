@@ -34,7 +34,7 @@ from autopar.graph.bind import (
     rebatch_constants,
     rebatch_reshapes,
 )
-from autopar.graph.build import build_graph, freeze, train
+from autopar.graph.build import build_graph, freeze, gradient_reaches, train, untrained
 from autopar.graph.forks import insert_forks
 from autopar.graph.read import read_model
 from autopar.graph.records import restore_training_batch_norms
@@ -86,7 +86,18 @@ def load_model(
     check_input_types(proto)
     check_dimensions(proto)
     check_reshapes(proto)
-    return insert_forks(freeze(train(build_graph(proto, name), trainable), frozen))
+    return untrained(insert_forks(freeze(train(build_graph(proto, name), trainable), frozen)))
 
 
-__all__ = ["ElidedValue", "Graph", "OpNode", "TensorInfo", "TensorKind", "freeze", "load_model", "train"]
+__all__ = [
+    "ElidedValue",
+    "Graph",
+    "OpNode",
+    "TensorInfo",
+    "TensorKind",
+    "freeze",
+    "gradient_reaches",
+    "load_model",
+    "train",
+    "untrained",
+]

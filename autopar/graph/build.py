@@ -147,6 +147,56 @@ def framework_name(node: onnx.NodeProto) -> str:
     return ""
 
 
+def gradient_reaches(graph: Graph) -> dict[str, bool]:
+    """Per tensor, whether a gradient reaches it: it depends on a trained parameter through differentiable
+    operators and float tensors, and a graph output (the loss) depends on it the same way (an operator
+    autopar does not know passes gradients). A buffer read only by TopK's indices, an ArgMax or a
+    comparison (a router's bias, a mask) has none, as autograd gives it none.
+
+    >>> from onnx import TensorProto
+    >>> from autopar.graph import load_model
+    >>> values = [numpy_helper.from_array(np.full(shape, 0.5, np.float32), name) for name, shape in
+    ...           [("w", (4, 4)), ("b", (4,))]] + [numpy_helper.from_array(np.array([1]), "k")]
+    >>> nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["x", "b"], ["v"]),
+    ...          helper.make_node("TopK", ["v", "k"], ["top", "i"])]
+    >>> typed = [helper.make_tensor_value_info(n, t, s) for n, t, s in
+    ...          [("x", TensorProto.FLOAT, [2, 4]), ("y", TensorProto.FLOAT, [2, 4]), ("i", TensorProto.INT64, [2, 1])]]
+    >>> graph = load_model(helper.make_model(helper.make_graph(nodes, "g", typed[:1], typed[1:], values)))
+    >>> reaches = gradient_reaches(graph)
+    >>> reaches["w"], reaches["b"], graph.tensor("b").trainable
+    (True, False, False)
+    """
+    grad = {name: info.kind == "parameter" and info.trainable for name, info in graph.tensors.items()}
+    differentiable = {}
+    for op in graph.ops:
+        definition = lookup(op.op_type, op.domain, graph.opset)
+        differentiable[op.name] = definition is None or definition.differentiable
+        needs = differentiable[op.name] and any(grad.get(name, False) for name in op.inputs if name)
+        for out in op.outputs:
+            if out:
+                grad[out] = needs and graph.tensor(out).is_float
+    reaches = {name: grad.get(name, False) for name in graph.outputs}  # back from the outputs
+    for op in reversed(graph.ops):
+        if differentiable[op.name] and any(reaches.get(out, False) for out in op.outputs if out):
+            for name in op.inputs:
+                if name and grad.get(name, False):
+                    reaches[name] = True
+    return {name: needs and reaches.get(name, False) for name, needs in grad.items()}
+
+
+def untrained(graph: Graph) -> Graph:
+    """The graph with the trainable parameters no gradient reaches (`gradient_reaches`) not trained: autograd
+    gives them no gradient, so they have no optimizer state and no gradient synchronisation."""
+    reaches = gradient_reaches(graph)
+    unreached = [p.name for p in graph.parameters if p.trainable and not reaches.get(p.name, False)]
+    if not unreached:
+        return graph
+    tensors = dict(graph.tensors)
+    for name in unreached:
+        tensors[name] = dataclasses.replace(tensors[name], trainable=False)
+    return dataclasses.replace(graph, tensors=tensors)
+
+
 def freeze(graph: Graph, patterns: Iterable[str]) -> Graph:
     """The graph with the parameters matching ``patterns`` (names or shell globs) not trained.
 

@@ -22,7 +22,7 @@ import onnx
 from autopar.cost.mesh import Mesh
 from autopar.cost.model import CostModel
 from autopar.errors import AutoparError, PlanFileError, StrategyError
-from autopar.graph import Graph, TensorInfo, load_model
+from autopar.graph import Graph, TensorInfo, gradient_reaches, load_model
 from autopar.graph.proto import data_inputs
 from autopar.layout import Layout
 from autopar.lowering.lower import check_context, gradient_paths, gradient_sync, redistributions
@@ -129,7 +129,7 @@ def program_from_file(
     for rule, exponents in zip(rules, exponents_for(rules, plan.strategies)):
         bits = [gradient_bits(rule, exponents, slot) if name else () for slot, name in enumerate(rule.op.inputs)]
         ops.append(_planned(rule, exponents, bits))
-    owner, requires_grad = owners(graph, rules), tensors_needing_gradients(graph, rules)
+    owner, requires_grad = owners(graph, rules), gradient_reaches(graph)
     return _program(
         graph, ops, mesh, owner, requires_grad, cost, plan.redistributions, plan.gradients, plan.gradient_sync
     )
@@ -204,17 +204,6 @@ def owners(graph: Graph, rules: Sequence[OpRule]) -> dict[str, tuple[int, int]]:
             if name and graph.tensor(name).kind not in ("constant", "activation"):
                 found.setdefault(name, (node, slot))
     return found
-
-
-def tensors_needing_gradients(graph: Graph, rules: Sequence[OpRule]) -> dict[str, bool]:
-    """Trainable parameters, and the float outputs of differentiable operators reading one."""
-    grad = {name: info.kind == "parameter" and info.trainable for name, info in graph.tensors.items()}
-    for rule in rules:
-        needs = rule.differentiable and any(grad.get(name, False) for name in rule.op.inputs if name)
-        for out in rule.op.outputs:
-            if out:
-                grad[out] = needs and graph.tensor(out).is_float
-    return grad
 
 
 def _planned(rule: OpRule, exponents: tuple[int, ...], bits: Sequence[tuple[int, ...]]) -> PlannedOp:

@@ -1,7 +1,7 @@
 """Operators with no strategy rule (they run replicated, inputs gathered) whose facts still matter.
 
 The importer must never fold a random operator, must not train Resize's scales, and the search
-must not send gradients through ArgMax; the registry says so here, one line each.
+must not send gradients through NonZero; the registry says so here, one line each.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from autopar.ops.base import normalize_axis
 from autopar.ops.cases import (
     X4,
     F,
@@ -27,29 +26,20 @@ if TYPE_CHECKING:
 
 
 def torch_shape_query(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
-    """Shape (with opset 15's start/end), Size, ArgMax/ArgMin, NonZero: integer results, no gradient."""
+    """Shape (with opset 15's start/end), Size, NonZero: integer results, no gradient."""
     x, kind = inputs[0], op.op_type
     if kind == "Shape":
         dims = list(x.shape)[slice(op.attrs.get("start", 0), op.attrs.get("end"))]
         return [t.tensor(dims, dtype=t.int64)]
     if kind == "Size":
         return [t.tensor(x.numel(), dtype=t.int64)]
-    if kind == "NonZero":
-        return [t.stack(t.nonzero(x, as_tuple=True)) if x.dim() else t.nonzero(x.reshape(1)).t()]
-    axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
-    keep = bool(int(op.attrs.get("keepdims", 1)))
-    values = x.flip(axis) if int(op.attrs.get("select_last_index", 0)) else x
-    found = values.argmax(dim=axis, keepdim=keep) if kind == "ArgMax" else values.argmin(dim=axis, keepdim=keep)
-    return [x.shape[axis] - 1 - found if int(op.attrs.get("select_last_index", 0)) else found]
+    return [t.stack(t.nonzero(x, as_tuple=True)) if x.dim() else t.nonzero(x.reshape(1)).t()]  # NonZero
 
 
 declare(
     "Shape",
     "Size",
-    "ArgMax",
-    "ArgMin",
     "NonZero",
-    mindspore={"ArgMax": "ops.Argmax", "ArgMin": "ops.Argmin"},
     differentiable=False,
     keeps=Keeps.NOTHING,
     torch_kernel=torch_shape_query,
@@ -101,8 +91,6 @@ CASES = named(
         "shape": one("Shape", ["X"], X4),
         "shape_start_end": one("Shape", ["X"], X4, start=1, end=-1, opset=15),
         "size": one("Size", ["X"], X4),
-        "arg_max": one("ArgMax", ["X"], X4, axis=2),
-        "arg_min_last": one("ArgMin", ["X"], X4, axis=-1, keepdims=0, select_last_index=1),
         "resize_nearest_up": resize_case(scales=[1, 1, 2, 1.5]),
         "resize_nearest_down": resize_case(scales=[1, 1, 0.5, 0.6]),
         "resize_nearest_ceil_align_corners": resize_case(

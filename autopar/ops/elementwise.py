@@ -171,10 +171,11 @@ def _unary_math(t: Any, op: NodeView, x: Any) -> Any:
 def torch_unary(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     x = inputs[0]
     kind = op.op_type
-    if kind == "Cast":
-        return [x.to(getattr(t, TORCH_DTYPES[int(op.attrs["to"])]))]
-    if kind == "CastLike":
-        return [x.to(tensors(t, inputs)[1].dtype)]
+    if kind in ("Cast", "CastLike"):
+        target = getattr(t, TORCH_DTYPES[int(op.attrs["to"])]) if kind == "Cast" else tensors(t, inputs)[1].dtype
+        if x.dtype == t.float64 and target.is_floating_point:
+            return [x]  # verification runs in float64 (`runtime.verify.in_float64`): a narrower float only rounds
+        return [x.to(target)]
     if kind == "Clip":  # bounds as attributes before opset 11, as optional inputs after
         low = op.attrs.get("min", as_float(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else None)
         high = op.attrs.get("max", as_float(inputs[2]) if len(inputs) > 2 and inputs[2] is not None else None)

@@ -184,6 +184,36 @@ def top_k(op: NodeView, graph: GraphView) -> OpSpec:
     return OpSpec(inputs=(labels, None), outputs=(labels, labels))
 
 
+def torch_arg_extreme(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
+    """ArgMax and ArgMin, the last of equal extremes with ``select_last_index``."""
+    x = inputs[0]
+    axis = normalize_axis(int(op.attrs.get("axis", 0)), x.dim())
+    keep = bool(int(op.attrs.get("keepdims", 1)))
+    last = bool(int(op.attrs.get("select_last_index", 0)))
+    values = x.flip(axis) if last else x
+    found = values.argmax(dim=axis, keepdim=keep) if op.op_type == "ArgMax" else values.argmin(dim=axis, keepdim=keep)
+    return [x.shape[axis] - 1 - found if last else found]
+
+
+@register(
+    "ArgMax",
+    "ArgMin",
+    mindspore={"ArgMax": "ops.Argmax", "ArgMin": "ops.Argmin"},
+    flops=input_elements,
+    differentiable=False,
+    keeps=Keeps.NOTHING,
+    torch_kernel=torch_arg_extreme,
+)  # an index: no gradient flows back through it
+def arg_extreme(op: NodeView, graph: GraphView) -> OpSpec:
+    """The position of the largest (smallest) along one axis: that axis stays whole, every other splits (a
+    text tower's pooling picks each sequence's end token so, batch and all, with no gather)."""
+    rank = len(shape(graph, op.inputs[0]))
+    axis = normalize_axis(int(op.attrs.get("axis", 0)), rank)
+    labels = tuple(None if d == axis else label for d, label in enumerate(dim_labels(rank)))
+    kept = labels if int(op.attrs.get("keepdims", 1)) else tuple(label for d, label in enumerate(labels) if d != axis)
+    return OpSpec(inputs=(labels,), outputs=(kept,))
+
+
 # --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
 
 CASES = named(
@@ -197,6 +227,8 @@ CASES = named(
         "reduce_min": one("ReduceMin", ["X"], X4),
         "top_k": one("TopK", ["X", "k"], X4, [const("k", [2])], outputs=("Y", "I"), axis=2),
         "top_k_smallest": one("TopK", ["X", "k"], X4, [const("k", [3])], outputs=("Y", "I"), largest=0),
+        "arg_max": one("ArgMax", ["X"], X4, axis=2),
+        "arg_min_last": one("ArgMin", ["X"], X4, axis=-1, keepdims=0, select_last_index=1),
         "reduce_prod": one("ReduceProd", ["X"], X4, axes=[1, 3], keepdims=0, opset=13),
         "reduce_prod_opset18_all": one("ReduceProd", ["X"], X4, opset=18),
         "reduce_l2": one("ReduceL2", ["X", "a"], X4, [const("a", [-1])], opset=18),
@@ -218,5 +250,7 @@ CASES = named(
             "ReduceLogSum", ["A"], [("X", F, [4, 8])], axes=[1], before=[node("Abs", ["X"], ["A"], "abs")]
         ),
         "top_k": one("TopK", ["X", "k"], [("X", F, [4, 8, 6])], outputs=("Y", "I"), axis=1, consts=[ints("k", [3])]),
+        "arg_max_kept": one("ArgMax", ["X"], [("X", F, [4, 8, 6])], axis=1),
+        "arg_min_dropped": one("ArgMin", ["X"], [("X", F, [4, 8, 6])], axis=-1, keepdims=0),
     },
 )

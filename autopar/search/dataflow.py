@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from autopar.cost import CostModel
-from autopar.graph import Graph, TensorInfo
+from autopar.graph import Graph, TensorInfo, gradient_reaches
 from autopar.layout import Layout
 from autopar.ops import Keeps
 from autopar.redistribute import Step, redistribute
@@ -57,7 +57,7 @@ class Dataflow:
         cls, graph: Graph, rules: Sequence[OpRule], cost: CostModel, num_devices: int, fixed: frozenset[int]
     ) -> Dataflow:
         """Trace the uses, the gradients and what the backward keeps."""
-        grad = _requires_grad(graph, rules)
+        grad = gradient_reaches(graph)
         uses, owner = _uses(graph, rules)
         kept = _kept_for_backward(graph, rules, grad)
         mesh_bits = num_devices.bit_length() - 1
@@ -118,17 +118,6 @@ class Dataflow:
 
 def backward_runs(rule: OpRule, requires_grad: Mapping[str, bool]) -> bool:
     return rule.differentiable and any(requires_grad.get(name, False) for name in rule.op.inputs if name)
-
-
-def _requires_grad(graph: Graph, rules: Sequence[OpRule]) -> dict[str, bool]:
-    grad = {name: info.kind == "parameter" and info.trainable for name, info in graph.tensors.items()}
-    for rule in rules:
-        op = rule.op
-        needs = rule.differentiable and any(grad.get(name, False) for name in op.inputs if name)
-        for out in op.outputs:
-            if out:
-                grad[out] = needs and graph.tensor(out).is_float
-    return grad
 
 
 def _kept_for_backward(graph: Graph, rules: Sequence[OpRule], requires_grad: Mapping[str, bool]) -> frozenset[str]:

@@ -16,6 +16,9 @@ family with a seed, given its training loss, and exported by torch 2.13:
   run as transformers' ``batched_mm``: each routed token's expert weights taken from the
   ``[experts, ...]`` stacks by GatherND. (The default ``grouped_mm`` calls a custom operator without
   an ONNX translation; the eager experts loop over the experts hit, which torch.export refuses.)
+- ``hf_deepseek_v3_dynamo.onnx``: DeepSeek-V3 causal LM, one dense layer then one of 8 routed experts
+  (top-2 of 2 groups, one group kept) and a shared one, latent attention (dynamo, ``batched_mm``): its
+  router's ``e_score_correction_bias`` is a buffer read only by the top-k choice, so no gradient reaches it.
 
 Parameters (float initializers that are not buffers) go to an external file that is not kept:
 autopar reads their shapes only, and verification draws random values. Node doc strings and the
@@ -133,8 +136,47 @@ def _olmoe():
     return _with_loss(model, use_cache=False), (ids, ids), ["ids", "labels"]
 
 
+def _deepseek_v3():
+    import torch
+    import transformers as hf
+
+    config = hf.DeepseekV3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        max_position_embeddings=64,
+    )
+    config._attn_implementation = "eager"
+    config._experts_implementation = "batched_mm"
+    model = hf.DeepseekV3ForCausalLM(config)
+
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    return _with_loss(model, use_cache=False), (ids, ids), ["ids", "labels"]
+
+
 KEPT_METADATA = {"pkg.torch.onnx.name_scopes"}  # the layer names a plan shows; stack traces are dropped
-FAMILIES = {"albert": (_albert, True), "t5": (_t5, False), "swin": (_swin, False), "olmoe": (_olmoe, True)}
+FAMILIES = {
+    "albert": (_albert, True),
+    "t5": (_t5, False),
+    "swin": (_swin, False),
+    "olmoe": (_olmoe, True),
+    "deepseek_v3": (_deepseek_v3, True),
+}
 
 
 def export(kind: str, out: Path) -> Path:
