@@ -83,12 +83,16 @@ def test_objective_equals_evaluate_resnet50(resnet_plan):
 
 
 def test_evaluate_scores_other_assignments_differently(tiny):
-    """evaluate is not a constant: stand-alone and data-parallel assignments score as their plans do."""
+    """evaluate is not a constant: stand-alone and data-parallel assignments score as their plans do, but for the
+    parallel optimizer, which evaluate takes where it is faster and the data-parallel plan never does (DDP: every
+    rank updates every parameter)."""
     values = {}
     for mode in ("stand_alone", "data_parallel"):
         plan = autopar.plan(tiny, devices=4, mode=mode)
         values[mode] = autopar.evaluate(tiny, 4, plan.strategies)
-        assert values[mode] == pytest.approx(plan.objective, rel=1e-12)
+        problem = plan.problem
+        assert values[mode] == pytest.approx(problem.objective(plan.choice, problem.fastest_choices(plan.choice)))
+        assert values[mode] <= plan.objective * (1 + 1e-12)
     assert values["stand_alone"] != pytest.approx(values["data_parallel"], rel=1e-6)
 
 
@@ -137,7 +141,12 @@ def test_plan_is_locally_optimal(config):
     base = plan.strategies
     problem = autopar.build(graph, devices)  # what evaluate scores with, built once for speed
     cands = autopar.candidates(graph, devices)
-    assert problem.objective(choice_for(problem, base)) == pytest.approx(plan.objective, rel=1e-12)
+
+    def fastest(strategies) -> float:  # the objective with the parallel optimizer where faster, as evaluate takes it
+        choice = choice_for(problem, strategies)
+        return problem.objective(choice, problem.fastest_choices(choice))
+
+    assert fastest(base) == pytest.approx(plan.objective, rel=1e-12)
     tried = 0
     for name, options in cands.items():
         for option in options:
@@ -145,7 +154,7 @@ def test_plan_is_locally_optimal(config):
                 continue
             trial = dict(base)
             trial[name] = option
-            value = problem.objective(choice_for(problem, trial))
+            value = fastest(trial)
             assert value >= plan.objective * (1 - 1e-9), (name, option, value, plan.objective)
             if tried < 3:  # the shortcut is evaluate itself
                 assert autopar.evaluate(graph, devices, trial) == pytest.approx(value, rel=1e-12)

@@ -7,6 +7,8 @@ import json
 import pytest
 
 import autopar
+import autopar.report
+from autopar.cost import CostModel, load_profile
 from autopar.layout import Layout
 from autopar.redistribute import Step, apply_steps
 
@@ -59,7 +61,8 @@ def test_every_replicated_parameter_has_its_gradient_sync(plan8, graph):
         layout = Layout.from_dict(entry["layout"])
         expected = op_bits - layout.split_bits
         assert set(entry["bits"]) == expected
-        assert (entry["collective"] == "AllReduce") == bool(expected)
+        sharded = node in plan8.search.choices.sharded  # the parallel optimizer: each rank its shard
+        assert entry["collective"] == (None if not expected else "ReduceScatter" if sharded else "AllReduce")
 
 
 def test_data_parallel_plan_syncs_every_weight_over_all_devices(graph):
@@ -91,7 +94,9 @@ def test_plan_dict_schema(plan8):
     op = data["ops"][0]
     assert {"name", "op_type", "strategy", "inputs", "outputs", "cost"} <= set(op)
     totals = data["totals"]
-    assert totals["step_time_s"] == pytest.approx(totals["compute_s"] + totals["communication_s"])
+    parts = totals["compute_s"] + totals["communication_s"] + totals["optimizer_update_s"]
+    assert totals["step_time_s"] == pytest.approx(parts) and totals["optimizer_update_s"] > 0
+    assert sum(op["cost"].get("update_s", 0.0) for op in data["ops"]) == pytest.approx(totals["optimizer_update_s"])
     assert 0 < totals["ideal_step_time_s"] < totals["step_time_s"]
     assert {"algorithm", "time_s", "candidates"} <= set(data["search"])
     for red in data["redistributions"]:
@@ -141,3 +146,27 @@ def test_the_search_charges_each_edge_as_the_plan_lists_it(model, devices):
         listed += sum(path.seconds for path in data.gradients if path.carries is None)
         assert listed == pytest.approx(charged, rel=1e-9, abs=1e-15)
         assert any(path.steps for path in data.gradients)
+
+
+def test_the_optimizer_update_is_charged_once_a_step_and_a_shard_each_under_the_parallel_optimizer(graph):
+    """Data parallel updates every trainable element on every device; the searched plan takes the parallel
+    optimizer where that is faster, each of the 8 ranks updating an eighth: the totals say so, operator by
+    operator, and the update is in the step as a line of its own (ResNet-50, SGD, Ascend 910)."""
+    cost = CostModel(load_profile("ascend910"), "mixed")
+    elements = sum(p.numel for p in graph.parameters if p.trainable)
+    whole = autopar.plan(graph, devices=8, mode="data_parallel").to_dict()["totals"]
+    assert whole["optimizer_update_s"] == pytest.approx(cost.update_time(elements), rel=1e-9)
+    plan = autopar.plan(graph, devices=8)
+    totals = plan.to_dict()["totals"]
+    each = [
+        Layout.from_dict(entry["layout"]).local_numel(graph.tensor(entry["parameter"]).shape)
+        / (entry.get("optimizer_shards") or 1)
+        for entry in plan.gradient_sync()
+    ]
+    assert any(entry.get("optimizer_shards") == 8 for entry in plan.gradient_sync())
+    assert totals["optimizer_update_s"] == pytest.approx(cost.update_time(sum(each)), rel=1e-9)
+    assert totals["optimizer_update_s"] < whole["optimizer_update_s"]
+    assert totals["step_time_s"] == pytest.approx(
+        totals["compute_s"] + totals["communication_s"] + totals["optimizer_update_s"], rel=1e-9
+    )
+    assert "optimizer update:" in autopar.report.plan_table(plan)

@@ -297,7 +297,9 @@ def test_collectives_read_as_sentences(resnet):
     _, data = resnet
     page = report_html(data)
     section = page.split("<section id='collectives'>")[1].split("</section>")[0]
-    assert "AllReduce of the gradient of conv1.weight over 8 devices (HCCS+PCIe), 18.82 KB" in section
+    assert (
+        "ReduceScatter of the gradient of conv1.weight over 8 devices (HCCS+PCIe), 18.82 KB, then AllGather" in section
+    )
     assert "ReduceScatter of the gradient of flatten over 2 devices (HCCS), 262.14 KB" in section
     mesh = page.split("<section id='mesh'>")[1].split("</section>")[0]
     assert "HCCS" in mesh and "PCIe" in mesh and "<svg" in mesh

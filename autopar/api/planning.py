@@ -278,8 +278,11 @@ def evaluate(
     overlap: bool = True,
     rank_table: RankTable | None = None,
 ) -> float:
-    """Predicted step time (the searched objective) of a full assignment of strategies."""
+    """Predicted step time (the searched objective) of a full assignment of strategies, each parameter under the
+    parallel optimizer where that is faster (`SearchProblem.fastest_choices`), as a plan with memory to spare
+    takes it."""
     problem = build(
         model, devices, cost_model, batch, dims, precision, frozen=frozen, overlap=overlap, rank_table=rank_table
     )
-    return problem.objective(problem.choice_for(strategies))
+    choice = problem.choice_for(strategies)
+    return problem.objective(choice, problem.fastest_choices(choice))

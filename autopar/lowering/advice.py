@@ -56,7 +56,7 @@ def plan_warnings(data: PlanFile) -> list[str]:
             fallback_sentence([f"{name} ({types[name]})" if name in types else name for name in data.fallback_ops])
         )
     memory_plan = data.memory_plan
-    if memory_plan.parallel_optimizer:
+    if memory_plan.parallel_optimizer and data.search.memory_multiplier:  # (taken as faster, it warns of nothing)
         found.append(
             f"To fit in memory, {len(memory_plan.parallel_optimizer)} parameters use the parallel optimizer"
             " (gradient and optimizer state split, weights gathered after the update)."

@@ -45,10 +45,31 @@ def rounded(value: float) -> float:
     return float(f"{value:.12g}")
 
 
+def optimizer_updates(
+    problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
+) -> list[float]:
+    """Per operator, seconds of the optimizer update of the trainable parameters it owns, as the search charges
+    it (`CostModel.update_time`): their elements on a device, each rank's shard under a parallel optimizer."""
+    found = [0.0] * problem.size
+    for name, (node, slot) in problem.owner.items():
+        info = problem.graph.tensor(name)
+        if info.kind != "parameter" or not info.trainable:
+            continue
+        exponents = problem.rules[node].candidates[choice[node]]
+        layout = problem.rules[node].candidate_layouts(choice[node])[0][slot]
+        assert layout is not None  # an owned input is present
+        local = float(layout.local_numel(info.shape))
+        if node in choices.sharded:
+            local /= 1 << len(problem.gradient_sync_bits(node, exponents, slot))
+        found[node] += float(problem.cost.update_time(local))
+    return found
+
+
 def op_entries(
     problem: SearchProblem, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES
 ) -> list[OpEntry]:
     entries = []
+    updates = optimizer_updates(problem, choice, choices)
     for node, (rule, c) in enumerate(zip(problem.rules, choice)):
         time, memory = problem.node_arrays(node, choices)
         inputs, outputs = rule.candidate_layouts(c)
@@ -70,8 +91,9 @@ def op_entries(
                 ],
                 cost=OpCost(
                     compute_s=rounded(float(problem.node_compute[node][c])),
-                    communication_s=rounded(float(time[c] - problem.node_compute[node][c])),
+                    communication_s=rounded(float(time[c] - problem.node_compute[node][c]) - updates[node]),
                     memory_bytes=int(memory[c]),
+                    update_s=rounded(updates[node]) if updates[node] else None,
                 ),
                 fallback=rule.spec.fallback,
                 fixed=True if node in problem.fixed else None,
@@ -357,15 +379,17 @@ def totals(
         compute += sum(float(problem.recompute_time[i][c]) for i, c in enumerate(choice) if i in problem.recompute_time)
     compute *= k
     step = problem.objective(choice, choices)
+    update = sum(optimizer_updates(problem, choice, choices))  # once a step, whatever the micro-batches
     unfixed = free[0] if free is not None else problem
     data_parallel = unfixed.objective(data_parallel_choice(unfixed), MemoryChoices(micro_batches=k))
     flops = training_flops(problem) * k
     return Totals(
         step_time_s=rounded(step),
         compute_s=rounded(compute),
-        communication_s=rounded(step - compute),
+        communication_s=rounded(step - compute - update),
         hidden_communication_s=rounded(problem.hidden(choice, choices)),
         gradient_sync_s=rounded(gradient_sync_seconds(problem, choice, choices)),
+        optimizer_update_s=rounded(update),
         memory_per_device_bytes=round(problem.memory(choice, choices)),
         memory_capacity_bytes=int(problem.cost.device_capacity),
         memory_reserve_bytes=int(problem.cost.memory_reserve),

@@ -115,10 +115,14 @@ class TensorLayout(_Part):
     layout: LayoutEntry
 
 
-class OpCost(_Part):
+class OpCost(_OmitsUnset):
+    _omit: ClassVar[tuple[str, ...]] = ("update_s",)
     compute_s: NonNegativeFloat
     communication_s: float = Field(description="gradient sync and partial graph outputs it owns")
     memory_bytes: NonNegativeInt
+    update_s: NonNegativeFloat | None = Field(
+        default=None, description="the optimizer update of the parameters it owns, once a step (None: it owns none)"
+    )
 
 
 class OpEntry(_OmitsUnset):
@@ -226,6 +230,11 @@ class Totals(_OmitsUnset):
         description="gradient synchronisation that runs beside the backward pass (overlapped)"
     )
     gradient_sync_s: NonNegativeFloat = Field(description="every parameter's gradient synchronisation, hidden or not")
+    optimizer_update_s: NonNegativeFloat = Field(
+        default=0.0,
+        description="the optimizer update of every trainable parameter, once a step after the gradient sync"
+        " (each rank its shard under a parallel optimizer; 0 in files older than its charging)",
+    )
     memory_per_device_bytes: NonNegativeInt
     memory_capacity_bytes: NonNegativeInt = Field(description="the device's memory, as the hardware profile gives it")
     memory_reserve_bytes: NonNegativeInt = Field(
@@ -271,7 +280,8 @@ class LinkUse(_Part):
 
 
 class MemoryPlan(_Part):
-    """What the plan does to fit in device memory beside its strategies (searched only when memory binds)."""
+    """What the plan does beside its strategies to fit in device memory (searched where memory binds), or, for
+    the parallel optimizer, to update faster (each rank its shard)."""
 
     parallel_optimizer: list[str] = Field(
         description="parameters whose gradient and optimizer state are split over the devices they are replicated on"

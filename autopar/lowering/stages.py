@@ -11,7 +11,13 @@ from __future__ import annotations
 from typing import TypeVar
 
 from autopar.cost.mesh import Mesh
-from autopar.lowering.lower import gradient_sync_seconds, memory_breakdown, rounded, training_flops
+from autopar.lowering.lower import (
+    gradient_sync_seconds,
+    memory_breakdown,
+    optimizer_updates,
+    rounded,
+    training_flops,
+)
 from autopar.lowering.planfile import GradientPath, PipelineEntry, Redistribution, SendEntry, StageEntry, Totals
 from autopar.search.driver import data_parallel_choice
 from autopar.search.memory import MemoryChoices
@@ -122,6 +128,7 @@ def pipeline_totals(
         )
     compute *= shape.micro_batches
     bubble = (shape.stages - 1) * per_micro_batch
+    update = sum(optimizer_updates(stage, choice, choices))
     step = pipeline.time_s
     data_parallel = single.objective(data_parallel_choice(single))
     flops = training_flops(problem) * shape.micro_batches
@@ -129,9 +136,10 @@ def pipeline_totals(
     return Totals(
         step_time_s=rounded(step),
         compute_s=rounded(compute),
-        communication_s=rounded(step - compute - bubble),
+        communication_s=rounded(step - compute - bubble - update),
         hidden_communication_s=rounded(stage.hidden(choice, choices)),
         gradient_sync_s=rounded(gradient_sync_seconds(stage, choice, choices)),
+        optimizer_update_s=rounded(update),
         memory_per_device_bytes=round(stages[fullest].memory(lean.result.choice, lean.result.choices)),
         memory_capacity_bytes=int(problem.cost.device_capacity),
         memory_reserve_bytes=int(problem.cost.memory_reserve),

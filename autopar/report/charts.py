@@ -24,6 +24,7 @@ COLOURS = {
     "compute": "#4c78a8",
     "exposed gradient sync": "#e45756",
     "other exposed communication": "#f58518",
+    "optimizer update": "#b279a2",
     "hidden gradient sync": "#bab0ac",
     "parameter_state": "#4c78a8",
     "activations": "#f58518",
@@ -159,6 +160,7 @@ def costliest_section(data: PlanFile, top: int = 12) -> str:
         return [
             ("compute", op.cost.compute_s * n),
             ("own communication", op.cost.communication_s * n),
+            ("optimizer update", (op.cost.update_s or 0.0) * n),
             ("redistribution", moved.get(op.name, 0.0) * n),
         ]
 
@@ -167,7 +169,12 @@ def costliest_section(data: PlanFile, top: int = 12) -> str:
         return "<p>No operators.</p>"
     biggest = max(sum(v for _, v in parts_of(g)) for g in ranked) or 1.0
     width, row, left = 560, 24, 300
-    colours = {"compute": COLOURS["compute"], "own communication": "#e45756", "redistribution": "#f58518"}
+    colours = {
+        "compute": COLOURS["compute"],
+        "own communication": "#e45756",
+        "optimizer update": COLOURS["optimizer update"],
+        "redistribution": "#f58518",
+    }
     svg = []
     for k, group in enumerate(ranked):
         op = ops[group[0]]

@@ -171,6 +171,7 @@ def timeline_phases(
     phases += [
         ("exposed gradient sync", exposed_sync),
         ("other exposed communication", max(0.0, totals.communication_s - exposed_sync)),
+        ("optimizer update", totals.optimizer_update_s),
         ("hidden gradient sync", totals.hidden_communication_s),
     ]
     return phases

@@ -225,8 +225,8 @@ def why_section(data: PlanFile, data_parallel: PlanFile | None) -> str:
             continue
         differ += len(group)
         cost, base = op.cost, other.cost
-        here = cost.compute_s + cost.communication_s + mine.get(op.name, 0.0)
-        there = base.compute_s + base.communication_s + theirs.get(op.name, 0.0)
+        here = cost.compute_s + cost.communication_s + (cost.update_s or 0.0) + mine.get(op.name, 0.0)
+        there = base.compute_s + base.communication_s + (base.update_s or 0.0) + theirs.get(op.name, 0.0)
         first, copies = blocks.get(group[0], ("", 1))
         key = (
             first,

@@ -88,7 +88,8 @@ def _plan_summary(plan: Plan) -> list[str]:
         *_pipeline_lines(data),
         f"global batch:     {batch}",
         f"step time:        {figure_ms(totals.step_time_s)} ms predicted"
-        f"  (compute {figure_ms(totals.compute_s)} ms, communication {figure_ms(totals.communication_s)} ms exposed)",
+        f"  (compute {figure_ms(totals.compute_s)} ms, communication {figure_ms(totals.communication_s)} ms exposed"
+        + (f", optimizer update {figure_ms(totals.optimizer_update_s)} ms)" if totals.optimizer_update_s else ")"),
         f"throughput:       {throughput:,.1f} samples/s" if throughput is not None else "throughput:       unknown",
         f"MFU:              {mfu:.1%}" if mfu is not None else "MFU:              unknown",
         f"vs data parallel: {figure_ms(totals.data_parallel_step_time_s)} ms"
@@ -121,6 +122,14 @@ def _plan_summary(plan: Plan) -> list[str]:
         f" {human_bytes(sum(g.bytes for g in synced))}, {figure_ms(totals.gradient_sync_s)} ms"
         f" ({figure_ms(totals.hidden_communication_s)} ms hidden behind the backward)"
     )
+    if totals.optimizer_update_s:
+        sharded = sum(1 for g in data.gradient_sync if g.optimizer_shards)
+        lines.append(
+            f"optimizer update: {figure_ms(totals.optimizer_update_s)} ms a step ({data.optimizer or 'the profile'}'s"
+            f" {len(data.gradient_sync)} parameters"
+            + (f", {sharded} of them each rank its shard" if sharded else "")
+            + ", at the memory bandwidth)"
+        )
     memory_plan = data.memory_plan
     relief = []
     if memory_plan.parallel_optimizer:
@@ -269,7 +278,7 @@ def plan_table(plan: Plan, top: int | None = 10) -> str:
     moved = incoming_seconds(data)
 
     def real_cost(op: OpEntry) -> float:
-        return op.cost.compute_s + op.cost.communication_s + moved.get(op.name, 0.0)
+        return op.cost.compute_s + op.cost.communication_s + (op.cost.update_s or 0.0) + moved.get(op.name, 0.0)
 
     if top is None:
         rows_of = [[i] for i in range(len(ops))]
@@ -293,13 +302,15 @@ def plan_table(plan: Plan, top: int | None = 10) -> str:
                 strategy_text(op.strategy),
                 figure_ms(op.cost.compute_s),
                 figure_ms(op.cost.communication_s),
+                figure_ms(op.cost.update_s or 0.0),
                 figure_ms(moved.get(op.name, 0.0)),
                 figure_ms(real_cost(op)),
                 "; ".join(incoming.get(op.name, [])) or "-",
             ]
         )
-    header = ["operator", "type", "strategy", "compute ms", "comm ms", "redist ms", "total ms", "collectives before"]
-    lines += ["", f"{title}:", *_columns(rows, header, right={3, 4, 5, 6})]
+    header = ["operator", "type", "strategy", "compute ms", "comm ms", "update ms", "redist ms", "total ms"]
+    header.append("collectives before")
+    lines += ["", f"{title}:", *_columns(rows, header, right={3, 4, 5, 6, 7})]
     return "\n".join(lines) + "\n"
 
 

@@ -210,6 +210,8 @@ class NodeCosts:
     gradient_sync: np.ndarray  # the AllReduce of the trainable parameters it owns
     scatter: np.ndarray  # with a parallel optimizer: their gradients' ReduceScatter instead ...
     gather: np.ndarray  # ... and the AllGather of the updated weights before the next forward
+    update: np.ndarray  # the optimizer update of the trainable parameters it owns (paid once a step) ...
+    update_sharded: np.ndarray  # ... and under a parallel optimizer, each rank updating its shard
     memory: np.ndarray  # bytes per device: parameter state, inputs, activations kept for backward
     state_saving: np.ndarray  # bytes a parallel optimizer saves (0 where the parameters are split everywhere)
     activations: np.ndarray  # bytes of its outputs kept for backward (dropped when recomputed)
@@ -280,16 +282,18 @@ def _compose(
             extra = own.get(node, 0.0)
             shown = exposed(c.gradient_sync, node)
             communication = c.communication + extra + shown
-            entry: list = [c.compute + communication, communication, c.memory, c.gradient_sync - shown, shown, None]
+            once = shown + c.update  # the exposed sync and the update, paid once a step
+            entry: list = [c.compute + communication + c.update, communication, c.memory, c.gradient_sync - shown]
+            entry += [once, None]
             if c.parameter_elements and c.state_saving.any():
                 shown = exposed(c.scatter, node)
                 communication = c.communication + extra + shown + c.gather
                 entry[5] = Alternative(
-                    c.compute + communication,
+                    c.compute + communication + c.update_sharded,
                     communication,
                     c.memory - c.state_saving,
                     c.scatter - shown,
-                    shown + c.gather,
+                    shown + c.gather + c.update_sharded,
                 )
             cache[key] = tuple(entry)
         time, communication, memory, hidden, sync, alternative = cache[key]
@@ -434,6 +438,7 @@ def _node_costs(flow: Dataflow, node: int) -> NodeCosts:
 
     communication = np.zeros(count)
     gradient_sync, scatter, gather = np.zeros(count), np.zeros(count), np.zeros(count)
+    update, update_sharded = np.zeros(count), np.zeros(count)
     gradient_bytes = cost.gradient_itemsize()
     parameter_elements = 0
     for slot, name in enumerate(op.inputs):
@@ -446,7 +451,10 @@ def _node_costs(flow: Dataflow, node: int) -> NodeCosts:
             continue
         parameter_elements += info.numel
         mask = splits.absent_mask(labels)
-        nbytes = splits.local(info, labels) * gradient_bytes
+        local = splits.local(info, labels)
+        nbytes = local * gradient_bytes
+        update += cost.update_time(local)
+        update_sharded += cost.update_time(local / np.ldexp(1.0, np.bitwise_count(mask).astype(np.int64)))
         scale = np.minimum(1.0, nbytes / cost.fusion_bytes)  # fused buckets pay the latency once
         for kind, total in (
             (Collective.ALL_REDUCE, gradient_sync),
@@ -469,6 +477,8 @@ def _node_costs(flow: Dataflow, node: int) -> NodeCosts:
         gradient_sync,
         scatter,
         gather,
+        update,
+        update_sharded,
         held.memory,
         held.state_saving,
         held.activations,

@@ -345,7 +345,8 @@ def _walk(
 
     A positive ``hint`` weight is run first. The run at any weight is a vertex of the hull optimal at
     that weight, so it replaces the end on its side of the capacity and the walk goes on between hull
-    vertices as before: it ends at the same vertex (up to plans tied on one edge of the hull), in
+    vertices as before: it ends at the same vertex (of plans tied on the edge where the hull crosses the
+    capacity, the fastest one the runs saw that fits), in
     fewer runs when the hint is near the weight where the hull crosses the capacity (and its
     Lagrangian bound is then near its best, so a problem that cannot beat ``bound`` is told in one run).
     """
@@ -380,6 +381,8 @@ def _walk(
         at_high = high.seen + weight * high.memory
         if weight == crossing and trial.seen + weight * trial.memory >= at_high - 1e-12 * abs(at_high):
             high_weight = min(high_weight, weight)  # both ends are optimal at this weight
+            if trial.memory <= capacity and trial.seen < high.seen:
+                high = trial  # a plan on the segment between them that fits: faster than the end that fits
             break  # nothing below the segment: the plan that fits is the best on the hull
         if trial.memory <= capacity:
             high, high_weight = trial, weight

@@ -195,6 +195,13 @@ class SearchProblem(Dataflow):
             takes.append(better if better.any() else None)
         return unary, takes
 
+    def fastest_choices(self, choice: Sequence[int]) -> MemoryChoices:
+        """The memory choices that make ``choice`` fastest, memory aside, as the search takes them where memory is
+        to spare: each operator's parameters under the parallel optimizer where that is faster (each rank
+        updating its shard), nothing recomputed."""
+        faster = frozenset(i for i, alt in self.sharded.items() if alt.time[choice[i]] < self.node_time[i][choice[i]])
+        return MemoryChoices(faster)
+
     @staticmethod
     def choices_at(choice: Sequence[int], takes: Sequence[np.ndarray | None], recompute: bool) -> MemoryChoices:
         """The memory choices `lagrangian` made for the candidates of one plan."""
