@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from autopar.cost.mesh import Mesh
 from autopar.errors import PlanFileError
-from autopar.graph import Graph
+from autopar.graph import Graph, TensorInfo
 from autopar.layout import Layout, ReduceOp
 from autopar.lowering.planfile import (
     GRAPH_OUTPUT,
@@ -51,17 +52,35 @@ def optimizer_updates(
     """Per operator, seconds of the optimizer update of the trainable parameters it owns, as the search charges
     it (`CostModel.update_time`): their elements on a device, each rank's shard under a parallel optimizer."""
     found = [0.0] * problem.size
-    for name, (node, slot) in problem.owner.items():
+    for owned in trained_parameters(problem, choice):
+        local = float(owned.layout.local_numel(owned.info.shape))
+        if owned.node in choices.sharded:
+            local /= 1 << len(problem.gradient_sync_bits(owned.node, owned.exponents, owned.slot))
+        found[owned.node] += float(problem.cost.update_time(local))
+    return found
+
+
+@dataclass(frozen=True)
+class OwnedParameter:
+    """A trained parameter, the operator that loads it (and its input slot) and its layout in a plan."""
+
+    info: TensorInfo
+    node: int
+    slot: int
+    exponents: tuple[int, ...]
+    layout: Layout
+
+
+def trained_parameters(problem: SearchProblem, choice: Sequence[int]) -> list[OwnedParameter]:
+    """Every trained parameter with the operator that owns it, in graph order of the owners."""
+    found = []
+    for name, (node, slot) in sorted(problem.owner.items(), key=lambda item: item[1]):
         info = problem.graph.tensor(name)
         if info.kind != "parameter" or not info.trainable:
             continue
-        exponents = problem.rules[node].candidates[choice[node]]
         layout = problem.rules[node].candidate_layouts(choice[node])[0][slot]
         assert layout is not None  # an owned input is present
-        local = float(layout.local_numel(info.shape))
-        if node in choices.sharded:
-            local /= 1 << len(problem.gradient_sync_bits(node, exponents, slot))
-        found[node] += float(problem.cost.update_time(local))
+        found.append(OwnedParameter(info, node, slot, tuple(problem.rules[node].candidates[choice[node]]), layout))
     return found
 
 
@@ -256,13 +275,9 @@ def gradient_sync(
     parallel optimizer: a ReduceScatter, and after the update an AllGather of the weights)."""
     cost = problem.cost
     entries = []
-    for name, (node, slot) in sorted(problem.owner.items(), key=lambda item: item[1]):
-        info = problem.graph.tensor(name)
-        if info.kind != "parameter" or not info.trainable:
-            continue
-        exponents = problem.rules[node].candidates[choice[node]]
-        layout = problem.rules[node].candidate_layouts(choice[node])[0][slot]
-        assert layout is not None  # an owned input is present
+    for owned in trained_parameters(problem, choice):
+        info, node, slot, exponents, layout = owned.info, owned.node, owned.slot, owned.exponents, owned.layout
+        name = info.name
         bits = problem.gradient_sync_bits(node, exponents, slot)
         nbytes = layout.local_numel(info.shape) * cost.gradient_itemsize()
         sharded = node in choices.sharded and bool(bits)
