@@ -149,3 +149,20 @@ def test_unknown_operator_falls_back_to_replicated():
     rule = rule_for(model, "odd")
     assert rule.spec.fallback and rule.candidates == [()]
     assert rule.input_layouts(())[0] == Layout(((), (), ()))
+
+
+def test_a_clip_export_pools_its_text_by_arg_max_split_by_batch():
+    """CLIP's text tower pools each sequence at its end token, found by ArgMax over the sequence: with its rule
+    (every axis but the one it selects along) no operator of the export is kept replicated for want of one,
+    the data-parallel plan splits the ArgMax by batch, and that plan verifies forward and backward."""
+    from pathlib import Path
+
+    import autopar
+
+    path = Path(__file__).resolve().parent / "data" / "hf_clip_dynamo.onnx"
+    for devices in (8, 64):
+        assert autopar.plan(path, devices=devices).fallback_ops == []
+    plan = autopar.plan(path, devices=4, mode="data_parallel")
+    (pooling,) = [rule.op.name for rule in plan.problem.rules if rule.op.op_type == "ArgMax"]
+    assert plan.strategies[pooling] == ((4, 1),)
+    assert autopar.verify(path, plan, gradients=True).ok

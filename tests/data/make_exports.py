@@ -19,6 +19,8 @@ family with a seed, given its training loss, and exported by torch 2.13:
 - ``hf_deepseek_v3_dynamo.onnx``: DeepSeek-V3 causal LM, one dense layer then one of 8 routed experts
   (top-2 of 2 groups, one group kept) and a shared one, latent attention (dynamo, ``batched_mm``): its
   router's ``e_score_correction_bias`` is a buffer read only by the top-k choice, so no gradient reaches it.
+- ``hf_clip_dynamo.onnx``: CLIP, a text and a vision tower of 2 layers each and the contrastive loss
+  (dynamo): the text tower pools each sequence at its end token, found by ArgMax.
 
 Parameters (float initializers that are not buffers) go to an external file that is not kept:
 autopar reads their shapes only, and verification draws random values. Node doc strings and the
@@ -169,6 +171,37 @@ def _deepseek_v3():
     return _with_loss(model, use_cache=False), (ids, ids), ["ids", "labels"]
 
 
+def _clip():
+    import torch
+    import transformers as hf
+
+    text = hf.CLIPTextConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ,
+    )
+    vision = hf.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
+    )
+    config = hf.CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=16)
+    config._attn_implementation = "eager"
+    model = hf.CLIPModel(config)
+
+    class Contrastive(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+
+    ids = torch.randint(1, text.vocab_size, (BATCH, SEQ))
+    return Contrastive(), (ids, torch.randn(BATCH, 3, 32, 32)), ["ids", "pixels"]
+
+
 KEPT_METADATA = {"pkg.torch.onnx.name_scopes"}  # the layer names a plan shows; stack traces are dropped
 FAMILIES = {
     "albert": (_albert, True),
@@ -176,6 +209,7 @@ FAMILIES = {
     "swin": (_swin, False),
     "olmoe": (_olmoe, True),
     "deepseek_v3": (_deepseek_v3, True),
+    "clip": (_clip, True),
 }
 
 
