@@ -34,7 +34,7 @@ def numbers(profile: HardwareProfile) -> dict[str, dict]:
 # --- the bundled profiles -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["ascend910", "a100", "h100"])
+@pytest.mark.parametrize("name", ["ascend910", "a100", "h100", "h200"])
 def test_bundled_profiles_name_a_source_for_every_number(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnsourcedNumberWarning)  # a bundled profile never warns
@@ -49,15 +49,19 @@ def test_bundled_profiles_name_a_source_for_every_number(name):
 
 
 @pytest.mark.parametrize(
-    ("name", "fp16", "tf32", "hbm", "nvlink", "infiniband"),
-    [("a100", 312e12, 156e12, 2.039e12, 300e9, 25e9), ("h100", 989.4e12, 494.7e12, 3.35e12, 450e9, 50e9)],
+    ("name", "fp16", "tf32", "hbm", "capacity", "nvlink", "infiniband"),
+    [
+        ("a100", 312e12, 156e12, 2.039e12, 80e9, 300e9, 25e9),
+        ("h100", 989.4e12, 494.7e12, 3.35e12, 80e9, 450e9, 50e9),
+        ("h200", 989.4e12, 494.7e12, 4.8e12, 141e9, 450e9, 50e9),  # the H100's compute, HBM3e
+    ],
 )
-def test_gpu_profiles_datasheet_numbers(name, fp16, tf32, hbm, nvlink, infiniband):
+def test_gpu_profiles_datasheet_numbers(name, fp16, tf32, hbm, capacity, nvlink, infiniband):
     profile = load_profile(name)
     compute = profile.compute
     assert (compute.peak_flops_fp16.value, compute.peak_flops_fp32.value) == (fp16, tf32)
     assert "dense" in compute.peak_flops_fp16.source and "TF32" in compute.peak_flops_fp32.source
-    assert (compute.hbm_bandwidth.value, compute.hbm_capacity.value) == (hbm, 80e9)
+    assert (compute.hbm_bandwidth.value, compute.hbm_capacity.value) == (hbm, capacity)
     assert [(level.name, level.bits) for level in profile.links] == [("NVLink", 3), ("InfiniBand", 58)]
     assert [level.bandwidth.value for level in profile.links] == [nvlink, infiniband]
     assert [profile.level_of_bit(b).name for b in range(5)] == ["NVLink"] * 3 + ["InfiniBand"] * 2
@@ -197,7 +201,7 @@ def test_profiles_lists_each_with_its_description(capsys):
     code, out, err = run(capsys, "profiles")
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert [line.split()[0] for line in lines] == available_profiles() == ["a100", "ascend910", "h100"]
+    assert [line.split()[0] for line in lines] == available_profiles() == ["a100", "ascend910", "h100", "h200"]
     for line in lines:
         name = line.split()[0]
         assert line.endswith(load_profile(name).description)
