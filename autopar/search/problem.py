@@ -199,8 +199,7 @@ class SearchProblem(Dataflow):
         """The memory choices that make ``choice`` fastest, memory aside, as the search takes them where memory is
         to spare: each operator's parameters under the parallel optimizer where that is faster (each rank
         updating its shard), nothing recomputed."""
-        faster = frozenset(i for i, alt in self.sharded.items() if alt.time[choice[i]] < self.node_time[i][choice[i]])
-        return MemoryChoices(faster)
+        return self.choices_at(choice, self.lagrangian(0.0, False)[1], False)  # memory weighs nothing
 
     @staticmethod
     def choices_at(choice: Sequence[int], takes: Sequence[np.ndarray | None], recompute: bool) -> MemoryChoices:
