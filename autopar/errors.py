@@ -95,6 +95,10 @@ class MemoryReserveError(CostModelError):
     """A memory reserve that is not a number of bytes below the device's memory (a flag's value: exit 2)."""
 
 
+class PrecisionError(CostModelError):
+    """A precision the profile cannot run, FP8 without FP8 units (a flag's value: exit 2)."""
+
+
 class RankTableError(AutoparError):
     """A cluster description (MindSpore's rank_table.json) is unreadable, malformed, or unusable."""
 

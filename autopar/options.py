@@ -8,10 +8,10 @@ are the same value, and a bad name is one sentence (`AutoparError`), never a tra
 
 >>> PlanOptions.resolve(mode="data_parallel").mode is Mode.DATA_PARALLEL
 True
->>> PlanOptions.resolve(precision="fp8")
+>>> PlanOptions.resolve(precision="fp16")
 Traceback (most recent call last):
 ...
-autopar.errors.AutoparError: Unknown precision 'fp8'; choose one of: mixed, fp32.
+autopar.errors.AutoparError: Unknown precision 'fp16'; choose one of: mixed, fp32, fp8.
 """
 
 from __future__ import annotations
@@ -55,10 +55,22 @@ class Mode(enum.StrEnum):
 
 
 class Precision(enum.StrEnum):
-    """Mixed precision (FP16 compute, FP32 master weights) or FP32 throughout."""
+    """Mixed precision (FP16 compute, FP32 master weights), FP32 throughout, or FP8 matrix products in mixed
+    precision (`autopar.cost.CostModel`)."""
 
     MIXED = "mixed"
     FP32 = "fp32"
+    FP8 = "fp8"
+
+    @property
+    def element_sizes(self) -> Precision:
+        """The precision whose element sizes this one's collectives and tensors have (FP8's are mixed
+        precision's: its FP8 casts live inside the products), so that a plan file's runtime needs no FP8 units.
+
+        >>> Precision.FP8.element_sizes
+        <Precision.MIXED: 'mixed'>
+        """
+        return Precision.MIXED if self is Precision.FP8 else self
 
 
 class Optimizer(enum.StrEnum):
@@ -254,7 +266,7 @@ class PlanOptions:
 
     def costs(self) -> CostModel:
         """The cost model these options ask for."""
-        precision: Literal["mixed", "fp32"] = "mixed" if self.precision is Precision.MIXED else "fp32"
+        precision: Literal["mixed", "fp32", "fp8"] = self.precision.value
         optimizer: Literal["adam", "sgd"] | None = None if self.optimizer is None else self.optimizer.value
         return CostModel(
             self.profile(), precision, overlap=self.overlap, optimizer=optimizer, memory_reserve=self.memory_reserve

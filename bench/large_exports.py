@@ -4,8 +4,9 @@ Usage: python bench/large_exports.py [--kinds llama3_8b,albert,deepseek_v3,mamba
                                      [--layers 2] [--batch 8] [--seq 512] [--out FOLDER]
 
 Each model is built from its transformers configuration at its published width (Llama-3-8B: hidden 4,096,
-32 heads, 8 key-value heads, MLP 14,336, vocabulary 128,256; ALBERT-xxlarge; DeepSeek-V3's latent attention
-and routed experts, fewer of them; Mamba2-2.7B) with a few layers, its parameters on torch's meta device so
+32 heads, 8 key-value heads, MLP 14,336, vocabulary 128,256; Mixtral 8x7B (``--kinds mixtral``: 8 experts of
+that MLP, top 2); ALBERT-xxlarge; DeepSeek-V3's latent attention and routed experts, fewer of them;
+Mamba2-2.7B) with a few layers, its parameters on torch's meta device so
 that no weight is ever allocated, given its training loss and exported by torch's dynamo exporter
 (``optimize=False``: the optimiser folds constants, which meta tensors do not have). The file keeps each
 parameter's shape and points its data at a file that is not written, as ``bench/hf_exports.py`` does;
@@ -44,6 +45,19 @@ def configuration(kind: str, layers: int, seq: int):
             vocab_size=128256,
             max_position_embeddings=8192,
             rope_theta=500000.0,
+        )
+    if kind == "mixtral":  # Mixtral 8x7B: 8 experts, top 2, grouped-query attention
+        return hf.MixtralConfig(
+            num_hidden_layers=layers,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            rope_theta=1e6,
         )
     if kind == "albert":
         return hf.AlbertConfig(
@@ -88,7 +102,7 @@ def configuration(kind: str, layers: int, seq: int):
             chunk_size=256,
             vocab_size=50288,
         )
-    raise SystemExit(f"unknown kind {kind!r}: choose llama3_8b, albert, deepseek_v3 or mamba2")
+    raise SystemExit(f"unknown kind {kind!r}: choose llama3_8b, mixtral, albert, deepseek_v3 or mamba2")
 
 
 @contextlib.contextmanager
@@ -112,13 +126,14 @@ def parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def export(kind: str, layers: int, batch: int, seq: int, path: Path) -> None:
+def export(kind: str, layers: int, batch: int, seq: int, path: Path, config=None) -> None:
+    """Export ``kind`` (its `configuration`, or ``config`` where given) with its loss to ``path``."""
     import onnx
     import torch
     import transformers as hf
     from onnx import numpy_helper
 
-    config = configuration(kind, layers, seq)
+    config = configuration(kind, layers, seq) if config is None else config
     config._attn_implementation = "eager"
     # each routed token's expert weights gathered from the stacks: the default grouped_mm calls operators
     # (histc) the ONNX exporter cannot translate

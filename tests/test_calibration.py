@@ -4,8 +4,9 @@ Ascend 910 (MindSpore benchmark, ResNet-50 v1.5, batch 256/chip, mixed precision
 on 1 chip, 16,600 on 8 (scaling 0.98). A100 (NVIDIA DeepLearningExamples, PyTorch, DGX A100 80GB,
 AMP, batch 256/GPU): 2470 images/s on 1 GPU, 16,621 on 8 (scaling 0.84). In each profile only the
 cube efficiency is fitted, to the one-device figure, so that figure is checked as a fit (the stored
-value is what the fit gives); the eight-device figure and the scaling are predictions.
-bench/calibrate.py --cost-model NAME prints the figures.
+value is what the fit gives); the eight-device figure and the scaling are predictions. The Ascend
+910's matrix products are fitted likewise to MindSpore's BERT-Large on one chip (269 sentences/s at
+batch 96), its eight-chip figure (2069) the check. bench/calibrate.py --cost-model NAME prints the figures.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from autopar.errors import CostModelError
 from autopar.search.calibration import (
     ANCHORS,
     PUBLISHED_RESNET50_IMAGES_PER_S,
+    TRANSFORMER_ANCHORS,
     anchor_for,
     data_parallel_throughput,
     fit_cube_efficiency,
+    fit_matmul_efficiency,
     predicted_throughput,
 )
 
@@ -55,6 +58,32 @@ def test_eight_chip_scaling(throughput):
     assert 0.95 <= scaling <= 1.00
 
 
+# --- Ascend 910 transformers: MindSpore's BERT-Large ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bert():
+    from models.transformer import build_transformer
+
+    anchor = TRANSFORMER_ANCHORS["ascend910"]
+    return build_transformer(batch=anchor.batch_per_device, **anchor.shape)
+
+
+def test_stored_matmul_efficiency_is_the_bert_large_fit(profile, bert):
+    # the matrix products are fitted to MindSpore's one-chip BERT-Large figure, the convolutions to ResNet-50's
+    fitted = fit_matmul_efficiency(bert, profile, TRANSFORMER_ANCHORS["ascend910"], steps=16)
+    assert fitted == pytest.approx(profile.compute.matmul_efficiency.value, abs=0.005)
+    assert profile.compute.matmul_efficiency.source.startswith("fitted") and "BERT-Large" in (
+        profile.compute.matmul_efficiency.source
+    )
+
+
+def test_bert_large_on_eight_chips_within_15_percent(profile, bert):
+    anchor = TRANSFORMER_ANCHORS["ascend910"]
+    predicted = data_parallel_throughput(bert, profile, 8, anchor.batch_per_device)
+    assert abs(predicted / anchor.sequences_per_s[8] - 1) <= 0.15
+
+
 # --- A100 (DGX A100 80GB) -----------------------------------------------------------------------
 
 
@@ -82,7 +111,7 @@ def test_a100_fits_its_convolutions_to_resnet_and_its_matmuls_to_megatron(a100, 
     assert ratio == pytest.approx(1.0, abs=0.02)  # the stored value is the fit, rounded to 0.01
     numbers = [*a100.compute.model_dump().values(), *a100.training.model_dump().values()]
     numbers += [number for link in a100.links for number in (link.bandwidth.model_dump(), link.latency.model_dump())]
-    fitted = [entry["source"] for entry in numbers if entry["source"].startswith("fitted")]
+    fitted = [entry["source"] for entry in numbers if entry is not None and entry["source"].startswith("fitted")]
     assert fitted == [a100.compute.cube_efficiency.source, a100.compute.matmul_efficiency.source]
     assert "bench/calibrate.py" in fitted[0] and "Megatron-LM's 7.5B row alone" in fitted[1]
 

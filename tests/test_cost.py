@@ -5,16 +5,18 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+import autopar
 from autopar.cost import CostModel, HardwareProfile, available_profiles, load_profile
 from autopar.errors import CostModelError
-from tests.conftest import simple_profile_dict
+from tests.conftest import simple_profile_dict, two_matmul_chain
 
 
 def test_bundled_profile_names_a_source_for_every_number():
     profile = load_profile("ascend910")
     numbers = list(profile.compute.model_dump().values()) + list(profile.training.model_dump().values())
     numbers += [v for link in profile.links for v in (link.bandwidth.model_dump(), link.latency.model_dump())]
-    assert numbers and all(len(entry["source"]) > 10 for entry in numbers)
+    assert numbers and all(len(entry["source"]) > 10 for entry in numbers if entry is not None)
+    assert profile.compute.attention_efficiency is None  # no fused attention kernel on the Ascend 910
     assert profile.compute.peak_flops_fp16.value == 256e12
     assert [link.name for link in profile.links] == ["HCCS", "PCIe", "RoCE"]
     assert "ascend910" in available_profiles()
@@ -152,3 +154,44 @@ def test_the_optimizer_update_moves_each_state_element_once(optimizer, precision
     cost = CostModel(load_profile("h100"), precision, optimizer=optimizer)
     assert cost.update_bytes_per_element() == moved
     assert cost.update_time(1e9) == pytest.approx(moved * 1e9 / (3.35e12 * 0.8), rel=1e-12)
+
+
+def _with_fp8(peak: float = 4e12) -> HardwareProfile:
+    data = simple_profile_dict()
+    data["compute"]["peak_flops_fp8"] = {"value": peak, "source": "test value"}
+    return HardwareProfile.model_validate(data)
+
+
+def test_fp8_runs_the_products_at_the_fp8_peak_and_keeps_what_only_they_keep_in_one_byte():
+    """Z = (X @ W1) @ W2 on 2 devices, data parallel: mm1 does 1,024 FLOPs and needs only dW1 (x2), mm2 512 and
+    needs dY and dW2 (x3), each halved, at the FP8 peak of 4e12 instead of the FP16 1e12. Y (a 2 x 16 shard)
+    is kept only for mm2's weight gradient: 64 B in FP16, 32 in FP8. Everything else is as in mixed precision."""
+    strategies = {"mm1": ((2, 1), (1, 1)), "mm2": ((2, 1), (1, 1))}
+
+    def planned(precision: str):
+        return autopar.plan(
+            two_matmul_chain(),
+            devices=2,
+            cost_model=_with_fp8(),
+            precision=precision,
+            fixed=strategies,
+            mode="semi_auto_parallel",
+        ).to_dict()
+
+    fp8, mixed = planned("fp8"), planned("mixed")
+    assert fp8["totals"]["compute_s"] == pytest.approx((1024 / 2 / 4e12) * 2 + (512 / 2 / 4e12) * 3, rel=1e-9)
+    assert mixed["totals"]["compute_s"] == pytest.approx((1024 / 2 / 1e12) * 2 + (512 / 2 / 1e12) * 3, rel=1e-9)
+    assert mixed["totals"]["memory_breakdown"]["activations"] == 64
+    assert fp8["totals"]["memory_breakdown"]["activations"] == 32
+    assert (
+        fp8["totals"]["memory_breakdown"]["parameter_state"] == mixed["totals"]["memory_breakdown"]["parameter_state"]
+    )
+
+
+def test_fp8_on_a_device_without_fp8_units_is_refused_as_a_flag(tmp_path):
+    from autopar.cli import main
+    from autopar.errors import PrecisionError
+
+    with pytest.raises(PrecisionError, match=r"^The simple profile has no FP8 matrix units"):
+        CostModel(HardwareProfile.model_validate(simple_profile_dict()), "fp8")
+    assert main(["plan", "models/resnet50.onnx", "--devices", "2", "--precision", "fp8", "--quiet"]) == 2

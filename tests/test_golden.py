@@ -213,3 +213,28 @@ def test_a_sync_longer_than_the_backward_before_it_shows_the_rest(slow_profile):
     hide = 2 * 8 * 8 * 256 / 2 / 1e9
     expected = compute + w1 + (w2 - hide)
     assert autopar.evaluate(model, 2, DP, cost_model=slow_profile) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_weight_product_runs_its_batch_dimensions_as_rows():
+    """[64, 16, 1024] @ [1024, 2048]: the library runs one product of M = 64 x 16 = 1,024 rows, N = 2,048 and
+    K = 1,024, at the full efficiency (0.5) of a fall-off table that gives 0.25 up to 512 and 1.0 from 1,024;
+    not at the 16 positions of one sample. A product whose operands share the batch ([64, 16, 1024] @
+    [64, 1024, 2048]) runs 64 products of M = 16: 0.25. Both do 2 x 1,024 x 1,024 x 2,048 FLOPs; the weight's
+    gradient doubles the first, the second has no backward (its operands are inputs).
+    """
+    from onnx import TensorProto, helper
+
+    from tests.conftest import make_model, weight
+
+    data = simple_profile_dict()
+    data["compute"]["matmul_falloff"] = {"smallest_dim": [512, 1024], "factor": [0.25, 1.0], "source": "test value"}
+    data["compute"]["matmul_efficiency"] = {"value": 0.5, "source": "test value"}
+    profile = HardwareProfile.model_validate(data)
+    flops = 2 * 1024 * 1024 * 2048
+    node = helper.make_node("MatMul", ["X", "W"], ["Y"], name="mm")
+    rows = make_model([node], [("X", TensorProto.FLOAT, [64, 16, 1024])], ["Y"], [weight("W", [1024, 2048])])
+    (op,) = autopar.plan(rows, devices=1, cost_model=profile).to_dict()["ops"]
+    assert op["cost"]["compute_s"] == pytest.approx(flops / (1e12 * 0.5) * 2, rel=1e-9)
+    inputs = [("X", TensorProto.FLOAT, [64, 16, 1024]), ("W", TensorProto.FLOAT, [64, 1024, 2048])]
+    (op,) = autopar.plan(make_model([node], inputs, ["Y"]), devices=1, cost_model=profile).to_dict()["ops"]
+    assert op["cost"]["compute_s"] == pytest.approx(flops / (1e12 * 0.5 * 0.25), rel=1e-9)

@@ -21,7 +21,7 @@ ASCEND910 = (REPO / "costmodels" / "ascend910.toml").read_text(encoding="utf-8")
 
 def numbers(profile: HardwareProfile) -> dict[str, dict]:
     """Every sourced number of a profile by its dotted name."""
-    named = {f"compute.{k}": v for k, v in profile.compute.model_dump().items()}
+    named = {f"compute.{k}": v for k, v in profile.compute.model_dump().items() if v is not None}
     named |= {f"training.{k}": v for k, v in profile.training.model_dump().items()}
     for i, level in enumerate(profile.links):
         named |= {
@@ -81,6 +81,16 @@ def test_gpu_profiles_mark_fitted_and_assumed():
     assert "bench/megatron.py --fit" in a100.compute.matmul_efficiency.source
 
 
+def test_hopper_profiles_have_a_fused_attention_kernel_and_fp8_the_others_do_not():
+    h100, h200 = load_profile("h100"), load_profile("h200")
+    assert h200.compute.attention_efficiency.source.startswith("measured")
+    assert h100.compute.attention_efficiency.value == h200.compute.attention_efficiency.value
+    assert h100.compute.peak_flops_fp8.value == h200.compute.peak_flops_fp8.value == 1979e12
+    for name in ("ascend910", "a100"):
+        compute = load_profile(name).compute
+        assert compute.attention_efficiency is None and compute.peak_flops_fp8 is None
+
+
 # --- plain numbers: accepted, with a warning naming them -------------------------------------------
 
 
@@ -136,7 +146,7 @@ BAD_PROFILES = {
         _edit(r"^\[compute\]\n", '[compute]\nhbm_speed = { value = 1, source = "typo" }\n'),
         "compute.hbm_speed is not a profile field; compute takes peak_flops_fp16, peak_flops_fp32, hbm_bandwidth,"
         " hbm_capacity, memory_reserve, cube_efficiency, matmul_efficiency, matmul_falloff, memory_efficiency,"
-        " vector_flops_fraction",
+        " vector_flops_fraction, attention_efficiency, peak_flops_fp8",
     ),
     "unknown key in a number": (
         _edit(r"hbm_bandwidth = \{ value = 1.2e12,", 'hbm_bandwidth = { value = 1.2e12, unit = "B/s",'),

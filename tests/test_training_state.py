@@ -221,14 +221,14 @@ def test_the_matmul_table_is_monotone_and_sourced(name):
     efficiency = bundled.compute.matmul_efficiency
     assert efficiency.source and (
         "Maximum Achievable Matmul FLOPS" in efficiency.source
-        or efficiency.source.startswith(("assumed", "fitted on Megatron-LM"))
+        or efficiency.source.startswith(("assumed", "fitted on Megatron-LM", "fitted: bench/calibrate.py --fit"))
     )
     cost = CostModel(bundled)
     rates = cost.matmul_rate(np.array([1, 8, 32, 48, 64, 100, 256, 1000, 1024, 4096, 1e6]))
     assert np.all(np.diff(rates) >= 0)
     assert rates[-1] == pytest.approx(cost.peak_flops * efficiency.value)
-    if name == "ascend910":  # no Ascend matmul figure: the fitted convolution efficiency, assumed
-        assert rates[-1] == pytest.approx(cost.cube_flops) and efficiency.source.startswith("assumed")
+    if name == "ascend910":  # fitted to MindSpore's BERT-Large, a little below the convolutions' ResNet-50 fit
+        assert 0.8 * cost.cube_flops < rates[-1] < cost.cube_flops and "BERT-Large" in efficiency.source
     else:  # large matmuls run far above the convolutions' fitted efficiency on the GPUs
         assert rates[-1] > 2.5 * cost.cube_flops
 

@@ -34,14 +34,14 @@ def _sibling(plan: Plan, choice: Sequence[int], mode: str) -> Plan:
 def compute_split(plan: Plan) -> tuple[float, float]:
     """(forward seconds, recomputed forward seconds) of the step's compute.
 
-    Each operator's compute is its forward times (1 + backward factor x backward passes), as the cost
+    Each operator's compute is its forward times its work multiple (`Dataflow.work_multiple`), as the cost
     model charges it; micro-batches multiply both.
     """
     problem, choices = plan.problem, plan.search.choices
-    factor = problem.cost.backward_factor
     forward = sum(
-        float(problem.node_compute[i][c]) / (1.0 + factor * problem.backward_passes(i))
+        float(problem.node_compute[i][c]) / multiple
         for i, c in enumerate(plan.choice)
+        if (multiple := problem.work_multiple(i)) > 0
     )
     recompute = (
         sum(float(problem.recompute_time[i][c]) for i, c in enumerate(plan.choice) if i in problem.recompute_time)

@@ -129,7 +129,7 @@ def _program(model: ModelLike, given: Plan | PlanFile | Mapping[str, Any] | None
     if isinstance(given, Mapping) and _is_plan_file(given, graph):
         given = read_plan_file(given)
     if isinstance(given, PlanFile):
-        costs = options.replace(precision=given.precision).costs()
+        costs = options.replace(precision=Precision(given.precision).element_sizes).costs()
         return program_from_file(graph, given, options.num_devices, costs)
     problem = build_problem(graph, options.costs(), options.num_devices)
     return program_of(problem, problem.choice_for(given or {}))
@@ -160,7 +160,7 @@ def _pipelined(
     graph = model_graph(model, options.batch, options.dims)
     micro = _micro_batch(common_batch(graph), given.pipeline.micro_batches, graph)
     micro_graph = model_graph(model, micro, options.dims)
-    costs = options.replace(precision=given.precision).costs()
+    costs = options.replace(precision=Precision(given.precision).element_sizes).costs()
     return staged_program(micro_graph, given, costs), graph
 
 

@@ -21,6 +21,7 @@ from autopar.errors import (
     ComputedDimensionError,
     FixedStrategyError,
     MemoryReserveError,
+    PrecisionError,
     UnknownDimensionError,
     UnknownSymbolError,
 )
@@ -41,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FixedStrategyError, UsageError) as exc:  # the user's own strategy, or flags that do not go together
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
-    except MemoryReserveError as exc:  # only --memory-reserve gives one (a profile's reserve is checked on loading)
+    except (MemoryReserveError, PrecisionError) as exc:  # --memory-reserve, --precision (profiles: checked on load)
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
     except AutoparError as exc:

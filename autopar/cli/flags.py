@@ -173,7 +173,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 DEVICES_HELP = "number of devices, a power of two (default 8, or the rank table's count)"
 RANK_TABLE_HELP = "MindSpore's rank_table.json: the device count and the servers that set the link levels"
 COST_MODEL_HELP = "a bundled profile's name (ascend910, a100, h100; any case) or a .toml file (default ascend910)"
-PRECISION_HELP = "mixed: fp16 compute with fp32 master weights (default); fp32: everything in fp32"
+PRECISION_HELP = (
+    "mixed: fp16 compute with fp32 master weights (default); fp32: everything in fp32; fp8: mixed, with the"
+    " matrix products in fp8 as Transformer Engine runs them (profiles with fp8 units: h100, h200)"
+)
 OPTIMIZER_HELP = (
     "the optimizer whose state each trainable parameter keeps: adam (two fp32 moments; 16 bytes a parameter in"
     " mixed precision) or sgd (momentum; 12 bytes); default: the cost model's (sgd in the bundled ones)"

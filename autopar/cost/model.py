@@ -16,12 +16,12 @@ from typing import Literal
 import numpy as np
 
 from autopar.cost.profile import HardwareProfile, OptimizerName
-from autopar.errors import CostModelError, MemoryReserveError
+from autopar.errors import CostModelError, MemoryReserveError, PrecisionError
 from autopar.redistribute import Collective
 from autopar.units import human_bytes
 
-Precision = Literal["mixed", "fp32"]
-PRECISIONS = ("mixed", "fp32")
+Precision = Literal["mixed", "fp32", "fp8"]
+PRECISIONS = ("mixed", "fp32", "fp8")
 
 Optimizer = OptimizerName
 OPTIMIZERS: tuple[Optimizer, ...] = ("adam", "sgd")
@@ -44,6 +44,11 @@ update."""
 class CostModel:
     """Seconds and bytes for one profile at one precision.
 
+    ``precision``: ``mixed`` (FP16/BF16 compute, FP32 master weights), ``fp32``, or ``fp8``: mixed precision
+    with the matrix products (MatMul, Gemm) in FP8 at the profile's ``peak_flops_fp8`` and the activations
+    they alone keep for the backward in FP8, as NVIDIA's Transformer Engine runs them; convolutions,
+    attention kernels and the rest stay in BF16.
+
     ``overlap``: bucketed gradient synchronisation runs beside the backward pass (Horovod, DDP,
     MindSpore), so only what the remaining backward compute cannot cover is exposed; without it
     every gradient AllReduce adds to the step.
@@ -62,7 +67,12 @@ class CostModel:
         memory_reserve: float | None = None,
     ) -> None:
         if precision not in PRECISIONS:
-            raise CostModelError(f"Unknown precision {precision!r}; choose mixed or fp32.")
+            raise CostModelError(f"Unknown precision {precision!r}; choose mixed, fp32 or fp8.")
+        if precision == "fp8" and profile.compute.peak_flops_fp8 is None:
+            raise PrecisionError(
+                f"The {profile.name} profile has no FP8 matrix units (no peak_flops_fp8); choose --precision mixed"
+                " or fp32, or a profile that has them (h100, h200)."
+            )
         optimizer = profile.training.optimizer.value if optimizer is None else optimizer
         if optimizer not in OPTIMIZERS:
             raise CostModelError(f"Unknown optimizer {optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}.")
@@ -81,12 +91,15 @@ class CostModel:
                 f" {human_bytes(self.device_capacity)} ({profile.name}); give a smaller reserve."
             )
         self.memory_reserve = float(reserve)
-        self.peak_flops = (compute.peak_flops_fp16 if precision == "mixed" else compute.peak_flops_fp32).value
+        self.peak_flops = (compute.peak_flops_fp32 if precision == "fp32" else compute.peak_flops_fp16).value
         self.cube_flops = self.peak_flops * compute.cube_efficiency.value
-        self.matmul_flops = self.peak_flops * compute.matmul_efficiency.value  # a large matmul's rate
+        products = compute.peak_flops_fp8 if precision == "fp8" else None  # FP8 matrix products, the rest BF16
+        self.matmul_flops = (self.peak_flops if products is None else products.value) * compute.matmul_efficiency.value
         falloff = compute.matmul_falloff
         self._falloff_log2 = np.log2(np.asarray(falloff.smallest_dim, dtype=np.float64))
         self._falloff = np.asarray(falloff.factor, dtype=np.float64)
+        attention = compute.attention_efficiency
+        self.attention_flops = None if attention is None else self.peak_flops * attention.value
         self.vector_flops = compute.peak_flops_fp16.value * compute.vector_flops_fraction.value
         if precision == "fp32":
             self.vector_flops /= 2
@@ -102,7 +115,7 @@ class CostModel:
     def activation_itemsize(self, dtype: str) -> int:
         """Bytes of one element as the device computes it: floats are FP16 in mixed precision."""
         if dtype in ("float32", "float64", "float16"):
-            return 2 if self.precision == "mixed" else 4
+            return 4 if self.precision == "fp32" else 2
         if dtype in ("int64", "uint64", "float64"):
             return 8
         if dtype in ("bool", "int8", "uint8"):
@@ -112,7 +125,13 @@ class CostModel:
         return 4
 
     def gradient_itemsize(self) -> int:
-        return 2 if self.precision == "mixed" else 4
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def kept_product_itemsize(self) -> int | None:
+        """Bytes of an activation kept only for matrix products' backward, where they keep it in FP8 (1 B, as
+        Transformer Engine saves its FP8 casts of a Linear's input); None where they keep the compute dtype."""
+        return 1 if self.precision == "fp8" else None
 
     def parameter_bytes_per_element(self, trainable: bool, state_shards: int = 1) -> float:
         """Device memory per parameter element: weights, gradient and optimizer state.
@@ -129,7 +148,7 @@ class CostModel:
         if not trainable:
             return 4.0, 0.0
         state = self.gradient_itemsize() + OPTIMIZER_STATE_BYTES[self.optimizer]
-        if self.precision == "mixed":
+        if self.precision != "fp32":
             return 2.0, MASTER_WEIGHT_BYTES + state  # the FP16 working copy; the FP32 master is optimizer state
         return MASTER_WEIGHT_BYTES, state  # FP32 weights are the master copy
 
@@ -142,7 +161,7 @@ class CostModel:
         fitted: on an H200 the fused AdamW of 1.92 B FP32 parameters took 16.7 ms (torch.profiler, a 4-layer
         Llama-3-8B-shaped decoder), where 28 B each at 4.8 TB/s and the h100 profile's assumed memory
         efficiency of 0.8 give 14.0 ms."""
-        working = WORKING_COPY_BYTES if self.precision == "mixed" else 0.0
+        working = 0.0 if self.precision == "fp32" else WORKING_COPY_BYTES
         state = MASTER_WEIGHT_BYTES + OPTIMIZER_STATE_BYTES[self.optimizer]
         return 2 * state + self.gradient_itemsize() + working
 
@@ -153,6 +172,14 @@ class CostModel:
         return elements * self.update_bytes_per_element() / self.memory_bandwidth
 
     # --- compute ---------------------------------------------------------------------------
+
+    @property
+    def attention_rate(self) -> float:
+        """FLOP/s of the fused attention kernel (``attention_efficiency`` of the peak), asked only of a profile
+        that has one (`autopar.search.dataflow.fused_parts` finds no attention to fuse elsewhere)."""
+        if self.attention_flops is None:
+            raise CostModelError(f"The {self.profile.name} profile has no fused attention kernel.")
+        return self.attention_flops
 
     def matmul_rate(self, smallest_dim: np.ndarray | float) -> np.ndarray:
         """FLOP/s of a matmul whose smallest per-device dimension (of M, N and K) is ``smallest_dim``:

@@ -112,12 +112,14 @@ class Falloff(BaseModel):
 PLAUSIBLE: dict[str, tuple[float, float]] = {
     "peak_flops_fp16": (1.0, 1e21),
     "peak_flops_fp32": (1.0, 1e21),
+    "peak_flops_fp8": (1.0, 1e21),
     "hbm_bandwidth": (1.0, 1e18),
     "hbm_capacity": (0.0, 1e18),
     "cube_efficiency": (0.0, 1.0),
     "matmul_efficiency": (0.0, 1.0),
     "memory_reserve": (0.0, 1e18),
     "memory_efficiency": (0.0, 1.0),
+    "attention_efficiency": (0.0, 1.0),
     "vector_flops_fraction": (0.0, 1.0),
     "backward_compute_factor": (0.0, 100.0),
     "gradient_fusion_bytes": (0.0, 1e18),
@@ -156,6 +158,8 @@ class ComputeSpec(_Spec):
     matmul_falloff: Falloff
     memory_efficiency: Sourced
     vector_flops_fraction: Sourced
+    attention_efficiency: Sourced | None = None  # the fused attention kernel's share of peak; None: it has none
+    peak_flops_fp8: Sourced | None = None  # dense FP8 matrix-unit peak (`--precision fp8`); None: no FP8 units
 
     @model_validator(mode="after")
     def _reserve_below_capacity(self) -> ComputeSpec:

@@ -117,6 +117,7 @@ def op_entries(
                 fallback=rule.spec.fallback,
                 fixed=True if node in problem.fixed else None,
                 source=rule.op.source or None,
+                fused=part.role if (part := problem.fused.get(rule.op.name)) else None,
             )
         )
     return entries
@@ -333,7 +334,8 @@ def gradient_sync_seconds(
 
 def plan_context(problem: SearchProblem) -> PlanContext:
     graph = problem.graph
-    profile = hashlib.sha256(problem.cost.profile.model_dump_json().encode()).hexdigest()[:16]
+    # optional numbers a profile leaves out (no fused attention, no FP8) do not change the hash of one that has none
+    profile = hashlib.sha256(problem.cost.profile.model_dump_json(exclude_none=True).encode()).hexdigest()[:16]
     return PlanContext(
         model_fingerprint=graph.fingerprint,
         inputs={name: list(graph.tensor(name).shape) for name in graph.inputs},
@@ -401,7 +403,7 @@ def totals(
     return Totals(
         step_time_s=rounded(step),
         compute_s=rounded(compute),
-        communication_s=rounded(step - compute - update),
+        communication_s=rounded(max(0.0, step - compute - update)),  # no -0.0 from the last bits
         hidden_communication_s=rounded(problem.hidden(choice, choices)),
         gradient_sync_s=rounded(gradient_sync_seconds(problem, choice, choices)),
         optimizer_update_s=rounded(update),

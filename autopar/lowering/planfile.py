@@ -128,7 +128,7 @@ class OpCost(_OmitsUnset):
 class OpEntry(_OmitsUnset):
     """One operator: its MindSpore-style in_strategy and the layouts it implies."""
 
-    _omit: ClassVar[tuple[str, ...]] = ("fixed", "source", "domain")
+    _omit: ClassVar[tuple[str, ...]] = ("fixed", "source", "domain", "fused")
     name: str
     op_type: str
     domain: str | None = Field(
@@ -141,6 +141,11 @@ class OpEntry(_OmitsUnset):
     fallback: bool
     fixed: bool | None = Field(default=None, description="true where the user fixed the strategy (semi-auto mode)")
     source: str | None = Field(default=None, description="the exporting framework's name for the layer, if recorded")
+    fused: Literal["scores", "inner", "values", "kernel"] | None = Field(
+        default=None,
+        description="its part in a fused attention kernel (`autopar.graph.attention`): the product of queries and"
+        " keys, an operator inside, the product with the values, or the whole kernel (None: it runs on its own)",
+    )
 
 
 class Redistribution(_Part):

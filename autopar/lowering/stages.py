@@ -136,7 +136,7 @@ def pipeline_totals(
     return Totals(
         step_time_s=rounded(step),
         compute_s=rounded(compute),
-        communication_s=rounded(step - compute - bubble - update),
+        communication_s=rounded(max(0.0, step - compute - bubble - update)),
         hidden_communication_s=rounded(stage.hidden(choice, choices)),
         gradient_sync_s=rounded(gradient_sync_seconds(stage, choice, choices)),
         optimizer_update_s=rounded(update),

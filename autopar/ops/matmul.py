@@ -123,7 +123,15 @@ def matmul(op: NodeView, graph: GraphView) -> OpSpec:
     present = set(a) | set(b) | set(out)  # a vector operand has no i (or j): no label that no tensor carries
     order = tuple(label for label in (*(f"b{i}" for i in range(batch_rank)), "i", "k", "j") if label in present)
     m, n = ("i" if len(a_shape) > 1 else None), ("j" if len(b_shape) > 1 else None)
-    return OpSpec(inputs=(a, b), outputs=(out,), op_class="cube", label_order=order, matmul_labels=(m, n, "k"))
+    folded = tuple(label for label in a if label is not None and label.startswith("b") and label not in b) if m else ()
+    return OpSpec(
+        inputs=(a, b),
+        outputs=(out,),
+        op_class="cube",
+        label_order=order,
+        matmul_labels=(m, n, "k"),
+        matmul_folded=folded,
+    )
 
 
 def einsum_terms(equation: str, ranks: Sequence[int]) -> tuple[list[list[str]], list[str]]:

@@ -130,6 +130,13 @@ def _plan_summary(plan: Plan) -> list[str]:
             + (f", {sharded} of them each rank its shard" if sharded else "")
             + ", at the memory bandwidth)"
         )
+    kernels = sum(1 for op in data.ops if op.fused in ("values", "kernel"))
+    if kernels:
+        computed = sum(op.cost.compute_s for op in data.ops if op.fused)
+        lines.append(
+            f"attention:        {kernels} attention{'s' if kernels > 1 else ''} run as a fused kernel"
+            f" ({figure_ms(computed)} ms compute; no s x s scores kept)"
+        )
     memory_plan = data.memory_plan
     relief = []
     if memory_plan.parallel_optimizer:

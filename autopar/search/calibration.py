@@ -11,6 +11,9 @@ The tests hold every figure to +-15%. ``bench/calibrate.py --cost-model NAME`` p
   precision: 2115 images/s on 1 chip and 16,600 on 8 (scaling 0.98).
 - ``a100``: NVIDIA DeepLearningExamples, PyTorch, DGX A100 (8x A100 80GB), AMP, batch 256 per
   GPU: 2470 images/s on 1 GPU and 16,621 on 8 (scaling 0.84).
+
+Transformers have a `TransformerAnchor` of their own: ``ascend910``'s matrix products are fitted to
+MindSpore's BERT-Large on one Ascend 910 (269 sentences/s), its eight-chip figure (2069) a prediction.
 """
 
 from __future__ import annotations
@@ -64,6 +67,56 @@ ANCHORS: dict[str, Anchor] = {
         fitted_to=(1, 8),
     ),
 }
+
+
+@dataclass(frozen=True)
+class TransformerAnchor:
+    """Published transformer training throughput for one profile, and the shape of the model that ran.
+
+    The model is built by the caller (``models/transformer.py`` with these numbers: autopar's core builds no
+    models); ``note`` says where it differs from the one that was measured.
+    """
+
+    sequences_per_s: dict[int, float]  # devices -> sequences per second
+    batch_per_device: int
+    shape: dict[str, int | str]  # models.transformer.build_transformer's keywords
+    source: str
+    note: str = ""
+
+
+TRANSFORMER_ANCHORS: dict[str, TransformerAnchor] = {
+    "ascend910": TransformerAnchor(
+        {1: 269.0, 8: 2069.0},
+        96,
+        {"kind": "bert", "layers": 24, "hidden": 1024, "heads": 16, "seq": 128, "vocab": 21128},
+        "MindSpore 0.5 benchmark page (docs/source_en/benchmark.md): BERT-Large, zhwiki, Ascend 910, mixed"
+        " precision, batch 96 per chip, 24 layers, 128 tokens, vocabulary 21,128: 269 sentences/s on 1 chip,"
+        " 2069 on 8 (0.96)",
+        note=(
+            "models/transformer.py's BERT-Large predicts the masked-language head over every position and runs no"
+            " dropout; MindSpore's predicts the 20 masked positions of each sentence, adds the next-sentence head"
+            " and drops out with 0.1: less work in the head, more element-wise work"
+        ),
+    ),
+}
+
+
+def fit_matmul_efficiency(
+    model: str | Path | onnx.ModelProto, profile: HardwareProfile, anchor: TransformerAnchor, steps: int = 40
+) -> float:
+    """Bisect the matmul efficiency at which the data-parallel plan of ``model`` on one device predicts the
+    anchor's published one-device throughput."""
+    graph = load_model(model, batch=anchor.batch_per_device)
+    low, high = 0.01, 1.0
+    for _ in range(steps):
+        middle = (low + high) / 2
+        trial = with_compute_number(profile, "matmul_efficiency", middle)
+        if data_parallel_throughput(graph, trial, 1, anchor.batch_per_device) < anchor.sequences_per_s[1]:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
 
 # The Ascend 910 anchor under its original names (kept for callers of the first version).
 PUBLISHED_RESNET50_IMAGES_PER_S = ANCHORS["ascend910"].images_per_s

@@ -419,22 +419,26 @@ def _node_costs(flow: Dataflow, node: int) -> NodeCosts:
     op, graph, cost, spec = rule.op, flow.graph, flow.cost, rule.spec
     splits = CandidateSplits(rule.candidates, spec.label_order)
     count = splits.count
+    part = flow.fused.get(op.name)
+    hidden = part.hidden if part is not None else frozenset()
     traffic = np.zeros(count, dtype=np.int64)
     for labels, name in list(zip(spec.inputs, op.inputs)) + list(zip(spec.outputs, op.outputs)):
-        if name:
+        if name and name not in hidden:  # a fused attention kernel keeps its scores on chip
             info = graph.tensor(name)
             traffic += splits.local(info, labels) * flow.itemsize(info)
     op_class = spec.op_class
-    if op_class == "free":
+    if op_class == "free" or (part is not None and part.role == "inner"):
         forward = np.zeros(count)
     else:
-        if spec.matmul_labels is not None:  # a matmul's rate depends on its shape on one device
-            rate = cost.matmul_rate(matmul_smallest_dim(rule, splits))
+        if part is not None:  # the fused kernel's rate, on the scores it computes
+            rate, flops = np.full(count, cost.attention_rate), op.flops * part.share
+        elif spec.matmul_labels is not None:  # a matmul's rate depends on its shape on one device
+            rate, flops = cost.matmul_rate(matmul_smallest_dim(rule, splits)), op.flops
         else:
-            rate = np.full(count, cost.cube_flops if op_class == "cube" else cost.vector_flops)
-        work = op.flops / np.ldexp(1.0, splits.split(spec.label_order)) / rate
+            rate, flops = np.full(count, cost.cube_flops if op_class == "cube" else cost.vector_flops), op.flops
+        work = flops / np.ldexp(1.0, splits.split(spec.label_order)) / rate
         forward = np.maximum(work, traffic / cost.memory_bandwidth)
-    compute = forward * (1.0 + cost.backward_factor * flow.backward_passes(node))
+    compute = forward * flow.work_multiple(node)
 
     communication = np.zeros(count)
     gradient_sync, scatter, gather = np.zeros(count), np.zeros(count), np.zeros(count)
@@ -487,18 +491,23 @@ def _node_costs(flow: Dataflow, node: int) -> NodeCosts:
 
 
 def matmul_smallest_dim(rule: OpRule, splits: CandidateSplits) -> np.ndarray:
-    """Per candidate, the smallest of a matmul's M, N and K on one device (an absent M or N counts 1).
+    """Per candidate, the smallest of a matmul's M, N and K on one device (an absent M or N counts 1; the batch
+    dimensions the second operand broadcasts over count in M, `OpSpec.matmul_folded`).
 
     The backward's two products (the input and the weight gradient) multiply the same three sizes in
     another order, so one smallest size sets the efficiency of all three.
     """
     smallest = np.full(splits.count, np.inf)
-    for label in rule.spec.matmul_labels or ():
+    spec = rule.spec
+    for position, label in enumerate(spec.matmul_labels or ()):
         sizes = rule.label_sizes.get(label, set()) if label is not None else set()
         if label is None or not sizes:
             return np.ones(splits.count)
-        exponents = splits.exponents[:, [splits.column[label]]].reshape(-1)
-        smallest = np.minimum(smallest, max(sizes) / np.ldexp(1.0, exponents))
+        size = max(sizes) / np.ldexp(1.0, splits.exponents[:, splits.column[label]])
+        for folded in spec.matmul_folded if position == 0 else ():  # batch dimensions the product runs as M
+            shards = np.ldexp(1.0, splits.exponents[:, splits.column[folded]])
+            size = size * max(rule.label_sizes.get(folded, {1})) / shards
+        smallest = np.minimum(smallest, size)
     return smallest
 
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal
 
 from autopar.cost import CostModel
 from autopar.graph import Graph, TensorInfo, gradient_reaches
+from autopar.graph.attention import find_attention
 from autopar.layout import Layout
 from autopar.ops import Keeps
 from autopar.redistribute import Step, redistribute
@@ -32,13 +34,30 @@ class TensorUse:
     dst_slot: int
 
 
+@dataclass(frozen=True)
+class FusedPart:
+    """An operator of an attention chain the profile's fused kernel runs (`autopar.graph.attention`).
+
+    ``role``: "scores" (the product of queries and keys, whose forward the backward runs again), "inner"
+    (scale, mask, softmax: inside the kernel, no time of their own), "values" (the product with the
+    values, whose output and log-sum-exp rows the backward keeps) or "kernel" (an ``Attention`` operator,
+    the whole chain in one). ``share`` is the share of the scores a causal kernel computes; ``hidden``
+    the s x s tensors it never writes.
+    """
+
+    role: Literal["scores", "inner", "values", "kernel"]
+    share: float = 1.0
+    hidden: frozenset[str] = frozenset()
+
+
 @dataclass(frozen=True, eq=False)
 class Dataflow:
     """Operators bound to the mesh (candidates fixed), the uses between them, and the cost model
     and device count they are planned for: what costing reads, and what lowering explains with.
 
-    ``fixed`` names the operators whose strategy the user fixed (semi-auto); ``kept`` the
-    activations some backward needs.
+    ``fixed`` names the operators whose strategy the user fixed (semi-auto); ``kept`` the activations some
+    backward needs (``kept_low`` those held in FP8); ``fused`` the operators of attention chains (by name)
+    that the profile's fused kernel runs (empty where the profile has none).
     """
 
     graph: Graph
@@ -51,6 +70,8 @@ class Dataflow:
     requires_grad: Mapping[str, bool]
     kept: frozenset[str]
     fixed: frozenset[int]
+    fused: Mapping[str, FusedPart]
+    kept_low: frozenset[str]  # kept activations held in FP8 (`CostModel.kept_product_itemsize`)
 
     @classmethod
     def of(
@@ -59,10 +80,14 @@ class Dataflow:
         """Trace the uses, the gradients and what the backward keeps."""
         grad = gradient_reaches(graph)
         uses, owner = _uses(graph, rules)
-        kept = _kept_for_backward(graph, rules, grad)
+        fused = fused_parts(graph, cost)
+        kept = _kept_for_backward(graph, rules, grad, fused)
+        low = _kept_for_products(graph, rules, grad, fused) if cost.kept_product_itemsize else frozenset()
         mesh_bits = num_devices.bit_length() - 1
         frozen_grad, frozen_owner = MappingProxyType(grad), MappingProxyType(owner)
-        return cls(graph, tuple(rules), cost, num_devices, mesh_bits, uses, frozen_owner, frozen_grad, kept, fixed)
+        return cls(
+            graph, tuple(rules), cost, num_devices, mesh_bits, uses, frozen_owner, frozen_grad, kept, fixed, fused, low
+        )
 
     @property
     def size(self) -> int:
@@ -79,6 +104,11 @@ class Dataflow:
 
     def itemsize(self, tensor: TensorInfo) -> int:
         return self.cost.activation_itemsize(tensor.dtype)
+
+    def kept_itemsize(self, tensor: TensorInfo) -> int:
+        """Bytes an element of a kept activation takes: FP8's 1 where only matrix products keep it in FP8."""
+        low = self.cost.kept_product_itemsize
+        return low if low is not None and tensor.name in self.kept_low else self.itemsize(tensor)
 
     def redistribution(self, tensor: str, src: Layout, dst: Layout) -> tuple[tuple[Step, ...], float]:
         """Steps and their seconds (a gradient's way back is a redistribution of its own)."""
@@ -104,6 +134,23 @@ class Dataflow:
         """Whether the operator has a backward pass (some input needs a gradient)."""
         return backward_runs(self.rules[node], self.requires_grad)
 
+    def kept_by(self, node: int) -> frozenset[str]:
+        """The activations one operator's backward needs (`kept_by`, as a fused attention kernel keeps them)."""
+        return kept_by(self.rules[node], self.graph, self.requires_grad, self.fused)
+
+    def work_multiple(self, node: int) -> float:
+        """Forward and backward work in units of the forward: 1 + backward factor x backward passes, plus the
+        forward once more where a fused attention kernel's backward recomputes its scores (FlashAttention's
+        backward runs five products where the forward runs two); 0 for the operators inside the kernel."""
+        part = self.fused.get(self.rules[node].op.name)
+        passes = self.backward_passes(node)
+        if part is None:
+            return 1.0 + self.cost.backward_factor * passes
+        if part.role == "inner":
+            return 0.0
+        again = {"scores": 1.0, "kernel": 0.5, "values": 0.0}[part.role] if passes else 0.0
+        return 1.0 + self.cost.backward_factor * passes + again
+
     def backward_passes(self, node: int) -> int:
         """Backward work in units of the forward: a matmul/conv pays once per operand needing a gradient."""
         rule = self.rules[node]
@@ -120,28 +167,78 @@ def backward_runs(rule: OpRule, requires_grad: Mapping[str, bool]) -> bool:
     return rule.differentiable and any(requires_grad.get(name, False) for name in rule.op.inputs if name)
 
 
-def _kept_for_backward(graph: Graph, rules: Sequence[OpRule], requires_grad: Mapping[str, bool]) -> frozenset[str]:
+def fused_parts(graph: Graph, cost: CostModel) -> Mapping[str, FusedPart]:
+    """The operators a fused attention kernel runs, by name: none where the profile has no such kernel."""
+    if cost.attention_flops is None:
+        return MappingProxyType({})
+    parts: dict[str, FusedPart] = {}
+    for region in find_attention(graph):
+        hidden = frozenset(region.hidden)
+        parts[region.scores] = FusedPart("scores", region.kept_share, hidden)
+        parts[region.values] = FusedPart("values", region.kept_share, hidden)
+        parts.update((name, FusedPart("inner", region.kept_share, hidden)) for name in region.inner)
+    for op in graph.ops:
+        if op.op_type == "Attention" and op.domain in ("", "ai.onnx"):
+            causal = bool(op.attrs.get("is_causal", 0))
+            parts[op.name] = FusedPart("kernel", 0.5 if causal else 1.0)
+    return MappingProxyType(parts)
+
+
+def _kept_for_backward(
+    graph: Graph, rules: Sequence[OpRule], requires_grad: Mapping[str, bool], fused: Mapping[str, FusedPart]
+) -> frozenset[str]:
     """The activations some backward needs (`Keeps`): each counted once, however many keep it.
 
     Parameters, inputs and constants are resident anyway and are counted as such. What a fork's
     readers keep (`autopar.ops.fork`) is the forked tensor, counted at its producer, as it was
     before the fork was there.
     """
-    kept: set[str] = set()
-    for rule in rules:
-        kept.update(kept_by(rule, graph, requires_grad))
+    return frozenset(_keepers(graph, rules, requires_grad, fused))
+
+
+def _keepers(
+    graph: Graph, rules: Sequence[OpRule], requires_grad: Mapping[str, bool], fused: Mapping[str, FusedPart]
+) -> dict[str, set[int]]:
+    """Each activation some backward needs, with the operators whose backward needs it (a fork's readers'
+    needs counted at the forked tensor)."""
+    keepers: dict[str, set[int]] = {}
+    for node, rule in enumerate(rules):
+        for name in kept_by(rule, graph, requires_grad, fused):
+            keepers.setdefault(name, set()).add(node)
     for rule in rules:  # a fork's output is its input: kept, it is counted once, at the producer
-        if rule.spec.gradient_labels and rule.op.outputs[0] in kept:
-            kept.discard(rule.op.outputs[0])
-            kept.add(rule.op.inputs[0])
-    return frozenset(kept)
+        if rule.spec.gradient_labels and rule.op.outputs[0] in keepers:
+            keepers.setdefault(rule.op.inputs[0], set()).update(keepers.pop(rule.op.outputs[0]))
+    return keepers
 
 
-def kept_by(rule: OpRule, graph: Graph, requires_grad: Mapping[str, bool]) -> frozenset[str]:
-    """The activations one operator's backward needs (`Keeps`)."""
+def _kept_for_products(
+    graph: Graph, rules: Sequence[OpRule], requires_grad: Mapping[str, bool], fused: Mapping[str, FusedPart]
+) -> frozenset[str]:
+    """The kept activations only matrix products (MatMul, Gemm; not a fused attention's) keep: in FP8 they are
+    kept in FP8 (`CostModel.kept_product_itemsize`)."""
+    keepers = _keepers(graph, rules, requires_grad, fused)
+    return frozenset(
+        name
+        for name, nodes in keepers.items()
+        if all(rules[n].spec.matmul_labels is not None and rules[n].op.name not in fused for n in nodes)
+    )
+
+
+def kept_by(
+    rule: OpRule, graph: Graph, requires_grad: Mapping[str, bool], fused: Mapping[str, FusedPart] | None = None
+) -> frozenset[str]:
+    """The activations one operator's backward needs (`Keeps`).
+
+    Inside a fused attention kernel (``fused``) no s x s tensor is kept, and the product with the values
+    keeps its output: the kernel's backward reads queries, keys, values and output.
+    """
     if not backward_runs(rule, requires_grad):
         return frozenset()
     op, keeps = rule.op, rule.keeps
+    part = (fused or {}).get(op.name)
+    if part is not None and part.role != "kernel":
+        plain = kept_by(rule, graph, requires_grad) - part.hidden
+        return plain | ({op.outputs[0]} if part.role == "values" else frozenset())
     kept: set[str] = set()
     inputs = [name for name in op.inputs if name]
     if Keeps.INPUTS in keeps:

@@ -244,19 +244,23 @@ def compute_floor(problem: SearchProblem) -> float:
     total = 0.0
     for node, rule in enumerate(problem.rules):
         spec = rule.spec
-        if spec.op_class == "free":
+        part = problem.fused.get(rule.op.name)
+        if spec.op_class == "free" or (part is not None and part.role == "inner"):
             continue
-        if spec.matmul_labels is not None:
+        flops = rule.op.flops
+        if part is not None:
+            rate, flops = cost.attention_rate, flops * part.share
+        elif spec.matmul_labels is not None:
             rate = cost.fastest_matmul_rate_up_to(_smallest_dim(rule))
         else:
             rate = cost.cube_flops if spec.op_class == "cube" else cost.vector_flops
         traffic = sum(
             problem.graph.tensor(name).numel * problem.itemsize(problem.graph.tensor(name))
             for name in (*rule.op.inputs, *rule.op.outputs)
-            if name
+            if name and (part is None or name not in part.hidden)
         )
-        forward = max(rule.op.flops / rate, traffic / cost.memory_bandwidth)
-        total += forward * (1.0 + cost.backward_factor * problem.backward_passes(node))
+        forward = max(flops / rate, traffic / cost.memory_bandwidth)
+        total += forward * problem.work_multiple(node)
     return total
 
 
@@ -264,11 +268,12 @@ def _smallest_dim(rule: OpRule) -> float:
     """The smallest of a matmul's M, N and K, whole (an absent one, or one of unknown size, counts 1), as
     `costing.matmul_smallest_dim` takes it with no dimension split."""
     smallest = math.inf
-    for label in rule.spec.matmul_labels or ():
+    for position, label in enumerate(rule.spec.matmul_labels or ()):
         sizes = rule.label_sizes.get(label, set()) if label is not None else set()
         if label is None or not sizes:
             return 1.0
-        smallest = min(smallest, float(max(sizes)))
+        folded = rule.spec.matmul_folded if position == 0 else ()
+        smallest = min(smallest, float(max(sizes)) * math.prod(max(rule.label_sizes.get(b, {1})) for b in folded))
     return smallest
 
 

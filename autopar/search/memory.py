@@ -22,6 +22,7 @@ from autopar.ops import Keeps
 from autopar.search.dataflow import Dataflow, backward_runs
 
 STATISTICS_BYTES_PER_ROW = 8  # a normalisation's FP32 mean and inverse deviation per row
+LOGSUMEXP_BYTES_PER_ROW = 4  # a fused attention kernel's FP32 log-sum-exp per query row (FlashAttention's L)
 
 
 @dataclass(frozen=True)
@@ -131,14 +132,31 @@ def resident(flow: Dataflow, node: int, splits: CandidateSplits) -> Resident:
     for labels, name in zip(spec.outputs, op.outputs):
         if name and name in flow.kept:
             info = graph.tensor(name)
-            activations = activations + splits.local(info, labels) * flow.itemsize(info)
+            activations = activations + splits.local(info, labels) * flow.kept_itemsize(info)
     memory = memory + activations
     if Keeps.STATISTICS in rule.keeps and backward_runs(rule, flow.requires_grad):
         labels = spec.inputs[0] or ()
         rows = math.prod(size for size, label in zip(graph.tensor(op.inputs[0]).shape, labels) if label is not None)
         statistics = (np.int64(rows) >> splits.split(labels)) * STATISTICS_BYTES_PER_ROW
         memory, activations = memory + statistics, activations + statistics
+    rows = logsumexp_rows(flow, node)
+    if rows:
+        statistics = (np.int64(rows) >> splits.split(spec.outputs[0][:-1])) * LOGSUMEXP_BYTES_PER_ROW
+        memory, activations = memory + statistics, activations + statistics
     return Resident(memory, state_saving, activations)
+
+
+def logsumexp_rows(flow: Dataflow, node: int) -> int:
+    """Query rows whose log-sum-exp a fused attention kernel keeps for its backward (0 for other operators):
+    one per row of its output, the last axis (the value size) not counted."""
+    rule = flow.rules[node]
+    part = flow.fused.get(rule.op.name)
+    if part is None or part.role not in ("values", "kernel") or not backward_runs(rule, flow.requires_grad):
+        return 0
+    shape = flow.graph.tensor(rule.op.outputs[0]).shape
+    if part.role == "kernel" and len(shape) == 3:  # heads folded into the hidden axis
+        return shape[0] * shape[1] * int(rule.op.attrs["q_num_heads"])
+    return math.prod(shape[:-1])
 
 
 def recompute_savings(
@@ -196,7 +214,7 @@ def memory_items(
     for name, layout in zip(op.outputs, out_layouts):
         if name and name in flow.kept:
             info = graph.tensor(name)
-            items.append((name, "activation", share * _local_bytes(layout, info, flow.itemsize(info))))
+            items.append((name, "activation", share * _local_bytes(layout, info, flow.kept_itemsize(info))))
     if Keeps.STATISTICS in rule.keeps and backward_runs(rule, flow.requires_grad):
         layout = rule.input_layout(choice, 0)
         x = graph.tensor(op.inputs[0])
@@ -204,6 +222,11 @@ def memory_items(
         rows = math.prod(size for size, label in zip(x.shape, labels) if label is not None)
         shards = x.numel // max(1, layout.local_numel(x.shape))
         items.append((f"{op.name} statistics", "activation", share * (rows // shards * STATISTICS_BYTES_PER_ROW)))
+    rows = logsumexp_rows(flow, node)
+    if rows:
+        y, layout = graph.tensor(op.outputs[0]), out_layouts[0]
+        shards = 1 if layout is None else y.numel // max(1, layout.local_numel(y.shape)) >> len(layout.dims[-1])
+        items.append((f"{op.name} log-sum-exp", "activation", share * (rows // shards * LOGSUMEXP_BYTES_PER_ROW)))
     return items
 
 

@@ -38,7 +38,7 @@ from types import MappingProxyType
 import numpy as np
 
 from autopar.layout import Layout
-from autopar.search.dataflow import TensorUse, kept_by
+from autopar.search.dataflow import TensorUse
 from autopar.search.dp import Factor
 from autopar.search.driver import SearchResult
 from autopar.search.fold import RunEdges
@@ -200,8 +200,8 @@ def _kept_across(problem: SearchProblem, first: int, last: int, crossings: Cross
     """Per operator of the stage (its own index), bytes per candidate its activations change by because a
     tensor kept for a backward crosses a cut: the stage that keeps it holds it (the reading stage its
     received copy, at the first reader that keeps it), not the producing one unless it keeps it too."""
-    graph, grad = problem.graph, problem.requires_grad
-    keeps = {node: kept_by(problem.rules[node], graph, grad) for node in range(first, last)}
+    graph = problem.graph
+    keeps = {node: problem.kept_by(node) for node in range(first, last)}
     for use in problem.uses:  # what a fork's readers keep is its input (`dataflow._kept_for_backward`)
         fork = problem.rules[use.src_node]
         if fork.spec.gradient_labels and use.src_node in keeps and use.tensor in keeps.get(use.dst_node, ()):
@@ -216,7 +216,7 @@ def _kept_across(problem: SearchProblem, first: int, last: int, crossings: Cross
             local = [rule.output_layout(c, use.src_slot).local_numel(info.shape) for c in range(len(rule.candidates))]
             moved[use.src_node - first] = moved.get(use.src_node - first, 0.0) - np.array(
                 local, dtype=float
-            ) * problem.itemsize(info)
+            ) * problem.kept_itemsize(info)
     for use in sorted(crossings.into, key=lambda u: u.dst_node):
         if use.tensor in keeps[use.dst_node] and use.tensor not in done:
             done.add(use.tensor)
@@ -224,7 +224,7 @@ def _kept_across(problem: SearchProblem, first: int, last: int, crossings: Cross
             local = [rule.input_layout(c, use.dst_slot).local_numel(info.shape) for c in range(len(rule.candidates))]
             moved[use.dst_node - first] = moved.get(use.dst_node - first, 0.0) + np.array(
                 local, dtype=float
-            ) * problem.itemsize(info)
+            ) * problem.kept_itemsize(info)
     return moved
 
 

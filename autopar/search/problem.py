@@ -262,8 +262,10 @@ class SearchProblem(Dataflow):
     def choice_for(self, strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[int]:
         """Candidate indices for a full assignment of strategies; StrategyError on anything invalid.
 
-        Forks (`autopar.ops.fork`, not in the model's file) may be left out: each then passes its
-        tensor through in its producer's layout, as if it were not there."""
+        Forks (`autopar.ops.fork`, not in the model's file) may be left out: each then takes the candidate
+        that costs least beside its producer's and readers' (what a search with every other operator fixed
+        takes, so a plan exported without its forks reads back as the plan), passing its tensor through in
+        its producer's layout where nothing is cheaper."""
         names = {rule.op.name for rule in self.rules}
         unknown = sorted(set(strategies) - names)
         if unknown:
@@ -283,6 +285,27 @@ class SearchProblem(Dataflow):
                     for c in range(len(fork.candidates))
                     if fork.input_layout(c, 0).dims == produced.dims and not fork.gradient_bits(fork.candidates[c])
                 )
+        left_out = {node for node, rule in enumerate(self.rules) if rule.op.name not in strategies}
+        return self._cheapest_forks(choice, left_out) if left_out else choice
+
+    def _cheapest_forks(self, choice: list[int], forks: set[int]) -> list[int]:
+        """``choice`` with each fork in ``forks`` moved to its cheapest candidate given every other operator
+        (no edge joins two forks, so each is settled alone); a tie keeps the candidate it has."""
+        touching: dict[int, list[tuple[Factor, tuple[int, ...]]]] = {fork: [] for fork in forks}
+        for factor, scope in self.all_factors():
+            for node in scope:
+                if node in touching:
+                    touching[node].append((factor, scope))
+
+        def cost(fork: int, candidate: int) -> float:
+            edges = (f.value([candidate if u == fork else choice[u] for u in scope]) for f, scope in touching[fork])
+            return float(self.node_time[fork][candidate]) + sum(edges)
+
+        for fork in sorted(forks):
+            costs = [cost(fork, c) for c in range(len(self.rules[fork].candidates))]
+            best = min(range(len(costs)), key=costs.__getitem__)
+            if costs[best] < costs[choice[fork]]:
+                choice[fork] = best
         return choice
 
 

@@ -604,7 +604,7 @@ def parallelize(
         raise TrainingError(f"The plan is for {file.devices} devices; this job has {world} processes.")
     proto = model if isinstance(model, onnx.ModelProto) else read_model(model)
     graph = plan_graph(file, proto)
-    costs = PlanOptions(file.devices, precision=Precision(file.precision)).costs()  # element sizes: the precision alone
+    costs = PlanOptions(file.devices, precision=Precision(file.precision).element_sizes).costs()  # element sizes alone
     staged = staged_program(graph, file, costs) if file.pipeline is not None else None
     program = staged.program if staged is not None else program_from_file(graph, file, file.devices, costs)
     _check_parameters(module, graph)

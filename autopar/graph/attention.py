@@ -1,0 +1,177 @@
+"""Attention as the graph writes it: the product of queries and keys, what scales, masks and softmaxes the
+scores, and the product with the values, found so that costing can price it as one fused kernel.
+
+Exporters write attention as operators: ``MatMul(Q, K^T)``, then a scale (``Mul``, ``Div``), a mask or bias
+(``Add``, ``Where``), a soft cap (``Tanh``), casts and reshapes, ``Softmax``, maybe ``Dropout``, then
+``MatMul(P, V)``. Frameworks run it as one flash kernel (FlashAttention, cuDNN, PyTorch's
+``scaled_dot_product_attention``): the s x s scores never reach device memory, the backward recomputes
+them, and only the output and a log-sum-exp per query row are kept. An `AttentionRegion` names the
+operators of one such chain; the chain qualifies only where every score tensor has one reader (nothing
+else, an ``output_attentions``, reads the probabilities) and both products multiply activations (a
+classifier's weight is not a key).
+
+A causal mask known at import (an additive constant, ``-inf`` or below ``-1e4`` above the diagonal and
+finite on and below it) lets the kernel skip the blocks above the diagonal: ``kept_share`` is the share
+of the scores left (about a half); 1.0 where the mask is not causal or not known.
+
+>>> from onnx import TensorProto, helper
+>>> import numpy as np
+>>> nodes = [
+...     helper.make_node("MatMul", ["q", "k"], ["s"], name="scores"),
+...     helper.make_node("Div", ["s", "d"], ["scaled"], name="scale"),
+...     helper.make_node("Add", ["scaled", "mask"], ["masked"], name="mask"),
+...     helper.make_node("Softmax", ["masked"], ["p"], name="softmax", axis=-1),
+...     helper.make_node("MatMul", ["p", "v"], ["o"], name="values"),
+... ]
+>>> mask = np.triu(np.full((4, 4), -np.inf, dtype=np.float32), 1)
+>>> consts = [helper.make_tensor("d", TensorProto.FLOAT, [], [2.0]),
+...           helper.make_tensor("mask", TensorProto.FLOAT, [4, 4], mask.reshape(-1))]
+>>> x = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
+...      for n, s in (("q", [1, 2, 4, 8]), ("k", [1, 2, 8, 4]), ("v", [1, 2, 4, 8]))]
+>>> o = helper.make_tensor_value_info("o", TensorProto.FLOAT, None)
+>>> from autopar.graph import load_model
+>>> graph = load_model(helper.make_model(helper.make_graph(nodes, "g", x, [o], consts)))
+>>> region, = find_attention(graph)
+>>> region.scores, region.values, region.inner, region.rows, region.kept_share
+('scores', 'values', ('scale', 'mask', 'softmax'), 8, 0.625)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.graph.types import Graph, OpNode
+
+THROUGH = frozenset({"Mul", "Div", "Add", "Sub", "Where", "Cast", "Reshape", "Tanh", "Dropout", "Identity"})
+"""Operators a score tensor may pass through between the two products (the scale, mask, bias, soft cap,
+casts around a softmax in FP32, a reshape between a 3-D and a 4-D product, dropout or the Identity
+an exporter writes for it)."""
+
+MASKED_BELOW = -1e4
+"""An additive mask entry at or below this hides its score (exporters write -inf or the dtype's minimum)."""
+
+
+@dataclass(frozen=True)
+class AttentionRegion:
+    """One attention chain: the operators a flash kernel runs as one.
+
+    ``scores`` is the product of queries and keys, ``values`` the product of the probabilities with the
+    values, ``inner`` the operators between them (scale, mask, softmax, ...), ``hidden`` the s x s tensors
+    the kernel never writes; ``rows`` counts the query rows (a log-sum-exp each is kept for the backward)
+    and ``kept_share`` the share of the scores a causal kernel computes.
+    """
+
+    scores: str
+    values: str
+    inner: tuple[str, ...]
+    hidden: tuple[str, ...]
+    rows: int
+    kept_share: float = 1.0
+
+
+def find_attention(graph: Graph) -> tuple[AttentionRegion, ...]:
+    """Every attention chain of the graph, in graph order."""
+    ops = {op.name: op for op in graph.ops}
+    found = []
+    for op in graph.ops:
+        if op.op_type == "Softmax":
+            region = _around(graph, ops, op)
+            if region is not None:
+                found.append(region)
+    return tuple(found)
+
+
+def _one_reader(graph: Graph, tensor: str) -> str | None:
+    readers = graph.consumers.get(tensor, ())
+    return readers[0] if len(readers) == 1 and tensor not in graph.outputs else None
+
+
+def _score_input(graph: Graph, op: OpNode, size: int) -> str | None:
+    """The input of a pass-through operator that carries the scores: the one activation of their size."""
+    carried = [
+        name
+        for name in op.inputs
+        if name and graph.tensor(name).kind == "activation" and graph.tensor(name).numel == size
+    ]
+    return carried[0] if len(carried) == 1 else None
+
+
+def _around(graph: Graph, ops: dict[str, OpNode], softmax: OpNode) -> AttentionRegion | None:
+    scores_shape = graph.tensor(softmax.inputs[0]).shape
+    axis = int(softmax.attrs.get("axis", -1))
+    if len(scores_shape) < 3 or axis not in (-1, len(scores_shape) - 1):
+        return None
+    size = math.prod(scores_shape)
+    inner, hidden = [softmax.name], []
+    masks: list[tuple[str, bool | None]] = []  # (mask, the condition value that hides: None if additive)
+    tensor = softmax.inputs[0]
+    while True:  # back to the product of queries and keys
+        if _one_reader(graph, tensor) is None or tensor not in graph.producer:
+            return None
+        hidden.append(tensor)
+        op = ops[graph.producer[tensor]]
+        if op.op_type == "MatMul":
+            scores = op
+            break
+        carried = _score_input(graph, op, size) if op.op_type in THROUGH else None
+        if carried is None:
+            return None
+        if op.op_type == "Add":
+            masks += [(name, None) for name in op.inputs if name and name != carried]
+        elif op.op_type == "Where" and len(op.inputs) == 3 and carried in op.inputs[1:]:
+            fill = op.inputs[1] if carried == op.inputs[2] else op.inputs[2]
+            value = graph.tensor(fill).value
+            if value is not None and value.size == 1 and float(value.reshape(-1)[0]) <= MASKED_BELOW:
+                masks.append((op.inputs[0], carried == op.inputs[2]))
+        inner.insert(0, op.name)
+        tensor = carried
+    tensor = softmax.outputs[0]
+    while True:  # on to the product with the values
+        reader = _one_reader(graph, tensor)
+        if reader is None:
+            return None
+        hidden.append(tensor)
+        op = ops[reader]
+        if op.op_type == "MatMul":
+            if op.inputs[0] != tensor:
+                return None
+            values = op
+            break
+        if op.op_type not in THROUGH or _score_input(graph, op, size) != tensor:
+            return None
+        inner.append(op.name)
+        tensor = op.outputs[0]
+    factors = (*scores.inputs, values.inputs[1])
+    if any(graph.tensor(name).kind not in ("activation", "input") for name in factors):
+        return None
+    share = min((_causal_share(graph, name, scores_shape, hidden_where) for name, hidden_where in masks), default=1.0)
+    return AttentionRegion(scores.name, values.name, tuple(inner), tuple(hidden), size // scores_shape[-1], share)
+
+
+def _causal_share(graph: Graph, mask: str, scores_shape: tuple[int, ...], hidden_where: bool | None) -> float:
+    """The share of scores a causal kernel computes under this mask, or 1.0 where it is not a known causal
+    mask (queries align with the last keys: query i sees keys up to i + keys - queries).
+
+    ``hidden_where`` is None for an additive mask; for a ``Where`` condition, the value of the condition
+    that hides a score (``Where(cond, -inf, scores)`` hides where it is true).
+    """
+    value = graph.tensor(mask).value
+    if value is None or value.ndim < 2:
+        return 1.0
+    queries, keys = scores_shape[-2], scores_shape[-1]
+    if value.shape[-2:] != (queries, keys):
+        return 1.0
+    visible = np.tril(np.ones((queries, keys), dtype=bool), keys - queries)
+    if hidden_where is None:
+        if not np.issubdtype(value.dtype, np.floating):
+            return 1.0
+        hidden = value.reshape(-1, queries, keys) <= MASKED_BELOW
+    else:
+        condition = value.reshape(-1, queries, keys).astype(bool)
+        hidden = condition if hidden_where else ~condition
+    if not np.array_equal(hidden, np.broadcast_to(~visible, hidden.shape)):
+        return 1.0
+    return float(visible.sum()) / (queries * keys)

@@ -1,0 +1,138 @@
+"""Attention chains found in exports (`autopar.graph.attention`), and what a fused kernel changes in their cost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import autopar
+from autopar.cost import HardwareProfile
+from autopar.graph import load_model
+from autopar.graph.attention import find_attention
+from tests.conftest import make_model, simple_profile_dict, weight
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize(
+    "export",
+    [
+        "torch_llama_dynamo",
+        "torch_llama_legacy",
+        "torch_gpt_dynamo",
+        "hf_qwen3_dynamo",
+        "hf_bloom_dynamo",
+        "hf_t5_legacy",
+        "hf_clip_dynamo",
+        "hf_swin_legacy",
+        "hf_albert_dynamo",
+        "hf_deepseek_v3_dynamo",
+    ],
+)
+def test_every_softmax_of_an_exported_attention_is_a_chain(export):
+    graph = load_model(DATA / f"{export}.onnx")
+    softmaxes = {op.name for op in graph.ops if op.op_type == "Softmax"}
+    regions = find_attention(graph)
+    assert {name for region in regions for name in region.inner if name in softmaxes} == softmaxes
+    for region in regions:
+        scores, values = graph.op(region.scores), graph.op(region.values)
+        assert (scores.op_type, values.op_type) == ("MatMul", "MatMul")
+        assert graph.tensor(values.inputs[0]).name in region.hidden
+        assert graph.tensor(scores.outputs[0]).name in region.hidden
+
+
+def test_a_router_softmax_is_not_attention():
+    graph = load_model(DATA / "hf_olmoe_dynamo.onnx")
+    softmaxes = [op for op in graph.ops if op.op_type == "Softmax"]
+    regions = find_attention(graph)
+    assert len(softmaxes) == 2 and len(regions) == 1  # the router's softmax feeds TopK, not a product
+
+
+@pytest.mark.parametrize("export", ["torch_llama_dynamo", "torch_gpt_dynamo"])
+def test_a_known_causal_mask_halves_the_scores_computed(export):
+    """The additive mask (-inf above the diagonal) and masked_fill's Where both mark 16 x 16 causal scores."""
+    (region, *_) = find_attention(load_model(DATA / f"{export}.onnx"))
+    assert region.kept_share == (16 * 17 / 2) / (16 * 16)
+
+
+def _attention(mask: np.ndarray | None = None, read_twice: bool = False, key_weight: bool = False):
+    """Z = softmax(Q K^T / 4 [+ mask]) V Wo with Q, K, V = X Wq, X Wk, X Wv; X [4, 8, 16], one head."""
+    nodes = [helper.make_node("MatMul", ["X", w], [w.lower()[1]], name=w) for w in ("Wq", "Wk", "Wv")]
+    key = "Wt" if key_weight else "kt"
+    nodes += [
+        helper.make_node("Transpose", ["k"], ["kt"], name="transpose", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", key], ["s"], name="scores"),
+        helper.make_node("Div", ["s", "four"], ["scaled"], name="scale"),
+    ]
+    last = "scaled"
+    if mask is not None:
+        nodes.append(helper.make_node("Add", ["scaled", "mask"], ["masked"], name="mask"))
+        last = "masked"
+    nodes += [
+        helper.make_node("Softmax", [last], ["p"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["o"], name="values"),
+        helper.make_node("MatMul", ["o", "Wo"], ["Z"], name="out"),
+    ]
+    inits = [weight(w, [16, 16], i) for i, w in enumerate(("Wq", "Wk", "Wv", "Wo"))]
+    inits.append(numpy_helper.from_array(np.array(4.0, dtype=np.float32), "four"))
+    if mask is not None:
+        inits.append(numpy_helper.from_array(mask.astype(np.float32), "mask"))
+    if key_weight:
+        inits.append(weight("Wt", [16, 8], 9))
+    return make_model(nodes, [("X", TensorProto.FLOAT, [4, 8, 16])], ["Z", "p"] if read_twice else ["Z"], inits)
+
+
+def test_probabilities_read_twice_or_a_weight_as_keys_are_no_chain():
+    assert len(find_attention(load_model(_attention()))) == 1
+    assert find_attention(load_model(_attention(read_twice=True))) == ()
+    assert find_attention(load_model(_attention(key_weight=True))) == ()
+
+
+def test_a_mask_that_is_not_causal_computes_every_score():
+    padding = np.zeros((8, 8))
+    padding[:, -2:] = -np.inf  # the last two keys hidden from every query
+    assert find_attention(load_model(_attention(mask=padding)))[0].kept_share == 1.0
+    causal = np.triu(np.full((8, 8), -1e9), 1)
+    assert find_attention(load_model(_attention(mask=causal)))[0].kept_share == 36 / 64
+
+
+def _fused(efficiency: float | None) -> HardwareProfile:
+    data = simple_profile_dict()
+    if efficiency is not None:
+        data["compute"]["attention_efficiency"] = {"value": efficiency, "source": "test value"}
+    return HardwareProfile.model_validate(data)
+
+
+def _operators(plan) -> dict[str, dict]:
+    return {op["name"]: op for op in plan.to_dict()["ops"]}
+
+
+def test_a_fused_kernel_costs_its_products_by_hand():
+    """On 1 device at 1e12 FLOP/s (`conftest.simple_profile_dict`) with a kernel at half of it, 5e11.
+
+    Both products do 2 x 4 x 8 x 8 x 16 = 8,192 FLOPs; the scores' backward takes two products and runs the
+    forward again (x4), the values' takes two (x3); the scale and the softmax run inside the kernel (0).
+    Unfused they run at the matmul rate, x3 each.
+    """
+    fused = _operators(autopar.plan(_attention(), devices=1, cost_model=_fused(0.5)))
+    assert fused["scores"]["cost"]["compute_s"] == pytest.approx(8192 / 5e11 * 4)
+    assert fused["values"]["cost"]["compute_s"] == pytest.approx(8192 / 5e11 * 3)
+    assert fused["softmax"]["cost"].get("compute_s", 0.0) == 0.0
+    assert fused["scale"]["cost"].get("compute_s", 0.0) == 0.0
+    plain = _operators(autopar.plan(_attention(), devices=1, cost_model=_fused(None)))
+    assert plain["scores"]["cost"]["compute_s"] == pytest.approx(8192 / 1e12 * 3)
+    assert plain["softmax"]["cost"]["compute_s"] > 0.0
+
+
+def test_a_fused_kernel_keeps_no_scores_but_the_output_and_a_log_sum_exp_per_row():
+    """Unfused the backward keeps the probabilities (4 x 8 x 8 FP16 = 512 B); fused, the output
+    (4 x 8 x 16 FP16 = 1,024 B, the projection keeps it anyway) and 32 FP32 log-sum-exps (128 B)."""
+
+    def activations(efficiency: float | None) -> int:
+        plan = autopar.plan(_attention(), devices=1, cost_model=_fused(efficiency))
+        return plan.to_dict()["totals"]["memory_breakdown"]["activations"]
+
+    assert activations(None) - activations(0.5) == 512 - 128
