@@ -393,120 +393,154 @@ def _low_nibbles(count: np.ndarray) -> np.ndarray:
     return np.where(count >= 16, full, (np.uint64(1) << shift) - np.uint64(1))
 
 
-def _moving_runs(
-    table: LayoutTable,
-    targets: np.ndarray,
-    held_length: np.ndarray,
-    held: np.ndarray,
-    rows: np.ndarray,
-    width: int,
-    length: np.ndarray,
-    want_length: np.ndarray,
-    want_code: np.ndarray,
-    prefix: np.ndarray,
-    dim: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """`redistribute._moving_run` for many pairs: per row (``rows`` of the per-pair arrays, ``width`` dims
-    wide), how many of dim ``dim``'s last bits (``held``, ``held_length`` of them) move in one AllToAll (0:
-    none, the last is gathered) and to which dim.
+class _Lockstep:
+    """The planner (`redistribute.symbolic_steps`) on a chunk of pairs in lockstep.
 
-    The place the target layout (``targets``, indices of ``table``) gives the last bit fixes the only
-    candidate run; one comparison of packed codes checks it. Only the cells read are gathered, never
-    whole rows."""
-    last = (held & np.uint64(15)).astype(np.int64)
-    where, place = table.places()
-    target, position = where[targets, last], place[targets, last]
-    into = np.maximum(target, 0)
-    cell = rows * width + into
-    runs = position + 1 - _cells(length)[cell]
-    fits = (target >= 0) & (target != dim) & _cells(prefix)[cell] & (runs >= 1) & (runs <= held_length)
-    low = _low_nibbles(np.maximum(runs, 0))
-    wants = _drop(_cells(want_code)[cell], np.maximum(_cells(want_length)[cell] - position - 1, 0))
-    fits &= (wants & low) == (held & low)
-    return np.where(fits, runs, 0), into
+    Its arrays hold the pairs still moving only (finished ones are dropped once they are half of them), one
+    row a pair, one column a dimension; a round takes one step for every pair (`round`) and updates only the
+    cells its step touched (`_touch`). Each step is fused into the pair's open one where the planner's
+    `_merge` would (`_step`), and a finished step adds its (latency, per byte) to the pair's sums.
+    """
 
+    def __init__(self, table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel) -> None:
+        count = len(src)
+        self.table, self.dst, self.prices = table, dst, _Prices.of(cost)
+        self.length, self.code = table.length[src].copy(), table.code[src].copy()
+        self.want_length, self.want_code = table.length[dst].copy(), table.code[dst].copy()
+        self.partial = table.partial[src].copy()
+        self.prefix, self.wanted = _status(self.length, self.code, self.want_length, self.want_code)
+        self.total = self.length.sum(axis=1)
+        self.width = self.length.shape[1]
+        self.pair = np.arange(count)
+        # the open (not yet finished) fused step of every pair
+        self.open_kind = np.full(count, -1, dtype=np.int64)
+        self.open_dim = np.zeros(count, dtype=np.int64)
+        self.open_mask = np.zeros(count, dtype=np.int64)
+        self.open_shift = np.zeros(count, dtype=np.int64)
+        self.sums = (np.zeros(count), np.zeros(count))  # latency, per byte
+        self.alive = np.ones(count, dtype=bool)
+        self.wrong = (~self.prefix).sum(axis=1)  # per pair: dimensions whose bits are not a prefix of the target's
+        self.grows = (self.wanted >= 0).sum(axis=1)  # per pair: dimensions still to extend
 
-def _chunk_coefficients(
-    table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
-) -> tuple[np.ndarray, np.ndarray]:
-    """The planner on a chunk of pairs in lockstep. Arrays hold the pairs still moving only
-    (finished ones are dropped each round), and a round updates only the cells its step touched."""
-    count = len(src)
-    length = table.length[src].copy()
-    code = table.code[src].copy()
-    want_length = table.length[dst].copy()
-    want_code = table.code[dst].copy()
-    partial = table.partial[src].copy()
-    prefix, wanted = _status(length, code, want_length, want_code)
-    total = length.sum(axis=1)
-    width = length.shape[1]
-    pair = np.arange(count)
-    # the open (not yet finished) fused step of every pair
-    open_kind = np.full(count, -1, dtype=np.int64)
-    open_dim = np.zeros(count, dtype=np.int64)
-    open_mask = np.zeros(count, dtype=np.int64)
-    open_shift = np.zeros(count, dtype=np.int64)
-    prices = _Prices.of(cost)
-    sums = [np.zeros(count) for _ in range(2)]  # latency, per byte
+    def run(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every pair's (latency, seconds per byte of the whole tensor)."""
+        while len(self.pair):
+            settled = self.wrong == 0
+            # 1. bits where the target does not want them: the longest run of the last ones another dim wants
+            # next, in order, moves there by one AllToAll (`redistribute._moving_run`); else the last is gathered
+            self._move_misplaced(np.flatnonzero(~settled))  # a finished pair is settled
+            # 2. every dimension holds a prefix of its target: extend the first one still growing
+            extend = settled & (self.grows > 0)  # a finished pair wants nothing more
+            self._extend(np.flatnonzero(extend))
+            # 3. done: finish the open step, then AllReduce whatever is still partial; drop the pair
+            self._finish(np.flatnonzero(settled & ~extend & self.alive))
+        return self.sums
 
-    def emit(rows: np.ndarray, kind: np.ndarray, mask: np.ndarray, shift: np.ndarray) -> None:
+    def _emit(self, rows: np.ndarray, kind: np.ndarray, mask: np.ndarray, shift: np.ndarray) -> None:
         """Add finished steps (one per row) in order."""
-        where = pair[rows]
-        latency, per_byte = prices.look_up(kind, mask)
-        sums[0][where] += latency
-        sums[1][where] += per_byte * np.ldexp(1.0, -shift)
+        where = self.pair[rows]
+        latency, per_byte = self.prices.look_up(kind, mask)
+        self.sums[0][where] += latency
+        self.sums[1][where] += per_byte * np.ldexp(1.0, -shift)
 
-    def close(rows: np.ndarray) -> None:
-        rows = rows[open_kind[rows] >= 0]
+    def _close(self, rows: np.ndarray) -> None:
+        rows = rows[self.open_kind[rows] >= 0]
         if len(rows):
-            emit(rows, open_kind[rows], open_mask[rows], open_shift[rows])
+            self._emit(rows, self.open_kind[rows], self.open_mask[rows], self.open_shift[rows])
 
-    def step(rows: np.ndarray, kind: np.ndarray, dim: np.ndarray, mask: np.ndarray, shift: np.ndarray) -> None:
+    def _step(self, rows: np.ndarray, kind: np.ndarray, dim: np.ndarray, mask: np.ndarray, shift: np.ndarray) -> None:
         """One step per row over the bits of ``mask`` (one bit, or an AllToAll's run): fused into the
         open step, or that one finished and this one opened."""
-        fuse = (open_kind[rows] == kind) & (open_dim[rows] == dim) & _MERGEABLE[kind]
+        fuse = (self.open_kind[rows] == kind) & (self.open_dim[rows] == dim) & _MERGEABLE[kind]
         fresh = rows[~fuse]
-        close(fresh)
-        open_kind[fresh] = kind[~fuse]
-        open_dim[fresh] = dim[~fuse]
-        open_mask[fresh] = mask[~fuse]
-        open_shift[fresh] = shift[~fuse]
+        self._close(fresh)
+        self.open_kind[fresh] = kind[~fuse]
+        self.open_dim[fresh] = dim[~fuse]
+        self.open_mask[fresh] = mask[~fuse]
+        self.open_shift[fresh] = shift[~fuse]
         fused = rows[fuse]
-        open_mask[fused] |= mask[fuse]
-        open_shift[fused] = np.minimum(open_shift[fused], shift[fuse])
+        self.open_mask[fused] |= mask[fuse]
+        self.open_shift[fused] = np.minimum(self.open_shift[fused], shift[fuse])
 
-    def touch(rows: np.ndarray, dim: np.ndarray) -> None:
+    def _touch(self, rows: np.ndarray, dim: np.ndarray) -> None:
         """Recompute one cell per row after its bits changed, and the row's counts of wrong and growing dims."""
-        cell = rows * width + dim  # flat indices: a 1-D gather per array, cheaper than a 2-D advanced index
-        flat_prefix, flat_wanted = _cells(prefix), _cells(wanted)
+        cell = rows * self.width + dim  # flat indices: a 1-D gather per array, cheaper than a 2-D advanced index
+        flat_prefix, flat_wanted = _cells(self.prefix), _cells(self.wanted)
         was_prefix, was_growing = flat_prefix[cell], flat_wanted[cell] >= 0
         now_prefix, now_wanted = _status(
-            _cells(length)[cell], _cells(code)[cell], _cells(want_length)[cell], _cells(want_code)[cell]
+            _cells(self.length)[cell],
+            _cells(self.code)[cell],
+            _cells(self.want_length)[cell],
+            _cells(self.want_code)[cell],
         )
         flat_prefix[cell], flat_wanted[cell] = now_prefix, now_wanted
-        wrong[rows] += was_prefix.astype(np.int64) - now_prefix
-        grows[rows] += (now_wanted >= 0).astype(np.int64) - was_growing
+        self.wrong[rows] += was_prefix.astype(np.int64) - now_prefix
+        self.grows[rows] += (now_wanted >= 0).astype(np.int64) - was_growing
 
-    def moving(
-        rows: np.ndarray, dim: np.ndarray, held_length: np.ndarray, held: np.ndarray
+    def _moving_runs(
+        self, rows: np.ndarray, dim: np.ndarray, held_length: np.ndarray, held: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """`_moving_runs` of these rows' dim ``dim``, whose last ``held_length`` bits are ``held``."""
-        targets = dst[pair[rows]]
-        return _moving_runs(table, targets, held_length, held, rows, width, length, want_length, want_code, prefix, dim)
+        """`redistribute._moving_run` for these rows: how many of dim ``dim``'s last bits (``held``,
+        ``held_length`` of them) move in one AllToAll (0: none, the last is gathered) and to which dim.
 
-    def gather_on(rows: np.ndarray, dim: np.ndarray) -> None:
+        The place the target layout gives the last bit fixes the only candidate run; one comparison of packed
+        codes checks it. Only the cells read are gathered, never whole rows."""
+        last = (held & np.uint64(15)).astype(np.int64)
+        where, place = self.table.places()
+        targets = self.dst[self.pair[rows]]
+        target, position = where[targets, last], place[targets, last]
+        into = np.maximum(target, 0)
+        cell = rows * self.width + into
+        runs = position + 1 - _cells(self.length)[cell]
+        fits = (target >= 0) & (target != dim) & _cells(self.prefix)[cell] & (runs >= 1) & (runs <= held_length)
+        low = _low_nibbles(np.maximum(runs, 0))
+        wants = _drop(_cells(self.want_code)[cell], np.maximum(_cells(self.want_length)[cell] - position - 1, 0))
+        fits &= (wants & low) == (held & low)
+        return np.where(fits, runs, 0), into
+
+    def _move_misplaced(self, rows: np.ndarray) -> None:
+        """Round step 1 for these rows: the first wrong dimension's run of last bits moves by one AllToAll
+        where another dim wants it next, else its last bit is gathered (and the gathers after, `_gather_on`)."""
+        if not len(rows):
+            return
+        d = np.argmax(~self.prefix[rows], axis=1)
+        cell = rows * self.width + d
+        flat_length, flat_code = _cells(self.length), _cells(self.code)
+        held_length, held = flat_length[cell], flat_code[cell]
+        runs, target = self._moving_runs(rows, d, held_length, held)
+        moved = runs > 0
+        popped = np.maximum(runs, 1)
+        run = held & _low_nibbles(popped)
+        mask = np.zeros(len(rows), dtype=np.int64)
+        for j in range(int(popped.max())):
+            nibble = ((run >> np.uint64(_NIBBLE * j)) & np.uint64(15)).astype(np.int64)
+            mask |= np.where(j < popped, np.int64(1) << nibble, 0)
+        shift = np.where(moved, self.total[rows], self.total[rows] - 1)
+        flat_length[cell] -= popped
+        flat_code[cell] = _drop(held, popped)
+        self._touch(rows, d)
+        to, into, many = rows[moved], target[moved], runs[moved]
+        cell = to * self.width + into
+        flat_length[cell] += many
+        flat_code[cell] = (flat_code[cell] << (many * _NIBBLE).astype(np.uint64)) | run[moved]
+        self._touch(to, into)
+        self.total[rows[~moved]] -= 1
+        self._step(rows, np.where(moved, _A2A, _AG), np.where(moved, target, d), mask, shift)
+        self._gather_on(rows[~moved], d[~moved])
+
+    def _gather_on(self, rows: np.ndarray, dim: np.ndarray) -> None:
         """Rows that just gathered the last bit of ``dim``: while that dim is still wrong and its new last bit
         moves nowhere, gather it too, fused into the open step, as the rounds after would (most of a
         redistribution's first steps are such runs of gathers)."""
-        flat_length, flat_code, flat_prefix = _cells(length), _cells(code), _cells(prefix)
+        flat_length, flat_code, flat_prefix = _cells(self.length), _cells(self.code), _cells(self.prefix)
         while len(rows):
-            cell = rows * width + dim
+            cell = rows * self.width + dim
             wrong_still = ~flat_prefix[cell]
             rows, dim, cell = rows[wrong_still], dim[wrong_still], cell[wrong_still]
             if not len(rows):
                 return
             held = flat_code[cell]
-            runs, _ = moving(rows, dim, flat_length[cell], held)
+            runs, _ = self._moving_runs(rows, dim, flat_length[cell], held)
             gathers = runs == 0
             rows, dim, cell, held = rows[gathers], dim[gathers], cell[gathers], held[gathers]
             if not len(rows):
@@ -514,97 +548,85 @@ def _chunk_coefficients(
             bit = (held & np.uint64(15)).astype(np.int64)
             flat_length[cell] -= 1
             flat_code[cell] = held >> np.uint64(_NIBBLE)
-            touch(rows, dim)
-            total[rows] -= 1
-            step(rows, np.full(len(rows), _AG), dim, np.int64(1) << bit, total[rows])
+            self._touch(rows, dim)
+            self.total[rows] -= 1
+            self._step(rows, np.full(len(rows), _AG), dim, np.int64(1) << bit, self.total[rows])
 
-    alive = np.ones(count, dtype=bool)
-    wrong = (~prefix).sum(axis=1)  # per pair: dimensions whose bits are not a prefix of the target's
-    grows = (wanted >= 0).sum(axis=1)  # per pair: dimensions still to extend
-    while len(pair):
-        settled = wrong == 0
-        # 1. bits where the target does not want them: the longest run of the last ones another dim wants
-        # next, in order, moves there by one AllToAll (`redistribute._moving_run`); else the last is gathered
-        rows = np.flatnonzero(~settled)  # a finished pair is settled
-        if len(rows):
-            d = np.argmax(~prefix[rows], axis=1)
-            cell = rows * width + d
-            flat_length, flat_code = _cells(length), _cells(code)
-            held_length, held = flat_length[cell], flat_code[cell]
-            runs, target = moving(rows, d, held_length, held)
-            moved = runs > 0
-            popped = np.maximum(runs, 1)
-            run = held & _low_nibbles(popped)
-            mask = np.zeros(len(rows), dtype=np.int64)
-            for j in range(int(popped.max())):
-                nibble = ((run >> np.uint64(_NIBBLE * j)) & np.uint64(15)).astype(np.int64)
-                mask |= np.where(j < popped, np.int64(1) << nibble, 0)
-            shift = np.where(moved, total[rows], total[rows] - 1)
-            flat_length[cell] -= popped
-            flat_code[cell] = _drop(held, popped)
-            touch(rows, d)
-            to, into, many = rows[moved], target[moved], runs[moved]
-            cell = to * width + into
-            flat_length[cell] += many
-            flat_code[cell] = (flat_code[cell] << (many * _NIBBLE).astype(np.uint64)) | run[moved]
-            touch(to, into)
-            total[rows[~moved]] -= 1
-            step(rows, np.where(moved, _A2A, _AG), np.where(moved, target, d), mask, shift)
-            gather_on(rows[~moved], d[~moved])
-        # 2. every dimension holds a prefix of its target: extend the first one still growing, by the run of
-        # its next wanted bits that are all partial (ReduceScatter) or all not (slice): one step, as the
-        # planner's one-bit steps of that run fuse into
-        extend = settled & (grows > 0)  # a finished pair wants nothing more
-        rows = np.flatnonzero(extend)
-        if len(rows):
-            d = np.argmax(wanted[rows] >= 0, axis=1)
-            cell = rows * width + d
-            bit = _cells(wanted)[cell]
-            held = partial[rows]
-            reduces = (held >> bit) & 1 == 1
-            flat_length, flat_code = _cells(length), _cells(code)
-            room = _cells(want_length)[cell] - flat_length[cell]  # bits still wanted, the first being ``bit``
-            target = _cells(want_code)[cell]
-            many = np.ones(len(rows), dtype=np.int64)
-            mask = np.int64(1) << bit
-            going = room > 1
-            for j in range(1, int(room.max())):
-                going &= j < room
-                after = ((target >> (np.maximum(room - 1 - j, 0) * _NIBBLE).astype(np.uint64)) & np.uint64(15)).astype(
-                    np.int64
-                )
-                going &= ((held >> after) & 1 == 1) == reduces
-                if not going.any():
-                    break
-                many += going
-                mask |= np.where(going, np.int64(1) << after, 0)
-            partial[rows] = np.where(reduces, held & ~mask, held)
-            shift = total[rows].copy()
-            flat_length[cell] += many
-            flat_code[cell] = _drop(target, room - many)  # the target's bits so far: the held ones are its prefix
-            touch(rows, d)
-            total[rows] += many
-            step(rows, np.where(reduces, _RS, _SLICE), d, mask, shift)
-        # 3. done: finish the open step, then AllReduce whatever is still partial; drop the pair
-        done = settled & ~extend & alive
-        rows = np.flatnonzero(done)
-        if len(rows):
-            close(rows)
-            reducing = rows[partial[rows] != 0]
-            if len(reducing):
-                emit(reducing, np.full(len(reducing), _AR), partial[reducing], total[reducing])
-            alive[rows] = False
-            open_kind[rows] = -1
-            if alive.sum() > len(alive) // 2:
-                continue  # finished pairs are dropped only once they are half the arrays: copying costs too
-            keep = alive
-            alive = alive[keep]
-            length, code, want_length, want_code = length[keep], code[keep], want_length[keep], want_code[keep]
-            partial, prefix, wanted, total, pair = partial[keep], prefix[keep], wanted[keep], total[keep], pair[keep]
-            wrong, grows = wrong[keep], grows[keep]
-            open_kind, open_dim = open_kind[keep], open_dim[keep]
-            open_mask, open_shift = open_mask[keep], open_shift[keep]
-    return sums[0], sums[1]
+    def _extend(self, rows: np.ndarray) -> None:
+        """Round step 2 for these rows: the first dimension still growing takes the run of its next wanted bits
+        that are all partial (ReduceScatter) or all not (slice): one step, as the planner's one-bit steps of
+        that run fuse into."""
+        if not len(rows):
+            return
+        d = np.argmax(self.wanted[rows] >= 0, axis=1)
+        cell = rows * self.width + d
+        bit = _cells(self.wanted)[cell]
+        held = self.partial[rows]
+        reduces = (held >> bit) & 1 == 1
+        flat_length, flat_code = _cells(self.length), _cells(self.code)
+        room = _cells(self.want_length)[cell] - flat_length[cell]  # bits still wanted, the first being ``bit``
+        target = _cells(self.want_code)[cell]
+        many = np.ones(len(rows), dtype=np.int64)
+        mask = np.int64(1) << bit
+        going = room > 1
+        for j in range(1, int(room.max())):
+            going &= j < room
+            after = ((target >> (np.maximum(room - 1 - j, 0) * _NIBBLE).astype(np.uint64)) & np.uint64(15)).astype(
+                np.int64
+            )
+            going &= ((held >> after) & 1 == 1) == reduces
+            if not going.any():
+                break
+            many += going
+            mask |= np.where(going, np.int64(1) << after, 0)
+        self.partial[rows] = np.where(reduces, held & ~mask, held)
+        shift = self.total[rows].copy()
+        flat_length[cell] += many
+        flat_code[cell] = _drop(target, room - many)  # the target's bits so far: the held ones are its prefix
+        self._touch(rows, d)
+        self.total[rows] += many
+        self._step(rows, np.where(reduces, _RS, _SLICE), d, mask, shift)
+
+    def _finish(self, rows: np.ndarray) -> None:
+        """Round step 3 for these rows: close the open step, AllReduce what is still partial, retire the pair
+        (the arrays shrink once the retired are half of them: copying costs too)."""
+        if not len(rows):
+            return
+        self._close(rows)
+        reducing = rows[self.partial[rows] != 0]
+        if len(reducing):
+            self._emit(reducing, np.full(len(reducing), _AR), self.partial[reducing], self.total[reducing])
+        self.alive[rows] = False
+        self.open_kind[rows] = -1
+        if self.alive.sum() > len(self.alive) // 2:
+            return
+        keep = self.alive
+        for name in (
+            "alive",
+            "length",
+            "code",
+            "want_length",
+            "want_code",
+            "partial",
+            "prefix",
+            "wanted",
+            "total",
+            "pair",
+            "wrong",
+            "grows",
+            "open_kind",
+            "open_dim",
+            "open_mask",
+            "open_shift",
+        ):
+            setattr(self, name, getattr(self, name)[keep])
+
+
+def _chunk_coefficients(
+    table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """The planner on a chunk of pairs in lockstep (`_Lockstep`)."""
+    return _Lockstep(table, src, dst, cost).run()
 
 
 class _Prices:
