@@ -46,6 +46,16 @@ def configuration(kind: str, layers: int, seq: int):
             max_position_embeddings=8192,
             rope_theta=500000.0,
         )
+    if kind == "llama2_7b":  # NeMo's long-sequence runs: 32 heads, no grouped-query attention
+        return hf.LlamaConfig(
+            num_hidden_layers=layers,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            intermediate_size=11008,
+            vocab_size=32000,
+            max_position_embeddings=max(seq, 4096),
+        )
     if kind == "mixtral":  # Mixtral 8x7B: 8 experts, top 2, grouped-query attention
         return hf.MixtralConfig(
             num_hidden_layers=layers,
@@ -102,7 +112,7 @@ def configuration(kind: str, layers: int, seq: int):
             chunk_size=256,
             vocab_size=50288,
         )
-    raise SystemExit(f"unknown kind {kind!r}: choose llama3_8b, mixtral, albert, deepseek_v3 or mamba2")
+    raise SystemExit(f"unknown kind {kind!r}: choose llama3_8b, llama2_7b, mixtral, albert, deepseek_v3 or mamba2")
 
 
 @contextlib.contextmanager

@@ -235,6 +235,7 @@ def test_a_weight_product_runs_its_batch_dimensions_as_rows():
     rows = make_model([node], [("X", TensorProto.FLOAT, [64, 16, 1024])], ["Y"], [weight("W", [1024, 2048])])
     (op,) = autopar.plan(rows, devices=1, cost_model=profile).to_dict()["ops"]
     assert op["cost"]["compute_s"] == pytest.approx(flops / (1e12 * 0.5) * 2, rel=1e-9)
-    inputs = [("X", TensorProto.FLOAT, [64, 16, 1024]), ("W", TensorProto.FLOAT, [64, 1024, 2048])]
-    (op,) = autopar.plan(make_model([node], inputs, ["Y"]), devices=1, cost_model=profile).to_dict()["ops"]
-    assert op["cost"]["compute_s"] == pytest.approx(flops / (1e12 * 0.5 * 0.25), rel=1e-9)
+    for batched in ([64, 1024, 2048], [1, 1024, 2048]):  # a broadcast batch axis still makes a batched product
+        inputs = [("X", TensorProto.FLOAT, [64, 16, 1024]), ("W", TensorProto.FLOAT, batched)]
+        (op,) = autopar.plan(make_model([node], inputs, ["Y"]), devices=1, cost_model=profile).to_dict()["ops"]
+        assert op["cost"]["compute_s"] == pytest.approx(flops / (1e12 * 0.5 * 0.25), rel=1e-9)

@@ -136,3 +136,74 @@ def test_a_fused_kernel_keeps_no_scores_but_the_output_and_a_log_sum_exp_per_row
         return plan.to_dict()["totals"]["memory_breakdown"]["activations"]
 
     assert activations(None) - activations(0.5) == 512 - 128
+
+
+def test_a_dropout_inside_the_chain_keeps_no_mask_where_the_kernel_runs():
+    """Dropout(P) keeps its s x s mask for the backward as an operator (4 x 8 x 8 booleans, 256 B); a flash
+    kernel draws it again from the seed."""
+    nodes = [
+        helper.make_node("MatMul", ["X", "Wq"], ["q"], name="Wq"),
+        helper.make_node("MatMul", ["X", "Wk"], ["k"], name="Wk"),
+        helper.make_node("MatMul", ["X", "Wv"], ["v"], name="Wv"),
+        helper.make_node("Transpose", ["k"], ["kt"], name="transpose", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"], name="scores"),
+        helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+        helper.make_node("Dropout", ["p", "ratio", "training"], ["pd", "mask"], name="drop"),
+        helper.make_node("MatMul", ["pd", "v"], ["o"], name="values"),
+        helper.make_node("MatMul", ["o", "Wo"], ["Z"], name="out"),
+    ]
+    inits = [weight(w, [16, 16], i) for i, w in enumerate(("Wq", "Wk", "Wv", "Wo"))]
+    inits += [
+        numpy_helper.from_array(np.array(0.1, dtype=np.float32), "ratio"),
+        numpy_helper.from_array(np.array(True), "training"),
+    ]
+    model = make_model(nodes, [("X", TensorProto.FLOAT, [4, 8, 16])], ["Z"], inits)
+    (region,) = find_attention(load_model(model))
+    assert "mask" in region.hidden and region.inner == ("softmax", "drop")
+    plain = autopar.plan(model, devices=1, cost_model=_fused(None)).to_dict()["totals"]["memory_breakdown"]
+    fused = autopar.plan(model, devices=1, cost_model=_fused(0.5)).to_dict()["totals"]["memory_breakdown"]
+    # unfused: the softmax keeps P, the dropout its output and its mask (512 + 512 + 256 B); fused: none of
+    # them, the output o (1,024 B, which the projection keeps anyway) and 32 log-sum-exps (128 B)
+    assert plain["activations"] - fused["activations"] == 512 + 512 + 256 - 128
+
+
+def test_a_softmax_of_opset_11_without_an_axis_normalises_more_than_the_keys():
+    model = _attention()
+    model.opset_import[0].version = 11
+    for node in model.graph.node:
+        if node.op_type == "Softmax":
+            del node.attribute[:]  # axis 1 before opset 13: over the queries and keys together
+    assert find_attention(load_model(model)) == ()
+
+
+def test_two_chains_sharing_a_product_are_not_attention_twice():
+    """softmax(q k) v, then softmax of that times w: the first product of values is no product of keys."""
+    nodes = [
+        helper.make_node("MatMul", ["q", "k"], ["s1"], name="scores"),
+        helper.make_node("Softmax", ["s1"], ["p1"], name="softmax1", axis=-1),
+        helper.make_node("MatMul", ["p1", "v"], ["o1"], name="values"),
+        helper.make_node("Softmax", ["o1"], ["p2"], name="softmax2", axis=-1),
+        helper.make_node("MatMul", ["p2", "w"], ["o2"], name="again"),
+    ]
+    shapes = [("q", [2, 8, 8]), ("k", [2, 8, 8]), ("v", [2, 8, 8]), ("w", [2, 8, 8])]
+    model = make_model(nodes, [(n, TensorProto.FLOAT, s) for n, s in shapes], ["o2"])
+    regions = find_attention(load_model(model))
+    assert [(r.scores, r.values) for r in regions] == [("scores", "values")]
+
+
+def test_fp8_runs_a_weight_s_products_in_fp8_and_attention_s_in_bf16():
+    """Unfused attention (its probabilities are a graph output): the four projections multiply a weight and
+    run in FP8; Q K^T and P V multiply activations and stay in BF16, their operands kept in two bytes. The
+    attention's output is kept by the output projection alone: in one byte."""
+    from autopar.cost import CostModel
+    from autopar.search.dataflow import Dataflow
+    from autopar.strategy import OpRule
+
+    data = simple_profile_dict()
+    data["compute"]["peak_flops_fp8"] = {"value": 4e12, "source": "test value"}
+    cost = CostModel(HardwareProfile.model_validate(data), "fp8")
+    graph = load_model(_attention(read_twice=True))
+    rules = [OpRule.build(op, graph, 0) for op in graph.ops]
+    flow = Dataflow.of(graph, rules, cost, 1, frozenset())
+    assert flow.fp8_products == {"Wq", "Wk", "Wv", "out"}
+    assert flow.kept_low == {"o"}

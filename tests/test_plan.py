@@ -62,7 +62,8 @@ def test_every_replicated_parameter_has_its_gradient_sync(plan8, graph):
         expected = op_bits - layout.split_bits
         assert set(entry["bits"]) == expected
         sharded = node in plan8.search.choices.sharded  # the parallel optimizer: each rank its shard
-        assert entry["collective"] == (None if not expected else "ReduceScatter" if sharded else "AllReduce")
+        scattered = sharded and "dim" in entry  # no dimension the shards divide: a flat slice, summed whole
+        assert entry["collective"] == (None if not expected else "ReduceScatter" if scattered else "AllReduce")
 
 
 def test_data_parallel_plan_syncs_every_weight_over_all_devices(graph):

@@ -45,9 +45,9 @@ class CostModel:
     """Seconds and bytes for one profile at one precision.
 
     ``precision``: ``mixed`` (FP16/BF16 compute, FP32 master weights), ``fp32``, or ``fp8``: mixed precision
-    with the matrix products (MatMul, Gemm) in FP8 at the profile's ``peak_flops_fp8`` and the activations
-    they alone keep for the backward in FP8, as NVIDIA's Transformer Engine runs them; convolutions,
-    attention kernels and the rest stay in BF16.
+    with the products of a weight (MatMul, Gemm; Transformer Engine's Linear layers) in FP8 at the profile's
+    ``peak_flops_fp8`` and the activations they alone keep for the backward in FP8, as Transformer Engine
+    runs them; products of two activations, convolutions, attention kernels and the rest stay in BF16.
 
     ``overlap``: bucketed gradient synchronisation runs beside the backward pass (Horovod, DDP,
     MindSpore), so only what the remaining backward compute cannot cover is exposed; without it
@@ -93,8 +93,9 @@ class CostModel:
         self.memory_reserve = float(reserve)
         self.peak_flops = (compute.peak_flops_fp32 if precision == "fp32" else compute.peak_flops_fp16).value
         self.cube_flops = self.peak_flops * compute.cube_efficiency.value
-        products = compute.peak_flops_fp8 if precision == "fp8" else None  # FP8 matrix products, the rest BF16
-        self.matmul_flops = (self.peak_flops if products is None else products.value) * compute.matmul_efficiency.value
+        self.matmul_flops = self.peak_flops * compute.matmul_efficiency.value  # a large matmul's rate
+        fp8 = compute.peak_flops_fp8 if precision == "fp8" else None  # a weight's products in FP8, the rest BF16
+        self.fp8_matmul_flops = None if fp8 is None else fp8.value * compute.matmul_efficiency.value
         falloff = compute.matmul_falloff
         self._falloff_log2 = np.log2(np.asarray(falloff.smallest_dim, dtype=np.float64))
         self._falloff = np.asarray(falloff.factor, dtype=np.float64)
@@ -129,8 +130,9 @@ class CostModel:
 
     @property
     def kept_product_itemsize(self) -> int | None:
-        """Bytes of an activation kept only for matrix products' backward, where they keep it in FP8 (1 B, as
-        Transformer Engine saves its FP8 casts of a Linear's input); None where they keep the compute dtype."""
+        """Bytes of an activation kept only for the backward of a weight's products, where they keep it in FP8
+        (1 B, as Transformer Engine saves its FP8 cast of a Linear's input); None where they keep the compute
+        dtype."""
         return 1 if self.precision == "fp8" else None
 
     def parameter_bytes_per_element(self, trainable: bool, state_shards: int = 1) -> float:
@@ -181,19 +183,23 @@ class CostModel:
             raise CostModelError(f"The {self.profile.name} profile has no fused attention kernel.")
         return self.attention_flops
 
-    def matmul_rate(self, smallest_dim: np.ndarray | float) -> np.ndarray:
+    def matmul_rate(self, smallest_dim: np.ndarray | float, fp8: bool = False) -> np.ndarray:
         """FLOP/s of a matmul whose smallest per-device dimension (of M, N and K) is ``smallest_dim``:
         the large-matmul rate times the profile's fall-off factor at that size (interpolated on log2 of
-        the size, the table's end values outside it)."""
+        the size, the table's end values outside it). ``fp8``: a weight's product under ``--precision fp8``,
+        at the FP8 peak (`fp8_matmul_flops`)."""
         size = np.maximum(np.asarray(smallest_dim, dtype=np.float64), 1.0)
-        return self.matmul_flops * np.interp(np.log2(size), self._falloff_log2, self._falloff)
+        return self._large(fp8) * np.interp(np.log2(size), self._falloff_log2, self._falloff)
+
+    def _large(self, fp8: bool) -> float:
+        return self.fp8_matmul_flops if fp8 and self.fp8_matmul_flops is not None else self.matmul_flops
 
     @property
     def fastest_matmul_rate(self) -> float:
         """The most FLOP/s any matmul reaches (the large-matmul rate at the fall-off table's best factor)."""
         return self.matmul_flops * float(np.max(self._falloff))
 
-    def fastest_matmul_rate_up_to(self, smallest_dim: float) -> float:
+    def fastest_matmul_rate_up_to(self, smallest_dim: float, fp8: bool = False) -> float:
         """The most FLOP/s a matmul whose smallest per-device dimension is at most ``smallest_dim`` reaches:
         `matmul_rate` is piecewise linear in log2 of the size, so its largest value up to there is at one
         of the table's sizes or at an end.
@@ -207,7 +213,7 @@ class CostModel:
         """
         top = float(np.log2(max(float(smallest_dim), 1.0)))
         sizes = [0.0, *(x for x in self._falloff_log2.tolist() if 0.0 < x < top), top]
-        return self.matmul_flops * float(np.max(np.interp(sizes, self._falloff_log2, self._falloff)))
+        return self._large(fp8) * float(np.max(np.interp(sizes, self._falloff_log2, self._falloff)))
 
     def compute_time(self, op_class: str, flops: float, nbytes: float, matmul_dim: float | None = None) -> float:
         """Roofline: the slower of arithmetic and memory traffic.

@@ -73,14 +73,17 @@ class AttentionRegion:
 
 
 def find_attention(graph: Graph) -> tuple[AttentionRegion, ...]:
-    """Every attention chain of the graph, in graph order."""
+    """Every attention chain of the graph, in graph order; a chain sharing a product with an earlier one
+    (the values product of one read as the scores product of the next) is not attention."""
     ops = {op.name: op for op in graph.ops}
-    found = []
+    found: list[AttentionRegion] = []
+    taken: set[str] = set()
     for op in graph.ops:
         if op.op_type == "Softmax":
             region = _around(graph, ops, op)
-            if region is not None:
+            if region is not None and not {region.scores, region.values} & taken:
                 found.append(region)
+                taken |= {region.scores, region.values}
     return tuple(found)
 
 
@@ -101,7 +104,7 @@ def _score_input(graph: Graph, op: OpNode, size: int) -> str | None:
 
 def _around(graph: Graph, ops: dict[str, OpNode], softmax: OpNode) -> AttentionRegion | None:
     scores_shape = graph.tensor(softmax.inputs[0]).shape
-    axis = int(softmax.attrs.get("axis", -1))
+    axis = int(softmax.attrs.get("axis", -1 if graph.opset >= 13 else 1))  # before opset 13: over axes 1 and on
     if len(scores_shape) < 3 or axis not in (-1, len(scores_shape) - 1):
         return None
     size = math.prod(scores_shape)
@@ -143,9 +146,12 @@ def _around(graph: Graph, ops: dict[str, OpNode], softmax: OpNode) -> AttentionR
         if op.op_type not in THROUGH or _score_input(graph, op, size) != tensor:
             return None
         inner.append(op.name)
+        hidden += [name for name in op.outputs[1:] if name]  # a dropout's mask: the kernel draws it again
         tensor = op.outputs[0]
     factors = (*scores.inputs, values.inputs[1])
-    if any(graph.tensor(name).kind not in ("activation", "input") for name in factors):
+    if any(
+        graph.tensor(name).kind not in ("activation", "input") or len(graph.tensor(name).shape) < 2 for name in factors
+    ):
         return None
     share = min((_causal_share(graph, name, scores_shape, hidden_where) for name, hidden_where in masks), default=1.0)
     return AttentionRegion(scores.name, values.name, tuple(inner), tuple(hidden), size // scores_shape[-1], share)

@@ -283,9 +283,11 @@ def gradient_sync(
         nbytes = layout.local_numel(info.shape) * cost.gradient_itemsize()
         sharded = node in choices.sharded and bool(bits)
         dim = parameter_gradient_layout(problem, name, choice, choices)[2] if sharded else None
-        kind = Collective.REDUCE_SCATTER if sharded else Collective.ALL_REDUCE
+        # where no dimension divides, the optimizer state is a flat slice and the gradient is summed whole
+        # (an AllReduce costs what the ReduceScatter and the AllGather after the update cost together)
+        kind = Collective.REDUCE_SCATTER if sharded and dim is not None else Collective.ALL_REDUCE
         seconds = cost.gradient_sync_time(bits, nbytes, kind) if bits else 0.0
-        if sharded:
+        if kind == Collective.REDUCE_SCATTER:
             seconds += cost.gradient_sync_time(bits, nbytes, Collective.ALL_GATHER)
         entries.append(
             GradientSync(
@@ -305,11 +307,14 @@ def gradient_sync(
 
 
 def training_flops(problem: SearchProblem) -> float:
-    """Forward FLOPs plus the backward passes the cost model charges (inputs needing gradients)."""
+    """Forward FLOPs plus the backward passes the cost model charges (inputs needing gradients); a fused
+    attention's products count the scores a causal kernel computes, and not the scores' product run again."""
     total = 0.0
     for node, rule in enumerate(problem.rules):
         if rule.spec.op_class != "free":
-            total += rule.op.flops * (1.0 + problem.cost.backward_factor * problem.backward_passes(node))
+            part = problem.fused.get(rule.op.name)
+            share = part.share if part is not None and part.role != "inner" else 1.0
+            total += rule.op.flops * share * (1.0 + problem.cost.backward_factor * problem.backward_passes(node))
     return float(total)
 
 

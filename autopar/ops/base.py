@@ -41,8 +41,8 @@ class OpSpec:
     ``matmul_labels`` marks a matrix product (MatMul, Gemm) by the labels of its M, N and K (None for
     an M or N the operands lack, a matrix-vector product's): its efficiency depends on their sizes on
     one device (`autopar.cost.CostModel.matmul_rate`), where other "cube" work (convolutions) runs
-    at one fitted efficiency. ``matmul_folded`` are batch labels of the first operand that the second
-    broadcasts over (a [b, s, h] activation times a [h, f] weight): the library runs them as one product
+    at one fitted efficiency. ``matmul_folded`` are the batch labels of the first operand where the second
+    has no batch axes (a [b, s, h] activation times a [h, f] weight): the library runs them as one product
     whose M is their sizes times M's, so they count in M's size.
     """
 

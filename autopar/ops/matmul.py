@@ -123,7 +123,10 @@ def matmul(op: NodeView, graph: GraphView) -> OpSpec:
     present = set(a) | set(b) | set(out)  # a vector operand has no i (or j): no label that no tensor carries
     order = tuple(label for label in (*(f"b{i}" for i in range(batch_rank)), "i", "k", "j") if label in present)
     m, n = ("i" if len(a_shape) > 1 else None), ("j" if len(b_shape) > 1 else None)
-    folded = tuple(label for label in a if label is not None and label.startswith("b") and label not in b) if m else ()
+    # a weight-like second operand (no batch axes) makes the batch rows of one product; a batched one does not
+    folded = (
+        tuple(label for label in a if label is not None and label.startswith("b")) if m and len(b_shape) <= 2 else ()
+    )
     return OpSpec(
         inputs=(a, b),
         outputs=(out,),

@@ -433,7 +433,8 @@ def _node_costs(flow: Dataflow, node: int) -> NodeCosts:
         if part is not None:  # the fused kernel's rate, on the scores it computes
             rate, flops = np.full(count, cost.attention_rate), op.flops * part.share
         elif spec.matmul_labels is not None:  # a matmul's rate depends on its shape on one device
-            rate, flops = cost.matmul_rate(matmul_smallest_dim(rule, splits)), op.flops
+            fp8 = op.name in flow.fp8_products
+            rate, flops = cost.matmul_rate(matmul_smallest_dim(rule, splits), fp8), op.flops
         else:
             rate, flops = np.full(count, cost.cube_flops if op_class == "cube" else cost.vector_flops), op.flops
         work = flops / np.ldexp(1.0, splits.split(spec.label_order)) / rate

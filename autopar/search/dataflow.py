@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
+import numpy as np
+
 from autopar.cost import CostModel
-from autopar.graph import Graph, TensorInfo, gradient_reaches
+from autopar.graph import Graph, OpNode, TensorInfo, gradient_reaches
 from autopar.graph.attention import find_attention
 from autopar.layout import Layout
 from autopar.ops import Keeps
@@ -57,7 +59,8 @@ class Dataflow:
 
     ``fixed`` names the operators whose strategy the user fixed (semi-auto); ``kept`` the activations some
     backward needs (``kept_low`` those held in FP8); ``fused`` the operators of attention chains (by name)
-    that the profile's fused kernel runs (empty where the profile has none).
+    that the profile's fused kernel runs (empty where the profile has none); ``fp8_products`` the products
+    of a weight that ``--precision fp8`` runs in FP8.
     """
 
     graph: Graph
@@ -72,6 +75,7 @@ class Dataflow:
     fixed: frozenset[int]
     fused: Mapping[str, FusedPart]
     kept_low: frozenset[str]  # kept activations held in FP8 (`CostModel.kept_product_itemsize`)
+    fp8_products: frozenset[str]  # the products of a weight run in FP8 (`--precision fp8`; else empty)
 
     @classmethod
     def of(
@@ -82,11 +86,24 @@ class Dataflow:
         uses, owner = _uses(graph, rules)
         fused = fused_parts(graph, cost)
         kept = _kept_for_backward(graph, rules, grad, fused)
-        low = _kept_for_products(graph, rules, grad, fused) if cost.kept_product_itemsize else frozenset()
+        fp8 = weight_products(graph, rules) if cost.fp8_matmul_flops is not None else frozenset()
+        low = _kept_only_by(graph, rules, grad, fused, fp8) if cost.kept_product_itemsize else frozenset()
         mesh_bits = num_devices.bit_length() - 1
         frozen_grad, frozen_owner = MappingProxyType(grad), MappingProxyType(owner)
         return cls(
-            graph, tuple(rules), cost, num_devices, mesh_bits, uses, frozen_owner, frozen_grad, kept, fixed, fused, low
+            graph,
+            tuple(rules),
+            cost,
+            num_devices,
+            mesh_bits,
+            uses,
+            frozen_owner,
+            frozen_grad,
+            kept,
+            fixed,
+            fused,
+            low,
+            fp8,
         )
 
     @property
@@ -148,7 +165,9 @@ class Dataflow:
             return 1.0 + self.cost.backward_factor * passes
         if part.role == "inner":
             return 0.0
-        again = {"scores": 1.0, "kernel": 0.5, "values": 0.0}[part.role] if passes else 0.0
+        if part.role == "kernel":  # both products' backward and the scores' again: 2.5 forwards, once it runs
+            return 1.0 + 2.5 * self.cost.backward_factor if self.backward_runs(node) else 1.0
+        again = 1.0 if part.role == "scores" and passes else 0.0
         return 1.0 + self.cost.backward_factor * passes + again
 
     def backward_passes(self, node: int) -> int:
@@ -179,9 +198,20 @@ def fused_parts(graph: Graph, cost: CostModel) -> Mapping[str, FusedPart]:
         parts.update((name, FusedPart("inner", region.kept_share, hidden)) for name in region.inner)
     for op in graph.ops:
         if op.op_type == "Attention" and op.domain in ("", "ai.onnx"):
-            causal = bool(op.attrs.get("is_causal", 0))
-            parts[op.name] = FusedPart("kernel", 0.5 if causal else 1.0)
+            parts[op.name] = FusedPart("kernel", _causal_share(graph, op) if op.attrs.get("is_causal", 0) else 1.0)
     return MappingProxyType(parts)
+
+
+def _causal_share(graph: Graph, op: OpNode) -> float:
+    """The share of the scores a causal ``Attention`` computes: query i (of q, the last q of k positions, past
+    keys first) sees the keys up to its own position."""
+    q_shape, k_shape = graph.tensor(op.inputs[0]).shape, graph.tensor(op.inputs[1]).shape
+    axis = 2 if len(q_shape) == 4 else 1
+    queries, keys = q_shape[axis], k_shape[axis]
+    if len(op.inputs) > 4 and op.inputs[4]:  # the past keys come first
+        keys += graph.tensor(op.inputs[4]).shape[2]
+    visible = np.clip(np.arange(1, queries + 1) + (keys - queries), 0, keys).sum()
+    return float(visible) / (queries * keys)
 
 
 def _kept_for_backward(
@@ -211,17 +241,41 @@ def _keepers(
     return keepers
 
 
-def _kept_for_products(
-    graph: Graph, rules: Sequence[OpRule], requires_grad: Mapping[str, bool], fused: Mapping[str, FusedPart]
-) -> frozenset[str]:
-    """The kept activations only matrix products (MatMul, Gemm; not a fused attention's) keep: in FP8 they are
-    kept in FP8 (`CostModel.kept_product_itemsize`)."""
-    keepers = _keepers(graph, rules, requires_grad, fused)
+VIEWS = frozenset({"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze"})
+"""Operators that only re-lay a weight out (a Linear's weight transposed by the exporter is still the weight)."""
+
+
+def weight_products(graph: Graph, rules: Sequence[OpRule]) -> frozenset[str]:
+    """The matrix products (MatMul, Gemm) of which an operand is a weight, a parameter or a view of one
+    (`VIEWS`): Transformer Engine's Linear layers, which ``--precision fp8`` runs in FP8. A product of two
+    activations (attention's) stays in BF16."""
+    ops = {op.name: op for op in graph.ops}
+
+    def weight(name: str, depth: int = 0) -> bool:
+        info = graph.tensor(name)
+        if info.kind == "parameter":
+            return True
+        producer = graph.producer.get(name)
+        op = ops.get(producer) if producer else None
+        return op is not None and op.op_type in VIEWS and depth < 8 and weight(op.inputs[0], depth + 1)
+
     return frozenset(
-        name
-        for name, nodes in keepers.items()
-        if all(rules[n].spec.matmul_labels is not None and rules[n].op.name not in fused for n in nodes)
+        rule.op.name
+        for rule in rules
+        if rule.spec.matmul_labels is not None and any(weight(name) for name in rule.op.inputs[:2] if name)
     )
+
+
+def _kept_only_by(
+    graph: Graph,
+    rules: Sequence[OpRule],
+    requires_grad: Mapping[str, bool],
+    fused: Mapping[str, FusedPart],
+    products: frozenset[str],
+) -> frozenset[str]:
+    """The kept activations only ``products`` keep: in FP8 they are kept in FP8 (`CostModel.kept_product_itemsize`)."""
+    keepers = _keepers(graph, rules, requires_grad, fused)
+    return frozenset(name for name, nodes in keepers.items() if all(rules[n].op.name in products for n in nodes))
 
 
 def kept_by(

@@ -251,7 +251,7 @@ def compute_floor(problem: SearchProblem) -> float:
         if part is not None:
             rate, flops = cost.attention_rate, flops * part.share
         elif spec.matmul_labels is not None:
-            rate = cost.fastest_matmul_rate_up_to(_smallest_dim(rule))
+            rate = cost.fastest_matmul_rate_up_to(_smallest_dim(rule), rule.op.name in problem.fp8_products)
         else:
             rate = cost.cube_flops if spec.op_class == "cube" else cost.vector_flops
         traffic = sum(

@@ -21,6 +21,8 @@ family with a seed, given its training loss, and exported by torch 2.13:
   router's ``e_score_correction_bias`` is a buffer read only by the top-k choice, so no gradient reaches it.
 - ``hf_clip_dynamo.onnx``: CLIP, a text and a vision tower of 2 layers each and the contrastive loss
   (dynamo): the text tower pools each sequence at its end token, found by ArgMax.
+- ``hf_mamba2_dynamo.onnx``: Mamba2 causal LM, 2 layers of 4 heads, chunks of 4 positions (dynamo): the
+  chunked scan in PyTorch (no CUDA kernels here), its projections split by ``torch.split``.
 
 Parameters (float initializers that are not buffers) go to an external file that is not kept:
 autopar reads their shapes only, and verification draws random values. Node doc strings and the
@@ -171,6 +173,26 @@ def _deepseek_v3():
     return _with_loss(model, use_cache=False), (ids, ids), ["ids", "labels"]
 
 
+def _mamba2():
+    import torch
+    import transformers as hf
+
+    config = hf.Mamba2Config(
+        vocab_size=128,
+        hidden_size=32,
+        state_size=8,
+        num_heads=4,
+        head_dim=16,
+        n_groups=1,
+        expand=2,
+        chunk_size=4,
+        num_hidden_layers=2,
+    )
+    model = hf.Mamba2ForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    return _with_loss(model, use_cache=False), (ids, ids), ["ids", "labels"]
+
+
 def _clip():
     import torch
     import transformers as hf
@@ -210,6 +232,7 @@ FAMILIES = {
     "olmoe": (_olmoe, True),
     "deepseek_v3": (_deepseek_v3, True),
     "clip": (_clip, True),
+    "mamba2": (_mamba2, True),
 }
 
 
