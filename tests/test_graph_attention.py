@@ -207,3 +207,44 @@ def test_fp8_runs_a_weight_s_products_in_fp8_and_attention_s_in_bf16():
     flow = Dataflow.of(graph, rules, cost, 1, frozenset())
     assert flow.fp8_products == {"Wq", "Wk", "Wv", "out"}
     assert flow.kept_low == {"o"}
+
+
+def _computed_mask(positions: int, offset: int = 0):
+    """softmax(q k^T + mask) v, the mask computed as transformers writes it: Where(And(key <= query, keep), 0,
+    -inf), the key and query positions ramps along the last axis and the one before, ``keep`` a data input."""
+    nodes = [
+        helper.make_node("LessOrEqual", ["kv", "q_idx"], ["le"], name="le"),
+        helper.make_node("And", ["le", "keep"], ["visible"], name="and"),
+        helper.make_node("Where", ["visible", "zero", "fill"], ["mask"], name="where"),
+        helper.make_node("MatMul", ["q", "k"], ["s"], name="scores"),
+        helper.make_node("Add", ["s", "mask"], ["masked"], name="mask"),
+        helper.make_node("Softmax", ["masked"], ["p"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["o"], name="values"),
+    ]
+    ramp = np.arange(positions, dtype=np.int64)
+    inits = [
+        numpy_helper.from_array(ramp.reshape(1, 1, positions), "kv"),
+        numpy_helper.from_array((ramp + offset).reshape(1, positions, 1), "q_idx"),
+        numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero"),
+        numpy_helper.from_array(np.array(-np.inf, dtype=np.float32), "fill"),
+    ]
+    inputs = [
+        ("q", TensorProto.FLOAT, [1, positions, 8]),
+        ("k", TensorProto.FLOAT, [1, 8, positions]),
+        ("v", TensorProto.FLOAT, [1, positions, 8]),
+        ("keep", TensorProto.BOOL, [1, 1, positions]),
+    ]
+    return make_model(nodes, inputs, ["o"], inits)
+
+
+def test_a_causal_mask_computed_at_run_time_is_read_through_what_computes_it():
+    """Folded (8 positions: the comparison of two constants is a constant) or computed (4,096: 16 million
+    elements, too many to fold), key <= query marks the causal scores; an And with anything only hides more.
+    Queries ahead by one see one key more each; behind by one, one less."""
+    for positions in (8, 4096):
+        (region,) = find_attention(load_model(_computed_mask(positions)))
+        assert region.kept_share == pytest.approx((positions + 1) / (2 * positions))
+    ahead = find_attention(load_model(_computed_mask(4096, offset=1)))[0].kept_share
+    behind = find_attention(load_model(_computed_mask(4096, offset=-1)))[0].kept_share
+    assert ahead == pytest.approx((4096 * 4097 / 2 + 4095) / 4096**2)
+    assert behind == pytest.approx((4096 * 4095 / 2) / 4096**2)

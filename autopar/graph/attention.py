@@ -92,14 +92,29 @@ def _one_reader(graph: Graph, tensor: str) -> str | None:
     return readers[0] if len(readers) == 1 and tensor not in graph.outputs else None
 
 
-def _score_input(graph: Graph, op: OpNode, size: int) -> str | None:
-    """The input of a pass-through operator that carries the scores: the one activation of their size."""
+def _score_input(graph: Graph, op: OpNode, size: int, depth: int = 0) -> str | None:
+    """The input of a pass-through operator that carries the scores: the one activation of their size, or where
+    a mask has their size too, the one that leads back to a product through pass-through operators."""
     carried = [
         name
         for name in op.inputs
         if name and graph.tensor(name).kind == "activation" and graph.tensor(name).numel == size
     ]
+    if len(carried) > 1 and depth < 8:
+        carried = [name for name in carried if _from_product(graph, name, size, depth + 1)]
     return carried[0] if len(carried) == 1 else None
+
+
+def _from_product(graph: Graph, tensor: str, size: int, depth: int) -> bool:
+    """Whether ``tensor`` is a product's output, or passes one on through `THROUGH` operators."""
+    producer = graph.producer.get(tensor)
+    if producer is None:
+        return False
+    op = graph.op(producer)
+    if op.op_type == "MatMul":
+        return True
+    carried = _score_input(graph, op, size, depth) if op.op_type in THROUGH and depth < 8 else None
+    return carried is not None and _from_product(graph, carried, size, depth + 1)
 
 
 def _around(graph: Graph, ops: dict[str, OpNode], softmax: OpNode) -> AttentionRegion | None:
@@ -162,13 +177,19 @@ def _causal_share(graph: Graph, mask: str, scores_shape: tuple[int, ...], hidden
     mask (queries align with the last keys: query i sees keys up to i + keys - queries).
 
     ``hidden_where`` is None for an additive mask; for a ``Where`` condition, the value of the condition
-    that hides a score (``Where(cond, -inf, scores)`` hides where it is true).
+    that hides a score (``Where(cond, -inf, scores)`` hides where it is true). A mask computed at run time is
+    read through what computes it (`_visible_share`).
     """
-    value = graph.tensor(mask).value
-    if value is None or value.ndim < 2:
-        return 1.0
     queries, keys = scores_shape[-2], scores_shape[-1]
-    if value.shape[-2:] != (queries, keys):
+    value = graph.tensor(mask).value
+    if value is None:
+        if hidden_where is False:  # Where(cond, scores, -inf): the condition is what stays visible
+            return _visible_share(graph, mask, queries, keys)
+        producer = graph.op(graph.producer[mask]) if hidden_where is None and mask in graph.producer else None
+        if producer is not None and producer.op_type == "Where" and _additive_visible(graph, producer):
+            return _visible_share(graph, producer.inputs[0], queries, keys)
+        return 1.0
+    if value.ndim < 2 or value.shape[-2:] != (queries, keys):
         return 1.0
     visible = np.tril(np.ones((queries, keys), dtype=bool), keys - queries)
     if hidden_where is None:
@@ -181,3 +202,78 @@ def _causal_share(graph: Graph, mask: str, scores_shape: tuple[int, ...], hidden
     if not np.array_equal(hidden, np.broadcast_to(~visible, hidden.shape)):
         return 1.0
     return float(visible.sum()) / (queries * keys)
+
+
+def _additive_visible(graph: Graph, where: OpNode) -> bool:
+    """``Where(cond, 0, fill)`` with a fill that hides: an additive mask whose condition is what stays visible."""
+    keep, fill = (graph.tensor(name).value for name in where.inputs[1:3])
+    return (
+        keep is not None
+        and fill is not None
+        and keep.size == 1
+        and fill.size == 1
+        and float(keep.reshape(-1)[0]) == 0.0
+        and float(fill.reshape(-1)[0]) <= MASKED_BELOW
+    )
+
+
+PASSED_ON = frozenset({"Expand", "Cast", "Identity"})
+"""Operators a visibility condition passes through unchanged in its last two axes."""
+
+
+def _visible_share(graph: Graph, condition: str, queries: int, keys: int, depth: int = 0) -> float:
+    """The share of scores a causal kernel computes where ``condition`` (computed at run time) says which stay
+    visible: through an ``And`` the stricter side, through a comparison of two position ramps (``kv <= q`` as
+    transformers writes a causal mask, keys along the last axis, queries along the one before) the causal
+    share at their offset; 1.0 where neither is found."""
+    value = graph.tensor(condition).value
+    if value is not None:  # folded at import: causal or not, as it stands
+        return _known_visible(value.astype(bool), queries, keys)
+    producer = graph.producer.get(condition)
+    if producer is None or depth > 8:
+        return 1.0
+    op = graph.op(producer)
+    if op.op_type in PASSED_ON:
+        return _visible_share(graph, op.inputs[0], queries, keys, depth + 1)
+    if op.op_type == "And":
+        return min(_visible_share(graph, name, queries, keys, depth + 1) for name in op.inputs)
+    below = {"LessOrEqual": 0, "Less": -1}.get(op.op_type)  # key - query <= offset + this
+    above = {"GreaterOrEqual": 0, "Greater": -1}.get(op.op_type)
+    if below is not None:
+        key_side, query_side, slack = op.inputs[0], op.inputs[1], below
+    elif above is not None:
+        key_side, query_side, slack = op.inputs[1], op.inputs[0], above
+    else:
+        return 1.0
+    key_start = _ramp_start(graph.tensor(key_side).value, keys, axis=-1)
+    query_start = _ramp_start(graph.tensor(query_side).value, queries, axis=-2)
+    if key_start is None or query_start is None:
+        return 1.0
+    offset = query_start - key_start + slack  # key k is visible to query q where k - q <= offset
+    return float(np.clip(np.arange(queries) + offset + 1, 0, keys).sum()) / (queries * keys)
+
+
+def _known_visible(visible: np.ndarray, queries: int, keys: int) -> float:
+    """The causal share where ``visible`` is exactly the causal pattern (queries aligned with the last keys)
+    over its last two axes, 1.0 otherwise."""
+    if visible.ndim < 2 or visible.shape[-2:] != (queries, keys):
+        return 1.0
+    causal = np.tril(np.ones((queries, keys), dtype=bool), keys - queries)
+    if not np.array_equal(
+        visible.reshape(-1, queries, keys), np.broadcast_to(causal, (visible.size // causal.size, queries, keys))
+    ):
+        return 1.0
+    return float(causal.sum()) / (queries * keys)
+
+
+def _ramp_start(value: np.ndarray | None, size: int, axis: int) -> int | None:
+    """Where a tensor that counts 0, 1, 2, ... (plus a start) along ``axis`` and is constant along every other
+    axis starts; None for any other tensor."""
+    if value is None or value.ndim < 2 or value.shape[axis] != size or value.size != size * (value.size // size):
+        return None
+    if not np.issubdtype(value.dtype, np.integer) or value.size // size > 64:
+        return None
+    line = np.moveaxis(value, axis, -1).reshape(-1, size)
+    if not (line == line[0]).all() or not (np.diff(line[0]) == 1).all():
+        return None
+    return int(line[0][0])
