@@ -652,3 +652,18 @@ def test_a_buffer_only_the_routing_reads_gets_no_gradient_in_the_plan_the_runtim
     counted = inspect_summary(graph)["parameters"]
     trained = sum(p.numel for p in graph.parameters if p.name in synced)
     assert counted["trainable_elements"] == trained < counted["elements"]
+
+
+def test_a_broadcast_too_large_to_fold_is_not_evaluated_to_find_out():
+    """A comparison of position ramps, 8,192 x 8,192 (a causal mask's, 67 million entries): refused from its
+    inputs' shapes before the reference evaluator builds it; a small one, or an operator whose size its inputs
+    do not bound, still goes to the evaluator."""
+    from autopar.graph.fold import _surely_too_large
+
+    ramp = np.arange(8192, dtype=np.int64)
+    known = {"kv": ramp.reshape(1, 1, 8192), "q": ramp.reshape(1, 8192, 1), "small": ramp[:8].reshape(1, 8, 1)}
+    known["shape"], known["one"] = np.array([1, 8192, 8192], dtype=np.int64), np.zeros((1, 1, 1), dtype=bool)
+    assert _surely_too_large(helper.make_node("LessOrEqual", ["kv", "q"], ["le"]), known)
+    assert _surely_too_large(helper.make_node("Expand", ["one", "shape"], ["big"]), known)
+    assert not _surely_too_large(helper.make_node("LessOrEqual", ["kv", "small"], ["le"]), known)
+    assert not _surely_too_large(helper.make_node("Range", ["small", "small", "small"], ["r"]), known)

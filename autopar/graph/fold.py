@@ -86,11 +86,56 @@ def fold_constant(
     try:
         out_shape, _ = shape_of(node.output[0], infos)
     except ModelImportError:  # a size inference could not follow (a shape chain): evaluate, then bound
+        if _surely_too_large(node, constants):
+            return None
         value = _evaluate(node, constants, proto)
         return value if value is not None and value.size <= FOLD_MAX_ELEMENTS else None
     if math.prod(out_shape) > FOLD_MAX_ELEMENTS:
         return None
     return _evaluate(node, constants, proto)
+
+
+BROADCASTING = frozenset(
+    {
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Mod",
+        "Max",
+        "Min",
+        "And",
+        "Or",
+        "Xor",
+        "Where",
+        "Equal",
+        "Less",
+        "LessOrEqual",
+        "Greater",
+        "GreaterOrEqual",
+        "BitShift",
+        "BitwiseAnd",
+        "BitwiseOr",
+        "BitwiseXor",
+    }
+)
+"""Operators whose output has the inputs' broadcast shape: its size is known before they run."""
+
+
+def _surely_too_large(node: onnx.NodeProto, constants: dict[str, KnownValue]) -> bool:
+    """Whether the output of a node whose size inference left open is past `FOLD_MAX_ELEMENTS` by its inputs
+    alone (a broadcast, an Expand): such a value (a causal mask of 32k x 32k positions, 8.6 billion entries at
+    batch 8) would take seconds and gigabytes to evaluate, only to be refused."""
+    shapes = [np.shape(constants[name]) for name in node.input if name]
+    if node.op_type == "Expand" and len(shapes) == 2:
+        shapes[1] = tuple(int(d) for d in np.asarray(constants[node.input[1]]).reshape(-1))
+    elif node.op_type not in BROADCASTING:
+        return False
+    try:
+        return math.prod(np.broadcast_shapes(*shapes)) > FOLD_MAX_ELEMENTS
+    except ValueError:
+        return False
 
 
 def _dtype_of(name: str, infos: dict[str, onnx.ValueInfoProto]) -> np.dtype | None:
