@@ -185,3 +185,18 @@ def test_edge_tables_filled_by_the_kernel_are_numpy_s_bit_for_bit(monkeypatch, n
     assert len(_tables_of(got)) == len(_tables_of(want)) > 10
     for mine, theirs in zip(_tables_of(got), _tables_of(want)):
         assert mine.shape == theirs.shape and np.array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("shape", [(5, 7, 3, 4), (9, 1, 6, 2), (2, 3, 4, 1)])
+def test_a_three_operator_step_compiled_is_numpy_s_bit_for_bit(monkeypatch, numpy_path, count, shape):
+    """Two or three tables over four axes, each broadcast along some (a three-operator scope's step): the
+    kernels sum each entry as numpy does, in the same order, and keep the same minima."""
+    rng = np.random.default_rng(sum(shape) + count)
+    masks = [(1, 1, 0, 1), (0, 1, 1, 1), (1, 0, 1, 1)][:count]
+    parts = [rng.random(tuple(n if keep else 1 for n, keep in zip(shape, mask))) * 1e-3 for mask in masks]
+    want = numpy_path(lambda: dp._sum_min(parts))
+    monkeypatch.setattr(native, "ENTRIES", 1)  # every step compiled, however small
+    got = dp._sum_min(parts)
+    assert got.shape == want.shape == shape[:-1]
+    assert np.array_equal(got, want)

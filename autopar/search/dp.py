@@ -629,8 +629,11 @@ def _sum_min(parts: list[np.ndarray]) -> np.ndarray:
     """
     parts = [np.ascontiguousarray(part) for part in parts]
     shape = np.broadcast_shapes(*(part.shape for part in parts))
-    if native.worth(int(np.prod(shape)), native.ENTRIES) and _two_sided(parts):
-        return _min_plus_native(parts)
+    if native.worth(int(np.prod(shape)), native.ENTRIES):
+        if _two_sided(parts):
+            return _min_plus_native(parts)
+        if len(shape) == 4 and len(parts) in (2, 3):
+            return _sum_min_native(parts, shape)
     rows, columns = shape[0], shape[1]
     per_row = max(1, int(np.prod(shape[1:])))
     wide = len(shape) > 2 and per_row > _SLAB_CELLS  # blocks of the second axis, one row at a time
@@ -671,6 +674,17 @@ def _min_plus_native(parts: list[np.ndarray]) -> np.ndarray:
     out = np.empty((a.shape[0], b.shape[0]))
     kernel = native.kernels().min_plus_rows
     over_rows(lambda first, last: kernel(a, b, out, first, last), a.shape[0], out.size * a.shape[1])
+    return out
+
+
+def _sum_min_native(parts: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    """`_sum_min` of two or three tables over a three-operator scope (four axes, the last summed over) by the
+    compiled kernels: each entry the same sum in the same order, so the same minima (a Llama-2-7B at 32,768
+    tokens on 32 devices spends three quarters of its search in these steps)."""
+    views = [np.broadcast_to(part, shape) for part in parts]
+    out = np.empty(shape[:-1])
+    kernel = native.kernels().sum_min_two if len(views) == 2 else native.kernels().sum_min_three
+    over_rows(lambda first, last: kernel(*views, out, first, last), shape[0], int(np.prod(shape)))
     return out
 
 

@@ -17,6 +17,73 @@ _jit = numba.njit(cache=True, nogil=True)
 
 
 @_jit
+def sum_min_two(a: np.ndarray, b: np.ndarray, out: np.ndarray, first: int, last: int) -> None:
+    """Rows ``first`` .. ``last`` of out[i, j, l] = min_k a[i, j, l, k] + b[i, j, l, k]: two 4-D tables broadcast
+    to one shape (views whose broadcast axes have stride 0), as `dp._add_min` sums them, without the sum held.
+    Four entries of the third axis run side by side, each its own minimum (as `min_plus_rows` runs rows)."""
+    _, columns, middle, depth = a.shape
+    for i in range(first, last):
+        for j in range(columns):
+            m = 0
+            while m + 4 <= middle:
+                x0, x1, x2, x3 = a[i, j, m], a[i, j, m + 1], a[i, j, m + 2], a[i, j, m + 3]
+                y0, y1, y2, y3 = b[i, j, m], b[i, j, m + 1], b[i, j, m + 2], b[i, j, m + 3]
+                l0 = l1 = l2 = l3 = np.inf
+                for k in range(depth):
+                    v = x0[k] + y0[k]
+                    l0 = v if v < l0 else l0
+                    v = x1[k] + y1[k]
+                    l1 = v if v < l1 else l1
+                    v = x2[k] + y2[k]
+                    l2 = v if v < l2 else l2
+                    v = x3[k] + y3[k]
+                    l3 = v if v < l3 else l3
+                out[i, j, m], out[i, j, m + 1], out[i, j, m + 2], out[i, j, m + 3] = l0, l1, l2, l3
+                m += 4
+            while m < middle:
+                x, y = a[i, j, m], b[i, j, m]
+                least = np.inf
+                for k in range(depth):
+                    v = x[k] + y[k]
+                    least = v if v < least else least
+                out[i, j, m] = least
+                m += 1
+
+
+@_jit
+def sum_min_three(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray, first: int, last: int) -> None:
+    """`sum_min_two` of three tables, each entry (a + b) + c, the order numpy's sum takes."""
+    _, columns, middle, depth = a.shape
+    for i in range(first, last):
+        for j in range(columns):
+            m = 0
+            while m + 4 <= middle:
+                x0, x1, x2, x3 = a[i, j, m], a[i, j, m + 1], a[i, j, m + 2], a[i, j, m + 3]
+                y0, y1, y2, y3 = b[i, j, m], b[i, j, m + 1], b[i, j, m + 2], b[i, j, m + 3]
+                z0, z1, z2, z3 = c[i, j, m], c[i, j, m + 1], c[i, j, m + 2], c[i, j, m + 3]
+                l0 = l1 = l2 = l3 = np.inf
+                for k in range(depth):
+                    v = (x0[k] + y0[k]) + z0[k]
+                    l0 = v if v < l0 else l0
+                    v = (x1[k] + y1[k]) + z1[k]
+                    l1 = v if v < l1 else l1
+                    v = (x2[k] + y2[k]) + z2[k]
+                    l2 = v if v < l2 else l2
+                    v = (x3[k] + y3[k]) + z3[k]
+                    l3 = v if v < l3 else l3
+                out[i, j, m], out[i, j, m + 1], out[i, j, m + 2], out[i, j, m + 3] = l0, l1, l2, l3
+                m += 4
+            while m < middle:
+                x, y, z = a[i, j, m], b[i, j, m], c[i, j, m]
+                least = np.inf
+                for k in range(depth):
+                    v = (x[k] + y[k]) + z[k]
+                    least = v if v < least else least
+                out[i, j, m] = least
+                m += 1
+
+
+@_jit
 def min_plus_rows(a: np.ndarray, b: np.ndarray, out: np.ndarray, first: int, last: int) -> None:
     """Rows ``first`` .. ``last`` of out[i, j] = min_k a[i, k] + b[j, k] (``a`` and ``b`` C-contiguous).
 
