@@ -274,6 +274,6 @@ def _ramp_start(value: np.ndarray | None, size: int, axis: int) -> int | None:
     if not np.issubdtype(value.dtype, np.integer) or value.size // size > 64:
         return None
     line = np.moveaxis(value, axis, -1).reshape(-1, size)
-    if not (line == line[0]).all() or not (np.diff(line[0]) == 1).all():
+    if not (line == line[0]).all() or not (np.diff(line[0].astype(np.int64)) == 1).all():  # no wrapping round
         return None
     return int(line[0][0])
