@@ -189,19 +189,12 @@ def _causal_share(graph: Graph, mask: str, scores_shape: tuple[int, ...], hidden
         if producer is not None and producer.op_type == "Where" and _additive_visible(graph, producer):
             return _visible_share(graph, producer.inputs[0], queries, keys)
         return 1.0
-    if value.ndim < 2 or value.shape[-2:] != (queries, keys):
-        return 1.0
-    visible = np.tril(np.ones((queries, keys), dtype=bool), keys - queries)
     if hidden_where is None:
         if not np.issubdtype(value.dtype, np.floating):
             return 1.0
-        hidden = value.reshape(-1, queries, keys) <= MASKED_BELOW
-    else:
-        condition = value.reshape(-1, queries, keys).astype(bool)
-        hidden = condition if hidden_where else ~condition
-    if not np.array_equal(hidden, np.broadcast_to(~visible, hidden.shape)):
-        return 1.0
-    return float(visible.sum()) / (queries * keys)
+        return _known_visible(value > MASKED_BELOW, queries, keys)
+    condition = value.astype(bool)
+    return _known_visible(~condition if hidden_where else condition, queries, keys)
 
 
 def _additive_visible(graph: Graph, where: OpNode) -> bool:
@@ -249,7 +242,17 @@ def _visible_share(graph: Graph, condition: str, queries: int, keys: int, depth:
     query_start = _ramp_start(graph.tensor(query_side).value, queries, axis=-2)
     if key_start is None or query_start is None:
         return 1.0
-    offset = query_start - key_start + slack  # key k is visible to query q where k - q <= offset
+    return causal_share(queries, keys, query_start - key_start + slack)
+
+
+def causal_share(queries: int, keys: int, offset: int | None = None) -> float:
+    """The share of a queries x keys score matrix a causal kernel computes: key k is visible to query q where
+    k - q <= ``offset`` (default keys - queries: the queries are the last positions, past keys first).
+
+    >>> causal_share(4, 4)
+    0.625
+    """
+    offset = keys - queries if offset is None else offset
     return float(np.clip(np.arange(queries) + offset + 1, 0, keys).sum()) / (queries * keys)
 
 
@@ -263,7 +266,7 @@ def _known_visible(visible: np.ndarray, queries: int, keys: int) -> float:
         visible.reshape(-1, queries, keys), np.broadcast_to(causal, (visible.size // causal.size, queries, keys))
     ):
         return 1.0
-    return float(causal.sum()) / (queries * keys)
+    return causal_share(queries, keys)
 
 
 def _ramp_start(value: np.ndarray | None, size: int, axis: int) -> int | None:

@@ -64,6 +64,18 @@ def _pipeline_lines(data: PlanFile) -> list[str]:
     ]
 
 
+def _fused_attention(data: PlanFile) -> list[str]:
+    """The line for the attentions a fused kernel runs (none where there are none)."""
+    kernels = sum(1 for op in data.ops if op.fused in ("values", "kernel"))
+    if not kernels:
+        return []
+    computed = sum(op.cost.compute_s for op in data.ops if op.fused)
+    return [
+        f"attention:        {kernels} attention{'s' if kernels > 1 else ''} run as a fused kernel"
+        f" ({figure_ms(computed)} ms compute; no s x s scores kept)"
+    ]
+
+
 def _plan_summary(plan: Plan) -> list[str]:
     """The summary lines: what was decided (degrees, batch), what it costs, what it moves."""
     data = plan.file
@@ -130,13 +142,7 @@ def _plan_summary(plan: Plan) -> list[str]:
             + (f", {sharded} of them each rank its shard" if sharded else "")
             + ", at the memory bandwidth)"
         )
-    kernels = sum(1 for op in data.ops if op.fused in ("values", "kernel"))
-    if kernels:
-        computed = sum(op.cost.compute_s for op in data.ops if op.fused)
-        lines.append(
-            f"attention:        {kernels} attention{'s' if kernels > 1 else ''} run as a fused kernel"
-            f" ({figure_ms(computed)} ms compute; no s x s scores kept)"
-        )
+    lines += _fused_attention(data)
     memory_plan = data.memory_plan
     relief = []
     if memory_plan.parallel_optimizer:

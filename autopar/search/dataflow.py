@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-import numpy as np
-
 from autopar.cost import CostModel
 from autopar.graph import Graph, OpNode, TensorInfo, gradient_reaches
-from autopar.graph.attention import find_attention
+from autopar.graph.attention import causal_share, find_attention
 from autopar.layout import Layout
 from autopar.ops import Keeps
 from autopar.redistribute import Step, redistribute
@@ -210,8 +208,7 @@ def _causal_share(graph: Graph, op: OpNode) -> float:
     queries, keys = q_shape[axis], k_shape[axis]
     if len(op.inputs) > 4 and op.inputs[4]:  # the past keys come first
         keys += graph.tensor(op.inputs[4]).shape[2]
-    visible = np.clip(np.arange(1, queries + 1) + (keys - queries), 0, keys).sum()
-    return float(visible) / (queries * keys)
+    return causal_share(queries, keys)
 
 
 def _kept_for_backward(
