@@ -75,7 +75,8 @@ def _tables(rows: int, columns: int, depth: int, seed: int) -> tuple[np.ndarray,
     return a, b
 
 
-@pytest.mark.parametrize(("rows", "columns", "depth"), [(19, 23, 7), (8, 1, 5), (3, 30, 1), (64, 40, 33)])
+# (21, 300, 9): rows past a block of eight and columns past a band (`native_jit._ROWS`, `_TILE`)
+@pytest.mark.parametrize(("rows", "columns", "depth"), [(19, 23, 7), (8, 1, 5), (3, 30, 1), (64, 40, 33), (21, 300, 9)])
 @pytest.mark.parametrize("rows_first", [True, False])
 def test_a_two_table_elimination_step_compiled_is_numpy_s_bit_for_bit(
     monkeypatch, numpy_path, rows, columns, depth, rows_first
@@ -98,7 +99,7 @@ def test_a_three_table_or_one_sided_step_keeps_the_numpy_path():
     assert not dp._two_sided([a[:, None, :], b[None, :, :2]])
 
 
-@pytest.mark.parametrize(("rows", "inner", "columns"), [(9, 13, 11), (1, 1, 1), (40, 64, 17)])
+@pytest.mark.parametrize(("rows", "inner", "columns"), [(9, 13, 11), (1, 1, 1), (40, 64, 17), (21, 5, 300)])
 def test_a_min_plus_product_compiled_has_numpy_s_minima_and_first_argmins(
     monkeypatch, numpy_path, rows, inner, columns
 ):

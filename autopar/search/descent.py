@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autopar.search.dp import Factor
+from autopar.search.dp import TABLE_LIMITS, Factor, TableLimits
 
 SWEEPS = 8
 """Sweeps over every operator at most; each after the first moves only where a neighbour moved."""
@@ -60,3 +60,72 @@ def _row(factor: Factor, scope: tuple[int, ...], node: int, choice: Sequence[int
     """The factor's cost for every candidate of ``node``, the other operators at their chosen candidates."""
     index = tuple(m if u == node else m[choice[u]] for m, u in zip(factor.maps, scope))
     return factor.table[index]
+
+
+HUB_NEIGHBOURS = 8
+"""An operator joined by edges to more than this many others is a hub: a tensor every layer reads (a
+rotary table, an attention mask). A transformer's other operators have at most five neighbours."""
+
+ROUNDS = 4
+"""Rounds of `condition_on_hubs` at most; each after the first runs only where the last improved the plan and
+moved a hub."""
+
+
+def condition_on_hubs(
+    unary: Sequence[np.ndarray],
+    factors: Sequence[tuple[Factor, tuple[int, ...]]],
+    choice: Sequence[int],
+    limits: TableLimits = TABLE_LIMITS,
+) -> list[int]:
+    """The plan ``choice`` improved by searching exactly with its hubs (`HUB_NEIGHBOURS`) held where they are.
+
+    A hub keeps its candidates in every table from the first layer that reads it to the last, which is
+    what passes the table limits on a model whose layers all read one tensor (a Llama's rotary tables and
+    mask at 128 devices: 222 split steps). With each hub at one candidate the rest is a chain again,
+    searched exactly; then each operator, hubs included, takes its best candidate given the others
+    (`descend`), and again while the plan improves and a hub moves. The result is the best plan with those hubs' layouts
+    (where that search is within the limits), never worse than ``choice``.
+
+    >>> hub = Factor((0, 1), (np.arange(2), np.arange(2)), np.array([[0.0, 4.0], [4.0, 0.0]]))
+    >>> edges = [(Factor((0, u), hub.maps, hub.table), (0, u)) for u in range(1, 11)]
+    >>> unary = [np.zeros(2)] + [np.array([3.0, 0.0])] * 10
+    >>> condition_on_hubs(unary, edges, [1] * 11) == [1] * 11
+    True
+    """
+    neighbours: list[set[int]] = [set() for _ in unary]
+    for _, scope in factors:
+        for node in scope:
+            neighbours[node].update(u for u in scope if u != node)
+    hubs = [node for node, around in enumerate(neighbours) if len(around) > HUB_NEIGHBOURS]
+    if not hubs:
+        return list(choice)
+    from autopar.search.fold import Solver  # the solver's module builds on this one's tables
+
+    best, best_value = list(choice), _value(unary, factors, choice)
+    for _ in range(ROUNDS):
+        held = {hub: best[hub] for hub in hubs}
+        sizes = [1 if node in held else len(costs) for node, costs in enumerate(unary)]
+        kept = [
+            Factor(scope, tuple(m[[held[u]]] if u in held else m for m, u in zip(factor.maps, scope)), factor.table)
+            for factor, scope in factors
+        ]
+        held_unary = [costs[[held[node]]] if node in held else costs for node, costs in enumerate(unary)]
+        found, _ = Solver(sizes=sizes, factors=kept, limits=limits).solve(held_unary)
+        moved = descend(unary, factors, [held.get(node, c) for node, c in enumerate(found)])
+        value = _value(unary, factors, moved)
+        if not value < best_value:
+            break
+        best, best_value = moved, value
+        if all(best[hub] == at for hub, at in held.items()):
+            break  # the hubs stayed: the next round would search the same problem
+    return best
+
+
+def _value(
+    unary: Sequence[np.ndarray], factors: Sequence[tuple[Factor, tuple[int, ...]]], choice: Sequence[int]
+) -> float:
+    """The objective of ``choice``: every operator's own cost and every edge's, in a fixed order."""
+    total = sum(float(costs[c]) for costs, c in zip(unary, choice))
+    for factor, scope in factors:
+        total += float(factor.table[tuple(m[choice[u]] for m, u in zip(factor.maps, scope))])
+    return total

@@ -670,10 +670,10 @@ def _two_sided(parts: list[np.ndarray]) -> bool:
 def _min_plus_native(parts: list[np.ndarray]) -> np.ndarray:
     """`_sum_min` of two tables (`_two_sided`) by the compiled kernel: the same sums, so the same minima."""
     rows, columns = (parts[0], parts[1]) if parts[0].shape[1] == 1 and parts[1].shape[0] == 1 else parts[::-1]
-    a, b = rows[:, 0, :], columns[0]
-    out = np.empty((a.shape[0], b.shape[0]))
+    a, b_t = rows[:, 0, :], np.ascontiguousarray(columns[0].T)  # the kernel runs along b's columns
+    out = np.empty((a.shape[0], b_t.shape[1]))
     kernel = native.kernels().min_plus_rows
-    over_rows(lambda first, last: kernel(a, b, out, first, last), a.shape[0], out.size * a.shape[1])
+    over_rows(lambda first, last: kernel(a, b_t, out, first, last), a.shape[0], out.size * a.shape[1])
     return out
 
 

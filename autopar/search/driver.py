@@ -25,7 +25,7 @@ from autopar.context import planning
 from autopar.errors import InfeasibleError
 from autopar.limits import MAX_DEVICES
 from autopar.options import Mode, SearchAlgorithm
-from autopar.search.descent import descend
+from autopar.search.descent import condition_on_hubs, descend
 from autopar.search.dp import TABLE_LIMITS, TIE_BREAK_FRACTION, TableLimits, tie_break_offsets
 from autopar.search.fold import Solver
 from autopar.search.ilp import recomputing
@@ -243,7 +243,8 @@ class _Runs:
         seen_unary = [u + time_scale * o for u, o in zip(unary, self.offsets)]
         choice, floor = solver.solve(seen_unary)
         if not solver.exact:  # a plan backtracked through split tables: what one operator's move gains, taken
-            choice = descend(seen_unary, problem.all_factors(recompute), choice)
+            factors = problem.all_factors(recompute)
+            choice = condition_on_hubs(seen_unary, factors, descend(seen_unary, factors, choice), solver.limits)
         choices = problem.choices_at(choice, takes, recompute)
         seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(self.offsets, choice))
         return _Point(choice, choices, seen, problem.memory(choice, choices), floor)

@@ -80,12 +80,12 @@ def min_plus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows = max(1, _PRODUCT_CHUNK_CELLS // max(1, a.shape[1] * b.shape[1]))
     out = np.empty((a.shape[0], b.shape[1]))
     arg = np.empty((a.shape[0], b.shape[1]), dtype=np.int64)
-    columns = np.ascontiguousarray(b.T)  # the summed index last: one contiguous pass finds the argmin
     cells = a.shape[0] * a.shape[1] * b.shape[1]
     if native.worth(cells, native.ENTRIES):  # compiled: the same sums and argmins
-        kernel, rows_of_a = native.kernels().min_plus_argmin, np.ascontiguousarray(a)
-        over_rows(lambda first, last: kernel(rows_of_a, columns, out, arg, first, last), a.shape[0], cells)
+        kernel, rows_of_a, b_rows = native.kernels().min_plus_argmin, np.ascontiguousarray(a), np.ascontiguousarray(b)
+        over_rows(lambda first, last: kernel(rows_of_a, b_rows, out, arg, first, last), a.shape[0], cells)
         return out, arg
+    columns = np.ascontiguousarray(b.T)  # the summed index last: one contiguous pass finds the argmin
 
     def blocks(first: int, last: int) -> None:
         for start in range(first, last, rows):
@@ -330,7 +330,7 @@ class Solver:
         may be placeholders of the right shape: planning reads shapes only); ``ties`` maps the
         operators of twin branches to the one whose candidate they take (`autopar.search.twins`);
         ``limits`` bound each elimination step."""
-        self.sizes = list(sizes)
+        self.sizes, self.limits = list(sizes), limits
         runs = [FoldedRun(repeat, edges, self.sizes, ties, limits) for repeat, edges in folds]
         # a run whose table over its boundaries would pass the limits of a table kept (its copies read many
         # shared operators that split) is searched copy by copy in the main graph instead

@@ -6,7 +6,7 @@ operations at a time, a step's sum written out and read back to take its minimum
 do the same arithmetic in one compiled pass, in the same order, so every number is the same to the
 last bit (`tests/test_native.py` checks each against the numpy path):
 
-- ``min_plus_rows``: C[i, j] = min_k a[i, k] + b[j, k], an elimination step of two tables (`dp._sum_min`);
+- ``min_plus_rows``: C[i, j] = min_k a[i, k] + b[k, j], an elimination step of two tables (`dp._sum_min`);
 - ``min_plus_argmin``: the same with the first k at the minimum (`fold.min_plus`, a folded run's powers);
 - ``pair_coefficients``: `redistribute.symbolic_steps` and its fusing, priced, for many layout pairs
   (`coefficients.pair_coefficients`);

@@ -83,71 +83,96 @@ def sum_min_three(a: np.ndarray, b: np.ndarray, c: np.ndarray, out: np.ndarray, 
                 m += 1
 
 
-@_jit
-def min_plus_rows(a: np.ndarray, b: np.ndarray, out: np.ndarray, first: int, last: int) -> None:
-    """Rows ``first`` .. ``last`` of out[i, j] = min_k a[i, k] + b[j, k] (``a`` and ``b`` C-contiguous).
-
-    Eight rows of ``a`` share each row of ``b`` while it is in cache, eight minima kept apart so that they
-    run side by side (a comparison and a select each: `min` costs a fifth more). Each entry is one
-    addition, as numpy's broadcast sum makes it, and the minimum of the same values whatever the order."""
-    columns, depth = b.shape
-    i = first
-    while i + 8 <= last:
-        a0, a1, a2, a3, a4, a5, a6, a7 = a[i], a[i + 1], a[i + 2], a[i + 3], a[i + 4], a[i + 5], a[i + 6], a[i + 7]
-        for j in range(columns):
-            bj = b[j]
-            m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.inf
-            for k in range(depth):
-                x = bj[k]
-                v = a0[k] + x
-                m0 = v if v < m0 else m0
-                v = a1[k] + x
-                m1 = v if v < m1 else m1
-                v = a2[k] + x
-                m2 = v if v < m2 else m2
-                v = a3[k] + x
-                m3 = v if v < m3 else m3
-                v = a4[k] + x
-                m4 = v if v < m4 else m4
-                v = a5[k] + x
-                m5 = v if v < m5 else m5
-                v = a6[k] + x
-                m6 = v if v < m6 else m6
-                v = a7[k] + x
-                m7 = v if v < m7 else m7
-            out[i, j], out[i + 1, j], out[i + 2, j], out[i + 3, j] = m0, m1, m2, m3
-            out[i + 4, j], out[i + 5, j], out[i + 6, j], out[i + 7, j] = m4, m5, m6, m7
-        i += 8
-    while i < last:
-        ai = a[i]
-        for j in range(columns):
-            bj = b[j]
-            m = np.inf
-            for k in range(depth):
-                v = ai[k] + bj[k]
-                m = v if v < m else m
-            out[i, j] = m
-        i += 1
+_TILE = 256  # columns of a min-plus product computed at once: a band of ``b_t`` that stays in the second-level cache
+_ROWS = 8  # rows of ``a`` that share each loaded entry of ``b_t``
 
 
 @_jit
-def min_plus_argmin(a: np.ndarray, b: np.ndarray, out: np.ndarray, arg: np.ndarray, first: int, last: int) -> None:
+def min_plus_rows(a: np.ndarray, b_t: np.ndarray, out: np.ndarray, first: int, last: int) -> None:
+    """Rows ``first`` .. ``last`` of out[i, j] = min_k a[i, k] + b_t[k, j] (``a`` and ``b_t`` C-contiguous).
+
+    The summed index runs outermost and the columns innermost, so each step is element-wise over
+    contiguous columns (``v if v < m else m`` is one vector minimum), a band of `_TILE` columns and eight
+    rows of ``a`` at a time, each loaded ``b_t`` entry used by the eight: twice as fast as a row's minima
+    taken one dot-like pass at a time. Each entry is one addition, as numpy's broadcast sum makes it, and
+    its minimum is taken over k in ascending order, so every bit is the same."""
+    depth, columns = b_t.shape
+    top = first
+    while top + _ROWS <= last:
+        for left in range(0, columns, _TILE):
+            right = min(columns, left + _TILE)
+            m0, m1, m2, m3 = (
+                out[top, left:right],
+                out[top + 1, left:right],
+                out[top + 2, left:right],
+                out[top + 3, left:right],
+            )
+            m4, m5, m6, m7 = (
+                out[top + 4, left:right],
+                out[top + 5, left:right],
+                out[top + 6, left:right],
+                out[top + 7, left:right],
+            )
+            for m in (m0, m1, m2, m3, m4, m5, m6, m7):
+                m[:] = np.inf
+            for k in range(depth):
+                x0, x1, x2, x3 = a[top, k], a[top + 1, k], a[top + 2, k], a[top + 3, k]
+                x4, x5, x6, x7 = a[top + 4, k], a[top + 5, k], a[top + 6, k], a[top + 7, k]
+                row = b_t[k, left:right]
+                for j in range(right - left):
+                    y = row[j]
+                    v = x0 + y
+                    m0[j] = v if v < m0[j] else m0[j]
+                    v = x1 + y
+                    m1[j] = v if v < m1[j] else m1[j]
+                    v = x2 + y
+                    m2[j] = v if v < m2[j] else m2[j]
+                    v = x3 + y
+                    m3[j] = v if v < m3[j] else m3[j]
+                    v = x4 + y
+                    m4[j] = v if v < m4[j] else m4[j]
+                    v = x5 + y
+                    m5[j] = v if v < m5[j] else m5[j]
+                    v = x6 + y
+                    m6[j] = v if v < m6[j] else m6[j]
+                    v = x7 + y
+                    m7[j] = v if v < m7[j] else m7[j]
+        top += _ROWS
+    for i in range(top, last):
+        least = out[i]
+        least[:] = np.inf
+        for k in range(depth):
+            x = a[i, k]
+            row = b_t[k]
+            for j in range(columns):
+                v = x + row[j]
+                least[j] = v if v < least[j] else least[j]
+
+
+@_jit
+def min_plus_argmin(a: np.ndarray, b_t: np.ndarray, out: np.ndarray, arg: np.ndarray, first: int, last: int) -> None:
     """`min_plus_rows` with ``arg[i, j]`` the first k at the minimum (numpy's argmin: the first, and 0
-    where every sum is infinite)."""
-    columns, depth = b.shape
-    for i in range(first, last):
-        ai = a[i]
-        for j in range(columns):
-            bj = b[j]
-            m = ai[0] + bj[0]
-            at = 0
+    where every sum is infinite), a band of `_TILE` columns and a row at a time."""
+    depth, columns = b_t.shape
+    for top in range(first, last, _ROWS):
+        bottom = min(last, top + _ROWS)
+        for left in range(0, columns, _TILE):
+            right = min(columns, left + _TILE)
+            row = b_t[0, left:right]
+            for i in range(top, bottom):
+                x, least = a[i, 0], out[i, left:right]
+                arg[i, left:right] = 0
+                for j in range(right - left):
+                    least[j] = x + row[j]
             for k in range(1, depth):
-                v = ai[k] + bj[k]
-                if v < m:
-                    m = v
-                    at = k
-            out[i, j] = m
-            arg[i, j] = at
+                row = b_t[k, left:right]
+                for i in range(top, bottom):
+                    x, least, where = a[i, k], out[i, left:right], arg[i, left:right]
+                    for j in range(right - left):
+                        v = x + row[j]
+                        if v < least[j]:
+                            least[j] = v
+                            where[j] = k
 
 
 @_jit

@@ -1,0 +1,49 @@
+"""Improving a plan the search could not prove best: one operator at a time, and exactly around its hubs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autopar.search.descent import HUB_NEIGHBOURS, _value, condition_on_hubs, descend
+from autopar.search.dp import Factor
+from autopar.search.fold import Solver
+
+
+def _hub_and_chain(seed: int, length: int = HUB_NEIGHBOURS + 4, size: int = 3) -> tuple[list, list]:
+    """A chain of operators, each joined to the next, and one hub joined to every one of them (a tensor every
+    layer reads), with random costs."""
+    rng = np.random.default_rng(seed)
+    unary = [rng.random(size) for _ in range(length + 1)]
+    identity = np.arange(size)
+    factors = []
+    for node in range(1, length):
+        factors.append((Factor((node, node + 1), (identity, identity), rng.random((size, size))), (node, node + 1)))
+    for node in range(1, length + 1):
+        factors.append((Factor((0, node), (identity, identity), 2 * rng.random((size, size))), (0, node)))
+    return unary, factors
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_held_at_the_best_plan_s_hub_the_search_finds_the_best_plan(seed):
+    unary, factors = _hub_and_chain(seed)
+    best, best_value = Solver(sizes=[len(u) for u in unary], factors=[f for f, _ in factors]).solve(unary)
+    assert _value(unary, factors, best) == pytest.approx(best_value, rel=1e-12)
+    start = [best[0]] + [(c + 1) % 3 for c in best[1:]]  # every operator but the hub moved off the best plan
+    found = condition_on_hubs(unary, factors, start)
+    assert _value(unary, factors, found) == pytest.approx(best_value, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_is_never_worse_than_the_one_given_nor_than_one_move_at_a_time(seed):
+    unary, factors = _hub_and_chain(seed)
+    start = [int(np.argmax(u)) for u in unary]
+    moved = descend(unary, factors, start)
+    found = condition_on_hubs(unary, factors, moved)
+    assert _value(unary, factors, found) <= _value(unary, factors, moved) <= _value(unary, factors, start)
+
+
+def test_without_a_hub_the_plan_is_left_as_it_is():
+    unary, factors = _hub_and_chain(0, length=HUB_NEIGHBOURS - 1)
+    start = [0] * len(unary)
+    assert condition_on_hubs(unary, factors, start) == start
