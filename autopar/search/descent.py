@@ -105,10 +105,7 @@ def condition_on_hubs(
     for _ in range(ROUNDS):
         held = {hub: best[hub] for hub in hubs}
         sizes = [1 if node in held else len(costs) for node, costs in enumerate(unary)]
-        kept = [
-            Factor(scope, tuple(m[[held[u]]] if u in held else m for m, u in zip(factor.maps, scope)), factor.table)
-            for factor, scope in factors
-        ]
+        kept = [_held(factor, scope, held) for factor, scope in factors]
         held_unary = [costs[[held[node]]] if node in held else costs for node, costs in enumerate(unary)]
         found, _ = Solver(sizes=sizes, factors=kept, limits=limits).solve(held_unary)
         moved = descend(unary, factors, [held.get(node, c) for node, c in enumerate(found)])
@@ -119,6 +116,21 @@ def condition_on_hubs(
         if all(best[hub] == at for hub, at in held.items()):
             break  # the hubs stayed: the next round would search the same problem
     return best
+
+
+def _held(factor: Factor, scope: tuple[int, ...], held: dict[int, int]) -> Factor:
+    """The factor over ``scope`` with each held operator at its one candidate: its table sliced to that
+    candidate's class, so the tables' shapes, and the elimination planned on them, are the same wherever
+    the hubs are held (`dp.Elimination` plans each structure once)."""
+    if not any(u in held for u in scope):
+        return Factor(scope, factor.maps, factor.table)
+    table, maps = factor.table, []
+    for axis, (m, u) in enumerate(zip(factor.maps, scope)):
+        if u in held:
+            table = np.take(table, [m[held[u]]], axis=axis)
+            m = np.zeros(1, dtype=m.dtype)
+        maps.append(m)
+    return Factor(scope, tuple(maps), table)
 
 
 def _value(
