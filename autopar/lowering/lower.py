@@ -35,6 +35,7 @@ from autopar.lowering.planfile import (
     Totals,
 )
 from autopar.redistribute import Collective, Step, redistribute
+from autopar.search import ring
 from autopar.search.dataflow import TensorUse
 from autopar.search.driver import data_parallel_choice
 from autopar.search.memory import NO_MEMORY_CHOICES, MemoryChoices
@@ -141,6 +142,32 @@ def redistributions(problem: SearchProblem, choice: Sequence[int]) -> list[Redis
         for name, layout in zip(rule.op.outputs, rule.candidate_layouts(choice[node])[1]):
             if name in outputs and layout is not None and layout.partial:
                 found.append(_redistribution(problem, name, rule.op.name, GRAPH_OUTPUT, layout, Layout(layout.dims)))
+    return found
+
+
+def under_kernels(
+    problem: SearchProblem, choice: Sequence[int], moves: Sequence[Redistribution], paths: Sequence[GradientPath]
+) -> list[Redistribution]:
+    """The redistributions, each into keys or values a fused attention kernel passes round a ring with what
+    of it and of its gradient's way back (``paths``) runs under the kernel's product, as the search charged
+    it (`autopar.search.ring`)."""
+    windows: dict[tuple[str, str, str], float] = {}
+    for use in problem.uses:
+        if not ring.reads_through(problem, use):
+            continue
+        candidate = choice[use.dst_node]
+        seconds = ring.window(problem, use.dst_node, use.dst_slot, candidate, problem.node_compute[use.dst_node])
+        src = problem.source_layout(use, choice[use.src_node])
+        dst = problem.rules[use.dst_node].input_layout(candidate, use.dst_slot)
+        if seconds > 0 and ring.passed_round(src, dst, ring.key_axis(problem, use.dst_node)):
+            windows[use.tensor, problem.rules[use.src_node].op.name, problem.rules[use.dst_node].op.name] = seconds
+    back = {(path.tensor, path.producer, path.consumer): path.seconds for path in paths}
+    found = []
+    for move in moves:
+        under = windows.get(move.key)
+        if under is not None:
+            move = move.model_copy(update={"hidden_s": rounded(min(move.seconds + back.get(move.key, 0.0), under))})
+        found.append(move)
     return found
 
 

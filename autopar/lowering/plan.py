@@ -31,6 +31,7 @@ from autopar.lowering.lower import (
     redistributions,
     rounded,
     totals,
+    under_kernels,
 )
 from autopar.lowering.planfile import SCHEMA, PlanFile, RepeatedBlock, SearchSummary, UnfoldedRun
 from autopar.lowering.program import PlanProgram, program_of
@@ -171,8 +172,11 @@ class Plan:
         started = time.perf_counter()
         choices = self.search.choices
         ops = op_entries(problem, choice, choices)
-        moves = within_stages(redistributions(problem, choice), problem, self.pipeline)
-        paths = within_stages(gradient_paths(problem, choice, choices), problem, self.pipeline)
+        listed = gradient_paths(problem, choice, choices)
+        moves = within_stages(
+            under_kernels(problem, choice, redistributions(problem, choice), listed), problem, self.pipeline
+        )
+        paths = within_stages(listed, problem, self.pipeline)
         syncs = gradient_sync(problem, choice, choices)
         free = (self.free.problem, self.free.objective) if self.free is not None else None
         if self.pipeline is not None and self.single is not None:

@@ -148,9 +148,10 @@ class OpEntry(_OmitsUnset):
     )
 
 
-class Redistribution(_Part):
+class Redistribution(_OmitsUnset):
     """The collectives that take a tensor from its producer's layout to its consumer's."""
 
+    _omit: ClassVar[tuple[str, ...]] = ("hidden_s",)
     tensor: str
     producer: str
     consumer: str = Field(description=f"an operator name, or {GRAPH_OUTPUT!r} for a partial graph output")
@@ -158,6 +159,11 @@ class Redistribution(_Part):
     to: LayoutEntry
     steps: list[StepEntry]
     seconds: NonNegativeFloat
+    hidden_s: NonNegativeFloat | None = Field(
+        default=None,
+        description="of these seconds and of the gradient's way back, those that run under the fused attention"
+        " kernel reading the tensor: keys or values gathered round a ring (`autopar.search.ring`); None: none",
+    )
 
     @property
     def key(self) -> tuple[str, str, str]:

@@ -195,9 +195,10 @@ def collective_rows(plan: PlanLike) -> list[tuple[float, str, str, str]]:
         where = (
             f"{red.producer} -> {red.consumer}" if red.consumer != GRAPH_OUTPUT else f"{red.producer} -> graph output"
         )
+        phase = "forward, under the attention kernel" if red.hidden_s else "forward"  # round a ring (`search.ring`)
         for step in red.steps:
             if step.collective != "Slice":
-                rows.append((step.seconds, _sentence(mesh, step, red.tensor), where, "forward"))
+                rows.append((step.seconds, _sentence(mesh, step, red.tensor), where, phase))
     for path in data.gradients:
         what = f"the {path.carries} {path.tensor}" if path.carries else f"the gradient of {path.tensor}"
         for path_step in path.steps:

@@ -115,10 +115,12 @@ def _plan_summary(plan: Plan) -> list[str]:
     ]
     kinds = Counter(str(s.collective) for red in data.redistributions for s in red.steps)
     red_seconds = sum(red.seconds for red in data.redistributions)
+    under = sum(red.hidden_s or 0.0 for red in data.redistributions)
     lines.append(
         f"redistributions:  {len(data.redistributions)} tensors, "
         + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
         + f"; {figure_ms(red_seconds)} ms forward"
+        + (f" ({figure_ms(under)} ms of it and of the gradients' ways back under attention kernels)" if under else "")
     )
     paths = data.gradients
     if paths:

@@ -27,7 +27,7 @@ from autopar.graph import Graph
 from autopar.layout import Layout
 from autopar.limits import MAX_CANDIDATES_PER_OPERATOR, MAX_EDGE_CELLS, MAX_LAYOUT_PAIRS
 from autopar.redistribute import Collective, symbolic_steps
-from autopar.search import native
+from autopar.search import native, ring
 from autopar.search.coefficients import KeySet, LayoutTable, PairCache, PairSlots
 from autopar.search.dataflow import Dataflow, TensorUse
 from autopar.search.dp import Factor, over_rows
@@ -74,7 +74,8 @@ def build_problem(
     later: list[list[Factor]] = [[] for _ in repeats]
     forwards: list[list[np.ndarray]] = [[] for _ in repeats]
     own: dict[int, np.ndarray] = {}  # operators reading their own output pay that redistribution themselves
-    edges, layouts_costed, pairs_costed = _edge_costs(flow, costed, layouts, entry_of)
+    compute = [c.compute for c in costs]
+    edges, layouts_costed, pairs_costed = _edge_costs(flow, costed, layouts, entry_of, compute)
     for use, (factor, forward, twin) in zip(costed, edges):
         if factor is None:
             own[use.src_node] = own.get(use.src_node, 0.0) + forward
@@ -712,7 +713,11 @@ def _twins(
 
 
 def _edge_costs(
-    flow: Dataflow, uses: Sequence[TensorUse], layouts: _Layouts, entry_of: Mapping[int, int]
+    flow: Dataflow,
+    uses: Sequence[TensorUse],
+    layouts: _Layouts,
+    entry_of: Mapping[int, int],
+    compute: Sequence[np.ndarray],
 ) -> tuple[list[tuple[Factor | None, np.ndarray, Factor | None]], int, int]:
     """Each use's cost table, the table of its forward part alone (paid again when the consumer
     is recomputed) and the table's twin for later copies of a run (`fold.RunEdges`), from the
@@ -722,7 +727,9 @@ def _edge_costs(
 
     A use costs its forward redistribution and, where a gradient comes back, the redistribution
     the runtime runs for it: from the consumer's layout, partial over the bits its gradient is
-    partial on, to the producer's (`lowering.lower.gradient_paths`)."""
+    partial on, to the producer's (`lowering.lower.gradient_paths`). A use into the keys or values a
+    fused attention kernel passes round a ring is charged what its product's compute (``compute``, per
+    operator and candidate) does not hide (`autopar.search.ring`)."""
     groups: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, np.ndarray, bool, bool]] = {}
     names: dict[tuple[bytes, bytes, bool, bool], tuple] = {}  # a group's name: its first use and its entry
     sources = [layouts.source(use, entry_of.get(index)) for index, use in enumerate(uses)]
@@ -763,7 +770,7 @@ def _edge_costs(
 
     factors: list[tuple[Factor | None, np.ndarray, Factor | None]] = []
     tables: dict[tuple[tuple[bytes, bytes, bool, bool], int], tuple[np.ndarray, np.ndarray]] = {}
-    for use, (_, src_pos, entry_pos), key in zip(uses, sources, keys):
+    for index, (use, (_, src_pos, entry_pos), key) in enumerate(zip(uses, sources, keys)):
         dst_pos = layouts.target(use)[1]
         info = flow.graph.tensor(use.tensor)
         total_bytes = info.numel * flow.itemsize(info)
@@ -777,16 +784,60 @@ def _edge_costs(
                     both_latency + both_per_byte * total_bytes,
                 )
         forward, small = tables[key, total_bytes]
-        if use.src_node == use.dst_node:
-            factors.append((None, small[src_pos, dst_pos], None))
-            continue
-        if use.src_node > use.dst_node:  # tables in scope order, contiguous
-            scope, small, forward = (use.dst_node, use.src_node), np.ascontiguousarray(small.T), forward.T
-            pair = (Factor(scope, (dst_pos, src_pos), small), Factor(scope, (dst_pos, entry_pos), small))
-        else:
-            pair = _factor(use, src_pos, dst_pos, small), _factor(use, entry_pos, dst_pos, small)
-        factors.append((pair[0], np.ascontiguousarray(forward), pair[1]))
+        if ring.reads_through(flow, use):
+            sides = (src_pos, entry_pos, entry_of.get(index), dst_pos)
+            small, forward, dst_pos = _under_kernel(flow, use, sides, small, forward, compute[use.dst_node])
+        factors.append(_use_factors(use, (src_pos, entry_pos, dst_pos), small, forward))
     return factors, len(layouts.rows), distinct
+
+
+def _use_factors(
+    use: TensorUse, positions: tuple[np.ndarray, np.ndarray, np.ndarray], small: np.ndarray, forward: np.ndarray
+) -> tuple[Factor | None, np.ndarray, Factor | None]:
+    """A use's factor, its forward table and its twin for later copies (`_edge_costs`), from its tables over
+    source rows and consumer columns and each candidate's ``positions`` (the source's, the entry's, the
+    consumer's); an operator reading its own output has its cost per candidate instead of a factor."""
+    src_pos, entry_pos, dst_pos = positions
+    if use.src_node == use.dst_node:
+        return None, small[src_pos, dst_pos], None
+    if use.src_node > use.dst_node:  # tables in scope order, contiguous
+        scope, small, forward = (use.dst_node, use.src_node), np.ascontiguousarray(small.T), forward.T
+        pair = (Factor(scope, (dst_pos, src_pos), small), Factor(scope, (dst_pos, entry_pos), small))
+    else:
+        pair = _factor(use, src_pos, dst_pos, small), _factor(use, entry_pos, dst_pos, small)
+    return pair[0], np.ascontiguousarray(forward), pair[1]
+
+
+def _under_kernel(
+    flow: Dataflow,
+    use: TensorUse,
+    sides: tuple[np.ndarray, np.ndarray, int | None, np.ndarray],
+    small: np.ndarray,
+    forward: np.ndarray,
+    compute: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A ring attention input's tables less what its product hides (`ring.hidden_under`), and the consumer's
+    positions in them. ``sides``: the source's candidates' rows, the entry's (the operator later copies of a
+    folded run read instead: ``entry``), and the consumer's columns."""
+    src_pos, entry_pos, entry, dst_pos = sides
+    window = ring.windows(flow, use.dst_node, use.dst_slot, compute)
+    if not window.any():
+        return small, forward, dst_pos
+    src_layouts: list[Layout | None] = [None] * small.shape[0]
+    for candidate, row in enumerate(src_pos.tolist()):
+        src_layouts[row] = src_layouts[row] or flow.source_layout(use, candidate)
+    if entry is not None:
+        rule = flow.rules[entry]
+        for candidate, row in enumerate(entry_pos.tolist()):
+            src_layouts[row] = src_layouts[row] or rule.candidate_layouts(candidate)[1][use.src_slot]
+    dst_layouts: list[Layout | None] = [None] * small.shape[1]
+    consumer = flow.rules[use.dst_node]
+    for candidate, column in enumerate(dst_pos.tolist()):
+        dst_layouts[column] = dst_layouts[column] or consumer.input_layout(candidate, use.dst_slot)
+    rows = [layout for layout in src_layouts if layout is not None]
+    columns = [layout for layout in dst_layouts if layout is not None]
+    assert len(rows) == small.shape[0] and len(columns) == small.shape[1]  # every row and column has a candidate
+    return ring.hidden_under(small, forward, rows, dst_pos, columns, (window, ring.key_axis(flow, use.dst_node)))
 
 
 def _compiled_tables(
