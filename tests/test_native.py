@@ -201,3 +201,22 @@ def test_a_three_operator_step_compiled_is_numpy_s_bit_for_bit(monkeypatch, nump
     got = dp._sum_min(parts)
     assert got.shape == want.shape == shape[:-1]
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("cut", [0, 3, 8, 13, 21])
+def test_the_min_plus_kernels_give_the_same_rows_wherever_the_rows_are_cut_between_threads(cut):
+    kernels = native.kernels()
+    a, b = _tables(21, 300, 9, cut)
+    b_t = np.ascontiguousarray(b.T)
+    whole, halves = np.empty((21, 300)), np.empty((21, 300))
+    arg_whole, arg_halves = np.empty((21, 300), dtype=np.int64), np.empty((21, 300), dtype=np.int64)
+    kernels.min_plus_rows(a, b_t, whole, 0, 21)
+    kernels.min_plus_rows(a, b_t, halves, 0, cut)
+    kernels.min_plus_rows(a, b_t, halves, cut, 21)
+    assert np.array_equal(whole, halves) and np.array_equal(whole, (a[:, None, :] + b[None, :, :]).min(axis=2))
+    kernels.min_plus_argmin(a, b_t, whole, arg_whole, 0, 21)
+    kernels.min_plus_argmin(a, b_t, halves, arg_halves, 0, cut)
+    kernels.min_plus_argmin(a, b_t, halves, arg_halves, cut, 21)
+    assert np.array_equal(arg_whole, arg_halves) and np.array_equal(
+        arg_whole, (a[:, None, :] + b[None, :, :]).argmin(axis=2)
+    )

@@ -176,6 +176,32 @@ def test_the_order_shapes_are_searched_in_changes_no_plan(monkeypatch):
     assert max(listed) > 1
 
 
+def test_the_bound_a_plan_proves_holds_for_every_shape(monkeypatch):
+    """Where memory binds, the plan proves a step no plan of any shape beats (the least of each searched
+    shape's bound and its own step, `ShapeSearch._proved`): no shape's optimum, each planned alone by the ILP
+    (exact where memory binds too) with its stages and micro-batches fixed, is faster."""
+    fold_short(monkeypatch)
+    model = residual_stack(4, width=8, batch=256)
+    need = autopar.plan(model, devices=8, cost_model=profile(peak=1e9)).memory_per_device
+    inexact = 0
+    for share in (0.35, 0.25):
+        cost = profile(capacity=share * need, peak=1e9)
+        plan = autopar.plan(model, devices=8, cost_model=cost)
+        search = plan.to_dict()["search"]
+        bound = plan.objective if search["exact"] else search["lower_bound_s"]
+        assert bound <= plan.objective * (1 + 1e-12)
+        inexact += not search["exact"]
+        for stages, micro in itertools.product((1, 2, 4), (1, 2, 4, 8)):
+            try:
+                alone = autopar.plan(
+                    model, devices=8, cost_model=cost, pipeline_stages=stages, micro_batches=micro, search="ilp"
+                )
+            except InfeasibleError:
+                continue
+            assert alone.objective >= bound * (1 - 1e-12), (stages, micro)
+    assert inexact
+
+
 def untimed(plan: autopar.Plan) -> str:
     """A plan's JSON without the measured times (the only part that may differ between runs)."""
 

@@ -27,31 +27,38 @@ def llama():
 def _ring_assignment(problem, pick: random.Random) -> tuple[int, ...]:
     """A random assignment whose attention products read their keys and values round a ring where they can."""
     choice = [pick.randrange(len(rule.candidates)) for rule in problem.rules]
-    for node in range(problem.size):
-        for slot in ring.ring_slots(problem, node):
-            windows = ring.windows(problem, node, slot, problem.node_compute[node])
-            if windows.any():
-                choice[node] = pick.choice(np.flatnonzero(windows).tolist())
+    for node, rule in enumerate(problem.rules):
+        if rule.op.name in problem.fused and problem.fused[rule.op.name].role in ("scores", "values"):
+            ring_candidates = np.flatnonzero(ring.reads_round(problem, node))
+            if len(ring_candidates):
+                choice[node] = pick.choice(ring_candidates.tolist())
     return tuple(choice)
 
 
 def test_only_the_products_of_a_fused_kernel_read_round_a_ring(llama):
     roles = {name: part.role for name, part in llama.fused.items()}
     assert sorted(set(roles.values())) == ["inner", "scores", "values"]
-    reading = [rule.op.name for node, rule in enumerate(llama.rules) if ring.ring_slots(llama, node)]
-    assert reading and all(roles[name] in ("scores", "values") for name in reading)
-    assert not ring.ring_slots(autopar.build(DATA / "torch_llama_dynamo.onnx", 8), 0)  # ascend910: no kernel
+    readers = {llama.rules[use.dst_node].op.name for use in llama.uses if ring.reads_through(llama, use)}
+    assert readers == {name for name, role in roles.items() if role in ("scores", "values")}
+    plain = autopar.build(DATA / "torch_llama_dynamo.onnx", 8)  # ascend910: no fused kernel
+    assert not any(ring.reads_through(plain, use) for use in plain.uses)
 
 
-def test_a_ring_window_is_the_product_s_compute_where_it_splits_the_queries_and_reads_the_keys_whole(llama):
-    for node in range(llama.size):
-        for slot in ring.ring_slots(llama, node):
-            windows = ring.windows(llama, node, slot, llama.node_compute[node])
-            role = llama.fused[llama.rules[node].op.name].role
-            for candidate, seconds in enumerate(windows.tolist()):
-                queries, keys = llama.rules[node].candidate_layouts(candidate)[0][:2]
-                ring_layout = bool(queries.dims[-2]) and not keys.dims[-1 if role == "scores" else -2]
-                assert seconds == (float(llama.node_compute[node][candidate]) if ring_layout else 0.0)
+def test_a_ring_window_is_the_product_s_forward_and_backward_where_it_splits_the_queries_and_reads_the_keys_whole(
+    llama,
+):
+    for node, rule in enumerate(llama.rules):
+        part = llama.fused.get(rule.op.name)
+        if part is None or part.role not in ("scores", "values"):
+            continue
+        forward, backward = ring.windows(llama, node, llama.node_compute[node])
+        for candidate in range(len(rule.candidates)):
+            queries, keys = rule.candidate_layouts(candidate)[0][:2]
+            read_round = bool(queries.dims[-2]) and not keys.dims[-1 if part.role == "scores" else -2]
+            whole = float(llama.node_compute[node][candidate])
+            assert forward[candidate] == pytest.approx(whole / llama.work_multiple(node) if read_round else 0.0)
+            assert forward[candidate] + backward[candidate] == pytest.approx(whole if read_round else 0.0)
+        assert forward.any()
 
 
 def test_the_search_charges_what_the_kernel_does_not_hide_as_the_plan_lists_it(llama):

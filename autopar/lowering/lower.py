@@ -36,6 +36,7 @@ from autopar.lowering.planfile import (
 )
 from autopar.redistribute import Collective, Step, redistribute
 from autopar.search import ring
+from autopar.search.costing import ring_windows
 from autopar.search.dataflow import TensorUse
 from autopar.search.driver import data_parallel_choice
 from autopar.search.memory import NO_MEMORY_CHOICES, MemoryChoices
@@ -124,50 +125,33 @@ def op_entries(
     return entries
 
 
-def redistributions(problem: SearchProblem, choice: Sequence[int]) -> list[Redistribution]:
-    """Every producer/consumer pair whose layouts differ, with its collective steps."""
+def redistributions(
+    problem: SearchProblem, choice: Sequence[int], paths: Sequence[GradientPath] = ()
+) -> list[Redistribution]:
+    """Every producer/consumer pair whose layouts differ, with its collective steps; where the consumer is a
+    fused attention product reading it round a ring, with what of it and of its gradient's way back (among
+    ``paths``) runs under the product, as the search charged it (`autopar.search.ring`)."""
     found = []
+    back = {path.key: path.seconds for path in paths}
     for use in problem.uses:
         src = problem.source_layout(use, choice[use.src_node])
         dst = problem.rules[use.dst_node].candidate_layouts(choice[use.dst_node])[0][use.dst_slot]
         if dst is None or src == dst:
             continue
-        found.append(
-            _redistribution(
-                problem, use.tensor, problem.rules[use.src_node].op.name, problem.rules[use.dst_node].op.name, src, dst
-            )
+        move = _redistribution(
+            problem, use.tensor, problem.rules[use.src_node].op.name, problem.rules[use.dst_node].op.name, src, dst
         )
+        if ring.reads_through(problem, use) and ring.passed_round(src, dst, ring.key_axis(problem, use.dst_node)):
+            ahead, behind = ring_windows(problem, use, problem.node_compute[use.dst_node], choice[use.dst_node])
+            if ahead > 0:
+                hidden = min(move.seconds, ahead) + min(back.get((*move.key, use.dst_slot), 0.0), behind)
+                move = move.model_copy(update={"hidden_s": rounded(hidden)})
+        found.append(move)
     outputs = set(problem.graph.outputs)
     for node, rule in enumerate(problem.rules):
         for name, layout in zip(rule.op.outputs, rule.candidate_layouts(choice[node])[1]):
             if name in outputs and layout is not None and layout.partial:
                 found.append(_redistribution(problem, name, rule.op.name, GRAPH_OUTPUT, layout, Layout(layout.dims)))
-    return found
-
-
-def under_kernels(
-    problem: SearchProblem, choice: Sequence[int], moves: Sequence[Redistribution], paths: Sequence[GradientPath]
-) -> list[Redistribution]:
-    """The redistributions, each into keys or values a fused attention kernel passes round a ring with what
-    of it and of its gradient's way back (``paths``) runs under the kernel's product, as the search charged
-    it (`autopar.search.ring`)."""
-    windows: dict[tuple[str, str, str], float] = {}
-    for use in problem.uses:
-        if not ring.reads_through(problem, use):
-            continue
-        candidate = choice[use.dst_node]
-        seconds = ring.window(problem, use.dst_node, use.dst_slot, candidate, problem.node_compute[use.dst_node])
-        src = problem.source_layout(use, choice[use.src_node])
-        dst = problem.rules[use.dst_node].input_layout(candidate, use.dst_slot)
-        if seconds > 0 and ring.passed_round(src, dst, ring.key_axis(problem, use.dst_node)):
-            windows[use.tensor, problem.rules[use.src_node].op.name, problem.rules[use.dst_node].op.name] = seconds
-    back = {(path.tensor, path.producer, path.consumer): path.seconds for path in paths}
-    found = []
-    for move in moves:
-        under = windows.get(move.key)
-        if under is not None:
-            move = move.model_copy(update={"hidden_s": rounded(min(move.seconds + back.get(move.key, 0.0), under))})
-        found.append(move)
     return found
 
 

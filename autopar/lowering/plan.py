@@ -31,7 +31,6 @@ from autopar.lowering.lower import (
     redistributions,
     rounded,
     totals,
-    under_kernels,
 )
 from autopar.lowering.planfile import SCHEMA, PlanFile, RepeatedBlock, SearchSummary, UnfoldedRun
 from autopar.lowering.program import PlanProgram, program_of
@@ -173,9 +172,7 @@ class Plan:
         choices = self.search.choices
         ops = op_entries(problem, choice, choices)
         listed = gradient_paths(problem, choice, choices)
-        moves = within_stages(
-            under_kernels(problem, choice, redistributions(problem, choice), listed), problem, self.pipeline
-        )
+        moves = within_stages(redistributions(problem, choice, listed), problem, self.pipeline)
         paths = within_stages(listed, problem, self.pipeline)
         syncs = gradient_sync(problem, choice, choices)
         free = (self.free.problem, self.free.objective) if self.free is not None else None

@@ -195,7 +195,8 @@ def collective_rows(plan: PlanLike) -> list[tuple[float, str, str, str]]:
         where = (
             f"{red.producer} -> {red.consumer}" if red.consumer != GRAPH_OUTPUT else f"{red.producer} -> graph output"
         )
-        phase = "forward, under the attention kernel" if red.hidden_s else "forward"  # round a ring (`search.ring`)
+        # a forward passed round a ring wholly under its attention product (`search.ring`)
+        phase = "forward, under the attention kernel" if red.hidden_s and red.hidden_s >= red.seconds else "forward"
         for step in red.steps:
             if step.collective != "Slice":
                 rows.append((step.seconds, _sentence(mesh, step, red.tensor), where, phase))

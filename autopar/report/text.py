@@ -120,7 +120,7 @@ def _plan_summary(plan: Plan) -> list[str]:
         f"redistributions:  {len(data.redistributions)} tensors, "
         + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
         + f"; {figure_ms(red_seconds)} ms forward"
-        + (f" ({figure_ms(under)} ms of it and of the gradients' ways back under attention kernels)" if under else "")
+        + (f"; {figure_ms(under)} ms of them and their gradients' ways back under attention kernels" if under else "")
     )
     paths = data.gradients
     if paths:

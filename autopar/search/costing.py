@@ -532,6 +532,7 @@ class _Layouts:
     leaving different partial gradients send different collectives back."""
 
     def __init__(self, flow: Dataflow) -> None:
+        self.flow = flow
         self.rules = flow.rules
         self.requires_grad = flow.requires_grad
         self.ids: dict[bytes, int] = {}  # a packed layout row -> its number
@@ -633,7 +634,11 @@ class _Layouts:
             return None
         src_ids, src_pos, entry_pos = self.source(use, entry)
         dst_ids, dst_pos = self.target(use)
-        table = np.broadcast_to(np.zeros(()), (len(src_ids), len(dst_ids)))
+        width = len(dst_ids)
+        if ring.reads_through(self.flow, use):  # a ring reader's columns apart (`ring.columns`)
+            dst_pos, layout_of = ring.columns(self.flow, use, dst_pos)
+            width = len(layout_of)
+        table = np.broadcast_to(np.zeros(()), (len(src_ids), width))
         return _factor(use, src_pos, dst_pos, table), _factor(use, entry_pos, dst_pos, table)
 
 
@@ -816,20 +821,18 @@ def _under_kernel(
     forward: np.ndarray,
     compute: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A ring attention input's tables less what its product hides (`ring.hidden_under`), and the consumer's
-    positions in them. ``sides``: the source's candidates' rows, the entry's (the operator later copies of a
-    folded run read instead: ``entry``), and the consumer's columns."""
+    """A ring input's tables less what its product hides (`ring.hidden_under`), and the consumer's
+    positions in them (`ring.columns`). ``sides``: the source's candidates' rows, the entry's (the operator
+    later copies of a folded run read instead: ``entry``), and the consumer's layout columns."""
     src_pos, entry_pos, entry, dst_pos = sides
-    window = ring.windows(flow, use.dst_node, use.dst_slot, compute)
-    if not window.any():
-        return small, forward, dst_pos
     src_layouts: list[Layout | None] = [None] * small.shape[0]
     for candidate, row in enumerate(src_pos.tolist()):
         src_layouts[row] = src_layouts[row] or flow.source_layout(use, candidate)
     if entry is not None:
         rule = flow.rules[entry]
         for candidate, row in enumerate(entry_pos.tolist()):
-            src_layouts[row] = src_layouts[row] or rule.candidate_layouts(candidate)[1][use.src_slot]
+            ends = rule.candidate_layouts(candidate)
+            src_layouts[row] = src_layouts[row] or (ends[1] if use.src_is_output else ends[0])[use.src_slot]
     dst_layouts: list[Layout | None] = [None] * small.shape[1]
     consumer = flow.rules[use.dst_node]
     for candidate, column in enumerate(dst_pos.tolist()):
@@ -837,7 +840,21 @@ def _under_kernel(
     rows = [layout for layout in src_layouts if layout is not None]
     columns = [layout for layout in dst_layouts if layout is not None]
     assert len(rows) == small.shape[0] and len(columns) == small.shape[1]  # every row and column has a candidate
-    return ring.hidden_under(small, forward, rows, dst_pos, columns, (window, ring.key_axis(flow, use.dst_node)))
+    placed = ring.columns(flow, use, dst_pos)
+    least = ring.least_windows(placed, ring.windows(flow, use.dst_node, compute))
+    axis = ring.key_axis(flow, use.dst_node)
+    small, forward = ring.hidden_under((small, forward), (rows, columns), placed[1], least, axis)
+    return small, forward, placed[0]
+
+
+def ring_windows(flow: Dataflow, use: TensorUse, compute: np.ndarray, candidate: int) -> tuple[float, float]:
+    """The forward and backward windows a ring input's transfer is charged under at the consumer's
+    ``candidate``, as costing charges them (`ring.least_windows` over the columns of its edge's table):
+    what lowering lists as hidden."""
+    placed = ring.columns(flow, use, _Layouts(flow).target(use)[1])
+    least = ring.least_windows(placed, ring.windows(flow, use.dst_node, compute))
+    column = int(placed[0][candidate])
+    return float(least[0][column]), float(least[1][column])
 
 
 def _compiled_tables(

@@ -163,10 +163,23 @@ def search_stages(
     options: SearchOptions | None = None,
     starts: Sequence[int] | None = None,
 ) -> PipelineResult | None:
+    """`bounded_search_stages`' plan alone."""
+    return bounded_search_stages(problem, shape, options, starts)[0]
+
+
+@planning
+def bounded_search_stages(
+    problem: SearchProblem,
+    shape: PipelineShape,
+    options: SearchOptions | None = None,
+    starts: Sequence[int] | None = None,
+) -> tuple[PipelineResult | None, float]:
     """The fastest pipelined plan of one micro-batch's problem (``problem``, on one stage's devices)
     with ``shape``'s stages and micro-batches: the cuts (or the given ``starts``, each stage's first
     operator) and every stage's plan. None when no cut gives a plan that fits and is faster than
-    ``options.bound`` seconds; the other `SearchOptions` are every stage's.
+    ``options.bound`` seconds; the other `SearchOptions` are every stage's. Then a step no plan of the
+    shape that fits beats: the plan's own (or the bound, where there is none) where every stage searched
+    was exact, else the shape's floor (`shape_floors`), and minus infinity for given ``starts``.
 
     Exact: the cuts are a DP over the cut points minimising the slowest stage (min-max over a chain),
     each stage's time the exact per-stage search's; among equally fast cuts, `_min_max_search`'s rule
@@ -178,12 +191,12 @@ def search_stages(
     bound = options.bound
     search = _StageSearch(problem, shape, options)
     n, count = problem.size, shape.stages
-    if starts is not None:
-        return _assemble(search, [*starts, n], bound)
+    if starts is not None:  # the cuts given: the bound is of plans with them
+        return _proved(search, _assemble(search, [*starts, n], bound), bound, -math.inf)
     points = [0, *cut_points(problem), n]
     floors = shape_floors(problem, shape, points, bound)
     if floors.seconds >= bound:
-        return None  # not even the stages' lower bounds leave one fast enough (or no cut fits)
+        return None, floors.seconds  # not even the stages' lower bounds leave one fast enough (or no cut fits)
     search.copies = floors.copies
     least = floors.least
 
@@ -195,7 +208,18 @@ def search_stages(
     if probe is not None:  # its ties too: the exact search's rule, not the bounds', picks among equal cuts
         bound = probe.time_s * (1 + 1e-12)
     exact = _min_max_search(search, points, count, floor, bound)
-    return exact if exact is not None else probe
+    return _proved(search, exact if exact is not None else probe, options.bound, floors.seconds)
+
+
+def _proved(
+    search: _StageSearch, found: PipelineResult | None, bound: float, floor: float
+) -> tuple[PipelineResult | None, float]:
+    """The plan found and a step no plan of the shape that fits beats: its own (``bound`` where there is
+    none) where every stage searched was exact; else ``floor`` (a stage's walk is not proved best, nor are
+    the cuts taken on its time)."""
+    if not all(result.exact for _, result in search.found.values() if result is not None):
+        return found, floor
+    return found, found.time_s if found is not None else bound
 
 
 def _min_max_search(

@@ -152,7 +152,7 @@ def min_plus_rows(a: np.ndarray, b_t: np.ndarray, out: np.ndarray, first: int, l
 @_jit
 def min_plus_argmin(a: np.ndarray, b_t: np.ndarray, out: np.ndarray, arg: np.ndarray, first: int, last: int) -> None:
     """`min_plus_rows` with ``arg[i, j]`` the first k at the minimum (numpy's argmin: the first, and 0
-    where every sum is infinite), a band of `_TILE` columns and a row at a time."""
+    where every sum is infinite), a band of `_TILE` columns and eight rows at a time."""
     depth, columns = b_t.shape
     for top in range(first, last, _ROWS):
         bottom = min(last, top + _ROWS)

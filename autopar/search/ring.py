@@ -1,16 +1,22 @@
 """Context parallelism as ring attention runs it: keys and values gathered along the sequence arrive while
 the fused attention kernel computes.
 
-Where a fused kernel (`Dataflow.fused`) splits its queries' sequence over some devices and reads the keys
-and values whole along theirs, each device holds the queries of its part of the sequence and needs every
-key and value. Ring attention (Liu, Zaharia and Abbeel 2023; Megatron-Core's context parallelism, as
-Llama 3 was trained with it) passes the key and value blocks round the ring of those devices, each block
-computed on while the next arrives, and the gradients of the keys and values back the same way under
-the backward. So the AllGather that brings the keys (values) to such a candidate, and the ReduceScatter
-of their gradient, run under the product that reads them: of the pair's time, up to that product's own
-(its `NodeCosts.compute`, forward and backward) is hidden. Any other transfer (an AllToAll between the
-heads and sequence splits, Ulysses' way; a gather of the heads or the batch) runs before the kernel and
-is not hidden. The operators' layout rules and verification are those of the operators.
+Where a fused kernel's product (`Dataflow.fused`) splits its queries' sequence over some devices and reads
+the keys (values) whole along theirs, each device holds the queries of its part of the sequence and needs
+every key and value. Ring attention (Liu, Zaharia and Abbeel 2023; Megatron-Core's context parallelism, as
+Llama 3 was trained with it) passes the key and value blocks round the ring of the devices that split them,
+each block computed on while the next arrives, and their gradients back the same way under the backward.
+So the AllGather of the keys' (values') sequence that such a candidate reads runs under the forward of the
+product reading them, and the ReduceScatter of their gradient under its backward: of each, up to that
+product's own time is hidden. Any other transfer (an AllToAll between the heads and sequence splits,
+Ulysses' way; a gather of the heads or the batch) runs before the kernel and is not hidden.
+
+An edge's table has a column per layout its consumer reads; a consumer's ring candidates get columns of
+their own (`columns`), each hiding up to the least window of the candidates in it (one reading the keys
+with its queries split more ways computes less per device): a structure that depends on the layouts alone,
+so the search is planned on it before any cost is known. The operators' layout rules and verification are
+those of the operators. An ``Attention`` operator (opset 23) is not among them: its rule never splits a
+sequence, so no candidate of it reads round a ring.
 """
 
 from __future__ import annotations
@@ -22,42 +28,52 @@ import numpy as np
 from autopar.layout import Layout
 from autopar.search.dataflow import Dataflow, TensorUse
 
-
-def ring_slots(flow: Dataflow, node: int) -> tuple[int, ...]:
-    """The inputs of a fused kernel's operator that ring attention passes round (the keys of the scores'
-    product, the values of the values' product, both of an ``Attention`` operator): none elsewhere."""
-    part = flow.fused.get(flow.rules[node].op.name)
-    if part is None or part.role == "inner":
-        return ()
-    return (1, 2) if part.role == "kernel" else (1,)
+RING_SLOT = 1
+"""The input passed round: the keys (transposed) of the scores' product, the values of the values' product."""
 
 
-def windows(flow: Dataflow, node: int, slot: int, compute: np.ndarray) -> np.ndarray:
-    """Per candidate of ``node``, the seconds under which its input ``slot`` may arrive (`window`)."""
-    return np.array([window(flow, node, slot, candidate, compute) for candidate in range(len(compute))])
+def reads_through(flow: Dataflow, use: TensorUse) -> bool:
+    """Whether ``use`` ends at the keys of a fused scores' product or the values of a fused values' product."""
+    part = flow.fused.get(flow.rules[use.dst_node].op.name)
+    return part is not None and part.role in ("scores", "values") and use.dst_slot == RING_SLOT
 
 
 def key_axis(flow: Dataflow, node: int) -> int:
-    """The axis of the keys' (values') sequence in a ring input of ``node``: the last of the scores' second
-    input (the keys transposed), the second-to-last of the values and of an ``Attention`` operator's keys and
-    values."""
+    """The axis of the keys' (values') sequence in the ring input of ``node``: the last of the scores' second
+    input (the keys transposed), the second-to-last of the values."""
     return -1 if flow.fused[flow.rules[node].op.name].role == "scores" else -2
 
 
-def window(flow: Dataflow, node: int, slot: int, candidate: int, compute: np.ndarray) -> float:
-    """The seconds under which input ``slot`` of ``node``'s ``candidate`` may arrive: the compute of the product
-    reading it (half of an ``Attention`` operator's, whose two products do equal work) where the candidate
-    splits the queries' sequence (the second-to-last axis of the first input: queries, or the scores' rows)
-    and reads that input whole along its sequence (`key_axis`); else 0."""
-    rule = flow.rules[node]
-    inputs = rule.candidate_layouts(candidate)[0]
-    queries, keys = inputs[0], inputs[slot]
-    if queries is None or keys is None or queries.ndim < 2 or keys.ndim < 2:
-        return 0.0
-    if not queries.dims[-2] or keys.dims[key_axis(flow, node)]:
-        return 0.0
-    share = 0.5 if flow.fused[rule.op.name].role == "kernel" else 1.0
-    return share * float(compute[candidate])
+def reads_round(flow: Dataflow, node: int) -> np.ndarray:
+    """Per candidate of a fused product, whether it reads its ring input round a ring: it splits the queries'
+    sequence (the second-to-last axis of its first input: the queries, or the scores' rows) and reads the
+    ring input whole along its own (`key_axis`)."""
+    rule, axis = flow.rules[node], key_axis(flow, node)
+    found = np.zeros(len(rule.candidates), dtype=bool)
+    for candidate in range(len(rule.candidates)):
+        inputs = rule.candidate_layouts(candidate)[0]
+        queries, keys = inputs[0], inputs[RING_SLOT]
+        if queries is not None and keys is not None and queries.ndim >= 2 and keys.ndim >= 2:
+            found[candidate] = bool(queries.dims[-2]) and not keys.dims[axis]
+    return found
+
+
+def windows(flow: Dataflow, node: int, compute: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate of a fused product, the seconds its forward and its backward take (``compute`` is both:
+    the forward times `Dataflow.work_multiple`) where it reads round a ring (`reads_round`), else 0."""
+    multiple = flow.work_multiple(node)
+    ring = reads_round(flow, node)
+    forward = np.where(ring, compute / multiple if multiple else 0.0, 0.0)
+    return forward, np.where(ring, compute - forward, 0.0)
+
+
+def columns(flow: Dataflow, use: TensorUse, dst_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each consumer candidate's column, each column's layout column) of a ring input's table: the layout
+    columns of ``dst_pos`` in their order, each split in two where some candidates reading it read round a
+    ring (`reads_round`) and some do not, those that do second. Where none does, the layout columns."""
+    keys = dst_pos.astype(np.int64) * 2 + reads_round(flow, use.dst_node)
+    unique, positions = np.unique(keys, return_inverse=True)
+    return positions.reshape(-1).astype(np.int64), unique // 2
 
 
 def passed_round(src: Layout, dst: Layout, axis: int) -> bool:
@@ -74,42 +90,42 @@ def passed_round(src: Layout, dst: Layout, axis: int) -> bool:
     return all(a == b for d, (a, b) in enumerate(zip(src.dims, dst.dims)) if d != axis % len(src.dims))
 
 
-def hidden_under(
-    table: np.ndarray,
-    forward: np.ndarray,
-    src_layouts: Sequence[Layout],
-    dst_pos: np.ndarray,
-    dst_layouts: Sequence[Layout],
-    windows: tuple[np.ndarray, int],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A use's tables (``table``: forward and the gradient's way back; ``forward``: its forward alone, over
-    source rows and consumer columns) less what runs under the consumer's product, and the consumer's
-    positions in them: candidates that read one layout but hide different amounts get columns of their own,
-    those whose columns come out the same share one (most: a product's compute is most often longer than
-    the transfer, which it then hides whole).
+def least_windows(
+    placed: tuple[np.ndarray, np.ndarray], under: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per column (`columns`: ``placed``), the least forward and backward windows of its candidates (`windows`:
+    ``under``); 0 in a column of candidates that do not read round a ring."""
+    positions, layout_of = placed
+    least = (np.full(len(layout_of), np.inf), np.full(len(layout_of), np.inf))
+    for window, into in zip(under, least):
+        np.minimum.at(into, positions, window)
+    return least
 
-    ``src_layouts`` and ``dst_layouts``: a layout of each row and column; ``windows``: per consumer candidate
-    (`window`), and the sequence's axis. An entry is hidden only where its transfer is passed round
-    (`passed_round`)."""
-    window, axis = windows
+
+def hidden_under(
+    tables: tuple[np.ndarray, np.ndarray],
+    layouts: tuple[Sequence[Layout], Sequence[Layout]],
+    layout_of: np.ndarray,
+    least: tuple[np.ndarray, np.ndarray],
+    axis: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A ring input's tables, over source rows and its `columns`, less what runs under its product.
+
+    ``tables``: forward and the gradient's way back, and the forward alone, over source rows and layout
+    columns; ``layouts``: a layout of each row and of each layout column; ``layout_of``: each column's layout
+    column; ``least``: each column's forward and backward windows (`least_windows`); ``axis``: the
+    sequence's (`key_axis`). An entry is hidden only where its transfer is passed round (`passed_round`): of
+    the forward, up to the forward window, and of the gradient's way back, up to the backward's."""
+    (both, alone), (src_layouts, dst_layouts) = tables, layouts
     numbers: dict[tuple, int] = {}  # the layouts' other axes, numbered: a ring keeps them as they are
 
     def others(layout: Layout) -> int:
         return numbers.setdefault(tuple(b for d, b in enumerate(layout.dims) if d != axis % layout.ndim), len(numbers))
 
     rows = np.array([others(src) if not src.partial and src.dims[axis] else -1 for src in src_layouts])
-    columns = np.array([others(dst) if not dst.dims[axis] else -2 for dst in dst_layouts])
-    passed = (rows[:, None] == columns[None, dst_pos]) & (window > 0)[None, :]
-    both, alone = table[:, dst_pos], forward[:, dst_pos]
-    both = both - np.where(passed, np.minimum(both, window[None, :]), 0.0)
-    alone = alone - np.where(passed, np.minimum(alone, window[None, :]), 0.0)
-    _, first, positions = np.unique(np.concatenate([both, alone]).T, axis=0, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")  # columns in the order of their first candidate
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(order))
-    return both[:, first[order]], alone[:, first[order]], rank[positions.reshape(-1)].astype(np.int64)
-
-
-def reads_through(flow: Dataflow, use: TensorUse) -> bool:
-    """Whether ``use`` ends at an input ring attention passes round (`ring_slots`)."""
-    return use.dst_slot in ring_slots(flow, use.dst_node)
+    wanted = np.array([others(dst) if not dst.dims[axis] else -2 for dst in dst_layouts])[layout_of]
+    passed = (rows[:, None] == wanted[None, :]) & (least[0] > 0)[None, :]
+    both, alone = both[:, layout_of], alone[:, layout_of]
+    ahead = np.where(passed, np.minimum(alone, least[0][None, :]), 0.0)
+    back = np.where(passed, np.minimum(np.maximum(both - alone, 0.0), least[1][None, :]), 0.0)
+    return both - ahead - back, alone - ahead

@@ -24,7 +24,7 @@ from autopar.limits import MAX_MICRO_BATCHES
 from autopar.ops.norm import batch_statistics
 from autopar.options import PlanOptions
 from autopar.search.costing import build_problem
-from autopar.search.cuts import search_stages
+from autopar.search.cuts import bounded_search_stages
 from autopar.search.driver import (
     NothingFaster,
     SearchCache,
@@ -86,6 +86,7 @@ class ShapeSearch:
         self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
         self._hint = 0.0  # the memory weight the last search that memory bound settled on: the next tries it first
         self._single_runs = SearchCache()  # the whole batch is searched twice where memory binds (`_visiting`)
+        self.lower_s = math.inf  # no plan of a shape searched (`_timed_search`) is faster, where it fits
         self.searching = SearchOptions(options.mode, options.search, options.recompute)  # every search's
         single = self.problem(1, 1)
         assert single is not None  # the whole batch on every device: its errors are the user's
@@ -163,7 +164,16 @@ class ShapeSearch:
         shapes = self.shapes()
         rank = {shape: index for index, shape in enumerate(shapes)}  # on a tie, the shape listed first wins
         best, order = self._visiting(shapes)
-        return self._searched(shapes, order, rank, best, floor)
+        return self._proved(self._searched(shapes, order, rank, best, floor))
+
+    def _proved(self, best: ShapeResult) -> ShapeResult:
+        """The best plan with what the search proved of it: no plan of any shape that fits is faster than the
+        least of each searched shape's bound and its own step (a shape not searched was refuted by a bound no
+        less than the best plan's step, or is not among those searched); exact only where that is its step."""
+        bound = min(self.lower_s, best.time_s)
+        exact = best.found.exact and bound >= best.time_s
+        lower = bound if bound > -math.inf else None
+        return dataclasses.replace(best, found=dataclasses.replace(best.found, exact=exact, bound_s=lower))
 
     def _searched(
         self,
@@ -214,11 +224,14 @@ class ShapeSearch:
         return best.time_s * (1 + _TIE if rank[shape] < rank[best.shape] else 1)
 
     def _timed_search(self, problem: SearchProblem, shape: PipelineShape, bound: float) -> ShapeResult | None:
+        """`_search_shape`, timed, its bound kept (`lower_s`)."""
         started = time.perf_counter()
         try:
-            return self._search_shape(problem, shape, bound)
+            searched, lower = self._search_shape(problem, shape, bound)
         finally:
             self.search_s += time.perf_counter() - started
+        self.lower_s = min(self.lower_s, lower)
+        return searched
 
     def _may_win(self, shape: PipelineShape, best: ShapeResult | None, bound: float, floor: float) -> bool:
         """Whether a shape is left a chance to beat ``bound`` by what is known without building it."""
@@ -249,9 +262,11 @@ class ShapeSearch:
             return None, order
         started = time.perf_counter()
         try:
-            fits = self._search_shape(self.single, ONE_STAGE, 0.0)
+            fits, lower = self._search_shape(self.single, ONE_STAGE, 0.0)
         finally:
             self.search_s += time.perf_counter() - started
+        if fits is not None:  # (where none fits, the whole batch is searched again: its bound is that search's)
+            self.lower_s = min(self.lower_s, lower)
         return (fits, order[1:]) if fits is not None else (None, [order[1], ONE_STAGE, *order[2:]])
 
     def _note_fastest(self, problem: SearchProblem, shape: PipelineShape, fastest_s: float | None) -> None:
@@ -289,8 +304,12 @@ class ShapeSearch:
         """`_memory_free`, over the whole batch (one micro-batch)."""
         return self._memory_free(best) and best is not None and best.found.choices.micro_batches == 1
 
-    def _search_shape(self, problem: SearchProblem, shape: PipelineShape, bound: float) -> ShapeResult | None:
-        """The best plan of one shape (None: nothing fits, or nothing faster than ``bound``)."""
+    def _search_shape(
+        self, problem: SearchProblem, shape: PipelineShape, bound: float
+    ) -> tuple[ShapeResult | None, float]:
+        """The best plan of one shape (None: nothing fits, or nothing faster than ``bound``), and a step no plan
+        of the shape that fits beats (`SearchResult.bound_s`; ``bound`` where none beats it; infinite where none
+        fits; minus infinity where not known)."""
         options = self.options
         searching = dataclasses.replace(self.searching, bound=bound, hint=self._hint)
         started = time.perf_counter()
@@ -301,26 +320,28 @@ class ShapeSearch:
                 found = run_search(stage, searching, cache)
             except NothingFaster as beaten:
                 self._note_fastest(stage, shape, beaten.fastest_s)
-                return None
+                return None, bound
             except InfeasibleError:
                 if len(self.shapes()) == 1:
                     raise
-                return None
+                return None, math.inf
             self._note_fastest(stage, shape, found.fastest_s)
             self._hint = found.memory_multiplier or self._hint
+            lower = found.bound_s if found.bound_s is not None else -math.inf
             if shape == ONE_STAGE:
-                return ShapeResult(problem, found, None, problem.objective(found.choice, found.choices))
+                return ShapeResult(problem, found, None, problem.objective(found.choice, found.choices)), lower
             seconds = stage.objective(found.choice, found.choices)
             if seconds >= bound:
-                return None
+                return None, lower
             whole = PipelineResult(shape, (StagePlan(0, problem.size, found, seconds),))
-            return ShapeResult(problem, joined(whole, time.perf_counter() - started), None, seconds, shape)
+            searched = ShapeResult(problem, joined(whole, time.perf_counter() - started), None, seconds, shape)
+            return searched, lower
         starts = stage_starts(problem, options.stage_starts) if options.stage_starts else None
-        result = search_stages(problem, shape, searching, starts)
+        result, lower = bounded_search_stages(problem, shape, searching, starts)
         if result is None:
-            return None
+            return None, lower
         found = joined(result, time.perf_counter() - started)
-        return ShapeResult(problem, found, result if shape.stages > 1 else None, result.time_s, shape)
+        return ShapeResult(problem, found, result if shape.stages > 1 else None, result.time_s, shape), lower
 
 
 _Kept = TypeVar("_Kept", bound=BaseException)
