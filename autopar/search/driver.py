@@ -243,11 +243,27 @@ class _Runs:
         seen_unary = [u + time_scale * o for u, o in zip(unary, self.offsets)]
         choice, floor = solver.solve(seen_unary)
         if not solver.exact:  # a plan backtracked through split tables: what one operator's move gains, taken
-            factors = problem.all_factors(recompute)
-            choice = condition_on_hubs(seen_unary, factors, descend(seen_unary, factors, choice), solver.limits)
+            choice = descend(seen_unary, problem.all_factors(recompute), choice)
         choices = problem.choices_at(choice, takes, recompute)
         seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(self.offsets, choice))
         return _Point(choice, choices, seen, problem.memory(choice, choices), floor)
+
+    def improved(self, point: _Point, weight: float, recompute: bool, capacity: float) -> _Point:
+        """The plan a search that split its steps ends at, searched again with its hubs held
+        (`condition_on_hubs`) at the memory weight it was found at: taken where it is faster and fits. Once a
+        search, on the plan it ends at, not on each run of its memory walk (each costs a DP run or two)."""
+        if self.solver.exact:
+            return point
+        problem = self.problem
+        unary, takes = problem.lagrangian(weight, recompute)
+        seen_unary = [u + o for u, o in zip(unary, self.offsets)]
+        choice = condition_on_hubs(seen_unary, problem.all_factors(recompute), point.choice, self.solver.limits)
+        if choice == point.choice:
+            return point
+        choices = problem.choices_at(choice, takes, recompute)
+        seen = problem.objective(choice, choices) + sum(float(o[c]) for o, c in zip(self.offsets, choice))
+        memory = problem.memory(choice, choices)
+        return _Point(choice, choices, seen, memory, point.floor) if seen < point.seen and memory <= capacity else point
 
     def leanest(self, recompute: bool) -> _Point:
         """The plan of least memory, the faster of equally lean ones: memory is a sum over operators,
@@ -297,10 +313,12 @@ def _constrained_dp(
     fast = solve(0.0, first) if fits_first else None  # a plan that cannot fit needs no run to say so
     fastest = None if fast is None else (fast.seen if solver.exact else min(fast.seen, fast.floor)) - slack
     if fast is not None and fast.memory <= capacity:
+        fast = dp.improved(fast, 0.0, first, capacity)
         return fast.choice, fast.choices, 0.0, fastest, True
     if fast is not None and fast.seen >= beat_seen and not math.isinf(beat):
         raise NothingFaster(f"no plan is faster than {beat:.6g} s", fastest)
     best: tuple[_Point, float] | None = None
+    best_kind = first  # whether the best plan recomputes
     leans: dict[bool, _Point] = {}
     for recompute in kinds:
         bound = best[0].seen if best is not None else beat_seen
@@ -319,7 +337,7 @@ def _constrained_dp(
         first_weight = hint or (_FIRST_SHARE * start.seen / excess if excess > 0 else 0.0)
         walked = _walk(start, lean, capacity, functools.partial(solve, recompute=recompute), bound, first_weight)
         if walked is not None and walked[0].seen < bound:
-            best = walked
+            best, best_kind = walked, recompute
     if best is None and not math.isinf(beat):
         raise NothingFaster(f"no plan that fits is faster than {beat:.6g} s", fastest)
     if best is None:  # nothing fits: the message describes the leanest plan of every kind
@@ -328,7 +346,8 @@ def _constrained_dp(
         message = _infeasible_message(problem, least.choice, capacity, "auto_parallel", least.choices)
         raise InfeasibleError(message)
     solver.bind(problem.factors, problem.folds)
-    return best[0].choice, best[0].choices, best[1], fastest, False
+    point = dp.improved(best[0], best[1], best_kind, capacity)
+    return point.choice, point.choices, best[1], fastest, False
 
 
 def _walk(
