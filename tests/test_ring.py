@@ -51,7 +51,7 @@ def test_a_ring_window_is_the_product_s_forward_and_backward_where_it_splits_the
         part = llama.fused.get(rule.op.name)
         if part is None or part.role not in ("scores", "values"):
             continue
-        forward, backward = ring.windows(llama, node, llama.node_compute[node])
+        forward, backward = ring.windows(llama, node, llama.node_compute[node], ring.reads_round(llama, node))
         for candidate in range(len(rule.candidates)):
             queries, keys = rule.candidate_layouts(candidate)[0][:2]
             read_round = bool(queries.dims[-2]) and not keys.dims[-1 if part.role == "scores" else -2]

@@ -113,23 +113,7 @@ def _plan_summary(plan: Plan) -> list[str]:
         f"memory by kind:   {breakdown}" + (f" (optimizer: {data.optimizer})" if data.optimizer else ""),
         f"mesh:             {mesh.num_devices} devices" + (f" over {levels}" if levels else ""),
     ]
-    kinds = Counter(str(s.collective) for red in data.redistributions for s in red.steps)
-    red_seconds = sum(red.seconds for red in data.redistributions)
-    under = sum(red.hidden_s or 0.0 for red in data.redistributions)
-    lines.append(
-        f"redistributions:  {len(data.redistributions)} tensors, "
-        + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
-        + f"; {figure_ms(red_seconds)} ms forward"
-        + (f"; {figure_ms(under)} ms of them and their gradients' ways back under attention kernels" if under else "")
-    )
-    paths = data.gradients
-    if paths:
-        backward_kinds = Counter(str(s.collective) for path in paths for s in path.steps)
-        lines.append(
-            f"backward:         {len(paths)} gradients need collectives to reach their producers: "
-            + ", ".join(f"{n} {k}" for k, n in sorted(backward_kinds.items()))
-            + f"; {figure_ms(sum(path.seconds for path in paths))} ms"
-        )
+    lines += _collective_lines(data)
     synced = [g for g in data.gradient_sync if g.collective]
     lines.append(
         f"gradient sync:    {len(synced)} of {len(data.gradient_sync)} parameters synchronised,"
@@ -161,6 +145,29 @@ def _plan_summary(plan: Plan) -> list[str]:
         f"search:           {data.search.algorithm} over {data.search.candidates} candidates"
         f" of {data.search.operators} operators{_proof(data.search)}"
     )
+    return lines
+
+
+def _collective_lines(data: PlanFile) -> list[str]:
+    """The summary's lines on the forward redistributions (and what of them runs under attention kernels)
+    and on the gradients' ways back."""
+    kinds = Counter(str(s.collective) for red in data.redistributions for s in red.steps)
+    red_seconds = sum(red.seconds for red in data.redistributions)
+    under = sum(red.hidden_s or 0.0 for red in data.redistributions)
+    lines = [
+        f"redistributions:  {len(data.redistributions)} tensors, "
+        + (", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none")
+        + f"; {figure_ms(red_seconds)} ms forward"
+        + (f"; {figure_ms(under)} ms of them and their gradients' ways back under attention kernels" if under else "")
+    ]
+    paths = data.gradients
+    if paths:
+        backward_kinds = Counter(str(s.collective) for path in paths for s in path.steps)
+        lines.append(
+            f"backward:         {len(paths)} gradients need collectives to reach their producers: "
+            + ", ".join(f"{n} {k}" for k, n in sorted(backward_kinds.items()))
+            + f"; {figure_ms(sum(path.seconds for path in paths))} ms"
+        )
     return lines
 
 

@@ -636,7 +636,7 @@ class _Layouts:
         dst_ids, dst_pos = self.target(use)
         width = len(dst_ids)
         if ring.reads_through(self.flow, use):  # a ring reader's columns apart (`ring.columns`)
-            dst_pos, layout_of = ring.columns(self.flow, use, dst_pos)
+            dst_pos, layout_of = ring.columns(dst_pos, ring.reads_round(self.flow, use.dst_node))
             width = len(layout_of)
         table = np.broadcast_to(np.zeros(()), (len(src_ids), width))
         return _factor(use, src_pos, dst_pos, table), _factor(use, entry_pos, dst_pos, table)
@@ -840,8 +840,7 @@ def _under_kernel(
     rows = [layout for layout in src_layouts if layout is not None]
     columns = [layout for layout in dst_layouts if layout is not None]
     assert len(rows) == small.shape[0] and len(columns) == small.shape[1]  # every row and column has a candidate
-    placed = ring.columns(flow, use, dst_pos)
-    least = ring.least_windows(placed, ring.windows(flow, use.dst_node, compute))
+    placed, least = ring.placed_windows(flow, use, dst_pos, compute)
     axis = ring.key_axis(flow, use.dst_node)
     small, forward = ring.hidden_under((small, forward), (rows, columns), placed[1], least, axis)
     return small, forward, placed[0]
@@ -851,8 +850,7 @@ def ring_windows(flow: Dataflow, use: TensorUse, compute: np.ndarray, candidate:
     """The forward and backward windows a ring input's transfer is charged under at the consumer's
     ``candidate``, as costing charges them (`ring.least_windows` over the columns of its edge's table):
     what lowering lists as hidden."""
-    placed = ring.columns(flow, use, _Layouts(flow).target(use)[1])
-    least = ring.least_windows(placed, ring.windows(flow, use.dst_node, compute))
+    placed, least = ring.placed_windows(flow, use, _Layouts(flow).target(use)[1], compute)
     column = int(placed[0][candidate])
     return float(least[0][column]), float(least[1][column])
 

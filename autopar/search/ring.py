@@ -58,22 +58,31 @@ def reads_round(flow: Dataflow, node: int) -> np.ndarray:
     return found
 
 
-def windows(flow: Dataflow, node: int, compute: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def windows(flow: Dataflow, node: int, compute: np.ndarray, ring: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per candidate of a fused product, the seconds its forward and its backward take (``compute`` is both:
-    the forward times `Dataflow.work_multiple`) where it reads round a ring (`reads_round`), else 0."""
+    the forward times `Dataflow.work_multiple`) where it reads round a ring (``ring``: `reads_round`), else 0."""
     multiple = flow.work_multiple(node)
-    ring = reads_round(flow, node)
     forward = np.where(ring, compute / multiple if multiple else 0.0, 0.0)
     return forward, np.where(ring, compute - forward, 0.0)
 
 
-def columns(flow: Dataflow, use: TensorUse, dst_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def columns(dst_pos: np.ndarray, ring: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(each consumer candidate's column, each column's layout column) of a ring input's table: the layout
     columns of ``dst_pos`` in their order, each split in two where some candidates reading it read round a
-    ring (`reads_round`) and some do not, those that do second. Where none does, the layout columns."""
-    keys = dst_pos.astype(np.int64) * 2 + reads_round(flow, use.dst_node)
+    ring (``ring``: `reads_round`) and some do not, those that do second. Where none does, the layout columns."""
+    keys = dst_pos.astype(np.int64) * 2 + ring
     unique, positions = np.unique(keys, return_inverse=True)
     return positions.reshape(-1).astype(np.int64), unique // 2
+
+
+def placed_windows(
+    flow: Dataflow, use: TensorUse, dst_pos: np.ndarray, compute: np.ndarray
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """A ring input's `columns` (over the consumer's layout columns ``dst_pos``) and each column's windows
+    (`least_windows` of the product's, ``compute``): what costing charges and lowering lists alike."""
+    ring = reads_round(flow, use.dst_node)
+    placed = columns(dst_pos, ring)
+    return placed, least_windows(placed, windows(flow, use.dst_node, compute, ring))
 
 
 def passed_round(src: Layout, dst: Layout, axis: int) -> bool:
