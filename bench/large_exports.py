@@ -1,18 +1,21 @@
 """Plan full-size Hugging Face models the search once refused for the size of its tables.
 
 Usage: python bench/large_exports.py [--kinds llama3_8b,albert,deepseek_v3,mamba2] [--devices 64]
-                                     [--layers 2] [--batch 8] [--seq 512] [--out FOLDER]
+                                     [--layers 2] [--batch 8] [--seq 512] [--route] [--out FOLDER]
 
 Each model is built from its transformers configuration at its published width (Llama-3-8B: hidden 4,096,
 32 heads, 8 key-value heads, MLP 14,336, vocabulary 128,256; Mixtral 8x7B (``--kinds mixtral``: 8 experts of
-that MLP, top 2); ALBERT-xxlarge; DeepSeek-V3's latent attention and routed experts, fewer of them;
+that MLP, top 2); ALBERT-xxlarge; DeepSeek-V3's latent attention and routed experts, fewer of them (``--kinds
+deepseek_v3_256``: its own 256 routed experts of MLP 2,048 and a shared one, top 8 of 8 groups, 4 kept);
 Mamba2-2.7B) with a few layers, its parameters on torch's meta device so
 that no weight is ever allocated, given its training loss and exported by torch's dynamo exporter
 (``optimize=False``: the optimiser folds constants, which meta tensors do not have). The file keeps each
 parameter's shape and points its data at a file that is not written, as ``bench/hf_exports.py`` does;
 buffers (rotary frequencies, position ids) are stored. Then ``autopar plan FILE --devices N --cost-model h100
 --optimizer adam --quiet`` runs in a fresh process: printed are its wall time, CPU time, peak memory, the
-predicted step and what the search proved (exact, or the gap to its lower bound).
+predicted step, the degrees and what the search proved (exact, or the gap to its lower bound). ``--route``
+writes the gathered experts of the mixture-of-experts kinds as GShard's dispatch first (`autopar route`, its
+default capacity factor), so that a plan can split them.
 
 Needs torch, onnxscript and transformers (the test extra).
 """
@@ -100,6 +103,27 @@ def configuration(kind: str, layers: int, seq: int):
             topk_group=2,
             vocab_size=129280,
         )
+    if kind == "deepseek_v3_256":  # DeepSeek-V3's routing as published: 256 experts, top 8 of 4 groups in 8
+        return hf.DeepseekV3Config(
+            num_hidden_layers=layers,
+            first_k_dense_replace=1,
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            vocab_size=129280,
+        )
     if kind == "mamba2":
         return hf.Mamba2Config(
             num_hidden_layers=layers,
@@ -112,7 +136,9 @@ def configuration(kind: str, layers: int, seq: int):
             chunk_size=256,
             vocab_size=50288,
         )
-    raise SystemExit(f"unknown kind {kind!r}: choose llama3_8b, llama2_7b, mixtral, albert, deepseek_v3 or mamba2")
+    raise SystemExit(
+        f"unknown kind {kind!r}: choose llama3_8b, llama2_7b, mixtral, albert, deepseek_v3, deepseek_v3_256 or mamba2"
+    )
 
 
 @contextlib.contextmanager
@@ -184,11 +210,12 @@ def plan(path: Path, devices: int) -> str:
     done = measure(autopar("plan", str(path), "--devices", str(devices), "--cost-model", "h100", "--optimizer", "adam"))
     head = f"{done.wall:.1f} s ({done.cpu:.1f} s CPU) | {done.rss / 2**20:,.0f} MiB"
     if done.code:
-        return f"{head} | refused: {done.refusal[:200]} | |"
+        return f"{head} | refused: {done.refusal[:200]} | | |"
     lines = done.out.splitlines()
     step = next((line for line in lines if line.startswith("step time:")), "").split(":", 1)[-1].strip()
+    degrees = next((line for line in lines if line.startswith("degrees:")), "").split(":", 1)[-1].strip()
     search = next((line for line in lines if line.startswith("search:")), "").split(":", 1)[-1].strip()
-    return f"{head} | {step.split('(')[0].strip()} | {search} |"
+    return f"{head} | {step.split('(')[0].strip()} | {degrees} | {search} |"
 
 
 def main() -> None:
@@ -198,20 +225,26 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--route", action="store_true", help="write gathered experts as GShard's dispatch first")
     parser.add_argument("--out", type=Path, help="keep the exports in this folder (as KIND.onnx)")
     args = parser.parse_args()
-    print("| model | devices | autopar plan wall (CPU) | peak memory | predicted step | search |")
-    print("|---|---|---|---|---|---|")
+    print("| model | devices | autopar plan wall (CPU) | peak memory | predicted step | degrees | search |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         for kind in args.kinds.split(","):
             path = (args.out or Path(folder)) / f"{kind}.onnx"
             try:
                 export(kind, args.layers, args.batch, args.seq, path)
             except Exception as error:  # an export torch cannot write is a row, not the end of the table
-                print(f"| {kind} | | export failed: {type(error).__name__}: {str(error)[:150]} | | | |", flush=True)
+                print(f"| {kind} | | export failed: {type(error).__name__}: {str(error)[:150]} | | | | |", flush=True)
                 continue
+            if args.route:
+                routed = path.with_name(f"{kind}_routed.onnx")
+                done = measure(autopar("route", str(path), "-o", str(routed), "--quiet"))
+                path = routed if done.code == 0 else path  # a kind without gathered experts is planned as it is
             for devices in (int(d) for d in args.devices.split(",")):
-                label = f"{kind} ({args.layers} layers, batch {args.batch}, sequence {args.seq})"
+                routed_label = ", routed" if path.stem.endswith("_routed") else ""
+                label = f"{kind} ({args.layers} layers, batch {args.batch}, sequence {args.seq}{routed_label})"
                 print(f"| {label} | {devices} | {plan(path, devices)}", flush=True)
 
 

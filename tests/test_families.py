@@ -30,6 +30,7 @@ FAMILIES = {
     "bloom": "hf_bloom_dynamo",  # ALiBi biases
     "gpt_neox": "hf_gpt_neox_dynamo",  # attention and MLP in parallel off one residual stream
     "olmoe": "hf_olmoe_dynamo",  # mixture of experts: expert weights taken per routed token by GatherND
+    "mixtral": "hf_mixtral_dynamo",  # the same experts exported unoptimised: identity Transposes, torch.split
     "mamba2": "hf_mamba2_dynamo",  # a state-space scan in chunks; a per-head parameter no split divides
 }
 SPLITTING_PAYS = profile(peak=1e9)

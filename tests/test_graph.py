@@ -667,3 +667,34 @@ def test_a_broadcast_too_large_to_fold_is_not_evaluated_to_find_out():
     assert _surely_too_large(helper.make_node("Expand", ["one", "shape"], ["big"]), known)
     assert not _surely_too_large(helper.make_node("LessOrEqual", ["kv", "small"], ["le"]), known)
     assert not _surely_too_large(helper.make_node("Range", ["small", "small", "small"], ["r"]), known)
+    grid = np.zeros((8, 1, 4096, 4096, 2), dtype=np.int64)  # a mask's index grid: 134 million index pairs
+    known["grid"], known["pairs"] = grid, np.zeros((8, 4096), dtype=np.int64)
+    assert _surely_too_large(helper.make_node("GatherND", ["pairs", "grid"], ["mask"]), known)
+    known["grid"] = grid[:, :, :8]
+    assert not _surely_too_large(helper.make_node("GatherND", ["pairs", "grid"], ["mask"]), known)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gather_nd_folds_as_onnx_defines_it(seed):
+    """Folding's numpy GatherND against onnx's reference evaluator: batch dimensions, partial index tuples,
+    negative indices, extra index axes."""
+    from onnx.reference import ReferenceEvaluator
+
+    from autopar.graph.fold import gather_nd
+
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        batch_dims = int(rng.integers(0, 3))
+        shape = tuple(int(size) for size in rng.integers(1, 4, size=batch_dims + int(rng.integers(1, 4))))
+        depth = int(rng.integers(1, len(shape) - batch_dims + 1))
+        extra = tuple(int(size) for size in rng.integers(1, 3, size=int(rng.integers(0, 3))))
+        per_axis = [
+            rng.integers(-shape[a], shape[a], size=shape[:batch_dims] + extra)
+            for a in range(batch_dims, batch_dims + depth)
+        ]
+        indices = np.stack(per_axis, axis=-1).astype(np.int64)
+        data = rng.standard_normal(shape)
+        node = helper.make_node("GatherND", ["data", "indices"], ["out"], batch_dims=batch_dims)
+        (expected,) = ReferenceEvaluator(node).run(None, {"data": data, "indices": indices})
+        got = gather_nd(data, indices, batch_dims)
+        assert got.shape == expected.shape and np.array_equal(got, expected)

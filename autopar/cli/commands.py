@@ -181,6 +181,37 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_route(args: argparse.Namespace) -> int:
+    """``route``: the model with its gathered experts written as GShard's dispatch, and one line saying what."""
+    from autopar.graph.experts import route_experts
+
+    model = Path(args.model)
+    out = Path(args.out) if args.out else model.with_name(f"{model.stem}_routed.onnx")
+    check_out(str(out))
+    if out.resolve() == model.resolve():
+        raise UsageError(f"--out {str(out)!r} is the model itself: name another file.")
+    line = ProgressLine.for_command(args.quiet)
+    with progress.listening(line), line:
+        progress.report("import", 0, 1)
+        routed = route_experts(model, args.capacity_factor, args.group_rows)
+    if not routed.blocks:
+        print(
+            f"autopar: {model.name} has no gathered experts (GatherND of an expert stack, then MatMul);"
+            " nothing written",
+            file=sys.stderr,
+        )
+        return 1
+    out.write_bytes(routed.model.SerializeToString())
+    block = routed.blocks[0]
+    print(
+        f"autopar: wrote {out}: {len(routed.blocks)} expert layers dispatched ({block.experts} experts,"
+        f" {block.group_rows} routed rows a group, {block.capacity} slots an expert in each: capacity factor"
+        f" {args.capacity_factor:g}, rows past it dropped)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     check_out(args.out)
     import autopar
@@ -313,4 +344,5 @@ COMMANDS = {
     "export": run_export,
     "sweep": run_sweep,
     "report": run_report,
+    "route": run_route,
 }

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.graph.experts import GROUP_ROWS
 from autopar.limits import MAX_DEVICES, MAX_DIMENSION, MAX_MICRO_BATCHES, MAX_SEED
 from autopar.options import Mode, Optimizer, Precision, Runtime, SearchAlgorithm
 from autopar.units import parse_bytes
@@ -132,6 +133,20 @@ def _fixed_strategy(text: str) -> tuple[str, Any]:
             f"--fix {name}: the strategy must be a tuple of integer tuples such as ((8,1,1,1),(1,1,1,1)), got {value!r}"
         ) from None
     return name, strategy
+
+
+def _capacity_factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"--capacity-factor must be a positive number, not {text!r}")
+    return value
+
+
+def _group_rows(text: str) -> int:
+    return _integer("--group-rows", text, 1, MAX_DIMENSION)
 
 
 def _seed(text: str) -> int:
@@ -390,6 +405,32 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--out", help="the file to write (default: named after the model, here)")
     export.add_argument("--model", help="the ONNX model the plan was made for (needed by --to onnx)")
     _add_quiet_argument(export)
+
+    route = commands.add_parser(
+        "route", help="write gathered experts (Hugging Face's batched_mm) as GShard's dispatch, so plans split them"
+    )
+    route.add_argument("model", help="ONNX model file")
+    route.add_argument(
+        "--capacity-factor",
+        type=_capacity_factor,
+        default=1.25,
+        metavar="F",
+        help="each expert's slots in a group, as a multiple of an even share of the group's routed rows; rows past"
+        " them are dropped, as in GShard (default 1.25; experts / top-k or more drops none)",
+    )
+    route.add_argument(
+        "--group-rows",
+        type=_group_rows,
+        default=GROUP_ROWS,
+        metavar="N",
+        help=f"the most routed rows (tokens times top-k) a group holds (default {GROUP_ROWS})",
+    )
+    route.add_argument(
+        "-o",
+        "--out",
+        help="the model to write (default: MODEL_routed.onnx beside the model, where its external weights are found)",
+    )
+    _add_quiet_argument(route)
 
     commands.add_parser("schema", help="print the JSON Schema of plan files")
 

@@ -125,9 +125,13 @@ BROADCASTING = frozenset(
 
 def _surely_too_large(node: onnx.NodeProto, constants: dict[str, KnownValue]) -> bool:
     """Whether the output of a node whose size inference left open is past `FOLD_MAX_ELEMENTS` by its inputs
-    alone (a broadcast, an Expand): such a value (a causal mask of 32k x 32k positions, 8.6 billion entries at
-    batch 8) would take seconds and gigabytes to evaluate, only to be refused."""
+    alone (a broadcast, an Expand, a GatherND): such a value (a causal mask of 32k x 32k positions, 8.6
+    billion entries at batch 8) would take seconds and gigabytes to evaluate, only to be refused."""
     shapes = [np.shape(constants[name]) for name in node.input if name]
+    if node.op_type == "GatherND" and len(shapes) == 2 and shapes[1]:  # exporters build masks by index
+        data, indices = shapes
+        batch_dims = int(attributes(node).get("batch_dims", 0))
+        return math.prod(indices[:-1]) * math.prod(data[batch_dims + indices[-1] :]) > FOLD_MAX_ELEMENTS
     if node.op_type == "Expand" and len(shapes) == 2:
         shapes[1] = tuple(int(d) for d in np.asarray(constants[node.input[1]]).reshape(-1))
     elif node.op_type not in BROADCASTING:
@@ -146,9 +150,35 @@ def _dtype_of(name: str, infos: dict[str, onnx.ValueInfoProto]) -> np.dtype | No
     return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type))
 
 
+def gather_nd(data: np.ndarray, indices: np.ndarray, batch_dims: int = 0) -> np.ndarray:
+    """ONNX's GatherND by numpy's indexing: onnx's reference evaluator loops in Python over every index tuple
+    (seconds for the million-entry masks exporters build by index).
+
+    >>> gather_nd(np.arange(6).reshape(2, 3), np.array([[1, 2], [0, -1]]))
+    array([5, 2])
+    >>> gather_nd(np.arange(12).reshape(2, 2, 3), np.array([[1], [0]]), batch_dims=1)
+    array([[3, 4, 5],
+           [6, 7, 8]])
+    """
+    leading = data.shape[:batch_dims]
+    count = math.prod(leading)
+    flat_data = data.reshape((count, *data.shape[batch_dims:]))
+    flat_indices = indices.reshape((count, *indices.shape[batch_dims:]))
+    positions = np.arange(count).reshape((count,) + (1,) * (flat_indices.ndim - 2))
+    picked = flat_data[(positions, *np.moveaxis(flat_indices, -1, 0))]
+    return picked.reshape(leading + picked.shape[1:])
+
+
 def _evaluate(node: onnx.NodeProto, constants: dict[str, Any], proto: onnx.ModelProto) -> np.ndarray | None:
     """Run one operator on known inputs with onnx's reference evaluator (None if it cannot)."""
     from onnx.reference import ReferenceEvaluator
+
+    if node.op_type == "GatherND" and not node.domain:
+        data, indices = (np.asarray(constants[name]) for name in node.input[:2])
+        try:
+            return gather_nd(data, indices.astype(np.int64), int(attributes(node).get("batch_dims", 0)))
+        except (IndexError, ValueError):
+            return None
 
     opsets = {entry.domain or "": int(entry.version) for entry in proto.opset_import}
     try:

@@ -74,7 +74,7 @@ def resolve_shapes(proto: onnx.ModelProto, computed: Mapping[str, int], checked:
         if not changed:
             break
         _forget_inferred(inferred, {key.rpartition(":")[0] for key in applied})
-        inferred = infer_shapes(inferred)
+        inferred = infer_shapes(inferred, refolded=True)
     for key in sorted(set(computed) - applied):
         tensor, _, axis = key.rpartition(":")
         raise ModelImportError(

@@ -23,16 +23,16 @@ EXPERT_READERS = frozenset({"MatMul", "Einsum", "Gather", "GatherND"})
 def expert_bits(data: PlanFile) -> dict[str, frozenset[int]]:
     """The mesh bits each operator splits an expert axis with (operators without one are absent).
 
-    An expert axis is the leading dimension of a trainable parameter of three or more dimensions (a
-    stack of per-expert matrices, ``[experts, rows, columns]``) read by a MatMul, an Einsum, a Gather
-    or a GatherND: the bits splitting it in the layout such an operator reads it in are that operator's
-    expert bits, wherever they land in its output (a batched MatMul's leading axis, the partial sum of a
-    GatherND's masked lookups). A dense layer's weight is a matrix, and a convolution's 4-D weight leads
-    with output channels (Conv reads none), so neither has one; a batch axis read from the data input is
-    data. The split follows the tensors: where an operator's expert bit splits a dimension of a tensor
-    it shares with another operator, and the other's layout of that tensor has the bit on the same
-    dimension, the bit is the other's expert bit too (the token buffers dispatched to the experts, their
-    reshapes, the experts' activations). A partial sum or a redistribution ends it.
+    An expert axis is the leading dimension of a trainable parameter of three or more dimensions (a stack of
+    per-expert matrices, ``[experts, rows, columns]``) read by a MatMul, an Einsum, a Gather or a GatherND, or
+    transposed with the experts still leading (as exporters write a stack's layout): the bits splitting it in the
+    layout such an operator reads it in are that operator's expert bits, wherever they land in its output (a
+    batched MatMul's leading axis, the partial sum of a GatherND's masked lookups). A dense layer's weight is a
+    matrix, and a convolution's 4-D weight leads with output channels (Conv reads none), so neither has one; a
+    batch axis read from the data input is data. The split follows the tensors: where an operator's expert bit
+    splits a dimension of a tensor it shares with another operator, and the other's layout of that tensor has the
+    bit on the same dimension, the bit is the other's expert bit too (the token buffers dispatched to the experts,
+    their reshapes, the experts' activations). A partial sum or a redistribution ends it.
     """
     parameters = {entry.parameter for entry in data.gradient_sync}
     holders: dict[str, list[tuple[str, list[list[int]]]]] = {}
@@ -43,11 +43,14 @@ def expert_bits(data: PlanFile) -> dict[str, frozenset[int]]:
     found: dict[str, set[int]] = {}
     pending: list[tuple[str, int]] = []
     for op in data.ops:
-        if op.op_type not in EXPERT_READERS:
+        if op.op_type not in EXPERT_READERS and op.op_type != "Transpose":
             continue
         for tensor in op.inputs:
             if tensor.tensor in parameters and len(tensor.layout.dims) >= 3:
-                pending += [(op.name, bit) for bit in tensor.layout.dims[0]]
+                bits = tensor.layout.dims[0]
+                if op.op_type == "Transpose":  # a stack the exporter transposes, its experts still leading
+                    bits = [bit for bit in bits if op.outputs and bit in op.outputs[0].layout.dims[0]]
+                pending += [(op.name, bit) for bit in bits]
     while pending:
         name, bit = pending.pop()
         if bit in found.setdefault(name, set()):

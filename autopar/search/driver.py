@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -459,9 +459,36 @@ def _infeasible_message(
             f" device{'s' if problem.num_devices > 1 else ''},"
             " so it is the activations and inputs that do not fit: use a smaller batch or more devices"
         )
+    gathered = _gathered_experts(problem, [name for name, _, _ in items])
+    if gathered:
+        advice += (
+            f"; {gathered!r} is an expert stack gathered per routed row (Hugging Face's batched_mm experts):"
+            " 'autopar route MODEL' writes such experts as GShard's dispatch, which a plan can split by expert"
+        )
     return (
         f"Nothing fits in device memory: {what} needs {human_bytes(need)} per device (parameters with gradients"
         f" and optimizer state {human_bytes(by_role['parameter'])}, {problem.cost.optimizer}; activations kept for"
         f" backward {human_bytes(by_role['activation'])}; inputs {human_bytes(by_role['input'])}) but the device has"
         f" {human_bytes(capacity)}{_usable(problem, capacity)}; the largest tensors are {heavy}; {advice}."
     )
+
+
+def _gathered_experts(problem: SearchProblem, kept: Sequence[str]) -> str | None:
+    """The first kept tensor a GatherND takes from a parameter of three or more axes (an expert stack), as it
+    is or transposed (exporters write both)."""
+    producers = {out: op for op in problem.graph.ops for out in op.outputs}
+    parameters = {tensor.name for tensor in problem.graph.parameters}
+
+    def through_transposes(name: str) -> str:
+        while name in producers and producers[name].op_type == "Transpose":
+            name = producers[name].inputs[0]
+        return name
+
+    for name in kept:
+        op = producers.get(through_transposes(name))
+        if op is None or op.op_type != "GatherND":
+            continue
+        stack = through_transposes(op.inputs[0])
+        if stack in parameters and len(problem.graph.tensor(stack).shape) >= 3:
+            return name
+    return None

@@ -16,6 +16,10 @@ family with a seed, given its training loss, and exported by torch 2.13:
   run as transformers' ``batched_mm``: each routed token's expert weights taken from the
   ``[experts, ...]`` stacks by GatherND. (The default ``grouped_mm`` calls a custom operator without
   an ONNX translation; the eager experts loop over the experts hit, which torch.export refuses.)
+- ``hf_mixtral_dynamo.onnx``: Mixtral causal LM, 2 layers of 8 experts, top-2 (dynamo, ``batched_mm``), written
+  unoptimised as ``bench/large_exports.py`` writes the full-size ones: the stacks and the gathered weights
+  pass identity Transposes, the routed indices are built by Concat, and SwiGLU's halves come from
+  ``torch.split`` (`autopar route` rewrites this form, ``tests/test_graph_experts.py``).
 - ``hf_deepseek_v3_dynamo.onnx``: DeepSeek-V3 causal LM, one dense layer then one of 8 routed experts
   (top-2 of 2 groups, one group kept) and a shared one, latent attention (dynamo, ``batched_mm``): its
   router's ``e_score_correction_bias`` is a buffer read only by the top-k choice, so no gradient reaches it.
@@ -140,6 +144,29 @@ def _olmoe():
     return _with_loss(model, use_cache=False), (ids, ids), ["ids", "labels"]
 
 
+def _mixtral():
+    import torch
+    import transformers as hf
+
+    config = hf.MixtralConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
+    config._attn_implementation = "eager"
+    config._experts_implementation = "batched_mm"
+    model = hf.MixtralForCausalLM(config)
+
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    return _with_loss(model, use_cache=False), (ids, ids), ["ids", "labels"]
+
+
 def _deepseek_v3():
     import torch
     import transformers as hf
@@ -225,11 +252,13 @@ def _clip():
 
 
 KEPT_METADATA = {"pkg.torch.onnx.name_scopes"}  # the layer names a plan shows; stack traces are dropped
+UNOPTIMISED = {"mixtral"}  # exported as bench/large_exports.py exports the full-size models
 FAMILIES = {
     "albert": (_albert, True),
     "t5": (_t5, False),
     "swin": (_swin, False),
     "olmoe": (_olmoe, True),
+    "mixtral": (_mixtral, True),
     "deepseek_v3": (_deepseek_v3, True),
     "clip": (_clip, True),
     "mamba2": (_mamba2, True),
@@ -249,7 +278,7 @@ def export(kind: str, out: Path) -> Path:
     module.eval()
     path = out / f"hf_{kind}_{'dynamo' if dynamo else 'legacy'}.onnx"
     if dynamo:
-        torch.onnx.export(module, args, str(path), dynamo=True, input_names=names)
+        torch.onnx.export(module, args, str(path), dynamo=True, input_names=names, optimize=kind not in UNOPTIMISED)
     else:
         torch.onnx.export(module, args, str(path), dynamo=False, input_names=names, opset_version=17)
     proto = onnx.load(str(path))
