@@ -6,7 +6,8 @@ Usage: python bench/large_exports.py [--kinds llama3_8b,albert,deepseek_v3,mamba
 Each model is built from its transformers configuration at its published width (Llama-3-8B: hidden 4,096,
 32 heads, 8 key-value heads, MLP 14,336, vocabulary 128,256; Mixtral 8x7B (``--kinds mixtral``: 8 experts of
 that MLP, top 2); ALBERT-xxlarge; DeepSeek-V3's latent attention and routed experts, fewer of them (``--kinds
-deepseek_v3_256``: its own 256 routed experts of MLP 2,048 and a shared one, top 8 of 8 groups, 4 kept);
+deepseek_v3_64``: 64 routed experts of MLP 2,048 and a shared one, top 8 of 8 groups, 4 kept, as V3 routes its
+256; the stacks of 256 would be allocated before they reach the meta device, 30 GB a layer);
 Mamba2-2.7B) with a few layers, its parameters on torch's meta device so
 that no weight is ever allocated, given its training loss and exported by torch's dynamo exporter
 (``optimize=False``: the optimiser folds constants, which meta tensors do not have). The file keeps each
@@ -103,7 +104,7 @@ def configuration(kind: str, layers: int, seq: int):
             topk_group=2,
             vocab_size=129280,
         )
-    if kind == "deepseek_v3_256":  # DeepSeek-V3's routing as published: 256 experts, top 8 of 4 groups in 8
+    if kind == "deepseek_v3_64":  # DeepSeek-V3's routing with 64 experts: top 8, 4 of 8 groups kept
         return hf.DeepseekV3Config(
             num_hidden_layers=layers,
             first_k_dense_replace=1,
@@ -117,7 +118,7 @@ def configuration(kind: str, layers: int, seq: int):
             qk_rope_head_dim=64,
             qk_nope_head_dim=128,
             v_head_dim=128,
-            n_routed_experts=256,
+            n_routed_experts=64,
             n_shared_experts=1,
             num_experts_per_tok=8,
             n_group=8,
@@ -137,7 +138,7 @@ def configuration(kind: str, layers: int, seq: int):
             vocab_size=50288,
         )
     raise SystemExit(
-        f"unknown kind {kind!r}: choose llama3_8b, llama2_7b, mixtral, albert, deepseek_v3, deepseek_v3_256 or mamba2"
+        f"unknown kind {kind!r}: choose llama3_8b, llama2_7b, mixtral, albert, deepseek_v3, deepseek_v3_64 or mamba2"
     )
 
 
@@ -162,8 +163,10 @@ def parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def export(kind: str, layers: int, batch: int, seq: int, path: Path, config=None) -> None:
-    """Export ``kind`` (its `configuration`, or ``config`` where given) with its loss to ``path``."""
+def export(kind: str, layers: int, batch: int, seq: int, path: Path, config=None, dynamic_batch: bool = False) -> None:
+    """Export ``kind`` (its `configuration`, or ``config`` where given) with its loss to ``path``;
+    ``dynamic_batch``: the batch a symbol, so that the file can be planned at other batches (micro-batches),
+    where an export at a fixed batch writes it into constants (the causal mask's ranges) no import can find."""
     import onnx
     import torch
     import transformers as hf
@@ -191,7 +194,12 @@ def export(kind: str, layers: int, batch: int, seq: int, path: Path, config=None
     buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
     module = module.to("meta")
     ids = torch.zeros((batch, seq), dtype=torch.int64, device="meta")
-    program = torch.onnx.export(torch.export.export(module, (ids, ids)), dynamo=True, optimize=False)
+    shapes = None
+    if dynamic_batch:
+        samples = torch.export.Dim("batch", min=1, max=1 << 16)
+        shapes = ({0: samples}, {0: samples})
+    program = torch.export.export(module, (ids, ids), dynamic_shapes=shapes)
+    program = torch.onnx.export(program, dynamo=True, optimize=False)
     stored = {name: ([int(d) for d in v.shape], int(v.dtype)) for name, v in program.model.graph.initializers.items()}
     program.save(str(path), include_initializers=False)
     proto = onnx.load(str(path), load_external_data=False)

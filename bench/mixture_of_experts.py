@@ -7,7 +7,8 @@ Megatron-Core's MoE guide reports 468 TFLOPS per GPU for Mixtral 8x7B in BF16 on
 TP 1 x PP 4 x EP 8 on 64 H100s as its configuration; the global batch of 256 sequences of 4,096 tokens here
 is assumed (the guide's example scripts use it). The model is transformers' Mixtral at full width (hidden
 4,096, 32 heads, 8 key-value heads, 8 experts of MLP 14,336, top 2, vocabulary 32,000) exported by
-``bench/large_exports.py`` (``batched_mm`` experts, parameters on the meta device), then written by
+``bench/large_exports.py`` (``batched_mm`` experts, parameters on the meta device, the batch a symbol so
+that a pipeline can cut it into micro-batches), then written by
 `autopar route` as GShard's dispatch (capacity factor 1.25, rows past it dropped, as Megatron's token
 dropping does). Two plans on the h100 profile with ``--optimizer adam``, each in a fresh process:
 
@@ -63,9 +64,10 @@ def megatron_strategies(plan: dict, stage_devices: int, experts: int) -> dict[st
     return fixed
 
 
-def planned(model: Path, devices: int, *flags: str) -> tuple[dict | None, str]:
+def planned(model: Path, devices: int, batch: int, *flags: str) -> tuple[dict | None, str]:
     """The plan (its JSON) and how it was made: wall and CPU seconds, peak memory; or the refusal."""
-    done = measure(autopar("plan", str(model), "--devices", str(devices), *OPTIONS, *flags))
+    where = ("--devices", str(devices), "--batch", str(batch))
+    done = measure(autopar("plan", str(model), *where, *OPTIONS, *flags))
     head = f"{done.wall:.1f} s ({done.cpu:.1f} s CPU), {done.rss / 2**30:.1f} GiB"
     if done.code:
         return None, f"{head}, refused: {done.refusal[:200]}"
@@ -100,17 +102,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.out or Path(scratch)
         exported = folder / "mixtral.onnx"
-        export("mixtral", args.layers, args.batch, args.seq, exported)
+        export("mixtral", args.layers, args.batch, args.seq, exported, dynamic_batch=True)
         routed = folder / "mixtral_routed.onnx"
         routed.write_bytes(route_experts(exported, args.capacity_factor).model.SerializeToString())
-        own, own_how = planned(routed, args.devices)
+        own, own_how = planned(routed, args.devices, args.batch)
         theirs, theirs_how = None, "needs autopar's own plan for the operator names"
         if own is not None:
             fixed = megatron_strategies(own, args.devices // args.stages, EXPERTS)
             strategies = folder / "megatron_strategies.json"
             strategies.write_text(json.dumps(fixed))
             semi_auto = ("--mode", "semi_auto_parallel", "--strategies", str(strategies))
-            theirs, theirs_how = planned(routed, args.devices, *semi_auto, "--pipeline-stages", str(args.stages))
+            stages = ("--pipeline-stages", str(args.stages))
+            theirs, theirs_how = planned(routed, args.devices, args.batch, *semi_auto, *stages)
         if args.out:
             for name, plan in (("own", own), ("megatron", theirs)):
                 if plan is not None:

@@ -184,6 +184,7 @@ def run_export(args: argparse.Namespace) -> int:
 def run_route(args: argparse.Namespace) -> int:
     """``route``: the model with its gathered experts written as GShard's dispatch, and one line saying what."""
     from autopar.graph.experts import route_experts
+    from autopar.graph.read import read_model
 
     model = Path(args.model)
     out = Path(args.out) if args.out else model.with_name(f"{model.stem}_routed.onnx")
@@ -193,7 +194,10 @@ def run_route(args: argparse.Namespace) -> int:
     line = ProgressLine.for_command(args.quiet)
     with progress.listening(line), line:
         progress.report("import", 0, 1)
-        routed = route_experts(model, args.capacity_factor, args.group_rows)
+        weights = _external_files(read_model(model), model.parent)
+        if out.resolve() in weights:
+            raise UsageError(f"--out {str(out)!r} is the file the model keeps its weights in: name another file.")
+        routed = route_experts(model, args.capacity_factor, args.group_rows, dict(args.dim))
     if not routed.blocks:
         print(
             f"autopar: {model.name} has no gathered experts (GatherND of an expert stack, then MatMul);"
@@ -202,14 +206,33 @@ def run_route(args: argparse.Namespace) -> int:
         )
         return 1
     out.write_bytes(routed.model.SerializeToString())
-    block = routed.blocks[0]
+    sizes = {(block.experts, block.group_rows, block.capacity) for block in routed.blocks}
+    experts, group, capacity = min(sizes)
+    layers = len(routed.blocks)
+    each = "each" if len(sizes) == 1 else "the first; the layers differ"
     print(
-        f"autopar: wrote {out}: {len(routed.blocks)} expert layers dispatched ({block.experts} experts,"
-        f" {block.group_rows} routed rows a group, {block.capacity} slots an expert in each: capacity factor"
-        f" {args.capacity_factor:g}, rows past it dropped)",
+        f"autopar: wrote {out}: {layers} expert layer{'s' * (layers > 1)} dispatched ({experts} experts, {group}"
+        f" routed rows a group, {capacity} slots an expert in {each}: capacity factor {args.capacity_factor:g},"
+        " rows past it dropped)",
         file=sys.stderr,
     )
+    if weights and out.resolve().parent != model.resolve().parent:
+        print(
+            f"autopar: warning: {model.name} keeps its weights in files beside it, which {out.name} names by the"
+            " same relative paths: move it beside the model before running it",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _external_files(proto: Any, folder: Path) -> set[Path]:
+    """The files a model's initializers keep their data in (resolved against the model's folder)."""
+    files = set()
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                files.add((folder / entry.value).resolve())
+    return files
 
 
 def run_sweep(args: argparse.Namespace) -> int:

@@ -411,6 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     route.add_argument("model", help="ONNX model file")
     route.add_argument(
+        "--dim",
+        type=_dim_binding,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="bind a symbolic input dimension other than the batch (a symbolic batch is routed per sample)",
+    )
+    route.add_argument(
         "--capacity-factor",
         type=_capacity_factor,
         default=1.25,

@@ -7,10 +7,11 @@ a copy of an expert's weights per routed row; no layout says which device holds 
 plan can only keep the experts whole there. `route_experts` writes the same experts as GShard does
 (Lepikhin et al., 2020, "GShard", section 2.2), with the shapes fixed when the file is written:
 
-- the routed rows are cut into groups of ``group_rows`` (consecutive rows, a sequence's share);
+- the routed rows are cut into groups of at most ``group_rows`` (consecutive rows, whole tokens, dividing each
+  sample's rows);
 - each row's place among its expert's rows in the group is counted (``OneHot``, ``CumSum``), and a row
-  past the expert's ``capacity`` (``ceil(capacity_factor * group_rows / experts)``) is dropped: its
-  expert output is zero, as GShard and Megatron's token dropping write it;
+  past the expert's ``capacity`` (``ceil(capacity_factor * group / experts)``, at most the group's tokens) is
+  dropped: its expert output is zero, as GShard and Megatron's token dropping write it;
 - ``Einsum("grec,grb->egcb")`` dispatches the rows to ``[experts, groups * capacity, in]``, the experts'
   products run as one ``MatMul`` over the expert axis, and ``Einsum("grec,egca->gra")`` combines them
   back into the rows, where the exported graph goes on (gate weights, the sum over the top k).
@@ -51,7 +52,7 @@ True
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,11 +72,14 @@ and the dispatch and combine products, a small share of the experts' own work (a
 leaves the group size to the user)."""
 
 ROW_WISE = frozenset(
-    {"Sigmoid", "Mul", "Add", "Sub", "Div", "Tanh", "Erf", "Relu", "Cast", "Pow", "Sqrt", "Neg", "Exp"}
-    | {"Softplus", "Gelu", "Identity", "Reciprocal", "Split", "Slice", "Squeeze", "Unsqueeze"}
+    {"Sigmoid", "Mul", "Add", "Sub", "Div", "Tanh", "Erf", "Relu", "Cast", "Neg", "Exp", "Softplus", "Gelu"}
+    | {"Identity", "Split", "Slice", "Squeeze", "Unsqueeze"}
 )
 """Operators that act on each routed row alone (their other operands broadcast over the rows), so they
-run on the experts' rows unchanged but for an axis count shifted by the expert axis."""
+run on the experts' rows unchanged but for an axis count shifted by the expert axis. An empty slot's row
+is zeros: each of these is finite there, and so is its gradient (a ``Div`` only by what is not a row;
+no reciprocal, power or square root, whose value or slope at zero is infinite, and which the combine's
+zero weight would turn into NaN)."""
 
 ORDER_KEEPING = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Expand", "Identity", "Flatten"})
 """Operators through which an index keeps its values in row order (and ``Concat`` or ``Max`` of one
@@ -114,28 +118,33 @@ class _Product:
     index_root: str
     column: str
     output: str
+    top_k: int  # the rows a token routes, where the index leads back to a TopK's indices; else 1
 
 
 class _Shapes:
-    """Static shapes and element types of the model's tensors, as ONNX's shape inference gives them."""
+    """Static shapes, element types and the known integer values of the model's tensors, as ONNX's shape
+    inference gives them; where the file leaves its batch symbolic, as autopar's importer gives them at a
+    batch of one (the rewrite reads rows per sample, and its shapes say -1 wherever the batch enters)."""
 
-    def __init__(self, proto: onnx.ModelProto) -> None:
-        inferred = onnx.shape_inference.infer_shapes(proto)
+    def __init__(self, proto: onnx.ModelProto, dims: Mapping[str, int]) -> None:
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, int] = {}
-        graph = inferred.graph
+        self.value: dict[str, np.ndarray] = {}
+        leading = _symbolic(proto)
+        if leading is not None:
+            self._imported(proto, 1 if leading else None, dims)
+            return
+        graph = onnx.shape_inference.infer_shapes(proto).graph
         for info in [*graph.input, *graph.value_info, *graph.output]:
             tensor = info.type.tensor_type
             if info.type.HasField("tensor_type") and tensor.HasField("shape"):
-                dims = tensor.shape.dim
-                if all(d.HasField("dim_value") for d in dims):
-                    self.shape[info.name] = tuple(int(d.dim_value) for d in dims)
+                sizes = tensor.shape.dim
+                if all(d.HasField("dim_value") for d in sizes):
+                    self.shape[info.name] = tuple(int(d.dim_value) for d in sizes)
                 self.dtype[info.name] = tensor.elem_type
         for init in graph.initializer:
             self.shape[init.name] = tuple(init.dims)
             self.dtype[init.name] = init.data_type
-        self.value: dict[str, np.ndarray] = {}
-        for init in graph.initializer:
             if not init.data_location and init.data_type == onnx.TensorProto.INT64:
                 self.value[init.name] = numpy_helper.to_array(init)
         for node in graph.node:
@@ -144,21 +153,33 @@ class _Shapes:
                 self.shape[node.output[0]] = value.shape
                 self.value[node.output[0]] = value
 
+    def _imported(self, proto: onnx.ModelProto, batch: int | None, dims: Mapping[str, int]) -> None:
+        from autopar.graph import load_model  # the importer reads this module's package: import it late
+
+        graph = load_model(proto, batch=batch, dims=dict(dims))
+        for name, tensor in graph.tensors.items():
+            self.shape[name] = tuple(tensor.shape)
+            self.dtype[name] = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
+            if tensor.value is not None and np.asarray(tensor.value).dtype.kind in "iu":
+                self.value[name] = np.asarray(tensor.value)
+
 
 class _Writer:
-    """New nodes and constants, named ``{prefix}.{what}`` (numbered where a name repeats), each carrying
-    the metadata of the product it replaces, so that a plan shows them under that product's layer."""
+    """New nodes and constants, named ``{prefix}.{what}`` (numbered where the model has the name already),
+    each carrying the metadata of the product it replaces, so that a plan shows them under its layer."""
 
-    def __init__(self, metadata: Iterable[onnx.StringStringEntryProto]) -> None:
+    def __init__(self, metadata: Iterable[onnx.StringStringEntryProto], names: set[str]) -> None:
         self.metadata = [(entry.key, entry.value) for entry in metadata]
         self.nodes: list[onnx.NodeProto] = []
-        self.used: dict[str, int] = {}
+        self.used = names  # every node and tensor name in the model, shared by the blocks
         self.prefix = ""
 
     def name(self, what: str) -> str:
-        full = f"{self.prefix}.{what}"
-        self.used[full] = self.used.get(full, 0) + 1
-        return full if self.used[full] == 1 else f"{full}.{self.used[full]}"
+        full, count = f"{self.prefix}.{what}", 1
+        while (named := full if count == 1 else f"{full}.{count}") in self.used:
+            count += 1
+        self.used.add(named)
+        return named
 
     def node(self, op: str, inputs: Iterable[str], what: str, output: str | None = None, **attrs: Any) -> str:
         name = self.name(what)
@@ -172,13 +193,18 @@ class _Writer:
 
 
 def route_experts(
-    model: str | Path | onnx.ModelProto, capacity_factor: float, group_rows: int = GROUP_ROWS
+    model: str | Path | onnx.ModelProto,
+    capacity_factor: float,
+    group_rows: int = GROUP_ROWS,
+    dims: Mapping[str, int] | None = None,
 ) -> RoutedModel:
     """The model with its gathered expert products written as GShard's dispatch (see the module).
 
     ``capacity_factor``: each expert's slots in a group, as a multiple of an even share of its rows;
-    ``group_rows``: the most routed rows a group holds (the groups divide each sample's rows).
-    ModelImportError (one sentence) for a factor that is not positive or a group size below one.
+    ``group_rows``: the most routed rows a group holds (a group holds whole tokens and divides each sample's
+    rows); ``dims`` binds the inputs' symbolic sizes other than the batch (a batch left symbolic is read
+    per sample, and the routed model plans at any batch). ModelImportError (one sentence) for a factor that
+    is not positive, a group size below one, a symbol left unbound, or gathered experts below opset 13.
     """
     if not capacity_factor > 0 or not math.isfinite(capacity_factor):
         raise ModelImportError(f"The capacity factor must be a positive number, not {capacity_factor}.")
@@ -186,14 +212,21 @@ def route_experts(
         raise ModelImportError(f"A group must hold at least one routed row, not {group_rows}.")
     proto = read_model(model)
     slice_sequences(proto)
-    shapes = _Shapes(proto)
+    shapes = _Shapes(proto, dims or {})
     products = _products(proto, shapes)
     blocks = _blocks(proto, products, shapes)
+    if blocks and _opset(proto) < 13:
+        raise ModelImportError(
+            f"Routing experts writes Unsqueeze with its axes as an input and Einsum, which need opset 13 or later;"
+            f" the model's is {_opset(proto)} (export it at a later opset)."
+        )
     samples = _samples(proto)
     read_before = {name for node in proto.graph.node for name in node.input}
+    names = {node.name for node in proto.graph.node} | {out for node in proto.graph.node for out in node.output}
+    names |= {init.name for init in proto.graph.initializer} | {info.name for info in proto.graph.input}
     routed: list[RoutedBlock] = []
     for block in blocks:
-        routed.append(_route(proto, shapes, block, capacity_factor, group_rows, samples))
+        routed.append(_route(proto, shapes, block, capacity_factor, group_rows, samples, names))
     if routed:
         _drop_unread(proto, read_before)
         _sort_topologically(proto)
@@ -219,21 +252,33 @@ def _index_root(name: str, producers: dict[str, onnx.NodeProto]) -> str:
     return name
 
 
+def _through_transposes(name: str, producers: dict[str, onnx.NodeProto]) -> str:
+    """The tensor ``name`` transposes (through any number of Transposes), or ``name``."""
+    while name in producers and producers[name].op_type == "Transpose" and not producers[name].domain:
+        name = producers[name].input[0]
+    return name
+
+
 def _is_identity_transpose(node: onnx.NodeProto) -> bool:
     perm = attributes(node).get("perm")
     return node.op_type == "Transpose" and perm is not None and list(perm) == list(range(len(perm)))
 
 
 def _products(proto: onnx.ModelProto, shapes: _Shapes) -> list[_Product]:
-    """Every ``MatMul(GatherND(stack, index), column)`` whose stack is ``[experts, out, in]`` and whose
-    column is ``[rows, in, 1]``, in the graph's order."""
+    """Every ``MatMul(GatherND(stack, index), column)`` whose stack is a stored ``[experts, out, in]``
+    parameter (as it is, or through Transposes) and whose column is ``[rows, in, 1]``, in the graph's
+    order; none whose gathered weights the graph also returns."""
     readers = _consumers(proto)
     producers = {out: node for node in proto.graph.node for out in node.output}
+    stored = {init.name for init in proto.graph.initializer}
+    returned = {info.name for info in proto.graph.output}
     found = []
     for node in proto.graph.node:
         if node.op_type != "GatherND" or node.domain or attributes(node).get("batch_dims", 0) != 0:
             continue
         stack, index = node.input[0], node.input[1]
+        if _through_transposes(stack, producers) not in stored:
+            continue
         stack_shape, index_shape = shapes.shape.get(stack), shapes.shape.get(index)
         if stack_shape is None or len(stack_shape) != 3 or index_shape is None or len(index_shape) != 2:
             continue
@@ -246,13 +291,17 @@ def _products(proto: onnx.ModelProto, shapes: _Shapes) -> list[_Product]:
         matmuls = readers.get(tensor, [])
         if len(matmuls) != 1 or matmuls[0].op_type != "MatMul" or matmuls[0].input[0] != tensor:
             continue
+        if returned & {node.output[0], *(t.output[0] for t in between)}:
+            continue
         matmul = matmuls[0]
         rows = index_shape[0]
         column_shape = shapes.shape.get(matmul.input[1])
         if column_shape != (rows, stack_shape[2], 1):
             continue
         root = _index_root(index, producers)
-        found.append(_Product(node, tuple(between), matmul, stack, root, matmul.input[1], matmul.output[0]))
+        chosen = root in producers and producers[root].op_type == "TopK" and root == producers[root].output[-1]
+        top_k = shapes.shape[root][-1] if chosen and shapes.shape.get(root) else 1
+        found.append(_Product(node, tuple(between), matmul, stack, root, matmul.input[1], matmul.output[0], top_k))
     return found
 
 
@@ -263,17 +312,17 @@ _Block = tuple[list[_Product], list[list[onnx.NodeProto]]]
 def _blocks(proto: onnx.ModelProto, products: list[_Product], shapes: _Shapes) -> list[_Block]:
     """The products in blocks: each joined to the next product of its index by row-wise operators."""
     join = _Join(proto, shapes)
-    taken: set[str] = set()
+    taken: set[str] = set()  # products by their output (a node's name may be empty; its outputs are unique)
     blocks = []
     for first in products:
-        if first.matmul.name in taken:
+        if first.output in taken:
             continue
         chain, joins = [first], []
         while (joined := join.following(chain[-1], products, taken)) is not None:
             chain.append(joined[0])
             joins.append(joined[1])
-            taken.add(joined[0].matmul.name)
-        taken.add(first.matmul.name)
+            taken.add(joined[0].output)
+        taken.add(first.output)
         blocks.append((chain, joins))
     return blocks
 
@@ -284,7 +333,8 @@ class _Join:
     def __init__(self, proto: onnx.ModelProto, shapes: _Shapes) -> None:
         self.readers = _consumers(proto)
         self.producers = {out: node for node in proto.graph.node for out in node.output}
-        self.order = {node.name: i for i, node in enumerate(proto.graph.node)}
+        self.order = {node.output[0]: i for i, node in enumerate(proto.graph.node)}
+        self.returned = {info.name for info in proto.graph.output}
         self.shapes = shapes
 
     def following(
@@ -297,18 +347,18 @@ class _Join:
         while frontier:
             tensor = frontier.pop()
             for reader in self.readers.get(tensor, []):
-                if reader.name not in reached and _row_wise(reader):
-                    reached[reader.name] = reader
+                if reader.output[0] not in reached and _row_wise(reader):
+                    reached[reader.output[0]] = reader
                     frontier += list(reader.output)
         for following in products:
-            if following is product or following.matmul.name in taken or following.index_root != product.index_root:
+            if following is product or following.output in taken or following.index_root != product.index_root:
                 continue
             source = self.producers.get(following.column)
-            if source is None or source.name not in reached:
+            if source is None or source.output[0] not in reached:
                 continue
             path = self._path_to(source, reached)
             if self._liftable(path, product, following):
-                return following, sorted(path.values(), key=lambda node: self.order[node.name])
+                return following, sorted(path.values(), key=lambda node: self.order[node.output[0]])
         return None
 
     def _path_to(self, end: onnx.NodeProto, reached: dict[str, onnx.NodeProto]) -> dict[str, onnx.NodeProto]:
@@ -317,24 +367,29 @@ class _Join:
         stack = [end]
         while stack:
             node = stack.pop()
-            if node.name in path:
+            if node.output[0] in path:
                 continue
-            path[node.name] = node
+            path[node.output[0]] = node
             for name in node.input:
                 source = self.producers.get(name)
-                if source is not None and source.name in reached:
+                if source is not None and source.output[0] in reached:
                     stack.append(source)
         return path
 
     def _liftable(self, path: dict[str, onnx.NodeProto], product: _Product, following: _Product) -> bool:
         """Whether ``path`` can run on the experts' rows: its row tensors are read only inside it (or by
-        ``following``'s product), and every other operand is a constant axis list or size, or broadcasts
-        over the rows (it has fewer axes than the row tensor it meets)."""
+        ``following``'s product) and never returned by the graph, a ``Div`` divides a row by what is not one,
+        and every other operand is a constant axis list or size, or broadcasts over the rows (it has fewer
+        axes than the row tensor it meets)."""
         rows = {product.output} | {out for node in path.values() for out in node.output}
-        allowed = set(path) | {following.matmul.name}
-        if any(reader.name not in allowed for out in rows for reader in self.readers.get(out, [])):
+        allowed = set(path) | {following.matmul.output[0]}
+        if rows & self.returned:
+            return False
+        if any(reader.output[0] not in allowed for out in rows for reader in self.readers.get(out, [])):
             return False
         for node in path.values():
+            if node.op_type == "Div" and node.input[1] in rows:
+                return False
             row_inputs = [name for name in node.input if name in rows]
             rank = max((len(self.shapes.shape.get(name, ())) for name in row_inputs), default=0)
             for slot, name in enumerate(node.input):
@@ -353,6 +408,34 @@ def _row_wise(node: onnx.NodeProto) -> bool:
     if node.domain or node.op_type not in ROW_WISE:
         return False
     return node.op_type != "Slice" or len(node.input) > 3
+
+
+def _symbolic(proto: onnx.ModelProto) -> bool | None:
+    """Whether a data input's size is a symbol: None if none is, True if a leading one (a dynamic batch,
+    taken as one sample), False if only others (bound by the caller's ``dims``)."""
+    initialized = {init.name for init in proto.graph.initializer}
+    found: bool | None = None
+    for info in proto.graph.input:
+        sizes = info.type.tensor_type.shape.dim if info.type.HasField("tensor_type") else []
+        if info.name in initialized:
+            continue
+        for axis, size in enumerate(sizes):
+            if size.HasField("dim_param") or not size.HasField("dim_value"):
+                found = found or axis == 0
+    return found
+
+
+def _opset(proto: onnx.ModelProto) -> int:
+    return next((int(entry.version) for entry in proto.opset_import if entry.domain in ("", "ai.onnx")), 1)
+
+
+def _largest_divisor(count: int, limit: int) -> int:
+    """The largest divisor of ``count`` that is at most ``limit``.
+
+    >>> _largest_divisor(1000, 512), _largest_divisor(4096, 512), _largest_divisor(7, 4)
+    (500, 512, 1)
+    """
+    return next(d for d in range(min(count, limit), 0, -1) if count % d == 0)
 
 
 def _samples(proto: onnx.ModelProto) -> int:
@@ -374,25 +457,30 @@ def _route(
     capacity_factor: float,
     group_rows: int,
     samples: int,
+    names: set[str],
 ) -> RoutedBlock:
     """Write one block as a dispatch, its products over the expert axis and a combine (module docstring)."""
     products, joins = block
     first, last = products[0], products[-1]
     experts, _, _ = shapes.shape[first.stack]
     rows = shapes.shape[first.column][0]
+    # read from the routing's own output, [tokens, top_k]: the exporter's copies of the index (Max, Expand,
+    # Concat of one input) then go, and ONNX's data propagation, which spells every entry of a 1-D integer
+    # tensor as a dimension, never meets the million-entry vectors they are
+    root_shape = shapes.shape.get(first.index_root)
+    rooted = root_shape is not None and math.prod(root_shape) == rows
+    source = first.index_root if rooted else first.gather.input[1]
     per_sample = rows // samples if rows % samples == 0 else rows
-    group = math.gcd(per_sample, group_rows)
-    capacity = math.ceil(capacity_factor * group / experts)
+    top_k = first.top_k if rooted and per_sample % first.top_k == 0 else 1
+    # whole tokens a group: a token sends an expert at most one of its rows, so an expert's rows in a group are
+    # at most its tokens, and a factor of experts / top-k gives every one a slot
+    group_tokens = _largest_divisor(per_sample // top_k, max(1, group_rows // top_k))
+    group = group_tokens * top_k
+    capacity = math.ceil(min(capacity_factor * group / experts, group_tokens))
     element = shapes.dtype.get(first.column, onnx.TensorProto.FLOAT)
     numpy_type = helper.tensor_dtype_to_np_dtype(element)
-    w = _Writer(first.matmul.metadata_props)
-    w.prefix = f"{first.matmul.name}.dispatch"
-
-    # read from the routing's own output: the exporter's copies of the index (Max, Expand, Concat of one
-    # input) then go, and ONNX's data propagation, which spells every entry of a 1-D integer tensor as a
-    # dimension, never meets the million-entry vectors they are
-    root_shape = shapes.shape.get(first.index_root)
-    source = first.index_root if root_shape is not None and math.prod(root_shape) == rows else first.gather.input[1]
+    w = _Writer(first.matmul.metadata_props, names)
+    w.prefix = f"{first.matmul.name or first.output}.dispatch"
     index = w.node("Reshape", [source, w.constant(np.array([-1, group], np.int64), "groups")], "index")
     # counted in integers: a half-precision count is exact only to 256 (bfloat16)
     counted = w.constant(np.array([0, 1], np.int64), "off_on_counted")
@@ -409,7 +497,7 @@ def _route(
     lifted: dict[str, str] = {}
     for position, product in enumerate(products):
         stack_shape = shapes.shape[product.stack]
-        w.prefix = f"{product.matmul.name}.experts"
+        w.prefix = f"{product.matmul.name or product.output}.experts"
         if position == 0:
             column = w.node(
                 "Reshape", [product.column, w.constant(np.array([-1, group, stack_shape[2]], np.int64), "rows")], "x"
@@ -426,7 +514,10 @@ def _route(
             out = w.node(
                 "Reshape", [out, w.constant(np.array([experts, -1, capacity, stack_shape[1]], np.int64), "slots")], "o"
             )
-            rows_out = w.node("Einsum", [dispatch, out], "combined", equation="grec,egca->gra")
+            combine = dispatch
+            if shapes.dtype.get(product.stack, element) != element:  # the join cast the rows
+                combine = w.node("Cast", [dispatch], "combine", to=shapes.dtype[product.stack])
+            rows_out = w.node("Einsum", [combine, out], "combined", equation="grec,egca->gra")
             target = w.constant(np.array([-1, stack_shape[1], 1], np.int64), "product_rows")
             w.node("Reshape", [rows_out, target], "product", output=product.output)
         else:
@@ -441,8 +532,7 @@ def _route(
     kept = [node for node in proto.graph.node if node.output[0] not in removed]
     del proto.graph.node[:]
     proto.graph.node.extend(kept + w.nodes)
-    names = tuple(product.matmul.name for product in products)
-    return RoutedBlock(names, experts, rows, group, capacity)
+    return RoutedBlock(tuple(product.matmul.name for product in products), experts, rows, group, capacity)
 
 
 def _lift(node: onnx.NodeProto, lifted: dict[str, str], w: _Writer, shapes: _Shapes) -> None:
@@ -461,7 +551,7 @@ def _lift(node: onnx.NodeProto, lifted: dict[str, str], w: _Writer, shapes: _Sha
         attrs["axis"] += 1
     if "axes" in attrs:
         attrs["axes"] = [a + 1 if a >= 0 else a for a in attrs["axes"]]
-    w.prefix = node.name
+    w.prefix = node.name or node.output[0]
     name = w.node(node.op_type, inputs, "on_experts", **attrs)
     w.nodes[-1].output[:] = [name] + [w.name("on_experts") for _ in node.output[1:]]
     lifted.update(zip(node.output, w.nodes[-1].output))
@@ -494,7 +584,7 @@ def _drop_unread(proto: onnx.ModelProto, read_before: set[str]) -> None:
     live = [info for info in proto.graph.value_info if info.name in produced]
     del proto.graph.value_info[:]
     proto.graph.value_info.extend(live)  # a declared shape of a removed tensor would still be checked
-    read = {name for node in kept for name in node.input} | wanted
+    read = {name for node in kept for name in node.input} | wanted | {info.name for info in proto.graph.input}
     stored = [init for init in proto.graph.initializer if init.name in read or init.name not in read_before]
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(stored)
