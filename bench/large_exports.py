@@ -83,7 +83,9 @@ def configuration(kind: str, layers: int, seq: int):
             vocab_size=30000,
             max_position_embeddings=seq,
         )
-    if kind == "deepseek_v3":
+    if kind in ("deepseek_v3", "deepseek_v3_64"):  # the _64: V3's routing with 64 experts, top 8, 4 of 8 groups
+        routing = (16, 4, 4, 2) if kind == "deepseek_v3" else (64, 8, 8, 4)
+        experts, top_k, groups, kept = routing
         return hf.DeepseekV3Config(
             num_hidden_layers=layers,
             first_k_dense_replace=1,
@@ -97,32 +99,11 @@ def configuration(kind: str, layers: int, seq: int):
             qk_rope_head_dim=64,
             qk_nope_head_dim=128,
             v_head_dim=128,
-            n_routed_experts=16,
+            n_routed_experts=experts,
             n_shared_experts=1,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            vocab_size=129280,
-        )
-    if kind == "deepseek_v3_64":  # DeepSeek-V3's routing with 64 experts: top 8, 4 of 8 groups kept
-        return hf.DeepseekV3Config(
-            num_hidden_layers=layers,
-            first_k_dense_replace=1,
-            hidden_size=7168,
-            intermediate_size=18432,
-            moe_intermediate_size=2048,
-            num_attention_heads=128,
-            num_key_value_heads=128,
-            q_lora_rank=1536,
-            kv_lora_rank=512,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=128,
-            v_head_dim=128,
-            n_routed_experts=64,
-            n_shared_experts=1,
-            num_experts_per_tok=8,
-            n_group=8,
-            topk_group=4,
+            num_experts_per_tok=top_k,
+            n_group=groups,
+            topk_group=kept,
             vocab_size=129280,
         )
     if kind == "mamba2":

@@ -175,14 +175,13 @@ def _memory_reserve(text: str) -> float:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX model file")
     parser.add_argument("--batch", type=_batch, help="override the leading dimension of the data inputs")
-    parser.add_argument(
-        "--dim",
-        type=_dim_binding,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="bind a symbolic input dimension, or a size computed from data as TENSOR:AXIS=VALUE (repeatable)",
+    _add_dim_argument(
+        parser, "bind a symbolic input dimension, or a size computed from data as TENSOR:AXIS=VALUE (repeatable)"
     )
+
+
+def _add_dim_argument(parser: argparse.ArgumentParser, explained: str) -> None:
+    parser.add_argument("--dim", type=_dim_binding, action="append", default=[], metavar="NAME=VALUE", help=explained)
 
 
 DEVICES_HELP = "number of devices, a power of two (default 8, or the rank table's count)"
@@ -410,14 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
         "route", help="write gathered experts (Hugging Face's batched_mm) as GShard's dispatch, so plans split them"
     )
     route.add_argument("model", help="ONNX model file")
-    route.add_argument(
-        "--dim",
-        type=_dim_binding,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="bind a symbolic input dimension other than the batch (a symbolic batch is routed per sample)",
-    )
+    _add_dim_argument(route, "bind a symbolic input dimension other than the batch (a symbolic batch is per sample)")
     route.add_argument(
         "--capacity-factor",
         type=_capacity_factor,
