@@ -142,7 +142,7 @@ def test_axes_an_operator_works_along_stay_whole():
     assert split_axes(CASES["softmax"]())[0] == (0, 2)
     assert split_axes(CASES["softmax_opset11"]())[0] == (0,)  # opset < 13 flattens from the axis on
     assert split_axes(CASES["lrn"]())[0] == (0,)
-    assert split_axes(CASES["sce_ignore_index"]()) == [(), ()]
+    assert split_axes(CASES["sce_ignore_index"]()) == [(0,), ()]  # the labels whole: the mean counts them all
     assert split_axes(CASES["top_k"]()) == [(0, 2), ()]  # TopK selects along axis 1
 
 
@@ -276,3 +276,17 @@ def test_attention_splits_query_and_key_heads_alike_and_its_caches_follow():
     assert r.spec.outputs[1] == ("b", "h", None, None)  # the present key follows
     positions = rule(CASES["rotary"]())
     assert positions.spec.inputs[1:] == ((None, None), (None, None), ("b", "s"))  # the ids split, the tables not
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_mean_that_skips_ignored_labels_sums_each_shards_losses_over_the_whole_count(seed):
+    """Hugging Face's loss (`ignore_index`, mean): the shards hold different numbers of ignored labels, so a
+    mean of shard means would be wrong; each rank's sum over the whole batch's count adds up to the loss,
+    forward and backward."""
+    model = CASES["sce_ignore_index"]()
+    r = rule(model, devices=4)
+    exponents = next(e for e in r.candidates if r.in_strategy(e) == ((4, 1), (1,)))
+    out = r.output_layouts(exponents)[0]
+    assert out.partial and out.partial_op == "sum" and not r.spec.local_mean
+    report = autopar.verify(model, {"op": ((4, 1), (1,))}, devices=4, seed=seed, gradients=True)
+    assert report.ok, report.problems

@@ -2,20 +2,25 @@
 
 Samples (the batch and any extra spatial/sequence axes) split; the class axis stays whole, as
 the softmax needs every class. With reduction "sum" a rank's loss is a partial sum; with
-"mean" it is a partial mean (the rank divides by the number of shards). A weighted mean or one
-with ``ignore_index`` divides by a count only the whole batch knows, so those keep every axis
-whole, as does a loss whose per-sample ``log_prob`` output is also read.
+"mean" it is a partial mean (the rank divides by the number of shards). A mean with
+``ignore_index`` (every Hugging Face language model's loss) divides by the count of labels not
+ignored, which only the whole batch knows: the scores split by samples and the labels are read
+whole (a few bytes a sample, where the scores are a vocabulary's worth), so each rank sums its
+samples' losses and divides by the whole count, a partial sum (`counted_mean`). A weighted mean
+keeps every axis whole, as does a loss whose per-sample ``log_prob`` output is also read.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from autopar.layout import shard_index
 from autopar.ops.base import OpSpec, shape
 from autopar.ops.cases import I64, F, const, named, one
-from autopar.ops.registry import Keeps, MindSporePrimitive, register
+from autopar.ops.registry import Keeps, LocalCall, MindSporePrimitive, register
 
 if TYPE_CHECKING:
     from autopar.ops.views import GraphView, NodeView
@@ -24,6 +29,56 @@ if TYPE_CHECKING:
 def _class_count(op: NodeView, graph: GraphView) -> int:
     """Labels index the class axis (axis 1) of the scores."""
     return graph.tensor(op.inputs[0]).shape[1]
+
+
+def counted_mean(op: NodeView) -> bool:
+    """A mean over the labels not ignored (``ignore_index`` given, no class weights, the loss alone)."""
+    weighted = len(op.inputs) > 2 and bool(op.inputs[2])
+    second_output = len(op.outputs) > 1 and bool(op.outputs[1])
+    reduction = op.attrs.get("reduction", "mean")
+    return reduction == "mean" and "ignore_index" in op.attrs and not weighted and not second_output
+
+
+def _rank_labels(call: LocalCall, labels: Any) -> Any:
+    """The rank's labels, cut from the whole labels as its scores are cut (axis 0 and the axes past the
+    classes, each by the bits splitting it)."""
+    for axis in range(labels.ndim):
+        bits = call.bits.get(f"d{axis if axis == 0 else axis + 1}", ())
+        if bits:
+            size = labels.shape[axis] >> len(bits)
+            first = shard_index(call.rank, bits) * size
+            labels = labels[(slice(None),) * axis + (slice(first, first + size),)]
+    return labels
+
+
+def _counted_local(call: LocalCall) -> list[np.ndarray]:
+    """A counted mean on a rank's samples: their losses summed over the whole batch's count of labels not
+    ignored (the ranks' results sum to the loss)."""
+    if not counted_mean(call.op):
+        return call.run(call.inputs)
+    scores, whole = np.asarray(call.inputs[0]), np.asarray(call.inputs[1]).astype(np.int64)
+    ignore = int(call.op.attrs["ignore_index"])
+    labels = _rank_labels(call, whole)
+    if call.op.op_type == "SoftmaxCrossEntropyLoss":
+        shifted = scores - scores.max(axis=1, keepdims=True)
+        scores = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    kept = labels != ignore
+    picked = np.take_along_axis(scores, np.expand_dims(np.where(kept, labels, 0), 1), axis=1).squeeze(1)
+    total = -(picked * kept).sum(dtype=np.float64)
+    return [np.asarray(total / (whole != ignore).sum(), dtype=scores.dtype)]
+
+
+def _counted_local_torch(call: LocalCall) -> list[Any]:
+    """`_counted_local` in torch, differentiable."""
+    if not counted_mean(call.op):
+        return call.run(call.inputs)
+    torch = sys.modules[type(call.inputs[0]).__module__.split(".")[0]]
+    scores, whole = call.inputs[0], call.inputs[1].long()
+    ignore = int(call.op.attrs["ignore_index"])
+    labels = _rank_labels(call, whole)
+    log_prob = torch.log_softmax(scores, dim=1) if call.op.op_type == "SoftmaxCrossEntropyLoss" else scores
+    total = torch.nn.functional.nll_loss(log_prob, labels, ignore_index=ignore, reduction="sum")
+    return [total / (whole != ignore).sum().to(total.dtype)]
 
 
 def torch_class_loss(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
@@ -55,6 +110,8 @@ def torch_class_loss(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
     keeps=Keeps.INPUTS,
     index_bounds={1: _class_count},
     torch_kernel=torch_class_loss,
+    local_kernel=_counted_local,
+    torch_local_kernel=_counted_local_torch,
 )
 def class_loss(op: NodeView, graph: GraphView) -> OpSpec:
     rank = len(shape(graph, op.inputs[0]))
@@ -64,12 +121,14 @@ def class_loss(op: NodeView, graph: GraphView) -> OpSpec:
     splittable = reduction == "none" or (
         not second_output and (reduction == "sum" or not (weighted or "ignore_index" in op.attrs))
     )
-    samples = tuple(f"d{d}" if splittable else None for d in range(rank) if d != 1)
+    counted = counted_mean(op)
+    samples = tuple(f"d{d}" if splittable or counted else None for d in range(rank) if d != 1)
     scores = samples[:1] + (None,) + samples[1:]
-    inputs = (scores, samples) + ((None,) if weighted else ())
+    labels = tuple(None for _ in samples) if counted else samples  # whole: the count needs every label
+    inputs = (scores, labels) + ((None,) if weighted else ())
     loss = samples if reduction == "none" else ()
     outputs = (loss,) + ((scores,) if second_output else ())
-    return OpSpec(inputs=inputs, outputs=outputs, local_mean=reduction == "mean")
+    return OpSpec(inputs=inputs, outputs=outputs, local_mean=reduction == "mean" and not counted)
 
 
 # --- the operator alone in tiny models, checked by the operator tests (`autopar.ops.cases`) -----
