@@ -326,3 +326,21 @@ def test_the_checkpoint_classes_load_under_either_protobuf():
         code = "from autopar.export import node_strategy_pb2 as pb; print(pb.ParallelStrategyMap.DESCRIPTOR.name)"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
         assert done.stdout.strip() == "ParallelStrategyMap", done.stderr
+
+
+def test_a_loss_that_reads_its_labels_whole_is_written_as_mindspore_can_run_it(tmp_path):
+    """Hugging Face's loss (a mean skipping ignored labels) splits its scores by samples and reads its labels
+    whole; MindSpore's primitive needs each device's labels to be its logits' samples, so the checkpoint
+    splits them alike, and the snippet says what differs."""
+    from tests.conftest import profile
+
+    model = Path(__file__).parent / "data" / "hf_qwen3_dynamo.onnx"
+    plan = autopar.plan(model, devices=8, cost_model=profile(peak=1e9))
+    loss = next(op for op in plan.file.ops if op.op_type == "SoftmaxCrossEntropyLoss")
+    samples = loss.strategy[0][0]
+    assert samples > 1 and list(loss.strategy[1]) == [1]
+    written = export_ms.read_strategies(export_ms.strategy_map(plan.file).SerializeToString())[loss.name]
+    assert written == (tuple(loss.strategy[0]), (samples,))
+    snippet = export_ms.snippet(plan.file)
+    assert "whole batch's count of labels not ignored" in snippet
+    assert f".shard((({samples}, 1), ({samples},)))" in snippet

@@ -267,7 +267,7 @@ def strategy_map(plan: PlanFile, model: onnx.ModelProto | None = None) -> Any:
     for op in plan.ops:
         item = message.parallel_strategy_item.add(node_name=op.name)
         item.parallel_strategys.stage = stage_of[op.name]
-        for split in op.strategy:
+        for split in _mindspore_strategy(op):
             item.parallel_strategys.parallel_strategy.add().dim.extend(split)
     for param in parameter_layouts(plan, model):
         item = message.parallel_layout_item.add(param_name=param.name)
@@ -284,6 +284,25 @@ def strategy_map(plan: PlanFile, model: onnx.ModelProto | None = None) -> Any:
         layouts.opt_weight_shard_step = param.opt_weight_shard_step
         layouts.opt_weight_shard_size = param.opt_weight_shard_size
     return message
+
+
+def _labels_read_whole(op: OpEntry) -> bool:
+    """A loss whose scores split by samples while its labels are read whole (a mean over the labels not
+    ignored, `autopar.ops.loss.counted_mean`)."""
+    if op.op_type not in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss") or len(op.strategy) < 2:
+        return False
+    return any(f > 1 for f in op.strategy[0]) and all(f == 1 for f in op.strategy[1])
+
+
+def _mindspore_strategy(op: OpEntry) -> list[list[int]]:
+    """The in_strategy MindSpore can run: a loss's labels split as its logits' samples are (its primitive
+    checks that each device's logits and labels hold the same samples; it has no ignore_index, so it
+    averages each shard, where autopar divides by the whole batch's count of labels kept)."""
+    splits = [list(split) for split in op.strategy]
+    if _labels_read_whole(op):
+        samples = splits[0][:1] + splits[0][2:]
+        splits[1] = samples[: len(splits[1])]
+    return splits
 
 
 def read_strategies(data: bytes) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -334,8 +353,13 @@ def _conv_arguments(node: onnx.NodeProto | None, weights: dict[str, list[int]]) 
 def _calls(op: OpEntry, var: str, node: onnx.NodeProto | None, weights: dict[str, list[int]]) -> list[str]:
     """The snippet's lines for one operator."""
     primitive = PRIMITIVES.get(op.op_type)
-    splits = [list(split) for split in op.strategy]
+    splits = _mindspore_strategy(op)
     header = f"# {op.name}: ONNX {op.op_type}"
+    if _labels_read_whole(op):
+        header += (
+            " (autopar reads the labels whole and divides each shard's losses by the whole batch's count of labels"
+            " not ignored; MindSpore's primitive averages each shard: equal where every shard keeps as many)"
+        )
     if primitive is None:
         return [f"{header}, no MindSpore primitive; in_strategy {_strategy_text(splits)}"]
     name = primitive.name

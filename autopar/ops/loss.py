@@ -64,7 +64,7 @@ def _counted_local(call: LocalCall) -> list[np.ndarray]:
         scores = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     kept = labels != ignore
     picked = np.take_along_axis(scores, np.expand_dims(np.where(kept, labels, 0), 1), axis=1).squeeze(1)
-    total = -(picked * kept).sum(dtype=np.float64)
+    total = -np.where(kept, picked, 0).sum(dtype=np.float64)  # where, not times: an ignored row may be -inf
     return [np.asarray(total / (whole != ignore).sum(), dtype=scores.dtype)]
 
 
@@ -76,9 +76,10 @@ def _counted_local_torch(call: LocalCall) -> list[Any]:
     scores, whole = call.inputs[0], call.inputs[1].long()
     ignore = int(call.op.attrs["ignore_index"])
     labels = _rank_labels(call, whole)
-    log_prob = torch.log_softmax(scores, dim=1) if call.op.op_type == "SoftmaxCrossEntropyLoss" else scores
-    total = torch.nn.functional.nll_loss(log_prob, labels, ignore_index=ignore, reduction="sum")
-    return [total / (whole != ignore).sum().to(total.dtype)]
+    log_prob = torch.log_softmax(scores.float(), dim=1) if call.op.op_type == "SoftmaxCrossEntropyLoss" else scores
+    # summed in FP32: a shard's sum of half-precision losses passes 65,504 at a few thousand tokens
+    total = torch.nn.functional.nll_loss(log_prob.float(), labels, ignore_index=ignore, reduction="sum")
+    return [(total / (whole != ignore).sum()).to(scores.dtype)]
 
 
 def torch_class_loss(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
