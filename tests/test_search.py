@@ -158,12 +158,15 @@ def test_an_operator_of_one_layout_joins_nothing_and_stays_exact(seed):
     assert Elimination(sizes, factors).largest == 18
 
 
-def test_t5_export_dp_equals_ilp():
-    """The encoder-decoder whose shifted labels are read at both ends (the one-class path above), where
-    splitting pays: the DP's plan scores what HiGHS's exact ILP finds."""
+@pytest.mark.parametrize("name", ["hf_t5_legacy", "hf_swin_legacy"])
+def test_exports_dp_equals_ilp(name):
+    """Two exports where splitting pays: T5, whose shifted labels are read at both ends (by the decoder's first
+    operator, and whole by the loss), and Swin, whose elimination takes operators of one layout apart (the
+    one-class path above): the DP's plan scores what HiGHS's exact ILP finds."""
     pytest.importorskip("highspy")
-    problem = build_problem(load_model(DATA / "hf_t5_legacy.onnx"), CostModel(profile(peak=1e9)), 4)
-    assert any(step.apart for step in Solver.of(problem).main.steps)
+    problem = build_problem(load_model(DATA / f"{name}.onnx"), CostModel(profile(peak=1e9)), 4)
+    if name == "hf_swin_legacy":
+        assert any(step.apart for step in Solver.of(problem).main.steps)
     dp = problem.objective(run_search(problem).choice)
     assert dp == pytest.approx(problem.objective(run_search(problem, SearchOptions(algorithm="ilp")).choice), rel=1e-9)
 
