@@ -405,6 +405,19 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--model", help="the ONNX model the plan was made for (needed by --to onnx)")
     _add_quiet_argument(export)
 
+    _add_route_command(commands)
+
+    commands.add_parser("schema", help="print the JSON Schema of plan files")
+
+    profiles = commands.add_parser("profiles", help="list the bundled hardware profiles ('profiles show NAME': one)")
+    shown = profiles.add_subparsers(dest="profiles_command", metavar="show", parser_class=_Parser)
+    show = shown.add_parser("show", help="check a profile and print it (its TOML, every number with its source)")
+    show.add_argument("name", metavar="NAME", help="a bundled profile (see 'autopar profiles') or a .toml file")
+    return parser
+
+
+def _add_route_command(commands: Any) -> None:
+    """``route``: gathered experts written as GShard's dispatch (`autopar.graph.experts`)."""
     route = commands.add_parser(
         "route", help="write gathered experts (Hugging Face's batched_mm) as GShard's dispatch, so plans split them"
     )
@@ -431,14 +444,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model to write (default: MODEL_routed.onnx beside the model, where its external weights are found)",
     )
     _add_quiet_argument(route)
-
-    commands.add_parser("schema", help="print the JSON Schema of plan files")
-
-    profiles = commands.add_parser("profiles", help="list the bundled hardware profiles ('profiles show NAME': one)")
-    shown = profiles.add_subparsers(dest="profiles_command", metavar="show", parser_class=_Parser)
-    show = shown.add_parser("show", help="check a profile and print it (its TOML, every number with its source)")
-    show.add_argument("name", metavar="NAME", help="a bundled profile (see 'autopar profiles') or a .toml file")
-    return parser
 
 
 def defaults_of(command: str) -> dict[str, Any]:

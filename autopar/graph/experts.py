@@ -51,6 +51,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -225,9 +226,20 @@ def route_experts(
     names = {node.name for node in proto.graph.node} | {out for node in proto.graph.node for out in node.output}
     names |= {init.name for init in proto.graph.initializer} | {info.name for info in proto.graph.input}
     routed: list[RoutedBlock] = []
-    for block in blocks:
-        routed.append(_route(proto, shapes, block, capacity_factor, group_rows, samples, names))
+    written: list[onnx.NodeProto] = []
+    for products, joins in blocks:
+        sizes, nodes = _route(shapes, (products, joins), capacity_factor, group_rows, samples, names)
+        routed.append(dataclasses.replace(sizes, products=tuple(product.matmul.name for product in products)))
+        written += nodes
     if routed:
+        # a node is known by its first output (outputs are unique): the block's own nodes go, once for all
+        removed = {
+            node.output[0] for products, _ in blocks for p in products for node in (p.gather, *p.between, p.matmul)
+        }
+        removed |= {node.output[0] for _, joins in blocks for nodes in joins for node in nodes}
+        kept = [node for node in proto.graph.node if node.output[0] not in removed]
+        del proto.graph.node[:]
+        proto.graph.node.extend(kept + written)
         _drop_unread(proto, read_before)
         _sort_topologically(proto)
     return RoutedModel(proto, tuple(routed))
@@ -451,49 +463,17 @@ def _samples(proto: onnx.ModelProto) -> int:
 
 
 def _route(
-    proto: onnx.ModelProto,
-    shapes: _Shapes,
-    block: _Block,
-    capacity_factor: float,
-    group_rows: int,
-    samples: int,
-    names: set[str],
-) -> RoutedBlock:
-    """Write one block as a dispatch, its products over the expert axis and a combine (module docstring)."""
+    shapes: _Shapes, block: _Block, capacity_factor: float, group_rows: int, samples: int, names: set[str]
+) -> tuple[RoutedBlock, list[onnx.NodeProto]]:
+    """One block written as a dispatch, its products over the expert axis and a combine (module docstring):
+    what was routed and the new nodes (the block's own nodes are the caller's to remove)."""
     products, joins = block
     first, last = products[0], products[-1]
-    experts, _, _ = shapes.shape[first.stack]
-    rows = shapes.shape[first.column][0]
-    # read from the routing's own output, [tokens, top_k]: the exporter's copies of the index (Max, Expand,
-    # Concat of one input) then go, and ONNX's data propagation, which spells every entry of a 1-D integer
-    # tensor as a dimension, never meets the million-entry vectors they are
-    root_shape = shapes.shape.get(first.index_root)
-    rooted = root_shape is not None and math.prod(root_shape) == rows
-    source = first.index_root if rooted else first.gather.input[1]
-    per_sample = rows // samples if rows % samples == 0 else rows
-    top_k = first.top_k if rooted and per_sample % first.top_k == 0 else 1
-    # whole tokens a group: a token sends an expert at most one of its rows, so an expert's rows in a group are
-    # at most its tokens, and a factor of experts / top-k gives every one a slot
-    group_tokens = _largest_divisor(per_sample // top_k, max(1, group_rows // top_k))
-    group = group_tokens * top_k
-    capacity = math.ceil(min(capacity_factor * group / experts, group_tokens))
+    routed = _sizes(shapes, first, capacity_factor, group_rows, samples)
+    experts, group, capacity = routed.experts, routed.group_rows, routed.capacity
     element = shapes.dtype.get(first.column, onnx.TensorProto.FLOAT)
-    numpy_type = helper.tensor_dtype_to_np_dtype(element)
     w = _Writer(first.matmul.metadata_props, names)
-    w.prefix = f"{first.matmul.name or first.output}.dispatch"
-    index = w.node("Reshape", [source, w.constant(np.array([-1, group], np.int64), "groups")], "index")
-    # counted in integers: a half-precision count is exact only to 256 (bfloat16)
-    counted = w.constant(np.array([0, 1], np.int64), "off_on_counted")
-    routed = w.node("OneHot", [index, w.constant(np.array(experts, np.int64), "experts"), counted], "routed", axis=-1)
-    count = w.node("CumSum", [routed, w.constant(np.array(1, np.int64), "row_axis")], "count")
-    place = w.node("Sub", [count, w.constant(np.array(1, np.int64), "one")], "place")
-    off_on = w.constant(np.array([0, 1], numpy_type), "off_on")
-    slots = w.constant(np.array(capacity, np.int64), "capacity")
-    slot = w.node("OneHot", [place, slots, off_on], "slot", axis=-1)  # past capacity: all zeros
-    last_axis = w.constant(np.array([-1], np.int64), "last_axis")
-    chosen = w.node("Cast", [routed], "routed_values", to=element)
-    dispatch = w.node("Mul", [slot, w.node("Unsqueeze", [chosen, last_axis], "routed_slots")], "dispatch")
-
+    dispatch = _dispatch(w, shapes, first, routed, element)
     lifted: dict[str, str] = {}
     for position, product in enumerate(products):
         stack_shape = shapes.shape[product.stack]
@@ -525,14 +505,49 @@ def _route(
             lifted[product.output] = w.node("Reshape", [out, target], "lifted")
             for node in joins[position]:
                 _lift(node, lifted, w, shapes)
+    return routed, w.nodes
 
-    # a node is known by its first output (outputs are unique); the protos are copied as the graph is rewritten
-    removed = {node.output[0] for product in products for node in (product.gather, *product.between, product.matmul)}
-    removed |= {node.output[0] for nodes in joins for node in nodes}
-    kept = [node for node in proto.graph.node if node.output[0] not in removed]
-    del proto.graph.node[:]
-    proto.graph.node.extend(kept + w.nodes)
-    return RoutedBlock(tuple(product.matmul.name for product in products), experts, rows, group, capacity)
+
+def _sizes(shapes: _Shapes, first: _Product, capacity_factor: float, group_rows: int, samples: int) -> RoutedBlock:
+    """The experts, rows, rows a group holds (whole tokens) and slots an expert has in a group (no products
+    named yet)."""
+    experts, _, _ = shapes.shape[first.stack]
+    rows = shapes.shape[first.column][0]
+    per_sample = rows // samples if rows % samples == 0 else rows
+    top_k = first.top_k if _rooted(shapes, first) and per_sample % first.top_k == 0 else 1
+    # whole tokens a group: a token sends an expert at most one of its rows, so an expert's rows in a group are
+    # at most its tokens, and a factor of experts / top-k gives every one a slot
+    group_tokens = _largest_divisor(per_sample // top_k, max(1, group_rows // top_k))
+    capacity = math.ceil(min(capacity_factor * group_tokens * top_k / experts, group_tokens))
+    return RoutedBlock((), experts, rows, group_tokens * top_k, capacity)
+
+
+def _rooted(shapes: _Shapes, product: _Product) -> bool:
+    """Whether the index's root holds one entry a routed row (it can stand for the index)."""
+    root_shape = shapes.shape.get(product.index_root)
+    return root_shape is not None and math.prod(root_shape) == shapes.shape[product.column][0]
+
+
+def _dispatch(w: _Writer, shapes: _Shapes, first: _Product, routed: RoutedBlock, element: int) -> str:
+    """``[groups, group rows, experts, capacity]``: one where a row takes a slot of its expert."""
+    w.prefix = f"{first.matmul.name or first.output}.dispatch"
+    # read from the routing's own output, [tokens, top_k]: the exporter's copies of the index (Max, Expand,
+    # Concat of one input) then go, and ONNX's data propagation, which spells every entry of a 1-D integer
+    # tensor as a dimension, never meets the million-entry vectors they are
+    source = first.index_root if _rooted(shapes, first) else first.gather.input[1]
+    index = w.node("Reshape", [source, w.constant(np.array([-1, routed.group_rows], np.int64), "groups")], "index")
+    # counted in integers: a half-precision count is exact only to 256 (bfloat16)
+    counted = w.constant(np.array([0, 1], np.int64), "off_on_counted")
+    experts = w.constant(np.array(routed.experts, np.int64), "experts")
+    chosen = w.node("OneHot", [index, experts, counted], "routed", axis=-1)
+    count = w.node("CumSum", [chosen, w.constant(np.array(1, np.int64), "row_axis")], "count")
+    place = w.node("Sub", [count, w.constant(np.array(1, np.int64), "one")], "place")
+    off_on = w.constant(np.array([0, 1], helper.tensor_dtype_to_np_dtype(element)), "off_on")
+    slots = w.constant(np.array(routed.capacity, np.int64), "capacity")
+    slot = w.node("OneHot", [place, slots, off_on], "slot", axis=-1)  # past capacity: all zeros
+    last_axis = w.constant(np.array([-1], np.int64), "last_axis")
+    values = w.node("Cast", [chosen], "routed_values", to=element)
+    return w.node("Mul", [slot, w.node("Unsqueeze", [values, last_axis], "routed_slots")], "dispatch")
 
 
 def _lift(node: onnx.NodeProto, lifted: dict[str, str], w: _Writer, shapes: _Shapes) -> None:
