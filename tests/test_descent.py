@@ -47,3 +47,33 @@ def test_without_a_hub_the_plan_is_left_as_it_is():
     unary, factors = _hub_and_chain(0, length=HUB_NEIGHBOURS - 1)
     start = [0] * len(unary)
     assert condition_on_hubs(unary, factors, start) == start
+
+
+def test_held_hubs_search_a_folded_run_as_its_copies_one_by_one():
+    """With the hubs held, a folded run's copies read them alike, so the search folds them (given the runs):
+    the same objective as searching the copies one by one, on a GPT whose layers share their weights' Transposes
+    (each a hub, read by all ten layers), from a plan taking each operator's cheapest candidate."""
+    from autopar.cost import CostModel
+    from autopar.graph import load_model
+    from autopar.search import costing
+    from autopar.search.costing import build_problem
+    from tests.conftest import profile
+    from tests.plain_gpt import build_plain_gpt
+
+    patched = pytest.MonkeyPatch()
+    patched.setattr(costing, "_weight_only", lambda graph, rules, shared: [])  # the Transposes free to split
+    try:
+        model = build_plain_gpt(layers=10, hidden=64, heads=4, seq=16, vocab=128, batch=8, shared_layers=True)
+        problem = build_problem(load_model(model), CostModel(profile()), 4)
+    finally:
+        patched.undo()
+    ((repeat, _),) = problem.folds
+    unary, factors = list(problem.node_time), problem.all_factors(False)
+    neighbours = [{u for _, scope in factors if node in scope for u in scope} - {node} for node in range(len(unary))]
+    hubs = [node for node, around in enumerate(neighbours) if len(around) > HUB_NEIGHBOURS]
+    assert hubs and all(hub not in repeat.folded and hub != repeat.last(-1) for hub in hubs)  # folded, then
+    start = [int(np.argmin(costs)) for costs in unary]
+    one_by_one = condition_on_hubs(unary, factors, start)
+    folded = condition_on_hubs(unary, factors, start, folded=(problem.factors, problem.folds))
+    assert _value(unary, factors, folded) == pytest.approx(_value(unary, factors, one_by_one), rel=1e-12)
+    assert _value(unary, factors, folded) < _value(unary, factors, start)

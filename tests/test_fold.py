@@ -172,3 +172,41 @@ def test_a_min_plus_product_split_between_threads_is_the_same_bit_for_bit(shape,
     assert np.array_equal(alone[0], shared[0]) and np.array_equal(alone[1], shared[1])
     assert np.array_equal(alone[0], (a[:, :, None] + b[None, :, :]).min(axis=1))
     assert np.array_equal(alone[1], (a[:, :, None] + b[None, :, :]).argmin(axis=1))
+
+
+def test_a_relaxed_run_bounds_the_optimum_from_below_and_its_plan_from_above(monkeypatch):
+    """Where searching a run copy by copy would split its steps, each copy reads the operators the copies share
+    (here the shared layers' weight Transposes, free to split) in its own best layout: one chain again. Its value
+    is then no more than the exact optimum, and its plan, costed as it is, no less, on 20 random costs (each copy's
+    alike, as the fold takes them)."""
+    from autopar.search import costing
+    from autopar.search.dp import TableLimits
+    from autopar.search.fold import Solver
+    from tests.plain_gpt import build_plain_gpt
+
+    monkeypatch.setattr(costing, "_weight_only", lambda graph, rules, shared: [])
+    model = build_plain_gpt(layers=6, hidden=64, heads=4, seq=16, vocab=128, batch=8, shared_layers=True)
+    problem = build_problem(load_model(model), CostModel(profile()), 4)
+    exact = Solver.of(problem)
+    (run,) = exact.runs
+    assert exact.exact and run.shared  # whole, the copies' chain is one per joint class of what they share
+    relaxed = Solver.of(problem, TableLimits(exact.largest, 300))  # copy by copy, this splits 86 steps and more
+    assert relaxed.relaxed == (0,) and not relaxed.splits and not relaxed.exact
+    factors = problem.all_factors(False)
+
+    def objective(unary, choice):
+        edges = sum(factor.value([choice[u] for u in scope]) for factor, scope in factors)
+        return sum(float(u[c]) for u, c in zip(unary, choice)) + edges
+
+    rng = np.random.default_rng(7)
+    ratios = []
+    for _ in range(20):
+        scaled: dict[int, np.ndarray] = {}  # the copies share their costs' arrays: random, they still do
+        unary = [scaled.setdefault(id(t), t * rng.uniform(0.5, 2.0, len(t))) for t in problem.node_time]
+        best_choice, best = exact.solve(unary)
+        choice, bound = relaxed.solve(unary)
+        assert objective(unary, best_choice) == pytest.approx(best, rel=1e-12)
+        assert bound <= best * (1 + 1e-12)
+        assert objective(unary, choice) >= best * (1 - 1e-12)
+        ratios.append(bound / best)
+    assert min(ratios) > 0.99  # what a copy gains reading them its own way is little here (0.1 % at most)

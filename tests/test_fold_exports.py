@@ -218,16 +218,18 @@ def test_a_hugging_face_albert_export_plans_at_every_size(devices):
 
 def test_a_search_past_its_table_limits_answers_with_a_plan_and_its_gap(monkeypatch):
     """With the shared Transposes free to split, ALBERT's exact search passes the table limits (it was refused
-    there once): it answers all the same, with the steps it split, a lower bound no plan beats and the gap,
-    in the plan file and in the text."""
+    there once): it answers all the same, with what it relaxed (its layers each read the shared Transposes in
+    their own best layout) or split, a lower bound no plan beats and the gap, in the plan file and in the text."""
     from autopar.search import costing
 
     monkeypatch.setattr(costing, "_weight_only", lambda graph, rules, shared: [])
     model = build_plain_gpt(layers=6, hidden=64, heads=4, seq=16, vocab=128, batch=8, shared_layers=True)
     plan = autopar.plan(model, devices=8)
     search = plan.to_dict()["search"]
-    assert search["exact"] is False and search["steps_split"] > 0
+    assert search["exact"] is False and search.get("runs_relaxed") == 1
     assert 0 < search["lower_bound_s"] <= plan.objective
     assert search["gap"] == pytest.approx(plan.objective / search["lower_bound_s"] - 1, rel=1e-9)
     said = f"of the fastest plan that fits: none is faster than {1e3 * search['lower_bound_s']:.3f} ms"
-    assert said in plan.summary() and f"({search['steps_split']} elimination steps split" in plan.summary()
+    assert said in plan.summary() and "1 repeated run bounded with each copy reading" in plan.summary()
+    if "steps_split" in search:
+        assert f"{search['steps_split']} elimination steps split" in plan.summary()

@@ -238,33 +238,39 @@ def _file_shapes(proto: onnx.ModelProto, key: bytes | None) -> dict[str, tuple[i
 SHAPE_OF_FIRST_INPUT = frozenset({"GroupNormalization"})
 
 
-def infer_shapes(proto: onnx.ModelProto, checked: bool = False, refolded: bool = False) -> onnx.ModelProto:
+def infer_shapes(
+    proto: onnx.ModelProto, checked: bool = False, refolded: bool = False, partial: bool = False
+) -> onnx.ModelProto:
     """Strict ONNX shape inference with data propagation (shape arithmetic is followed); ``checked``: the
     file was inferred so before, at another batch, and propagation may be left out where it finds nothing
     more (`_strict_inference`); ``refolded``: ``proto`` is this import's own inferred graph with shape chains
-    folded into constants since, and propagation is left out where every size is known without it.
+    folded into constants since, and propagation is left out where every size is known without it, or,
+    ``partial``, wherever that inference succeeds (the caller folds the chains it now sizes, and propagates
+    only where folding stops: `shapes.resolve_shapes`).
 
     An output of an operator in `SHAPE_OF_FIRST_INPUT` that inference leaves untyped is typed as
     that operator's first input, and inference runs again from there.
     """
-    inferred = _refolded_inference(proto) if refolded else None
+    inferred = _refolded_inference(proto, partial) if refolded else None
     inferred = inferred or _strict_inference(proto, checked)
     while _type_like_first_input(inferred):
         inferred = _strict_inference(inferred, checked)
     return inferred
 
 
-def _refolded_inference(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+def _refolded_inference(proto: onnx.ModelProto, partial: bool = False) -> onnx.ModelProto | None:
     """Inference without data propagation of a graph this import inferred with it once, where it leaves no
-    size unknown (else None). The sizes propagation found stay declared, and what it checked of the
-    file's shape arithmetic it checked then, the folded chains now constants; what it would redo costs
-    more than the rest of an import in a deep export (0.2 s a layer of a Mixtral one, each layer's folded
-    constants propagated again)."""
+    size unknown, or, ``partial``, wherever it succeeds (else None). The sizes propagation found stay declared,
+    and what it checked of the file's shape arithmetic it checked then, the folded chains now constants; what
+    it would redo costs more than the rest of an import in a deep export (0.2 s a layer of a Mixtral one, each
+    layer's folded constants propagated again)."""
     try:
         quick = shape_inference.infer_shapes(proto, strict_mode=True, data_prop=False)
     except Exception:  # said by the full inference, as it says it
         return None
-    return quick if _every_size_known(quick) else None
+    if _type_like_first_input(quick):
+        return None  # typed by hand: inferred again from there, as the full inference does
+    return quick if partial or _every_size_known(quick) else None
 
 
 def _type_like_first_input(proto: onnx.ModelProto) -> bool:

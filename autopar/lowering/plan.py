@@ -234,11 +234,16 @@ class Plan:
         )
 
     def _proof(self) -> dict[str, Any]:
-        """What the search proved of the plan (`SearchSummary`'s exact, lower_bound_s, gap, steps_split)."""
+        """What the search proved of the plan (`SearchSummary`'s exact, lower_bound_s, gap, steps_split and
+        runs_relaxed)."""
         found = self.search
         if found.method not in ("dp", "ilp"):
             return {}
-        proof: dict[str, Any] = {"exact": found.exact, "steps_split": found.steps_split or None}
+        proof: dict[str, Any] = {
+            "exact": found.exact,
+            "steps_split": found.steps_split or None,
+            "runs_relaxed": found.runs_relaxed or None,
+        }
         if not found.exact and found.bound_s is not None:
             objective = self.objective
             bound = min(found.bound_s, objective)

@@ -380,6 +380,7 @@ class SearchSummary(_OmitsUnset):
         "lower_bound_s",
         "gap",
         "steps_split",
+        "runs_relaxed",
     )
     algorithm: str = Field(description="how the strategies were chosen: dp, ilp, data_parallel, stand_alone, given")
     time_s: NonNegativeFloat
@@ -398,6 +399,11 @@ class SearchSummary(_OmitsUnset):
     )
     steps_split: NonNegativeInt | None = Field(
         default=None, description="elimination steps split into groups to stay within the table limits"
+    )
+    runs_relaxed: NonNegativeInt | None = Field(
+        default=None,
+        description="repeated runs searched with each copy reading the operators the copies share in its own"
+        " best layout: a lower bound, where searching them copy by copy split its steps",
     )
     phases_s: dict[str, NonNegativeFloat] | None = Field(
         default=None, description="measured seconds of import, costing, search and lowering"

@@ -180,6 +180,9 @@ def _proof(search: SearchSummary) -> str:
     why = []
     if search.steps_split:
         why.append(f"{search.steps_split} elimination steps split to stay within the table limits")
+    if search.runs_relaxed:
+        runs = f"{search.runs_relaxed} repeated run{'s' if search.runs_relaxed > 1 else ''}"
+        why.append(f"{runs} bounded with each copy reading the operators the copies share in its own best layout")
     if search.memory_multiplier or not why:
         why.append("memory binds: the plan is the best its memory walk reached")
     because = f" ({'; '.join(why)})"

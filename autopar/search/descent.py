@@ -11,10 +11,15 @@ the gap narrows.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from autopar.search.dp import TABLE_LIMITS, Factor, TableLimits
+from autopar.search.repeats import Repeat
+
+if TYPE_CHECKING:
+    from autopar.search.fold import RunEdges
 
 SWEEPS = 8
 """Sweeps over every operator at most; each after the first moves only where a neighbour moved."""
@@ -76,6 +81,7 @@ def condition_on_hubs(
     factors: Sequence[tuple[Factor, tuple[int, ...]]],
     choice: Sequence[int],
     limits: TableLimits = TABLE_LIMITS,
+    folded: tuple[Sequence[Factor], Sequence[tuple[Repeat, RunEdges]]] | None = None,
 ) -> list[int]:
     """The plan ``choice`` improved by searching exactly with its hubs (`HUB_NEIGHBOURS`) held where they are.
 
@@ -84,7 +90,10 @@ def condition_on_hubs(
     mask at 128 devices: 222 split steps). With each hub at one candidate the rest is a chain again,
     searched exactly; then each operator, hubs included, takes its best candidate given the others
     (`descend`), and again while the plan improves and a hub moves. The result is the best plan with those hubs' layouts
-    (where that search is within the limits), never worse than ``choice``.
+    (where that search is within the limits), never worse than ``choice``. Given ``folded`` (the factors
+    outside the problem's folded runs, and the runs, as `SearchProblem` holds them), the search with the hubs
+    held folds the runs, where no hub is in a run's copies or before it (whose place a later copy's last
+    operator takes): a run's copies read the hubs alike, so they stay alike.
 
     >>> hub = Factor((0, 1), (np.arange(2), np.arange(2)), np.array([[0.0, 4.0], [4.0, 0.0]]))
     >>> edges = [(Factor((0, u), hub.maps, hub.table), (0, u)) for u in range(1, 11)]
@@ -99,15 +108,26 @@ def condition_on_hubs(
     hubs = [node for node, around in enumerate(neighbours) if len(around) > HUB_NEIGHBOURS]
     if not hubs:
         return list(choice)
-    from autopar.search.fold import Solver  # the solver's module builds on this one's tables
+    from autopar.search.fold import RunEdges, Solver  # the solver's module builds on this one's tables
 
+    if folded is not None and any(hub in run.folded or hub == run.last(-1) for run, _ in folded[1] for hub in hubs):
+        folded = None  # a hub inside a run, or before it: held, its copies would differ
     best, best_value = list(choice), _value(unary, factors, choice)
     for _ in range(ROUNDS):
         held = {hub: best[hub] for hub in hubs}
         sizes = [1 if node in held else len(costs) for node, costs in enumerate(unary)]
-        kept = [_held(factor, scope, held) for factor, scope in factors]
         held_unary = [costs[[held[node]]] if node in held else costs for node, costs in enumerate(unary)]
-        found, _ = Solver(sizes=sizes, factors=kept, limits=limits).solve(held_unary)
+        if folded is None:
+            kept = [_held(factor, scope, held) for factor, scope in factors]
+            solver = Solver(sizes=sizes, factors=kept, limits=limits)
+        else:
+            main, runs = folded
+            kept = [_held(factor, factor.scope, held) for factor in main]
+            held_runs = [
+                (run, RunEdges(_each_held(edges.first, held), _each_held(edges.later, held))) for run, edges in runs
+            ]
+            solver = Solver(sizes=sizes, factors=kept, folds=held_runs, limits=limits)
+        found, _ = solver.solve(held_unary)
         moved = descend(unary, factors, [held.get(node, c) for node, c in enumerate(found)])
         value = _value(unary, factors, moved)
         if not value < best_value:
@@ -131,6 +151,11 @@ def _held(factor: Factor, scope: tuple[int, ...], held: dict[int, int]) -> Facto
             m = np.zeros(1, dtype=m.dtype)
         maps.append(m)
     return Factor(scope, tuple(maps), table)
+
+
+def _each_held(factors: Sequence[Factor], held: dict[int, int]) -> tuple[Factor, ...]:
+    """`_held` of each of a run's edges, over its own scope (copy 0's)."""
+    return tuple(_held(factor, factor.scope, held) for factor in factors)
 
 
 def _value(

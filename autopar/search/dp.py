@@ -193,7 +193,10 @@ class Elimination:
         keep: Sequence[int] = (),
         ties: Mapping[int, int] | None = None,
         limits: TableLimits = TABLE_LIMITS,
+        exact_only: bool = False,
     ) -> None:
+        """``exact_only``: refuse (`SearchTooLargeError`) where every order passes the limits, rather than
+        plan one that splits its steps (which, over thousands of operators, takes seconds)."""
         self.sizes = list(sizes)
         self.keep = tuple(keep)
         self.limits = limits
@@ -209,7 +212,10 @@ class Elimination:
         plans = context.current().eliminations
         planned = plans.get(key)
         if planned is None:
-            planned = self._best_order(bounded=False) or self._best_order(bounded=True)
+            planned = self._best_order(bounded=False)
+            if planned is None and exact_only:
+                raise SearchTooLargeError(f"every order of {len(self.sizes):,} operators passes the table limits")
+            planned = planned or self._best_order(bounded=True)
             assert planned is not None  # a bounded order always answers
             plans[key] = planned
             while len(plans) > _PLANS_KEPT:

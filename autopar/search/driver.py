@@ -96,11 +96,13 @@ class SearchResult:
     exact: bool = True
     bound_s: float | None = None
     steps_split: int = 0
+    runs_relaxed: int = 0
     """``exact``: the plan is the fastest of the problem that fits (every elimination step within the table
     limits, and the fastest plan fits memory), up to the tie-break. ``bound_s``: no plan of the problem that
     fits is faster than this (the plan's own time where exact; a lower bound from the split tables and the
     memory weights tried otherwise; None: not known). ``steps_split``: elimination steps split to stay within
-    the table limits (`dp._split`)."""
+    the table limits (`dp._split`); ``runs_relaxed``: repeated runs whose copies each took the operators they
+    share in the layouts they liked best (`fold.Solver`), for a lower bound where the copy-by-copy search split."""
 
 
 @dataclass
@@ -184,7 +186,10 @@ def run_search(
         raise InfeasibleError(_infeasible_message(problem, choice, capacity, mode, choices))
     seconds = time.perf_counter() - start
     split = solver.splits if solver is not None else 0
-    return SearchResult(tuple(choice), used, seconds, multiplier, *states, choices, fastest, exact, floor, split)
+    relaxed = len(solver.relaxed) if solver is not None else 0
+    return SearchResult(
+        tuple(choice), used, seconds, multiplier, *states, choices, fastest, exact, floor, split, relaxed
+    )
 
 
 def _lower_bound(
@@ -257,7 +262,9 @@ class _Runs:
         problem = self.problem
         unary, takes = problem.lagrangian(weight, recompute)
         seen_unary = [u + o for u, o in zip(unary, self.offsets)]
-        choice = condition_on_hubs(seen_unary, problem.all_factors(recompute), point.choice, self.solver.limits)
+        folded = (problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
+        factors = problem.all_factors(recompute)
+        choice = condition_on_hubs(seen_unary, factors, point.choice, self.solver.limits, folded)
         if choice == point.choice:
             return point
         choices = problem.choices_at(choice, takes, recompute)

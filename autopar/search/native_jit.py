@@ -239,7 +239,11 @@ def pair_coefficients(
     step as `redistribute.symbolic_steps` plans it and `redistribute._merge` fuses it, each step priced from
     the tables by kind and bits per link level (`coefficients._Prices`). A dimension's bits stay packed, as
     in the table, so a step is a few shifts. A pair that meets a price not in the tables stops with its key
-    in ``missing`` (else -1), to be priced and run again."""
+    in ``missing`` (else -1), to be priced and run again.
+
+    Long, and with sixteen parameters, on purpose: numba compiles functions of arrays, not objects, so the
+    layout table, its places and the prices pass as the arrays they are, and the planner's rounds for one
+    pair stay in one loop body, as `coefficients._chunk_coefficients` writes them for numpy."""
     width = length.shape[1]
     held = np.zeros(width, dtype=np.int64)
     current = np.zeros(width, dtype=np.uint64)
@@ -353,7 +357,8 @@ def edge_tables(
     """Rows ``first`` .. ``last`` of a use's edge tables from its layout pairs' slots (`costing._edge_costs`):
     ``out_forward[i, j]`` = latency + per byte x ``nbytes`` of pair ``forward[i, j]``, and ``out_both`` that
     plus the gradient's way back, pair ``backward[j, i]``, the two coefficients summed first (where
-    ``backward`` has no rows there is none, and ``out_both`` is not written)."""
+    ``backward`` has no rows there is none, and ``out_both`` is not written). Nine parameters: a compiled
+    function takes its arrays one by one, and the rows it computes (a large use's are shared between threads)."""
     columns = forward.shape[1]
     back = backward.shape[0] > 0
     for i in range(first, last):

@@ -400,6 +400,7 @@ def joined(result: PipelineResult, seconds: float) -> SearchResult:
     first = result.stages[0].result
     exact = all(stage.result.exact for stage in result.stages)
     split = sum(stage.result.steps_split for stage in result.stages)
+    relaxed = sum(stage.result.runs_relaxed for stage in result.stages)
     return SearchResult(
         result.choice,
         first.method,
@@ -408,6 +409,7 @@ def joined(result: PipelineResult, seconds: float) -> SearchResult:
         choices=result.choices,
         exact=exact,
         steps_split=split,
+        runs_relaxed=relaxed,
     )
 
 
