@@ -238,24 +238,28 @@ def _file_shapes(proto: onnx.ModelProto, key: bytes | None) -> dict[str, tuple[i
 SHAPE_OF_FIRST_INPUT = frozenset({"GroupNormalization"})
 
 
-def infer_shapes(
-    proto: onnx.ModelProto, checked: bool = False, refolded: bool = False, partial: bool = False
-) -> onnx.ModelProto:
+def infer_shapes(proto: onnx.ModelProto, checked: bool = False, refolded: bool = False) -> onnx.ModelProto:
     """Strict ONNX shape inference with data propagation (shape arithmetic is followed); ``checked``: the
     file was inferred so before, at another batch, and propagation may be left out where it finds nothing
     more (`_strict_inference`); ``refolded``: ``proto`` is this import's own inferred graph with shape chains
-    folded into constants since, and propagation is left out where every size is known without it, or,
-    ``partial``, wherever that inference succeeds (the caller folds the chains it now sizes, and propagates
-    only where folding stops: `shapes.resolve_shapes`).
+    folded into constants since, and propagation is left out where every size is known without it.
 
     An output of an operator in `SHAPE_OF_FIRST_INPUT` that inference leaves untyped is typed as
     that operator's first input, and inference runs again from there.
     """
-    inferred = _refolded_inference(proto, partial) if refolded else None
+    inferred = _refolded_inference(proto) if refolded else None
     inferred = inferred or _strict_inference(proto, checked)
     while _type_like_first_input(inferred):
         inferred = _strict_inference(inferred, checked)
     return inferred
+
+
+def infer_refolded(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
+    """`infer_shapes` of this import's own graph with shape chains folded since (``refolded``), without data
+    propagation wherever that inference succeeds, sizes left unknown or not (the caller folds the chains it
+    now sizes, and propagates only where folding stops: `shapes.resolve_shapes`); and whether it propagated."""
+    quick = _refolded_inference(proto, partial=True)
+    return (quick, False) if quick is not None else (infer_shapes(proto, refolded=True), True)
 
 
 def _refolded_inference(proto: onnx.ModelProto, partial: bool = False) -> onnx.ModelProto | None:

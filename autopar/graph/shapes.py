@@ -26,7 +26,7 @@ import onnx
 from onnx import numpy_helper
 
 from autopar.errors import ComputedDimensionError, ModelImportError
-from autopar.graph.bind import infer_shapes
+from autopar.graph.bind import infer_refolded, infer_shapes
 from autopar.graph.fold import KnownValue, fold_constant
 from autopar.graph.proto import data_inputs, value_infos
 
@@ -71,7 +71,8 @@ def resolve_shapes(proto: onnx.ModelProto, computed: Mapping[str, int], checked:
         if not _unknown_sizes(inferred):
             break
         changed = _fold_chains(inferred)
-        changed |= _bind_computed(inferred, computed, applied)
+        if propagated:  # a size only propagation finds is not the user's to bind
+            changed |= _bind_computed(inferred, computed, applied)
         if not changed and propagated:
             break
         if not changed:  # folding stops where only propagation sizes what is left
@@ -81,8 +82,9 @@ def resolve_shapes(proto: onnx.ModelProto, computed: Mapping[str, int], checked:
         # the chains the last inference sized are folded now: the next round sizes what they feed, without
         # propagation, which in a deep export costs more than the rest of its import (Mixtral's 32 layers,
         # its causal mask's four index constants of a million entries: 19.7 s, where 0.2 s)
-        inferred = infer_shapes(inferred, refolded=True, partial=True)
-        propagated = False
+        inferred, propagated = infer_refolded(inferred)
+    if not propagated and _unknown_sizes(inferred):  # the rounds ran out: what propagation finds counts
+        inferred = infer_shapes(inferred)
     for key in sorted(set(computed) - applied):
         tensor, _, axis = key.rpartition(":")
         raise ModelImportError(

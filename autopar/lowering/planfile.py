@@ -402,8 +402,8 @@ class SearchSummary(_OmitsUnset):
     )
     runs_relaxed: NonNegativeInt | None = Field(
         default=None,
-        description="repeated runs searched with each copy reading the operators the copies share in its own"
-        " best layout: a lower bound, where searching them copy by copy split its steps",
+        description="repeated runs searched relaxed, each copy reading the operators the copies share in its own"
+        " best layout (a lower bound), where no exact search was within the table limits; summed over stages",
     )
     phases_s: dict[str, NonNegativeFloat] | None = Field(
         default=None, description="measured seconds of import, costing, search and lowering"

@@ -37,7 +37,7 @@ import functools
 import hashlib
 import heapq
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +63,8 @@ closed over."""
 SMALL_WORK = 20_000_000
 """An order summing fewer entries than this (a tenth of a second) is kept without trying the others."""
 _PLANS_KEPT = 64
+_SPLITS: tuple = ("every order splits a step",)
+"""The plan kept for a structure every order of which passes the limits, where only an exact plan was asked for."""
 """Plans kept for eliminations of a structure planned again, in the plan's context (`autopar.context`): the
 size check before costing plans each problem's elimination and its solver plans the same again (76.1B GPT
 on 1,024 GPUs: 37 of 102 plannings taken)."""
@@ -211,17 +213,19 @@ class Elimination:
         key = self._structure()
         plans = context.current().eliminations
         planned = plans.get(key)
-        if planned is None:
+        if planned is None or (planned is _SPLITS and not exact_only):
             planned = self._best_order(bounded=False)
-            if planned is None and exact_only:
-                raise SearchTooLargeError(f"every order of {len(self.sizes):,} operators passes the table limits")
-            planned = planned or self._best_order(bounded=True)
+            if planned is None:  # (kept as such where only an exact plan is asked for: known the next time)
+                planned = _SPLITS if exact_only else self._best_order(bounded=True)
             assert planned is not None  # a bounded order always answers
             plans[key] = planned
             while len(plans) > _PLANS_KEPT:
                 plans.popitem(last=False)
         else:
             plans.move_to_end(key)
+        if exact_only and (planned is _SPLITS or any(isinstance(step, _Split) for step in planned[0])):
+            raise SearchTooLargeError(f"every order of {len(self.sizes):,} operators passes the table limits")
+        assert planned is not _SPLITS
         self.steps, self.work, self.largest, self.leftover, self._leftover = planned
         self.splits = sum(isinstance(step, _Split) for step in self.steps)
         """Steps split to stay within the limits (`_split`): where any is, `run` gives a lower bound of the
@@ -334,12 +338,14 @@ class Elimination:
                 raise ValueError("a bound factor differs from the one the elimination was planned on")
         self.initial[: len(factors)] = factors
 
-    def states(self) -> tuple[int, int]:
+    def states(self, without: Collection[int] = ()) -> tuple[int, int]:
         """(classes kept, candidates dropped) over the eliminated and tied operators (a tied operator's
-        candidates are its twin's: none is a state of its own; a split node keeps its first group's)."""
+        candidates are its twin's: none is a state of its own; a split node keeps its first group's), those
+        ``without`` left out (counted elsewhere)."""
         steps = [step.groups[0] if isinstance(step, _Split) else step for step in self.steps]
+        steps = [step for step in steps if step.node not in without]
         kept = sum(len(step.starts) for step in steps)
-        tied = sum(self.sizes[t] for t, _ in self.ties)
+        tied = sum(self.sizes[t] for t, _ in self.ties if t not in without)
         return kept, sum(len(step.members) for step in steps) - kept + tied
 
     def leftover_structure(self) -> list[tuple[tuple[int, ...], tuple[np.ndarray, ...]]]:

@@ -165,10 +165,11 @@ def least_below(problem: SearchProblem, unary: Sequence[np.ndarray], recompute: 
     the problem's plans, by one exact DP run, less a billionth of it for rounding: a bound that stays below."""
     solver = Solver.of(problem)
     solver.bind(problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
-    choice = solver.minimise(unary)
-    least = sum(float(u[c]) for u, c in zip(unary, choice))
-    least += sum(factor.value([choice[u] for u in scope]) for factor, scope in problem.all_factors(recompute))
-    return least - 1e-9 * abs(least)
+    choice, least = solver.solve(unary)
+    if solver.exact:  # the plan's own value, summed as the objective sums it
+        least = sum(float(u[c]) for u, c in zip(unary, choice))
+        least += sum(factor.value([choice[u] for u in scope]) for factor, scope in problem.all_factors(recompute))
+    return least - 1e-9 * abs(least)  # (not exact: the solver's value, a lower bound, not its plan's)
 
 
 def copies_in(

@@ -413,7 +413,7 @@ class Solver:
         """
         kept, dropped = self.main.states()
         for run in self.runs:
-            block_kept, block_dropped = run.elimination.states()
+            block_kept, block_dropped = run.elimination.states(run.relaxed)  # those the main graph's are counted
             read = len(np.unique(run.follows))
             boundary = len(run.follows) - read  # copy k's last operator, reduced to the classes read
             kept += run.repeat.copies * block_kept + (run.repeat.copies - 1) * read
