@@ -1,6 +1,7 @@
 """Every model family the project keeps an export of, side by side: planned at 8 and 64 devices, verified at 8.
 
-Usage: python bench/families.py [--families albert,t5,swin,qwen3,bloom,gpt_neox,olmoe,moe] [--devices 8,64]
+Usage: python bench/families.py [--families albert,t5,swin,qwen3,bloom,gpt_neox,olmoe,mixtral,deepseek_v3,mamba2,
+                                            clip,moe] [--devices 8,64]
                                 [--checks forward,gradients,torch]
 
 Each command is the one a user types, run in a fresh process (`hf_exports.measure`):
@@ -33,6 +34,10 @@ EXPORTS = {
     "bloom": "hf_bloom_dynamo.onnx",
     "gpt_neox": "hf_gpt_neox_dynamo.onnx",
     "olmoe": "hf_olmoe_dynamo.onnx",
+    "mixtral": "hf_mixtral_dynamo.onnx",
+    "deepseek_v3": "hf_deepseek_v3_dynamo.onnx",
+    "mamba2": "hf_mamba2_dynamo.onnx",
+    "clip": "hf_clip_dynamo.onnx",
 }
 CHECKS = {"forward": (), "gradients": ("--gradients",), "torch": ("--runtime", "torch")}
 
