@@ -238,33 +238,31 @@ def _file_shapes(proto: onnx.ModelProto, key: bytes | None) -> dict[str, tuple[i
 SHAPE_OF_FIRST_INPUT = frozenset({"GroupNormalization"})
 
 
-def infer_shapes(proto: onnx.ModelProto, checked: bool = False, refolded: bool = False) -> onnx.ModelProto:
+def infer_shapes(proto: onnx.ModelProto, checked: bool = False) -> onnx.ModelProto:
     """Strict ONNX shape inference with data propagation (shape arithmetic is followed); ``checked``: the
     file was inferred so before, at another batch, and propagation may be left out where it finds nothing
-    more (`_strict_inference`); ``refolded``: ``proto`` is this import's own inferred graph with shape chains
-    folded into constants since, and propagation is left out where every size is known without it.
+    more (`_strict_inference`).
 
     An output of an operator in `SHAPE_OF_FIRST_INPUT` that inference leaves untyped is typed as
     that operator's first input, and inference runs again from there.
     """
-    inferred = _refolded_inference(proto) if refolded else None
-    inferred = inferred or _strict_inference(proto, checked)
+    inferred = _strict_inference(proto, checked)
     while _type_like_first_input(inferred):
         inferred = _strict_inference(inferred, checked)
     return inferred
 
 
 def infer_refolded(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
-    """`infer_shapes` of this import's own graph with shape chains folded since (``refolded``), without data
-    propagation wherever that inference succeeds, sizes left unknown or not (the caller folds the chains it
-    now sizes, and propagates only where folding stops: `shapes.resolve_shapes`); and whether it propagated."""
-    quick = _refolded_inference(proto, partial=True)
-    return (quick, False) if quick is not None else (infer_shapes(proto, refolded=True), True)
+    """`infer_shapes` of this import's own graph with shape chains folded since, without data propagation
+    wherever that inference succeeds, sizes left unknown or not (the caller folds the chains it now sizes, and
+    propagates only where folding stops: `shapes.resolve_shapes`); and whether it propagated."""
+    quick = _refolded_inference(proto)
+    return (quick, False) if quick is not None else (infer_shapes(proto), True)
 
 
-def _refolded_inference(proto: onnx.ModelProto, partial: bool = False) -> onnx.ModelProto | None:
-    """Inference without data propagation of a graph this import inferred with it once, where it leaves no
-    size unknown, or, ``partial``, wherever it succeeds (else None). The sizes propagation found stay declared,
+def _refolded_inference(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """Inference without data propagation of a graph this import inferred with it once (None where it fails,
+    or leaves an output to type by hand). The sizes propagation found stay declared,
     and what it checked of the file's shape arithmetic it checked then, the folded chains now constants; what
     it would redo costs more than the rest of an import in a deep export (0.2 s a layer of a Mixtral one, each
     layer's folded constants propagated again)."""
@@ -274,7 +272,7 @@ def _refolded_inference(proto: onnx.ModelProto, partial: bool = False) -> onnx.M
         return None
     if _type_like_first_input(quick):
         return None  # typed by hand: inferred again from there, as the full inference does
-    return quick if partial or _every_size_known(quick) else None
+    return quick
 
 
 def _type_like_first_input(proto: onnx.ModelProto) -> bool:

@@ -63,11 +63,11 @@ closed over."""
 SMALL_WORK = 20_000_000
 """An order summing fewer entries than this (a tenth of a second) is kept without trying the others."""
 _PLANS_KEPT = 64
-_SPLITS: tuple = ("every order splits a step",)
-"""The plan kept for a structure every order of which passes the limits, where only an exact plan was asked for."""
 """Plans kept for eliminations of a structure planned again, in the plan's context (`autopar.context`): the
 size check before costing plans each problem's elimination and its solver plans the same again (76.1B GPT
 on 1,024 GPUs: 37 of 102 plannings taken)."""
+_SPLITS: tuple = ("every order splits a step",)
+"""The plan kept for a structure every order of which passes the limits, where only an exact plan was asked for."""
 
 
 _Live = tuple[tuple[int, ...], tuple[np.ndarray, ...], tuple[int, ...]]  # a factor's scope, class maps, shape
