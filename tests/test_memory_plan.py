@@ -594,3 +594,34 @@ def test_a_walk_widening_from_a_hint_ends_where_the_plain_secant_walk_does(share
             == (plain.choice, plain.choices)
         )
         assert widened[scale].memory_multiplier == pytest.approx(found.memory_multiplier, rel=1e-9)
+
+
+@pytest.mark.parametrize("share", [0.25, 0.75])
+def test_a_refuted_search_gives_a_bound_between_what_it_was_told_and_the_ilp_optimum(share):
+    """A search told to beat less than the best plan that fits says no plan does (`NothingFaster`), with a
+    bound at least what it was told and no more than the exact optimum (the ILP's); asked again with its
+    DP runs kept and a bound it cannot meet, it ends at the plan a fresh search finds."""
+    from autopar.search.driver import NothingFaster, SearchCache
+
+    model = block_stack(batch=64, width=8, hidden=32)
+    free = autopar.build(model, 4, profile(peak=RC_PEAK))
+    without, with_recompute = leanest(free, False), leanest(free, True)
+    problem = autopar.build(
+        model, 4, profile(capacity=with_recompute + share * (without - with_recompute), peak=RC_PEAK)
+    )
+    best = run_search(problem)
+    seconds = problem.objective(best.choice, best.choices)
+    assert best.memory_multiplier > 0  # memory binds: the walk ran
+    pytest.importorskip("highspy")
+    ilp = run_search(problem, SearchOptions(algorithm="ilp"))
+    optimum = problem.objective(ilp.choice, ilp.choices)
+    kept = SearchCache()
+    proved_more = False
+    for told in (optimum * 0.5, optimum * 0.9, optimum * 0.99):
+        with pytest.raises(NothingFaster) as refuted:
+            run_search(problem, SearchOptions(bound=told), kept)
+        assert told <= refuted.value.bound_s <= optimum * (1 + 1e-9)
+        proved_more |= refuted.value.bound_s > told * (1 + 1e-9)
+    assert proved_more  # the runs made prove more than some bound asked for
+    again = run_search(problem, SearchOptions(bound=seconds * 1.01), kept)
+    assert (again.choice, again.choices) == (best.choice, best.choices)

@@ -356,7 +356,7 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     weight (the copies' bounds shared by every cut) cannot beat the best plan: never where a plan of the
     stage that fits is faster, at the weight it settles on or far from it, recomputing or not; sometimes just
     below its best; and the cut search with that hint still ends at brute force's plan."""
-    from autopar.search.cuts import _StageSearch
+    from autopar.search.cuts import _Kept, _StageSearch
     from tests.test_memory_plan import RC_PEAK, block_stack, leanest
 
     fold_short(monkeypatch)
@@ -385,11 +385,13 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
                 continue  # nothing of this stage fits: nothing to refute wrongly
             exact = stage.objective(found.choice, found.choices)
             weights += [found.memory_multiplier] if found.memory_multiplier > 0 else []
+            kept = _Kept(stage, -math.inf)
             for memory_weight in (found.memory_multiplier, 1e-12, 1e-10, 1e-8, 1e-6):
                 search.hint = memory_weight
                 if memory_weight > 0:
-                    assert not search._refuted_at_hint(stage, a, b, index, exact * (1 + 1e-9))
-                    refuted += search._refuted_at_hint(stage, a, b, index, exact * 0.999)
+                    bound = search._bound_at_hint(kept, a, b, index)
+                    assert bound < exact * (1 + 1e-9)
+                    refuted += bound >= exact * 0.999
     assert weights and refuted > 0  # memory binds, and the bound is close enough to refute
     brute = every_cut(problem, shape)
     for bound in (math.inf, brute.time_s * (1 + 1e-9), brute.time_s):

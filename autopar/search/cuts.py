@@ -4,7 +4,8 @@ For one shape (S stages, M micro-batches) and one micro-batch's problem, a DP ov
 takes the cuts whose slowest stage is fastest (a min-max over a chain), each stage's time the exact
 per-stage search's (`autopar.search.pipeline.stage_problem` searched by `run_search`). Stages alike
 in their operators, reads and place are searched once, and the lower bounds of
-`autopar.search.floors` keep most stages from being searched at all.
+`autopar.search.floors` keep most stages from being searched at all. A stage a search refuted for one
+bound keeps the bound its DP runs proved, and, asked again for a larger one, its problem and runs.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from autopar.context import planning
 from autopar.errors import InfeasibleError
 from autopar.search.dataflow import TensorUse
-from autopar.search.driver import NothingFaster, SearchOptions, SearchResult, run_search
+from autopar.search.driver import NothingFaster, SearchCache, SearchOptions, SearchResult, run_search
 from autopar.search.floors import copies_in, least_below, least_fullest, shape_floors, stage_floor
 from autopar.search.ilp import recomputing
 from autopar.search.pipeline import (
@@ -60,6 +61,7 @@ class _StageSearch:
         self.searches = 0
         self.copies: tuple[tuple[range, float], ...] = ()  # `copy_floors`, once the cut search asks for them
         self._copy_bounds: dict[tuple, float] = {}  # `_copy_lagrangian`'s
+        self._stages: dict[tuple, _Kept] = {}  # `_kept`'s
 
     def _key(self, first: int, last: int, index: int, crossings: Crossings) -> tuple:
         graph = self.problem.graph
@@ -76,11 +78,14 @@ class _StageSearch:
         place = (self.shape.in_flight(index), receives, sends)
         return (tuple(self.classes[first:last]), into, out, place)
 
-    def _refuted_at_hint(self, stage: SearchProblem, first: int, last: int, index: int, beat: float) -> bool:
-        """Whether the Lagrangian bound at the hint's memory weight (`stage_floor`), recomputing or not,
-        shows that no plan of the stage that fits beats ``beat``: where memory binds, this refutes a cut
-        whose walk would take two DP runs or more, with none (the copies' bounds are shared by every cut)."""
-        weight, held = self.hint, self.shape.in_flight(index)
+    def _bound_at_hint(self, kept: "_Kept", first: int, last: int, index: int) -> float:
+        """The Lagrangian bound at the hint's memory weight (`stage_floor`), the least over recomputing or
+        not: no plan of the stage that fits is faster. Where memory binds, this refutes a cut whose walk
+        would take two DP runs or more, with none (the copies' bounds are shared by every cut). Once per
+        stage kind and hint."""
+        weight, held, stage = self.hint, self.shape.in_flight(index), kept.stage
+        if weight in kept.at_weight:
+            return kept.at_weight[weight]
         blocks = [block for block, _ in self.copies if first <= block.start and block.stop <= last]
         # a tensor kept by a later stage is not counted where it is made (`_kept_across`): the copy's own
         # bound, which counts it, is lowered by the most that frees at its operators in this stage
@@ -93,6 +98,7 @@ class _StageSearch:
             )
             for block in blocks
         ]
+        least = math.inf
         for recompute in recomputing(stage, self.recompute):
             within = tuple(
                 (
@@ -101,15 +107,15 @@ class _StageSearch:
                 )
                 for block, less in zip(blocks, freed)
             )
-            if not within or stage_floor(stage, within, weight, recompute) < beat:
-                return False
-        return True
+            least = min(least, stage_floor(stage, within, weight, recompute) if within else -math.inf)
+        kept.at_weight[weight] = least
+        return least
 
     def _copy_lagrangian(self, block: range, index: int, weight: float, recompute: bool) -> float:
         """A lower bound on the Lagrangian (time + ``weight`` x memory) of one copy of a folded block, its
         operators and the edges among them, in stage ``index`` wherever the cuts put it: one DP run over
         the copy as a stage's operators are costed (`stage_problem`, its micro-batches in flight), without
-        what only a stage's boundary adds or takes away (sends, kept tensors: `_refuted_at_hint` takes the
+        what only a stage's boundary adds or takes away (sends, kept tensors: `_bound_at_hint` takes the
         latter off), and, recomputing, with no share of the one block's activations held at a time (which
         depends on how many copies the stage has). Once per copy kind, stage place, weight and way."""
         key = (self.classes[block.start], self.shape.in_flight(index), weight, recompute)
@@ -124,36 +130,68 @@ class _StageSearch:
 
     def time(self, first: int, last: int, index: int, beat: float = math.inf) -> tuple[float, SearchResult | None]:
         """The stage's time per step and plan (infinite and None when nothing fits). A stage whose lower
-        bound (`stage_floor`) is no faster than ``beat`` is not searched: its bound comes back, with no
-        plan."""
+        bound (`stage_floor`, or the DP runs of a search told to beat less) is no faster than ``beat`` is
+        not searched: its bound comes back, with no plan."""
         crossings = cut_crossings(self.problem, first, last)
         key = self._key(first, last, index, crossings)
         hit = self.found.get(key)
         if hit is not None and (hit[1] is not None or math.isinf(hit[0]) or hit[0] >= beat):
             return hit
-        sends = send_costs(self.problem, crossings, first, index, self.shape)
-        stage = stage_problem(self.problem, first, last, self.shape, index, sends)
-        floor = stage_floor(stage, copies_in(self.copies, first, last, sends, self.shape.slots))
-        if floor >= beat:
-            self.found[key] = (floor, None)
-            return floor, None
-        if self.hint > 0.0 and beat < math.inf and self._refuted_at_hint(stage, first, last, index, beat):
-            self.found[key] = (beat, None)  # no plan of the stage that fits beats ``beat``: a bound
-            return beat, None
+        kept = self._kept(key, first, last, index, crossings)
+        if kept.floor >= beat:
+            self.found[key] = (kept.floor, None)
+            return kept.floor, None
+        if self.hint > 0.0 and beat < math.inf:
+            bound = self._bound_at_hint(kept, first, last, index)
+            if bound >= beat:
+                self.found[key] = (bound, None)  # no plan of the stage that fits beats ``beat``: a bound
+                return bound, None
         self.searches += 1
         try:
-            result = run_search(stage, dataclasses.replace(self.options, bound=beat, hint=self.hint))
-        except NothingFaster:
-            hit = (beat, None)  # no plan of the stage beats ``beat``: a bound, as the floor's
+            result = run_search(kept.stage, dataclasses.replace(self.options, bound=beat, hint=self.hint), kept.runs)
+        except NothingFaster as beaten:
+            hit = (beaten.bound_s, None)  # no plan of the stage beats ``beat``, or more: a bound, as the floor's
             self.found[key] = hit
             return hit
         except InfeasibleError:
             hit = (math.inf, None)
         else:
-            hit = (stage.objective(result.choice, result.choices), result)
+            hit = (kept.stage.objective(result.choice, result.choices), result)
             self.hint = result.memory_multiplier or self.hint
+        del self._stages[key]  # asked again only with a bound it already meets
         self.found[key] = hit
         return hit
+
+    def _kept(self, key: tuple, first: int, last: int, index: int, crossings: Crossings) -> "_Kept":
+        """The stage problem of a kind of stage, with its floor and DP runs: a stage refuted for one bound is
+        most often asked again for a larger one (the cut search tells each the best found for its end), and
+        then takes up where its search stopped. The latest `_STAGES_KEPT` kinds are kept."""
+        kept = self._stages.pop(key, None)
+        if kept is None:
+            sends = send_costs(self.problem, crossings, first, index, self.shape)
+            stage = stage_problem(self.problem, first, last, self.shape, index, sends)
+            floor = stage_floor(stage, copies_in(self.copies, first, last, sends, self.shape.slots))
+            kept = _Kept(stage, floor)
+        self._stages[key] = kept  # (the newest last)
+        while len(self._stages) > _STAGES_KEPT:
+            del self._stages[next(iter(self._stages))]
+        return kept
+
+
+_STAGES_KEPT = 16
+"""Stage problems a cut search keeps for asking again (`_StageSearch._kept`): the cut search asks a stage
+again within a few others (the cuts of one end), and each holds its arrays and solver."""
+
+
+@dataclass
+class _Kept:
+    """A kind of stage's problem, its floor (`stage_floor` with the copies' bounds), its bounds at the memory
+    weights tried (`_StageSearch._bound_at_hint`) and the DP runs of its searches."""
+
+    stage: SearchProblem
+    floor: float
+    at_weight: dict[float, float] = field(default_factory=dict)
+    runs: SearchCache = field(default_factory=SearchCache)
 
 
 @planning

@@ -129,11 +129,13 @@ class SearchCache:
 class NothingFaster(InfeasibleError):
     """No plan of the problem that fits beats the bound the search was given (a search of one
     pipeline shape among several, or of one stage, that cannot win). ``fastest_s``: as
-    `SearchResult.fastest_s`."""
+    `SearchResult.fastest_s`; ``bound_s``: no plan that fits is faster than this, the bound given or
+    more (what the DP runs made on the way proved): a search asked again with a larger bound that this
+    still meets needs no run."""
 
-    def __init__(self, message: str, fastest_s: float | None) -> None:
+    def __init__(self, message: str, fastest_s: float | None, bound_s: float) -> None:
         super().__init__(message)
-        self.fastest_s = fastest_s
+        self.fastest_s, self.bound_s = fastest_s, bound_s
 
 
 def data_parallel_choice(problem: SearchProblem) -> list[int]:
@@ -323,32 +325,34 @@ def _constrained_dp(
         fast = dp.improved(fast, 0.0, first, capacity)
         return fast.choice, fast.choices, 0.0, fastest, True
     if fast is not None and fast.seen >= beat_seen and not math.isinf(beat):
-        raise NothingFaster(f"no plan is faster than {beat:.6g} s", fastest)
+        proved = beat if fastest is None else max(beat, fastest)  # (memory aside: so with it too)
+        raise NothingFaster(f"no plan is faster than {beat:.6g} s", fastest, proved)
     best: tuple[_Point, float] | None = None
     best_kind = first  # whether the best plan recomputes
     leans: dict[bool, _Point] = {}
-    for recompute in kinds:
+    for kind in kinds:
         bound = best[0].seen if best is not None else beat_seen
         again = sum(float(t.min()) for t in problem.recompute_time.values())
-        if recompute and not first and fast is not None and fast.seen + again >= bound:
+        if kind and not first and fast is not None and fast.seen + again >= bound:
             continue  # every recomputing plan pays at least the fastest forward of every block again
-        if problem.memory_floor(recompute) > capacity * (1 + 1e-12):
+        if problem.memory_floor(kind) > capacity * (1 + 1e-12):
             continue  # not even each operator's leanest candidate fits: no run of the DP needed to see it
-        start = fast if recompute == first and fast is not None else solve(0.0, recompute)
+        start = fast if kind == first and fast is not None else solve(0.0, kind)
         if start.seen >= bound:
             continue  # no plan of this kind is faster than the one found (so none is needed for the message)
-        lean = leans[recompute] = leanest(recompute)
+        lean = leans[kind] = leanest(kind)
         if lean.memory > capacity:
             continue
         excess = start.memory - capacity  # where the fastest plan fits, the walk ends at it whatever the weight
         first_weight = hint or (_FIRST_SHARE * start.seen / excess if excess > 0 else 0.0)
-        walked = _walk(start, lean, capacity, functools.partial(solve, recompute=recompute), bound, first_weight)
+        walked = _walk(start, lean, capacity, functools.partial(solve, recompute=kind), bound, first_weight)
         if walked is not None and walked[0].seen < bound:
-            best, best_kind = walked, recompute
+            best, best_kind = walked, kind
     if best is None and not math.isinf(beat):
-        raise NothingFaster(f"no plan that fits is faster than {beat:.6g} s", fastest)
+        proved = max(beat, _lower_bound(problem, dp.made, recompute, capacity))
+        raise NothingFaster(f"no plan that fits is faster than {beat:.6g} s", fastest, proved)
     if best is None:  # nothing fits: the message describes the leanest plan of every kind
-        least = min((leans.get(recompute) or leanest(recompute) for recompute in kinds), key=lambda p: p.memory)
+        least = min((leans.get(kind) or leanest(kind) for kind in kinds), key=lambda p: p.memory)
         solver.bind(problem.factors, problem.folds)
         message = _infeasible_message(problem, least.choice, capacity, "auto_parallel", least.choices)
         raise InfeasibleError(message)
