@@ -355,7 +355,9 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     """Where memory binds, a stage is refuted without a DP run when the Lagrangian bound at the hint's memory
     weight (the copies' bounds shared by every cut) cannot beat the best plan: never where a plan of the
     stage that fits is faster, at the weight it settles on or far from it, recomputing or not; sometimes just
-    below its best; and the cut search with that hint still ends at brute force's plan."""
+    below its best; and the cut search with that hint still ends at brute force's plan. The floor of the ways a
+    stage may fit (`_StageSearch._floor`) is no more than its plan either, and above the time-only floor where
+    only recomputing plans fit."""
     from autopar.search.cuts import _Kept, _StageSearch
     from tests.test_memory_plan import RC_PEAK, block_stack, leanest
 
@@ -375,7 +377,7 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     points = [0, *cut_points(problem), problem.size]
     search = _StageSearch(problem, shape, SearchOptions())
     search.copies = copy_floors(problem, shape, points)
-    refuted, weights = 0, []
+    refuted, raised, weights = 0, 0, []
     for a, b in itertools.combinations(points, 2):
         for index in range(shape.stages):
             stage = stage_problem(problem, a, b, shape, index)
@@ -386,6 +388,11 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
             exact = stage.objective(found.choice, found.choices)
             weights += [found.memory_multiplier] if found.memory_multiplier > 0 else []
             kept = _Kept(stage, -math.inf)
+            sends = send_costs(problem, cut_crossings(problem, a, b), a, index, shape)
+            floor = search._floor(stage, a, b, index, sends)  # recomputing or not, as the plan may fit
+            assert floor < exact * (1 + 1e-9)
+            plain = stage_floor(stage, copies_in(search.copies, a, b, sends, shape.slots))
+            raised += floor > plain * (1 + 1e-9)  # only recomputing plans fit: they pay the forwards again
             for memory_weight in (found.memory_multiplier, 1e-12, 1e-10, 1e-8, 1e-6):
                 search.hint = memory_weight
                 if memory_weight > 0:
@@ -393,6 +400,7 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
                     assert bound < exact * (1 + 1e-9)
                     refuted += bound >= exact * 0.999
     assert weights and refuted > 0  # memory binds, and the bound is close enough to refute
+    assert raised > 0  # some stages fit only recomputing, and their floor says so
     brute = every_cut(problem, shape)
     for bound in (math.inf, brute.time_s * (1 + 1e-9), brute.time_s):
         found = search_stages(problem, shape, SearchOptions(bound=bound, hint=weights[0]))
@@ -562,3 +570,30 @@ def test_the_cut_search_takes_the_first_of_the_least_from_the_last_stage_back(se
                 assert found is not None and found.time_s == least and found.starts == want
             else:
                 assert found is None
+
+
+def test_stages_made_with_the_arrays_earlier_stages_made_equal_those_made_alone():
+    """`stage_problem` given the rescaled arrays the stages cut before from the same problem made (``made``,
+    as the cut search keeps them) gives the stage it gives alone, array for array; and the copies of a folded
+    run share their rescaled arrays as they share the problem's."""
+    model = build_transformer(kind="gpt", layers=6, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    problem = autopar.build(model, 4, profile())
+    shape = PipelineShape(2, 4)
+    points = [0, *cut_points(problem), problem.size]
+    made: dict = {}
+
+    def tables(stage):
+        return [f.table for recompute in (False, True) for f, _ in stage.all_factors(recompute)]
+
+    shared_any = False
+    for a, b in itertools.combinations(points, 2):
+        for index in range(shape.stages):
+            alone = stage_problem(problem, a, b, shape, index)
+            kept = stage_problem(problem, a, b, shape, index, made=made)
+            for name in ("node_time", "node_communication", "node_memory", "node_activations"):
+                assert all(np.array_equal(x, y) for x, y in zip(getattr(alone, name), getattr(kept, name)))
+            assert all(np.array_equal(x, y) for x, y in zip(tables(alone), tables(kept)))
+            again = stage_problem(problem, a, b, shape, index, made=made)  # made once: the same arrays
+            assert all(x is y for x, y in zip(tables(kept), tables(again)))
+            shared_any |= len({id(t) for t in tables(alone)}) < len(tables(alone))
+    assert made and shared_any

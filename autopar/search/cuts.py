@@ -51,6 +51,7 @@ class _StageSearch:
         self.problem, self.shape, self.options = problem, shape, options
         self.recompute = options.recompute
         self.hint = options.hint  # the memory weight the last stage that memory bound settled on
+        self.hints: dict[int, float] = {}  # the same, per micro-batches in flight (a stage's place)
         classes = list(range(problem.size))
         for repeat, _ in problem.folds:
             for k in range(1, repeat.copies):
@@ -62,6 +63,7 @@ class _StageSearch:
         self.copies: tuple[tuple[range, float], ...] = ()  # `copy_floors`, once the cut search asks for them
         self._copy_bounds: dict[tuple, float] = {}  # `_copy_lagrangian`'s
         self._stages: dict[tuple, _Kept] = {}  # `_kept`'s
+        self._arrays: dict[tuple, tuple] = {}  # the rescaled arrays the stages share (`stage_problem`'s ``made``)
 
     def _key(self, first: int, last: int, index: int, crossings: Crossings) -> tuple:
         graph = self.problem.graph
@@ -83,7 +85,8 @@ class _StageSearch:
         not: no plan of the stage that fits is faster. Where memory binds, this refutes a cut whose walk
         would take two DP runs or more, with none (the copies' bounds are shared by every cut). Once per
         stage kind and hint."""
-        weight, held, stage = self.hint, self.shape.in_flight(index), kept.stage
+        held, stage = self.shape.in_flight(index), kept.stage
+        weight = self.hints.get(held, self.hint)
         if weight in kept.at_weight:
             return kept.at_weight[weight]
         blocks = [block for block, _ in self.copies if first <= block.start and block.stop <= last]
@@ -111,6 +114,22 @@ class _StageSearch:
         kept.at_weight[weight] = least
         return least
 
+    def _floor(self, stage: SearchProblem, first: int, last: int, index: int, sends: dict[int, np.ndarray]) -> float:
+        """`stage_floor` of each way a plan of the stage may fit, recomputing or not (a way whose leanest plan
+        does not fit has none), the least of them; infinite where neither fits. Where only recomputing plans
+        fit (a first stage holding many micro-batches), their floor counts the forwards they pay again."""
+        capacity = stage.cost.capacity * (1 + 1e-12)
+        least = math.inf
+        for recompute in recomputing(stage, self.recompute):
+            if stage.memory_floor(recompute) > capacity:
+                continue
+            copies = self.copies
+            if recompute:
+                copies = tuple((block, self._copy_lagrangian(block, index, 0.0, True)) for block, _ in copies)
+            within = copies_in(copies, first, last, sends, self.shape.slots)
+            least = min(least, stage_floor(stage, within, 0.0, recompute))
+        return least
+
     def _copy_lagrangian(self, block: range, index: int, weight: float, recompute: bool) -> float:
         """A lower bound on the Lagrangian (time + ``weight`` x memory) of one copy of a folded block, its
         operators and the edges among them, in stage ``index`` wherever the cuts put it: one DP run over
@@ -120,7 +139,9 @@ class _StageSearch:
         depends on how many copies the stage has). Once per copy kind, stage place, weight and way."""
         key = (self.classes[block.start], self.shape.in_flight(index), weight, recompute)
         if key not in self._copy_bounds:
-            copy = stage_problem(self.problem, block.start, block.stop, self.shape, index, {}, boundary=False)
+            copy = stage_problem(
+                self.problem, block.start, block.stop, self.shape, index, {}, boundary=False, made=self._arrays
+            )
             unary = copy.lagrangian(weight, recompute)[0]
             if recompute:
                 for node, share in copy.recompute_share.items():
@@ -141,14 +162,15 @@ class _StageSearch:
         if kept.floor >= beat:
             self.found[key] = (kept.floor, None)
             return kept.floor, None
-        if self.hint > 0.0 and beat < math.inf:
+        hint = self.hints.get(self.shape.in_flight(index), self.hint)
+        if hint > 0.0 and beat < math.inf:
             bound = self._bound_at_hint(kept, first, last, index)
             if bound >= beat:
                 self.found[key] = (bound, None)  # no plan of the stage that fits beats ``beat``: a bound
                 return bound, None
         self.searches += 1
         try:
-            result = run_search(kept.stage, dataclasses.replace(self.options, bound=beat, hint=self.hint), kept.runs)
+            result = run_search(kept.stage, dataclasses.replace(self.options, bound=beat, hint=hint), kept.runs)
         except NothingFaster as beaten:
             hit = (beaten.bound_s, None)  # no plan of the stage beats ``beat``, or more: a bound, as the floor's
             self.found[key] = hit
@@ -158,6 +180,8 @@ class _StageSearch:
         else:
             hit = (kept.stage.objective(result.choice, result.choices), result)
             self.hint = result.memory_multiplier or self.hint
+            if result.memory_multiplier:
+                self.hints[self.shape.in_flight(index)] = result.memory_multiplier
         del self._stages[key]  # asked again only with a bound it already meets
         self.found[key] = hit
         return hit
@@ -169,9 +193,8 @@ class _StageSearch:
         kept = self._stages.pop(key, None)
         if kept is None:
             sends = send_costs(self.problem, crossings, first, index, self.shape)
-            stage = stage_problem(self.problem, first, last, self.shape, index, sends)
-            floor = stage_floor(stage, copies_in(self.copies, first, last, sends, self.shape.slots))
-            kept = _Kept(stage, floor)
+            stage = stage_problem(self.problem, first, last, self.shape, index, sends, made=self._arrays)
+            kept = _Kept(stage, self._floor(stage, first, last, index, sends))
         self._stages[key] = kept  # (the newest last)
         while len(self._stages) > _STAGES_KEPT:
             del self._stages[next(iter(self._stages))]

@@ -31,7 +31,7 @@ stage's plan coming from the exact per-stage search (`autopar.search.cuts`, its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
@@ -236,13 +236,15 @@ def stage_problem(
     index: int,
     sends: dict[int, np.ndarray] | None = None,
     boundary: bool = True,
+    made: dict[tuple, tuple] | None = None,
 ) -> SearchProblem:
     """Stage ``index`` of ``shape``, operators ``first`` .. ``last - 1`` of a micro-batch's problem, as a
     problem of its own whose objective is the stage's time per step and whose memory is a device's: the
     operators restricted (`SearchProblem.restricted`), then rescaled to the schedule (`_per_step`).
     ``sends``: `send_costs` of the stage, where the caller has them. Without ``boundary`` the tensors it
     reads from before ``first`` and keeps are not counted (a run of operators inside a stage, whose
-    producers count them).
+    producers count them). ``made``: the rescaled arrays of stages made before from ``problem`` (`_per_step`),
+    kept by a caller making many, taken again and filled.
 
     The whole problem of one stage and one micro-batch is the problem itself."""
     if first == 0 and last == problem.size and shape == ONE_STAGE:
@@ -251,19 +253,45 @@ def stage_problem(
     if sends is None:
         sends = send_costs(problem, crossings, first, index, shape)
     kept = _kept_across(problem, first, last, crossings) if boundary else {}
-    return _per_step(problem.restricted(first, last), shape.slots, shape.in_flight(index), sends, kept)
+    held = shape.in_flight(index)
+    return _per_step(problem.restricted(first, last), shape.slots, held, sends, kept, {} if made is None else made)
 
 
 def _per_step(
-    part: SearchProblem, slots: int, held: int, sends: Mapping[int, np.ndarray], kept: Mapping[int, np.ndarray]
+    part: SearchProblem,
+    slots: int,
+    held: int,
+    sends: Mapping[int, np.ndarray],
+    kept: Mapping[int, np.ndarray],
+    made: dict[tuple, tuple],
 ) -> SearchProblem:
     """A stage's operators (``part``, numbered from 0) costed per step of the schedule: each one's time per
     micro-batch and its boundary ``sends`` paid in every one of the ``slots``, its sync once, the edges in
     every slot; its bytes with what crosses the cuts (``kept``, `_kept_across`) and the activations of
-    ``held`` micro-batches (recomputing: one block's, of the copies in the stage, and every block's input)."""
+    ``held`` micro-batches (recomputing: one block's, of the copies in the stage, and every block's input).
+
+    The copies of a folded run share their arrays, and so do their rescaled ones: each is made once, kept
+    in ``made`` by the arrays it is made of (alive as long as the problem the stages are cut from)."""
+
+    def once_made(key: tuple, sources: tuple[np.ndarray, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
+        # keyed by the sources' identities, which are held with the result: none is freed and its id reused
+        if key not in made:
+            made[key] = (sources, make())
+        return made[key][1]
 
     def per_step(time: np.ndarray, once: np.ndarray, node: int) -> np.ndarray:
-        return slots * (time - once + sends.get(node, 0.0)) + once
+        if node in sends:
+            return slots * (time - once + sends[node]) + once
+        return once_made(("step", id(time), id(once), slots), (time, once), lambda: slots * (time - once) + once)
+
+    def holding(memory: np.ndarray, activations: np.ndarray, node: int) -> np.ndarray:
+        if node in kept:
+            return memory + (held - 1) * activations
+        key = ("held", id(memory), id(activations), held)
+        return once_made(key, (memory, activations), lambda: memory + (held - 1) * activations)
+
+    def times_slots(table: np.ndarray) -> np.ndarray:
+        return once_made(("slots", id(table), slots), (table,), lambda: table * scale)
 
     nodes = range(part.size)
     activations = tuple(part.node_activations[i] + kept[i] if i in kept else part.node_activations[i] for i in nodes)
@@ -281,10 +309,10 @@ def _per_step(
     scale = float(slots)
 
     def scaled(factors: Sequence[Factor]) -> tuple[Factor, ...]:
-        return tuple(Factor(f.scope, f.maps, f.table * scale) for f in factors)
+        return tuple(Factor(f.scope, f.maps, times_slots(f.table)) for f in factors)
 
     def scaled_runs(runs: Sequence[tuple[Repeat, RunEdges]]) -> list[tuple[Repeat, RunEdges]]:
-        return [(r, e.with_tables([f.table * scale for f in e.first])) for r, e in runs]
+        return [(r, e.with_tables([times_slots(f.table) for f in e.first])) for r, e in runs]
 
     # recomputation: one block's activations at a time, the blocks' inputs for every micro-batch held
     recompute_memory = {
@@ -296,7 +324,7 @@ def _per_step(
         node_time=tuple(per_step(part.node_time[i], part.node_sync[i], i) for i in nodes),
         node_compute=tuple(slots * compute for compute in part.node_compute),
         node_communication=tuple(per_step(part.node_communication[i], part.node_sync[i], i) for i in nodes),
-        node_memory=tuple(own_memory[i] + (held - 1) * activations[i] for i in nodes),
+        node_memory=tuple(holding(own_memory[i], activations[i], i) for i in nodes),
         sharded=MappingProxyType(sharded),
         recompute_time=MappingProxyType({i: slots * t for i, t in part.recompute_time.items()}),
         recompute_memory=MappingProxyType(recompute_memory),
