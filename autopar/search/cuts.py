@@ -208,8 +208,8 @@ again within a few others (the cuts of one end), and each holds its arrays and s
 
 @dataclass
 class _Kept:
-    """A kind of stage's problem, its floor (`stage_floor` with the copies' bounds), its bounds at the memory
-    weights tried (`_StageSearch._bound_at_hint`) and the DP runs of its searches."""
+    """A kind of stage's problem, its floor (`_StageSearch._floor`), its bounds at the memory weights tried
+    (`_StageSearch._bound_at_hint`) and the DP runs of its searches."""
 
     stage: SearchProblem
     floor: float

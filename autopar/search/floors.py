@@ -210,24 +210,34 @@ def stage_floor(
     copy_of = np.full(stage.size, -1)
     for number, (block, _) in enumerate(copies):
         copy_of[block.start : block.stop] = number
-    extra: list[np.ndarray | float] = [0.0] * stage.size
-    outside: list[np.ndarray | float] = [0.0] * stage.size  # ``extra`` less the edges inside a copy
+    into: list[list[tuple[int, np.ndarray, bool]]] = [[] for _ in range(stage.size)]  # (table key, map, inside)
     least: dict[int, np.ndarray] = {}  # per factor table: its minimum over every axis but the last operator's
-    unary = stage.lagrangian(weight, recompute)[0]
     for factor, scope in stage.all_factors(recompute):
         at = int(np.argmax(scope))
         key = id(factor.table) * 8 + at
         if key not in least:
             axes = tuple(axis for axis in range(factor.table.ndim) if axis != at)
             least[key] = factor.table.min(axis=axes) if axes else factor.table
-        extra[scope[at]] = extra[scope[at]] + least[key][factor.maps[at]]
-        if copy_of[scope[at]] < 0 or any(copy_of[u] != copy_of[scope[at]] for u in scope):
-            outside[scope[at]] = outside[scope[at]] + least[key][factor.maps[at]]
+        inside = copy_of[scope[at]] >= 0 and all(copy_of[u] == copy_of[scope[at]] for u in scope)
+        into[scope[at]].append((key, factor.maps[at], inside))
+    # the copies of a folded run share their arrays: an operator's least is taken once per set of sources
+    found: dict[tuple, tuple[float, float]] = {}
     alone, counted = 0.0, sum(bound for _, bound in copies)
     for node in range(stage.size):
-        own = float(np.min(unary[node] + extra[node]))
+        edges = tuple((table, id(rows), inside) for table, rows, inside in into[node])
+        sources = (stage.node_sources(node, recompute), edges)
+        if sources not in found:
+            extra: np.ndarray | float = 0.0
+            outside: np.ndarray | float = 0.0  # ``extra`` less the edges inside a copy
+            for table, rows, inside in into[node]:
+                extra = extra + least[table][rows]
+                if not inside:
+                    outside = outside + least[table][rows]
+            unary = stage.node_lagrangian(node, weight, recompute)[0]
+            found[sources] = (float(np.min(unary + extra)), float(np.min(outside)))
+        own, beyond = found[sources]
         alone += own
-        counted += float(np.min(outside[node])) if copy_of[node] >= 0 else own
+        counted += beyond if copy_of[node] >= 0 else own
     return max(max(alone, counted) - weight * stage.cost.capacity, 0.0)
 
 

@@ -269,54 +269,25 @@ def _per_step(
     micro-batch and its boundary ``sends`` paid in every one of the ``slots``, its sync once, the edges in
     every slot; its bytes with what crosses the cuts (``kept``, `_kept_across`) and the activations of
     ``held`` micro-batches (recomputing: one block's, of the copies in the stage, and every block's input).
-
-    The copies of a folded run share their arrays, and so do their rescaled ones: each is made once, kept
-    in ``made`` by the arrays it is made of (alive as long as the problem the stages are cut from)."""
-
-    def once_made(key: tuple, sources: tuple[np.ndarray, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
-        # keyed by the sources' identities, which are held with the result: none is freed and its id reused
-        if key not in made:
-            made[key] = (sources, make())
-        return made[key][1]
-
-    def per_step(time: np.ndarray, once: np.ndarray, node: int) -> np.ndarray:
-        if node in sends:
-            return slots * (time - once + sends[node]) + once
-        return once_made(("step", id(time), id(once), slots), (time, once), lambda: slots * (time - once) + once)
-
-    def holding(memory: np.ndarray, activations: np.ndarray, node: int) -> np.ndarray:
-        if node in kept:
-            return memory + (held - 1) * activations
-        key = ("held", id(memory), id(activations), held)
-        return once_made(key, (memory, activations), lambda: memory + (held - 1) * activations)
-
-    def times_slots(table: np.ndarray) -> np.ndarray:
-        return once_made(("slots", id(table), slots), (table,), lambda: table * scale)
-
+    Each rescaled array is made once (`_Rescaled`)."""
     nodes = range(part.size)
     activations = tuple(part.node_activations[i] + kept[i] if i in kept else part.node_activations[i] for i in nodes)
     own_memory = tuple(part.node_memory[i] + kept[i] if i in kept else part.node_memory[i] for i in nodes)
+    rescaled = _Rescaled(slots, held, sends, kept, made)
+    per_step, holding = rescaled.per_step, rescaled.holding
     sharded = {
         i: Alternative(
             per_step(alt.time, alt.sync, i),
             per_step(alt.communication, alt.sync, i),
-            alt.memory + kept.get(i, 0.0) + (held - 1) * activations[i],
+            holding(alt.memory, activations[i], i, kept.get(i, 0.0)),
             alt.hidden,
             alt.sync,
         )
         for i, alt in part.sharded.items()
     }
-    scale = float(slots)
-
-    def scaled(factors: Sequence[Factor]) -> tuple[Factor, ...]:
-        return tuple(Factor(f.scope, f.maps, times_slots(f.table)) for f in factors)
-
-    def scaled_runs(runs: Sequence[tuple[Repeat, RunEdges]]) -> list[tuple[Repeat, RunEdges]]:
-        return [(r, e.with_tables([times_slots(f.table) for f in e.first])) for r, e in runs]
-
     # recomputation: one block's activations at a time, the blocks' inputs for every micro-batch held
     recompute_memory = {
-        i: (part.recompute_share[i] - held) * activations[i] if i in part.recompute_share else np.zeros_like(freed)
+        i: rescaled.rebuilt(i, part.recompute_share.get(i), activations[i], freed)
         for i, freed in part.recompute_memory.items()
     }
     return replace(
@@ -326,15 +297,73 @@ def _per_step(
         node_communication=tuple(per_step(part.node_communication[i], part.node_sync[i], i) for i in nodes),
         node_memory=tuple(holding(own_memory[i], activations[i], i) for i in nodes),
         sharded=MappingProxyType(sharded),
-        recompute_time=MappingProxyType({i: slots * t for i, t in part.recompute_time.items()}),
+        recompute_time=MappingProxyType({i: rescaled.times_slots(t) for i, t in part.recompute_time.items()}),
         recompute_memory=MappingProxyType(recompute_memory),
-        factors=scaled(part.factors),
-        recompute_factors=scaled(part.recompute_factors),
-        folds=scaled_runs(part.folds),
-        recompute_folds=scaled_runs(part.recompute_folds),
+        factors=rescaled.factors(part.factors),
+        recompute_factors=rescaled.factors(part.recompute_factors),
+        folds=rescaled.runs(part.folds),
+        recompute_folds=rescaled.runs(part.recompute_folds),
         node_activations=activations,
         in_flight=held,
     )
+
+
+@dataclass(frozen=True)
+class _Rescaled:
+    """A stage's arrays rescaled to the schedule (`_per_step`). The copies of a folded run share their arrays,
+    and so do their rescaled ones: each is made once, kept in ``made`` by the identities of the arrays it is
+    made of, which are held with it (none is freed and its id reused), for every stage the caller cuts from
+    one problem; an operator whose boundary sends or kept tensors are its own has arrays of its own."""
+
+    slots: int
+    held: int
+    sends: Mapping[int, np.ndarray]
+    kept: Mapping[int, np.ndarray]
+    made: dict[tuple, tuple]
+
+    def _once(self, key: tuple, sources: tuple[np.ndarray, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
+        if key not in self.made:
+            self.made[key] = (sources, make())
+        return self.made[key][1]
+
+    def per_step(self, time: np.ndarray, once: np.ndarray, node: int) -> np.ndarray:
+        """Time per micro-batch (and its sends) in every slot, the sync once."""
+        slots = self.slots
+        if node in self.sends:
+            return slots * (time - once + self.sends[node]) + once
+        return self._once(("step", id(time), id(once), slots), (time, once), lambda: slots * (time - once) + once)
+
+    def holding(
+        self, memory: np.ndarray, activations: np.ndarray, node: int, crossing: np.ndarray | float = 0.0
+    ) -> np.ndarray:
+        """Bytes with ``crossing`` (what crosses a cut) and the activations of every micro-batch held."""
+        held = self.held
+        if node in self.kept:
+            return memory + crossing + (held - 1) * activations
+        key = ("held", id(memory), id(activations), held)
+        return self._once(key, (memory, activations), lambda: memory + crossing + (held - 1) * activations)
+
+    def rebuilt(self, node: int, share: float | None, activations: np.ndarray, freed: np.ndarray) -> np.ndarray:
+        """Recomputing: the bytes freed, with one block's ``share`` of its activations held (none: nothing)."""
+        held = self.held
+        if share is None:
+            return self._once(("none", id(freed)), (freed,), lambda: np.zeros_like(freed))
+        if node in self.kept:
+            return (share - held) * activations
+        return self._once(
+            ("rebuilt", id(activations), share, held), (activations,), lambda: (share - held) * activations
+        )
+
+    def times_slots(self, array: np.ndarray) -> np.ndarray:
+        """Paid in every slot."""
+        scale = float(self.slots)
+        return self._once(("slots", id(array), self.slots), (array,), lambda: array * scale)
+
+    def factors(self, factors: Sequence[Factor]) -> tuple[Factor, ...]:
+        return tuple(Factor(f.scope, f.maps, self.times_slots(f.table)) for f in factors)
+
+    def runs(self, runs: Sequence[tuple[Repeat, RunEdges]]) -> list[tuple[Repeat, RunEdges]]:
+        return [(r, e.with_tables([self.times_slots(f.table) for f in e.first])) for r, e in runs]
 
 
 @dataclass(frozen=True)

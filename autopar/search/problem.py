@@ -177,23 +177,40 @@ class SearchProblem(Dataflow):
         """Per operator, time_scale x time + weight x memory per candidate at its better optimizer choice,
         and where (per candidate) that choice is the parallel optimizer (None: never). Ties keep the
         plain one."""
-        with_recompute = MemoryChoices(recompute=recompute)
-        sharding = MemoryChoices(frozenset(self.sharded), recompute)
         unary: list[np.ndarray] = []
         takes: list[np.ndarray | None] = []
         for node in range(self.size):
-            time, memory = self.node_arrays(node, with_recompute)
-            plain = time_scale * time + weight * memory if weight else time_scale * time
-            if node not in self.sharded:
-                unary.append(plain)
-                takes.append(None)
-                continue
-            time, memory = self.node_arrays(node, sharding)
-            other = time_scale * time + weight * memory if weight else time_scale * time
-            better = other < plain
-            unary.append(np.where(better, other, plain))
-            takes.append(better if better.any() else None)
+            cost, taken = self.node_lagrangian(node, weight, recompute, time_scale)
+            unary.append(cost)
+            takes.append(taken)
         return unary, takes
+
+    def node_lagrangian(
+        self, node: int, weight: float, recompute: bool, time_scale: float = 1.0
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """`lagrangian` of one operator."""
+        time, memory = self.node_arrays(node, MemoryChoices(recompute=recompute))
+        plain = time_scale * time + weight * memory if weight else time_scale * time
+        if node not in self.sharded:
+            return plain, None
+        time, memory = self.node_arrays(node, MemoryChoices(frozenset((node,)), recompute))
+        other = time_scale * time + weight * memory if weight else time_scale * time
+        better = other < plain
+        return np.where(better, other, plain), (better if better.any() else None)
+
+    def node_sources(self, node: int, recompute: bool) -> tuple[int | None, ...]:
+        """The identities of the arrays an operator's `node_lagrangian` is made of: operators whose sources are
+        the same (the copies of a folded run share their arrays) have the same Lagrangian at every weight."""
+        alternative = self.sharded.get(node)
+        again = recompute and node in self.recompute_time
+        return (
+            id(self.node_time[node]),
+            id(self.node_memory[node]),
+            id(alternative.time) if alternative is not None else None,
+            id(alternative.memory) if alternative is not None else None,
+            id(self.recompute_time[node]) if again else None,
+            id(self.recompute_memory[node]) if again else None,
+        )
 
     def fastest_choices(self, choice: Sequence[int]) -> MemoryChoices:
         """The memory choices that make ``choice`` fastest, memory aside, as the search takes them where memory is
