@@ -177,10 +177,11 @@ class SearchProblem(Dataflow):
         """Per operator, time_scale x time + weight x memory per candidate at its better optimizer choice,
         and where (per candidate) that choice is the parallel optimizer (None: never). Ties keep the
         plain one."""
+        ways = (MemoryChoices(recompute=recompute), MemoryChoices(frozenset(self.sharded), recompute))
         unary: list[np.ndarray] = []
         takes: list[np.ndarray | None] = []
         for node in range(self.size):
-            cost, taken = self.node_lagrangian(node, weight, recompute, time_scale)
+            cost, taken = self._lagrangian_of(node, weight, time_scale, ways)
             unary.append(cost)
             takes.append(taken)
         return unary, takes
@@ -189,11 +190,18 @@ class SearchProblem(Dataflow):
         self, node: int, weight: float, recompute: bool, time_scale: float = 1.0
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """`lagrangian` of one operator."""
-        time, memory = self.node_arrays(node, MemoryChoices(recompute=recompute))
+        ways = (MemoryChoices(recompute=recompute), MemoryChoices(frozenset((node,)), recompute))
+        return self._lagrangian_of(node, weight, time_scale, ways)
+
+    def _lagrangian_of(
+        self, node: int, weight: float, time_scale: float, ways: tuple[MemoryChoices, MemoryChoices]
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """`lagrangian` of one operator, given the memory choices without and with its parallel optimizer."""
+        time, memory = self.node_arrays(node, ways[0])
         plain = time_scale * time + weight * memory if weight else time_scale * time
         if node not in self.sharded:
             return plain, None
-        time, memory = self.node_arrays(node, MemoryChoices(frozenset((node,)), recompute))
+        time, memory = self.node_arrays(node, ways[1])
         other = time_scale * time + weight * memory if weight else time_scale * time
         better = other < plain
         return np.where(better, other, plain), (better if better.any() else None)
