@@ -396,7 +396,7 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
             for memory_weight in (found.memory_multiplier, 1e-12, 1e-10, 1e-8, 1e-6):
                 search.hint = memory_weight
                 if memory_weight > 0:
-                    bound = search._bound_at_hint(kept, a, b, index)
+                    bound = search._bound_at_hint(kept, a, b, index, memory_weight)
                     assert bound < exact * (1 + 1e-9)
                     refuted += bound >= exact * 0.999
     assert weights and refuted > 0  # memory binds, and the bound is close enough to refute

@@ -80,13 +80,12 @@ class _StageSearch:
         place = (self.shape.in_flight(index), receives, sends)
         return (tuple(self.classes[first:last]), into, out, place)
 
-    def _bound_at_hint(self, kept: "_Kept", first: int, last: int, index: int) -> float:
-        """The Lagrangian bound at the hint's memory weight (`stage_floor`), the least over recomputing or
+    def _bound_at_hint(self, kept: "_Kept", first: int, last: int, index: int, weight: float) -> float:
+        """The Lagrangian bound at the memory ``weight`` (`stage_floor`), the least over recomputing or
         not: no plan of the stage that fits is faster. Where memory binds, this refutes a cut whose walk
         would take two DP runs or more, with none (the copies' bounds are shared by every cut). Once per
         stage kind and hint."""
         held, stage = self.shape.in_flight(index), kept.stage
-        weight = self.hints.get(held, self.hint)
         if weight in kept.at_weight:
             return kept.at_weight[weight]
         blocks = [block for block, _ in self.copies if first <= block.start and block.stop <= last]
@@ -123,7 +122,7 @@ class _StageSearch:
         for recompute in recomputing(stage, self.recompute):
             if stage.memory_floor(recompute) > capacity:
                 continue
-            copies = self.copies
+            copies = tuple(copy for copy in self.copies if first <= copy[0].start and copy[0].stop <= last)
             if recompute:
                 copies = tuple((block, self._copy_lagrangian(block, index, 0.0, True)) for block, _ in copies)
             within = copies_in(copies, first, last, sends, self.shape.slots)
@@ -164,7 +163,7 @@ class _StageSearch:
             return kept.floor, None
         hint = self.hints.get(self.shape.in_flight(index), self.hint)
         if hint > 0.0 and beat < math.inf:
-            bound = self._bound_at_hint(kept, first, last, index)
+            bound = self._bound_at_hint(kept, first, last, index, hint)
             if bound >= beat:
                 self.found[key] = (bound, None)  # no plan of the stage that fits beats ``beat``: a bound
                 return bound, None
