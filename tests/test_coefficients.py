@@ -168,7 +168,8 @@ def test_a_group_among_a_kept_one_takes_the_slots_looking_its_pairs_up_gives(cas
     assert taken is not None
     rows, columns = np.meshgrid(some_src, some_dst, indexing="ij")
     assert np.array_equal(
-        taken.forward, cache.slots_of(numbers, table, rows.reshape(-1), columns.reshape(-1), cost).reshape(rows.shape)
+        taken.forward_slots(),
+        cache.slots_of(numbers, table, rows.reshape(-1), columns.reshape(-1), cost).reshape(rows.shape),
     )
     assert cache.reused("group", np.array([max(numbers) + 1]), numbers[some_dst]) is None
     assert cache.reused("another", numbers[some_src], numbers[some_dst]) is None

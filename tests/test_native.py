@@ -188,6 +188,36 @@ def test_edge_tables_filled_by_the_kernel_are_numpy_s_bit_for_bit(monkeypatch, n
         assert mine.shape == theirs.shape and np.array_equal(mine, theirs)
 
 
+def test_tables_read_through_a_kept_group_s_places_are_numpy_s_bit_for_bit(monkeypatch, numpy_path):
+    """Problems built one after another in one plan, at a smaller batch and on fewer devices: their groups
+    are the first's read through their layouts' places there (`PairSlots.through`), by the kernels, and
+    give the tables and the count of layout pairs the numpy path gives from the slots copied out."""
+    from autopar.context import opened
+
+    def graph(batch: int):
+        return load_model(build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, batch=batch))
+
+    shapes = ((16, 16), (4, 16), (8, 8))
+
+    def built() -> list:
+        shared = CostModel(profile())
+        with opened():  # one plan: the later problems take the first's groups (`autopar.context`)
+            return [build_problem(graph(batch), shared, devices) for batch, devices in shapes]
+
+    want = numpy_path(built)
+    compiled_tables = costing._compiled_tables
+    monkeypatch.setattr(native, "ENTRIES", 1)
+    filled = []
+    monkeypatch.setattr(costing, "_compiled_tables", lambda *a: filled.append(a) or compiled_tables(*a))
+    got = built()
+    assert any(found.rows is not None and found.backward is not None for _, _, found, _ in filled)
+    for mine, theirs in zip(got, want):
+        assert mine.pairs_costed == theirs.pairs_costed and mine.layouts_costed == theirs.layouts_costed
+        assert len(_tables_of(mine)) == len(_tables_of(theirs)) > 10
+        for a, b in zip(_tables_of(mine), _tables_of(theirs)):
+            assert a.shape == b.shape and np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("count", [2, 3])
 @pytest.mark.parametrize("shape", [(5, 7, 3, 4), (9, 1, 6, 2), (2, 3, 4, 1)])
 def test_a_three_operator_step_compiled_is_numpy_s_bit_for_bit(monkeypatch, numpy_path, count, shape):

@@ -759,16 +759,17 @@ def _edge_costs(
     missing = {key: group for key, group in groups.items() if slots[key] is None}
     if missing:  # only their pairs are looked up: a later problem's other groups hold millions
         _costed_slots(flow, layouts, missing, names, cache, slots)
-    distinct = _distinct_pairs(flow, cache, [found for found in slots.values() if found is not None])
     latency, per_byte = cache.values
     found_slots = {key: found for key, found in slots.items() if found is not None}  # every group's, now
-    cells = sum(found.forward.size for found in found_slots.values())
+    cells = sum(found.size for found in found_slots.values())
     compiled = native.worth(cells, native.ENTRIES)  # one pass per use, where numpy gathers each coefficient first
+    distinct = _distinct_pairs(flow, cache, list(found_slots.values()), compiled)
     per_group: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, ...]] = {}
     for key, found in () if compiled else found_slots.items():
-        gathered = (latency[found.forward], per_byte[found.forward])
-        if found.backward is not None:
-            backward = found.backward
+        forward_slots = found.forward_slots()
+        gathered = (latency[forward_slots], per_byte[forward_slots])
+        backward = found.backward_slots()
+        if backward is not None:
             per_group[key] = (*gathered, gathered[0] + latency[backward].T, gathered[1] + per_byte[backward].T)
         else:
             per_group[key] = (*gathered, *gathered)
@@ -860,15 +861,17 @@ def _compiled_tables(
 ) -> tuple[np.ndarray, np.ndarray]:
     """A use's forward table and its table with the gradient's way back (the same table where none comes
     back), as the numpy path makes them, by `native_jit.edge_tables`, its rows split between threads."""
-    forward = np.empty(found.forward.shape)
-    both = forward if found.backward is None else np.empty(found.forward.shape)
+    shape = (len(found.sources), len(found.targets))
+    forward = np.empty(shape)
+    both = forward if found.backward is None else np.empty(shape)
     backward = found.backward if found.backward is not None else np.zeros((0, 0), dtype=found.forward.dtype)
+    places = found.through()
     kernel = native.kernels().edge_tables
 
     def rows(first: int, last: int) -> None:
-        kernel(latency, per_byte, found.forward, backward, float(total_bytes), forward, both, first, last)
+        kernel(latency, per_byte, found.forward, backward, *places, float(total_bytes), forward, both, first, last)
 
-    over_rows(rows, len(found.forward), found.forward.size)
+    over_rows(rows, shape[0], found.size)
     return forward, both
 
 
@@ -895,16 +898,25 @@ def _number_delivered(
             layouts.whole(src)
 
 
-def _distinct_pairs(flow: Dataflow, cache: PairCache, groups: Sequence[PairSlots]) -> int:
+def _distinct_pairs(flow: Dataflow, cache: PairCache, groups: Sequence[PairSlots], compiled: bool) -> int:
     """How many distinct layout pairs the groups have, all costed (a pair has one slot); refused as
-    `_costed_slots` refuses, where their forward pairs are too many."""
+    `_costed_slots` refuses, where their forward pairs are too many. ``compiled``: the groups' slots are
+    read through their places by the compiled kernel, not copied out (`PairSlots`)."""
     seen = np.zeros(len(cache.values[0]), dtype=bool)
     for found in groups:
-        seen[found.forward] = True
+        if compiled and found.rows is not None:
+            native.kernels().mark_slots(seen, found.forward, *found.through())
+        else:
+            seen[found.forward_slots()] = True
     _too_many_pairs(flow, int(np.count_nonzero(seen)))
     for found in groups:
-        if found.backward is not None:
-            seen[found.backward] = True
+        if found.backward is None:
+            continue
+        if compiled and found.rows is not None:
+            rows, columns = found.through()
+            native.kernels().mark_slots(seen, found.backward, columns, rows)
+        else:
+            seen[found.backward_slots()] = True
     return int(np.count_nonzero(seen))
 
 

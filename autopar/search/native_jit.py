@@ -348,24 +348,38 @@ def edge_tables(
     per_byte: np.ndarray,
     forward: np.ndarray,
     backward: np.ndarray,
+    rows: np.ndarray,
+    columns: np.ndarray,
     nbytes: float,
     out_forward: np.ndarray,
     out_both: np.ndarray,
     first: int,
     last: int,
 ) -> None:
-    """Rows ``first`` .. ``last`` of a use's edge tables from its layout pairs' slots (`costing._edge_costs`):
-    ``out_forward[i, j]`` = latency + per byte x ``nbytes`` of pair ``forward[i, j]``, and ``out_both`` that
-    plus the gradient's way back, pair ``backward[j, i]``, the two coefficients summed first (where
-    ``backward`` has no rows there is none, and ``out_both`` is not written). Nine parameters: a compiled
+    """Rows ``first`` .. ``last`` of a use's edge tables from its layout pairs' slots (`costing._edge_costs`),
+    read through the places of its layouts in them (`coefficients.PairSlots.through`): ``out_forward[i, j]``
+    = latency + per byte x ``nbytes`` of pair ``forward[rows[i], columns[j]]``, and ``out_both`` that plus
+    the gradient's way back, pair ``backward[columns[j], rows[i]]``, the two coefficients summed first (where
+    ``backward`` has no rows there is none, and ``out_both`` is not written). Eleven parameters: a compiled
     function takes its arrays one by one, and the rows it computes (a large use's are shared between threads)."""
-    columns = forward.shape[1]
     back = backward.shape[0] > 0
     for i in range(first, last):
-        for j in range(columns):
-            slot = forward[i, j]
+        row = rows[i]
+        for j in range(len(columns)):
+            column = columns[j]
+            slot = forward[row, column]
             there, rate = latency[slot], per_byte[slot]
             out_forward[i, j] = there + rate * nbytes
             if back:
-                again = backward[j, i]
+                again = backward[column, row]
                 out_both[i, j] = (there + latency[again]) + (rate + per_byte[again]) * nbytes
+
+
+@_jit
+def mark_slots(seen: np.ndarray, slots: np.ndarray, rows: np.ndarray, columns: np.ndarray) -> None:
+    """``seen[slots[rows[i], columns[j]]] = True`` for every i and j: the pairs a group reads through the
+    places of its layouts (`costing._distinct_pairs`), without copying them out first."""
+    for i in range(len(rows)):
+        row = rows[i]
+        for j in range(len(columns)):
+            seen[slots[row, columns[j]]] = True
