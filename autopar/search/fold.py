@@ -305,9 +305,13 @@ class SolvedRun:
             q_choice.append(int(chain.best_q[classes[k - 1], classes[k]]))
         q_choice.append(end_candidate)
         shared = {x: choice[x] for x in run.shared}
+        inners: dict[tuple[int, int], dict[int, int]] = {}  # copies with the same ends take the same choice
         for k in range(repeat.copies):
             entry = q_choice[k] if k == 0 else run.p_candidates + q_choice[k]  # copy 0 reads p, the rest a q
-            inner = self.solved.assign({run.entry: entry, run.q: q_choice[k + 1], **shared})
+            ends = (entry, q_choice[k + 1])
+            if ends not in inners:
+                inners[ends] = self.solved.assign({run.entry: entry, run.q: q_choice[k + 1], **shared})
+            inner = inners[ends]
             for node in repeat.block(0):
                 choice[node + k * repeat.period] = inner[node]
 
