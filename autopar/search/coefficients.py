@@ -343,7 +343,7 @@ class PairSlots:
 
     @property
     def size(self) -> int:
-        """The group's layout pairs: a source layout's and a target layout's."""
+        """How many layout pairs the group has: each source layout with each target layout."""
         return len(self.sources) * len(self.targets)
 
     def through(self) -> tuple[np.ndarray, np.ndarray]:
