@@ -904,20 +904,23 @@ def _distinct_pairs(flow: Dataflow, cache: PairCache, groups: Sequence[PairSlots
     read through their places by the compiled kernel, not copied out (`PairSlots`)."""
     seen = np.zeros(len(cache.values[0]), dtype=bool)
     for found in groups:
-        if compiled and found.rows is not None:
-            native.kernels().mark_slots(seen, found.forward, *found.through())
-        else:
-            seen[found.forward_slots()] = True
+        _mark(seen, found, False, compiled)
     _too_many_pairs(flow, int(np.count_nonzero(seen)))
     for found in groups:
-        if found.backward is None:
-            continue
-        if compiled and found.rows is not None:
-            rows, columns = found.through()
-            native.kernels().mark_slots(seen, found.backward, columns, rows)
-        else:
-            seen[found.backward_slots()] = True
+        if found.backward is not None:
+            _mark(seen, found, True, compiled)
     return int(np.count_nonzero(seen))
+
+
+def _mark(seen: np.ndarray, found: PairSlots, backward: bool, compiled: bool) -> None:
+    """Set ``seen`` at a group's forward (or ``backward``) slots: read through its places by the compiled
+    kernel where it has them (`PairSlots`), else as the group's own table."""
+    if compiled and found.rows is not None:
+        rows, columns = found.through()
+        table, ends = (found.backward, (columns, rows)) if backward else (found.forward, (rows, columns))
+        native.kernels().mark_slots(seen, table, *ends)
+    else:
+        seen[found.backward_slots() if backward else found.forward_slots()] = True
 
 
 def _costed_slots(
