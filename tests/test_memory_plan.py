@@ -625,3 +625,51 @@ def test_a_refuted_search_gives_a_bound_between_what_it_was_told_and_the_ilp_opt
     assert proved_more  # the runs made prove more than some bound asked for
     again = run_search(problem, SearchOptions(bound=seconds * 1.01), kept)
     assert (again.choice, again.choices) == (best.choice, best.choices)
+
+
+# --- one process: the gradients are made in the backward -------------------------------------------------------
+
+
+def test_one_device_peak_by_hand():
+    """Z = (X @ W1) @ W2, X 16x8, W1 8x16, W2 16x4, mixed precision (12 B an element of a weight, 2 of them its
+    FP16 gradient). Held all step: X 256 B, W1 and W2 without their gradients (128 x 10 + 64 x 10); Y (512 B,
+    kept for W2's gradient) is freed once mm2's backward is done. While mm2's backward runs: Y and W2's
+    gradient (128); while mm1's: both gradients (256 + 128). On two devices every gradient is held all step
+    (DDP's buckets), as every activation until its backward: the sum."""
+    model = two_matmul_chain(**CHAIN)
+    one = autopar.plan(model, devices=1, cost_model=simple())
+    always = 256 + 128 * 10 + 64 * 10
+    assert one.memory_per_device == always + max(512 + 128, 256 + 128) == 2816
+    breakdown = one.to_dict()["totals"]["memory_breakdown"]
+    assert breakdown == {"parameter_state": 128 * 12 + 64 * 12, "activations": 512, "inputs": 256}
+    assert sum(breakdown.values()) - one.memory_per_device == 256  # what is never held at once
+    assert "256 B of it never at once: one process makes its gradients in the backward" in one.summary()
+    two = autopar.plan(model, devices=2, cost_model=simple(), fixed={"mm1": [[2, 1], [1, 1]], "mm2": [[2, 1], [1, 1]]})
+    assert two.memory_per_device == sum(two.to_dict()["totals"]["memory_breakdown"].values())
+    assert "never at once" not in two.summary()
+
+
+def test_one_device_accumulating_micro_batches_holds_its_gradients_all_step():
+    """Over two micro-batches the gradients accumulate from the first backward to the update: held all step."""
+    model = two_matmul_chain(**CHAIN)
+    plan = autopar.plan(model, devices=1, cost_model=simple(), micro_batches=2)
+    assert plan.memory_per_device == sum(plan.to_dict()["totals"]["memory_breakdown"].values())
+
+
+def test_one_device_peak_lies_between_the_larger_sum_and_the_total_and_the_floor_below_it():
+    """On random models: the peak is no less than what is held all step plus the larger of all the activations
+    and all the gradients, and no more than the total; the memory floor is no more than the peak."""
+    from autopar.cost import CostModel
+    from autopar.graph import load_model
+    from autopar.search.costing import build_problem
+
+    for seed in range(20):
+        problem = build_problem(load_model(random_model(seed)), CostModel(simple()), 1)
+        choice = [0] * problem.size
+        for recompute in (False, True):
+            choices = MemoryChoices(recompute=recompute)
+            held, activations, gradients = problem._held(choice, choices)
+            always = held.sum() - activations.sum() - gradients.sum()
+            peak = problem.memory(choice, choices)
+            assert always + max(activations.sum(), gradients.sum()) - 1e-6 <= peak <= held.sum() + 1e-6
+            assert problem.memory_floor(recompute) <= peak + 1e-6

@@ -246,7 +246,10 @@ class Totals(_OmitsUnset):
         description="the optimizer update of every trainable parameter, once a step after the gradient sync"
         " (each rank its shard under a parallel optimizer; 0 in files older than its charging)",
     )
-    memory_per_device_bytes: NonNegativeInt
+    memory_per_device_bytes: NonNegativeInt = Field(
+        description="the most a device holds in a step: on one device less than memory_breakdown's sum, one process"
+        " making its gradients in the backward as it frees activations"
+    )
     memory_capacity_bytes: NonNegativeInt = Field(description="the device's memory, as the hardware profile gives it")
     memory_reserve_bytes: NonNegativeInt = Field(
         default=0,

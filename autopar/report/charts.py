@@ -330,23 +330,37 @@ def memory_section(data: PlanFile) -> str:
     capacity = totals.memory_usable_bytes
     used = totals.memory_per_device_bytes
     segments: list[tuple[str, float]] = list(totals.memory_breakdown.items())
+    held = max(used, sum(value for _, value in segments))  # more than the peak on one device (`_never_at_once`)
+    at_peak = [(name, value * used / held) for name, value in segments] if held > used else segments
     width = 600
     parts = [
         "<text x='0' y='30' font-size='12'>vs usable</text>",
         f"<rect x='120' y='14' width='{width}' height='26' fill='#f3f4f6' stroke='#999'>"
         f"<title>usable {escape(human_bytes(capacity))}</title></rect>",
-        *_bar(segments, max(capacity, used), width, 14, 26, "B"),
+        *_bar(at_peak, max(capacity, used), width, 14, 26, "B"),
         "<text x='0' y='70' font-size='12'>used, split</text>",
-        *_bar(segments, used, width, 54, 26, "B"),
+        *_bar(segments, held, width, 54, 26, "B"),
     ]
     legend = "".join(
         f"<li><span class='swatch' style='background:{COLOURS.get(name, '#888')}'></span>"
-        f"{escape(name.replace('_', ' '))}: {escape(human_bytes(value))} ({value / used if used else 0:.1%})</li>"
+        f"{escape(name.replace('_', ' '))}: {escape(human_bytes(value))} ({value / held if held else 0:.1%})</li>"
         for name, value in segments
     )
+    never = _never_at_once(held, used)
     return (
         f"<p>{escape(memory_against_usable(totals))} per device.</p>"
         f"<svg width='{120 + width + 20}' height='90' role='img' aria-label='memory per device'>{''.join(parts)}</svg>"
         f"<ul class='legend'>{legend}</ul><p class='note'>Parameter state: weights, gradients and optimizer state;"
-        " activations: what the backward pass keeps; inputs: the data each device loads.</p>"
+        f" activations: what the backward pass keeps; inputs: the data each device loads.{never}</p>"
+    )
+
+
+def _never_at_once(held: float, used: float) -> str:
+    """The note's sentence where the kinds add up to more than the peak: one process makes its gradients in the
+    backward, as it frees activations (`SearchProblem.memory`)."""
+    if held <= used:
+        return ""
+    return (
+        f" {human_bytes(held - used)} of them is never held at once: one process makes its gradients in the"
+        " backward, as it frees activations (the first bar is the peak, in their shares)."
     )

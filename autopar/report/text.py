@@ -9,7 +9,7 @@ from typing import Any
 from autopar.cost.mesh import Mesh
 from autopar.graph import Graph
 from autopar.lowering import GRAPH_OUTPUT, SCHEMA, Plan
-from autopar.lowering.planfile import CollectiveStep, OpEntry, PlanFile, SearchSummary
+from autopar.lowering.planfile import CollectiveStep, OpEntry, PlanFile, SearchSummary, Totals
 from autopar.report.figures import fold_groups, incoming_seconds, samples_per_step, summary_figures
 from autopar.report.format import figure_ms, link_levels, memory_against_usable, strategy_text
 from autopar.spmd import VerifyReport
@@ -76,6 +76,18 @@ def _fused_attention(data: PlanFile) -> list[str]:
     ]
 
 
+def _not_at_once(totals: Totals) -> str:
+    """Where the kinds add up to more than the peak (one device: the gradients are made in the backward, as it
+    frees activations), the sentence that says so."""
+    held = sum(totals.memory_breakdown.values())
+    if held <= totals.memory_per_device_bytes:
+        return ""
+    return (
+        f"; {human_bytes(held - totals.memory_per_device_bytes)} of it never at once: one process makes its"
+        " gradients in the backward, as it frees activations"
+    )
+
+
 def _plan_summary(plan: Plan) -> list[str]:
     """The summary lines: what was decided (degrees, batch), what it costs, what it moves."""
     data = plan.file
@@ -110,7 +122,9 @@ def _plan_summary(plan: Plan) -> list[str]:
         *_fixed_cost_lines(data),
         f"ideal step time:  {figure_ms(totals.ideal_step_time_s)} ms (training FLOPs / (devices times peak))",
         f"memory/device:    {memory_against_usable(totals)}",
-        f"memory by kind:   {breakdown}" + (f" (optimizer: {data.optimizer})" if data.optimizer else ""),
+        f"memory by kind:   {breakdown}"
+        + (f" (optimizer: {data.optimizer})" if data.optimizer else "")
+        + _not_at_once(totals),
         f"mesh:             {mesh.num_devices} devices" + (f" over {levels}" if levels else ""),
     ]
     lines += _collective_lines(data)

@@ -114,6 +114,7 @@ def build_problem(
         node_activations=tuple(c.activations for c in costs),
         blocks=tuple(blocks),
         forks_meet=planned.meet,
+        one_process=num_devices == 1,
     )
 
 

@@ -220,10 +220,10 @@ def _kept_for_backward(
     readers keep (`autopar.ops.fork`) is the forked tensor, counted at its producer, as it was
     before the fork was there.
     """
-    return frozenset(_keepers(graph, rules, requires_grad, fused))
+    return frozenset(backward_readers(graph, rules, requires_grad, fused))
 
 
-def _keepers(
+def backward_readers(
     graph: Graph, rules: Sequence[OpRule], requires_grad: Mapping[str, bool], fused: Mapping[str, FusedPart]
 ) -> dict[str, set[int]]:
     """Each activation some backward needs, with the operators whose backward needs it (a fork's readers'
@@ -271,7 +271,7 @@ def _kept_only_by(
     products: frozenset[str],
 ) -> frozenset[str]:
     """The kept activations only ``products`` keep: in FP8 they are kept in FP8 (`CostModel.kept_product_itemsize`)."""
-    keepers = _keepers(graph, rules, requires_grad, fused)
+    keepers = backward_readers(graph, rules, requires_grad, fused)
     return frozenset(name for name, nodes in keepers.items() if all(rules[n].op.name in products for n in nodes))
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from autopar.graph import TensorInfo
 from autopar.layout import Layout
 from autopar.ops import Keeps
-from autopar.search.dataflow import Dataflow, backward_runs
+from autopar.search.dataflow import Dataflow, backward_readers, backward_runs
 
 STATISTICS_BYTES_PER_ROW = 8  # a normalisation's FP32 mean and inverse deviation per row
 LOGSUMEXP_BYTES_PER_ROW = 4  # a fused attention kernel's FP32 log-sum-exp per query row (FlashAttention's L)
@@ -144,6 +144,35 @@ def resident(flow: Dataflow, node: int, splits: CandidateSplits) -> Resident:
         statistics = (np.int64(rows) >> splits.split(spec.outputs[0][:-1])) * LOGSUMEXP_BYTES_PER_ROW
         memory, activations = memory + statistics, activations + statistics
     return Resident(memory, state_saving, activations)
+
+
+def gradient_bytes(flow: Dataflow, node: int, choice: int) -> float:
+    """Bytes of the gradients of the trained parameters an operator owns, on one device in its candidate's
+    layout: the part of their state (`memory_items`' "parameter") a single process makes only in the backward."""
+    rule = flow.rules[node]
+    total = 0.0
+    for slot, name in enumerate(rule.op.inputs):
+        if not name or flow.owner.get(name) != (node, slot):
+            continue
+        info = flow.graph.tensor(name)
+        if info.kind == "parameter" and info.trainable:
+            total += rule.input_layout(choice, slot).local_numel(info.shape) * flow.cost.gradient_itemsize()
+    return total
+
+
+def released_after(flow: Dataflow) -> tuple[int, ...]:
+    """Per operator, the operator after whose backward its activations are all freed: the first in graph order
+    (the last to run its backward) of the operators whose backward reads one of them, itself where it keeps
+    statistics or a log-sum-exp of its own (its own index where it keeps nothing)."""
+    keepers = backward_readers(flow.graph, flow.rules, flow.requires_grad, flow.fused)
+    found = []
+    for node, rule in enumerate(flow.rules):
+        readers = [min(keepers[name]) for name in rule.op.outputs if name in keepers]
+        own = Keeps.STATISTICS in rule.keeps and backward_runs(rule, flow.requires_grad)
+        if own or logsumexp_rows(flow, node):
+            readers.append(node)
+        found.append(min(readers, default=node))
+    return tuple(found)
 
 
 def logsumexp_rows(flow: Dataflow, node: int) -> int:

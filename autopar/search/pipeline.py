@@ -305,6 +305,7 @@ def _per_step(
         recompute_folds=rescaled.runs(part.recompute_folds),
         node_activations=activations,
         in_flight=held,
+        one_process=False,  # a stage's gradients wait for the last micro-batch's backward
     )
 
 

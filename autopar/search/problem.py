@@ -26,7 +26,14 @@ from autopar.errors import StrategyError
 from autopar.search.dataflow import Dataflow, TensorUse
 from autopar.search.dp import Factor
 from autopar.search.fold import RunEdges
-from autopar.search.memory import NO_MEMORY_CHOICES, Alternative, MemoryChoices, memory_items
+from autopar.search.memory import (
+    NO_MEMORY_CHOICES,
+    Alternative,
+    MemoryChoices,
+    gradient_bytes,
+    memory_items,
+    released_after,
+)
 from autopar.search.repeats import Repeat, Unfolded
 from autopar.strategy import OpRule
 
@@ -69,6 +76,7 @@ class SearchProblem(Dataflow):
     blocks: tuple[Repeat, ...] = ()  # every run of repeated blocks, folded or not (where stages may be cut)
     recompute_factors: tuple[Factor, ...] = ()  # ``factors`` with recomputed forwards paid twice, where they differ
     forks_meet: bool = True  # the forks' candidates are where their readers meet (False: they only pass through)
+    one_process: bool = False  # one device, no stages: the gradients are made in the backward (`memory`)
 
     def objective(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
         """Predicted step time of one assignment (candidate index per node).
@@ -254,18 +262,52 @@ class SearchProblem(Dataflow):
         return edges
 
     def memory(self, choice: Sequence[int], choices: MemoryChoices = NO_MEMORY_CHOICES) -> float:
+        """Bytes a device holds at the step's peak: the sum of what every operator keeps resident, but on one
+        process over one micro-batch (`one_process`), where the gradients are not held beside every
+        activation (`backward_peak`)."""
+        if self.one_process and choices.micro_batches == 1:
+            return backward_peak(*self._held(choice, choices), self._released)
         return sum(float(self.node_arrays(i, choices)[1][c]) for i, c in enumerate(choice))
+
+    def _held(self, choice: Sequence[int], choices: MemoryChoices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per operator of a plan: the bytes it keeps resident, the activations among them (what recomputing
+        keeps of them) and the gradients among them (`backward_peak`'s arguments)."""
+        held = np.array([float(self.node_arrays(i, choices)[1][c]) for i, c in enumerate(choice)])
+        activations = np.array([self._activations(i, choices.recompute)[c] for i, c in enumerate(choice)])
+        gradients = np.array([gradient_bytes(self, i, c) for i, c in enumerate(choice)])
+        return held, activations, gradients
+
+    @cached_property
+    def _released(self) -> tuple[int, ...]:
+        """`memory.released_after`, for `backward_peak` (one process only)."""
+        return released_after(self)
+
+    def _activations(self, node: int, recompute: bool) -> np.ndarray:
+        """An operator's bytes kept for the backward per candidate, less what recomputing frees of them."""
+        if recompute and node in self.recompute_memory:
+            return self.node_activations[node] + self.recompute_memory[node]
+        return self.node_activations[node]
 
     def memory_floor(self, recompute: bool) -> float:
         """The least memory any plan needs, with or without recomputation: memory is a sum over
         operators, so no plan needs less than each operator's leanest candidate (with its parameters
-        under a parallel optimizer where that is leaner)."""
+        under a parallel optimizer where that is leaner); on one process, `backward_peak` of each
+        operator's least of each of its parts."""
         total = 0.0
+        parts: list[tuple[float, float, float]] = []  # one process: the least held all step, activations, gradients
         for node in range(self.size):
             memory = self.node_arrays(node, MemoryChoices(recompute=recompute))[1]
+            if self.one_process:
+                activations = self._activations(node, recompute)
+                gradients = np.array([gradient_bytes(self, node, c) for c in range(len(memory))])
+                parts.append((float((memory - activations - gradients).min()), activations.min(), gradients.min()))
+                continue
             if node in self.sharded:
                 memory = np.minimum(memory, self.node_arrays(node, MemoryChoices(frozenset({node}), recompute))[1])
             total += float(memory.min())
+        if parts:
+            always, activations, gradients = (np.array(part, dtype=float) for part in zip(*parts))
+            return backward_peak(always + activations + gradients, activations, gradients, self._released)
         return total
 
     def memory_items(
@@ -381,3 +423,32 @@ def _restricted_runs(
                 run = RunEdges(later, later)
             runs.append((sub, run))
     return plain, runs, copies_in
+
+
+def backward_peak(
+    held: np.ndarray, activations: np.ndarray, gradients: np.ndarray, released: Sequence[int] | None = None
+) -> float:
+    """The most bytes one process holds in a step, given per operator (in graph order) what it keeps resident
+    and, among that, its activations and its parameters' gradients, and the operator after whose backward its
+    activations are freed (``released``, `memory.released_after`; its own where not given). Everything else is
+    held all step, an activation from the forward until it is freed, each gradient from its operator's
+    backward on: a single process makes gradients in the backward, as PyTorch's autograd does after
+    ``zero_grad(set_to_none=True)``. With data parallel, DDP's buckets and Megatron's gradient buffer hold
+    them all step, and so does `SearchProblem.memory` wherever there is more than one device. The backward
+    runs from the last operator to the first, so while operator k's runs the activations freed at 0..k and
+    the gradients of k..n-1 are held: the most of that over k, which lies between the larger of the two
+    sums and their total.
+
+    Two products, the first's output kept for the second's weight gradient, 4 B held all step: while the
+    second's backward runs, that output (3) and the second's gradient (2); while the first's, both gradients.
+
+    >>> backward_peak(np.array([5.0, 6.0]), np.array([3.0, 0.0]), np.array([2.0, 2.0]), released=[1, 1])
+    9.0
+    """
+    if not len(held):
+        return 0.0
+    always = float(held.sum() - activations.sum() - gradients.sum())
+    freed = np.zeros(len(held))
+    np.add.at(freed, np.asarray(released if released is not None else range(len(held))), activations)
+    while_running = np.cumsum(freed) + np.cumsum(gradients[::-1])[::-1]
+    return always + float(while_running.max())
