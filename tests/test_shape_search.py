@@ -96,3 +96,88 @@ def _refusing_to_meet(monkeypatch, batches: tuple[int, ...]) -> list[tuple[int, 
 
     monkeypatch.setattr(costing._Planned, "exact", refusing)
     return asked
+
+
+def test_the_relaxation_of_a_micro_batch_count_is_no_slower_than_its_own_plans(monkeypatch):
+    """The whole batch's problem relaxed to a micro-batch's (activations and inputs shrunk, the splits the
+    micro-batch lacks priced out) bounds that count's own problem from below: its fastest plan memory aside,
+    and its best plan that fits, at capacities where memory binds and where it does not; and every candidate
+    the micro-batch's operators have is one the relaxation keeps."""
+    from autopar.errors import InfeasibleError
+    from autopar.search.driver import SearchOptions, fastest_bound, run_search
+    from autopar.search.pipeline import stage_problem
+    from autopar.search.shape_search import lacking_splits
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=16)
+    compared = bound_by_memory = 0
+    for capacity in (0.5e6, 0.7e6, 2e6, 1e12):
+        options = PlanOptions.resolve(16, profile(capacity=capacity, peak=1e9), None)
+        shapes = ShapeSearch(load_model(model), options, options.costs(), lambda m: load_model(model, batch=16 // m))
+        single = shapes.single
+        for micro in (2, 4, 8):
+            lacking = lacking_splits(single, shapes._graph(micro))
+            assert lacking is not None
+            own = shapes.problem(1, micro)
+            for node, (rule, lacks) in enumerate(zip(single.rules, lacking)):
+                kept = {c for c, lack in zip(rule.candidates, lacks) if not lack}
+                assert set(own.rules[node].candidates) <= kept, rule.op.name
+            shape = PipelineShape(1, micro)
+            relaxed = single.micro_batch_relaxation(1 / micro, lacking, 1e3)
+            stage = stage_problem(own, 0, own.size, shape, 0)
+            least, fastest = fastest_bound(relaxed, SearchOptions())
+            try:
+                found = run_search(stage)
+            except InfeasibleError:  # nothing of the micro-batches fits: nothing to bound
+                continue
+            seconds = stage.objective(found.choice, found.choices)
+            compared += 1
+            bound_by_memory += found.memory_multiplier > 0 or found.choices.recompute
+            assert least <= seconds * (1 + 1e-9)
+            if fastest is not None and found.fastest_s is not None:
+                assert fastest <= found.fastest_s * (1 + 1e-9)
+            relaxed_plan = run_search(relaxed)
+            assert relaxed.objective(relaxed_plan.choice, relaxed_plan.choices) <= seconds * (1 + 1e-9)
+    assert compared >= 9 and bound_by_memory >= 3
+
+
+def test_counts_the_relaxation_refutes_are_not_built_and_the_plan_is_the_same(monkeypatch):
+    """GPT at batch 16 on 16 devices with 2 MB each: 2 and 4 micro-batches are refuted on the whole batch's
+    relaxed problem, never built; the plan is the one searching them gives."""
+    import autopar
+    from autopar.search import shape_search
+
+    model = build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=16)
+    cost = profile(capacity=2e6, peak=1e9)
+    refuted: list[int] = []
+    relaxing = shape_search.ShapeSearch._relaxation_refutes
+
+    def counted(self, shape, bound):
+        found = relaxing(self, shape, bound)
+        refuted.extend([shape.micro_batches] if found else [])
+        return found
+
+    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", counted)
+    built: list[tuple[int, int]] = []
+    building = shape_search.ShapeSearch.problem
+    monkeypatch.setattr(
+        shape_search.ShapeSearch, "problem", lambda self, s, m: built.append((s, m)) or building(self, s, m)
+    )
+    relaxed = autopar.plan(model, devices=16, cost_model=cost)
+    assert sorted(refuted) == [2, 4] and not {(1, 2), (1, 4)} & set(built)
+    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", lambda self, shape, bound: False)
+    searched = autopar.plan(model, devices=16, cost_model=cost)
+    assert _same_but_times(relaxed, searched)
+
+
+def _same_but_times(a, b) -> bool:
+    """Two plans' files equal but for measured times."""
+    import json
+
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("time_s", "phases_s")}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    return strip(json.loads(a.to_json())) == strip(json.loads(b.to_json()))

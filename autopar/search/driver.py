@@ -194,6 +194,28 @@ def run_search(
     )
 
 
+def fastest_bound(
+    problem: SearchProblem, options: SearchOptions, solver: Solver | None = None
+) -> tuple[float, float | None]:
+    """(no plan of the problem that fits is faster than this, memory aside: the fastest plan of the first way
+    to recompute that can fit, infinite where none can; the fastest plan of all memory aside, as
+    `SearchResult.fastest_s`, where that was the one): one DP run, on ``solver`` where given (planned on
+    tables of the same shapes). A plan recomputing is no faster than the same plan keeping its activations,
+    so the first way that can fit bounds the others (`_constrained_dp` starts so); no memory walk."""
+    solver = solver or Solver.of(problem, options.table_limits)
+    base = problem.objective(data_parallel_choice(problem))
+    slack = TIE_BREAK_FRACTION * max(base, 1e-12)  # the most the tie-break adds to a plan's time
+    runs = _Runs(problem, solver, tie_break_offsets(problem.node_time, base), {})
+    ways = recomputing(problem, options.recompute)
+    for kind in ways:
+        if problem.memory_floor(kind) > problem.cost.capacity * (1 + 1e-12):
+            continue  # no plan of this kind fits
+        fast = runs.solve(0.0, kind)
+        least = (fast.seen if solver.exact else min(fast.seen, fast.floor)) - slack
+        return least, least if kind == ways[0] else None
+    return math.inf, None
+
+
 def _lower_bound(
     problem: SearchProblem, runs: dict[tuple[float, bool, float], "_Point"], recompute: bool | None, capacity: float
 ) -> float:

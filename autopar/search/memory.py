@@ -146,6 +146,20 @@ def resident(flow: Dataflow, node: int, splits: CandidateSplits) -> Resident:
     return Resident(memory, state_saving, activations)
 
 
+def input_bytes(flow: Dataflow, node: int) -> np.ndarray:
+    """Per candidate, the bytes of the data inputs an operator loads (those it owns), as `resident` counts them."""
+    rule = flow.rules[node]
+    total = np.zeros(len(rule.candidates))
+    for slot, name in enumerate(rule.op.inputs):
+        if not name or flow.owner.get(name) != (node, slot) or flow.graph.tensor(name).kind == "parameter":
+            continue
+        info = flow.graph.tensor(name)
+        labels = rule.spec.inputs[slot] if slot < len(rule.spec.inputs) else None
+        splits = CandidateSplits(rule.candidates, rule.spec.label_order)
+        total = total + splits.local(info, labels) * flow.itemsize(info)
+    return total
+
+
 def gradient_bytes(flow: Dataflow, node: int, choice: int) -> float:
     """Bytes of the gradients of the trained parameters an operator owns, on one device in its candidate's
     layout: the part of their state (`memory_items`' "parameter") a single process makes only in the backward."""

@@ -31,6 +31,7 @@ from autopar.search.memory import (
     Alternative,
     MemoryChoices,
     gradient_bytes,
+    input_bytes,
     memory_items,
     released_after,
 )
@@ -155,6 +156,38 @@ class SearchProblem(Dataflow):
             unfolded=(),
             blocks=(),
             ties=MappingProxyType(ties),
+        )
+
+    def micro_batch_relaxation(self, share: float, lacking: Sequence[np.ndarray], beyond: float) -> SearchProblem:
+        """This problem (the whole batch on one stage) as a relaxation of one stage over 1 / ``share``
+        micro-batches: every byte that grows with the batch, its activations and data inputs, scaled by
+        ``share``, and the candidates a micro-batch lacks (``lacking``, per operator: a split its smaller batch
+        does not divide) costing ``beyond`` seconds more. No plan of the micro-batches that fits is faster than
+        ``beyond`` or than this one's best plan that fits.
+
+        Each plan of the micro-batches is a plan here (its splits divide the whole batch too), no slower: the
+        same work at sizes no less efficient, each collective's latency paid once (the argument
+        `ShapeSearch._fewer_micro_batches_win` reads). Its parameters' state is the same, the gradients held all
+        step either way (gradient accumulation), and what grows with the batch is no less than ``share`` of the
+        whole batch's (a size c + d x batch, times ``share``, is at most c + d x batch x ``share``). So that plan,
+        at this problem's time with ``share`` of its activations and inputs, fits wherever the micro-batches'
+        plan fits."""
+        grows = [self.node_activations[i] + input_bytes(self, i) for i in range(self.size)]
+        less = [(1.0 - share) * part for part in grows]
+        extra = [np.where(lacks, beyond, 0.0) for lacks in lacking]
+        return replace(
+            self,
+            node_time=tuple(time + more for time, more in zip(self.node_time, extra)),
+            node_memory=tuple(memory - cut for memory, cut in zip(self.node_memory, less)),
+            sharded=MappingProxyType(
+                {
+                    i: replace(alt, time=alt.time + extra[i], memory=alt.memory - less[i])
+                    for i, alt in self.sharded.items()
+                }
+            ),
+            recompute_memory=MappingProxyType({i: share * freed for i, freed in self.recompute_memory.items()}),
+            node_activations=tuple(share * activations for activations in self.node_activations),
+            one_process=False,
         )
 
     def main_factors(self, recompute: bool = False) -> tuple[Factor, ...]:
