@@ -3,6 +3,8 @@ them in, how ties go, and what one shape's plan tells of another's."""
 
 from __future__ import annotations
 
+import pytest
+
 from autopar.graph import Graph, load_model
 from autopar.options import PlanOptions
 from autopar.search.pipeline import ONE_STAGE, PipelineShape
@@ -181,3 +183,52 @@ def _same_but_times(a, b) -> bool:
         return value
 
     return strip(json.loads(a.to_json())) == strip(json.loads(b.to_json()))
+
+
+def test_a_hugging_face_export_plans_the_same_with_counts_refuted_on_the_relaxation(tmp_path, monkeypatch):
+    """Hugging Face's GPT-2 (a random-initialised configuration), exported by torch's legacy exporter with a
+    dynamic batch, at batch 128 on 16 devices with 1 MB each: 2 micro-batches are refuted on the whole batch's
+    relaxed problem, unbuilt, and the plan is the one searching every count gives."""
+    import autopar
+    from autopar.search import shape_search
+
+    torch = pytest.importorskip("torch")
+    hf = pytest.importorskip("transformers")
+    config = hf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+    torch.manual_seed(0)
+    gpt2 = hf.GPT2LMHeadModel(config).eval()
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt2 = gpt2
+
+        def forward(self, ids, labels):
+            return self.gpt2(input_ids=ids, labels=labels).loss
+
+    ids = torch.randint(0, 256, (8, 32))
+    path = tmp_path / "gpt2.onnx"
+    batch = {0: "batch"}
+    torch.onnx.export(
+        WithLoss(),
+        (ids, ids),
+        str(path),
+        dynamo=False,
+        input_names=["ids", "labels"],
+        dynamic_axes={"ids": batch, "labels": batch},
+        opset_version=17,
+    )
+    refuted: list[int] = []
+    relaxing = shape_search.ShapeSearch._relaxation_refutes
+
+    def counted(self, shape, bound):
+        found = relaxing(self, shape, bound)
+        refuted.extend([shape.micro_batches] if found else [])
+        return found
+
+    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", counted)
+    options = dict(batch=128, devices=16, cost_model="ascend910", memory_reserve=int(32e9 - 1e6))
+    relaxed = autopar.plan(path, **options)
+    assert refuted == [2]
+    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", lambda self, shape, bound: False)
+    assert _same_but_times(relaxed, autopar.plan(path, **options))

@@ -457,8 +457,8 @@ def lacking_splits(problem: SearchProblem, graph: Graph) -> list[np.ndarray] | N
             continue
         smaller = OpRule.build(op, graph, problem.mesh_bits)
         order = rule.spec.label_order
-        most = [smaller.max_exponent(label) for label in order]
-        if smaller.spec.label_order != order or all(m >= rule.max_exponent(label) for m, label in zip(most, order)):
+        most = [smaller.max_exponent(label) for label in order] if smaller.spec.label_order == order else []
+        if not most or all(m >= rule.max_exponent(label) for m, label in zip(most, order)):
             lacking.append(np.zeros(len(rule.candidates), dtype=bool))  # (every split it has, the smaller has)
             continue
         exponents = np.asarray(rule.candidates, dtype=np.int64).reshape(len(rule.candidates), len(order))
