@@ -150,15 +150,7 @@ def test_counts_the_relaxation_refutes_are_not_built_and_the_plan_is_the_same(mo
 
     model = build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=16)
     cost = profile(capacity=2e6, peak=1e9)
-    refuted: list[int] = []
-    relaxing = shape_search.ShapeSearch._relaxation_refutes
-
-    def counted(self, shape, bound):
-        found = relaxing(self, shape, bound)
-        refuted.extend([shape.micro_batches] if found else [])
-        return found
-
-    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", counted)
+    refuted = _counting_refutations(monkeypatch)
     built: list[tuple[int, int]] = []
     building = shape_search.ShapeSearch.problem
     monkeypatch.setattr(
@@ -169,6 +161,22 @@ def test_counts_the_relaxation_refutes_are_not_built_and_the_plan_is_the_same(mo
     monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", lambda self, shape, bound: False)
     searched = autopar.plan(model, devices=16, cost_model=cost)
     assert _same_but_times(relaxed, searched)
+
+
+def _counting_refutations(monkeypatch) -> list[int]:
+    """The micro-batch counts the relaxation refutes (`ShapeSearch._relaxation_refutes`), listed as it does."""
+    from autopar.search import shape_search
+
+    refuted: list[int] = []
+    relaxing = shape_search.ShapeSearch._relaxation_refutes
+
+    def counted(self, shape, bound):
+        found = relaxing(self, shape, bound)
+        refuted.extend([shape.micro_batches] if found else [])
+        return found
+
+    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", counted)
+    return refuted
 
 
 def _same_but_times(a, b) -> bool:
@@ -218,15 +226,7 @@ def test_a_hugging_face_export_plans_the_same_with_counts_refuted_on_the_relaxat
         dynamic_axes={"ids": batch, "labels": batch},
         opset_version=17,
     )
-    refuted: list[int] = []
-    relaxing = shape_search.ShapeSearch._relaxation_refutes
-
-    def counted(self, shape, bound):
-        found = relaxing(self, shape, bound)
-        refuted.extend([shape.micro_batches] if found else [])
-        return found
-
-    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", counted)
+    refuted = _counting_refutations(monkeypatch)
     options = dict(batch=128, devices=16, cost_model="ascend910", memory_reserve=int(32e9 - 1e6))
     relaxed = autopar.plan(path, **options)
     assert refuted == [2]
