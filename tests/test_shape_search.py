@@ -100,7 +100,7 @@ def _refusing_to_meet(monkeypatch, batches: tuple[int, ...]) -> list[tuple[int, 
     return asked
 
 
-def test_the_relaxation_of_a_micro_batch_count_is_no_slower_than_its_own_plans(monkeypatch):
+def test_the_relaxation_of_a_micro_batch_count_is_no_slower_than_its_own_plans():
     """The whole batch's problem relaxed to a micro-batch's (activations and inputs shrunk, the splits the
     micro-batch lacks priced out) bounds that count's own problem from below: its fastest plan memory aside,
     and its best plan that fits, at capacities where memory binds and where it does not; and every candidate
