@@ -15,7 +15,8 @@ from autopar.graph import load_model
 from autopar.search import repeats
 from autopar.search.costing import build_problem
 from autopar.search.driver import SearchOptions, run_search
-from autopar.search.fold import min_plus
+from autopar.search.fold import CopyRuns, Solver, min_plus
+from autopar.search.pipeline import PipelineShape, stage_problem
 from models.transformer import build_preset
 from tests.conftest import make_model, profile, weight
 
@@ -210,3 +211,18 @@ def test_a_relaxed_run_bounds_the_optimum_from_below_and_its_plan_from_above(mon
         assert objective(unary, choice) >= best * (1 - 1e-12)
         ratios.append(bound / best)
     assert min(ratios) > 0.99  # what a copy gains reading them its own way is little here (0.1 % at most)
+
+
+def test_stages_cut_from_one_problem_share_their_copies_elimination():
+    """Stages of one place with different numbers of copies, cut from one problem with their arrays shared (as
+    the cut search cuts them), run one copy elimination between them where their copies' costs are the same:
+    the later stage takes the earlier one's (`CopyRuns`) and solves as it solves alone."""
+    problem = build_problem(load_model(residual_stack(8, batch=8)), CostModel(profile(peak=1e9)), 4)
+    shape, made, copies = PipelineShape(2, 4), {}, CopyRuns()
+    starts = [block.start for block in (problem.folds[0][0].block(k) for k in (2, 4))]
+    for start in starts:
+        stage = stage_problem(problem, start, problem.size, shape, 1, made=made)
+        assert stage.folds and stage.folds[0][0].copies >= 2
+        unary = list(stage.node_time)
+        assert Solver.of(stage, copies=copies).solve(unary) == Solver.of(stage).solve(unary)
+    assert len(copies) == 1

@@ -20,8 +20,17 @@ import numpy as np
 from autopar.context import planning
 from autopar.errors import InfeasibleError
 from autopar.search.dataflow import TensorUse
-from autopar.search.driver import NothingFaster, SearchCache, SearchOptions, SearchResult, run_search
+from autopar.search.dp import TieBreak
+from autopar.search.driver import (
+    NothingFaster,
+    SearchCache,
+    SearchOptions,
+    SearchResult,
+    data_parallel_choice,
+    run_search,
+)
 from autopar.search.floors import copies_in, least_below, least_fullest, shape_floors, stage_floor
+from autopar.search.fold import CopyRuns
 from autopar.search.ilp import recomputing
 from autopar.search.pipeline import (
     Crossings,
@@ -48,7 +57,11 @@ class _StageSearch:
         shape: PipelineShape,
         options: SearchOptions,
     ) -> None:
-        self.problem, self.shape, self.options = problem, shape, options
+        self.problem, self.shape = problem, shape
+        # one tie-break for every stage: a copy of a block costs the same in every stage of its place (`fold`)
+        base = shape.slots * problem.objective(data_parallel_choice(problem))
+        tie = options.tie_break if options.tie_break is not None else TieBreak.of(problem.node_time, base).epsilon
+        self.options = dataclasses.replace(options, tie_break=tie)
         self.recompute = options.recompute
         self.hint = options.hint  # the memory weight the last stage that memory bound settled on
         self.hints: dict[int, float] = {}  # the same, per micro-batches in flight (a stage's place)
@@ -64,6 +77,7 @@ class _StageSearch:
         self._copy_bounds: dict[tuple, float] = {}  # `_copy_lagrangian`'s
         self._stages: dict[tuple, _Kept] = {}  # `_kept`'s
         self._arrays: dict[tuple, tuple] = {}  # the rescaled arrays the stages share (`stage_problem`'s ``made``)
+        self._copies = CopyRuns()  # the copy eliminations the stages' searches share (`fold.CopyRuns`)
 
     def _key(self, first: int, last: int, index: int, crossings: Crossings) -> tuple:
         graph = self.problem.graph
@@ -193,7 +207,7 @@ class _StageSearch:
         if kept is None:
             sends = send_costs(self.problem, crossings, first, index, self.shape)
             stage = stage_problem(self.problem, first, last, self.shape, index, sends, made=self._arrays)
-            kept = _Kept(stage, self._floor(stage, first, last, index, sends))
+            kept = _Kept(stage, self._floor(stage, first, last, index, sends), runs=SearchCache(copies=self._copies))
         self._stages[key] = kept  # (the newest last)
         while len(self._stages) > _STAGES_KEPT:
             del self._stages[next(iter(self._stages))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from types import MappingProxyType
 from typing import Literal
 
@@ -152,6 +153,16 @@ class Dataflow:
     def kept_by(self, node: int) -> frozenset[str]:
         """The activations one operator's backward needs (`kept_by`, as a fused attention kernel keeps them)."""
         return kept_by(self.rules[node], self.graph, self.requires_grad, self.fused)
+
+    @cached_property
+    def keeps(self) -> tuple[frozenset[str], ...]:
+        """`kept_by` of every operator, in order (a pipeline's cut search asks it of every stage it costs)."""
+        return tuple(self.kept_by(node) for node in range(self.size))
+
+    @cached_property
+    def fork_uses(self) -> tuple[TensorUse, ...]:
+        """The uses that read a fork (an operator with gradient labels), in order."""
+        return tuple(use for use in self.uses if self.rules[use.src_node].spec.gradient_labels)
 
     def work_multiple(self, node: int) -> float:
         """Forward and backward work in units of the forward: 1 + backward factor x backward passes, plus the

@@ -210,7 +210,7 @@ class Elimination:
         self.largest = 0
         self.work = 0
         self.leftover: list[int] = []
-        key = self._structure()
+        key = self.structure = self._structure()
         plans = context.current().eliminations
         planned = plans.get(key)
         if planned is None or (planned is _SPLITS and not exact_only):
@@ -775,15 +775,41 @@ def _row(step: _Step, parts: Sequence[np.ndarray], choice: Mapping[int, int]) ->
     return np.broadcast_to(row, (len(step.starts),))
 
 
-def tie_break_offsets(node_time: Sequence[np.ndarray], base_objective: float) -> list[np.ndarray]:
-    """A position penalty per candidate, small enough never to beat a real difference: among
-    exactly equal plans the DP takes the earliest candidates (data parallel first)."""
-    positions = sum(max(len(t) - 1, 0) for t in node_time) or 1
-    epsilon = TIE_BREAK_FRACTION * max(base_objective, 1e-12) / positions
-    return [epsilon * np.arange(len(t)) for t in node_time]
+@dataclass(frozen=True)
+class TieBreak:
+    """A position penalty per candidate, small enough never to beat a real difference: among exactly equal
+    plans the DP takes the earliest candidates (data parallel first). ``epsilon``: seconds per position;
+    ``slack``: the most it adds to a plan's time.
+
+    >>> tie = TieBreak.of([np.zeros(3), np.zeros(3)], 4.0)
+    >>> [offsets.tolist() for offsets in tie.offsets([np.zeros(3), np.zeros(2)])], tie.slack
+    ([[0.0, 1e-09, 2e-09], [0.0, 1e-09]], 4e-09)
+    """
+
+    epsilon: float
+    slack: float
+
+    @classmethod
+    def of(cls, node_time: Sequence[np.ndarray], base_objective: float) -> "TieBreak":
+        """A `TIE_BREAK_FRACTION` of ``base_objective`` spread over the problem's positions."""
+        scale = TIE_BREAK_FRACTION * max(base_objective, 1e-12)
+        return cls(scale / _positions(node_time), scale)
+
+    @classmethod
+    def at(cls, epsilon: float, node_time: Sequence[np.ndarray]) -> "TieBreak":
+        """``epsilon`` a position over another problem's positions: the stages of one pipeline shape take
+        one (`cuts._StageSearch`), so the copies of a block, alike in every stage, cost alike in every one."""
+        return cls(epsilon, epsilon * _positions(node_time))
+
+    def offsets(self, node_time: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [self.epsilon * np.arange(len(t)) for t in node_time]
+
+
+def _positions(node_time: Sequence[np.ndarray]) -> int:
+    return sum(max(len(t) - 1, 0) for t in node_time) or 1
 
 
 def tie_break_unary(node_time: Sequence[np.ndarray], base_objective: float) -> list[np.ndarray]:
     """Unary costs (seconds per candidate of each operator) plus the tie-break position penalty
-    (`tie_break_offsets`)."""
-    return [t + o for t, o in zip(node_time, tie_break_offsets(node_time, base_objective))]
+    (`TieBreak.of`)."""
+    return [t + o for t, o in zip(node_time, TieBreak.of(node_time, base_objective).offsets(node_time))]

@@ -26,8 +26,8 @@ from autopar.errors import InfeasibleError
 from autopar.limits import MAX_DEVICES
 from autopar.options import Mode, SearchAlgorithm
 from autopar.search.descent import condition_on_hubs, descend
-from autopar.search.dp import TABLE_LIMITS, TIE_BREAK_FRACTION, TableLimits, tie_break_offsets
-from autopar.search.fold import Solver
+from autopar.search.dp import TABLE_LIMITS, TableLimits, TieBreak
+from autopar.search.fold import CopyRuns, Solver
 from autopar.search.ilp import recomputing
 from autopar.search.memory import NO_MEMORY_CHOICES, MemoryChoices
 from autopar.search.problem import SearchProblem
@@ -57,7 +57,8 @@ class SearchOptions:
     raising `NothingFaster`, once no plan that fits can beat it; ``hint``: a memory weight to try first where
     memory binds (the multiplier a like problem settled on), which changes how many DP runs the walk takes,
     not where it ends; ``table_limits``: how large an elimination step may be before it is split
-    (`dp._split`). A mode or algorithm given by name is read as its enumeration (an unknown one is refused).
+    (`dp._split`); ``tie_break``: seconds a candidate's position adds among equal plans (`dp.TieBreak`; None:
+    the problem's own). A mode or algorithm given by name is read as its enumeration (an unknown one is refused).
 
     >>> SearchOptions(algorithm="ilp").algorithm is SearchAlgorithm.ILP
     True
@@ -69,6 +70,7 @@ class SearchOptions:
     bound: float = math.inf
     hint: float = 0.0
     table_limits: TableLimits = TABLE_LIMITS
+    tie_break: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -116,6 +118,7 @@ class SearchCache:
     solver: Solver | None = None
     runs: dict[tuple[float, bool, float], "_Point"] = field(default_factory=dict)
     problem: SearchProblem | None = None
+    copies: CopyRuns | None = None  # copy eliminations its solver shares with other problems' (`fold.CopyRuns`)
 
     def serving(self, problem: SearchProblem) -> "SearchCache":
         """This cache, bound to ``problem`` (a ValueError for a cache of another problem)."""
@@ -174,15 +177,16 @@ def run_search(
         floor = problem.objective(choice, choices)
     else:
         cache = (cache if cache is not None else SearchCache()).serving(problem)
-        solver = cache.solver = cache.solver or Solver.of(problem, options.table_limits)
+        solver = cache.solver = cache.solver or Solver.of(problem, options.table_limits, cache.copies)
+        tie = _tie_break(problem, options)
         choice, choices, multiplier, fastest, fits = _constrained_dp(
-            problem, solver, capacity, recompute, bound, hint, cache.runs
+            problem, solver, capacity, recompute, bound, hint, cache.runs, tie
         )
         used, states = options.algorithm.value, solver.states()
         floor = problem.objective(choice, choices)
         exact = solver.exact and fits
         if not exact:
-            floor = min(floor, _lower_bound(problem, cache.runs, recompute, capacity))
+            floor = min(floor, _lower_bound(problem, cache.runs, recompute, capacity, tie.slack))
     memory = problem.memory(choice, choices)
     if memory > capacity:
         raise InfeasibleError(_infeasible_message(problem, choice, capacity, mode, choices))
@@ -203,9 +207,9 @@ def fastest_bound(
     tables of the same shapes). A plan recomputing is no faster than the same plan keeping its activations,
     so the first way that can fit bounds the others (`_constrained_dp` starts so); no memory walk."""
     solver = solver or Solver.of(problem, options.table_limits)
-    base = problem.objective(data_parallel_choice(problem))
-    slack = TIE_BREAK_FRACTION * max(base, 1e-12)  # the most the tie-break adds to a plan's time
-    runs = _Runs(problem, solver, tie_break_offsets(problem.node_time, base), {})
+    tie = _tie_break(problem, options)
+    slack = tie.slack  # the most the tie-break adds to a plan's time
+    runs = _Runs(problem, solver, tie.offsets(problem.node_time), {})
     ways = recomputing(problem, options.recompute)
     for kind in ways:
         if problem.memory_floor(kind) > problem.cost.capacity * (1 + 1e-12):
@@ -216,15 +220,25 @@ def fastest_bound(
     return math.inf, None
 
 
+def _tie_break(problem: SearchProblem, options: SearchOptions) -> TieBreak:
+    """The tie-break the options give, or the problem's own (a share of its data-parallel plan's step)."""
+    if options.tie_break is not None:
+        return TieBreak.at(options.tie_break, problem.node_time)
+    return TieBreak.of(problem.node_time, problem.objective(data_parallel_choice(problem)))
+
+
 def _lower_bound(
-    problem: SearchProblem, runs: dict[tuple[float, bool, float], "_Point"], recompute: bool | None, capacity: float
+    problem: SearchProblem,
+    runs: dict[tuple[float, bool, float], "_Point"],
+    recompute: bool | None,
+    capacity: float,
+    slack: float,
 ) -> float:
     """A time no plan of the problem that fits beats, from the DP runs a search made: a run at memory weight w
     found no plan with time + w x memory below its value (a lower bound where its tables were split), so every
     plan that fits takes at least that value less w x capacity (Lagrangian duality), less what the tie-break
-    adds. The least over the memory choices (recomputation or not) that can fit; the best weight of each."""
-    base = problem.objective(data_parallel_choice(problem))
-    slack = TIE_BREAK_FRACTION * max(base, 1e-12)
+    adds (``slack``). The least over the memory choices (recomputation or not) that can fit; the best weight of
+    each."""
     plain = [p.floor for (w, r, scale), p in runs.items() if w == 0.0 and not r and scale == 1.0]
     least = math.inf
     for kind in recomputing(problem, recompute):
@@ -251,7 +265,7 @@ class _Point:
 @dataclass
 class _Runs:
     """The DP runs of one problem's memory walk, each made once (``made``: by weight, recompute and time
-    scale), seen with the tie-break ``offsets`` added (`tie_break_offsets`)."""
+    scale), seen with the tie-break ``offsets`` added (`dp.TieBreak`)."""
 
     problem: SearchProblem
     solver: Solver
@@ -315,6 +329,7 @@ def _constrained_dp(
     beat: float = math.inf,
     hint: float = 0.0,
     runs: dict[tuple[float, bool, float], _Point] | None = None,
+    tie: TieBreak | None = None,
 ) -> tuple[list[int], MemoryChoices, float, float | None, bool]:
     """The fastest plan that fits, by a walk along the Lagrangian's lower hull of (time, memory).
 
@@ -330,12 +345,12 @@ def _constrained_dp(
     ends the walk as soon as no plan that fits can beat it (`NothingFaster`). A ``hint`` weight is each
     walk's first run (`_walk`); without one, a weight pricing the excess memory at `_FIRST_SHARE` of the
     time. ``runs``: DP runs of this problem made before, by (weight, recompute, time scale), taken instead
-    of running again (and filled).
+    of running again (and filled); ``tie``: the tie-break (`dp.TieBreak`; None: the problem's own).
     """
-    base = problem.objective(data_parallel_choice(problem))
-    slack = TIE_BREAK_FRACTION * max(base, 1e-12)  # the most the tie-break adds to a plan's time
+    tie = tie or _tie_break(problem, SearchOptions())
+    slack = tie.slack  # the most the tie-break adds to a plan's time
     beat_seen = beat + slack  # a plan faster than ``beat`` is seen below this
-    dp = _Runs(problem, solver, tie_break_offsets(problem.node_time, base), runs if runs is not None else {})
+    dp = _Runs(problem, solver, tie.offsets(problem.node_time), runs if runs is not None else {})
     solve, leanest = dp.solve, dp.leanest
 
     kinds = recomputing(problem, recompute)
@@ -371,7 +386,7 @@ def _constrained_dp(
         if walked is not None and walked[0].seen < bound:
             best, best_kind = walked, kind
     if best is None and not math.isinf(beat):
-        proved = max(beat, _lower_bound(problem, dp.made, recompute, capacity))
+        proved = max(beat, _lower_bound(problem, dp.made, recompute, capacity, slack))
         raise NothingFaster(f"no plan that fits is faster than {beat:.6g} s", fastest, proved)
     if best is None:  # nothing fits: the message describes the leanest plan of every kind
         least = min((leans.get(kind) or leanest(kind) for kind in kinds), key=lambda p: p.memory)

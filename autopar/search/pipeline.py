@@ -201,11 +201,10 @@ def _kept_across(problem: SearchProblem, first: int, last: int, crossings: Cross
     tensor kept for a backward crosses a cut: the stage that keeps it holds it (the reading stage its
     received copy, at the first reader that keeps it), not the producing one unless it keeps it too."""
     graph = problem.graph
-    keeps = {node: problem.kept_by(node) for node in range(first, last)}
-    for use in problem.uses:  # what a fork's readers keep is its input (`dataflow._kept_for_backward`)
-        fork = problem.rules[use.src_node]
-        if fork.spec.gradient_labels and use.src_node in keeps and use.tensor in keeps.get(use.dst_node, ()):
-            keeps[use.src_node] = keeps[use.src_node] | {fork.op.inputs[0]}
+    keeps = {node: problem.keeps[node] for node in range(first, last)}
+    for use in problem.fork_uses:  # what a fork's readers keep is its input (`dataflow._kept_for_backward`)
+        if use.src_node in keeps and use.tensor in keeps.get(use.dst_node, ()):
+            keeps[use.src_node] = keeps[use.src_node] | {problem.rules[use.src_node].op.inputs[0]}
     here = frozenset().union(*keeps.values()) if keeps else frozenset()
     moved: dict[int, np.ndarray] = {}
     done: set[str] = set()
