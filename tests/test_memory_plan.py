@@ -28,6 +28,7 @@ from autopar.lowering.lower import gradient_sync
 from autopar.search.driver import SearchOptions, run_search
 from autopar.search.fold import minimise
 from autopar.search.memory import MemoryChoices
+from autopar.search.pipeline import PipelineShape, stage_problem
 from autopar.search.problem import SearchProblem
 from tests.conftest import (
     every_plan,
@@ -229,8 +230,10 @@ def test_memory_floor_is_the_leanest_plans_memory():
     """The driver skips a kind of plan whose floor does not fit without running the DP: the floor must
     be exactly what the DP's leanest plan needs."""
     problem = autopar.build(block_stack(), 2, profile(peak=1e9))
-    for recompute in (False, True):
-        assert problem.memory_floor(recompute) == pytest.approx(leanest(problem, recompute), rel=1e-12)
+    stage = stage_problem(problem, 0, problem.size, PipelineShape(2, 4), 0)  # (its copies' arrays shared, rescaled)
+    for cut in (problem, stage):
+        for recompute in (False, True):
+            assert cut.memory_floor(recompute) == pytest.approx(leanest(cut, recompute), rel=1e-12)
 
 
 RC_DEVICES, RC_PEAK = 2, 1e9

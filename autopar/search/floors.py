@@ -212,13 +212,15 @@ def stage_floor(
         copy_of[block.start : block.stop] = number
     into: list[list[tuple[int, np.ndarray, bool]]] = [[] for _ in range(stage.size)]  # (table key, map, inside)
     least: dict[int, np.ndarray] = {}  # per factor table: its minimum over every axis but the last operator's
+    copy_at = copy_of.tolist()
     for factor, scope in stage.all_factors(recompute):
-        at = int(np.argmax(scope))
+        at = scope.index(max(scope))  # (the first, as numpy's argmax takes it)
         key = id(factor.table) * 8 + at
         if key not in least:
             axes = tuple(axis for axis in range(factor.table.ndim) if axis != at)
             least[key] = factor.table.min(axis=axes) if axes else factor.table
-        inside = copy_of[scope[at]] >= 0 and all(copy_of[u] == copy_of[scope[at]] for u in scope)
+        copy = copy_at[scope[at]]
+        inside = copy >= 0 and all(copy_at[u] == copy for u in scope)
         into[scope[at]].append((key, factor.maps[at], inside))
     # the copies of a folded run share their arrays: an operator's least is taken once per set of sources
     found: dict[tuple, tuple[float, float]] = {}

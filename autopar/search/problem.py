@@ -326,18 +326,38 @@ class SearchProblem(Dataflow):
         operators, so no plan needs less than each operator's leanest candidate (with its parameters
         under a parallel optimizer where that is leaner); on one process, `backward_peak` of each
         operator's least of each of its parts."""
+        known = self._memory_floors
+        if recompute not in known:
+            known[recompute] = self._least_memory(recompute)
+        return known[recompute]
+
+    @cached_property
+    def _memory_floors(self) -> dict[bool, float]:
+        """`memory_floor`'s, by recompute: a search asks each of its problem's many times."""
+        return {}
+
+    def _least_memory(self, recompute: bool) -> float:
+        """`memory_floor`, worked out: the copies of a folded run (and the stages cut from one problem) share
+        their arrays, so each set of arrays an operator's bytes come from is taken its least once."""
         total = 0.0
         parts: list[tuple[float, float, float]] = []  # one process: the least held all step, activations, gradients
+        least: dict[tuple[int, int, int], float] = {}
         for node in range(self.size):
-            memory = self.node_arrays(node, MemoryChoices(recompute=recompute))[1]
             if self.one_process:
+                memory = self.node_arrays(node, MemoryChoices(recompute=recompute))[1]
                 activations = self._activations(node, recompute)
                 gradients = np.array([gradient_bytes(self, node, c) for c in range(len(memory))])
                 parts.append((float((memory - activations - gradients).min()), activations.min(), gradients.min()))
                 continue
-            if node in self.sharded:
-                memory = np.minimum(memory, self.node_arrays(node, MemoryChoices(frozenset({node}), recompute))[1])
-            total += float(memory.min())
+            again = self.recompute_memory.get(node) if recompute and node in self.recompute_time else None
+            alternative = self.sharded[node].memory if node in self.sharded else None
+            sources = (id(self.node_memory[node]), id(again), id(alternative))
+            if sources not in least:
+                memory = self.node_arrays(node, MemoryChoices(recompute=recompute))[1]
+                if node in self.sharded:
+                    memory = np.minimum(memory, self.node_arrays(node, MemoryChoices(frozenset({node}), recompute))[1])
+                least[sources] = float(memory.min())
+            total += least[sources]
         if parts:
             always, activations, gradients = (np.array(part, dtype=float) for part in zip(*parts))
             return backward_peak(always + activations + gradients, activations, gradients, self._released)
