@@ -155,7 +155,7 @@ class Dataflow:
         return kept_by(self.rules[node], self.graph, self.requires_grad, self.fused)
 
     @cached_property
-    def keeps(self) -> tuple[frozenset[str], ...]:
+    def kept_by_operator(self) -> tuple[frozenset[str], ...]:
         """`kept_by` of every operator, in order (a pipeline's cut search asks it of every stage it costs)."""
         return tuple(self.kept_by(node) for node in range(self.size))
 

@@ -797,8 +797,9 @@ class TieBreak:
 
     @classmethod
     def at(cls, epsilon: float, node_time: Sequence[np.ndarray]) -> "TieBreak":
-        """``epsilon`` a position over another problem's positions: the stages of one pipeline shape take
-        one (`cuts._StageSearch`), so the copies of a block, alike in every stage, cost alike in every one."""
+        """``epsilon`` seconds a position, given, and what it adds at most over this problem's positions: the
+        stages of one pipeline shape take one (`cuts._StageSearch`), so that a block's copies, alike in every
+        stage, cost alike in every one."""
         return cls(epsilon, epsilon * _positions(node_time))
 
     def offsets(self, node_time: Sequence[np.ndarray]) -> list[np.ndarray]:

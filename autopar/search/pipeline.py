@@ -201,7 +201,7 @@ def _kept_across(problem: SearchProblem, first: int, last: int, crossings: Cross
     tensor kept for a backward crosses a cut: the stage that keeps it holds it (the reading stage its
     received copy, at the first reader that keeps it), not the producing one unless it keeps it too."""
     graph = problem.graph
-    keeps = {node: problem.keeps[node] for node in range(first, last)}
+    keeps = {node: problem.kept_by_operator[node] for node in range(first, last)}
     for use in problem.fork_uses:  # what a fork's readers keep is its input (`dataflow._kept_for_backward`)
         if use.src_node in keeps and use.tensor in keeps.get(use.dst_node, ()):
             keeps[use.src_node] = keeps[use.src_node] | {problem.rules[use.src_node].op.inputs[0]}

@@ -333,7 +333,7 @@ class SearchProblem(Dataflow):
 
     @cached_property
     def _memory_floors(self) -> dict[bool, float]:
-        """`memory_floor`'s, by recompute: a search asks each of its problem's many times."""
+        """`memory_floor`'s, by recompute: a search asks it of one problem many times."""
         return {}
 
     def _least_memory(self, recompute: bool) -> float:
