@@ -34,7 +34,7 @@ from autopar.lowering.lower import (
 )
 from autopar.lowering.planfile import SCHEMA, PlanFile, RepeatedBlock, SearchSummary, UnfoldedRun
 from autopar.lowering.program import PlanProgram, program_of
-from autopar.lowering.stages import pipeline_entry, pipeline_memory, pipeline_totals, within_stages
+from autopar.lowering.stages import pipeline_entry, pipeline_memory, pipeline_totals, stage_problems, within_stages
 from autopar.search.driver import SearchResult, data_parallel_choice
 from autopar.search.pipeline import PipelineResult
 from autopar.search.problem import SearchProblem
@@ -115,6 +115,11 @@ class Plan:
         return Mesh.of(self.problem.cost, self.problem.num_devices * stages)
 
     @cached_property
+    def stage_problems(self) -> list[SearchProblem]:
+        """Each pipeline stage as the search costed it (none without stages), made once for every figure."""
+        return stage_problems(self.problem, self.pipeline) if self.pipeline is not None else []
+
+    @cached_property
     def stage_mesh(self) -> Mesh:
         """The devices of one pipeline stage (the whole mesh without stages): what its program runs on."""
         return Mesh.of(self.problem.cost, self.problem.num_devices)
@@ -138,7 +143,7 @@ class Plan:
     @property
     def memory_per_device(self) -> float:
         if self.pipeline is not None:
-            return pipeline_memory(self.problem, self.pipeline)
+            return pipeline_memory(self.stage_problems, self.pipeline)
         return self.problem.memory(self.choice, self.search.choices)
 
     @property
@@ -178,7 +183,8 @@ class Plan:
         free = (self.free.problem, self.free.objective) if self.free is not None else None
         if self.pipeline is not None and self.single is not None:
             free_step = self.free.objective if self.free is not None else None
-            total = pipeline_totals(problem, self.pipeline, self.single, self.mesh.num_devices, free_step)
+            stages, devices = self.stage_problems, self.mesh.num_devices
+            total = pipeline_totals(problem, self.pipeline, stages, self.single, devices, free_step)
         else:
             total = totals(problem, choice, choices, free)
         phases = {**self.phases_s, "lowering": time.perf_counter() - started} if self.phases_s else None
@@ -201,7 +207,11 @@ class Plan:
             totals=total,
             memory_plan=memory_plan(problem, choice, choices),
             context=plan_context(problem),
-            pipeline=pipeline_entry(problem, self.pipeline, self.mesh) if self.pipeline is not None else None,
+            pipeline=(
+                pipeline_entry(problem, self.pipeline, self.stage_problems, self.mesh)
+                if self.pipeline is not None
+                else None
+            ),
             search=SearchSummary(
                 algorithm=self.search.method,
                 time_s=round(self.search.time_s, 4),

@@ -8,6 +8,7 @@ sent between stages with its bytes and link, and the step's totals taken from th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TypeVar
 
 from autopar.cost.mesh import Mesh
@@ -35,21 +36,21 @@ def _stage_choices(pipeline: PipelineResult, index: int) -> MemoryChoices:
     return pipeline.stages[index].result.choices
 
 
-def pipeline_memory(problem: SearchProblem, pipeline: PipelineResult) -> float:
-    """Bytes per device of the fullest stage."""
-    return max(
-        stage.memory(s.result.choice, s.result.choices)
-        for stage, s in zip(stage_problems(problem, pipeline), pipeline.stages)
-    )
+def pipeline_memory(stages: Sequence[SearchProblem], pipeline: PipelineResult) -> float:
+    """Bytes per device of the fullest stage (``stages``: `stage_problems`)."""
+    return max(stage.memory(s.result.choice, s.result.choices) for stage, s in zip(stages, pipeline.stages))
 
 
-def pipeline_entry(problem: SearchProblem, pipeline: PipelineResult, mesh: Mesh) -> PipelineEntry:
-    """The plan file's pipeline: stages with their devices, time and memory, and every send."""
+def pipeline_entry(
+    problem: SearchProblem, pipeline: PipelineResult, stages: Sequence[SearchProblem], mesh: Mesh
+) -> PipelineEntry:
+    """The plan file's pipeline: stages with their devices, time and memory, and every send (``stages``:
+    `stage_problems`)."""
     shape, rules = pipeline.shape, problem.rules
     per_stage = problem.num_devices
     stage_of = {}
     entries = []
-    for index, (stage, plan) in enumerate(zip(stage_problems(problem, pipeline), pipeline.stages)):
+    for index, (stage, plan) in enumerate(zip(stages, pipeline.stages)):
         for node in range(plan.first, plan.last):
             stage_of[node] = index
         entries.append(
@@ -100,16 +101,16 @@ def pipeline_entry(problem: SearchProblem, pipeline: PipelineResult, mesh: Mesh)
 def pipeline_totals(
     problem: SearchProblem,
     pipeline: PipelineResult,
+    stages: Sequence[SearchProblem],
     single: SearchProblem,
     num_devices: int,
     free_step: float | None = None,
 ) -> Totals:
     """The step's figures: its time is the slowest stage's; compute, communication, bubble, sync and
-    memory are that stage's (memory the fullest stage's); data parallel is the one-stage problem's
-    (``single``: the whole batch on every device); ``free_step``: with fixed strategies, the step of the
-    plan found with nothing fixed."""
+    memory are that stage's (memory the fullest stage's; ``stages``: `stage_problems`); data parallel is
+    the one-stage problem's (``single``: the whole batch on every device); ``free_step``: with fixed
+    strategies, the step of the plan found with nothing fixed."""
     shape = pipeline.shape
-    stages = stage_problems(problem, pipeline)
     slowest = max(range(len(stages)), key=lambda i: pipeline.stages[i].time_s)
     fullest = max(
         range(len(stages)),

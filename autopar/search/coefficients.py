@@ -242,6 +242,9 @@ class PairCache:
         """Keep newly costed pairs' coefficients after the others; their slots. The buffers at least double when
         they grow: appending to arrays of tens of millions of pairs copied (and paged in) them all each time."""
         first, count = self._count, self._count + len(fresh[0])
+        if not first:  # the first pairs: their arrays are the buffers (a first problem's are tens of millions)
+            self._buffers, self._count = [np.asarray(part, dtype=float) for part in fresh], count
+            return np.arange(count, dtype=np.int64)
         if count > len(self._buffers[0]):
             capacity = max(count, 2 * len(self._buffers[0]))
             grown = [np.empty(capacity) for _ in self._buffers]
