@@ -204,3 +204,20 @@ def test_a_file_is_inferred_with_data_propagation_at_its_first_batch_only(propag
         second = load_model(path, batch=2)  # the file's own sizes (to rebatch), then its strict inference
         assert asked == [True, True, False]
     assert second.tensor("ids").shape == (2, 16) and first.tensor("ids").shape == (4, 16)
+
+
+def test_a_small_file_imported_at_its_own_batch_spares_its_next_import_the_propagation(propagating):
+    """The plan's first import is at the file's own batch: a file small enough to hash (`bind.import_key`)
+    notes there that data propagation inferred it, so its import at another batch infers without it."""
+    asked, _ = propagating
+    path = Path("tests/data/torch_gpt_dynamo.onnx")
+    with opened():
+        load_model(path)
+        assert asked == [True]
+        load_model(path, batch=2)  # the file's own sizes (to rebatch), then its strict inference without it
+        assert asked == [True, True, False]
+    with opened(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bind, "KEYED_BYTES", 0)  # too large to hash: the next import propagates again
+        load_model(path)
+        load_model(path, batch=2)
+        assert asked[3:] == [True, True, True]

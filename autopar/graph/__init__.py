@@ -28,7 +28,7 @@ from autopar.graph.bind import (
     check_bindings,
     check_declared_sizes,
     check_reshapes,
-    content_key,
+    import_key,
     note_propagated,
     propagated,
     rebatch_constants,
@@ -72,7 +72,7 @@ def load_model(
     check_bindings(batch, dims or {})
     check_declared_sizes(proto, batch)
     declared = declared_types(proto)
-    key = content_key(proto) if batch is not None else None  # a search imports one file at many batches
+    key = import_key(proto, batch)
     if batch is not None:
         rebatch_reshapes(proto, batch, key)
         rebatch_constants(proto, batch)
