@@ -187,10 +187,10 @@ def content_key(proto: onnx.ModelProto) -> bytes | None:
 
 
 def import_key(proto: onnx.ModelProto, batch: int | None) -> bytes | None:
-    """The content key an import notes what it inferred under (`propagated`): every import at a batch of its
-    own (a search imports one file at many), and an import at the file's batch where the file is small
-    enough (`KEYED_BYTES`) that hashing it costs less than the inference with data propagation it spares
-    the next import (0.23 s of the 76.1B GPT's first import at another batch)."""
+    """The key under which an import notes that data propagation inferred the file (`propagated`), or None:
+    every import at a batch it is given has one (a search imports one file at many batches), and an import at
+    the file's own batch has one where the file is small enough (`KEYED_BYTES`) that hashing it costs less
+    than the propagation it spares the next import (0.23 s of the 76.1B GPT's first import at another batch)."""
     if batch is None and proto.ByteSize() > KEYED_BYTES:
         return None
     return content_key(proto)
