@@ -150,12 +150,12 @@ def input_bytes(flow: Dataflow, node: int) -> np.ndarray:
     """Per candidate, the bytes of the data inputs an operator loads (those it owns), as `resident` counts them."""
     rule = flow.rules[node]
     total = np.zeros(len(rule.candidates))
+    splits = CandidateSplits(rule.candidates, rule.spec.label_order)
     for slot, name in enumerate(rule.op.inputs):
         if not name or flow.owner.get(name) != (node, slot) or flow.graph.tensor(name).kind == "parameter":
             continue
         info = flow.graph.tensor(name)
         labels = rule.spec.inputs[slot] if slot < len(rule.spec.inputs) else None
-        splits = CandidateSplits(rule.candidates, rule.spec.label_order)
         total = total + splits.local(info, labels) * flow.itemsize(info)
     return total
 
