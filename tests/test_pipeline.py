@@ -34,7 +34,7 @@ from autopar.graph import load_model
 from autopar.search import repeats
 from autopar.search.costing import build_problem
 from autopar.search.cuts import _min_max_search, search_stages
-from autopar.search.driver import SearchOptions, run_search
+from autopar.search.driver import SearchCache, SearchOptions, run_search
 from autopar.search.floors import (
     compute_floor,
     copies_in,
@@ -356,9 +356,9 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     weight (the copies' bounds shared by every cut) cannot beat the best plan: never where a plan of the
     stage that fits is faster, at the weight it settles on or far from it, recomputing or not; sometimes just
     below its best; and the cut search with that hint still ends at brute force's plan. The floor of the ways a
-    stage may fit (`_StageSearch._floor`) is no more than its plan either, and above the time-only floor where
+    stage may fit (`_StageSearch._floors`) is no more than its plan either, and above the time-only floor where
     only recomputing plans fit."""
-    from autopar.search.cuts import _Kept, _StageSearch
+    from autopar.search.cuts import _StageSearch
     from tests.test_memory_plan import RC_PEAK, block_stack, leanest
 
     fold_short(monkeypatch)
@@ -387,9 +387,10 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
                 continue  # nothing of this stage fits: nothing to refute wrongly
             exact = stage.objective(found.choice, found.choices)
             weights += [found.memory_multiplier] if found.memory_multiplier > 0 else []
-            kept = _Kept(stage, -math.inf)
-            sends = send_costs(problem, cut_crossings(problem, a, b), a, index, shape)
-            floor = search._floor(stage, a, b, index, sends)  # recomputing or not, as the plan may fit
+            crossings = cut_crossings(problem, a, b)
+            kept = search._kept(search._key(a, b, index, crossings), a, b, index, crossings)
+            sends = send_costs(problem, crossings, a, index, shape)
+            floor = kept.floor  # recomputing or not, as the plan may fit
             assert floor < exact * (1 + 1e-9)
             plain = stage_floor(stage, copies_in(search.copies, a, b, sends, shape.slots))
             raised += floor > plain * (1 + 1e-9)  # only recomputing plans fit: they pay the forwards again
@@ -406,6 +407,55 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
         found = search_stages(problem, shape, SearchOptions(bound=bound, hint=weights[0]))
         assert (found is None) == (bound == brute.time_s)
         assert found is None or found.time_s == pytest.approx(brute.time_s, rel=1e-12)
+
+
+def test_a_stage_refuted_at_a_memory_weight_hands_that_weight_to_the_next_stage_of_its_place(monkeypatch):
+    """Where memory binds, a stage search that cannot beat its bound says at which memory weight its DP runs
+    proved the most (`NothingFaster.weight`: the run whose Lagrangian bound is highest), and the cut search tries
+    that weight first on the next stage of the same place, whose bound there (its copies' bounds shared) most
+    often refutes it without a DP run. GPT layers, whose last copy in a stage ends in the residual Add the next
+    stage keeps: that copy counts operator by operator, and the bound never passes the stage's own plan."""
+    from autopar.search.cuts import _StageSearch
+    from autopar.search.driver import NothingFaster
+    from tests.test_memory_plan import RC_PEAK, leanest
+
+    fold_short(monkeypatch)
+    model = build_transformer(kind="gpt", layers=6, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    free = autopar.build(model, 2, profile(peak=RC_PEAK))
+    without, with_recompute = leanest(free, False), leanest(free, True)
+    problem = autopar.build(model, 2, profile(capacity=with_recompute + 0.5 * (without - with_recompute), peak=RC_PEAK))
+    shape = PipelineShape(2, 2)
+    points = [0, *cut_points(problem), problem.size]
+    handed = 0
+    for a, b in itertools.combinations(points, 2):
+        for index in range(shape.stages):
+            stage = stage_problem(problem, a, b, shape, index)
+            try:
+                found = run_search(stage)
+            except InfeasibleError:
+                continue
+            if not found.memory_multiplier:
+                continue  # memory does not bind this stage: no weight to hand on
+            exact = stage.objective(found.choice, found.choices)
+            cache = SearchCache()
+            with pytest.raises(NothingFaster) as beaten:
+                run_search(stage, SearchOptions(bound=exact * (1 - 1e-3)), cache)
+            runs = {w: p.floor - w * stage.cost.capacity for (w, _, scale), p in cache.runs.items() if w > 0}
+            if not runs:  # refuted memory aside, or by what recomputing pays again: no weight to hand on
+                assert beaten.value.weight == 0.0
+                continue
+            assert beaten.value.weight == max(runs, key=lambda w: runs[w])
+            search = _StageSearch(problem, shape, SearchOptions())
+            search.copies = copy_floors(problem, shape, points)
+            assert search.time(a, b, index, exact * (1 - 1e-3))[1] is None
+            assert search.hints[shape.in_flight(index)] == pytest.approx(
+                beaten.value.weight, rel=1e-6
+            )  # (its tie-break)
+            crossings = cut_crossings(problem, a, b)
+            kept = search._kept(search._key(a, b, index, crossings), a, b, index, crossings)
+            assert search._bound_at_hint(kept, a, b, index, beaten.value.weight) < exact * (1 + 1e-9)
+            handed += 1
+    assert handed > 0
 
 
 @pytest.mark.parametrize("cuts", [(0, 10), (0, 5, 15, 20)])

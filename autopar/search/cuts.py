@@ -29,8 +29,8 @@ from autopar.search.driver import (
     data_parallel_choice,
     run_search,
 )
-from autopar.search.floors import copies_in, least_below, least_fullest, shape_floors, stage_floor
-from autopar.search.fold import CopyRuns
+from autopar.search.floors import StageEdges, copies_in, least_below, least_fullest, shape_floors, stage_floor
+from autopar.search.fold import CopyRuns, Solver
 from autopar.search.ilp import recomputing
 from autopar.search.pipeline import (
     Crossings,
@@ -75,9 +75,11 @@ class _StageSearch:
         self.searches = 0
         self.copies: tuple[tuple[range, float], ...] = ()  # `copy_floors`, once the cut search asks for them
         self._copy_bounds: dict[tuple, float] = {}  # `_copy_lagrangian`'s
+        self._copy_problems: dict[tuple[int, int], tuple[SearchProblem, Solver]] = {}  # (the same's, by copy kind)
         self._stages: dict[tuple, _Kept] = {}  # `_kept`'s
         self._arrays: dict[tuple, tuple] = {}  # the rescaled arrays the stages share (`stage_problem`'s ``made``)
         self._copies = CopyRuns()  # the copy eliminations the stages' searches share (`fold.CopyRuns`)
+        self._minima: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # `StageEdges`' shared ones
 
     def _key(self, first: int, last: int, index: int, crossings: Crossings) -> tuple:
         graph = self.problem.graph
@@ -96,15 +98,16 @@ class _StageSearch:
 
     def _bound_at_hint(self, kept: "_Kept", first: int, last: int, index: int, weight: float) -> float:
         """The Lagrangian bound at the memory ``weight`` (`stage_floor`), the least over recomputing or
-        not: no plan of the stage that fits is faster. Where memory binds, this refutes a cut whose walk
-        would take two DP runs or more, with none (the copies' bounds are shared by every cut). Once per
-        stage kind and hint."""
-        held, stage = self.shape.in_flight(index), kept.stage
+        not, each way's no less than its floor (`_floors`): no plan of the stage that fits is faster. Where
+        memory binds, this refutes a cut whose walk would take two DP runs or more, with none (the copies'
+        bounds are shared by every cut). Once per stage kind and hint."""
         if weight in kept.at_weight:
             return kept.at_weight[weight]
+        held, stage = self.shape.in_flight(index), kept.stage
         blocks = [block for block, _ in self.copies if first <= block.start and block.stop <= last]
-        # a tensor kept by a later stage is not counted where it is made (`_kept_across`): the copy's own
-        # bound, which counts it, is lowered by the most that frees at its operators in this stage
+        # a copy at the stage's cuts is costed otherwise than the copy's own bound counts it (what it sends and
+        # receives, the tensors kept across: `_kept_across`): its bound is lowered by the most its kept tensors
+        # free here, or its operators count one by one, whichever bounds more
         freed = [
             weight
             * held
@@ -114,25 +117,32 @@ class _StageSearch:
             )
             for block in blocks
         ]
+        inner = [not any(i - first in kept.ends for i in block) for block in blocks]
         least = math.inf
-        for recompute in recomputing(stage, self.recompute):
-            within = tuple(
-                (
-                    range(block.start - first, block.stop - first),
-                    self._copy_lagrangian(block, index, weight, recompute) - less,
-                )
-                for block, less in zip(blocks, freed)
-            )
-            least = min(least, stage_floor(stage, within, weight, recompute) if within else -math.inf)
+        for recompute, floor in kept.floors.items():
+            copies = [
+                (range(block.start - first, block.stop - first), self._copy_lagrangian(block, index, weight, recompute))
+                for block in blocks
+            ]
+            lowered = tuple((inside, bound - less) for (inside, bound), less in zip(copies, freed))
+            edges = self._edges(kept, recompute)
+            best = max(floor, stage_floor(stage, lowered, weight, recompute, edges) if copies else -math.inf)
+            if not all(inner):
+                within = [copy for copy, keep in zip(copies, inner) if keep]
+                best = max(best, stage_floor(stage, within, weight, recompute, edges))
+            least = min(least, best)
         kept.at_weight[weight] = least
         return least
 
-    def _floor(self, stage: SearchProblem, first: int, last: int, index: int, sends: dict[int, np.ndarray]) -> float:
+    def _floors(
+        self, kept: "_Kept", first: int, last: int, index: int, sends: dict[int, np.ndarray]
+    ) -> dict[bool, float]:
         """`stage_floor` of each way a plan of the stage may fit, recomputing or not (a way whose leanest plan
-        does not fit has none), the least of them; infinite where neither fits. Where only recomputing plans
-        fit (a first stage holding many micro-batches), their floor counts the forwards they pay again."""
+        does not fit has none): no plan of that way is faster. Where only recomputing plans fit (a first stage
+        holding many micro-batches), their floor counts the forwards they pay again."""
+        stage = kept.stage
         capacity = stage.cost.capacity * (1 + 1e-12)
-        least = math.inf
+        floors = {}
         for recompute in recomputing(stage, self.recompute):
             if stage.memory_floor(recompute) > capacity:
                 continue
@@ -140,8 +150,14 @@ class _StageSearch:
             if recompute:
                 copies = tuple((block, self._copy_lagrangian(block, index, 0.0, True)) for block, _ in copies)
             within = copies_in(copies, first, last, sends, self.shape.slots)
-            least = min(least, stage_floor(stage, within, 0.0, recompute))
-        return least
+            floors[recompute] = stage_floor(stage, within, 0.0, recompute, self._edges(kept, recompute))
+        return floors
+
+    def _edges(self, kept: "_Kept", recompute: bool) -> StageEdges:
+        """The stage's edges as `stage_floor` reads them, gathered once per way to recompute."""
+        if recompute not in kept.edges:
+            kept.edges[recompute] = StageEdges(kept.stage, recompute, self._minima)
+        return kept.edges[recompute]
 
     def _copy_lagrangian(self, block: range, index: int, weight: float, recompute: bool) -> float:
         """A lower bound on the Lagrangian (time + ``weight`` x memory) of one copy of a folded block, its
@@ -150,16 +166,20 @@ class _StageSearch:
         what only a stage's boundary adds or takes away (sends, kept tensors: `_bound_at_hint` takes the
         latter off), and, recomputing, with no share of the one block's activations held at a time (which
         depends on how many copies the stage has). Once per copy kind, stage place, weight and way."""
-        key = (self.classes[block.start], self.shape.in_flight(index), weight, recompute)
+        kind = (self.classes[block.start], self.shape.in_flight(index))
+        key = (*kind, weight, recompute)
         if key not in self._copy_bounds:
-            copy = stage_problem(
-                self.problem, block.start, block.stop, self.shape, index, {}, boundary=False, made=self._arrays
-            )
+            if kind not in self._copy_problems:  # (one problem and solver for every weight and way)
+                copy = stage_problem(
+                    self.problem, block.start, block.stop, self.shape, index, {}, boundary=False, made=self._arrays
+                )
+                self._copy_problems[kind] = (copy, Solver.of(copy))
+            copy, solver = self._copy_problems[kind]
             unary = copy.lagrangian(weight, recompute)[0]
             if recompute:
                 for node, share in copy.recompute_share.items():
                     unary[node] = unary[node] - weight * share * copy.node_activations[node]
-            self._copy_bounds[key] = least_below(copy, unary, recompute)
+            self._copy_bounds[key] = least_below(copy, unary, recompute, solver)
         return self._copy_bounds[key]
 
     def time(self, first: int, last: int, index: int, beat: float = math.inf) -> tuple[float, SearchResult | None]:
@@ -187,6 +207,8 @@ class _StageSearch:
         except NothingFaster as beaten:
             hit = (beaten.bound_s, None)  # no plan of the stage beats ``beat``, or more: a bound, as the floor's
             self.found[key] = hit
+            if beaten.weight:  # the weight that refuted it likeliest refutes its neighbours by their bounds alone
+                self.hints[self.shape.in_flight(index)] = beaten.weight
             return hit
         except InfeasibleError:
             hit = (math.inf, None)
@@ -207,7 +229,9 @@ class _StageSearch:
         if kept is None:
             sends = send_costs(self.problem, crossings, first, index, self.shape)
             stage = stage_problem(self.problem, first, last, self.shape, index, sends, made=self._arrays)
-            kept = _Kept(stage, self._floor(stage, first, last, index, sends), runs=SearchCache(copies=self._copies))
+            ends = {u.src_node - first for u in crossings.out} | {u.dst_node - first for u in crossings.into}
+            kept = _Kept(stage, frozenset(ends), SearchCache(copies=self._copies))
+            kept.floors.update(self._floors(kept, first, last, index, sends))
         self._stages[key] = kept  # (the newest last)
         while len(self._stages) > _STAGES_KEPT:
             del self._stages[next(iter(self._stages))]
@@ -221,13 +245,20 @@ again within a few others (the cuts of one end), and each holds its arrays and s
 
 @dataclass
 class _Kept:
-    """A kind of stage's problem, its floor (`_StageSearch._floor`), its bounds at the memory weights tried
-    (`_StageSearch._bound_at_hint`) and the DP runs of its searches."""
+    """A kind of stage's problem, its floors (`_StageSearch._floors`), its bounds at the memory weights tried
+    (`_StageSearch._bound_at_hint`), its edges as the floors read them and the DP runs of its searches."""
 
     stage: SearchProblem
-    floor: float
+    ends: frozenset[int]  # its operators (its own indices) that read or write across its cuts
+    runs: SearchCache
+    floors: dict[bool, float] = field(default_factory=dict)  # per way to recompute that can fit
     at_weight: dict[float, float] = field(default_factory=dict)
-    runs: SearchCache = field(default_factory=SearchCache)
+    edges: dict[bool, StageEdges] = field(default_factory=dict)
+
+    @property
+    def floor(self) -> float:
+        """No plan of the stage that fits is faster (infinite: none fits)."""
+        return min(self.floors.values(), default=math.inf)
 
 
 @planning

@@ -134,11 +134,12 @@ class NothingFaster(InfeasibleError):
     pipeline shape among several, or of one stage, that cannot win). ``fastest_s``: as
     `SearchResult.fastest_s`; ``bound_s``: no plan that fits is faster than this, the bound given or
     more (what the DP runs made on the way proved): a search asked again with a larger bound that this
-    still meets needs no run."""
+    still meets needs no run. ``weight``: the memory weight whose run proved the most (0: memory aside), where
+    a like problem's bound is likeliest to refute it too (`cuts._StageSearch`)."""
 
-    def __init__(self, message: str, fastest_s: float | None, bound_s: float) -> None:
+    def __init__(self, message: str, fastest_s: float | None, bound_s: float, weight: float = 0.0) -> None:
         super().__init__(message)
-        self.fastest_s, self.bound_s = fastest_s, bound_s
+        self.fastest_s, self.bound_s, self.weight = fastest_s, bound_s, weight
 
 
 def data_parallel_choice(problem: SearchProblem) -> list[int]:
@@ -249,6 +250,13 @@ def _lower_bound(
             bounds += plain  # a plan recomputing is no faster than the same plan keeping its activations
         least = min(least, max(bounds, default=-math.inf) - slack)
     return least
+
+
+def _proving_weight(runs: dict[tuple[float, bool, float], "_Point"], capacity: float) -> float:
+    """The memory weight of the run whose Lagrangian bound (`_lower_bound`) is highest: where a like problem's
+    bound is likeliest to refute it too (0 where no run had a weight)."""
+    weighed = [(p.floor - w * capacity, w) for (w, _, scale), p in runs.items() if w > 0.0 and scale == 1.0]
+    return max(weighed, default=(0.0, 0.0))[1]
 
 
 @dataclass(frozen=True)
@@ -387,7 +395,8 @@ def _constrained_dp(
             best, best_kind = walked, kind
     if best is None and not math.isinf(beat):
         proved = max(beat, _lower_bound(problem, dp.made, recompute, capacity, slack))
-        raise NothingFaster(f"no plan that fits is faster than {beat:.6g} s", fastest, proved)
+        weight = _proving_weight(dp.made, capacity)
+        raise NothingFaster(f"no plan that fits is faster than {beat:.6g} s", fastest, proved, weight)
     if best is None:  # nothing fits: the message describes the leanest plan of every kind
         least = min((leans.get(kind) or leanest(kind) for kind in kinds), key=lambda p: p.memory)
         solver.bind(problem.factors, problem.folds)

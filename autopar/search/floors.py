@@ -160,10 +160,13 @@ def copy_floors(problem: SearchProblem, shape: PipelineShape, points: Sequence[i
     return tuple(found)
 
 
-def least_below(problem: SearchProblem, unary: Sequence[np.ndarray], recompute: bool) -> float:
+def least_below(
+    problem: SearchProblem, unary: Sequence[np.ndarray], recompute: bool, solver: Solver | None = None
+) -> float:
     """The least of ``unary`` plus every edge cost (recomputed forwards paid twice with ``recompute``) over
-    the problem's plans, by one exact DP run, less a billionth of it for rounding: a bound that stays below."""
-    solver = Solver.of(problem)
+    the problem's plans, by one exact DP run, less a billionth of it for rounding: a bound that stays below.
+    ``solver``: one planned on the problem before (`fold.Solver.of`)."""
+    solver = solver or Solver.of(problem)
     solver.bind(problem.main_factors(recompute), problem.recompute_folds if recompute else problem.folds)
     choice, least = solver.solve(unary)
     if solver.exact:  # the plan's own value, summed as the objective sums it
@@ -195,8 +198,38 @@ def _least(problem: SearchProblem, node: int, slots: int = 1) -> float:
     return max(0.0, min(float(np.min(slots * (time - once) + once)) for time, once in arrays))
 
 
+class StageEdges:
+    """The edges `stage_floor` reads of one stage problem, recomputing or not, gathered once for the bounds it
+    takes at every weight: per operator, each edge counted at it (its last operator) as the least of its table
+    over the others' candidates, with the first operator it joins, and the identities of the arrays its
+    Lagrangian is made of. ``minima``: those least tables by table and axis, shared by the stages cut from one
+    problem (their tables are one: `pipeline.stage_problem`'s ``made``), each held with its table so that its
+    identity stays its own."""
+
+    def __init__(
+        self, stage: SearchProblem, recompute: bool, minima: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
+    ) -> None:
+        self.stage, self.recompute = stage, recompute
+        into: list[list[tuple[tuple[int, int], np.ndarray, int]]] = [[] for _ in range(stage.size)]
+        for factor, scope in stage.all_factors(recompute):
+            last = max(scope)
+            at = scope.index(last)  # (the first, as numpy's argmax takes it)
+            key = (id(factor.table), at)
+            if key not in minima:
+                axes = tuple(axis for axis in range(factor.table.ndim) if axis != at)
+                minima[key] = (factor.table, factor.table.min(axis=axes) if axes else factor.table)
+            into[last].append((key, factor.maps[at], min(scope)))
+        self.into = into
+        self.minima = minima
+        self.sources = [stage.node_sources(node, recompute) for node in range(stage.size)]
+
+
 def stage_floor(
-    stage: SearchProblem, copies: Sequence[tuple[range, float]] = (), weight: float = 0.0, recompute: bool = False
+    stage: SearchProblem,
+    copies: Sequence[tuple[range, float]] = (),
+    weight: float = 0.0,
+    recompute: bool = False,
+    edges: StageEdges | None = None,
 ) -> float:
     """A lower bound on a stage's time: each operator at its least cost counting, per candidate, the least
     each edge into it costs (every edge counted once, at its last operator), memory and recomputation
@@ -206,40 +239,36 @@ def stage_floor(
 
     With a memory ``weight``, the same of the Lagrangian (time + weight x memory, recomputing or not as
     ``recompute`` says) less weight x the capacity: no plan of that kind that fits is faster (the copies'
-    bounds then of the same Lagrangian, `_StageSearch._copy_lagrangian`)."""
+    bounds then of the same Lagrangian, `_StageSearch._copy_lagrangian`). ``edges``: the stage's, gathered
+    before (`StageEdges`)."""
+    if edges is None:
+        edges = StageEdges(stage, recompute, {})
+    assert edges.stage is stage and edges.recompute == recompute
     copy_of = np.full(stage.size, -1)
     for number, (block, _) in enumerate(copies):
         copy_of[block.start : block.stop] = number
-    into: list[list[tuple[int, np.ndarray, bool]]] = [[] for _ in range(stage.size)]  # (table key, map, inside)
-    least: dict[int, np.ndarray] = {}  # per factor table: its minimum over every axis but the last operator's
     copy_at = copy_of.tolist()
-    for factor, scope in stage.all_factors(recompute):
-        at = scope.index(max(scope))  # (the first, as numpy's argmax takes it)
-        key = id(factor.table) * 8 + at
-        if key not in least:
-            axes = tuple(axis for axis in range(factor.table.ndim) if axis != at)
-            least[key] = factor.table.min(axis=axes) if axes else factor.table
-        copy = copy_at[scope[at]]
-        inside = copy >= 0 and all(copy_at[u] == copy for u in scope)
-        into[scope[at]].append((key, factor.maps[at], inside))
+    minima = edges.minima
     # the copies of a folded run share their arrays: an operator's least is taken once per set of sources
     found: dict[tuple, tuple[float, float]] = {}
     alone, counted = 0.0, sum(bound for _, bound in copies)
     for node in range(stage.size):
-        edges = tuple((table, id(rows), inside) for table, rows, inside in into[node])
-        sources = (stage.node_sources(node, recompute), edges)
+        copy = copy_at[node]
+        into = [(key, rows, copy >= 0 and copy_at[first] == copy) for key, rows, first in edges.into[node]]
+        sources = (edges.sources[node], tuple((key, id(rows), inside) for key, rows, inside in into))
         if sources not in found:
             extra: np.ndarray | float = 0.0
             outside: np.ndarray | float = 0.0  # ``extra`` less the edges inside a copy
-            for table, rows, inside in into[node]:
-                extra = extra + least[table][rows]
+            for key, rows, inside in into:
+                least = minima[key][1][rows]
+                extra = extra + least
                 if not inside:
-                    outside = outside + least[table][rows]
+                    outside = outside + least
             unary = stage.node_lagrangian(node, weight, recompute)[0]
             found[sources] = (float(np.min(unary + extra)), float(np.min(outside)))
         own, beyond = found[sources]
         alone += own
-        counted += beyond if copy_of[node] >= 0 else own
+        counted += beyond if copy >= 0 else own
     return max(max(alone, counted) - weight * stage.cost.capacity, 0.0)
 
 
