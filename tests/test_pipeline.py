@@ -458,6 +458,30 @@ def test_a_stage_refuted_at_a_memory_weight_hands_that_weight_to_the_next_stage_
     assert handed > 0
 
 
+def test_the_transfers_of_alike_uses_are_worked_out_once_and_cost_what_each_stage_works_out_alone(monkeypatch):
+    """`SentAlike` takes a boundary use's transfers from another stage's use of the same copy's operator, slot,
+    tensor and link: every stage of every cut costs them bit for bit as it does alone, and far fewer are
+    worked out than asked for."""
+    from autopar.search.cuts import _StageSearch
+    from autopar.search.pipeline import SentAlike
+
+    fold_short(monkeypatch)
+    model = build_transformer(kind="gpt", layers=6, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    problem = autopar.build(model, 4, profile())
+    shape = PipelineShape(4, 4)
+    known = SentAlike(_StageSearch(problem, shape, SearchOptions()).classes)
+    asked = 0
+    for a, b in itertools.combinations([0, *cut_points(problem), problem.size], 2):
+        crossings = cut_crossings(problem, a, b)
+        for index in range(shape.stages):
+            alone = send_costs(problem, crossings, a, index, shape)
+            shared = send_costs(problem, crossings, a, index, shape, known)
+            assert alone.keys() == shared.keys()
+            assert all(np.array_equal(alone[node], shared[node]) for node in alone)
+            asked += len(crossings.into) * (index > 0) + len(crossings.out) * (index < shape.stages - 1)
+    assert 0 < len(known.found) < asked / 10
+
+
 @pytest.mark.parametrize("cuts", [(0, 10), (0, 5, 15, 20)])
 def test_each_stage_of_a_fixed_cut_equals_the_ilp(monkeypatch, cuts):
     pytest.importorskip("highspy")

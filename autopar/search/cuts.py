@@ -36,6 +36,7 @@ from autopar.search.pipeline import (
     Crossings,
     PipelineResult,
     PipelineShape,
+    SentAlike,
     StagePlan,
     cut_crossings,
     cut_points,
@@ -80,6 +81,7 @@ class _StageSearch:
         self._arrays: dict[tuple, tuple] = {}  # the rescaled arrays the stages share (`stage_problem`'s ``made``)
         self._copies = CopyRuns()  # the copy eliminations the stages' searches share (`fold.CopyRuns`)
         self._minima: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # `StageEdges`' shared ones
+        self._sent = SentAlike(self.classes)  # each boundary use's transfers, once for the uses alike
 
     def _key(self, first: int, last: int, index: int, crossings: Crossings) -> tuple:
         graph = self.problem.graph
@@ -227,7 +229,7 @@ class _StageSearch:
         then takes up where its search stopped. The latest `_STAGES_KEPT` kinds are kept."""
         kept = self._stages.pop(key, None)
         if kept is None:
-            sends = send_costs(self.problem, crossings, first, index, self.shape)
+            sends = send_costs(self.problem, crossings, first, index, self.shape, self._sent)
             stage = stage_problem(self.problem, first, last, self.shape, index, sends, made=self._arrays)
             ends = {u.src_node - first for u in crossings.out} | {u.dst_node - first for u in crossings.into}
             kept = _Kept(stage, frozenset(ends), SearchCache(copies=self._copies))

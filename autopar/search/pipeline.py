@@ -32,7 +32,7 @@ stage's plan coming from the exact per-stage search (`autopar.search.cuts`, its 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import numpy as np
@@ -135,13 +135,20 @@ def cut_crossings(problem: SearchProblem, first: int, last: int) -> Crossings:
 
 
 def send_costs(
-    problem: SearchProblem, crossings: Crossings, first: int, index: int, shape: PipelineShape
+    problem: SearchProblem,
+    crossings: Crossings,
+    first: int,
+    index: int,
+    shape: PipelineShape,
+    known: "SentAlike | None" = None,
 ) -> dict[int, np.ndarray]:
     """Per operator of the stage (its own index), seconds per micro-batch its boundary transfers take:
     receiving what it reads from earlier stages (forward) and reducing the gradient it sends back
     where that comes out partial, receiving the gradients of what later stages read from it
-    (backward), and reducing a partial output before it leaves."""
-    graph, cost = problem.graph, problem.cost
+    (backward), and reducing a partial output before it leaves. ``known``: the same of the uses of
+    other stages cut from the problem, taken where a use is alike (`SentAlike`)."""
+    graph = problem.graph
+    known = known if known is not None else SentAlike(tuple(range(problem.size)))
     extra: dict[int, np.ndarray] = {}
 
     def add(node: int, seconds: np.ndarray) -> None:
@@ -150,34 +157,64 @@ def send_costs(
     if index > 0:
         bit = stage_link_bit(problem.mesh_bits, index - 1, index)
         for use in crossings.into:
-            info = graph.tensor(use.tensor)
-            if info.kind == "input":
-                continue  # every stage loads the data it reads
-            rule = problem.rules[use.dst_node]
-            size = problem.itemsize(info)
-            local = np.array(
-                [rule.input_layout(c, use.dst_slot).local_numel(info.shape) for c in range(len(rule.candidates))]
-            )
-            add(use.dst_node, np.asarray(cost.send_time(bit, local * float(size)), dtype=float))
-            if problem.requires_grad.get(use.tensor, False) and rule.differentiable:
-                add(use.dst_node, _partial_gradients(problem, use))
+            if graph.tensor(use.tensor).kind != "input":  # (every stage loads the data it reads)
+                for part in known.seconds(problem, use, bit, receiving=True):
+                    add(use.dst_node, part)
     if index < shape.stages - 1:
         bit = stage_link_bit(problem.mesh_bits, index, index + 1)
         for use in crossings.out:
-            info = graph.tensor(use.tensor)
-            if info.kind == "input":
-                continue
-            rule = problem.rules[use.src_node]
-            size = problem.itemsize(info)
-            seconds = np.zeros(len(rule.candidates))
-            for c in range(len(rule.candidates)):
-                layout = problem.source_layout(use, c)
-                if problem.requires_grad.get(use.tensor, False):
-                    seconds[c] += float(cost.send_time(bit, layout.local_numel(info.shape) * float(size)))
-                if layout.partial:
-                    seconds[c] += problem.redistribution(use.tensor, layout, Layout(layout.dims))[1]
-            add(use.src_node, seconds)
+            if graph.tensor(use.tensor).kind != "input":
+                for part in known.seconds(problem, use, bit, receiving=False):
+                    add(use.src_node, part)
     return extra
+
+
+@dataclass(frozen=True)
+class SentAlike:
+    """`send_costs` per use, each worked out once for the uses alike: the same operator of a folded run's
+    copies (``classes``: per operator, the one in the first copy it is a copy of; itself where none), the same
+    slot, tensor shape and type, link and gradient. A cut search asks for hundreds of stages whose cuts
+    cross the same tensor of one copy or another (GPT-3 175B: 500 stages, 12 ms each where it worked out
+    every candidate's layout again)."""
+
+    classes: Sequence[int]
+    found: dict[tuple, tuple[np.ndarray, ...]] = field(default_factory=dict)
+
+    def seconds(self, problem: SearchProblem, use: TensorUse, bit: int, receiving: bool) -> tuple[np.ndarray, ...]:
+        """The use's seconds per candidate of its operator, in the parts the stage adds in turn."""
+        info = problem.graph.tensor(use.tensor)
+        grad = problem.requires_grad.get(use.tensor, False)
+        node, slot = (use.dst_node, use.dst_slot) if receiving else (use.src_node, use.src_slot)
+        key = (receiving, self.classes[node], slot, use.src_is_output, info.shape, info.dtype, bit, grad)
+        if key not in self.found:
+            self.found[key] = _received(problem, use, bit) if receiving else _sent(problem, use, bit)
+        return self.found[key]
+
+
+def _received(problem: SearchProblem, use: TensorUse, bit: int) -> tuple[np.ndarray, ...]:
+    """Per candidate of the use's reader: seconds to receive it, then to reduce the gradient it sends back."""
+    info, rule = problem.graph.tensor(use.tensor), problem.rules[use.dst_node]
+    size = problem.itemsize(info)
+    local = np.array([rule.input_layout(c, use.dst_slot).local_numel(info.shape) for c in range(len(rule.candidates))])
+    seconds = np.asarray(problem.cost.send_time(bit, local * float(size)), dtype=float)
+    if problem.requires_grad.get(use.tensor, False) and rule.differentiable:
+        return seconds, _partial_gradients(problem, use)
+    return (seconds,)
+
+
+def _sent(problem: SearchProblem, use: TensorUse, bit: int) -> tuple[np.ndarray, ...]:
+    """Per candidate of the use's writer: seconds to receive its gradient and to reduce it where it leaves
+    partial."""
+    info, rule = problem.graph.tensor(use.tensor), problem.rules[use.src_node]
+    size = problem.itemsize(info)
+    seconds = np.zeros(len(rule.candidates))
+    for c in range(len(rule.candidates)):
+        layout = problem.source_layout(use, c)
+        if problem.requires_grad.get(use.tensor, False):
+            seconds[c] += float(problem.cost.send_time(bit, layout.local_numel(info.shape) * float(size)))
+        if layout.partial:
+            seconds[c] += problem.redistribution(use.tensor, layout, Layout(layout.dims))[1]
+    return (seconds,)
 
 
 def _partial_gradients(problem: SearchProblem, use: TensorUse) -> np.ndarray:
