@@ -346,6 +346,19 @@ def _refuted_just_below(monkeypatch, model, shape: PipelineShape, least: float) 
     assert built  # not refuted by the bound: its stages are searched
 
 
+def _fitting_stages(problem, shape: PipelineShape, points):
+    """Every stage of every cut at ``points`` that has a plan that fits: (its first and last points, its index,
+    its problem, its plan)."""
+    for a, b in itertools.combinations(points, 2):
+        for index in range(shape.stages):
+            stage = stage_problem(problem, a, b, shape, index)
+            try:
+                found = run_search(stage)
+            except InfeasibleError:
+                continue
+            yield a, b, index, stage, found
+
+
 @pytest.mark.parametrize(
     ("blocks", "batch", "devices", "micro", "share"), [(6, 64, 8, 2, 0.3), (5, 32, 4, 4, 1.0), (-4, 16, 4, 2, 0.5)]
 )
@@ -378,28 +391,22 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     search = _StageSearch(problem, shape, SearchOptions())
     search.copies = copy_floors(problem, shape, points)
     refuted, raised, weights = 0, 0, []
-    for a, b in itertools.combinations(points, 2):
-        for index in range(shape.stages):
-            stage = stage_problem(problem, a, b, shape, index)
-            try:
-                found = run_search(stage)
-            except InfeasibleError:
-                continue  # nothing of this stage fits: nothing to refute wrongly
-            exact = stage.objective(found.choice, found.choices)
-            weights += [found.memory_multiplier] if found.memory_multiplier > 0 else []
-            crossings = cut_crossings(problem, a, b)
-            kept = search._kept(search._key(a, b, index, crossings), a, b, index, crossings)
-            sends = send_costs(problem, crossings, a, index, shape)
-            floor = kept.floor  # recomputing or not, as the plan may fit
-            assert floor < exact * (1 + 1e-9)
-            plain = stage_floor(stage, copies_in(search.copies, a, b, sends, shape.slots))
-            raised += floor > plain * (1 + 1e-9)  # only recomputing plans fit: they pay the forwards again
-            for memory_weight in (found.memory_multiplier, 1e-12, 1e-10, 1e-8, 1e-6):
-                search.hint = memory_weight
-                if memory_weight > 0:
-                    bound = search._bound_at_hint(kept, a, b, index, memory_weight)
-                    assert bound < exact * (1 + 1e-9)
-                    refuted += bound >= exact * 0.999
+    for a, b, index, stage, found in _fitting_stages(problem, shape, points):  # (none else to refute wrongly)
+        exact = stage.objective(found.choice, found.choices)
+        weights += [found.memory_multiplier] if found.memory_multiplier > 0 else []
+        crossings = cut_crossings(problem, a, b)
+        kept = search._kept(search._key(a, b, index, crossings), a, b, index, crossings)
+        sends = send_costs(problem, crossings, a, index, shape)
+        floor = kept.floor  # recomputing or not, as the plan may fit
+        assert floor < exact * (1 + 1e-9)
+        plain = stage_floor(stage, copies_in(search.copies, a, b, sends, shape.slots))
+        raised += floor > plain * (1 + 1e-9)  # only recomputing plans fit: they pay the forwards again
+        for memory_weight in (found.memory_multiplier, 1e-12, 1e-10, 1e-8, 1e-6):
+            search.hint = memory_weight
+            if memory_weight > 0:
+                bound = search._bound_at_hint(kept, a, b, index, memory_weight)
+                assert bound < exact * (1 + 1e-9)
+                refuted += bound >= exact * 0.999
     assert weights and refuted > 0  # memory binds, and the bound is close enough to refute
     assert raised > 0  # some stages fit only recomputing, and their floor says so
     brute = every_cut(problem, shape)
@@ -427,34 +434,26 @@ def test_a_stage_refuted_at_a_memory_weight_hands_that_weight_to_the_next_stage_
     shape = PipelineShape(2, 2)
     points = [0, *cut_points(problem), problem.size]
     handed = 0
-    for a, b in itertools.combinations(points, 2):
-        for index in range(shape.stages):
-            stage = stage_problem(problem, a, b, shape, index)
-            try:
-                found = run_search(stage)
-            except InfeasibleError:
-                continue
-            if not found.memory_multiplier:
-                continue  # memory does not bind this stage: no weight to hand on
-            exact = stage.objective(found.choice, found.choices)
-            cache = SearchCache()
-            with pytest.raises(NothingFaster) as beaten:
-                run_search(stage, SearchOptions(bound=exact * (1 - 1e-3)), cache)
-            runs = {w: p.floor - w * stage.cost.capacity for (w, _, scale), p in cache.runs.items() if w > 0}
-            if not runs:  # refuted memory aside, or by what recomputing pays again: no weight to hand on
-                assert beaten.value.weight == 0.0
-                continue
-            assert beaten.value.weight == max(runs, key=lambda w: runs[w])
-            search = _StageSearch(problem, shape, SearchOptions())
-            search.copies = copy_floors(problem, shape, points)
-            assert search.time(a, b, index, exact * (1 - 1e-3))[1] is None
-            assert search.hints[shape.in_flight(index)] == pytest.approx(
-                beaten.value.weight, rel=1e-6
-            )  # (its tie-break)
-            crossings = cut_crossings(problem, a, b)
-            kept = search._kept(search._key(a, b, index, crossings), a, b, index, crossings)
-            assert search._bound_at_hint(kept, a, b, index, beaten.value.weight) < exact * (1 + 1e-9)
-            handed += 1
+    for a, b, index, stage, found in _fitting_stages(problem, shape, points):
+        if not found.memory_multiplier:
+            continue  # memory does not bind this stage: no weight to hand on
+        exact = stage.objective(found.choice, found.choices)
+        cache = SearchCache()
+        with pytest.raises(NothingFaster) as beaten:
+            run_search(stage, SearchOptions(bound=exact * (1 - 1e-3)), cache)
+        runs = {w: p.floor - w * stage.cost.capacity for (w, _, scale), p in cache.runs.items() if w > 0}
+        if not runs:  # refuted memory aside, or by what recomputing pays again: no weight to hand on
+            assert beaten.value.weight == 0.0
+            continue
+        assert beaten.value.weight == max(runs, key=lambda w: runs[w])
+        search = _StageSearch(problem, shape, SearchOptions())
+        search.copies = copy_floors(problem, shape, points)
+        assert search.time(a, b, index, exact * (1 - 1e-3))[1] is None
+        assert search.hints[shape.in_flight(index)] == pytest.approx(beaten.value.weight, rel=1e-6)  # (its tie-break)
+        crossings = cut_crossings(problem, a, b)
+        kept = search._kept(search._key(a, b, index, crossings), a, b, index, crossings)
+        assert search._bound_at_hint(kept, a, b, index, beaten.value.weight) < exact * (1 + 1e-9)
+        handed += 1
     assert handed > 0
 
 
