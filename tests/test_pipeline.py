@@ -481,6 +481,39 @@ def test_the_transfers_of_alike_uses_are_worked_out_once_and_cost_what_each_stag
     assert 0 < len(known.found) < asked / 10
 
 
+def test_a_stage_ending_in_a_folded_run_pays_what_its_last_operator_sends(monkeypatch):
+    """A stage that ends with the last copy of a folded run sends that copy's output on: its last operator's
+    costs are its own, not copy 0's last operator's, which the run's table holds. The DP's least (the
+    Lagrangian, recomputing or not) is its plan's own cost to rounding, and its plan the ILP's."""
+    from autopar.search.fold import Solver
+
+    pytest.importorskip("highspy")
+    fold_short(monkeypatch)
+    model = build_transformer(kind="gpt", layers=6, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    problem = autopar.build(model, 4, profile())
+    shape = PipelineShape(2, 4)
+    ended = 0
+    for cut in cut_points(problem):
+        stage = stage_problem(problem, 0, cut, shape, 0)
+        runs = [repeat for repeat, _ in stage.folds if repeat.last(repeat.copies - 1) == stage.size - 1]
+        if not runs or np.array_equal(stage.node_time[stage.size - 1], stage.node_time[runs[0].last(0)]):
+            continue
+        ended += 1
+        for memory_weight, recompute in ((0.0, False), (1e-9, False), (1e-9, True)):
+            unary = stage.lagrangian(memory_weight, recompute)[0]
+            solver = Solver.of(stage)
+            solver.bind(stage.main_factors(recompute), stage.recompute_folds if recompute else stage.folds)
+            choice, least = solver.solve(unary)
+            own = sum(float(u[c]) for u, c in zip(unary, choice))
+            own += sum(f.value([choice[u] for u in scope]) for f, scope in stage.all_factors(recompute))
+            assert least == pytest.approx(own, rel=1e-12)
+        dp, ilp = run_search(stage), run_search(stage, SearchOptions(algorithm="ilp"))
+        assert stage.objective(dp.choice, dp.choices) == pytest.approx(
+            stage.objective(ilp.choice, ilp.choices), rel=1e-7
+        )
+    assert ended > 0
+
+
 @pytest.mark.parametrize("cuts", [(0, 10), (0, 5, 15, 20)])
 def test_each_stage_of_a_fixed_cut_equals_the_ilp(monkeypatch, cuts):
     pytest.importorskip("highspy")

@@ -497,7 +497,13 @@ class Solver:
         tables = {self.first_placeholder + i: s.joined for i, s in enumerate(solved)}
         main_unary = list(unary)
         for run in self.runs:
-            main_unary[run.last] = np.zeros(self.sizes[run.last])  # its cost is inside G
+            # its cost is inside G, as copy 0's last operator's: what its own costs differ by (a pipeline stage's
+            # last operator sends its output on) is the main graph's
+            own, first = np.asarray(unary[run.last]), np.asarray(unary[run.q])
+            differ = np.zeros(self.sizes[run.last])
+            if own is not first and not np.array_equal(own, first):  # (what copy 0's cannot take, G prices out)
+                np.subtract(own, first, out=differ, where=np.isfinite(first))
+            main_unary[run.last] = differ
         main = self.main.run(main_unary, tables)
         choice = main.backtrack()
         for s in solved:
