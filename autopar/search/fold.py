@@ -10,7 +10,9 @@ operator (an embedding's output feeds the first layer, a residual sum every othe
 eliminated once with the tensor it reads in every layout either of them gives (`RunEdges`), so
 F has a row for each. Its square form S[p, p'] (q reduced to the class the next copy reads)
 is raised to the (L-1)-th min-plus power by repeated squaring, and G = S^(L-1) (x) F joins the
-main graph as one factor between the operator before the run and the run's last operator.
+main graph as one factor between the operator before the run and the run's last operator; where
+that operator's own costs differ from copy 0's last's, which F holds (a pipeline stage's last
+operator sends its output on), the main graph pays the difference.
 After the main search, the argmin is unfolded: the class of every intermediate boundary from
 the products' recorded midpoints, then each copy's interior by backtracking the one
 elimination with its two boundaries fixed. The objective is the unfolded DP's, exactly (ties
