@@ -110,16 +110,18 @@ class _StageSearch:
         # a copy at the stage's cuts is costed otherwise than the copy's own bound counts it (what it sends and
         # receives, the tensors kept across: `_kept_across`): its bound is lowered by the most its kept tensors
         # free here, or its operators count one by one, whichever bounds more
+        # (only an operator at the cuts has activations of its own in the stage: the others free nothing)
+        at_cuts = [[i for i in block if i - first in kept.ends] for block in blocks]
         freed = [
             weight
             * held
             * sum(
                 max(0.0, -float(np.min(stage.node_activations[i - first] - self.problem.node_activations[i])))
-                for i in block
+                for i in ends
             )
-            for block in blocks
+            for ends in at_cuts
         ]
-        inner = [not any(i - first in kept.ends for i in block) for block in blocks]
+        inner = [not ends for ends in at_cuts]
         least = math.inf
         for recompute, floor in kept.floors.items():
             copies = [
