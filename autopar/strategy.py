@@ -197,7 +197,7 @@ class OpRule:
         if sum(result) > self.mesh_bits:
             raise StrategyError(
                 f"Strategy for {name!r} splits into {1 << sum(result)} parts, more than the"
-                f" {1 << self.mesh_bits} devices."
+                f" {1 << self.mesh_bits} device{'s' if self.mesh_bits else ''}."
             )
         for label, e in zip(self.spec.label_order, result):
             bad = [size for size in self.label_sizes[label] if size % (1 << e)]

@@ -256,7 +256,9 @@ def test_an_output_inference_cannot_follow_is_named(capsys, tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=opsets, ir_version=8), path)
     code, _, err = run(capsys, "plan", path, "--devices", "4")
     assert code == 1
-    assert "'y' has an unknown shape" in one_sentence(err)
+    said = one_sentence(err)  # the operator inference stopped at, not a dimension to bind
+    assert "stops at FusedMatMul 'f', which ONNX does not define in domain 'com.microsoft'" in said
+    assert "--dim" not in said
 
 
 # --- valid input the checks must not refuse ------------------------------------------------------
@@ -403,3 +405,126 @@ def test_a_plan_file_listing_an_operator_twice_is_refused(capsys, tmp_path):
             assert code == 1 and out == ""
             assert one_sentence(err) == expected
         assert not list(tmp_path.glob(f"out{i}.*"))
+
+
+# --- a second fuzz run: files a command would overwrite, strategies given twice, wiring, stdout -----------------
+
+
+def test_an_out_naming_what_the_command_reads_is_refused_before_any_work(capsys, tmp_path):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(Path(GPT).read_bytes())
+    code, out, err = run(capsys, "plan", model, "--devices", "2", "-o", model)
+    assert code == 2 and out == ""
+    assert one_sentence(err) == f"autopar: error: --out '{model}' is the model itself: name another file."
+    assert model.read_bytes() == Path(GPT).read_bytes()
+    code, out, err = run(capsys, "plan", model, "--devices", "2", "--format", "json", "-o", tmp_path / "plan.json")
+    assert code == 0, err
+    plan = tmp_path / "plan.json"
+    code, out, err = run(capsys, "export", plan, "--to", "jax", "-o", plan)
+    assert code == 2 and f"'{plan}', which this command reads" in one_sentence(err)
+    code, out, err = run(capsys, "export", plan, "--to", "jax", "-o", tmp_path)  # said before any work: a flag
+    assert code == 2 and "is a directory" in one_sentence(err)
+
+
+def test_an_out_linking_into_a_missing_folder_is_refused_before_planning(capsys, tmp_path):
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "no" / "such" / "plan.txt")
+    code, out, err = run(capsys, "plan", GPT, "--devices", "2", "-o", link)
+    assert code == 2 and out == "" and "a link into a folder that does not exist" in one_sentence(err)
+
+
+def test_an_operator_given_two_strategies_is_refused(capsys, tmp_path):
+    fix = ["--mode", "semi_auto_parallel", "--devices", "4"]
+    code, out, err = run(capsys, "plan", GPT, *fix, "--fix", "/blocks.0/qkv/MatMul=((2,1,1),(1,2))",
+                         "--fix", "/blocks.0/qkv/MatMul=((4,1,1),(1,2))")  # fmt: skip
+    assert code == 2 and out == ""
+    assert "--fix gives '/blocks.0/qkv/MatMul' two strategies, ((2, 1, 1), (1, 2)) and ((4, 1, 1), (1, 2))" in (
+        one_sentence(err)
+    )
+    strategies = tmp_path / "s.json"
+    strategies.write_text('{"/blocks.0/qkv/MatMul": [[2,1,1],[1,2]], "/blocks.0/qkv/MatMul": [[4,1,1],[1,2]]}')
+    code, out, err = run(capsys, "plan", GPT, *fix, "--strategies", strategies)
+    assert code == 2 and out == ""
+    assert one_sentence(err) == (
+        f"autopar: error: Strategies file '{strategies}' names operator '/blocks.0/qkv/MatMul' twice: give it one"
+        " strategy."
+    )
+
+
+def test_verify_with_a_plan_file_refuses_the_flags_that_would_shape_another(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    assert run(capsys, "plan", GPT, "--devices", "2", "--format", "json", "-o", plan)[0] == 0
+    code, out, err = run(capsys, "verify", GPT, "--devices", "2", "--plan", plan, "--optimizer", "adam")
+    assert code == 2 and out == ""
+    assert "--plan verifies the plan file as it was made, so it takes no --optimizer" in one_sentence(err)
+
+
+@pytest.mark.parametrize("devices, said", [("1,,8", "device counts such as"), ("8,1,8", "names 8 more than once")])
+def test_a_sweep_over_an_empty_or_repeated_device_count_is_refused(capsys, devices, said):
+    code, out, err = run(capsys, "sweep", GPT, "--devices", devices)
+    assert code == 2 and out == "" and said in one_sentence(err)
+
+
+def test_a_full_standard_output_is_one_sentence(capsys, monkeypatch):
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stdout", Full())
+    code = main(["schema"])
+    assert code == 1
+    assert one_sentence(capsys.readouterr().err) == (
+        "autopar: error: Cannot write to standard output: No space left on device."
+    )
+
+
+def test_nothing_fitting_over_micro_batches_says_the_leanest_plan_over_the_most_of_them(capsys):
+    code, out, err = run(capsys, "plan", RESNET50, "--devices", "1", "--memory-reserve", "31.6GB")
+    assert code == 1 and out == ""
+    said = one_sentence(err)
+    assert said.startswith(
+        "autopar: error: Nothing fits in device memory, even over 64 micro-batches: the leanest plan needs 462.69 MB"
+    )
+    code, out, err = run(capsys, "plan", RESNET50, "--devices", "1", "--memory-reserve", "31.5GB", "--format", "json")
+    assert code == 0 and json.loads(out)["memory_plan"]["micro_batches"] == 64  # with 100 MB more, it fits
+
+
+def test_a_model_inference_cannot_cross_names_the_cause(capsys, tmp_path):
+    relu = helper.make_node("Relu", ["y"], ["z"], name="relu")
+    z = helper.make_tensor_value_info("z", FLOAT, None)
+    cases = {
+        "unknown": ([MATMUL, helper.make_node("FooBar", ["y"], ["z"], name="foo")], [x_input([4, 4])], [z], [W]),
+        "unwritten": ([MATMUL, relu], [x_input([4, 4])], [z], []),
+        "shapeless": ([MATMUL, relu], [helper.make_tensor_value_info("x", FLOAT, None)], [z], [W]),
+        "twice": ([MATMUL, relu], [x_input([4, 4])], [z, z], [W]),
+    }
+    expected = {
+        "unknown": "Shape inference stops at FooBar 'foo', which ONNX does not define, so its outputs' shapes are"
+        " unknown: export the model without it.",
+        "unwritten": "MatMul 'mm' reads 'W', which no operator writes and which is no input or initializer.",
+        "shapeless": "Input 'x' declares no shape; autopar needs its sizes to plan.",
+        "twice": "Graph output 'z' is listed twice.",
+    }
+    for name, (nodes, inputs, outputs, inits) in cases.items():
+        path = save(tmp_path, nodes, inputs, outputs, inits, name=f"{name}.onnx")
+        code, out, err = run(capsys, "plan", path, "--devices", "2")
+        assert code == 1 and out == ""
+        assert one_sentence(err) == f"autopar: error: {expected[name]}", name
+
+
+def test_a_batch_the_graph_cannot_take_says_the_batch_it_was_exported_at(capsys):
+    code, out, err = run(capsys, "plan", GPT, "--batch", "3")
+    assert code == 1 and out == ""
+    said = one_sentence(err)
+    assert said.startswith("autopar: error: ONNX shape inference failed:")
+    assert said.endswith("(at a batch of 3, where the file was exported at 4: its graph may fix that size; plan it at"
+                         " its own batch).")  # fmt: skip
+
+
+def test_one_device_is_one_device_in_the_table(capsys):
+    code, out, err = run(capsys, "plan", GPT, "--devices", "1")
+    assert code == 0, err
+    assert "mesh:             1 device\n" in out and "1 devices" not in out

@@ -335,6 +335,21 @@ def test_cli_malformed_rank_table(capsys, tmp_path, case):
         assert err == f"autopar: error: Rank table {str(path)!r}: {sentence}\n"
 
 
+def test_cli_rank_table_with_an_unterminated_string_says_where_it_starts_once(capsys, tmp_path):
+    path = tmp_path / "rank_table.json"
+    path.write_text('{"version": "1.0, "server_count": "1"}')
+    code, out, err = run(capsys, "plan", RESNET50, "--rank-table", path)
+    assert (code, out) == (1, "")
+    assert err == (
+        f"autopar: error: Rank table {str(path)!r} is not JSON: expecting ',' delimiter at line 1, column 20.\n"
+    )
+    path.write_text('{"version": "1.0}')
+    code, out, err = run(capsys, "plan", RESNET50, "--rank-table", path)
+    assert err == (
+        f"autopar: error: Rank table {str(path)!r} is not JSON: unterminated string starting at line 1, column 13.\n"
+    )
+
+
 def test_cli_devices_disagree(capsys):
     code, out, err = run(capsys, "plan", RESNET50, "--rank-table", TABLE_8, "--devices", "16")
     assert (code, out) == (1, "")

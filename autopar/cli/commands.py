@@ -14,8 +14,8 @@ from typing import Any
 
 from autopar import progress
 from autopar.cli.flags import UsageError, check_out, defaults_of
-from autopar.cli.output import ProgressLine, emit, say_plan_warnings, say_warnings
-from autopar.errors import AutoparWarning, FixedStrategyError
+from autopar.cli.output import ProgressLine, emit, say_plan_warnings, say_warnings, write_stdout
+from autopar.errors import AutoparError, AutoparWarning, FixedStrategyError
 from autopar.limits import MAX_DIMENSION
 from autopar.lowering.advice import plan_warnings
 from autopar.options import DEFAULT_COST_MODEL, PlanOptions
@@ -31,26 +31,58 @@ def _options(args: argparse.Namespace, **fields: Any) -> PlanOptions:
 
 
 def _fixed(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The strategies ``--strategies FILE`` and ``--fix`` fix (``--fix`` wins for the same operator)."""
+    """The strategies ``--strategies FILE`` and ``--fix`` fix (``--fix`` wins for the same operator; one operator
+    given two strategies by the file, or by ``--fix``, is an error)."""
     fixed: dict[str, Any] = {}
     if args.strategies:
         try:
-            data = json.loads(Path(args.strategies).read_text(encoding="utf-8"))
+            data = json.loads(Path(args.strategies).read_text(encoding="utf-8"), object_pairs_hook=_once_each)
         except OSError as exc:
             raise FixedStrategyError(
                 f"Strategies file {args.strategies!r} cannot be read: {exc.strerror or exc}."
             ) from None
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise FixedStrategyError(f"Strategies file {args.strategies!r} is not JSON.") from None
+        except _NamedTwice as twice:
+            raise FixedStrategyError(
+                f"Strategies file {args.strategies!r} names operator {twice.name!r} twice: give it one strategy."
+            ) from None
         if not isinstance(data, dict):
             raise FixedStrategyError(
                 f"Strategies file {args.strategies!r} must be a JSON object {{operator: in_strategy}}."
             )
         fixed.update(data)
-    fixed.update(dict(args.fix))
+    given: dict[str, Any] = {}
+    for name, strategy in args.fix:
+        if name in given and given[name] != strategy:
+            raise UsageError(f"--fix gives {name!r} two strategies, {given[name]} and {strategy}: give it one.")
+        given[name] = strategy
+    fixed.update(given)
     if fixed and args.mode not in ("auto_parallel", "semi_auto_parallel"):
         raise FixedStrategyError(f"--fix and --strategies need --mode semi_auto_parallel, not {args.mode}.")
     return fixed or None
+
+
+class _NamedTwice(Exception):
+    """A JSON object naming one key twice (`_once_each`)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, where a key given twice is an error (json keeps the last, silently).
+
+    >>> _once_each([("a", 1), ("b", 2)])
+    {'a': 1, 'b': 2}
+    """
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _NamedTwice(key)
+        found[key] = value
+    return found
 
 
 def _searched_options(args: argparse.Namespace) -> PlanOptions:
@@ -82,7 +114,7 @@ def _plan_batch(plan_file: Any) -> int | None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    check_out(args.out)
+    check_out(args.out, args.model, args.strategies, args.rank_table)
     import autopar
     from autopar.report import plan_table
 
@@ -113,7 +145,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         graph = load_model(args.model, batch=args.batch, dims=dict(args.dim))
         summary = inspect_summary(graph)
     text = json.dumps(summary, indent=2) + "\n" if args.format == "json" else inspect_table(summary)
-    sys.stdout.write(text)
+    write_stdout(text)
     return 0
 
 
@@ -122,6 +154,13 @@ def run_verify(args: argparse.Namespace) -> int:
     from autopar.lowering import load_plan_file
     from autopar.report import verify_table
 
+    shaping = [
+        flag
+        for dest, flag in (("optimizer", "--optimizer"), ("memory_reserve", "--memory-reserve"))
+        if getattr(args, dest) is not None
+    ]
+    if args.plan and shaping:
+        raise UsageError(f"--plan verifies the plan file as it was made, so it takes no {', '.join(shaping)}.")
     plan_file = load_plan_file(args.plan) if args.plan else None
     options = _options(args)
     devices, cost_model = options.num_devices, options.cost_model
@@ -157,7 +196,7 @@ def run_verify(args: argparse.Namespace) -> int:
         if args.format == "json"
         else verify_table(report)
     )
-    sys.stdout.write(text)
+    write_stdout(text)
     if not report.ok:
         print(f"autopar: error: the plan does not verify: {report.problems[0]}", file=sys.stderr)
     return 0 if report.ok else 1
@@ -168,6 +207,7 @@ def run_export(args: argparse.Namespace) -> int:
     from autopar.graph import load_model
     from autopar.lowering import load_plan_file
 
+    check_out(args.out, args.model, args.plan)
     plan_file = load_plan_file(args.plan)
     model = None
     line = ProgressLine.for_command(args.quiet)
@@ -188,9 +228,7 @@ def run_route(args: argparse.Namespace) -> int:
 
     model = Path(args.model)
     out = Path(args.out) if args.out else model.with_name(f"{model.stem}_routed.onnx")
-    check_out(str(out))
-    if out.resolve() == model.resolve():
-        raise UsageError(f"--out {str(out)!r} is the model itself: name another file.")
+    check_out(str(out), args.model)
     line = ProgressLine.for_command(args.quiet)
     with progress.listening(line), line:
         progress.report("import", 0, 1)
@@ -199,13 +237,13 @@ def run_route(args: argparse.Namespace) -> int:
             raise UsageError(f"--out {str(out)!r} is the file the model keeps its weights in: name another file.")
         routed = route_experts(model, args.capacity_factor, args.group_rows, dict(args.dim))
     if not routed.blocks:
-        print(
-            f"autopar: {model.name} has no gathered experts (GatherND of an expert stack, then MatMul);"
-            " nothing written",
-            file=sys.stderr,
+        raise AutoparError(
+            f"{model.name} has no gathered experts (GatherND of an expert stack, then MatMul): nothing written."
         )
-        return 1
-    out.write_bytes(routed.model.SerializeToString())
+    try:
+        out.write_bytes(routed.model.SerializeToString())
+    except OSError as exc:
+        raise AutoparError(f"Cannot write {str(out)!r}: {exc.strerror or exc}.") from None
     sizes = {(block.experts, block.group_rows, block.capacity) for block in routed.blocks}
     experts, group, capacity = min(sizes)
     layers = len(routed.blocks)
@@ -236,7 +274,7 @@ def _external_files(proto: Any, folder: Path) -> set[Path]:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    check_out(args.out)
+    check_out(args.out, args.model)
     import autopar
     from autopar.report.sweep import sweep_html
 
@@ -267,12 +305,12 @@ def run_sweep(args: argparse.Namespace) -> int:
         emit(sweep_html(Path(args.model).stem, points, args.per_device_batch), args.out)
         print(f"autopar: wrote {args.out}", file=sys.stderr)
     text = json.dumps(points.to_list(), indent=2, allow_nan=False) + "\n" if args.format == "json" else str(points)
-    sys.stdout.write(text)
+    write_stdout(text)
     return 0
 
 
 def run_report(args: argparse.Namespace) -> int:
-    check_out(args.out)
+    check_out(args.out, args.model, args.plan, args.strategies, args.rank_table)
     import autopar
     from autopar.report.html import plan_report
 
@@ -336,7 +374,7 @@ def _reported_plan_file(args: argparse.Namespace) -> Any:
 def run_schema(args: argparse.Namespace) -> int:
     from autopar.lowering import json_schema
 
-    sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+    write_stdout(json.dumps(json_schema(), indent=2) + "\n")
     return 0
 
 
@@ -354,7 +392,7 @@ def run_profiles(args: argparse.Namespace) -> int:
             load_profile(args.name)  # a malformed profile is one sentence, not a listing
             text = profile_path(args.name).read_text(encoding="utf-8")
     say_warnings(caught)
-    sys.stdout.write(text)
+    write_stdout(text)
     return 0
 
 

@@ -22,9 +22,11 @@ class UsageError(AutoparError):
     """Flags that cannot go together, found once they are read: exit 2, as argparse's own errors."""
 
 
-def check_out(out: str | None) -> None:
+def check_out(out: str | None, *reads: str | None) -> None:
     """Refuse, before any work, an ``--out`` nothing could be written to: a directory, or a file in a folder
-    that does not exist (one sentence, exit 2, where writing would have failed after the whole search).
+    that does not exist (one sentence, exit 2, where writing would have failed after the whole search), or a
+    file the command reads (``reads``: the model first, then a plan or strategies file), which writing would
+    destroy.
 
     >>> check_out(".")
     Traceback (most recent call last):
@@ -39,6 +41,12 @@ def check_out(out: str | None) -> None:
     folder = target.parent
     if str(folder) and not folder.is_dir():
         raise UsageError(f"--out {out!r} is in a folder that does not exist ({str(folder)!r}).")
+    if target.is_symlink() and not target.exists() and not target.resolve().parent.is_dir():
+        raise UsageError(f"--out {out!r} is a link into a folder that does not exist.")
+    for index, read in enumerate(reads):
+        if read and target.exists() and Path(read).exists() and target.samefile(read):
+            what = "the model itself" if index == 0 else f"{read!r}, which this command reads"
+            raise UsageError(f"--out {out!r} is {what}: name another file.")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,10 +89,14 @@ def _devices(text: str) -> int:
 
 
 def _device_list(text: str) -> list[int]:
-    """``1,8,64``: device counts, each a power of two (exit 2 otherwise)."""
-    counts = [_devices(part.strip()) for part in text.split(",") if part.strip()]
-    if not counts:
+    """``1,8,64``: device counts, each a power of two and given once (exit 2 otherwise)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
         raise argparse.ArgumentTypeError(f"--devices expects device counts such as 1,8,64, got {text!r}")
+    counts = [_devices(part) for part in parts]
+    twice = sorted({count for count in counts if counts.count(count) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"--devices names {', '.join(map(str, twice))} more than once, got {text!r}")
     return counts
 
 

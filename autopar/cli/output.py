@@ -24,7 +24,7 @@ def emit(text: str, out: str | None) -> None:
     /dev/stdout) is written through, as an ordinary write would.
     """
     if not out:
-        sys.stdout.write(text)
+        write_stdout(text)
         return
     target = Path(out)
     try:
@@ -35,6 +35,18 @@ def emit(text: str, out: str | None) -> None:
         _replace_atomically(target, text)
     except OSError as exc:
         raise AutoparError(f"Cannot write {out!r}: {exc.strerror or exc}.") from None
+
+
+def write_stdout(text: str) -> None:
+    """Write to stdout and flush, a failed write (a full disk) said in one sentence: unflushed, it failed at exit,
+    after the command had said it was done. A reader that stopped reading (``| head``) is not an error."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise AutoparError(f"Cannot write to standard output: {exc.strerror or exc}.") from None
 
 
 def _replace_atomically(target: Path, text: str) -> None:

@@ -398,7 +398,7 @@ def _load(path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise RankTableError(
-            f"{label} is not JSON: {exc.msg.lower()} at line {exc.lineno}, column {exc.colno}."
+            f"{label} is not JSON: {exc.msg.lower().removesuffix(' at')} at line {exc.lineno}, column {exc.colno}."
         ) from None
     except RecursionError:
         raise RankTableError(f"{label} is nested too deeply to be a rank table.") from None

@@ -23,11 +23,14 @@ from pathlib import Path
 import onnx
 
 from autopar.context import planning
+from autopar.errors import ModelImportError
 from autopar.graph.bind import (
+    at_another_batch,
     bind_dimensions,
     check_bindings,
     check_declared_sizes,
     check_reshapes,
+    declared_batch,
     import_key,
     note_propagated,
     propagated,
@@ -47,6 +50,7 @@ from autopar.graph.validate import (
     check_dimensions,
     check_input_types,
     check_model,
+    check_wiring,
     declared_types,
 )
 
@@ -70,15 +74,20 @@ def load_model(
     slice_sequences(proto)
     name = Path(model).stem if isinstance(model, (str, Path)) else (proto.graph.name or "model")
     check_bindings(batch, dims or {})
+    check_wiring(proto)
     check_declared_sizes(proto, batch)
     declared = declared_types(proto)
     key = import_key(proto, batch)
+    exported = declared_batch(proto)
     if batch is not None:
         rebatch_reshapes(proto, batch, key)
         rebatch_constants(proto, batch)
     symbols, computed = split_computed(dims or {}, proto)
     proto = bind_dimensions(proto, batch, symbols)
-    proto = resolve_shapes(proto, computed, checked=propagated(key))
+    try:
+        proto = resolve_shapes(proto, computed, checked=propagated(key))
+    except ModelImportError as error:
+        raise at_another_batch(error, batch, exported) from None
     note_propagated(key)
     check_declared_types(proto, declared)
     check_model(proto)

@@ -81,6 +81,23 @@ def bind_dimensions(proto: onnx.ModelProto, batch: int | None, dims: dict[str, i
     return proto
 
 
+def declared_batch(proto: onnx.ModelProto) -> int | None:
+    """The batch the file declares: its first data input's leading size, where that is a number."""
+    return _declared_batch(proto)
+
+
+def at_another_batch(error: ModelImportError, batch: int | None, declared: int | None) -> ModelImportError:
+    """An inference failure at a batch the caller gave, other than the file's: said so, since the graph most often
+    fixes its batch somewhere (a mask or position table exported at that size), which no rebinding changes."""
+    said = str(error)
+    if batch is None or declared is None or batch == declared or not said.startswith(_INFERENCE_FAILED):
+        return error
+    return ModelImportError(
+        f"{said.rstrip('.')} (at a batch of {batch}, where the file was exported at {declared}: its graph may fix"
+        " that size; plan it at its own batch)."
+    )
+
+
 def _declared_batch(proto: onnx.ModelProto) -> int | None:
     for vi in data_inputs(proto):
         dims = vi.type.tensor_type.shape.dim if vi.type.HasField("tensor_type") else []
@@ -339,10 +356,11 @@ def _strict_inference(proto: onnx.ModelProto, checked: bool = False) -> onnx.Mod
     except Exception as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         message = re.sub(r"elem type differs from existing elem type: \((\d+)\) vs \((\d+)\)", _type_names, message)
-        raise ModelImportError(f"ONNX shape inference failed: {message.rstrip('.')}.") from None
+        raise ModelImportError(f"{_INFERENCE_FAILED}: {message.rstrip('.')}.") from None
 
 
 _SHAPE_READERS = frozenset({"Shape", "Size"})
+_INFERENCE_FAILED = "ONNX shape inference failed"
 
 
 def _every_size_known(proto: onnx.ModelProto) -> bool:

@@ -50,6 +50,55 @@ def _without_external_data(proto: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
+def check_wiring(proto: onnx.ModelProto) -> None:
+    """Before inference, what would leave shapes unknown for a reason no binding cures, said as itself: an
+    operator reading a tensor nothing writes (no operator, input or initializer), a data input that declares
+    no shape, a graph output listed twice. Inference would otherwise stop there, and the first unknown size
+    downstream would be blamed on the batch or a dimension to bind."""
+    known = {vi.name for vi in proto.graph.input} | {init.name for init in proto.graph.initializer}
+    known |= {name for node in proto.graph.node for name in node.output if name}
+    for node in proto.graph.node:
+        missing = next((name for name in node.input if name and name not in known), None)
+        if missing is not None:
+            raise ModelImportError(
+                f"{node.op_type} {node.name or node.output[0]!r} reads {missing!r}, which no operator writes and"
+                " which is no input or initializer."
+            )
+    for vi in data_inputs(proto):
+        if vi.type.HasField("tensor_type") and not vi.type.tensor_type.HasField("shape"):
+            raise ModelImportError(f"Input {vi.name!r} declares no shape; autopar needs its sizes to plan.")
+    outputs = [output.name for output in proto.graph.output]
+    twice = next((name for name in outputs if outputs.count(name) > 1), None)
+    if twice is not None:
+        raise ModelImportError(f"Graph output {twice!r} is listed twice.")
+
+
+def _where_inference_stops(proto: onnx.ModelProto) -> onnx.NodeProto | None:
+    """The first operator whose inputs all have shapes and some output none: where shape inference stopped."""
+    infos = value_infos(proto)
+    shaped = {init.name for init in proto.graph.initializer}
+    shaped |= {name for name, vi in infos.items() if vi.type.tensor_type.HasField("shape")}
+    for node in proto.graph.node:
+        if all(not name or name in shaped for name in node.input) and any(
+            name and name not in shaped for name in node.output
+        ):
+            return node
+    return None
+
+
+def _unshaped_output(proto: onnx.ModelProto, output: str) -> ModelImportError:
+    """Why graph output ``output`` has no shape: an operator ONNX does not define stopped inference (named),
+    or, where every operator is ONNX's, a size to bind (`UnknownDimensionError`)."""
+    stop = _where_inference_stops(proto)
+    if stop is not None and not onnx.defs.has(stop.op_type, stop.domain or ""):
+        domain = f" in domain {stop.domain!r}" if stop.domain else ""
+        return ModelImportError(
+            f"Shape inference stops at {stop.op_type} {stop.name or stop.output[0]!r}, which ONNX does not"
+            f" define{domain}, so its outputs' shapes are unknown: export the model without it."
+        )
+    return UnknownDimensionError(output)
+
+
 def check_model(proto: onnx.ModelProto) -> None:
     """ONNX's own checker (schemas, attributes, opsets, SSA form) on the inferred model."""
     newest = onnx.defs.onnx_opset_version()
@@ -64,7 +113,7 @@ def check_model(proto: onnx.ModelProto) -> None:
         if output.name not in known:
             raise ModelImportError(f"Graph output {output.name!r} is produced by no operator and is no input.")
         if output.type.HasField("tensor_type") and not output.type.tensor_type.HasField("shape"):
-            raise UnknownDimensionError(output.name)  # inference could not follow it (a custom operator, say)
+            raise _unshaped_output(proto, output.name)  # inference could not follow it (a custom operator, say)
     checked = _without_external_data(proto)
     if checked.ByteSize() > _PROTOBUF_LIMIT:
         return  # weights stored inline past 2 GB: the checker cannot take it; inference has run strictly

@@ -191,7 +191,7 @@ def report_html(
     dp = as_plan_file(data_parallel) if data_parallel is not None else None
     alone = as_plan_file(stand_alone) if stand_alone is not None else None
     title = (
-        f"autopar plan: {plan.model} on {plan.devices} devices ({plan.cost_model},"
+        f"autopar plan: {plan.model} on {plan.devices} device{'s' if plan.devices > 1 else ''} ({plan.cost_model},"
         f" {plan.precision} precision, {plan.mode})"
     )
     bodies = {

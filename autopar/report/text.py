@@ -125,7 +125,8 @@ def _plan_summary(plan: Plan) -> list[str]:
         f"memory by kind:   {breakdown}"
         + (f" (optimizer: {data.optimizer})" if data.optimizer else "")
         + _not_at_once(totals),
-        f"mesh:             {mesh.num_devices} devices" + (f" over {levels}" if levels else ""),
+        f"mesh:             {mesh.num_devices} device{'s' if mesh.num_devices > 1 else ''}"
+        + (f" over {levels}" if levels else ""),
     ]
     lines += _collective_lines(data)
     synced = [g for g in data.gradient_sync if g.collective]

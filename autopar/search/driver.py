@@ -483,6 +483,10 @@ def _usable(problem: SearchProblem, capacity: float) -> str:
     return f" usable ({human_bytes(cost.device_capacity)} less a {human_bytes(cost.memory_reserve)} reserve)"
 
 
+NOTHING_FITS = "Nothing fits in device memory"
+"""How `InfeasibleError`'s sentence starts (`_infeasible_message`): the shape search says which shape it is of."""
+
+
 def _infeasible_message(
     problem: SearchProblem,
     choice: list[int],
@@ -523,7 +527,7 @@ def _infeasible_message(
             " 'autopar route MODEL' writes such experts as GShard's dispatch, which a plan can split by expert"
         )
     return (
-        f"Nothing fits in device memory: {what} needs {human_bytes(need)} per device (parameters with gradients"
+        f"{NOTHING_FITS}: {what} needs {human_bytes(need)} per device (parameters with gradients"
         f" and optimizer state {human_bytes(by_role['parameter'])}, {problem.cost.optimizer}; activations kept for"
         f" backward {human_bytes(by_role['activation'])}; inputs {human_bytes(by_role['input'])}) but the device has"
         f" {human_bytes(capacity)}{_usable(problem, capacity)}; the largest tensors are {heavy}; {advice}."

@@ -28,6 +28,7 @@ from autopar.options import PlanOptions
 from autopar.search.costing import build_problem
 from autopar.search.cuts import bounded_search_stages
 from autopar.search.driver import (
+    NOTHING_FITS,
     NothingFaster,
     SearchCache,
     SearchOptions,
@@ -213,12 +214,26 @@ class ShapeSearch:
             ) from None
         if best is None:
             # raises when one stage does not fit: its sentence says what does not fit and how many devices would hold it
+            self._say_leanest()
             run_search(self.single, self.searching, cache=self._single_runs)
             raise InfeasibleError(
                 f"No plan with the pipeline stages and micro-batches asked for fits in device memory on"
                 f" {options.num_devices} devices; leave them to the search."
             )
         return best
+
+    def _say_leanest(self) -> None:
+        """Where one stage over the most micro-batches searched has no plan that fits either, raise its sentence
+        (its leanest plan's bytes, not the whole batch's, which the micro-batches shrink), saying so."""
+        most = max((shape.micro_batches for shape in self.shapes() if shape.stages == 1), default=1)
+        problem = self.problem(1, most) if most > 1 else None
+        if problem is None:
+            return
+        try:
+            run_search(stage_problem(problem, 0, problem.size, PipelineShape(1, most), 0), self.searching)
+        except InfeasibleError as error:
+            said = str(error).replace(NOTHING_FITS, f"{NOTHING_FITS}, even over {most} micro-batches", 1)
+            raise InfeasibleError(said) from None
 
     def _bound(self, shape: PipelineShape, best: ShapeResult | None, rank: Mapping[PipelineShape, int]) -> float:
         """The step time ``shape`` must beat: the best plan's (a shape listed before the best one wins a tie
