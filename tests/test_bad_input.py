@@ -528,3 +528,24 @@ def test_one_device_is_one_device_in_the_table(capsys):
     code, out, err = run(capsys, "plan", GPT, "--devices", "1")
     assert code == 0, err
     assert "mesh:             1 device\n" in out and "1 devices" not in out
+
+
+def test_a_flag_value_starting_with_a_dash_says_how_to_give_it(capsys):
+    code, out, err = run(capsys, "plan", GPT, "--memory-reserve", "-4GB")
+    assert code == 2 and out == ""
+    assert one_sentence(err) == (
+        "autopar: error: argument --memory-reserve: expected one argument; a value that starts with '-' goes as"
+        " --memory-reserve=VALUE (see 'autopar plan --help')."
+    )
+
+
+def test_an_empty_model_file_and_a_folder_for_a_cost_model_are_named(capsys, tmp_path):
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    code, out, err = run(capsys, "plan", empty)
+    assert (code, out) == (1, "")
+    assert one_sentence(err) == f"autopar: error: '{empty}' has no operators (is it an ONNX model file?)."
+    code, out, err = run(capsys, "plan", GPT, "--cost-model", tmp_path)
+    assert (code, out) == (1, "") and one_sentence(err) == (
+        f"autopar: error: Cost model '{tmp_path}' is a directory; give a bundled profile's name or a .toml file."
+    )

@@ -58,6 +58,9 @@ class _Parser(argparse.ArgumentParser):
         # a flag's text may hold a line break or another control character (--dim $'N\r=8'): shown escaped,
         # the sentence stays on one line
         message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+        flag = re.fullmatch(r"argument (?:\S+/)?(--\S+): expected one argument", message)
+        if flag:  # its value began with "-" (--memory-reserve -4GB), which argparse takes for another flag
+            message += f"; a value that starts with '-' goes as {flag.group(1)}=VALUE"
         self.exit(2, f"autopar: error: {message} (see '{self.prog} --help').\n")
 
 

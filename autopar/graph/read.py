@@ -27,7 +27,8 @@ def read_model(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
                 f"{str(path)!r} is not a readable ONNX model (truncated or foreign file: {type(exc).__name__})."
             ) from None
     if not proto.graph.node:
-        raise ModelImportError("The model has no operators (is it an ONNX model file?).")
+        named = "The model" if isinstance(model, onnx.ModelProto) else f"{str(model)!r}"
+        raise ModelImportError(f"{named} has no operators (is it an ONNX model file?).")
     _check_names(proto)
     return proto
 
