@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from os import PathLike
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
@@ -119,6 +120,52 @@ def runtime_of(value: object) -> Runtime:
         raise AutoparError(f"The runtime must be 'virtual' or 'torch', got {value!r}.") from None
 
 
+def shown(value: object) -> str:
+    """A value as a sentence names it: its repr when short, else its type (a model's bytes, a long list)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__} object"
+
+
+def expect(value: Any, kinds: type | tuple[type, ...], what: str) -> Any:
+    """``value`` when it is one of ``kinds`` (a bool is not an int); else one sentence, "<what>, got <value>."
+    (``what`` names the argument and what it takes: "overlap must be True or False").
+
+    >>> expect(3, str, "cost_model must be a profile's name")
+    Traceback (most recent call last):
+    ...
+    autopar.errors.AutoparError: cost_model must be a profile's name, got 3.
+    """
+    wanted = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, wanted) and not (isinstance(value, bool) and bool not in wanted):
+        return value
+    raise AutoparError(f"{what}, got {shown(value)}.")
+
+
+def names_of(value: object, what: str) -> tuple[str, ...]:
+    """One name or several (any iterable of str but a mapping) as a tuple; one sentence otherwise."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Iterable) and not isinstance(value, Mapping | bytes):
+        names = tuple(value)
+        if all(isinstance(name, str) for name in names):
+            return names
+    raise AutoparError(f"{what} must be a name or a list of names, got {shown(value)}.")
+
+
+def mapping_of(value: object, what: str, shape: str, *, none: bool = False) -> Mapping[str, Any]:
+    """A mapping keyed by names (None, where ``none`` allows it: an empty one); one sentence, "<what> must be
+    a mapping <shape>", otherwise."""
+    if value is None and none:
+        return {}
+    if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+        return value
+    raise AutoparError(f"{what} must be a mapping {shape}, got {shown(value)}.")
+
+
+COST_MODEL_TYPES = (str, PathLike, HardwareProfile)
+COST_MODEL_SAID = "cost_model must be a bundled profile's name, a .toml file's path or a HardwareProfile"
+
+
 def check_devices(devices: object) -> int:
     """A device count the search takes: a power of two up to `MAX_DEVICES` (one sentence otherwise)."""
     if isinstance(devices, bool) or not isinstance(devices, int) or not is_power_of_two(devices):
@@ -156,10 +203,29 @@ def _pipeline_stages(value: object, devices: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-        raise AutoparError(f"pipeline_stages must be a power of two (1, 2, 4, ...), got {value!r}.")
+        raise AutoparError(f"The pipeline stage count must be a power of two (1, 2, 4, ...), got {value!r}.")
     if isinstance(devices, int) and value > devices:
-        raise AutoparError(f"pipeline_stages ({value}) cannot exceed the {devices} devices: each stage needs one.")
+        raise AutoparError(f"{value} pipeline stages cannot run on {devices} devices: each stage needs one.")
     return value
+
+
+def _stages_of(starts: tuple[str, ...], asked: int | None, devices: int) -> int | None:
+    """The stage count the stage starts make (None: no starts, ``asked``), in the words of starts and stages."""
+    if not starts:
+        return asked
+    repeated = next((name for name in starts if starts.count(name) > 1), None)
+    if repeated is not None:
+        raise AutoparError(f"The stage start {repeated!r} is named twice; each stage starts at its own operator.")
+    stages = len(starts) + 1
+    said = "1 stage start makes" if len(starts) == 1 else f"{len(starts)} stage starts make"
+    made = f"{said} {stages} pipeline stages"
+    if asked not in (None, stages):
+        raise AutoparError(f"{made}, not the {asked} asked for.")
+    if stages & (stages - 1):
+        raise AutoparError(f"{made}; the stage count must be a power of two (1, 2, 4, ...).")
+    if stages > devices:
+        raise AutoparError(f"{made}, more than the {devices} devices: each stage needs one.")
+    return stages
 
 
 @dataclass(frozen=True)
@@ -198,31 +264,28 @@ class PlanOptions:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # a frozen value canonicalises its own fields once, here
         set_(self, "mode", choose(Mode, self.mode, "mode"))
-        if self.fixed and not self.mode.searched:
+        fixed = mapping_of(self.fixed, "fixed", "{operator: in_strategy}", none=True)
+        if fixed and not self.mode.searched:
             raise AutoparError(
                 f"Fixed strategies need a searched mode (semi_auto_parallel or auto_parallel), not {self.mode}."
             )
         set_(self, "search", choose(SearchAlgorithm, self.search, "search algorithm"))
         _micro_batches(self.micro_batches)
         check_devices(self.num_devices)
+        expect(self.cost_model, COST_MODEL_TYPES, COST_MODEL_SAID)
         set_(self, "precision", choose(Precision, self.precision, "precision"))
         if self.optimizer is not None:
             set_(self, "optimizer", choose(Optimizer, self.optimizer, "optimizer"))
         set_(self, "memory_reserve", memory_reserve_of(self.memory_reserve))
-        set_(self, "dims", MappingProxyType(dict(self.dims)))
-        set_(self, "frozen", (self.frozen,) if isinstance(self.frozen, str) else tuple(self.frozen))
-        set_(self, "trainable", (self.trainable,) if isinstance(self.trainable, str) else tuple(self.trainable))
-        set_(self, "overlap", bool(self.overlap))
-        set_(self, "fixed", MappingProxyType(dict(self.fixed)) if self.fixed else None)
+        set_(self, "dims", MappingProxyType(dict(mapping_of(self.dims, "dims", "{dimension name: size}", none=True))))
+        set_(self, "frozen", names_of(self.frozen, "frozen"))
+        set_(self, "trainable", names_of(self.trainable, "trainable"))
+        set_(self, "overlap", expect(self.overlap, bool, "overlap must be True or False"))
+        expect(self.recompute, (bool, type(None)), "recompute must be True, False or None")
+        set_(self, "fixed", MappingProxyType(dict(fixed)) if fixed else None)
         _pipeline_stages(self.pipeline_stages, self.num_devices)
-        starts = (self.stage_starts,) if isinstance(self.stage_starts, str) else tuple(self.stage_starts)
-        set_(self, "stage_starts", starts)
-        if starts and self.pipeline_stages not in (None, len(starts) + 1):
-            raise AutoparError(
-                f"{len(starts)} stage start(s) make {len(starts) + 1} stages, not the {self.pipeline_stages} asked for."
-            )
-        if starts:
-            set_(self, "pipeline_stages", _pipeline_stages(len(starts) + 1, self.num_devices))
+        set_(self, "stage_starts", names_of(self.stage_starts, "stage_starts"))
+        set_(self, "pipeline_stages", _stages_of(self.stage_starts, self.pipeline_stages, self.num_devices))
         if (self.pipeline_stages or 1) > 1 and not self.mode.searched:
             raise AutoparError(
                 f"Pipeline stages need a searched mode (semi_auto_parallel or auto_parallel), not {self.mode}."
@@ -248,14 +311,17 @@ class PlanOptions:
         for name, kind, what in (("mode", Mode, "mode"), ("search", SearchAlgorithm, "search algorithm")):
             if name in rest:
                 rest[name] = choose(kind, rest[name], what)
-        if rest.get("fixed") and not rest.get("mode", Mode.AUTO_PARALLEL).searched:
+        fixed = mapping_of(rest.get("fixed"), "fixed", "{operator: in_strategy}", none=True)
+        if fixed and not rest.get("mode", Mode.AUTO_PARALLEL).searched:
             raise AutoparError(
                 f"Fixed strategies need a searched mode (semi_auto_parallel or auto_parallel), not {rest['mode']}."
             )
         _micro_batches(rest.get("micro_batches"))
         _pipeline_stages(rest.get("pipeline_stages"), devices)
+        expect(cost_model, COST_MODEL_TYPES, COST_MODEL_SAID)
         if rank_table is None:
             return cls(DEFAULT_DEVICES if devices is None else devices, cost_model, **rest)
+        expect(rank_table, (str, PathLike, Mapping), "rank_table must be a rank_table.json path or its parsed JSON")
         profile = cost_model if isinstance(cost_model, HardwareProfile) else load_profile(cost_model)
         cluster = read_rank_table(rank_table, profile)
         return cls(cluster.devices_for(devices, devices_said_as), cluster.profile, cluster=cluster, **rest)

@@ -376,3 +376,133 @@ def test_an_import_error_kept_for_later_holds_no_frames():
     except ModelImportError as error:
         kept = _detached(error)
     assert kept.__traceback__ is None and kept.__context__ is None and str(kept) == "The model does not import."
+
+
+# --- arguments of the wrong type: one sentence, an AutoparError, never a TypeError from inside ----
+
+
+COST_SAID = "cost_model must be a bundled profile's name, a .toml file's path or a HardwareProfile, got {}."
+MODEL_SAID = "The model must be an ONNX file's path, an onnx.ModelProto or an imported Graph, got {}."
+THREE_STAGES = "2 stage starts make 3 pipeline stages; the stage count must be a power of two (1, 2, 4, ...)."
+PLAN_SAID = (
+    "plan_or_strategies must be a Plan, a plan file (a PlanFile, its dict or its path), a mapping"
+    " {operator: in_strategy} or None, got 3."
+)
+
+
+def _refused(message, call, *args, **keywords):
+    """``call`` raises an AutoparError whose message is ``message``, exactly."""
+    with pytest.raises(AutoparError) as caught:
+        call(*args, **keywords)
+    assert str(caught.value) == message
+    return caught.value
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tiny):
+    return autopar.plan(tiny, devices=4)
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        ({"cost_model": 3}, COST_SAID.format(3)),
+        ({"cost_model": None}, COST_SAID.format(None)),
+        ({"dims": [1]}, "dims must be a mapping {dimension name: size}, got [1]."),
+        ({"dims": "x=4"}, "dims must be a mapping {dimension name: size}, got 'x=4'."),
+        ({"fixed": ["conv1"]}, "fixed must be a mapping {operator: in_strategy}, got ['conv1']."),
+        ({"frozen": 3}, "frozen must be a name or a list of names, got 3."),
+        ({"frozen": None}, "frozen must be a name or a list of names, got None."),
+        ({"trainable": None}, "trainable must be a name or a list of names, got None."),
+        ({"stage_starts": None}, "stage_starts must be a name or a list of names, got None."),
+        ({"rank_table": 3}, "rank_table must be a rank_table.json path or its parsed JSON, got 3."),
+        ({"overlap": "no"}, "overlap must be True or False, got 'no'."),
+        ({"recompute": "yes"}, "recompute must be True, False or None, got 'yes'."),
+    ],
+)
+def test_a_plan_argument_of_the_wrong_type_is_one_sentence(tiny_graph, keywords, message):
+    _refused(message, autopar.plan, tiny_graph, devices=4, **keywords)
+
+
+def test_a_model_of_the_wrong_type_is_one_sentence(tiny, tiny_plan):
+    for model, shown in [(42, "42"), (None, "None"), (b"onnx", "b'onnx'"), ([1], "[1]")]:
+        _refused(MODEL_SAID.format(shown), autopar.plan, model, devices=4)
+    _refused(MODEL_SAID.format("a bytes object"), autopar.plan, tiny.SerializeToString(), devices=4)
+    _refused(MODEL_SAID.format("None"), autopar.candidates, None, 4)
+    _refused(MODEL_SAID.format("42"), autopar.verify, 42, tiny_plan, devices=4)
+
+
+def test_other_entry_points_refuse_wrong_types_in_one_sentence(tiny_graph, tiny_plan):
+    said = "strategies must be a mapping {operator: in_strategy}, got {}."
+    _refused(said.replace("{}", "3"), autopar.evaluate, tiny_graph, 4, 3)
+    _refused(said.replace("{}", "None"), autopar.evaluate, tiny_graph, 4, None)
+    _refused("dims must be a mapping {dimension name: size}, got [1].", autopar.candidates, tiny_graph, 4, dims=[1])
+    _refused(PLAN_SAID, autopar.verify, tiny_graph, 3, devices=4)
+    _refused(
+        "gradients must be True, False or None, got 'yes'.", autopar.verify, tiny_graph, tiny_plan, gradients="yes"
+    )
+    _refused(
+        "timeout_s must be a number of seconds above 0 or None, got 0.",
+        autopar.verify,
+        tiny_graph,
+        tiny_plan,
+        timeout_s=0,
+    )
+
+
+@pytest.mark.parametrize(
+    "devices, keywords, message",
+    [
+        (8, {"stage_starts": ["a", "b"]}, THREE_STAGES),
+        (8, {"stage_starts": ["a", "a"]}, "The stage start 'a' is named twice; each stage starts at its own operator."),
+        (
+            2,
+            {"stage_starts": ["a", "b", "c"]},
+            "3 stage starts make 4 pipeline stages, more than the 2 devices: each stage needs one.",
+        ),
+        (4, {"stage_starts": "a", "pipeline_stages": 4}, "1 stage start makes 2 pipeline stages, not the 4 asked for."),
+        (2, {"pipeline_stages": 16}, "16 pipeline stages cannot run on 2 devices: each stage needs one."),
+        (2, {"pipeline_stages": 3}, "The pipeline stage count must be a power of two (1, 2, 4, ...), got 3."),
+    ],
+)
+def test_stage_counts_are_said_in_stages_and_starts(tiny_graph, devices, keywords, message):
+    _refused(message, autopar.plan, tiny_graph, devices=devices, **keywords)
+
+
+def test_the_cli_says_what_its_stage_starts_make(capsys):
+    from autopar.cli import main
+
+    assert main(["plan", RESNET50, "--stage-starts", "a,b", "--quiet"]) == 1
+    assert capsys.readouterr().err == f"autopar: error: {THREE_STAGES}\n"
+
+
+def test_verify_and_export_read_a_plan_file_by_its_path(tiny, tiny_plan, tmp_path):
+    from autopar.errors import PlanFileError
+
+    path = tmp_path / "plan.json"
+    path.write_text(tiny_plan.to_json(), encoding="utf-8")
+    assert autopar.verify(tiny, str(path), devices=4).ok and autopar.verify(tiny, path, devices=4).ok
+    assert autopar.export_plan(str(path), "jax", tmp_path / "plan_jax.py") == [tmp_path / "plan_jax.py"]
+    missing = str(tmp_path / "missing.json")
+    error = _refused(f"Plan file {missing!r} does not exist.", autopar.export_plan, missing, "jax")
+    assert isinstance(error, PlanFileError)
+    said = "The plan to export must be a Plan, a PlanFile, a plan file's dict or its path, got 3."
+    _refused(said, autopar.export_plan, 3, "jax", tmp_path / "x.py")
+    said = "The export format (to) must be a name such as 'onnx' or 'dtensor', got ['jax']."
+    _refused(said, autopar.export_plan, tiny_plan, ["jax"], tmp_path / "x.py")
+
+
+def test_sweep_takes_one_count_and_refuses_none(tiny):
+    assert [point["devices"] for point in autopar.sweep(tiny, 4)] == [4]
+    _refused("devices names no device count to sweep; give at least one, such as [1, 8, 64].", autopar.sweep, tiny, [])
+    said = "devices must be a device count or a list of them, such as [1, 8, 64], got '8'."
+    _refused(said, autopar.sweep, tiny, "8")
+    _refused("The device count must be a power of two (1, 2, 4, 8, ...), got 3.", autopar.sweep, tiny, [1, 3])
+
+
+def test_a_report_to_a_directory_is_one_sentence(tiny, tiny_plan, tmp_path):
+    said = f"Cannot write the report to {str(tmp_path)!r}: it is a directory; name a file to write."
+    _refused(said, tiny_plan.report, tmp_path)
+    _refused(said, autopar.sweep(tiny, 4).report, str(tmp_path))
+    missing = tmp_path / "no" / "page.html"
+    _refused(f"Cannot write the report to {str(missing)!r}: No such file or directory.", tiny_plan.report, missing)

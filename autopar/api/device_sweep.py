@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -16,7 +16,16 @@ from autopar.graph import Graph
 from autopar.limits import MAX_DIMENSION
 from autopar.lowering.advice import plan_warnings
 from autopar.lowering.decisions import degrees
-from autopar.options import DEFAULT_COST_MODEL, CostModelLike, Optimizer, PlanOptions, Precision, check_devices
+from autopar.lowering.plan import write_page
+from autopar.options import (
+    DEFAULT_COST_MODEL,
+    CostModelLike,
+    Optimizer,
+    PlanOptions,
+    Precision,
+    check_devices,
+    shown,
+)
 from autopar.report.sweep import sweep_html, sweep_table
 
 
@@ -61,9 +70,7 @@ class Sweep(Sequence[dict[str, Any]]):
 
     def report(self, path: str | Path) -> Path:
         """Write the page (`html`) to ``path``."""
-        target = Path(path)
-        target.write_text(self.html(), encoding="utf-8")
-        return target
+        return write_page(path, self.html)
 
     def _repr_html_(self) -> str:
         return (
@@ -72,9 +79,23 @@ class Sweep(Sequence[dict[str, Any]]):
         )
 
 
+def _counts(devices: object) -> list[int]:
+    """The device counts to sweep, in order, once each: one count or several, each a power of two."""
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        devices = (devices,)
+    if not isinstance(devices, Iterable) or isinstance(devices, str | bytes | Mapping):
+        raise AutoparError(
+            f"devices must be a device count or a list of them, such as [1, 8, 64], got {shown(devices)}."
+        )
+    counts = [check_devices(count) for count in devices]
+    if not counts:
+        raise AutoparError("devices names no device count to sweep; give at least one, such as [1, 8, 64].")
+    return sorted(set(counts))
+
+
 def sweep(
     model: ModelLike,
-    devices: Sequence[int] = (1, 8, 64, 512),
+    devices: int | Sequence[int] = (1, 8, 64, 512),
     cost_model: CostModelLike = DEFAULT_COST_MODEL,
     batch: int | None = None,
     *,
@@ -101,9 +122,7 @@ def sweep(
     ...
     autopar.errors.AutoparError: Give either batch (the global batch at every count) or per_device_batch ...
     """
-    counts = sorted(set(devices))
-    for count in counts:
-        check_devices(count)
+    counts = _counts(devices)
     if per_device_batch is not None:
         if batch is not None:
             raise AutoparError(
@@ -115,15 +134,20 @@ def sweep(
                 "per_device_batch rebinds the batch at each device count: give the model as a file or an ONNX"
                 " model, not an imported Graph."
             )
-        if not 1 <= per_device_batch <= MAX_DIMENSION // max(counts):
+        most = MAX_DIMENSION // max(counts)
+        if (
+            isinstance(per_device_batch, bool)
+            or not isinstance(per_device_batch, int)
+            or not 1 <= per_device_batch <= most
+        ):
             raise AutoparError(
-                f"per_device_batch must be from 1 to {MAX_DIMENSION // max(counts):,} at {max(counts):,} devices,"
-                f" got {per_device_batch}."
+                f"per_device_batch must be an integer from 1 to {most:,} at {max(counts):,} devices,"
+                f" got {shown(per_device_batch)}."
             )
     options = PlanOptions.resolve(
         cost_model=cost_model,
         batch=batch,
-        dims=dims or {},
+        dims=dims,
         precision=precision,
         overlap=overlap,
         optimizer=optimizer,

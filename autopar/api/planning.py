@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from os import PathLike
 from pathlib import Path
 
 import onnx
@@ -36,6 +37,9 @@ from autopar.options import (
     RankTable,
     SearchAlgorithm,
     check_devices,
+    expect,
+    mapping_of,
+    names_of,
 )
 from autopar.search.costing import build_problem, meeting_layouts
 from autopar.search.cuts import search_stages
@@ -49,6 +53,14 @@ from autopar.search.shape_search import ShapeSearch, common_batch, joined, stage
 from autopar.strategy import OpRule
 
 ModelLike = str | Path | onnx.ModelProto | Graph
+STRATEGIES_SHAPE = "{operator: in_strategy}"
+
+MODEL_SAID = "The model must be an ONNX file's path, an onnx.ModelProto or an imported Graph"
+
+
+def check_model(model: object) -> ModelLike:
+    """The model as given when it is one a plan reads (a path, a proto, a `Graph`); one sentence otherwise."""
+    return expect(model, (str, PathLike, onnx.ModelProto, Graph), MODEL_SAID)
 
 
 def model_graph(
@@ -60,11 +72,12 @@ def model_graph(
 ) -> Graph:
     """The model as a `Graph` at this batch and these dims, the ``frozen`` parameters not trained and
     the ``trainable`` constants trained."""
-    frozen = [frozen] if isinstance(frozen, str) else list(frozen)
-    trainable = [trainable] if isinstance(trainable, str) else list(trainable)
+    check_model(model)
+    frozen, trainable = names_of(frozen, "frozen"), names_of(trainable, "trainable")
+    bindings = dict(mapping_of(dims, "dims", "{dimension name: size}", none=True))
     if isinstance(model, Graph):
         return untrained(freeze(train(model, trainable), frozen))
-    return load_model(model, batch=batch, dims=dict(dims or {}), frozen=frozen, trainable=trainable)
+    return load_model(model, batch=batch, dims=bindings, frozen=frozen, trainable=trainable)
 
 
 def build(
@@ -87,7 +100,7 @@ def build(
         cost_model,
         rank_table,
         batch=batch,
-        dims=dims or {},
+        dims=dims,
         precision=precision,
         frozen=frozen,
         overlap=overlap,
@@ -151,7 +164,7 @@ def plan(
         cost_model,
         rank_table,
         batch=batch,
-        dims=dims or {},
+        dims=dims,
         mode=mode,
         precision=precision,
         search=search,
@@ -163,7 +176,7 @@ def plan(
         optimizer=optimizer,
         memory_reserve=memory_reserve,
         pipeline_stages=pipeline_stages,
-        stage_starts=tuple(stage_starts),
+        stage_starts=stage_starts,
         recompute=recompute,
     )
     return plan_with(model, options)
@@ -262,7 +275,7 @@ def candidates(
 
 def choice_for(problem: SearchProblem, strategies: Mapping[str, Sequence[Sequence[int]]]) -> list[int]:
     """Candidate indices for a full assignment of strategies; StrategyError on anything invalid."""
-    return problem.choice_for(strategies)
+    return problem.choice_for(mapping_of(strategies, "strategies", STRATEGIES_SHAPE))
 
 
 def evaluate(
@@ -281,8 +294,9 @@ def evaluate(
     """Predicted step time (the searched objective) of a full assignment of strategies, each parameter under the
     parallel optimizer where that is faster (`SearchProblem.fastest_choices`), as a plan with memory to spare
     takes it."""
+    given = mapping_of(strategies, "strategies", STRATEGIES_SHAPE)
     problem = build(
         model, devices, cost_model, batch, dims, precision, frozen=frozen, overlap=overlap, rank_table=rank_table
     )
-    choice = problem.choice_for(strategies)
+    choice = problem.choice_for(given)
     return problem.objective(choice, problem.fastest_choices(choice))

@@ -6,10 +6,12 @@ that of strategies given, annotated in the model, or searched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from autopar.api.planning import ModelLike, _micro_batch, common_batch, model_graph, plan_with
+from autopar.api.planning import ModelLike, _micro_batch, check_model, common_batch, model_graph, plan_with
 from autopar.errors import AutoparError
 from autopar.graph import Graph
 from autopar.limits import MAX_SEED
@@ -18,6 +20,7 @@ from autopar.lowering import (
     Plan,
     PlanFile,
     PlanProgram,
+    load_plan_file,
     program_from_file,
     program_of,
     read_plan_file,
@@ -30,7 +33,9 @@ from autopar.options import (
     Precision,
     RankTable,
     Runtime,
+    expect,
     runtime_of,
+    shown,
 )
 from autopar.search.costing import build_problem
 from autopar.spmd import VerifyReport, verify_program
@@ -46,7 +51,7 @@ def _is_plan_file(data: Mapping[str, Any], graph: Graph) -> bool:
 
 def verify(
     model: ModelLike,
-    plan_or_strategies: Plan | PlanFile | Mapping[str, Any] | None = None,
+    plan_or_strategies: Plan | PlanFile | Mapping[str, Any] | str | Path | None = None,
     devices: int | None = None,
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
@@ -64,8 +69,8 @@ def verify(
 ) -> VerifyReport:
     """Run a plan on ``devices`` devices and compare every output (and gradient) with one device.
 
-    ``plan_or_strategies`` is a `Plan`, a plan file (a `PlanFile`, or a dict as `Plan.to_dict()`
-    or a JSON file gives it), a plain {op: strategy} mapping, or None to verify the plan the
+    ``plan_or_strategies`` is a `Plan`, a plan file (a `PlanFile`, a dict as `Plan.to_dict()`
+    or a JSON file gives it, or the JSON file's path), a plain {op: strategy} mapping, or None to verify the plan the
     model's autopar sharding annotations hold (``autopar export --to onnx``), else the plan
     autopar finds. ``runtime`` is "virtual" (every rank in this process) or "torch" (one
     torch.distributed process per rank: needs ``autopar[torch]``). ``gradients`` runs the
@@ -75,8 +80,9 @@ def verify(
     running the whole batch (``batch`` is the global batch, as for `autopar.plan`). ``optimizer`` and
     ``memory_reserve`` (`autopar.plan`'s) shape the plan searched when none is given.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise AutoparError(f"The seed must be an integer from 0 to {MAX_SEED:,}, got {seed!r}.")
+    check_model(model)
+    given = _given_plan(plan_or_strategies)
+    _check_run(seed, gradients, port, timeout_s)
     runtime = runtime_of(runtime)
     if runtime == "torch" and gradients is False:
         raise AutoparError("The torch runtime always checks gradients; leave gradients unset or True.")
@@ -88,14 +94,14 @@ def verify(
         cost_model,
         rank_table,
         batch=batch,
-        dims=dims or {},
+        dims=dims,
         precision=precision,
         optimizer=optimizer,
         memory_reserve=memory_reserve,
     )
-    if plan_or_strategies is None:  # the plan the model's annotations hold, else the one `plan` prints
-        plan_or_strategies = _annotated(model, options) or plan_with(model, options)
-    staged = _pipelined(model, plan_or_strategies, options)
+    if given is None:  # the plan the model's annotations hold, else the one `plan` prints
+        given = _annotated(model, options) or plan_with(model, options)
+    staged = _pipelined(model, given, options)
     if staged is not None:
         from autopar.runtime.launch import DEFAULT_TIMEOUT_S
         from autopar.runtime.staged_verify import verify_staged
@@ -110,13 +116,40 @@ def verify(
             port=port,
             timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
         )
-    program = _program(model, plan_or_strategies, options)
+    program = _program(model, given, options)
     if not training:
         return verify_program(program, seed=seed)
     from autopar.runtime.launch import DEFAULT_TIMEOUT_S
     from autopar.runtime.verify import verify_training
 
     return verify_training(program, seed=seed, runtime=runtime, port=port, timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
+
+
+PLAN_SAID = (
+    "plan_or_strategies must be a Plan, a plan file (a PlanFile, its dict or its path),"
+    " a mapping {operator: in_strategy} or None"
+)
+
+
+def _given_plan(given: object) -> Plan | PlanFile | Mapping[str, Any] | None:
+    """What `verify` is given to run, a plan file's path read (PlanFileError on a bad file); one sentence
+    for anything else."""
+    if isinstance(given, str | Path):
+        return load_plan_file(given)
+    return expect(given, (Plan, PlanFile, Mapping, type(None)), PLAN_SAID)
+
+
+def _check_run(seed: object, gradients: object, port: object, timeout_s: object) -> None:
+    """The run's own arguments, each one sentence when wrong."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise AutoparError(f"The seed must be an integer from 0 to {MAX_SEED:,}, got {seed!r}.")
+    expect(gradients, (bool, type(None)), "gradients must be True, False or None")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        raise AutoparError(f"port must be a TCP port from 1 to 65535 or None, got {shown(port)}.")
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf
+    ):
+        raise AutoparError(f"timeout_s must be a number of seconds above 0 or None, got {shown(timeout_s)}.")
 
 
 def _program(model: ModelLike, given: Plan | PlanFile | Mapping[str, Any] | None, options: PlanOptions) -> PlanProgram:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from os import PathLike
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from autopar import progress
 from autopar.cost.mesh import Mesh
+from autopar.errors import AutoparError
 from autopar.layout import Layout
 from autopar.lowering.advice import fallback_sentence
 from autopar.lowering.decisions import Degrees, decisions, degrees
@@ -38,6 +41,21 @@ from autopar.lowering.stages import pipeline_entry, pipeline_memory, pipeline_to
 from autopar.search.driver import SearchResult, data_parallel_choice
 from autopar.search.pipeline import PipelineResult
 from autopar.search.problem import SearchProblem
+
+
+def write_page(path: object, page: Callable[[], str]) -> Path:
+    """Write the text ``page`` makes to the file ``path``; one sentence (`AutoparError`) for a path that is not
+    a file's, before the page is made, or one that cannot be written."""
+    if not isinstance(path, str | PathLike):
+        raise AutoparError(f"The report's path must be a file's path (a str or a Path), got {path!r}.")
+    target = Path(path)
+    if target.is_dir():
+        raise AutoparError(f"Cannot write the report to {str(path)!r}: it is a directory; name a file to write.")
+    try:
+        target.write_text(page(), encoding="utf-8")
+    except OSError as exc:
+        raise AutoparError(f"Cannot write the report to {str(path)!r}: {exc.strerror or exc}.") from None
+    return target
 
 
 class PlanFace(Protocol):
@@ -305,9 +323,7 @@ class Plan:
 
     def report(self, path: str | Path) -> Path:
         """Write the plan's report (one self-contained HTML page, as ``autopar report`` writes) to ``path``."""
-        target = Path(path)
-        target.write_text(self._face().page(self), encoding="utf-8")
-        return target
+        return write_page(path, lambda: self._face().page(self))
 
     def _face(self) -> PlanFace:
         face = type(self).face
