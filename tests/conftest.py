@@ -237,6 +237,7 @@ def reordered(plan):
     for op in data["ops"]:
         if op["name"] == "embed.pos":
             op["inputs"][1]["layout"] = odd  # embed.pos.weight [64, 128]
+            op["strategy"][1] = [4, 2]  # as the layout splits it
             op["outputs"][0]["layout"] = {"dims": [[], [0, 2], [1]]}
         if op["name"] == "layer0.ln1":
             op["outputs"][0]["layout"] = {"dims": [[0], [], []], "partial": [2], "partial_op": "max"}

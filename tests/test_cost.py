@@ -135,8 +135,8 @@ def test_a_mesh_read_from_a_plan_file_refuses_what_it_cannot_know():
         Mesh.named(8, [("HCCS", [0, 1]), ("PCIe", [1])], "ascend910")
     data = autopar.plan("models/resnet50.onnx", devices=2, mode="data_parallel").to_dict()
     data["devices"] = 4
-    with pytest.raises(PlanFileError, match=r"^The plan says 4 devices but 1 mesh bits\.$"):
-        _ = read_plan_file(data).mesh
+    with pytest.raises(PlanFileError, match=r"devices is 4 but mesh_bits is 1 \(devices must be 2 \*\* mesh_bits\)\.$"):
+        read_plan_file(data)  # refused as it is read, before its mesh is asked for
 
 
 @pytest.mark.parametrize(

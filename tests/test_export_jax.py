@@ -45,6 +45,15 @@ def test_partition_specs_name_the_logical_axes_major_first():
     assert partition_spec(partial, groups) == "P('tensor')" and unreduced_axes(partial, groups) == ("data",)
 
 
+def test_a_one_device_plan_exports_every_tensor_whole(tmp_path):
+    plan = autopar.plan(RESNET50, devices=1, batch=2)  # no mesh bit: one empty mesh dimension
+    [path] = autopar.export_plan(plan, "jax", tmp_path / "one.py")
+    text = path.read_text(encoding="utf-8")
+    compile(text, str(path), "exec")
+    assert "'conv1.weight': Spec((64, 3, 7, 7), P(None, None, None, None)," in text and "P('" not in text
+    assert "on 1 device." in text
+
+
 @pytest.mark.parametrize("fixture", ["resnet_plan", "gpt_plan"])
 def test_module_compiles_and_names_every_parameter(fixture, request, tmp_path):
     plan = request.getfixturevalue(fixture)

@@ -10,6 +10,7 @@ import pytest
 
 import autopar
 from autopar.cli import main
+from autopar.export import onnx_sharding
 from autopar.export.onnx_sharding import (
     CONFIGURATION,
     PARTIAL_KEY,
@@ -23,6 +24,7 @@ from autopar.layout import Layout, shard_index
 from autopar.lowering import Plan
 from models.resnet50 import build_resnet50
 from models.transformer import build_preset
+from tests.conftest import run_cli, two_matmul_chain
 
 # a Megatron MLP in layer 0: fc1 split by columns (4 ways), fc2 by rows, its output a partial sum
 GPT_FIXED = {"layer0.mlp.fc1": ((2, 1, 1), (1, 4)), "layer0.mlp.fc2": ((2, 1, 4), (4, 1))}
@@ -174,3 +176,31 @@ def test_spec_encodes_shard_index(layout):
         for rank in groups.get(entry, [entry]):
             assert shard == [shard_index(rank, bits) for bits in layout.dims]
     assert decode_spec(spec, 8) == layout
+
+
+def test_a_model_whose_external_weights_are_missing_exports(tmp_path, capsys, monkeypatch):
+    """The importer never reads a model's external weights, nor does the export: onnx.checker checks the
+    annotated model without them (it would look for them from the working folder), and the file written
+    keeps its references to them."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = folder / "chain.onnx"
+    onnx.save(
+        two_matmul_chain(), str(path), save_as_external_data=True, location="chain.onnx.weights", size_threshold=0
+    )
+    (folder / "chain.onnx.weights").unlink()  # the .onnx copied alone
+    plan = autopar.plan(path, devices=4)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.to_json())
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "chain.sharded.onnx"
+    code, _, err = run_cli(capsys, "export", plan_path, "--to", "onnx", "--model", path, "-o", out)
+    assert code == 0, err
+    annotated = onnx.load(str(out), load_external_data=False)
+    assert read_annotations(annotated) == plan.file.strategies
+    locations = {e.value for t in annotated.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"chain.onnx.weights"}
+    annotated.graph.node[0].op_type = "NoSuchOp"  # the checker still checks the rest
+    monkeypatch.setattr(onnx_sharding, "annotate", lambda plan, model: annotated)
+    with pytest.raises(autopar.AutoparError, match=r"does not pass onnx\.checker: No Op registered for NoSuchOp"):
+        onnx_sharding.write(plan.file, annotated, tmp_path / "broken.onnx")

@@ -12,7 +12,7 @@ import autopar
 from autopar.cli import main
 from autopar.errors import PlanFileError
 from autopar.lowering import SCHEMA, PlanFile, json_schema, load_plan_file, read_plan_file
-from tests.conftest import two_matmul_chain
+from tests.conftest import RESNET50, two_matmul_chain
 
 DEVICES = 4
 
@@ -144,3 +144,184 @@ def test_schema_command_prints_the_json_schema(capsys):
     assert {"ops", "redistributions"} <= set(schema["properties"])
     assert schema == json_schema()
     assert set(schema["required"]) >= {"schema", "ops", "redistributions"}
+
+
+# --- a file edited into nonsense: refused when read, one sentence naming the field and what it found ------------
+
+
+def _op(data: dict, name: str) -> dict:
+    return next(op for op in data["ops"] if op["name"] == name)
+
+
+EDITS = {
+    "precision": (lambda d: d.update(precision="fp16"), ["precision", "'mixed', 'fp32' or 'fp8'", "'fp16'"]),
+    "mode": (lambda d: d.update(mode="weird"), ["mode", "'auto_parallel'", "'weird'"]),
+    "optimizer": (lambda d: d.update(optimizer="lamb"), ["optimizer", "'adam' or 'sgd'", "'lamb'"]),
+    "devices_string": (lambda d: d.update(devices="4"), ["devices: an integer is expected, not '4'"]),
+    "devices_float": (lambda d: d.update(devices=4.0), ["devices: an integer is expected, not 4.0"]),
+    "seconds_string": (lambda d: d.update(objective_s="1.5"), ["objective_s: a number is expected, not '1.5'"]),
+    "bit_string": (
+        lambda d: _op(d, "mm1")["inputs"][0]["layout"].update(dims=[["0"], []]),
+        ["ops.0.inputs.0.layout.dims.0.0 (operator 'mm1')", "an integer is expected, not '0'"],
+    ),
+    "fallback_number": (lambda d: _op(d, "mm2").update(fallback=0), ["ops.1.fallback (operator 'mm2')", "not 0"]),
+    "mesh_bits": (lambda d: d.update(mesh_bits=5), ["devices is 4 but mesh_bits is 5"]),
+    "devices": (lambda d: d.update(devices=8), ["devices is 8 but mesh_bits is 2"]),
+    "devices_odd": (lambda d: d.update(devices=6), ["devices is 6, not a power of two"]),
+    "bit_twice": (
+        lambda d: _op(d, "mm1")["inputs"][0]["layout"].update(dims=[[0], [0]]),
+        ["ops.0.inputs.0.layout (operator 'mm1')", "mesh bit 0 is used twice in the layout [[0], [0]]"],
+    ),
+    "partial_bit_twice": (
+        lambda d: _op(d, "mm2")["outputs"][0]["layout"].update(dims=[[1], []], partial=[1], partial_op="sum"),
+        ["ops.1.outputs.0.layout (operator 'mm2')", "mesh bit 1 is used twice"],
+    ),
+    "bit_outside": (
+        lambda d: (
+            _op(d, "mm1")["inputs"][0]["layout"].update(dims=[[7], []]),
+            _op(d, "mm1").update(strategy=[[2, 1], *_op(d, "mm1")["strategy"][1:]]),
+        ),  # the strategy as the layout says
+        ["input 'X' of operator 'mm1' uses mesh bit 7", "4 devices have mesh bits 0 to 1"],
+    ),
+    "sync_bit_outside": (
+        lambda d: d["gradient_sync"][0].update(bits=[2]),
+        ["the gradient sync of 'W1' uses mesh bit 2"],
+    ),
+    "link_bit_outside": (lambda d: d["links"][0].update(bits=[0, 1, 2]), ["links: the HCCS link names mesh bit 2"]),
+    "split_three": (
+        lambda d: _op(d, "mm1").update(strategy=[[3, 1], [1, 1]]),
+        ["ops.0.strategy (operator 'mm1')", "input 0 is split 3 ways ([3, 1]), not a power of two"],
+    ),
+    "split_too_many": (
+        lambda d: _op(d, "mm2").update(strategy=[[1, 1], [4, 4]]),  # more than the 4 devices, and its layout
+        ["ops.1 (operator 'mm2')", "the strategy splits input 'W2' as [4, 4], but its recorded layout [[], []]"],
+    ),
+    "strategy_rank": (
+        lambda d: _op(d, "mm1").update(strategy=[[1], [1, 1]]),
+        ["ops.0 (operator 'mm1')", "tuple [1] for input 'X' has 1 entry, but its recorded layout [[], []] has 2"],
+    ),
+    "strategy_short": (
+        lambda d: _op(d, "mm1").update(strategy=[[1, 1]]),
+        ["ops.0 (operator 'mm1')", "the strategy has no tuple for input 'W1'"],
+    ),
+    "strategy_long": (
+        lambda d: _op(d, "mm1").update(strategy=[[1, 1], [1, 1], [1]]),
+        ["ops.0 (operator 'mm1')", "a tuple [1] beyond the 2 inputs it records"],
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(EDITS))
+def test_an_edited_plan_file_is_refused_when_read(plan, how):
+    edit, said = EDITS[how]
+    data = copy.deepcopy(plan.to_dict())
+    edit(data)
+    with pytest.raises(PlanFileError) as caught:
+        read_plan_file(data, origin="p.json")
+    message = str(caught.value)
+    assert message.startswith("Plan file 'p.json' is not a valid autopar plan: ") and message.count(". ") == 0
+    for part in said:
+        assert part in message, message
+
+
+@pytest.mark.parametrize("how", ["precision", "bit_twice", "bit_outside", "mesh_bits", "split_three", "strategy_rank"])
+@pytest.mark.parametrize("command", ["verify", "report", "export"])
+def test_every_command_refuses_an_edited_plan_file_in_the_same_sentence(tmp_path, capsys, model_and_plan, how, command):
+    model_path, data = model_and_plan
+    edit, said = EDITS[how]
+    edit(data)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    argv = {
+        "verify": ["verify", model_path, "--devices", DEVICES, "--plan", edited],
+        "report": ["report", model_path, "--plan", edited, "-o", tmp_path / "r.html"],
+        "export": ["export", edited, "--to", "mindspore", "-o", tmp_path / "s.ckpt"],
+    }[command]
+    line = _assert_one_line_error(*run(capsys, *argv)[::2])
+    assert f"Plan file {str(edited)!r} is not a valid autopar plan" in line
+    assert all(part in line for part in said), line
+
+
+def test_the_plan_files_modes_are_the_options_modes_and_given():
+    from typing import get_args
+
+    from autopar.options import Mode
+
+    modes = set(get_args(PlanFile.model_fields["mode"].annotation))
+    assert modes == {mode.value for mode in Mode} | {"given"}
+
+
+def test_a_pipelined_plan_and_older_schemas_still_read():
+    from tests.conftest import export_gpt
+
+    piped = autopar.plan(export_gpt(), devices=8, pipeline_stages=2).to_dict()
+    assert piped["pipeline"] is not None and read_plan_file(piped).dump() == piped
+    older = {key: value for key, value in piped.items() if key not in ("pipeline", "gradients", "context")}
+    for schema in ("autopar.plan/1", "autopar.plan/2"):
+        assert read_plan_file(older | {"schema": schema}).schema_ == schema
+
+
+# --- a plan read against a model: each operator is the model's ------------------------------------------------
+
+
+def _renamed_chain() -> onnx.ModelProto:
+    model = two_matmul_chain()
+    model.graph.node[1].name = "other"
+    return model
+
+
+MODEL_EDITS = {
+    "another_model": (lambda d: None, "The plan lists operator 'mm2' (MatMul), which model"),
+    "op_type": (lambda d: _op(d, "mm1").update(op_type="Gemm"), "The plan's operator 'mm1' is a Gemm, but in model"),
+    "operator_missing": (lambda d: d["ops"].pop(1), "The plan has no strategy for operator 'mm2' of model"),
+    "split_differs": (
+        lambda d: _op(d, "mm1").update(strategy=[[2, 1], [1, 1]]),
+        "(operator 'mm1'): the strategy splits input 'X' as [2, 1], but its recorded layout [[], []] splits it as"
+        " [1, 1]",
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(MODEL_EDITS))
+def test_a_plan_without_its_context_is_still_checked_against_the_model(tmp_path, capsys, model_and_plan, how):
+    model_path, data = model_and_plan
+    edit, said = MODEL_EDITS[how]
+    del data["context"]
+    edit(data)
+    if how == "another_model":  # the same file, reported against another model
+        onnx.save(_renamed_chain(), str(model_path))
+    plan_path = tmp_path / "old.json"
+    plan_path.write_text(json.dumps(data))
+    for argv in (
+        ["report", model_path, "--plan", plan_path, "-o", tmp_path / "r.html"],
+        ["verify", model_path, "--devices", DEVICES, "--plan", plan_path],
+        ["export", plan_path, "--to", "mindspore", "--model", model_path, "-o", tmp_path / "s.ckpt"],
+    ):
+        line = _assert_one_line_error(*run(capsys, *argv)[::2])
+        assert said in line, line
+    assert not (tmp_path / "r.html").exists() and not (tmp_path / "s.ckpt").exists()
+
+
+def test_check_context_refuses_a_strategy_of_the_wrong_shape_for_the_model(plan):
+    from autopar.graph import load_model
+    from autopar.lowering.lower import check_context
+
+    graph = load_model(two_matmul_chain())
+    check_context(plan.file, graph, DEVICES)
+    edited = plan.to_dict()
+    del edited["context"]
+    _op(edited, "mm1").update(
+        strategy=[[1, 1, 1], [1, 1]],
+        inputs=[{"tensor": "X", "layout": {"dims": [[], [], []]}}, *_op(edited, "mm1")["inputs"][1:]],
+    )
+    with pytest.raises(PlanFileError, match=r"strategy \[\[1, 1, 1\], \[1, 1\]\] for 'mm1' \(MatMul\) does not fit"):
+        check_context(read_plan_file(edited), graph, DEVICES)
+
+
+def test_a_fork_splitting_its_gradient_more_ways_than_the_devices_is_refused_when_read():
+    """A fork's last tuple (its gradient's splits) has no recorded layout to agree with: its ways are checked alone."""
+    data = autopar.plan(RESNET50.parents[1] / "tests" / "data" / "torch_llama_dynamo.onnx", devices=8).to_dict()
+    fork = next(op for op in data["ops"] if op.get("domain"))
+    fork["strategy"][-1] = [16] * len(fork["strategy"][-1])
+    with pytest.raises(PlanFileError, match=rf"operator {fork['name']!r} splits input 1 16 ways \(\[16\]\), more than"):
+        read_plan_file(data)

@@ -316,7 +316,10 @@ def test_a_plan_file_alone_says_what_it_cannot_compare(resnet):
 def test_warnings_name_idle_devices_replication_and_fallbacks(resnet):
     _, data = resnet
     assert warnings_of(data) == []
-    assert "Idle devices: the largest split uses 8 of 16 devices" in warnings_of({**data, "devices": 16})[0]
+    assert (
+        "Idle devices: the largest split uses 8 of 16 devices"
+        in warnings_of({**data, "devices": 16, "mesh_bits": 4})[0]
+    )
     alone = autopar.plan(RESNET50, devices=8, mode="stand_alone").to_dict()
     assert "fully replicated" in warnings_of(alone)[0]
     assert "1 operator(s) have no strategy rule" in " ".join(warnings_of({**data, "fallback_ops": ["odd"]}))

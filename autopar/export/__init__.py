@@ -2,8 +2,9 @@
 
 Every exporter reads the typed plan file (`autopar.lowering.PlanFile`), never the search, without
 the forks autopar inserts (`PlanFile.without_forks`), and writes files beside ``out``: ``onnx``
-also needs the model the plan was made for (ONNX in, ONNX out). `export` dispatches by name; each
-module registers its writer in `EXPORTERS`.
+also needs the model the plan was made for (ONNX in, ONNX out). Given the model, `export` first checks the
+plan against it (`autopar.lowering.lower.check_context`: a plan of another model is one sentence), then
+dispatches by name; each module registers its writer in `EXPORTERS`.
 
 >>> sorted(FORMATS)
 ['dtensor', 'jax', 'mindspore', 'onnx']
@@ -18,7 +19,9 @@ from pathlib import Path
 import onnx
 
 from autopar.errors import AutoparError
+from autopar.lowering.lower import check_context
 from autopar.lowering.planfile import PlanFile
+from autopar.lowering.program import plan_graph
 
 # format -> (module, what ``out`` defaults to in the working folder: the model's name, then the format)
 FORMATS: dict[str, tuple[str, str]] = {
@@ -48,6 +51,8 @@ def export(plan: PlanFile, to: str, out: str | Path | None = None, model: onnx.M
             f"The {to} export does not express pipeline stages; export this plan --to dtensor or --to mindspore,"
             " or plan it with --pipeline-stages 1."
         )
+    if model is not None:  # the plan is checked against the model it is written for, as verify and report check it
+        check_context(plan, plan_graph(plan, model), plan.devices, action="be exported")
     module = importlib.import_module(FORMATS[to][0])
     target = Path(out) if out is not None else default_output(plan, to)
     written: list[Path] = module.write(plan.without_forks(), model, target)

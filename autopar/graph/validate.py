@@ -32,7 +32,7 @@ _NUMERIC = {
 }
 
 
-def _without_external_data(proto: onnx.ModelProto) -> onnx.ModelProto:
+def without_external_data(proto: onnx.ModelProto) -> onnx.ModelProto:
     """A copy whose externally stored initializers are graph inputs (typed), so nothing is read."""
     external = [init for init in proto.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL]
     if not external:
@@ -56,6 +56,7 @@ def check_wiring(proto: onnx.ModelProto) -> None:
     no shape, a graph output listed twice. Inference would otherwise stop there, and the first unknown size
     downstream would be blamed on the batch or a dimension to bind."""
     known = {vi.name for vi in proto.graph.input} | {init.name for init in proto.graph.initializer}
+    known |= {sparse.values.name for sparse in proto.graph.sparse_initializer}
     known |= {name for node in proto.graph.node for name in node.output if name}
     for node in proto.graph.node:
         missing = next((name for name in node.input if name and name not in known), None)
@@ -114,7 +115,7 @@ def check_model(proto: onnx.ModelProto) -> None:
             raise ModelImportError(f"Graph output {output.name!r} is produced by no operator and is no input.")
         if output.type.HasField("tensor_type") and not output.type.tensor_type.HasField("shape"):
             raise _unshaped_output(proto, output.name)  # inference could not follow it (a custom operator, say)
-    checked = _without_external_data(proto)
+    checked = without_external_data(proto)
     if checked.ByteSize() > _PROTOBUF_LIMIT:
         return  # weights stored inline past 2 GB: the checker cannot take it; inference has run strictly
     try:

@@ -34,6 +34,7 @@ from autopar.lowering.planfile import (
     TensorLayout,
     Totals,
 )
+from autopar.ops.fork import FORK_DOMAIN
 from autopar.redistribute import Collective, Step, redistribute
 from autopar.search import ring
 from autopar.search.costing import ring_windows
@@ -41,6 +42,7 @@ from autopar.search.dataflow import TensorUse
 from autopar.search.driver import data_parallel_choice
 from autopar.search.memory import NO_MEMORY_CHOICES, MemoryChoices
 from autopar.search.problem import SearchProblem
+from autopar.strategy import OpRule
 
 
 def rounded(value: float) -> float:
@@ -360,26 +362,69 @@ def plan_context(problem: SearchProblem) -> PlanContext:
 
 
 def check_context(plan: PlanFile, graph: Graph, devices: int, action: str = "verify") -> None:
-    """PlanFileError, in one sentence, when ``plan`` was made for another model, batch or device count."""
+    """PlanFileError, in one sentence, when ``plan`` was made for another model, batch or device count: what its
+    file records of them (its context, absent in old files), then each operator against the model's."""
     if plan.devices != devices:
         raise PlanFileError(f"The plan is for {plan.devices} devices, so it cannot {action} on {devices}.")
-    if plan.context is None:
-        return  # a plan file from before plans recorded what they were made for
-    if plan.context.model_fingerprint != graph.fingerprint:
+    if plan.context is not None:
+        _check_recorded(plan, plan.context, graph)
+    _check_operators(plan, graph)
+
+
+def _check_recorded(plan: PlanFile, context: PlanContext, graph: Graph) -> None:
+    """The model's fingerprint and input shapes are those the plan records."""
+    if context.model_fingerprint != graph.fingerprint:
         raise PlanFileError(
-            f"The plan was made for another model ({plan.model!r}, fingerprint {plan.context.model_fingerprint}),"
+            f"The plan was made for another model ({plan.model!r}, fingerprint {context.model_fingerprint}),"
             f" not this {graph.name!r} ({graph.fingerprint})."
         )
     shapes = {name: list(graph.tensor(name).shape) for name in graph.inputs}
-    if plan.context.inputs != shapes:
-        differ = next(name for name in shapes if plan.context.inputs.get(name) != shapes[name])
-        planned = plan.context.inputs.get(differ)
+    if context.inputs != shapes:
+        differ = next((name for name in shapes if context.inputs.get(name) != shapes[name]), None)
+        if differ is None:  # the plan names an input the model lacks
+            extra = next(name for name in context.inputs if name not in shapes)
+            raise PlanFileError(f"The plan was made for a model with input {extra!r}, which {graph.name!r} lacks.")
+        planned = context.inputs.get(differ)
         advice = "plan again with this batch"
         if plan.memory_plan.micro_batches > 1 and planned:
             advice = f"its shapes are one of {plan.memory_plan.micro_batches} micro-batches: use --batch {planned[0]}"
         raise PlanFileError(
             f"The plan was made for input {differ!r} of shape {planned}, not {shapes[differ]} (a plan searched at"
             f" one batch does not hold at another); {advice}."
+        )
+
+
+def _check_operators(plan: PlanFile, graph: Graph) -> None:
+    """Every operator of the plan is the model's, of its type, with a strategy of its inputs' shape, and every
+    operator of the model has one."""
+    ops = {op.name: op for op in graph.ops}
+    for entry in plan.ops:
+        op = ops.get(entry.name)
+        if op is None:
+            raise PlanFileError(
+                f"The plan lists operator {entry.name!r} ({entry.op_type}), which model {graph.name!r} does not"
+                f" have: the plan was made for another model ({plan.model!r}) or edited."
+            )
+        if op.op_type != entry.op_type:
+            raise PlanFileError(
+                f"The plan's operator {entry.name!r} is a {entry.op_type}, but in model {graph.name!r} it is a"
+                f" {op.op_type}."
+            )
+        rule = OpRule.build(op, graph, plan.mesh_bits)
+        ranks = [len(splits) for splits in rule.in_strategy(rule.stand_alone)]
+        if [len(splits) for splits in entry.strategy] != ranks:
+            raise PlanFileError(
+                f"The plan's strategy {entry.strategy} for {entry.name!r} ({entry.op_type}) does not fit model"
+                f" {graph.name!r}, whose operator's inputs have ranks {ranks}."
+            )
+    planned = {entry.name for entry in plan.ops}
+    # (a plan from before autopar inserted forks lists none: the exporters drop them all the same)
+    missing = [op.name for op in graph.ops if op.name not in planned and op.domain != FORK_DOMAIN]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise PlanFileError(
+            f"The plan has no strategy for operator {missing[0]!r}{more} of model {graph.name!r}: it was made for"
+            f" another model ({plan.model!r}) or edited."
         )
 
 

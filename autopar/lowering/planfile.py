@@ -1,7 +1,11 @@
 """The plan file: typed, validated, with a JSON Schema (``autopar schema`` prints it).
 
-Every part is a frozen pydantic model that forbids unknown fields, so a plan file written by
-hand or by another tool is either read exactly or rejected with one sentence naming the field.
+Every part is a frozen pydantic model that forbids unknown fields and types its figures strictly (no
+``"8"``, ``8.0`` or ``true`` for 8), its kinds as their enumerations, and the whole file agrees with
+itself (its devices spell its mesh bits; every layout names each of those bits at most once, and no
+other; every strategy splits by powers of two, at most the devices, with a tuple per input of its
+rank), so a plan file written by hand or by another tool is either read exactly or rejected with one
+sentence naming the field. `autopar.lowering.lower.check_context` checks it against a model.
 `Plan.to_dict()` is `PlanFile`'s dump; `read_plan_file` is the one way in for every reader.
 
 >>> read_plan_file({"schema": SCHEMA, "ops": "garbage"}, origin="p.json")
@@ -13,25 +17,29 @@ autopar.errors.PlanFileError: Plan file 'p.json' is not a valid autopar plan: mo
 from __future__ import annotations
 
 import json
+import math
+import numbers
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveInt,
     SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from autopar.cost.mesh import Mesh
 from autopar.errors import AutoparError, PlanFileError, first_problem
-from autopar.layout import Layout, ReduceOp
+from autopar.layout import Layout, ReduceOp, is_power_of_two, mesh_bits_for
+from autopar.limits import MAX_DEVICES
+from autopar.options import Optimizer, Precision, shown
 from autopar.redistribute import Collective, Step
 
 SCHEMA = "autopar.plan/3"
@@ -40,6 +48,35 @@ SCHEMA = "autopar.plan/3"
 # version 1: version 2 without pipeline stages
 READABLE_SCHEMAS = ("autopar.plan/1", "autopar.plan/2", SCHEMA)
 GRAPH_OUTPUT = "<graph output>"  # the consumer named by the reduction of a partial graph output
+
+
+def _integer(value: object) -> int:
+    """An integer as JSON writes one: pydantic alone would read "8", true and 8.0 as 8."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"an integer is expected, not {shown(value)}")
+    return int(value)
+
+
+def _number(value: object) -> object:
+    """A number as JSON writes one: pydantic alone would read "1.5" and true as numbers."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"a number is expected, not {shown(value)}")
+    return value
+
+
+def _flag(value: object) -> bool:
+    """true or false (numpy's booleans too): pydantic alone would read 1, "yes" and "on" as true."""
+    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
+        return bool(value)
+    raise ValueError(f"true or false is expected, not {shown(value)}")
+
+
+# the plan file's figures are typed strictly: a string, a boolean or a fraction where a count belongs is refused
+NonNegativeInt = Annotated[int, BeforeValidator(_integer), Field(ge=0)]
+PositiveInt = Annotated[int, BeforeValidator(_integer), Field(gt=0)]
+Number = Annotated[float, BeforeValidator(_number)]
+NonNegativeFloat = Annotated[float, BeforeValidator(_number), Field(ge=0)]
+Flag = Annotated[bool, BeforeValidator(_flag)]
 
 
 class _Part(BaseModel):
@@ -67,6 +104,26 @@ class LayoutEntry(_OmitsUnset):
     dims: list[list[NonNegativeInt]]
     partial: list[NonNegativeInt] | None = None
     partial_op: ReduceOp | None = None
+
+    @model_validator(mode="after")
+    def _each_bit_once(self) -> "LayoutEntry":
+        """A mesh bit splits one dimension, or is partial, never both nor twice (as `Layout` requires)."""
+        used = self.bits
+        twice = next((bit for bit in used if used.count(bit) > 1), None)
+        if twice is not None:
+            raise ValueError(f"mesh bit {twice} is used twice in the layout {self.described}")
+        return self
+
+    @property
+    def described(self) -> str:
+        """The layout as the file spells it: its dims, then its partial bits."""
+        text = str(self.dims)
+        return f"{text} partial over {self.partial}" if self.partial else text
+
+    @property
+    def bits(self) -> list[int]:
+        """Every mesh bit the layout uses."""
+        return [bit for bits in self.dims for bit in bits] + list(self.partial or ())
 
     @classmethod
     def of(cls, layout: Layout) -> "LayoutEntry":
@@ -118,7 +175,7 @@ class TensorLayout(_Part):
 class OpCost(_OmitsUnset):
     _omit: ClassVar[tuple[str, ...]] = ("update_s",)
     compute_s: NonNegativeFloat
-    communication_s: float = Field(description="gradient sync and partial graph outputs it owns")
+    communication_s: Number = Field(description="gradient sync and partial graph outputs it owns")
     memory_bytes: NonNegativeInt
     update_s: NonNegativeFloat | None = Field(
         default=None, description="the optimizer update of the parameters it owns, once a step (None: it owns none)"
@@ -138,14 +195,74 @@ class OpEntry(_OmitsUnset):
     inputs: list[TensorLayout]
     outputs: list[TensorLayout]
     cost: OpCost
-    fallback: bool
-    fixed: bool | None = Field(default=None, description="true where the user fixed the strategy (semi-auto mode)")
+    fallback: Flag
+    fixed: Flag | None = Field(default=None, description="true where the user fixed the strategy (semi-auto mode)")
     source: str | None = Field(default=None, description="the exporting framework's name for the layer, if recorded")
     fused: Literal["scores", "inner", "values", "kernel"] | None = Field(
         default=None,
         description="its part in a fused attention kernel (`autopar.graph.attention`): the product of queries and"
         " keys, an operator inside, the product with the values, or the whole kernel (None: it runs on its own)",
     )
+
+    @field_validator("strategy")
+    @classmethod
+    def _powers_of_two(cls, strategy: list[list[int]]) -> list[list[int]]:
+        for position, splits in enumerate(strategy):
+            odd = next((split for split in splits if not is_power_of_two(split)), None)
+            if odd is not None:
+                raise ValueError(f"input {position} is split {odd} ways ({splits}), not a power of two")
+        return strategy
+
+    @model_validator(mode="after")
+    def _strategy_fits_the_layouts(self) -> "OpEntry":
+        problem = _strategy_mismatch(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+
+def _entries(count: int) -> str:
+    return f"{count} entr{'y' if count == 1 else 'ies'}"
+
+
+def _splits(layout: LayoutEntry) -> list[int]:
+    return [1 << len(bits) for bits in layout.dims]
+
+
+def _strategy_mismatch(op: OpEntry) -> str | None:
+    """What in ``op``'s strategy disagrees with the input layouts it records (None: nothing): a tuple per
+    recorded input, of its rank, splitting it as its layout does.
+
+    The strategy has a tuple per input of the operator, an absent one's empty, where the file records the
+    layouts of the present inputs: each present input's tuple splits it as its layout does (a OneHot's first
+    tuple spells its output's layout instead, as MindSpore's does); a fork (`autopar.ops.fork`) adds a tuple
+    for its gradients.
+    """
+    outputs = [_splits(entry.layout) for entry in op.outputs]
+    recorded = list(op.inputs)
+    for given in op.strategy:
+        if not recorded:
+            if given and op.domain is None:
+                return f"the strategy has a tuple {given} beyond the {len(op.inputs)} inputs it records"
+            continue
+        entry = recorded[0]
+        if len(given) == len(entry.layout.dims):
+            if given != _splits(entry.layout):
+                return (
+                    f"the strategy splits input {entry.tensor!r} as {given}, but its recorded layout"
+                    f" {entry.layout.described} splits it as {_splits(entry.layout)}"
+                )
+            recorded.pop(0)
+        elif given in outputs:  # a OneHot's
+            recorded.pop(0)
+        elif given:  # not an absent input's
+            return (
+                f"the strategy's tuple {given} for input {entry.tensor!r} has {_entries(len(given))}, but its recorded"
+                f" layout {entry.layout.described} has {len(entry.layout.dims)}"
+            )
+    if recorded:
+        return f"the strategy has no tuple for input {recorded[0].tensor!r}"
+    return None
 
 
 class Redistribution(_OmitsUnset):
@@ -236,7 +353,7 @@ class Totals(_OmitsUnset):
     _omit: ClassVar[tuple[str, ...]] = ("free_step_time_s", "fixed_cost_s", "pipeline_bubble_s")
     step_time_s: NonNegativeFloat
     compute_s: NonNegativeFloat
-    communication_s: float = Field(description="communication the step waits for (exposed)")
+    communication_s: Number = Field(description="communication the step waits for (exposed)")
     hidden_communication_s: NonNegativeFloat = Field(
         description="gradient synchronisation that runs beside the backward pass (overlapped)"
     )
@@ -270,7 +387,7 @@ class Totals(_OmitsUnset):
         default=None,
         description="with fixed strategies (semi-auto): the step of the plan the search finds with nothing fixed",
     )
-    fixed_cost_s: float | None = Field(
+    fixed_cost_s: Number | None = Field(
         default=None,
         description="with fixed strategies (semi-auto): what they cost, step_time_s - free_step_time_s",
     )
@@ -390,11 +507,11 @@ class SearchSummary(_OmitsUnset):
     candidates: NonNegativeInt
     operators: NonNegativeInt
     memory_multiplier: NonNegativeFloat
-    exact: bool | None = Field(
+    exact: Flag | None = Field(
         default=None,
         description="the search proved no plan of this pipeline shape that fits is faster (dp and ilp only)",
     )
-    lower_bound_s: float | None = Field(
+    lower_bound_s: Number | None = Field(
         default=None, description="where not exact: no plan of this pipeline shape that fits steps faster"
     )
     gap: NonNegativeFloat | None = Field(
@@ -445,12 +562,14 @@ class PlanFile(_OmitsUnset):
     mesh_bits: NonNegativeInt
     links: list[LinkUse] = Field(description="the mesh levels, fastest first (from the profile or a rank table)")
     cost_model: str
-    precision: str
-    optimizer: str | None = Field(
+    precision: Precision
+    optimizer: Optimizer | None = Field(
         default=None,
         description="the optimizer whose state each trainable parameter keeps: adam or sgd (absent in old files)",
     )
-    mode: str
+    mode: Literal["auto_parallel", "semi_auto_parallel", "data_parallel", "stand_alone", "given"] = Field(
+        description="the parallel mode (`autopar.options.Mode`), or given: a plan of strategies chosen by hand"
+    )
     objective_s: NonNegativeFloat
     ops: list[OpEntry] = Field(min_length=1)
     redistributions: list[Redistribution]
@@ -477,6 +596,15 @@ class PlanFile(_OmitsUnset):
                 raise ValueError(f"operator {op.name!r} is listed twice")
             seen.add(op.name)
         return ops
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PlanFile":
+        """The file agrees with itself: its devices spell its mesh bits, its links and layouts use those bits,
+        and no strategy splits an input more ways than there are devices."""
+        problem = _mesh_problem(self) or _bits_problem(self) or _split_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
     def dump(self) -> dict[str, Any]:
         """The JSON-safe dict (enums as their strings)."""
@@ -520,13 +648,63 @@ class PlanFile(_OmitsUnset):
 
     @property
     def mesh(self) -> Mesh:
-        """The mesh the plan was made for, as its file lists it (link names and bits, no speeds)."""
-        if self.devices != 1 << self.mesh_bits:
-            raise PlanFileError(f"The plan says {self.devices} devices but {self.mesh_bits} mesh bits.")
-        try:
-            return Mesh.named(self.devices, ((link.name, link.bits) for link in self.links), self.cost_model)
-        except AutoparError as exc:
-            raise PlanFileError(str(exc)) from None
+        """The mesh the plan was made for, as its file lists it (link names and bits, no speeds; the file's
+        devices, bits and links agree, checked as it was read: `_mesh_problem`)."""
+        return Mesh.named(self.devices, ((link.name, link.bits) for link in self.links), self.cost_model)
+
+
+def _mesh_problem(plan: PlanFile) -> str | None:
+    if not is_power_of_two(plan.devices) or plan.devices > MAX_DEVICES:
+        return f"devices is {plan.devices}, not a power of two up to {MAX_DEVICES}"
+    if plan.mesh_bits != mesh_bits_for(plan.devices):
+        return f"devices is {plan.devices} but mesh_bits is {plan.mesh_bits} (devices must be 2 ** mesh_bits)"
+    try:
+        Mesh.named(plan.devices, ((link.name, link.bits) for link in plan.links), plan.cost_model)
+    except AutoparError as exc:
+        return f"links: {str(exc)[:1].lower()}{str(exc)[1:].rstrip('.')}"
+    return None
+
+
+def _bits_used(plan: PlanFile) -> Iterator[tuple[str, list[int]]]:
+    """Every list of mesh bits in the plan, with what uses it."""
+    for op in plan.ops:
+        for kind, entries in (("input", op.inputs), ("output", op.outputs)):
+            for entry in entries:
+                yield f"the layout of {kind} {entry.tensor!r} of operator {op.name!r}", entry.layout.bits
+    for move in plan.redistributions:
+        where = f"the redistribution of {move.tensor!r} from {move.producer!r} to {move.consumer!r}"
+        yield where, move.from_.bits + move.to.bits + [bit for step in move.steps for bit in step.bits]
+    for path in plan.gradients:
+        where = f"the gradient of {path.tensor!r} from {path.consumer!r} to {path.producer!r}"
+        yield where, path.from_.bits + path.to.bits + [bit for step in path.steps for bit in step.bits]
+    for sync in plan.gradient_sync:
+        yield f"the gradient sync of {sync.parameter!r}", sync.layout.bits + sync.bits
+    if plan.pipeline is not None:
+        yield "the pipeline", plan.pipeline.bits
+
+
+def _bits_problem(plan: PlanFile) -> str | None:
+    for where, bits in _bits_used(plan):
+        outside = next((bit for bit in bits if bit >= plan.mesh_bits), None)
+        if outside is not None:
+            devices = f"{plan.devices} devices have" if plan.devices > 1 else "1 device has"
+            return f"{where} uses mesh bit {outside}, but the plan's {devices} {_bit_range(plan.mesh_bits)}"
+    return None
+
+
+def _bit_range(mesh_bits: int) -> str:
+    return {0: "no mesh bits", 1: "mesh bit 0"}.get(mesh_bits, f"mesh bits 0 to {mesh_bits - 1}")
+
+
+def _split_problem(plan: PlanFile) -> str | None:
+    for op in plan.ops:
+        for position, splits in enumerate(op.strategy):
+            if math.prod(splits) > plan.devices:
+                return (
+                    f"operator {op.name!r} splits input {position} {math.prod(splits)} ways ({splits}), more than"
+                    f" the plan's {plan.devices} devices"
+                )
+    return None
 
 
 PLAN_FILE_FIELDS = tuple(field.alias or name for name, field in PlanFile.model_fields.items())
@@ -545,9 +723,28 @@ def read_plan_file(data: Any, origin: str = "the plan") -> PlanFile:
     try:
         return PlanFile.model_validate(data)
     except ValidationError as exc:
-        raise PlanFileError(f"{label} is not a valid autopar plan: {first_problem(exc)}.") from None
+        raise PlanFileError(f"{label} is not a valid autopar plan: {_problem(exc, data)}.") from None
     except RecursionError:
         raise PlanFileError(f"{label} is nested too deeply to be an autopar plan.") from None
+
+
+def _problem(exc: ValidationError, data: dict[str, Any]) -> str:
+    """`first_problem`, saying which operator a field under ``ops`` belongs to and what a value of the wrong
+    type was; a problem of the whole file (its parts disagree) is said without a place."""
+    error = exc.errors()[0]
+    text = first_problem(exc)
+    loc = error["loc"]
+    if not loc:
+        return text.removeprefix("the top level: ")
+    if error["type"] != "value_error" and isinstance(error.get("input"), str | int | float | bool):
+        text = f"{text} (got {shown(error['input'])})"
+    ops = data.get("ops")
+    if len(loc) > 1 and loc[0] == "ops" and isinstance(loc[1], int) and isinstance(ops, list) and loc[1] < len(ops):
+        name = ops[loc[1]].get("name") if isinstance(ops[loc[1]], dict) else None
+        if isinstance(name, str):
+            where = ".".join(str(part) for part in loc)
+            text = text.replace(where, f"{where} (operator {shown(name)})", 1)
+    return text
 
 
 def load_plan_file(path: str | Path) -> PlanFile:
