@@ -498,6 +498,7 @@ def test_sweep_takes_one_count_and_refuses_none(tiny):
     said = "devices must be a device count or a list of them, such as [1, 8, 64], got '8'."
     _refused(said, autopar.sweep, tiny, "8")
     _refused("The device count must be a power of two (1, 2, 4, 8, ...), got 3.", autopar.sweep, tiny, [1, 3])
+    _refused("devices names 4 more than once, got [4, 1, 4].", autopar.sweep, tiny, [4, 1, 4])  # as the CLI says
 
 
 def test_a_report_to_a_directory_is_one_sentence(tiny, tiny_plan, tmp_path):

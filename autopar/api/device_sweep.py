@@ -90,7 +90,10 @@ def _counts(devices: object) -> list[int]:
     counts = [check_devices(count) for count in devices]
     if not counts:
         raise AutoparError("devices names no device count to sweep; give at least one, such as [1, 8, 64].")
-    return sorted(set(counts))
+    twice = sorted({count for count in counts if counts.count(count) > 1})
+    if twice:
+        raise AutoparError(f"devices names {', '.join(map(str, twice))} more than once, got {shown(devices)}.")
+    return sorted(counts)
 
 
 def sweep(

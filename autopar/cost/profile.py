@@ -280,9 +280,7 @@ def profile_path(name_or_path: str | Path) -> Path:
         bundled = {name.lower(): name for name in available_profiles()}
         candidate = profiles_dir() / f"{bundled.get(str(name_or_path).lower(), name_or_path)}.toml"
         if path.is_dir() and str(name_or_path).lower() not in bundled:
-            raise CostModelError(
-                f"Cost model {str(path)!r} is a directory; give a bundled profile's name or a .toml file."
-            )
+            raise _a_directory(path)
         if not candidate.is_file():
             raise CostModelError(
                 f"Unknown cost model {str(name_or_path)!r}; bundled: {', '.join(available_profiles())},"
@@ -290,10 +288,14 @@ def profile_path(name_or_path: str | Path) -> Path:
             )
         return candidate
     if path.is_dir():
-        raise CostModelError(f"Cost model {str(path)!r} is a directory; give a bundled profile's name or a .toml file.")
+        raise _a_directory(path)
     if not path.is_file():
         raise CostModelError(f"Cost model file {str(path)!r} does not exist.")
     return path
+
+
+def _a_directory(path: Path) -> CostModelError:
+    return CostModelError(f"Cost model {str(path)!r} is a directory; give a bundled profile's name or a .toml file.")
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
