@@ -325,3 +325,21 @@ def test_a_fork_splitting_its_gradient_more_ways_than_the_devices_is_refused_whe
     fork["strategy"][-1] = [16] * len(fork["strategy"][-1])
     with pytest.raises(PlanFileError, match=rf"operator {fork['name']!r} splits input 1 16 ways \(\[16\]\), more than"):
         read_plan_file(data)
+
+
+def test_a_plan_from_before_forks_is_checked_against_the_model_without_them():
+    """autopar inserts forks where readers split one tensor alike; plans written before it did list none, and the
+    exporters drop them anyway: the model's forks are not operators such a plan lacks."""
+    from autopar.graph import load_model
+    from autopar.lowering.lower import check_context
+
+    model = RESNET50.parents[1] / "tests" / "data" / "torch_llama_dynamo.onnx"
+    plan = autopar.plan(model, devices=8)
+    data = plan.to_dict()
+    data["ops"] = [op for op in data["ops"] if not op.get("domain")]
+    graph = load_model(model, batch=plan.problem.graph.tensor(plan.problem.graph.inputs[0]).shape[0])
+    assert any(op.domain for op in graph.ops)
+    check_context(read_plan_file(data), graph, 8, action="be exported")  # no sentence: the same model
+    data["ops"] = data["ops"][1:]
+    with pytest.raises(PlanFileError, match="The plan has no strategy for operator"):
+        check_context(read_plan_file(data), graph, 8, action="be exported")
