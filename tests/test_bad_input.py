@@ -549,3 +549,52 @@ def test_an_empty_model_file_and_a_folder_for_a_cost_model_are_named(capsys, tmp
     assert (code, out) == (1, "") and one_sentence(err) == (
         f"autopar: error: Cost model '{tmp_path}' is a directory; give a bundled profile's name or a .toml file."
     )
+
+
+# --- valid models the reference or the importer took badly (a third fuzz run) ------------------------
+
+
+def test_a_weight_returned_as_an_output_and_an_empty_graph_are_said_for_what_they_are(capsys, tmp_path):
+    w_out = helper.make_tensor_value_info("W", FLOAT, [4, 4])
+    path = save(tmp_path, [MATMUL], [x_input([4, 4])], [Y, w_out], [W], name="returns_w.onnx")
+    code, out, err = run(capsys, "plan", path, "--devices", "2")
+    assert (code, out) == (1, "") and one_sentence(err) == (
+        "autopar: error: Graph output 'W' is an initializer, returned as it is stored; autopar plans the outputs"
+        " operators compute (route it through an Identity to keep it)."
+    )
+    empty = save(tmp_path, [], [x_input([4, 4])], [helper.make_tensor_value_info("x", FLOAT, [4, 4])], name="e.onnx")
+    code, out, err = run(capsys, "plan", empty, "--devices", "2")
+    assert (code, out) == (1, "")
+    assert one_sentence(err) == f"autopar: error: '{empty}' has no operators: there is nothing to plan."
+
+
+def test_verify_runs_a_model_whose_operators_repeat_a_name(capsys, tmp_path):
+    second = helper.make_node("Relu", ["y"], ["z"], name="mm")  # the MatMul's name again: the importer renames it
+    path = save(tmp_path, [MATMUL, second], [x_input([4, 4])], [helper.make_tensor_value_info("z", FLOAT, None)], [W])
+    for extra in ((), ("--gradients",)):
+        code, _, err = run(capsys, "verify", path, "--devices", "2", *extra)
+        assert code == 0, err
+
+
+def test_a_reference_onnxruntime_cannot_give_is_one_sentence(capsys, tmp_path):
+    bf16 = TensorProto.BFLOAT16
+    weight = helper.make_tensor("W", bf16, [4, 4], np.ones(16, np.float32).view(np.uint16)[1::2].tolist(), raw=False)
+    path = save(tmp_path, [MATMUL], [x_input([4, 4], bf16)], [helper.make_tensor_value_info("y", bf16, None)],
+                [weight])  # fmt: skip
+    for extra in ((), ("--gradients",)):
+        code, _, err = run(capsys, "verify", path, "--devices", "2", *extra)
+        assert code == 1, err
+        assert "onnxruntime, which computes the reference, cannot run this model:" in one_sentence(err)
+
+
+def test_a_reference_of_another_shape_than_the_plan_is_one_sentence(capsys, monkeypatch):
+    from autopar.spmd import reference
+
+    class Wrong:
+        def run(self, names, feeds):
+            return [np.zeros((1, 1), np.float32) for _ in names]
+
+    monkeypatch.setattr(reference, "session", lambda model: Wrong())
+    code, _, err = run(capsys, "verify", GPT, "--devices", "2")
+    assert code == 1 and "onnxruntime, which computes the reference, gives output" in one_sentence(err)
+    assert "the shape (1, 1), where ONNX's shape inference, which the plan follows, gives it" in err

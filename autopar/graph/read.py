@@ -28,6 +28,8 @@ def read_model(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
             ) from None
     if not proto.graph.node:
         named = "The model" if isinstance(model, onnx.ModelProto) else f"{str(model)!r}"
+        if proto.graph.input or proto.graph.output:  # a graph, empty: its outputs are its inputs
+            raise ModelImportError(f"{named} has no operators: there is nothing to plan.")
         raise ModelImportError(f"{named} has no operators (is it an ONNX model file?).")
     _check_names(proto)
     return proto

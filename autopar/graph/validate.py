@@ -72,6 +72,13 @@ def check_wiring(proto: onnx.ModelProto) -> None:
     twice = next((name for name in outputs if outputs.count(name) > 1), None)
     if twice is not None:
         raise ModelImportError(f"Graph output {twice!r} is listed twice.")
+    stored = {init.name for init in proto.graph.initializer}
+    returned = next((name for name in outputs if name in stored), None)
+    if returned is not None:
+        raise ModelImportError(
+            f"Graph output {returned!r} is an initializer, returned as it is stored; autopar plans the outputs"
+            " operators compute (route it through an Identity to keep it)."
+        )
 
 
 def _where_inference_stops(proto: onnx.ModelProto) -> onnx.NodeProto | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from autopar.lowering.program import PlanProgram
 from autopar.runtime.collectives import Collectives
@@ -46,13 +47,19 @@ def execute(
         step.forward()
         for name in program.graph.outputs:
             layout, buffers = step.output(name)
-            result.outputs[name] = (layout.to_dict(), [b.detach().cpu().numpy() for b in buffers])
+            result.outputs[name] = (layout.to_dict(), [_array(b) for b in buffers])
         if cotangents is not None:
             step.backward(cotangents)
             for name in parameters:
                 layout, buffers = step.parameter_gradient(name)
-                result.gradients[name] = (layout.to_dict(), [b.detach().cpu().numpy() for b in buffers])
+                result.gradients[name] = (layout.to_dict(), [_array(b) for b in buffers])
     except PlanBroken as exc:
         result.problem = str(exc)
     result.executed = step.executed.as_dict()
     return result
+
+
+def _array(buffer: torch.Tensor) -> np.ndarray:
+    """A rank's buffer as numpy holds it: bfloat16, which numpy lacks, as the float32 that holds it exactly."""
+    found = buffer.detach().cpu()
+    return (found.float() if found.dtype == torch.bfloat16 else found).numpy()

@@ -144,6 +144,9 @@ class TrainingStep:
         return [self._tensor(full[layout.local_slices(r, full.shape)]) for r in self.ranks]
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        if array.dtype.name == "bfloat16":  # numpy's (ml_dtypes') bfloat16, which torch does not take: by way of
+            # float32, where every bfloat16 is exact
+            return torch.from_numpy(array.astype(np.float32)).to(device=self.device, dtype=torch.bfloat16)
         return torch.from_numpy(np.array(array, order="C", copy=True)).to(self.device)
 
     def _itemsize(self, name: str, phase: str) -> int:

@@ -47,6 +47,35 @@ def reference_outputs(graph: Graph, values: Mapping[str, np.ndarray]) -> dict[st
     existing = {init.name for init in model.graph.initializer}
     for name in sorted((params | {init.name for init in external if init.name in values}) - existing):
         model.graph.initializer.append(numpy_helper.from_array(values[name], name))
+    _name_apart(model)
     feeds = {name: values[name] for name in graph.inputs}
     names = list(graph.outputs)
-    return dict(zip(names, session(model).run(names, feeds)))
+    try:
+        found = dict(zip(names, session(model).run(names, feeds)))
+    except Exception as exc:  # onnxruntime raises its own types (Fail, NotImplemented, InvalidGraph, ...)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+        raise AutoparError(f"onnxruntime, which computes the reference, cannot run this model: {reason}.") from None
+    for name, value in found.items():
+        shape = tuple(graph.tensor(name).shape)
+        if tuple(value.shape) != shape:
+            raise AutoparError(
+                f"onnxruntime, which computes the reference, gives output {name!r} the shape {tuple(value.shape)},"
+                f" where ONNX's shape inference, which the plan follows, gives it {shape}: the plan cannot be"
+                " checked against it."
+            )
+    return found
+
+
+def _name_apart(model: onnx.ModelProto) -> None:
+    """Give operators that share a name names of their own, as the importer does (onnxruntime refuses a model
+    whose operators repeat a name; the names do not change what it computes)."""
+    seen = {node.name for node in model.graph.node if node.name}
+    named: set[str] = set()
+    for node in model.graph.node:
+        if node.name and node.name in named:
+            suffix = 1
+            while f"{node.name}_{suffix}" in seen:
+                suffix += 1
+            node.name = f"{node.name}_{suffix}"
+            seen.add(node.name)
+        named.add(node.name)
