@@ -145,6 +145,17 @@ def constant_value(graph: "GraphView", name: str) -> Any:
 # --- helpers shared by the torch kernels (`OpDef.torch_kernel`) --------------------------------
 
 
+def named_outputs(op: NodeView, values: Sequence[Any]) -> list[Any]:
+    """A kernel's values of every output the operator declares, in order, kept for those it names: the values
+    the runtime gives the named outputs in order (LayerNormalization's ``["y", "", "rstd"]`` takes the third).
+
+    >>> from types import SimpleNamespace
+    >>> named_outputs(SimpleNamespace(outputs=("y", "", "rstd")), ["Y", "MEAN", "RSTD"])
+    ['Y', 'RSTD']
+    """
+    return [value for value, name in zip(values, op.outputs) if name]
+
+
 def as_ints(value: Any) -> list[int]:
     """Integers from a constant input (shapes, axes, pads), a numpy array or a torch tensor alike."""
     if hasattr(value, "detach"):

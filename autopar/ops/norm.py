@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from autopar.ops.base import OpSpec, dim_labels, normalize_axis, shape
+from autopar.ops.base import OpSpec, dim_labels, named_outputs, normalize_axis, shape
 from autopar.ops.cases import X4, F, named, one, ones, weight
 from autopar.ops.registry import Keeps, LocalCall, MindSporePrimitive, register
 
@@ -64,7 +64,7 @@ def torch_batch_norm(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
         mean, var = batch_mean, batch_var
     y = (x - _per_channel(mean, rank)) / t.sqrt(_per_channel(var, rank) + eps)
     outputs = [y * _per_channel(scale, rank) + _per_channel(bias, rank)]
-    return outputs + extra[: len([name for name in op.outputs if name]) - 1]
+    return named_outputs(op, outputs + extra)
 
 
 def torch_instance_norm(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
@@ -87,7 +87,7 @@ def torch_layer_norm(t: Any, op: NodeView, inputs: list[Any]) -> list[Any]:
         y = y * inputs[1]
     if len(inputs) > 2 and inputs[2] is not None:
         y = y + inputs[2]
-    return [y, mean, inv][: len([name for name in op.outputs if name])]
+    return named_outputs(op, [y, mean, inv])
 
 
 def torch_group_norm(t: Any, op: NodeView, inputs: list[Any], groups: int | None = None) -> list[Any]:
@@ -314,6 +314,9 @@ CASES = named(
             outputs=("Y", "M", "I"),
         ),
         "layer_norm_no_bias": one("LayerNormalization", ["X", "s"], X4, [ones("s", [6])], epsilon=0.1),
+        "layer_norm_without_its_mean": one(  # an omitted output between named ones: each value to its own name
+            "LayerNormalization", ["X", "s"], X4, [ones("s", [6])], outputs=("Y", "", "I")
+        ),
         "softmax": one("Softmax", ["X"], X4, axis=1),
         "log_softmax": one("LogSoftmax", ["X"], X4),
         "hardmax": one("Hardmax", ["X"], X4, axis=2),
