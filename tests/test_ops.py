@@ -143,6 +143,16 @@ def test_candidates_respect_devices_divisibility_and_start_with_data_parallel():
     assert len(set(rule.candidates)) == len(rule.candidates)
 
 
+def test_max_pool_with_its_indices_is_never_split():
+    """Its Indices count positions over the whole input (samples and channels before): a shard would count its own."""
+    x = [("X", TensorProto.FLOAT, [4, 8, 6, 6])]
+    plain = make_model([helper.make_node("MaxPool", ["X"], ["Y"], name="p", kernel_shape=[2, 2])], x, ["Y"])
+    assert len(rule_for(plain, "p").candidates) > 1
+    both = [helper.make_node("MaxPool", ["X"], ["Y", "I"], name="p", kernel_shape=[2, 2])]
+    rule = rule_for(make_model(both, x, ["Y", "I"]), "p")
+    assert rule.candidates == [(0,) * len(rule.spec.label_order)] and not any(rule.spec.label_order)
+
+
 def test_unknown_operator_falls_back_to_replicated():
     nodes = [helper.make_node("Det", ["X"], ["Y"], name="odd")]
     model = make_model(nodes, [("X", TensorProto.FLOAT, [4, 8, 8])], ["Y"])

@@ -22,7 +22,13 @@ def window_flops(
 
 
 def pool(op: NodeView, graph: GraphView) -> OpSpec:
+    """Batch and channels split, but LRN's channels (it mixes neighbours), and nothing where MaxPool's Indices
+    are named: they count positions over the whole input, every sample and channel before (a shard would count
+    its own)."""
     rank = len(shape(graph, op.inputs[0]))
+    if op.op_type == "MaxPool" and len(op.outputs) > 1 and op.outputs[1]:
+        labels = no_split(rank)
+        return OpSpec(inputs=(labels,), outputs=tuple(labels if name else () for name in op.outputs))
     channel = None if op.op_type == "LRN" else "c"  # LRN mixes neighbouring channels
     labels = ("n", channel) + no_split(rank - 2)
     outputs = tuple(labels if name else () for name in op.outputs)
