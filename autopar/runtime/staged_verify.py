@@ -30,7 +30,15 @@ from autopar.runtime.launch import DEFAULT_TIMEOUT_S, run_workers
 from autopar.runtime.pipeline import DistributedLinks, StagedResult, execute_stage, execute_virtual
 from autopar.runtime.program import Schedule
 from autopar.runtime.verify import compare_gradients, in_float64, reference_gradients, training_bytes
-from autopar.spmd.compare import ATOL, RTOL, Tally, VerifyReport, collectives_differ, compare_output
+from autopar.spmd.compare import (
+    ATOL,
+    RTOL,
+    Tally,
+    VerifyReport,
+    against_reference,
+    collectives_differ,
+    compare_output,
+)
 from autopar.spmd.devices import assemble
 from autopar.spmd.reference import reference_outputs
 from autopar.spmd.values import materialise
@@ -263,7 +271,9 @@ def _judge(
                 assemble(buffers, Layout.from_dict(layout), micro.tensor(name).shape)
                 for layout, buffers in result.outputs[name]
             ]
-            found = compare_output(name, _combine(name, pieces, graph.tensor(name).shape), expected, rtol, atol)
+            whole = _combine(name, pieces, graph.tensor(name).shape)
+            tolerance = against_reference({info.dtype for info in graph.tensors.values()}, rtol)
+            found = compare_output(name, whole, expected, tolerance, atol)
             outputs[name] = found.to_dict()
             if found.problem:
                 problems.append(found.problem)

@@ -26,7 +26,15 @@ from autopar.runtime.execute import RankResult, execute
 from autopar.runtime.launch import DEFAULT_TIMEOUT_S, run_processes
 from autopar.runtime.program import Schedule
 from autopar.runtime.single import run_graph
-from autopar.spmd.compare import ATOL, RTOL, GradientCheck, VerifyReport, collectives_differ, compare_output
+from autopar.spmd.compare import (
+    ATOL,
+    RTOL,
+    GradientCheck,
+    VerifyReport,
+    against_reference,
+    collectives_differ,
+    compare_output,
+)
 from autopar.spmd.devices import assemble
 from autopar.spmd.reference import reference_outputs
 from autopar.spmd.runner import check_verification_size
@@ -153,7 +161,11 @@ def _judge(
         graph = program.graph
         for name, expected in reference_outputs(graph, values).items():
             found = compare_output(
-                name, _assembled(result.outputs[name], graph.tensor(name).shape), expected, rtol, atol
+                name,
+                _assembled(result.outputs[name], graph.tensor(name).shape),
+                expected,
+                against_reference({info.dtype for info in graph.tensors.values()}, rtol),
+                atol,
             )
             outputs[name] = found.to_dict()
             if found.problem:

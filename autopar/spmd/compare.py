@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,19 @@ from autopar.redistribute import Step
 from autopar.units import human_bytes
 
 RTOL, ATOL = 1e-4, 1e-5
+
+_ROUNDING = {"float16": 2.0**-9, "bfloat16": 2.0**-6}  # four units in the last place of each
+
+
+def against_reference(dtypes: Iterable[str], rtol: float) -> float:
+    """The relative tolerance a training step's outputs take against onnxruntime's, given the element types the
+    model's tensors hold: the step runs in float64, and where the model rounds a value to float16 or bfloat16 (an
+    output, a cast on the way) the reference rounds it there (four units in the last place of the coarsest).
+
+    >>> against_reference(["float32"], 1e-4), against_reference(["float32", "float16"], 1e-4)
+    (0.0001, 0.001953125)
+    """
+    return max([rtol, *(_ROUNDING.get(dtype, 0.0) for dtype in dtypes)])
 
 
 def _error(value: float | bool | None) -> str:
