@@ -598,3 +598,16 @@ def test_a_reference_of_another_shape_than_the_plan_is_one_sentence(capsys, monk
     code, _, err = run(capsys, "verify", GPT, "--devices", "2")
     assert code == 1 and "onnxruntime, which computes the reference, gives output" in one_sentence(err)
     assert "the shape (1, 1), where ONNX's shape inference, which the plan follows, gives it" in err
+
+
+def test_verify_without_onnxruntime_says_how_to_install_it(capsys, monkeypatch):
+    from autopar.errors import AutoparError
+    from autopar.spmd import reference
+
+    def missing():
+        raise AutoparError("Verification needs onnxruntime: pip install 'autopar[verify]'.")
+
+    monkeypatch.setattr(reference, "_onnxruntime", missing)
+    code, _, err = run(capsys, "verify", GPT, "--devices", "2")
+    assert code == 1
+    assert one_sentence(err) == "autopar: error: Verification needs onnxruntime: pip install 'autopar[verify]'."

@@ -52,6 +52,8 @@ def reference_outputs(graph: Graph, values: Mapping[str, np.ndarray]) -> dict[st
     names = list(graph.outputs)
     try:
         found = dict(zip(names, session(model).run(names, feeds)))
+    except AutoparError:  # onnxruntime is not installed: that sentence as it is
+        raise
     except Exception as exc:  # onnxruntime raises its own types (Fail, NotImplemented, InvalidGraph, ...)
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
         raise AutoparError(f"onnxruntime, which computes the reference, cannot run this model: {reason}.") from None
