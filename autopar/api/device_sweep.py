@@ -96,6 +96,27 @@ def _counts(devices: object) -> list[int]:
     return sorted(counts)
 
 
+def _check_per_device_batch(per_device_batch: object, batch: int | None, model: object, counts: list[int]) -> None:
+    """One sentence where ``per_device_batch`` cannot be: beside ``batch``, for an imported Graph, or past the
+    largest batch at the most devices."""
+    if batch is not None:
+        raise AutoparError(
+            "Give either batch (the global batch at every count) or per_device_batch (the batch of each"
+            " device), not both."
+        )
+    if isinstance(model, Graph):
+        raise AutoparError(
+            "per_device_batch rebinds the batch at each device count: give the model as a file or an ONNX"
+            " model, not an imported Graph."
+        )
+    most = MAX_DIMENSION // max(counts)
+    if isinstance(per_device_batch, bool) or not isinstance(per_device_batch, int) or not 1 <= per_device_batch <= most:
+        raise AutoparError(
+            f"per_device_batch must be an integer from 1 to {most:,} at {max(counts):,} devices,"
+            f" got {shown(per_device_batch)}."
+        )
+
+
 def sweep(
     model: ModelLike,
     devices: int | Sequence[int] = (1, 8, 64, 512),
@@ -127,26 +148,7 @@ def sweep(
     """
     counts = _counts(devices)
     if per_device_batch is not None:
-        if batch is not None:
-            raise AutoparError(
-                "Give either batch (the global batch at every count) or per_device_batch (the batch of each"
-                " device), not both."
-            )
-        if isinstance(model, Graph):
-            raise AutoparError(
-                "per_device_batch rebinds the batch at each device count: give the model as a file or an ONNX"
-                " model, not an imported Graph."
-            )
-        most = MAX_DIMENSION // max(counts)
-        if (
-            isinstance(per_device_batch, bool)
-            or not isinstance(per_device_batch, int)
-            or not 1 <= per_device_batch <= most
-        ):
-            raise AutoparError(
-                f"per_device_batch must be an integer from 1 to {most:,} at {max(counts):,} devices,"
-                f" got {shown(per_device_batch)}."
-            )
+        _check_per_device_batch(per_device_batch, batch, model, counts)
     options = PlanOptions.resolve(
         cost_model=cost_model,
         batch=batch,
