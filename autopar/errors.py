@@ -91,6 +91,10 @@ class CostModelError(AutoparError):
     """A hardware profile is missing or malformed."""
 
 
+class UnknownProfileError(CostModelError):
+    """A cost model named by a name no bundled profile has, and not a file's path (a flag's value: exit 2)."""
+
+
 class MemoryReserveError(CostModelError):
     """A memory reserve that is not a number of bytes below the device's memory (a flag's value: exit 2)."""
 

@@ -611,3 +611,21 @@ def test_verify_without_onnxruntime_says_how_to_install_it(capsys, monkeypatch):
     code, _, err = run(capsys, "verify", GPT, "--devices", "2")
     assert code == 1
     assert one_sentence(err) == "autopar: error: Verification needs onnxruntime: pip install 'autopar[verify]'."
+
+
+def test_a_bare_reserve_below_a_megabyte_asks_for_its_unit(capsys):
+    code, out, err = run(capsys, "plan", GPT, "--memory-reserve", "1.5")
+    assert (code, out) == (2, "")
+    assert one_sentence(err) == (
+        "autopar: error: --memory-reserve 1.5 is 1.5 bytes, less than a megabyte: write its unit (1.5GB, 1.5GiB)"
+        " (see 'autopar plan --help')."
+    )
+    code, out, err = run(capsys, "plan", GPT, "--memory-reserve", "0", "--format", "json")
+    assert code == 0 and json.loads(out)["totals"]["memory_reserve_bytes"] == 0  # none at all is a reserve
+
+
+def test_an_unknown_cost_model_name_is_a_flag_error_and_a_missing_file_an_input_one(capsys, tmp_path):
+    code, _, err = run(capsys, "plan", GPT, "--cost-model", "nosuch")
+    assert code == 2 and "'nosuch'" in one_sentence(err)
+    code, _, err = run(capsys, "plan", GPT, "--cost-model", tmp_path / "missing.toml")
+    assert code == 1 and "does not exist" in one_sentence(err)

@@ -225,7 +225,7 @@ def test_profiles_show_prints_the_toml(capsys):
 
 def test_profiles_show_unknown_name(capsys):
     code, out, err = run(capsys, "profiles", "show", "nosuch")
-    assert code == 1 and out == ""
+    assert code == 2 and out == ""
     assert_one_line(err, "autopar: error:")
     assert "'nosuch'" in err and "a100, ascend910, h100" in err
 

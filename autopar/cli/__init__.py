@@ -23,6 +23,7 @@ from autopar.errors import (
     MemoryReserveError,
     PrecisionError,
     UnknownDimensionError,
+    UnknownProfileError,
     UnknownSymbolError,
 )
 
@@ -42,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FixedStrategyError, UsageError) as exc:  # the user's own strategy, or flags that do not go together
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
-    except (MemoryReserveError, PrecisionError) as exc:  # --memory-reserve, --precision (profiles: checked on load)
+    except (MemoryReserveError, PrecisionError, UnknownProfileError) as exc:  # flags checked as a profile loads
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
     except AutoparError as exc:

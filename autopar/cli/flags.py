@@ -184,6 +184,10 @@ def _memory_reserve(text: str) -> float:
             f"--memory-reserve must be a size such as 4GB, 512MiB or 0 (decimal KB/MB/GB/TB or binary"
             f" KiB/MiB/GiB/TiB; a bare number is bytes), got {text!r}"
         )
+    if 0 < value < 2**20 and text.strip().replace(".", "", 1).isdigit():  # a bare number: bytes, and no reserve
+        raise argparse.ArgumentTypeError(
+            f"--memory-reserve {text} is {text} bytes, less than a megabyte: write its unit ({text}GB, {text}GiB)"
+        )
     return value
 
 

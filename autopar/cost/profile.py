@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from autopar.errors import AutoparWarning, CostModelError
+from autopar.errors import AutoparWarning, CostModelError, UnknownProfileError
 
 
 class UnsourcedNumberWarning(AutoparWarning):
@@ -282,7 +282,7 @@ def profile_path(name_or_path: str | Path) -> Path:
         if path.is_dir() and str(name_or_path).lower() not in bundled:
             raise _a_directory(path)
         if not candidate.is_file():
-            raise CostModelError(
+            raise UnknownProfileError(
                 f"Unknown cost model {str(name_or_path)!r}; bundled: {', '.join(available_profiles())},"
                 " or give a .toml path."
             )
