@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import onnx
 import pytest
@@ -343,3 +344,26 @@ def test_a_plan_from_before_forks_is_checked_against_the_model_without_them():
     data["ops"] = data["ops"][1:]
     with pytest.raises(PlanFileError, match="The plan has no strategy for operator"):
         check_context(read_plan_file(data), graph, 8, action="be exported")
+
+
+GPT = Path(__file__).parent / "data" / "torch_gpt_dynamo.onnx"
+
+
+def test_verify_runs_a_plan_file_as_it_was_made(tmp_path, capsys):
+    """A plan file verifies on the devices it was made for, at its batch (one micro-batch's, where it has
+    several) and training only what it trains, with no flag saying so again; a batch given that differs is
+    said as a batch, not as another model."""
+    made = tmp_path / "plan.json"
+    argv = ["--devices", "4", "--micro-batches", "2", "--frozen", "blocks.0.*", "--format", "json", "-o", made]
+    assert run(capsys, "plan", GPT, *argv)[0] == 0
+    code, out, err = run(capsys, "verify", GPT, "--plan", made, "--gradients")
+    assert (code, err) == (0, "") and out.startswith("autopar verify: VERIFIED on 4 virtual devices")
+    report = autopar.verify(GPT, made, gradients=True)  # the same from Python, checking the trained alone
+    trained = {entry["parameter"] for entry in json.loads(made.read_text())["gradient_sync"]}
+    assert report.ok and report.gradients is not None and report.gradients.checked == len(trained)
+    assert not any(name.startswith("blocks.0.") for name in trained)
+    code, out, err = run(capsys, "verify", GPT, "--plan", made, "--batch", "4")
+    assert (code, out) == (1, "") and err == (
+        "autopar: error: The plan was made for input 'ids' of shape [2, 16], not [4, 16] (a plan searched at one"
+        " batch does not hold at another); its shapes are one of 2 micro-batches: use --batch 2.\n"
+    )

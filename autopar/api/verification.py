@@ -25,6 +25,7 @@ from autopar.lowering import (
     program_of,
     read_plan_file,
 )
+from autopar.lowering.program import plan_graph, planned_batch, trained_as_planned
 from autopar.options import (
     DEFAULT_COST_MODEL,
     CostModelLike,
@@ -77,12 +78,16 @@ def verify(
     backward pass and the gradient synchronisation too and checks every trainable parameter's
     gradient; the torch runtime always does, the virtual one when asked. A pipelined plan runs its stages
     over its micro-batches in 1F1B order, with every point-to-point message checked, against one device
-    running the whole batch (``batch`` is the global batch, as for `autopar.plan`). ``optimizer`` and
-    ``memory_reserve`` (`autopar.plan`'s) shape the plan searched when none is given.
+    running the whole batch (``batch`` is the global batch, as for `autopar.plan`). A plan file runs as it was
+    made: on its devices, at its inputs' shapes and training what it trains, where ``devices``, ``batch`` and
+    ``dims`` are not given. ``optimizer`` and ``memory_reserve`` (`autopar.plan`'s) shape the plan searched
+    when none is given.
     """
     check_model(model)
     given = _given_plan(plan_or_strategies)
     _check_run(seed, gradients, port, timeout_s)
+    if isinstance(given, PlanFile) and devices is None and rank_table is None:
+        devices = given.devices  # a plan file runs on the devices it was made for
     runtime = runtime_of(runtime)
     if runtime == "torch" and gradients is False:
         raise AutoparError("The torch runtime always checks gradients; leave gradients unset or True.")
@@ -136,7 +141,10 @@ def _given_plan(given: object) -> Plan | PlanFile | Mapping[str, Any] | None:
     for anything else."""
     if isinstance(given, str | Path):
         return load_plan_file(given)
-    return expect(given, (Plan, PlanFile, Mapping, type(None)), PLAN_SAID)
+    given = expect(given, (Plan, PlanFile, Mapping, type(None)), PLAN_SAID)
+    if isinstance(given, Mapping) and "schema" in given:
+        return read_plan_file(given)  # a plan file's dict (one without its schema is told apart on the model)
+    return given
 
 
 def _check_run(seed: object, gradients: object, port: object, timeout_s: object) -> None:
@@ -158,14 +166,14 @@ def _program(model: ModelLike, given: Plan | PlanFile | Mapping[str, Any] | None
     on the model's costed problem."""
     if isinstance(given, Plan):
         return given.program
-    graph = model_graph(model, options.batch, options.dims)
-    if isinstance(given, Mapping) and _is_plan_file(given, graph):
+    if not isinstance(given, PlanFile):
+        graph = model_graph(model, options.batch, options.dims)
+        if not (isinstance(given, Mapping) and _is_plan_file(given, graph)):
+            problem = build_problem(graph, options.costs(), options.num_devices)
+            return program_of(problem, problem.choice_for(given or {}))
         given = read_plan_file(given)
-    if isinstance(given, PlanFile):
-        costs = options.replace(precision=Precision(given.precision).element_sizes).costs()
-        return program_from_file(graph, given, options.num_devices, costs)
-    problem = build_problem(graph, options.costs(), options.num_devices)
-    return program_of(problem, problem.choice_for(given or {}))
+    costs = options.replace(precision=Precision(given.precision).element_sizes).costs()
+    return program_from_file(_file_graph(model, given, options), given, options.num_devices, costs)
 
 
 def _annotated(model: ModelLike, options: PlanOptions) -> Mapping[str, Any] | None:
@@ -190,11 +198,26 @@ def _pipelined(
     _need_torch("torch")
     from autopar.lowering.staged import staged_program
 
-    graph = model_graph(model, options.batch, options.dims)
-    micro = _micro_batch(common_batch(graph), given.pipeline.micro_batches, graph)
-    micro_graph = model_graph(model, micro, options.dims)
+    micro_batches = given.pipeline.micro_batches
+    planned = planned_batch(given)
+    whole = options.batch or (planned * micro_batches if planned is not None and not options.dims else None)
+    if isinstance(model, Graph):
+        graph = model_graph(model, whole, options.dims)
+    else:  # the reference's: the whole batch, training what the plan trains
+        graph = trained_as_planned(given, model, whole, options.dims)
+    micro = _micro_batch(common_batch(graph), micro_batches, graph)
+    micro_graph = _file_graph(model, given, options.replace(batch=micro))
     costs = options.replace(precision=Precision(given.precision).element_sizes).costs()
     return staged_program(micro_graph, given, costs), graph
+
+
+def _file_graph(model: ModelLike, file: PlanFile, options: PlanOptions) -> Graph:
+    """The model as a plan file was made for it (`plan_graph`): at its inputs' shapes, where ``options`` give no
+    batch or dims (with them, what differs is said), and training the parameters the plan trains, no others
+    (a plan made with some frozen keeps them frozen)."""
+    if isinstance(model, Graph):
+        return model_graph(model, options.batch, options.dims)
+    return plan_graph(file, model, options.batch, options.dims)
 
 
 def _need_torch(runtime: str) -> None:

@@ -107,12 +107,6 @@ def _searched_options(args: argparse.Namespace) -> PlanOptions:
     )
 
 
-def _plan_batch(plan_file: Any) -> int | None:
-    """The batch a plan file was made for: its data inputs' common leading size (None: they share none)."""
-    shapes = list(plan_file.context.inputs.values()) if plan_file.context else []
-    return shapes[0][0] if shapes and shapes[0] and all(s and s[0] == shapes[0][0] for s in shapes) else None
-
-
 def run_plan(args: argparse.Namespace) -> int:
     check_out(args.out, args.model, args.strategies, args.rank_table)
     import autopar
@@ -164,6 +158,8 @@ def run_verify(args: argparse.Namespace) -> int:
     plan_file = load_plan_file(args.plan) if args.plan else None
     options = _options(args)
     devices, cost_model = options.num_devices, options.cost_model
+    if plan_file is not None and args.devices is None and args.rank_table is None:
+        devices = plan_file.devices  # the devices the plan was made for
     if plan_file is None:  # a model exported with --to onnx carries its plan: verify that one
         from autopar.export.onnx_sharding import annotated_devices
         from autopar.graph.read import read_model
@@ -206,6 +202,7 @@ def run_export(args: argparse.Namespace) -> int:
     from autopar.export import export
     from autopar.graph import load_model
     from autopar.lowering import load_plan_file
+    from autopar.lowering.program import planned_batch
 
     check_out(args.out, args.model, args.plan)
     plan_file = load_plan_file(args.plan)
@@ -214,7 +211,7 @@ def run_export(args: argparse.Namespace) -> int:
     with progress.listening(line), line, stdout_elsewhere(True):
         if args.model:  # imported at the batch the plan was made for, as the plan saw it
             progress.report("import", 0, 1)
-            model = load_model(args.model, batch=_plan_batch(plan_file)).model
+            model = load_model(args.model, batch=planned_batch(plan_file)).model
         written = export(plan_file, args.to, args.out, model)
     for path in written:
         print(f"autopar: wrote {path}", file=sys.stderr)
@@ -357,16 +354,16 @@ def _reported_plan_file(args: argparse.Namespace) -> Any:
     It is reported as it is: the comparisons that need its problem (stand-alone, each operator against data
     parallel) say they are not computed. Flags that would search another plan are a flag error (exit 2).
     """
-    from autopar.graph import load_model
     from autopar.lowering import load_plan_file
     from autopar.lowering.lower import check_context
+    from autopar.lowering.program import plan_graph
 
     defaults = defaults_of("report")
     given = [flag for dest, flag in _SEARCH_FLAGS.items() if getattr(args, dest) != defaults[dest]]
     if given:
         raise UsageError(f"--plan reports the plan file as it was made, so it takes no {', '.join(given)}.")
     plan_file = load_plan_file(args.plan)
-    graph = load_model(args.model, batch=args.batch or _plan_batch(plan_file), dims=dict(args.dim))
+    graph = plan_graph(plan_file, args.model, args.batch, dict(args.dim))
     check_context(plan_file, graph, args.devices or plan_file.devices, action="be reported")
     return plan_file
 

@@ -10,7 +10,7 @@ across platforms' last bits.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autopar.cost.mesh import Mesh
@@ -367,24 +367,18 @@ def check_context(plan: PlanFile, graph: Graph, devices: int, action: str = "ver
     if plan.devices != devices:
         raise PlanFileError(f"The plan is for {plan.devices} devices, so it cannot {action} on {devices}.")
     if plan.context is not None:
-        _check_recorded(plan, plan.context, graph)
+        check_recorded(plan, plan.context, graph)
     _check_operators(plan, graph)
 
 
-def _check_recorded(plan: PlanFile, context: PlanContext, graph: Graph) -> None:
-    """The model's fingerprint and input shapes are those the plan records."""
-    if context.model_fingerprint != graph.fingerprint:
-        raise PlanFileError(
-            f"The plan was made for another model ({plan.model!r}, fingerprint {context.model_fingerprint}),"
-            f" not this {graph.name!r} ({graph.fingerprint})."
-        )
+def check_recorded(plan: PlanFile, context: PlanContext, graph: Graph) -> None:
+    """The model's input shapes and fingerprint are those the plan records. Where the same inputs have other
+    sizes, that is said first: a model imported at another batch may also differ in the constants the batch
+    shapes, which the fingerprint spells, and it is the same model at another batch, not another model."""
     shapes = {name: list(graph.tensor(name).shape) for name in graph.inputs}
-    if context.inputs != shapes:
-        differ = next((name for name in shapes if context.inputs.get(name) != shapes[name]), None)
-        if differ is None:  # the plan names an input the model lacks
-            extra = next(name for name in context.inputs if name not in shapes)
-            raise PlanFileError(f"The plan was made for a model with input {extra!r}, which {graph.name!r} lacks.")
-        planned = context.inputs.get(differ)
+    if context.inputs != shapes and _only_batches_differ(context.inputs, shapes):
+        differ = next(name for name in shapes if context.inputs[name] != shapes[name])
+        planned = context.inputs[differ]
         advice = "plan again with this batch"
         if plan.memory_plan.micro_batches > 1 and planned:
             advice = f"its shapes are one of {plan.memory_plan.micro_batches} micro-batches: use --batch {planned[0]}"
@@ -392,6 +386,28 @@ def _check_recorded(plan: PlanFile, context: PlanContext, graph: Graph) -> None:
             f"The plan was made for input {differ!r} of shape {planned}, not {shapes[differ]} (a plan searched at"
             f" one batch does not hold at another); {advice}."
         )
+    if context.model_fingerprint != graph.fingerprint:
+        raise PlanFileError(
+            f"The plan was made for another model ({plan.model!r}, fingerprint {context.model_fingerprint}),"
+            f" not this {graph.name!r} ({graph.fingerprint})."
+        )
+    extra = next((name for name in context.inputs if name not in shapes), None)
+    if extra is not None:
+        raise PlanFileError(f"The plan was made for a model with input {extra!r}, which {graph.name!r} lacks.")
+
+
+def _only_batches_differ(planned: Mapping[str, Sequence[int]], shapes: Mapping[str, Sequence[int]]) -> bool:
+    """The same inputs, each of the same shape but maybe its leading size (the batch).
+
+    >>> _only_batches_differ({"x": [2, 16]}, {"x": [8, 16]}), _only_batches_differ({"x": [4, 32]}, {"x": [4, 224]})
+    (True, False)
+    """
+    if set(planned) != set(shapes):
+        return False
+    return all(
+        len(planned[name]) == len(shape) and list(planned[name][1:]) == list(shape[1:])
+        for name, shape in shapes.items()
+    )
 
 
 def _check_operators(plan: PlanFile, graph: Graph) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from types import MappingProxyType
 
 import onnx
@@ -24,8 +25,9 @@ from autopar.cost.model import CostModel
 from autopar.errors import AutoparError, PlanFileError, StrategyError
 from autopar.graph import Graph, TensorInfo, gradient_reaches, load_model
 from autopar.graph.proto import data_inputs
+from autopar.graph.read import read_model
 from autopar.layout import Layout
-from autopar.lowering.lower import check_context, gradient_paths, gradient_sync, redistributions
+from autopar.lowering.lower import check_context, check_recorded, gradient_paths, gradient_sync, redistributions
 from autopar.lowering.planfile import GradientPath, GradientSync, PlanFile, Redistribution
 from autopar.search.problem import SearchProblem
 from autopar.strategy import OpRule
@@ -135,10 +137,27 @@ def program_from_file(
     )
 
 
-def plan_graph(plan: PlanFile, model: onnx.ModelProto) -> Graph:
-    """``model`` imported as ``plan`` was made for it: its input shapes bound, the parameters it trains trained
-    and the others frozen; PlanFileError (one sentence) if the plan was made for another model."""
-    batch, dims = _bindings(plan, model)
+def plan_graph(
+    plan: PlanFile,
+    model: str | Path | onnx.ModelProto,
+    batch: int | None = None,
+    dims: Mapping[str, int] | None = None,
+) -> Graph:
+    """``model`` imported as ``plan`` was made for it: its input shapes bound (at ``batch`` and ``dims`` instead,
+    where given: `check_context` then says what differs), the parameters it trains trained and the others
+    frozen; PlanFileError (one sentence) if the plan was made for another model."""
+    planned_batch, planned_dims = _bindings(plan, read_model(model))
+    graph = trained_as_planned(plan, model, batch or planned_batch, {**planned_dims, **(dims or {})})
+    if plan.context is not None:
+        check_recorded(plan, plan.context, graph)
+    return graph
+
+
+def trained_as_planned(
+    plan: PlanFile, model: str | Path | onnx.ModelProto, batch: int | None, dims: Mapping[str, int]
+) -> Graph:
+    """``model`` imported at ``batch`` and ``dims``, training the parameters ``plan`` trains and no others (a
+    plan made with some frozen, or with constants trained, says so by its gradient synchronisation)."""
     trained = {entry.parameter for entry in plan.gradient_sync}
     try:
         graph = load_model(model, batch=batch, dims=dims)
@@ -148,12 +167,14 @@ def plan_graph(plan: PlanFile, model: onnx.ModelProto) -> Graph:
             graph = load_model(model, batch=batch, dims=dims, frozen=frozen, trainable=made_trainable)
     except AutoparError as exc:
         raise PlanFileError(f"The model cannot be read with the plan's input shapes: {exc}") from None
-    if plan.context is not None and plan.context.model_fingerprint != graph.fingerprint:
-        raise PlanFileError(
-            f"The plan was made for another model ({plan.model!r}, fingerprint {plan.context.model_fingerprint}),"
-            f" not this {graph.name!r} ({graph.fingerprint})."
-        )
     return graph
+
+
+def planned_batch(plan: PlanFile) -> int | None:
+    """The batch a plan file's operators were made for (one micro-batch's, where it has several): its data
+    inputs' common leading size (None: they share none, or the file records no shapes)."""
+    shapes = list(plan.context.inputs.values()) if plan.context else []
+    return shapes[0][0] if shapes and shapes[0] and all(s and s[0] == shapes[0][0] for s in shapes) else None
 
 
 def _bindings(plan: PlanFile, model: onnx.ModelProto) -> tuple[int | None, dict[str, int]]:
