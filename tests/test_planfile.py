@@ -362,8 +362,17 @@ def test_verify_runs_a_plan_file_as_it_was_made(tmp_path, capsys):
     trained = {entry["parameter"] for entry in json.loads(made.read_text())["gradient_sync"]}
     assert report.ok and report.gradients is not None and report.gradients.checked == len(trained)
     assert not any(name.startswith("blocks.0.") for name in trained)
-    code, out, err = run(capsys, "verify", GPT, "--plan", made, "--batch", "4")
+    code, out, err = run(capsys, "verify", GPT, "--plan", made, "--batch", "4")  # the whole batch: the same
+    assert (code, err) == (0, "") and out.startswith("autopar verify: VERIFIED on 4 virtual devices")
+    code, out, err = run(capsys, "verify", GPT, "--plan", made, "--batch", "8")
     assert (code, out) == (1, "") and err == (
-        "autopar: error: The plan was made for input 'ids' of shape [2, 16], not [4, 16] (a plan searched at one"
-        " batch does not hold at another); its shapes are one of 2 micro-batches: use --batch 2.\n"
+        "autopar: error: The plan was made for input 'ids' of shape [2, 16], not [8, 16] (a plan searched at one"
+        " batch does not hold at another); its shapes are one of 2 micro-batches: leave --batch out, or give the"
+        " whole 4.\n"
     )
+    staged = tmp_path / "staged.json"  # a pipelined plan too: at its own batch, or the whole one given
+    argv = ["--devices", "4", "--pipeline-stages", "2", "--micro-batches", "2", "--format", "json", "-o", staged]
+    assert run(capsys, "plan", GPT, *argv)[0] == 0
+    for batch in ([], ["--batch", "4"]):
+        code, out, err = run(capsys, "verify", GPT, "--plan", staged, *batch)
+        assert (code, err) == (0, "") and out.startswith("autopar verify: VERIFIED on 4 virtual devices")

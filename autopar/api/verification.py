@@ -141,10 +141,12 @@ def _given_plan(given: object) -> Plan | PlanFile | Mapping[str, Any] | None:
     for anything else."""
     if isinstance(given, str | Path):
         return load_plan_file(given)
-    given = expect(given, (Plan, PlanFile, Mapping, type(None)), PLAN_SAID)
-    if isinstance(given, Mapping) and "schema" in given:
-        return read_plan_file(given)  # a plan file's dict (one without its schema is told apart on the model)
-    return given
+    checked: Plan | PlanFile | Mapping[str, Any] | None = expect(
+        given, (Plan, PlanFile, Mapping, type(None)), PLAN_SAID
+    )
+    if isinstance(checked, Mapping) and "schema" in checked:
+        return read_plan_file(checked)  # a plan file's dict (one without its schema is told apart on the model)
+    return checked
 
 
 def _check_run(seed: object, gradients: object, port: object, timeout_s: object) -> None:

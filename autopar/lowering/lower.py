@@ -381,7 +381,9 @@ def check_recorded(plan: PlanFile, context: PlanContext, graph: Graph) -> None:
         planned = context.inputs[differ]
         advice = "plan again with this batch"
         if plan.memory_plan.micro_batches > 1 and planned:
-            advice = f"its shapes are one of {plan.memory_plan.micro_batches} micro-batches: use --batch {planned[0]}"
+            micro = plan.memory_plan.micro_batches
+            whole = planned[0] * micro
+            advice = f"its shapes are one of {micro} micro-batches: leave --batch out, or give the whole {whole}"
         raise PlanFileError(
             f"The plan was made for input {differ!r} of shape {planned}, not {shapes[differ]} (a plan searched at"
             f" one batch does not hold at another); {advice}."

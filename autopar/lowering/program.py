@@ -146,19 +146,21 @@ def plan_graph(
     """``model`` imported as ``plan`` was made for it: its input shapes bound (at ``batch`` and ``dims`` instead,
     where given: `check_context` then says what differs), the parameters it trains trained and the others
     frozen; PlanFileError (one sentence) if the plan was made for another model."""
-    planned_batch, planned_dims = _bindings(plan, read_model(model))
-    graph = trained_as_planned(plan, model, batch or planned_batch, {**planned_dims, **(dims or {})})
+    planned, planned_dims = _bindings(plan, read_model(model))
+    if batch is not None and _is_whole_batch(plan, batch):
+        batch = None  # the whole batch given for a plan of one of its micro-batches: the plan's own shapes
+    graph = trained_as_planned(plan, model, batch or planned, {**planned_dims, **(dims or {})})
     if plan.context is not None:
         check_recorded(plan, plan.context, graph)
     return graph
 
 
 def trained_as_planned(
-    plan: PlanFile, model: str | Path | onnx.ModelProto, batch: int | None, dims: Mapping[str, int]
+    plan: PlanFile, model: str | Path | onnx.ModelProto, batch: int | None, sizes: Mapping[str, int]
 ) -> Graph:
-    """``model`` imported at ``batch`` and ``dims``, training the parameters ``plan`` trains and no others (a
-    plan made with some frozen, or with constants trained, says so by its gradient synchronisation)."""
-    trained = {entry.parameter for entry in plan.gradient_sync}
+    """``model`` imported at ``batch`` and its symbolic ``sizes``, training the parameters ``plan`` trains and no
+    others (a plan made with some frozen, or with constants trained, says so by its gradient synchronisation)."""
+    trained, dims = {entry.parameter for entry in plan.gradient_sync}, dict(sizes)
     try:
         graph = load_model(model, batch=batch, dims=dims)
         frozen = [t.name for t in graph.parameters if t.trainable and t.name not in trained]
@@ -168,6 +170,13 @@ def trained_as_planned(
     except AutoparError as exc:
         raise PlanFileError(f"The model cannot be read with the plan's input shapes: {exc}") from None
     return graph
+
+
+def _is_whole_batch(plan: PlanFile, batch: int) -> bool:
+    """Whether ``batch`` is the whole batch of a plan made for one of several micro-batches (its operators'
+    shapes are a micro-batch's)."""
+    micro, size = plan.memory_plan.micro_batches, planned_batch(plan)
+    return micro > 1 and size is not None and batch == size * micro
 
 
 def planned_batch(plan: PlanFile) -> int | None:
