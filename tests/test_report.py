@@ -429,3 +429,14 @@ def test_a_pipelined_plans_timeline_and_stand_alone_card_mean_what_they_say():
     alone = comparison(small).stand_alone
     assert summary_figures(small.file, alone)["speedup_vs_stand_alone"] is None
     assert "does not fit one device" in summary_section(small.file, alone)
+
+
+def test_the_table_says_a_replicated_plan_splits_nothing():
+    """A plan whose operators all run whole is not called data parallel (which splits the batch)."""
+    gpt = Path(__file__).parent / "data" / "torch_gpt_dynamo.onnx"
+    whole = autopar.plan(gpt, devices=8)
+    assert whole.degrees.data == 1
+    said = "decisions: every one of the 69 operators"
+    assert f"{said} runs whole on every device" in autopar.report.plan_table(whole)
+    batch = autopar.plan(gpt, devices=4, mode="data_parallel")
+    assert f"{said} is plain data parallel (splits the batch alone)" in autopar.report.plan_table(batch)

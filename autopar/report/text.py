@@ -255,10 +255,9 @@ def _decision_lines(plan: Plan, incoming: Mapping[str, list[str]]) -> list[str]:
             ]
         )
     if not rows:
-        return [
-            "",
-            f"decisions: every one of the {model_ops} operators is plain data parallel (splits the batch alone)",
-        ]
+        splits = any(size > 1 for op in ops for given in op.strategy for size in given)
+        said = "is plain data parallel (splits the batch alone)" if splits else "runs whole on every device"
+        return ["", f"decisions: every one of the {model_ops} operators {said}"]
     header = ["operator", "type", "strategy", "splits", "compute ms", "comm ms", "collectives before this op"]
     count = len(off)
     return [
