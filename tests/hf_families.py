@@ -120,6 +120,64 @@ def _qwen3(layers: int) -> torch.nn.Module:
     return WithLoss(hf.Qwen3ForCausalLM(_eager(config)), "input_ids", use_cache=False)
 
 
+def _gemma3(layers: int) -> torch.nn.Module:
+    """Gemma 3: norms that cast back with ``type_as``, sliding-window and full attention in turn (its output
+    matrix apart from the embedding: a tied one is read in two layouts, which the trainer refuses)."""
+    import transformers as hf
+
+    config = hf.Gemma3TextConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        sliding_window=8,
+        layer_types=[("sliding_attention", "full_attention")[layer % 2] for layer in range(layers)],
+        tie_word_embeddings=False,
+    )
+    return WithLoss(hf.Gemma3ForCausalLM(_eager(config)), "input_ids", use_cache=False)
+
+
+def _phi3(layers: int) -> torch.nn.Module:
+    """Phi-3: Q, K and V as slices of one fused projection; the rotary part is the whole head, so the part it
+    leaves is an empty slice the exporter drops."""
+    import transformers as hf
+
+    config = hf.Phi3Config(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        pad_token_id=0,
+    )
+    return WithLoss(hf.Phi3ForCausalLM(_eager(config)), "input_ids", use_cache=False)
+
+
+def _roberta(layers: int) -> torch.nn.Module:
+    """RoBERTa: positions counted from the tokens (a cumulative sum cast with ``type_as``, plus a cache length of
+    0 the exporter folds away)."""
+    import transformers as hf
+
+    config = hf.RobertaConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ + 2,
+        num_labels=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return WithLoss(hf.RobertaForSequenceClassification(_eager(config)), "input_ids")
+
+
 def _gpt_neox(layers: int) -> torch.nn.Module:
     import transformers as hf
 
@@ -213,6 +271,9 @@ FAMILIES = {
         Family("vit", _seeded(_vit), _images, "image"),
         Family("resnet", _seeded(_resnet), _images, "image", optimize=False),
         Family("moe", _seeded(_moe), _tokens, "tokens"),
+        Family("gemma3", _seeded(_gemma3), _tokens, "tokens"),
+        Family("phi3", _seeded(_phi3), _tokens, "tokens"),
+        Family("roberta", _seeded(_roberta), _sentences, "classes"),
     )
 }
 

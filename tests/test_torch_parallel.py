@@ -139,13 +139,14 @@ def test_trains_as_one_process(llama: dict[str, Any], plan: str) -> None:
         assert any(len(bits) for op in file.ops if op.op_type == "MatMul" for bits in op.inputs[1].layout.dims)
 
 
-@pytest.mark.parametrize("name", ["bert", "moe", "resnet"])
+@pytest.mark.parametrize("name", ["bert", "moe", "resnet", "gemma3", "phi3", "roberta"])
 def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     """BERT: a weight the exporter folded from parameters (the token type embedding at constant indices), lookups
     in split tables; OLMoE: eight experts run as batched_mm, a value the exporter computed once for two nodes;
     ResNet: BatchNorms in training (batch statistics whole, channels split; running statistics written back, as
-    the one process writes them). Each on a plan with half the memory the searched plan needs (it shards
-    weights)."""
+    the one process writes them); Gemma 3 and RoBERTa: ``type_as`` (its second argument read for its type alone),
+    RoBERTa's positions plus a zero the exporter folds away; Phi-3: an empty slice the exporter drops. Each on a
+    plan with half the memory the searched plan needs (it shards weights)."""
     family = FAMILIES[name]
     batches = [family.batch(8, seed) for seed in range(2)]
     model = str(tmp_path / f"{name}.onnx")
@@ -246,6 +247,36 @@ def test_one_device_plan_trains_in_this_process(llama: dict[str, Any], one_proce
     # a weight the exporter stored transposed (linear's val_N) is traced back to its parameter
     uses = module.autopar.mapping.parameters
     assert any(use.parameter.endswith("q_proj.weight") and use.permutation == (1, 0) for use in uses.values())
+
+
+class _Folded(torch.nn.Module):
+    """What Whisper's and BART's decoders compute on the way in, which the exporter's optimiser folds away: labels
+    shifted right (``new_zeros``, a slice copied in, the first column filled), scores times a scale of 1 and a
+    position plus a zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(32, 16)
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shifted = labels.new_zeros(labels.shape)
+        shifted[:, 1:] = labels[:, :-1].clone()
+        shifted[:, 0] = 3
+        hidden = self.linear(self.embedding(ids) + self.embedding(shifted)) * 1.0
+        return (hidden + torch.scalar_tensor(0.0)).square().mean()
+
+
+def test_nodes_the_exporter_folds_away_are_looked_through(tmp_path: Path, one_process: Any) -> None:
+    from autopar.torch import parallelize
+
+    torch.manual_seed(0)
+    batch = (torch.randint(0, 32, (8, 6)), torch.randint(0, 32, (8, 6)))
+    module, model = _Folded(), str(tmp_path / "folded.onnx")
+    export(module, batch, model)
+    expected = module(*batch)
+    parallel = parallelize(module, autopar.plan(model, devices=1), model, batch)
+    assert torch.allclose(parallel(*batch), expected, rtol=1e-6)
 
 
 # --- bad input: one sentence, nothing runs ---------------------------------------------------------------

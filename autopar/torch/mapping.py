@@ -15,10 +15,11 @@ zero or more ONNX operators and records the node in each one's metadata (``pkg.t
   parameters, kept whole, its weight's gradient summed over the devices the plan splits it by.
 
 A node with no operator that passes one value on unchanged (``alias``, ``clone``, a ``view`` to the same
-shape, ``dropout`` of probability 0) is looked through; one the exporter merged into its reader's operator
-(two Transposes become one) runs just before its reader on the shard the reader reads (``inline``); a value
-one node's operators compute and another's read too (the exporter computed it once) makes both run as their
-operators (``shared``); any other is refused in one sentence.
+shape, ``dropout`` of probability 0, arithmetic with a neutral literal: `_NEUTRAL`) is looked through, as are
+an empty value and arguments read for their type or shape alone (`reads_metadata_only`); one the exporter
+merged into its reader's operator (two Transposes become one) runs just before its reader on the shard the
+reader reads (``inline``); a value one node's operators compute and another's read too (the exporter computed
+it once) makes both run as their operators (``shared``); any other is refused in one sentence.
 
 Arguments pair with the operators' inputs by the value they carry: an activation by the node that
 computes it (forks and `getitem` seen through), a data input by name, a parameter by its ``state_dict``
@@ -63,7 +64,33 @@ _PASS_THROUGH = {
     aten.to.device,
     aten._to_copy.default,
     aten.type_as.default,
+    aten.copy.default,
+    aten.cat.default,  # where every other value it joins is empty
     aten.dropout.default,
+}
+
+# nodes some of whose tensor arguments give a dtype, a device or a shape alone, never values: target -> the
+# slots whose values it reads (``x.type_as(y)`` reads x; ``y.new_zeros(shape)`` nothing, a value the module makes
+# whole; ``copy(dst, src)`` src, where dst is a slice its result is scattered back into; ``fill(x, v)`` v: as
+# Whisper's and BART's ``shift_tokens_right`` and Gemma's norms write them)
+_METADATA_ONLY: dict[Any, frozenset[int]] = {
+    aten.type_as.default: frozenset({0}),
+    aten.copy.default: frozenset({1}),
+    aten.fill.Tensor: frozenset({1}),
+    aten.fill.Scalar: frozenset(),
+    **dict.fromkeys(
+        (
+            aten.new_zeros.default,
+            aten.new_ones.default,
+            aten.new_empty.default,
+            aten.new_full.default,
+            aten.zeros_like.default,
+            aten.ones_like.default,
+            aten.empty_like.default,
+            aten.full_like.default,
+        ),
+        frozenset(),
+    ),
 }
 
 # an argument the exporter's translation reads permuted, where its optimiser then stores the result
@@ -240,6 +267,14 @@ def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     return seen
 
 
+def reads_metadata_only(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
+    """Whether ``node`` reads ``arg`` for its dtype, device or shape alone (`_METADATA_ONLY`): the trainer gives it
+    a stand-in of that type and shape, the value not computed."""
+    slots = _METADATA_ONLY.get(node.target)
+    args: Any = node.args
+    return slots is not None and not any(value is arg for slot, value in enumerate(args) if slot in slots)
+
+
 def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
     value = node.meta.get("val")
     return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else None
@@ -251,15 +286,47 @@ def _dtype(node: torch.fx.Node) -> torch.dtype | None:
 
 
 def _passes_on(node: torch.fx.Node, source: torch.fx.Node) -> bool:
-    """Whether ``node`` (no operator of its own) gives back ``source``'s value unchanged."""
-    if node.target not in _PASS_THROUGH or _shape(node) != _shape(source) or _dtype(node) != _dtype(source):
+    """Whether ``node`` (no operator of its own) gives back ``source``'s value unchanged: a copy, a view or cast to
+    the same shape and type, or arithmetic with its neutral element (`_NEUTRAL`)."""
+    if _shape(node) != _shape(source) or _dtype(node) != _dtype(source):
+        return False
+    args: Any = node.args
+    if node.target in _NEUTRAL and node.kwargs.get("alpha", 1) == 1:
+        element, commutes = _NEUTRAL[node.target]
+        if len(args) != 2 or (args[0] is not source and not commutes):
+            return False
+        other = args[1] if args[0] is source else args[0]
+        return other is not source and _is_literal(other, element)
+    if node.target not in _PASS_THROUGH:
         return False
     if node.target == aten.dropout.default:  # the same shape for a slice: the whole dimension
-        args: Any = node.args
         probability = args[1] if len(args) > 1 else node.kwargs.get("p", 0.5)
         training = args[2] if len(args) > 2 else node.kwargs.get("train", True)
         return bool(probability == 0 or not training)
     return True
+
+
+_NEUTRAL: dict[Any, tuple[float, bool]] = {
+    aten.add.Tensor: (0.0, True),
+    aten.add.Scalar: (0.0, True),
+    aten.sub.Tensor: (0.0, False),
+    aten.sub.Scalar: (0.0, False),
+    aten.mul.Tensor: (1.0, True),
+    aten.mul.Scalar: (1.0, True),
+    aten.div.Tensor: (1.0, False),
+    aten.div.Scalar: (1.0, False),
+}
+"""Arithmetic that leaves a value as it is when its other operand is this literal (the element, and whether it may
+come first), which the exporter's optimiser folds away: RoBERTa's positions plus a cache length of 0, Whisper's
+attention scores times a scaling of 1."""
+
+
+def _is_literal(value: Any, element: float) -> bool:
+    """``value`` is the number ``element``, as a literal or a scalar tensor the module makes of one."""
+    if isinstance(value, torch.fx.Node):
+        args: Any = value.args
+        return value.target == aten.scalar_tensor.default and len(args) == 1 and _is_literal(args[0], element)
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == element
 
 
 def _permutation_of(node: torch.fx.Node) -> tuple[int, ...] | None:
@@ -431,12 +498,19 @@ class _Mapper:
                 self.value_of[node.name] = node.name
 
     def _call(self, node: torch.fx.Node) -> None:
-        args = _tensor_args(node)
-        kinds = {self.kind[self.node_of[arg.name]] for arg in args}
+        # an empty value (a slice past the end: Phi-3's rotary part at its whole head size) holds nothing to
+        # read, and the exporter drops it with what it adds nothing to (a Concat of one other value); one read
+        # for its type or shape alone (`reads_metadata_only`) is not computed either
+        given = [arg for arg in _tensor_args(node) if self.kind[self.node_of[arg.name]] != "unread"]
         self.node_of[node.name] = node.name
-        if node.name in self.ops_of:
+        if node.name in self.ops_of:  # (its operators may read what it reads for a shape: an unoptimised export's)
             self.kind[node.name] = "data"
-            self._node_unit(node, args)
+            self._node_unit(node, given)
+            return
+        args = [arg for arg in given if not reads_metadata_only(node, arg)]
+        kinds = {self.kind[self.node_of[arg.name]] for arg in args}
+        if 0 in (_shape(node) or ()) or (node.users and all(reads_metadata_only(user, node) for user in node.users)):
+            self.kind[node.name] = "unread"
             return
         if node.target == operator.getitem:
             source = self.node_of[args[0].name]
@@ -546,8 +620,8 @@ class _Mapper:
                 continue
             match = self._pair_stored(node, arg, left)
             if match is None:
-                if self.kind[value] == "whole" or any(not read.arg for read in reads):
-                    continue  # a constant the operators hold folded (a shape, a scale), or read as a shared value
+                if self.kind[value] == "whole" or any(not read.arg for read in reads) or reads_metadata_only(node, arg):
+                    continue  # a constant folded in (a shape, a scale), a shared value, or read for its type
                 raise MappingError(
                     f"Module node {node.name!r} reads {arg.name!r}, which none of the plan's operators for it reads:"
                     " the plan was made for another module."

@@ -34,7 +34,17 @@ from autopar.redistribute import Collective, Step, redistribute
 from autopar.runtime.local import run_local
 from autopar.runtime.program import PlanBroken, Schedule, follow
 from autopar.torch import local as shards
-from autopar.torch.mapping import DerivedUnit, ForkUnit, MappingError, ModuleMap, NodeUnit, Read, WholeUnit, inverse
+from autopar.torch.mapping import (
+    DerivedUnit,
+    ForkUnit,
+    MappingError,
+    ModuleMap,
+    NodeUnit,
+    Read,
+    WholeUnit,
+    inverse,
+    reads_metadata_only,
+)
 from autopar.torch.moves import Move, Mover, ParameterRead
 
 
@@ -371,7 +381,10 @@ class Pass:
     def _whole(self, unit: WholeUnit) -> None:
         node = self.p.nodes[unit.node]
         args, kwargs = torch.fx.node.map_arg(
-            (node.args, node.kwargs), lambda n: self.whole[self.p.mapping.node_of.get(n.name, n.name)]
+            (node.args, node.kwargs),
+            lambda n: (
+                _stand_in(n) if reads_metadata_only(node, n) else self.whole[self.p.mapping.node_of.get(n.name, n.name)]
+            ),
         )
         with torch.no_grad():
             self.whole[unit.node] = node.target(*args, **kwargs)
@@ -517,6 +530,8 @@ class Pass:
             source = p.mapping.node_of.get(arg.name, arg.name)
             if source in local:
                 return local[source]
+            if reads_metadata_only(node, arg):
+                return _stand_in(arg)
             if source in p.mapping.inline:  # a node merged into this one's operators, run on the shard they read
                 merged = p.nodes[source]
                 inner: Any = torch.fx.node.map_arg((merged.args, merged.kwargs), value_of)
@@ -698,3 +713,10 @@ class Slice(torch.autograd.Function):
             step = Step(Collective.ALL_REDUCE, bits, whole.numel() * ctx.itemsize)  # type: ignore[attr-defined]
             whole = ctx.mover.run(whole, (step,), "sync", ctx.itemsize)  # type: ignore[attr-defined]
         return whole, None, None, None, None
+
+
+def _stand_in(arg: torch.fx.Node) -> torch.Tensor:
+    """What a node reading ``arg`` for its dtype or shape alone is given: an uninitialised tensor of its (whole)
+    shape and dtype, the value never computed (`mapping.reads_metadata_only`)."""
+    value = arg.meta["val"]
+    return torch.empty(tuple(value.shape), dtype=value.dtype)
