@@ -1,7 +1,7 @@
 """Train Hugging Face families nobody here wrote with their plans: one process against the plan's ranks.
 
-Usage: python bench/train.py [--families llama,qwen3,gpt_neox,bert,vit,resnet,moe] [--plans searched,sharded]
-                             [--steps 20] [--devices 8] [--gpu]
+Usage: python bench/train.py [--families llama,qwen3,gpt_neox,bert,vit,resnet,moe,gemma3,phi3,roberta]
+                             [--plans searched,sharded] [--steps 20] [--devices 8] [--gpu]
 
 Each family (`tests/hf_families.py`: random-initialised, 2 layers, hidden 64, batch 8) is exported by the dynamo
 exporter and planned twice: ``searched`` is what ``autopar plan MODEL --devices 8 --optimizer adam`` gives on
