@@ -319,6 +319,33 @@ def test_a_model_file_without_node_records_is_refused(one_process: Any) -> None:
         parallelize(FAMILIES["llama"].build(2), plan, str(legacy), FAMILIES["llama"].batch(8, 0))
 
 
+def test_a_tied_weight_planned_in_two_layouts_is_refused_saying_what_to_do(tmp_path: Path) -> None:
+    """Llama with its output matrix tied to the embedding: the exporter stores the transpose the output reads as a
+    weight of its own, which a plan that shards weights lays out otherwise than the embedding."""
+
+    def tied(layers: int) -> torch.nn.Module:
+        module = FAMILIES["llama"].build(layers)
+        module.model.lm_head.weight = module.model.model.embed_tokens.weight
+        return module
+
+    batches = [FAMILIES["llama"].batch(8, seed) for seed in range(2)]
+    model = str(tmp_path / "tied.onnx")
+    export(tied(2), batches[0], model)
+    need = autopar.plan(model, devices=8, optimizer="adam").file.totals.memory_per_device_bytes
+    plan = tmp_path / "plan.json"
+    plan.write_text(
+        json.dumps(autopar.plan(model, devices=8, cost_model=_profile(need * 0.5), optimizer="adam").to_dict())
+    )
+
+    def work(rank: int, world: int, device: Any) -> None:
+        from autopar.torch import parallelize
+
+        parallelize(tied(2), str(plan), model, batches[0])
+
+    with pytest.raises(RuntimeFailure, match=r"'model.lm_head.weight' is planned in 2 layouts: it is read as .*--fix"):
+        run_workers(8, work, timeout_s=240)
+
+
 def test_a_training_batch_norm_folded_into_its_conv_is_refused(tmp_path: Path, one_process: Any) -> None:
     """The exporter's optimiser folds a training BatchNorm into its Conv as if it ran on running statistics: the
     file is of another model, and the sentence says how to export it."""

@@ -231,9 +231,12 @@ class Trainer:
                 permuted_layout(self.rank_program.stored_layout(t), inverse(p) if p else None) for t, p in uses[key]
             }
             if len(found) != 1:
+                read = " and as ".join(t for t, _ in uses[key])
                 raise TrainingError(
-                    f"Module parameter {key!r} is planned in {len(found)} layouts (it is read as "
-                    f"{', '.join(t for t, _ in uses[key])}); autopar's trainer keeps one copy of each parameter."
+                    f"Module parameter {key!r} is planned in {len(found)} layouts: it is read as {read} (a tied"
+                    " weight, such as an embedding read again as the output matrix), and autopar's trainer keeps one"
+                    " copy of each parameter; fix its readers to one layout (--fix), or untie it"
+                    " (tie_word_embeddings=False) before exporting."
                 )
             tensor, permutation = uses[key][0]
             expected = tuple(self.graph.tensor(tensor).shape)
