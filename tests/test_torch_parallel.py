@@ -267,12 +267,28 @@ class _Folded(torch.nn.Module):
         return (hidden + torch.scalar_tensor(0.0)).square().mean()
 
 
-def test_nodes_the_exporter_folds_away_are_looked_through(tmp_path: Path, one_process: Any) -> None:
+class _ListIndexed(torch.nn.Module):
+    """Falcon's multi-query split: lookups by a list of positions (``x[..., [-2], :]``), which the exporter writes
+    as one Transpose the two GatherNDs share, each node's operators reading its fork."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        fused = self.linear(x).view(8, 4, 3, 16)
+        query, key, value = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
+        return ((query * key + value).sum(2) - y).square().mean()
+
+
+@pytest.mark.parametrize("kind", [_Folded, _ListIndexed])
+def test_nodes_the_exporter_folds_or_shares_are_paired(kind: type, tmp_path: Path, one_process: Any) -> None:
     from autopar.torch import parallelize
 
     torch.manual_seed(0)
-    batch = (torch.randint(0, 32, (8, 6)), torch.randint(0, 32, (8, 6)))
-    module, model = _Folded(), str(tmp_path / "folded.onnx")
+    shapes = [(8, 6), (8, 6)] if kind is _Folded else [(8, 4, 16), (8, 4, 16)]
+    batch = tuple(torch.randint(0, 32, shape) if kind is _Folded else torch.randn(shape) for shape in shapes)
+    module, model = kind(), str(tmp_path / "model.onnx")
     export(module, batch, model)
     expected = module(*batch)
     parallel = parallelize(module, autopar.plan(model, devices=1), model, batch)

@@ -600,10 +600,10 @@ class _Mapper:
         left: list[tuple[int, int, str]] = []
         for index in ops:
             for slot, name in enumerate(self.program.ops[index].rule.op.inputs):
-                if not name or name in produced:
-                    continue
+                if not name or name in produced or self.fork_input.get(name) in produced:
+                    continue  # (a fork of its own operators' output: Falcon's shared Transpose, run within the node)
                 carried = self._value_of_tensor(name)
-                if name in self.shared:  # computed by another node's operators for this one too
+                if name in self.shared or self.fork_input.get(name) in self.shared:  # another node's operators wrote it
                     reads.append(Read("", name, index, slot))
                 elif carried is not None and carried in by_value:
                     reads.append(self._read(node, by_value[carried], carried, name, index, slot, stored=False))

@@ -30,6 +30,7 @@ import torch.fx
 from autopar.layout import Layout, ReduceOp
 from autopar.lowering.planfile import GRAPH_OUTPUT
 from autopar.lowering.program import PlannedOp, PlanProgram
+from autopar.ops.fork import FORK_DOMAIN
 from autopar.redistribute import Collective, Step, redistribute
 from autopar.runtime.local import run_local
 from autopar.runtime.program import PlanBroken, Schedule, follow
@@ -372,9 +373,7 @@ class Pass:
                 self._derived(unit)
             else:
                 fork, read = unit
-                planned = self.p.program.ops[fork.op]
-                value = self._read(read)
-                self.held[(planned.rule.op.outputs[0], planned.name)] = Held(planned.outputs[0], value)
+                self._fork(fork.op, read)
 
     # --- values -------------------------------------------------------------------------------
 
@@ -589,6 +588,9 @@ class Pass:
                     inputs.append(self._read(read))
                 elif program.graph.tensor(name).kind == "activation" and program.graph.producer[name] in mine:
                     inputs.append(self._inner(name, planned, slot))
+                elif (fork := self._own_fork(name, mine)) is not None:
+                    self._fork(fork, p._fork_read(ForkUnit(fork)))  # (its own unit later finds it done)
+                    inputs.append(self._inner(name, planned, slot))
                 else:
                     inputs.append(self._constant(name, planned, slot))
             shapes = [
@@ -599,6 +601,25 @@ class Pass:
             for out, layout, value in zip(op.outputs, planned.outputs, outputs):
                 if out and layout is not None:
                     self.held[(out, planned.name)] = Held(layout, value)
+
+    def _own_fork(self, name: str, mine: set[str]) -> int | None:
+        """The fork writing ``name`` where one of the node's own operators writes what it forks (the exporter
+        computed a value once for this node and another, as Falcon's Transpose before its two lookups), else None."""
+        graph = self.p.program.graph
+        if name not in graph.producer:
+            return None  # (a constant, a parameter)
+        producer = graph.op(graph.producer[name])
+        if producer.domain != FORK_DOMAIN or graph.producer.get(producer.inputs[0]) not in mine:
+            return None
+        return self.p.program.ops.index(self.p.program.op(producer.name))
+
+    def _fork(self, index: int, read: ReadPlan) -> None:
+        """A fork's output, moved from what it forks as the plan moves it, once a pass."""
+        planned = self.p.program.ops[index]
+        key, layout = (planned.rule.op.outputs[0], planned.name), planned.outputs[0]
+        assert layout is not None  # (a fork always writes its output)
+        if key not in self.held:
+            self.held[key] = Held(layout, self._read(read))
 
     def _inner(self, name: str, reader: PlannedOp, slot: int) -> torch.Tensor:
         """A tensor one of a node's operators writes and another reads, moved as the plan moves it."""
