@@ -79,9 +79,8 @@ def verify(
     gradient; the torch runtime always does, the virtual one when asked. A pipelined plan runs its stages
     over its micro-batches in 1F1B order, with every point-to-point message checked, against one device
     running the whole batch (``batch`` is the global batch, as for `autopar.plan`). A plan file runs as it was
-    made: on its devices, at its inputs' shapes and training what it trains, where ``devices``, ``batch`` and
-    ``dims`` are not given. ``optimizer`` and ``memory_reserve`` (`autopar.plan`'s) shape the plan searched
-    when none is given.
+    made: on its devices and at its inputs' shapes, where ``devices``, ``batch`` and ``dims`` are not given.
+    ``optimizer`` and ``memory_reserve`` (`autopar.plan`'s) shape the plan searched when none is given.
     """
     check_model(model)
     given = _given_plan(plan_or_strategies)
@@ -205,8 +204,8 @@ def _pipelined(
     whole = options.batch or (planned * micro_batches if planned is not None and not options.dims else None)
     if isinstance(model, Graph):
         graph = model_graph(model, whole, options.dims)
-    else:  # the reference's: the whole batch, training what the plan trains
-        graph = trained_as_planned(given, model, whole, options.dims)
+    else:  # the reference's: the whole batch
+        graph = trained_as_planned(given, model, whole, options.dims, freeze=False)
     micro = _micro_batch(common_batch(graph), micro_batches, graph)
     micro_graph = _file_graph(model, given, options.replace(batch=micro))
     costs = options.replace(precision=Precision(given.precision).element_sizes).costs()
@@ -215,11 +214,11 @@ def _pipelined(
 
 def _file_graph(model: ModelLike, file: PlanFile, options: PlanOptions) -> Graph:
     """The model as a plan file was made for it (`plan_graph`): at its inputs' shapes, where ``options`` give no
-    batch or dims (with them, what differs is said), and training the parameters the plan trains, no others
-    (a plan made with some frozen keeps them frozen)."""
+    batch or dims (with them, what differs is said), every parameter trained (`trained_as_planned`: a plan that
+    lost a parameter's synchronisation is caught, not taken for one that freezes it)."""
     if isinstance(model, Graph):
         return model_graph(model, options.batch, options.dims)
-    return plan_graph(file, model, options.batch, options.dims)
+    return plan_graph(file, model, options.batch, options.dims, freeze=False)
 
 
 def _need_torch(runtime: str) -> None:

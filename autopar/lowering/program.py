@@ -142,28 +142,37 @@ def plan_graph(
     model: str | Path | onnx.ModelProto,
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
+    *,
+    freeze: bool = True,
 ) -> Graph:
     """``model`` imported as ``plan`` was made for it: its input shapes bound (at ``batch`` and ``dims`` instead,
-    where given: `check_context` then says what differs), the parameters it trains trained and the others
-    frozen; PlanFileError (one sentence) if the plan was made for another model."""
+    where given: `check_context` then says what differs), the parameters it trains trained and, with ``freeze``,
+    the others frozen; PlanFileError (one sentence) if the plan was made for another model."""
     planned, planned_dims = _bindings(plan, read_model(model))
     if batch is not None and _is_whole_batch(plan, batch):
         batch = None  # the whole batch given for a plan of one of its micro-batches: the plan's own shapes
-    graph = trained_as_planned(plan, model, batch or planned, {**planned_dims, **(dims or {})})
+    graph = trained_as_planned(plan, model, batch or planned, {**planned_dims, **(dims or {})}, freeze=freeze)
     if plan.context is not None:
         check_recorded(plan, plan.context, graph)
     return graph
 
 
 def trained_as_planned(
-    plan: PlanFile, model: str | Path | onnx.ModelProto, batch: int | None, sizes: Mapping[str, int]
+    plan: PlanFile,
+    model: str | Path | onnx.ModelProto,
+    batch: int | None,
+    sizes: Mapping[str, int],
+    *,
+    freeze: bool = True,
 ) -> Graph:
-    """``model`` imported at ``batch`` and its symbolic ``sizes``, training the parameters ``plan`` trains and no
-    others (a plan made with some frozen, or with constants trained, says so by its gradient synchronisation)."""
+    """``model`` imported at ``batch`` and its symbolic ``sizes``, training the parameters ``plan`` trains and, with
+    ``freeze``, no others (a plan made with some frozen, or with constants trained, says so by its gradient
+    synchronisation). Verification does not freeze: a plan file records no frozen parameters apart, so one
+    that lost a parameter's synchronisation would be taken for one that freezes it."""
     trained, dims = {entry.parameter for entry in plan.gradient_sync}, dict(sizes)
     try:
         graph = load_model(model, batch=batch, dims=dims)
-        frozen = [t.name for t in graph.parameters if t.trainable and t.name not in trained]
+        frozen = [t.name for t in graph.parameters if t.trainable and t.name not in trained] if freeze else []
         made_trainable = [name for name in trained if name in graph.tensors and graph.tensor(name).kind == "constant"]
         if plan.gradient_sync and (frozen or made_trainable):
             graph = load_model(model, batch=batch, dims=dims, frozen=frozen, trainable=made_trainable)
