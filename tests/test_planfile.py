@@ -350,16 +350,18 @@ GPT = Path(__file__).parent / "data" / "torch_gpt_dynamo.onnx"
 
 
 def test_verify_runs_a_plan_file_as_it_was_made(tmp_path, capsys):
-    """A plan file verifies on the devices it was made for and at its batch (one micro-batch's, where it has
-    several, or the whole one given), with no flag saying so again; a batch given that differs is said as a
-    batch, not as another model."""
+    """A plan file verifies on the devices it was made for, at its batch (one micro-batch's, where it has
+    several, or the whole one given) and training all but what it lists as frozen, with no flag saying so
+    again; a batch given that differs is said as a batch, not as another model."""
     made = tmp_path / "plan.json"
-    argv = ["--devices", "4", "--micro-batches", "2", "--format", "json", "-o", made]
+    argv = ["--devices", "4", "--micro-batches", "2", "--frozen", "blocks.0.*", "--format", "json", "-o", made]
     assert run(capsys, "plan", GPT, *argv)[0] == 0
     code, out, err = run(capsys, "verify", GPT, "--plan", made, "--gradients")
     assert (code, err) == (0, "") and out.startswith("autopar verify: VERIFIED on 4 virtual devices")
-    report = autopar.verify(GPT, made, gradients=True)  # the same from Python
-    trained = {entry["parameter"] for entry in json.loads(made.read_text())["gradient_sync"]}
+    report = autopar.verify(GPT, made, gradients=True)  # the same from Python, checking the trained alone
+    data = json.loads(made.read_text())
+    trained = {entry["parameter"] for entry in data["gradient_sync"]}
+    assert data["frozen"] and all(name.startswith("blocks.0.") and name not in trained for name in data["frozen"])
     assert report.ok and report.gradients is not None and report.gradients.checked == len(trained)
     code, out, err = run(capsys, "verify", GPT, "--plan", made, "--batch", "4")  # the whole batch: the same
     assert (code, err) == (0, "") and out.startswith("autopar verify: VERIFIED on 4 virtual devices")

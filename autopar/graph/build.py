@@ -223,7 +223,8 @@ def freeze(graph: Graph, patterns: Iterable[str]) -> Graph:
             )
         for name in matched:
             tensors[name] = dataclasses.replace(tensors[name], trainable=False)
-    return dataclasses.replace(graph, tensors=tensors)
+    frozen = {*graph.frozen, *(name for name in trainable if not tensors[name].trainable)}
+    return dataclasses.replace(graph, tensors=tensors, frozen=tuple(sorted(frozen)))
 
 
 def _shared_from_weight(node: onnx.NodeProto, weighty: set[str], readers: Counter[str]) -> bool:

@@ -95,6 +95,7 @@ class Graph:
     outputs: tuple[str, ...]
     model: onnx.ModelProto = field(repr=False)
     renamed_ops: Mapping[str, str] = field(default_factory=dict)  # a name given here -> the name in the file
+    frozen: tuple[str, ...] = ()  # trainable parameters the user froze (`build.freeze`), which the plan file lists
 
     @cached_property
     def _by_name(self) -> Mapping[str, OpNode]:

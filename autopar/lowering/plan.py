@@ -221,6 +221,7 @@ class Plan:
             redistributions=moves,
             gradients=paths,
             gradient_sync=syncs,
+            frozen=list(problem.graph.frozen) or None,
             fallback_ops=self.fallback_ops,
             totals=total,
             memory_plan=memory_plan(problem, choice, choices),

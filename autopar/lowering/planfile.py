@@ -554,7 +554,7 @@ class PlanContext(_Part):
 class PlanFile(_OmitsUnset):
     """A whole plan as ``autopar plan --format json`` writes it."""
 
-    _omit: ClassVar[tuple[str, ...]] = ("pipeline",)
+    _omit: ClassVar[tuple[str, ...]] = ("pipeline", "frozen")
     model_config = ConfigDict(json_schema_extra={"title": "autopar plan", "$id": SCHEMA})
     schema_: Literal["autopar.plan/1", "autopar.plan/2", "autopar.plan/3"] = Field(alias="schema")
     model: str
@@ -577,6 +577,9 @@ class PlanFile(_OmitsUnset):
         default_factory=list, description="the backward pass's collectives: each consumer's gradient to its producer"
     )
     gradient_sync: list[GradientSync]
+    frozen: list[str] | None = Field(
+        default=None, description="the trainable parameters the plan was made not to train (absent: none)"
+    )
     fallback_ops: list[str]
     totals: Totals
     memory_plan: MemoryPlan

@@ -167,14 +167,17 @@ def trained_as_planned(
 ) -> Graph:
     """``model`` imported at ``batch`` and its symbolic ``sizes``, training the parameters ``plan`` trains and, with
     ``freeze``, no others (a plan made with some frozen, or with constants trained, says so by its gradient
-    synchronisation). Verification does not freeze: a plan file records no frozen parameters apart, so one
-    that lost a parameter's synchronisation would be taken for one that freezes it."""
+    synchronisation). Without ``freeze`` (verification), only those the plan file lists as frozen are: one that
+    lost a parameter's synchronisation is not taken for one that freezes it."""
     trained, dims = {entry.parameter for entry in plan.gradient_sync}, dict(sizes)
     try:
         graph = load_model(model, batch=batch, dims=dims)
-        frozen = [t.name for t in graph.parameters if t.trainable and t.name not in trained] if freeze else []
+        if freeze:
+            frozen = [t.name for t in graph.parameters if t.trainable and t.name not in trained]
+        else:  # what the plan file says it froze, no more
+            frozen = [t.name for t in graph.parameters if t.trainable and t.name in (plan.frozen or ())]
         made_trainable = [name for name in trained if name in graph.tensors and graph.tensor(name).kind == "constant"]
-        if plan.gradient_sync and (frozen or made_trainable):
+        if (plan.gradient_sync or not freeze) and (frozen or made_trainable):
             graph = load_model(model, batch=batch, dims=dims, frozen=frozen, trainable=made_trainable)
     except AutoparError as exc:
         raise PlanFileError(f"The model cannot be read with the plan's input shapes: {exc}") from None
