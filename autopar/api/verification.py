@@ -205,7 +205,7 @@ def _pipelined(
     if isinstance(model, Graph):
         graph = model_graph(model, whole, options.dims)
     else:  # the reference's: the whole batch
-        graph = trained_as_planned(given, model, whole, options.dims, freeze=False)
+        graph = trained_as_planned(given, model, whole, options.dims, frozen_from_sync=False)
     micro = _micro_batch(common_batch(graph), micro_batches, graph)
     micro_graph = _file_graph(model, given, options.replace(batch=micro))
     costs = options.replace(precision=Precision(given.precision).element_sizes).costs()
@@ -214,11 +214,11 @@ def _pipelined(
 
 def _file_graph(model: ModelLike, file: PlanFile, options: PlanOptions) -> Graph:
     """The model as a plan file was made for it (`plan_graph`): at its inputs' shapes, where ``options`` give no
-    batch or dims (with them, what differs is said), every parameter trained (`trained_as_planned`: a plan that
-    lost a parameter's synchronisation is caught, not taken for one that freezes it)."""
+    batch or dims (with them, what differs is said), every parameter trained but those it lists as frozen
+    (`trained_as_planned`: a plan that lost a parameter's synchronisation is caught)."""
     if isinstance(model, Graph):
         return model_graph(model, options.batch, options.dims)
-    return plan_graph(file, model, options.batch, options.dims, freeze=False)
+    return plan_graph(file, model, options.batch, options.dims, frozen_from_sync=False)
 
 
 def _need_torch(runtime: str) -> None:

@@ -143,15 +143,17 @@ def plan_graph(
     batch: int | None = None,
     dims: Mapping[str, int] | None = None,
     *,
-    freeze: bool = True,
+    frozen_from_sync: bool = True,
 ) -> Graph:
     """``model`` imported as ``plan`` was made for it: its input shapes bound (at ``batch`` and ``dims`` instead,
-    where given: `check_context` then says what differs), the parameters it trains trained and, with ``freeze``,
-    the others frozen; PlanFileError (one sentence) if the plan was made for another model."""
+    where given: `check_context` then says what differs), the parameters it trains trained and the others frozen
+    (`trained_as_planned`); PlanFileError (one sentence) if the plan was made for another model."""
     planned, planned_dims = _bindings(plan, read_model(model))
     if batch is not None and _is_whole_batch(plan, batch):
         batch = None  # the whole batch given for a plan of one of its micro-batches: the plan's own shapes
-    graph = trained_as_planned(plan, model, batch or planned, {**planned_dims, **(dims or {})}, freeze=freeze)
+    graph = trained_as_planned(
+        plan, model, batch or planned, {**planned_dims, **(dims or {})}, frozen_from_sync=frozen_from_sync
+    )
     if plan.context is not None:
         check_recorded(plan, plan.context, graph)
     return graph
@@ -163,21 +165,21 @@ def trained_as_planned(
     batch: int | None,
     sizes: Mapping[str, int],
     *,
-    freeze: bool = True,
+    frozen_from_sync: bool = True,
 ) -> Graph:
-    """``model`` imported at ``batch`` and its symbolic ``sizes``, training the parameters ``plan`` trains and, with
-    ``freeze``, no others (a plan made with some frozen, or with constants trained, says so by its gradient
-    synchronisation). Without ``freeze`` (verification), only those the plan file lists as frozen are: one that
+    """``model`` imported at ``batch`` and its symbolic ``sizes``, training the parameters ``plan`` trains. With
+    ``frozen_from_sync`` (the trainer, the exports) every parameter its gradient synchronisation does not list
+    is frozen; without (verification) only those the plan file lists as ``frozen`` are, so that a plan which
     lost a parameter's synchronisation is not taken for one that freezes it."""
     trained, dims = {entry.parameter for entry in plan.gradient_sync}, dict(sizes)
     try:
         graph = load_model(model, batch=batch, dims=dims)
-        if freeze:
+        if frozen_from_sync:
             frozen = [t.name for t in graph.parameters if t.trainable and t.name not in trained]
         else:  # what the plan file says it froze, no more
             frozen = [t.name for t in graph.parameters if t.trainable and t.name in (plan.frozen or ())]
         made_trainable = [name for name in trained if name in graph.tensors and graph.tensor(name).kind == "constant"]
-        if (plan.gradient_sync or not freeze) and (frozen or made_trainable):
+        if (plan.gradient_sync or not frozen_from_sync) and (frozen or made_trainable):
             graph = load_model(model, batch=batch, dims=dims, frozen=frozen, trainable=made_trainable)
     except AutoparError as exc:
         raise PlanFileError(f"The model cannot be read with the plan's input shapes: {exc}") from None
