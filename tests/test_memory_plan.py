@@ -297,6 +297,35 @@ def test_recomputation_is_chosen_when_only_it_fits():
     assert plan.objective == pytest.approx(problem.objective(ilp.choice, ilp.choices), rel=1e-9)
 
 
+def test_the_warnings_say_which_memory_measures_were_asked_for_and_which_memory_made():
+    """Recomputation and micro-batches the search took to fit are said as such; the same asked for with room to
+    spare are said as asked (the plan file records which: ``search.asked``)."""
+    from autopar.lowering.advice import plan_warnings
+    from autopar.lowering.planfile import read_plan_file
+
+    model = block_stack()
+    free = autopar.build(model, RC_DEVICES, profile(peak=RC_PEAK))
+    capacity = (leanest(free, False) + leanest(free, True)) / 2
+    whole = {"micro_batches": 1, "pipeline_stages": 1}
+    made = autopar.plan(model, devices=RC_DEVICES, cost_model=profile(capacity=capacity, peak=RC_PEAK), **whole)
+    assert made.file.search.asked == ["micro_batches"]  # (one micro-batch, asked: it warns of none)
+    said = plan_warnings(made.file)
+    assert [s for s in said if "recompute" in s] == [
+        "To fit in memory, the repeated blocks from b0_mm2 recompute their forward pass in the backward."
+    ]
+    asked = autopar.plan(model, devices=RC_DEVICES, cost_model=profile(peak=RC_PEAK), micro_batches=2, recompute=True)
+    assert asked.file.search.asked == ["micro_batches", "recompute"]
+    assert not asked.search.memory_multiplier  # room to spare
+    assert plan_warnings(asked.file) == [
+        "As asked, the repeated blocks from b0_mm2 recompute their forward pass in the backward.",
+        "As asked, the step accumulates gradients over 2 micro-batches; the operators' shapes and costs are one"
+        " micro-batch's.",
+    ]
+    assert read_plan_file(json.loads(asked.to_json())).search.asked == ["micro_batches", "recompute"]
+    searched = autopar.plan(model, devices=RC_DEVICES, cost_model=profile(peak=RC_PEAK))
+    assert "asked" not in searched.to_dict()["search"]  # (absent where none: other plans are as they were)
+
+
 @pytest.mark.parametrize("share", [0.25, 0.75])
 def test_recomputation_under_any_capacity_fits_and_never_beats_the_ilp(share):
     """Between the two leanest plans both solvers recompute and fit; the DP's Lagrangian walk returns the

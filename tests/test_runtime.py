@@ -144,6 +144,9 @@ def test_a_removed_gradient_sync_is_caught_by_name(tiny_resnet):
     report = autopar.verify(tiny_resnet, _without(data, "gradient_sync", index), devices=8, gradients=True)
     assert not report.ok
     assert f"gradient synchronisation of parameter {name!r}" in report.problems[0]
+    # it failed before the gradients were compared: still headed as the training step it checked
+    assert report.gradients is None and report.training
+    assert report.table().splitlines()[0].endswith(": forward, backward and gradient sync")
 
 
 def test_a_wrong_gradient_value_is_caught(monkeypatch, tiny_resnet):
@@ -166,7 +169,8 @@ def test_a_wrong_gradient_value_is_caught(monkeypatch, tiny_resnet):
 def test_forward_only_verification_is_unchanged_by_gradient_entries(tiny_resnet):
     plan = autopar.plan(tiny_resnet, devices=8)
     report = autopar.verify(tiny_resnet, plan)
-    assert report.ok and report.gradients is None
+    assert report.ok and report.gradients is None and not report.training
+    assert report.table().splitlines()[0].endswith(": forward")
     assert not report.collectives["executed"]["backward"] and not report.collectives["planned"]["backward"]
 
 

@@ -26,6 +26,7 @@ from autopar.errors import (
 )
 from autopar.graph import Graph, freeze, load_model, train, untrained
 from autopar.lowering import Plan
+from autopar.lowering.planfile import Asked
 from autopar.options import (
     DEFAULT_COST_MODEL,
     DEFAULT_DEVICES,
@@ -216,7 +217,11 @@ def _plan_with(model: ModelLike, options: PlanOptions) -> Plan:
     phases = {"import": imported - started, "costing": shapes.costing_s, "search": shapes.search_s}
     unfixed = build_problem(graph, cost, options.num_devices) if fixed and pipeline is not None else shapes.single
     free = _free_plan(problem, searched.shape, options, cost, unfixed) if fixed else None
-    result = Plan.lower(problem, found, mode, phases, free, pipeline=pipeline, single=unfixed if pipeline else None)
+    asked: list[Asked] = ["micro_batches"] if options.micro_batches is not None else []
+    asked += ["recompute"] if options.recompute else []
+    result = Plan.lower(
+        problem, found, mode, phases, free, pipeline=pipeline, single=unfixed if pipeline else None, asked=asked
+    )
     if result.fallback_ops:
         warnings.warn(result.fallback_summary(), FallbackWarning, stacklevel=4)
     return result

@@ -61,15 +61,18 @@ def plan_warnings(data: PlanFile) -> list[str]:
             f"To fit in memory, {len(memory_plan.parallel_optimizer)} parameters use the parallel optimizer"
             " (gradient and optimizer state split, weights gathered after the update)."
         )
+    asked = data.search.asked or []
     if memory_plan.recompute:
         found.append(
-            "To fit in memory, the repeated blocks from " + ", ".join(memory_plan.recompute) + " recompute"
-            " their forward pass in the backward."
+            ("As asked" if "recompute" in asked else "To fit in memory")
+            + ", the repeated blocks from "
+            + ", ".join(memory_plan.recompute)
+            + " recompute their forward pass in the backward."
         )
     if memory_plan.micro_batches > 1 and data.pipeline is None:
         found.append(
-            f"To fit in memory, the step accumulates gradients over {memory_plan.micro_batches} micro-batches;"
-            " the operators' shapes and costs are one micro-batch's."
+            f"{'As asked' if 'micro_batches' in asked else 'To fit in memory'}, the step accumulates gradients"
+            f" over {memory_plan.micro_batches} micro-batches; the operators' shapes and costs are one micro-batch's."
         )
     totals = data.totals
     if totals.memory_per_device_bytes > 0.9 * totals.memory_usable_bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from os import PathLike
@@ -35,7 +35,7 @@ from autopar.lowering.lower import (
     rounded,
     totals,
 )
-from autopar.lowering.planfile import SCHEMA, PlanFile, RepeatedBlock, SearchSummary, UnfoldedRun
+from autopar.lowering.planfile import SCHEMA, Asked, PlanFile, RepeatedBlock, SearchSummary, UnfoldedRun
 from autopar.lowering.program import PlanProgram, program_of
 from autopar.lowering.stages import pipeline_entry, pipeline_memory, pipeline_totals, stage_problems, within_stages
 from autopar.search.driver import SearchResult, data_parallel_choice
@@ -91,6 +91,8 @@ class Plan:
     # the one-stage problem of the whole batch on every device, which data parallel is costed on
     pipeline: PipelineResult | None = field(default=None, repr=False, compare=False)
     single: SearchProblem | None = field(default=None, repr=False, compare=False)
+    # the memory measures the options asked for rather than left to the search (`SearchSummary.asked`)
+    asked: tuple[Asked, ...] = field(default=(), repr=False, compare=False)
 
     # The faces register how a plan shows itself (autopar.api); the core never imports them.
     face: ClassVar[PlanFace | None] = None
@@ -106,10 +108,12 @@ class Plan:
         *,
         pipeline: PipelineResult | None = None,
         single: SearchProblem | None = None,
+        asked: Sequence[Asked] = (),
     ) -> "Plan":
         """The plan of one search result on one problem (``phases_s``: measured seconds so far; ``free``:
         with fixed strategies, the plan found with nothing fixed; ``pipeline``: its stages, ``problem``
-        being one micro-batch's on one stage's devices, and ``single`` the one-stage problem)."""
+        being one micro-batch's on one stage's devices, and ``single`` the one-stage problem; ``asked``: the
+        memory measures the options asked for, `SearchSummary.asked`)."""
         if pipeline is not None and single is None:
             raise ValueError("a pipelined plan needs the one-stage problem its data parallel is costed on")
         return cls(
@@ -124,6 +128,7 @@ class Plan:
             free,
             pipeline,
             single,
+            tuple(asked),
         )
 
     @cached_property
@@ -238,6 +243,7 @@ class Plan:
                 operators=problem.size,
                 memory_multiplier=rounded(self.search.memory_multiplier),
                 **self._proof(),
+                asked=list(self.asked) or None,
                 phases_s={name: round(seconds, 4) for name, seconds in phases.items()} if phases else None,
                 layouts=problem.layouts_costed or None,
                 layout_pairs=problem.pairs_costed or None,

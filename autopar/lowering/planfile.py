@@ -486,6 +486,10 @@ class UnfoldedRun(_Part):
     reason: str = Field(description="why the copies are searched one by one")
 
 
+Asked = Literal["micro_batches", "recompute"]
+"""A memory measure the options may ask for rather than leave to the search (`SearchSummary.asked`)."""
+
+
 class SearchSummary(_OmitsUnset):
     """How the plan was found. Seconds are measured, so only they differ between two runs."""
 
@@ -501,6 +505,7 @@ class SearchSummary(_OmitsUnset):
         "gap",
         "steps_split",
         "runs_relaxed",
+        "asked",
     )
     algorithm: str = Field(description="how the strategies were chosen: dp, ilp, data_parallel, stand_alone, given")
     time_s: NonNegativeFloat
@@ -524,6 +529,11 @@ class SearchSummary(_OmitsUnset):
         default=None,
         description="repeated runs searched relaxed, each copy reading the operators the copies share in its own"
         " best layout (a lower bound), where no exact search was within the table limits; summed over stages",
+    )
+    asked: list[Asked] | None = Field(
+        default=None,
+        description="the memory measures the options asked for, where the search did not choose them: the"
+        " micro-batch count, recomputation (absent: none)",
     )
     phases_s: dict[str, NonNegativeFloat] | None = Field(
         default=None, description="measured seconds of import, costing, search and lowering"

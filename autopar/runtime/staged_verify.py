@@ -306,4 +306,5 @@ def _judge(
         runtime=runtime,
         processes=staged.num_devices if runtime == "torch" else 1,
         gradients=check,
+        training=training,
     )

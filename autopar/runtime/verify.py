@@ -201,6 +201,7 @@ def _judge(
         runtime=runtime,
         processes=program.num_devices if runtime == "torch" else 1,
         gradients=check,
+        training=seeds is not None,
     )
 
 

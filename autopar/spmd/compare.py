@@ -185,6 +185,7 @@ class VerifyReport:
     runtime: str = "virtual"
     processes: int = 1
     gradients: GradientCheck | None = None
+    training: bool = False  # the step checked was a training step (gradients too), whether or not it got that far
 
     @property
     def executed(self) -> dict[str, dict[str, int]]:
@@ -202,6 +203,7 @@ class VerifyReport:
             "processes": self.processes,
             "outputs": self.outputs,
             "gradients": self.gradients.to_dict() if self.gradients is not None else None,
+            "training": self.training,
             "collectives": self.collectives,
             "problems": self.problems,
             "time_s": round(self.time_s, 3),
@@ -217,7 +219,7 @@ class VerifyReport:
             if report.runtime == "torch"
             else f"{report.devices} virtual devices"
         )
-        what = "forward, backward and gradient sync" if report.gradients is not None else "forward"
+        what = "forward, backward and gradient sync" if report.training or report.gradients is not None else "forward"
         lines = [f"autopar verify: {verdict} on {where} ({report.time_s:.1f} s): {what}", ""]
         for name, entry in report.outputs.items():
             lines.append(
