@@ -159,6 +159,31 @@ def _phi3(layers: int) -> torch.nn.Module:
     return WithLoss(hf.Phi3ForCausalLM(_eager(config)), "input_ids", use_cache=False)
 
 
+def _falcon(layers: int) -> torch.nn.Module:
+    """Falcon: multi-query attention whose one key and value are looked up by a list of positions
+    (``x[..., [-2], :]``); the exporter ends each lookup's operators with a Transpose it merges into the
+    reader's ``transpose(1, 2)``, so the lookup's value is in the file only in another order (its output matrix
+    apart from the embedding, as Gemma 3's)."""
+    import transformers as hf
+
+    config = hf.FalconConfig(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        multi_query=True,
+        parallel_attn=True,
+        new_decoder_architecture=False,
+        alibi=False,
+        bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    return WithLoss(hf.FalconForCausalLM(_eager(config)), "input_ids", use_cache=False)
+
+
 def _roberta(layers: int) -> torch.nn.Module:
     """RoBERTa: positions counted from the tokens (a cumulative sum cast with ``type_as``, plus a cache length of
     0 the exporter folds away)."""
@@ -274,6 +299,7 @@ FAMILIES = {
         Family("gemma3", _seeded(_gemma3), _tokens, "tokens"),
         Family("phi3", _seeded(_phi3), _tokens, "tokens"),
         Family("roberta", _seeded(_roberta), _sentences, "classes"),
+        Family("falcon", _seeded(_falcon), _tokens, "tokens"),
     )
 }
 

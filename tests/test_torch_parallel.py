@@ -139,14 +139,15 @@ def test_trains_as_one_process(llama: dict[str, Any], plan: str) -> None:
         assert any(len(bits) for op in file.ops if op.op_type == "MatMul" for bits in op.inputs[1].layout.dims)
 
 
-@pytest.mark.parametrize("name", ["bert", "moe", "resnet", "gemma3", "phi3", "roberta"])
+@pytest.mark.parametrize("name", ["bert", "moe", "resnet", "gemma3", "phi3", "roberta", "falcon"])
 def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     """BERT: a weight the exporter folded from parameters (the token type embedding at constant indices), lookups
     in split tables; OLMoE: eight experts run as batched_mm, a value the exporter computed once for two nodes;
     ResNet: BatchNorms in training (batch statistics whole, channels split; running statistics written back, as
     the one process writes them); Gemma 3 and RoBERTa: ``type_as`` (its second argument read for its type alone),
-    RoBERTa's positions plus a zero the exporter folds away; Phi-3: an empty slice the exporter drops. Each on a
-    plan with half the memory the searched plan needs (it shards weights)."""
+    RoBERTa's positions plus a zero the exporter folds away; Phi-3: an empty slice the exporter drops; Falcon:
+    lookups by a list of positions whose values the file holds only transposed. Each on a plan with half the
+    memory the searched plan needs (it shards weights)."""
     family = FAMILIES[name]
     batches = [family.batch(8, seed) for seed in range(2)]
     model = str(tmp_path / f"{name}.onnx")
@@ -281,7 +282,22 @@ class _ListIndexed(torch.nn.Module):
         return ((query * key + value).sum(2) - y).square().mean()
 
 
-@pytest.mark.parametrize("kind", [_Folded, _ListIndexed])
+class _MergedTranspose(torch.nn.Module):
+    """Falcon's lookups read through ``transpose(1, 2)``: the exporter merges the Transpose that ends each lookup's
+    operators into its reader's, so the file holds the lookup's value only in another order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        fused = self.linear(x).view(8, 4, 3, 16)
+        query, key, value = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
+        scores = query.transpose(1, 2) * key.transpose(1, 2) + value.transpose(1, 2)
+        return (scores.sum(1) - y).square().mean()
+
+
+@pytest.mark.parametrize("kind", [_Folded, _ListIndexed, _MergedTranspose])
 def test_nodes_the_exporter_folds_or_shares_are_paired(kind: type, tmp_path: Path, one_process: Any) -> None:
     from autopar.torch import parallelize
 

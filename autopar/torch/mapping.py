@@ -19,7 +19,10 @@ shape, ``dropout`` of probability 0, arithmetic with a neutral literal: `_NEUTRA
 an empty value and arguments read for their type or shape alone (`reads_metadata_only`); one the exporter
 merged into its reader's operator (two Transposes become one) runs just before its reader on the shard the
 reader reads (``inline``); a value one node's operators compute and another's read too (the exporter computed
-it once) makes both run as their operators (``shared``); any other is refused in one sentence.
+it once) makes both run as their operators (``shared``); any other is refused in one sentence. Where the
+exporter merged the Transpose ending a node's operators into its reader's (Falcon's lookups by a list of
+positions, read through ``transpose(1, 2)``), the node's value is its tensor in another order
+(`NodeUnit.permutation`): the node's shard is permuted into the plan's order, and back for its readers.
 
 Arguments pair with the operators' inputs by the value they carry: an activation by the node that
 computes it (forks and `getitem` seen through), a data input by name, a parameter by its ``state_dict``
@@ -145,6 +148,9 @@ class NodeUnit:
     ops: tuple[int, ...]  # its planned operators, in graph order
     reads: tuple[Read, ...]  # one per distinct tensor argument that carries data
     outputs: tuple[tuple[str, int], ...]  # per value it returns, in order: (tensor, the planned op writing it)
+    # its one value is the plan's tensor with its dimensions in another order: the tensor is the value permuted
+    # so (the exporter merged the Transpose that ends the node's operators into its reader's: `_Mapper._permuted`)
+    permutation: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -416,6 +422,7 @@ class _Mapper:
         self.derived: dict[str, str] = {}
         self.inline: dict[str, str] = {}
         self.shared: set[str] = set()
+        self.order_of: dict[str, tuple[int, ...]] = {}  # FX value -> its plan tensor is it permuted so (`_permuted`)
 
     # --- what each node is ------------------------------------------------------------------
 
@@ -636,7 +643,8 @@ class _Mapper:
                 )
         for tensor, _ in outputs:
             self.value_of.setdefault(tensor, node.name)
-        self.units.append(NodeUnit(node.name, tuple(ops), tuple(reads), tuple(outputs)))
+        order = self.order_of.get(node.name)
+        self.units.append(NodeUnit(node.name, tuple(ops), tuple(reads), tuple(outputs), order))
         for index in ops:  # each fork right after the value it forks
             for out in self.program.ops[index].rule.op.outputs:
                 self.units += [ForkUnit(fork) for fork in self._forks_of(out)]
@@ -646,7 +654,7 @@ class _Mapper:
     ) -> Read:
         """The argument ``arg`` (carrying ``value``) as operator ``index`` reads ``tensor`` in ``slot``; ``stored``:
         the tensor is a weight the exporter stored for it (`STORED_PERMUTED`), not the value itself."""
-        order = self._stored_permutation(node, arg) if stored else None
+        order = self._stored_permutation(node, arg) if stored else self.order_of.get(value)
         if self.kind[value] == "derived":
             if self.graph.tensor(tensor).kind != "parameter":
                 raise MappingError(
@@ -739,13 +747,40 @@ class _Mapper:
             raise MappingError(f"Module node {node.name!r} becomes operators none of whose outputs is read.")
         tensor = max(own, key=lambda t: writer[t])  # the last one written; others are shared (`ModuleMap.shared`)
         self.shared.update(t for t in read_outside if t != tensor)
-        if shape is not None and not _same_but_batch(tuple(self.graph.tensor(tensor).shape), shape):
+        order = self._permuted(node, tensor)
+        planned = tuple(self.graph.tensor(tensor).shape)
+        if shape is not None and order is not None and _same_but_batch(_permuted(planned, inverse(order)), shape):
+            self.order_of[node.name] = order
+        elif shape is not None and not _same_but_batch(planned, shape):
             raise MappingError(
                 f"Module node {node.name!r} has shape {list(_shape(node) or ())} where the plan's {tensor!r} has"
                 f" {list(self.graph.tensor(tensor).shape)}: the plan was made for another module, or for other input"
                 " shapes."
             )
         return [(tensor, writer[tensor])]
+
+    def _permuted(self, node: torch.fx.Node, tensor: str) -> tuple[int, ...] | None:
+        """How the plan's ``tensor`` orders the dimensions of ``node``'s value, where the exporter merged the Transpose
+        ending the node's operators into its reader's (None: where it did not, or in the same order).
+
+        Falcon's ``k[:, :, [i]]`` is a Transpose, a GatherND and a Transpose back; its reader's ``transpose(1, 2)``
+        made the last two one. The node's one reader is then a transpose or permute by r whose operator is a
+        Transpose by q of ``tensor``: r of the value is q of the tensor, so the tensor is the value permuted by
+        r then the inverse of q."""
+        if len(node.users) != 1:
+            return None
+        (user,) = node.users
+        r = _permutation_of(user)
+        if r is None or user.target not in _PARAMETER_VIEWS:
+            return None
+        for index in self.ops_of.get(user.name, ()):
+            op = self.program.ops[index].rule.op
+            if op.op_type == "Transpose" and self.fork_input.get(op.inputs[0], op.inputs[0]) == tensor:
+                q = op.attrs.get("perm")
+                if q is None or len(q) != len(r):
+                    return None
+                return _identity_none(_compose(r, inverse(tuple(int(d) for d in q))))
+        return None
 
     def _pair_stored(
         self, node: torch.fx.Node, arg: torch.fx.Node, left: list[tuple[int, int, str]]

@@ -541,7 +541,10 @@ class Pass:
 
         mapped: Any = torch.fx.node.map_arg((node.args, node.kwargs), value_of)
         args, kwargs = mapped
-        target, args, kwargs = shards.local_call(node.target, tuple(args), dict(kwargs), plan.local_shapes[0])
+        order = plan.unit.permutation  # (the plan's tensor is the value permuted so: its shape so too)
+        shape = plan.local_shapes[0]
+        in_order = tuple(shape[d] for d in inverse(order)) if order is not None and shape is not None else shape
+        target, args, kwargs = shards.local_call(node.target, tuple(args), dict(kwargs), in_order)
         gathered = next(
             (shards.gathered_rows(p.program.ops[i]) for i in plan.unit.ops if shards.gathered_rows(p.program.ops[i])),
             (),
@@ -556,6 +559,8 @@ class Pass:
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         if plan.divisor > 1:
             outputs[0] = outputs[0] / plan.divisor
+        if order is not None:
+            outputs[0] = outputs[0].permute(order)
         self._keep(plan, outputs)
 
     def _keep(self, plan: NodePlan, outputs: list[Any]) -> None:
