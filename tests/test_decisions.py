@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import autopar
 from autopar.lowering.decisions import Degrees, decisions, degrees, expert_bits
@@ -76,6 +78,19 @@ def test_an_expert_split_is_named_expert_not_data():
     bits = expert_bits(plan.file)
     assert not any(name.startswith("layers.0.self_attn") for name in bits)  # attention's batch stays data
     assert "layers.0.mlp.router" not in bits or bits["layers.0.mlp.router"] <= bits["layers.0.mlp.experts.up"]
+
+
+def test_a_stack_of_weights_every_row_reads_is_not_experts():
+    """``x[8, 1, 5, 6] @ w[4, 6, 7]``: the rows broadcast against the stack, so each matrix reads them all (a
+    split of the stack is the output's second axis, as heads are), where experts each take rows of their own."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 1, 5, 6])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 4, 5, 7])
+    w = numpy_helper.from_array(np.ones((4, 6, 7), dtype=np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "stack", [x], [y], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    plan = autopar.plan(model, devices=4, fixed={"mm": ((1, 1, 1, 1), (4, 1, 1))})
+    assert expert_bits(plan.file) == {} and plan.degrees.expert == 1
+    assert [entry["splits"] for entry in plan.decisions()] == [{"heads": 4}]
 
 
 def test_batched_products_of_activations_and_convolutions_split_no_experts(resnet_plan_8):

@@ -282,13 +282,9 @@ class _ListIndexed(torch.nn.Module):
         return ((query * key + value).sum(2) - y).square().mean()
 
 
-class _MergedTranspose(torch.nn.Module):
+class _MergedTranspose(_ListIndexed):
     """Falcon's lookups read through ``transpose(1, 2)``: the exporter merges the Transpose that ends each lookup's
     operators into its reader's, so the file holds the lookup's value only in another order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(16, 48)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         fused = self.linear(x).view(8, 4, 3, 16)

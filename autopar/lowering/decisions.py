@@ -45,11 +45,15 @@ def expert_bits(data: PlanFile) -> dict[str, frozenset[int]]:
     for op in data.ops:
         if op.op_type not in EXPERT_READERS and op.op_type != "Transpose":
             continue
-        for tensor in op.inputs:
+        for slot, tensor in enumerate(op.inputs):
             if tensor.tensor in parameters and len(tensor.layout.dims) >= 3:
                 bits = tensor.layout.dims[0]
                 if op.op_type == "Transpose":  # a stack the exporter transposes, its experts still leading
                     bits = [bit for bit in bits if op.outputs and bit in op.outputs[0].layout.dims[0]]
+                if op.op_type == "MatMul" and len(op.inputs) == 2:  # rows dispatched to each matrix of the stack
+                    bits = [
+                        bit for bit in bits if bit in _aligned(op.inputs[1 - slot].layout.dims, len(tensor.layout.dims))
+                    ]
                 pending += [(op.name, bit) for bit in bits]
     while pending:
         name, bit = pending.pop()
@@ -65,6 +69,19 @@ def expert_bits(data: PlanFile) -> dict[str, frozenset[int]]:
                 if other != name and dim < len(dims) and bit in dims[dim]:
                     pending.append((other, bit))
     return {name: frozenset(bits) for name, bits in found.items() if bits}
+
+
+def _aligned(dims: list[list[int]], stack_rank: int) -> list[int]:
+    """The bits splitting the dimension of a MatMul's other operand that a stack's leading axis is aligned with
+    (numpy's broadcasting aligns the last dimensions): the experts' rows, where the stack's matrices each take
+    their own. An operand that broadcasts against the stack (its aligned size 1, or too few dimensions:
+    ``x[3, 1, 5, 6] @ w[4, 6, 7]``) reads every matrix with the same rows, so the stack is no experts.
+
+    >>> _aligned([[0], [1], [], []], 3), _aligned([[], []], 3)
+    ([1], [])
+    """
+    at = len(dims) - stack_rank
+    return dims[at] if at >= 0 else []
 
 
 def is_image_model(data: PlanFile) -> bool:
