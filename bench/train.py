@@ -1,6 +1,6 @@
 """Train Hugging Face families nobody here wrote with their plans: one process against the plan's ranks.
 
-Usage: python bench/train.py [--families llama,qwen3,gpt_neox,bert,vit,resnet,moe,gemma3,phi3,roberta,falcon]
+Usage: python bench/train.py [--families llama,qwen3,gpt_neox,bert,vit,resnet,moe,gemma3,phi3,roberta,falcon,gpt2]
                              [--plans searched,sharded] [--steps 20] [--devices 8] [--gpu]
 
 Each family (`tests/hf_families.py`: random-initialised, 2 layers, hidden 64, batch 8) is exported by the dynamo

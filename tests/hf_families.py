@@ -184,6 +184,28 @@ def _falcon(layers: int) -> torch.nn.Module:
     return WithLoss(hf.FalconForCausalLM(_eager(config)), "input_ids", use_cache=False)
 
 
+def _gpt2(layers: int) -> torch.nn.Module:
+    """GPT-2: Conv1D projections (``addmm`` of a flattened view, which the exporter merges with the reshape
+    before it) and learned positions looked up at positions the exporter folds in (its output matrix apart from
+    the embedding, as Gemma 3's)."""
+    import transformers as hf
+
+    config = hf.GPT2Config(
+        n_layer=layers,
+        n_embd=64,
+        n_head=4,
+        n_positions=SEQ,
+        vocab_size=VOCAB,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return WithLoss(hf.GPT2LMHeadModel(_eager(config)), "input_ids", use_cache=False)
+
+
 def _roberta(layers: int) -> torch.nn.Module:
     """RoBERTa: positions counted from the tokens (a cumulative sum cast with ``type_as``, plus a cache length of
     0 the exporter folds away)."""
@@ -300,6 +322,7 @@ FAMILIES = {
         Family("phi3", _seeded(_phi3), _tokens, "tokens"),
         Family("roberta", _seeded(_roberta), _sentences, "classes"),
         Family("falcon", _seeded(_falcon), _tokens, "tokens"),
+        Family("gpt2", _seeded(_gpt2), _tokens, "tokens"),
     )
 }
 

@@ -703,3 +703,40 @@ def test_stages_made_with_the_arrays_earlier_stages_made_equal_those_made_alone(
             assert all(x is y for x, y in zip(tables(kept), tables(again)))
             shared_any |= len({id(t) for t in tables(alone)}) < len(tables(alone))
     assert made and shared_any
+
+
+def test_no_stage_starts_between_two_readers_of_one_weight_or_inside_one_module_node():
+    """x -> MatMul(W) -> Relu -> MatMul(V) -> Add(b) -> Relu -> MatMul(W): W is read at both ends, so no cut
+    falls between its readers (a stage owns its weights); without the second read of W, the cuts fall anywhere
+    one activation crosses but between the MatMul and the Add the exporter recorded for one ``linear``."""
+    from onnx import ModelProto, TensorProto, helper, numpy_helper
+
+    def model(shared: bool) -> ModelProto:
+        weights = {"W": (8, 8), "V": (8, 8), "U": (8, 8), "b": (8,)}
+        last = "W" if shared else "U"
+        nodes = [
+            helper.make_node("MatMul", ["x", "W"], ["h1"], name="mm1"),
+            helper.make_node("Relu", ["h1"], ["r1"], name="relu1"),
+            helper.make_node("MatMul", ["r1", "V"], ["h2"], name="mm2"),
+            helper.make_node("Add", ["h2", "b"], ["h3"], name="bias2"),
+            helper.make_node("Relu", ["h3"], ["r2"], name="relu2"),
+            helper.make_node("MatMul", ["r2", last], ["y"], name="mm3"),
+        ]
+        for node in nodes[2:4]:  # one module node, two operators
+            entry = node.metadata_props.add()
+            entry.key, entry.value = "pkg.torch.onnx.fx_node", "%linear : [num_users=1] = call_function[...]"
+        initializers = [
+            numpy_helper.from_array(np.ones(shape, dtype=np.float32), name) for name, shape in weights.items()
+        ]
+        graph = helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])],
+            [init for init in initializers if init.name != ("U" if shared else "")],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    index = {rule.op.name: node for node, rule in enumerate(autopar.build(model(False), 2).rules)}
+    assert set(cut_points(autopar.build(model(False), 2))) == {index[name] for name in ("relu1", "mm2", "relu2", "mm3")}
+    assert cut_points(autopar.build(model(True), 2)) == ()

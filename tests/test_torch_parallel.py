@@ -139,15 +139,16 @@ def test_trains_as_one_process(llama: dict[str, Any], plan: str) -> None:
         assert any(len(bits) for op in file.ops if op.op_type == "MatMul" for bits in op.inputs[1].layout.dims)
 
 
-@pytest.mark.parametrize("name", ["bert", "moe", "resnet", "gemma3", "phi3", "roberta", "falcon"])
+@pytest.mark.parametrize("name", ["bert", "moe", "resnet", "gemma3", "phi3", "roberta", "falcon", "gpt2"])
 def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     """BERT: a weight the exporter folded from parameters (the token type embedding at constant indices), lookups
     in split tables; OLMoE: eight experts run as batched_mm, a value the exporter computed once for two nodes;
     ResNet: BatchNorms in training (batch statistics whole, channels split; running statistics written back, as
     the one process writes them); Gemma 3 and RoBERTa: ``type_as`` (its second argument read for its type alone),
     RoBERTa's positions plus a zero the exporter folds away; Phi-3: an empty slice the exporter drops; Falcon:
-    lookups by a list of positions whose values the file holds only transposed. Each on a plan with half the
-    memory the searched plan needs (it shards weights)."""
+    lookups by a list of positions whose values the file holds only transposed; GPT-2: two reshapes written as
+    one, and (its plan pipelined) a position table folded into the weights the first stage alone reads. Each on a
+    plan with half the memory the searched plan needs (it shards weights)."""
     family = FAMILIES[name]
     batches = [family.batch(8, seed) for seed in range(2)]
     model = str(tmp_path / f"{name}.onnx")
@@ -293,7 +294,36 @@ class _MergedTranspose(_ListIndexed):
         return (scores.sum(1) - y).square().mean()
 
 
-@pytest.mark.parametrize("kind", [_Folded, _ListIndexed, _MergedTranspose])
+class _ReshapedTwice(torch.nn.Module):
+    """GPT-2's heads joined (a reshape), then flattened for its Conv1D's ``addmm`` (a view): the exporter writes the
+    two reshapes as one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.weight = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        heads = self.linear(x).view(8, 4, 4, 4).transpose(1, 2) * 2.0
+        joined = heads.transpose(1, 2).reshape(8, 4, 16)
+        return ((joined.view(-1, 16) @ self.weight).view(8, 4, 16) - y).square().mean()
+
+
+class _SubtractedTwice(torch.nn.Module):
+    """Cohere's norm writes ``h - mean`` twice; the exporter computes it once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        mean = h.mean(-1, keepdim=True)
+        variance = (h - mean).pow(2).mean(-1, keepdim=True)
+        return ((h - mean) * torch.rsqrt(variance + 1e-5) - y).square().mean()
+
+
+@pytest.mark.parametrize("kind", [_Folded, _ListIndexed, _MergedTranspose, _ReshapedTwice, _SubtractedTwice])
 def test_nodes_the_exporter_folds_or_shares_are_paired(kind: type, tmp_path: Path, one_process: Any) -> None:
     from autopar.torch import parallelize
 
@@ -371,6 +401,40 @@ def test_a_tied_weight_planned_in_two_layouts_is_refused_saying_what_to_do(tmp_p
         parallelize(tied(2), str(plan), model, batches[0])
 
     with pytest.raises(RuntimeFailure, match=r"'model.lm_head.weight' is planned in 2 layouts: it is read as .*--fix"):
+        run_workers(8, work, timeout_s=240)
+
+
+class _SharedNorm(torch.nn.Module):
+    """One LayerNorm every layer applies (ALBERT shares a whole layer so): the import gives each reader its own copy
+    of its vectors (``norm.bias.1``), as it must for the identical norms exporters merge."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for linear in self.linears:
+            x = self.norm(linear(x))
+        return (x - y).square().mean()
+
+
+def test_a_weight_the_layers_share_read_on_two_stages_is_refused(tmp_path: Path) -> None:
+    """Each stage would update a copy of its own with its part of the gradient: refused, in one sentence. The cut
+    falls between two module nodes, never inside one (a biased linear's MatMul and Add)."""
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 4, 16), torch.randn(8, 4, 16))
+    model, plan = str(tmp_path / "shared.onnx"), tmp_path / "plan.json"
+    export(_SharedNorm(), batch, model)
+    plan.write_text(json.dumps(autopar.plan(model, devices=8, pipeline_stages=2, micro_batches=2).to_dict()))
+
+    def work(rank: int, world: int, device: Any) -> None:
+        from autopar.torch import parallelize
+
+        parallelize(_SharedNorm(), str(plan), model, batch)
+
+    said = r"'norm.bias' is read as norm.bias on stage 0 and as norm.bias.\d on stage 1"
+    with pytest.raises(RuntimeFailure, match=said):
         run_workers(8, work, timeout_s=240)
 
 

@@ -26,6 +26,8 @@ operator back its ``training_mode``, so the strategy rule keeps the batch statis
 
 from __future__ import annotations
 
+import re
+
 import onnx
 
 FX_NODE = "pkg.torch.onnx.fx_node"
@@ -35,6 +37,16 @@ TRAINING_BATCH_NORM = "torch.ops.aten._native_batch_norm_legit_functional"
 def fx_record(node: onnx.NodeProto) -> str:
     """The FX node the exporter recorded for ``node`` ("" where it recorded none)."""
     return next((entry.value for entry in node.metadata_props if entry.key == FX_NODE), "")
+
+
+def fx_node_name(record: str) -> str | None:
+    """The FX node an operator's ``pkg.torch.onnx.fx_node`` record names.
+
+    >>> fx_node_name("%linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](...)")
+    'linear'
+    """
+    found = re.match(r"\s*%([^\s:]+)", record)
+    return found.group(1) if found else None
 
 
 def _trains(record: str) -> bool:

@@ -37,6 +37,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from autopar.graph.records import fx_node_name, fx_record
 from autopar.layout import Layout
 from autopar.search.dataflow import TensorUse
 from autopar.search.dp import Factor
@@ -112,12 +113,37 @@ def cut_points(problem: SearchProblem) -> tuple[int, ...]:
             block = repeat.block(k)
             inside.update(range(block.start + 1, block.stop))
             allowed.update((block.start, block.stop))
-    for (src, _), dst in last_read.items():
-        if problem.rules[src].spec.gradient_labels:  # a fork's readers meet it in one stage
-            inside.update(range(src + 1, dst + 1))
-            allowed.difference_update(range(src + 1, dst + 1))
+    spans = [(src, dst) for (src, _), dst in last_read.items() if problem.rules[src].spec.gradient_labels]
+    spans += _shared_weights(problem) + _module_nodes(problem)
+    for first, last in spans:  # a fork's readers meet it in one stage, as a trainable weight's do
+        inside.update(range(first + 1, last + 1))
+        allowed.difference_update(range(first + 1, last + 1))
     points = [p for p in range(1, n) if p in allowed or (p not in inside and crossing[p] == 1)]
     return tuple(points)
+
+
+def _module_nodes(problem: SearchProblem) -> list[tuple[int, int]]:
+    """The first and last operator of each module node the dynamo exporter wrote as several (a biased
+    ``linear``: a MatMul and an Add): the trainer runs a node on one stage (`autopar.torch`)."""
+    where: dict[str, list[int]] = {}
+    for node, rule in enumerate(problem.rules):
+        name = fx_node_name(fx_record(rule.op.proto)) if rule.op.proto is not None else None
+        if name is not None:
+            where.setdefault(name, []).append(node)
+    return [(nodes[0], nodes[-1]) for nodes in where.values() if nodes[-1] > nodes[0]]
+
+
+def _shared_weights(problem: SearchProblem) -> list[tuple[int, int]]:
+    """The first and last reader of each trainable weight read by more than one operator (T5's embedding, read by
+    its encoder, its decoder and its output): a stage is one weight's only owner, so no cut falls between them
+    (a plan cut there would be one `autopar.lowering.staged` refuses to run)."""
+    graph = problem.graph
+    readers: dict[str, list[int]] = {}
+    for node, rule in enumerate(problem.rules):
+        for name in rule.op.inputs:
+            if name and graph.tensor(name).kind == "parameter" and graph.tensor(name).trainable:
+                readers.setdefault(name, []).append(node)
+    return [(nodes[0], nodes[-1]) for nodes in readers.values() if nodes[-1] > nodes[0]]
 
 
 @dataclass(frozen=True)

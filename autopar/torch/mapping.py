@@ -44,6 +44,7 @@ import torch
 import torch.fx
 
 from autopar.errors import AutoparError
+from autopar.graph.records import fx_node_name
 from autopar.lowering.program import PlannedOp, PlanProgram
 from autopar.ops.fork import FORK, FORK_DOMAIN
 
@@ -111,6 +112,17 @@ _INLINE = {
     aten.squeeze.dim,
     aten.squeeze.dims,
 }
+
+_MERGED = (
+    "the exporter merged values of the module that were identical when it exported (a fresh model's zero-initialised"
+    " tokens or tables): export it after setting its parameters apart."
+)
+"""What to do where the exporter's optimiser kept one of two values that were equal only by their initialisation."""
+
+# reshapes: one whose every reader is a reshape with operators of its own is looked through, as the exporter merged
+# it into them (a reshape of a reshape is one reshape to the last shape: GPT-2's and BLOOM's heads joined, then
+# flattened for their projection)
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 # nodes returning values their operator does not write: target -> the operator's output slot of each value (None:
 # one it does not write; a training BatchNorm's saved mean and deviation are for its backward, which autograd keeps)
@@ -212,16 +224,6 @@ class ModuleMap:
     def parameter_names(self) -> list[str]:
         """The module's parameters the plan trains or reads, in a fixed order."""
         return sorted({use.parameter for use in self.parameters.values()})
-
-
-def fx_node_name(metadata: str) -> str | None:
-    """The FX node an operator's ``pkg.torch.onnx.fx_node`` record names.
-
-    >>> fx_node_name("%linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](...)")
-    'linear'
-    """
-    found = re.match(r"\s*%([^\s:]+)", metadata)
-    return found.group(1) if found else None
 
 
 def fx_node_target(metadata: str) -> str | None:
@@ -423,6 +425,8 @@ class _Mapper:
         self.inline: dict[str, str] = {}
         self.shared: set[str] = set()
         self.order_of: dict[str, tuple[int, ...]] = {}  # FX value -> its plan tensor is it permuted so (`_permuted`)
+        self.constants_trained: dict[str, str] = {}  # constant of the plan -> the node computing it from parameters
+        self.computed: dict[str, str] = {}  # `_call_key` -> the first node making that call
 
     # --- what each node is ------------------------------------------------------------------
 
@@ -449,6 +453,7 @@ class _Mapper:
                     f"The exported program has a {node.op} node ({node.name!r}), which autopar cannot run."
                 )
         self._check_every_op_placed()
+        self._check_trained()
         returned = [self.node_of.get(arg.name, arg.name) for arg in self._returned()]
         inputs = {name: name for name in self.user_inputs if name in self.graph.tensors}
         missing = sorted(name for name in self.graph.inputs if name not in inputs)
@@ -510,6 +515,7 @@ class _Mapper:
         # for its type or shape alone (`reads_metadata_only`) is not computed either
         given = [arg for arg in _tensor_args(node) if self.kind[self.node_of[arg.name]] != "unread"]
         self.node_of[node.name] = node.name
+        twin = self.computed.setdefault(self._call_key(node), node.name)
         if node.name in self.ops_of:  # (its operators may read what it reads for a shape: an unoptimised export's)
             self.kind[node.name] = "data"
             self._node_unit(node, given)
@@ -551,6 +557,10 @@ class _Mapper:
             if source in self.view_of:
                 self.view_of[node.name] = self.view_of[source]
             return
+        if len(data) == 1 and self._reshaped_again(node):
+            self.node_of[node.name] = self.node_of[data[0].name]
+            self.kind[node.name] = self.kind[self.node_of[data[0].name]]
+            return
         if len(data) == 1 and node.target in _INLINE and self.kind[self.node_of[data[0].name]] == "data":
             self.kind[node.name] = "data"
             self.inline[node.name] = self.node_of[data[0].name]
@@ -566,11 +576,30 @@ class _Mapper:
             self.kind[node.name] = "derived"
             self.units.append(DerivedUnit(node.name))
             return
+        if twin != node.name:  # the same call on the same values as an earlier node: the exporter computed it once
+            self.node_of[node.name] = self.node_of[twin]
+            self.kind[node.name] = self.kind[self.node_of[twin]]
+            return
         raise MappingError(
             f"Module node {node.name!r} ({node.target}) computes from the model's data, but the plan has no operator"
             " for it: the plan was made from another export of this module, or the exporter merged it with a node"
             " that computed the same value when it exported (a fresh model's identical norms: export it after"
             " setting its parameters apart)."
+        )
+
+    def _call_key(self, node: torch.fx.Node) -> str:
+        """What a call computes: its target and its arguments, each value by the node that carries it, so that two
+        calls of one key compute one value (Cohere's norm writes ``x - mean`` twice; the exporter keeps one)."""
+        carried: Any = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: self.node_of.get(arg.name, arg.name))
+        return f"{node.target}{carried!r}"
+
+    def _reshaped_again(self, node: torch.fx.Node) -> bool:
+        """Whether ``node`` (no operators of its own) is a reshape that only reshapes read, each with operators:
+        the exporter wrote the two as one, which each reader's own call makes of the node's input alone."""
+        return (
+            node.target in _RESHAPES
+            and bool(node.users)
+            and all(user.target in _RESHAPES and user.name in self.ops_of for user in node.users)
         )
 
     def _claim(self, node: torch.fx.Node, data: list[torch.fx.Node]) -> list[int]:
@@ -631,7 +660,7 @@ class _Mapper:
                     continue  # a constant folded in (a shape, a scale), a shared value, or read for its type
                 raise MappingError(
                     f"Module node {node.name!r} reads {arg.name!r}, which none of the plan's operators for it reads:"
-                    " the plan was made for another module."
+                    f" the plan was made for another module, or {_MERGED}"
                 )
             left.remove(match)
             reads.append(self._read(node, arg, value, match[2], match[0], match[1], stored=True))
@@ -657,11 +686,12 @@ class _Mapper:
         order = self._stored_permutation(node, arg) if stored else self.order_of.get(value)
         if self.kind[value] == "derived":
             if self.graph.tensor(tensor).kind != "parameter":
+                self.constants_trained.setdefault(tensor, value)  # (said once, all of them: `_check_trained`)
+            if self.derived.setdefault(tensor, value) != value:
                 raise MappingError(
-                    f"The plan's model stores {tensor!r} as a constant, which the module computes from its parameters"
-                    f" (module node {value!r}): plan with --trainable {tensor} so that its gradient is planned."
+                    f"The plan's {tensor!r} is what module nodes {self.derived[tensor]!r} and {value!r} compute from"
+                    f" their parameters: {_MERGED}"
                 )
-            self.derived[tensor] = value
         elif self.graph.tensor(tensor).kind == "parameter" and self.kind[value] == "whole":
             self.untrained.add(tensor)  # a table the importer took for a weight (see `ModuleMap.untrained`)
         elif self.graph.tensor(tensor).kind == "parameter":
@@ -803,6 +833,20 @@ class _Mapper:
         position = next((i for i, a in enumerate(node.args) if a is arg), None)
         permuted = STORED_PERMUTED.get(node.target)  # type: ignore[call-overload]
         return permuted.get(position) if permuted and position is not None else None
+
+    def _check_trained(self) -> None:
+        """Every constant of the plan that the module computes from its parameters, in one sentence: its gradient
+        is not planned (T5's position biases, looked up at positions the exporter folded in)."""
+        if not self.constants_trained:
+            return
+        (tensor, node), *more = self.constants_trained.items()
+        flags = " ".join(f"--trainable {name}" for name in self.constants_trained)
+        what = f"{tensor!r} and {len(more)} more as constants" if more else f"{tensor!r} as a constant"
+        whose = "their gradients are" if more else "its gradient is"
+        raise MappingError(
+            f"The plan's model stores {what}, which the module computes from its parameters (module node {node!r}):"
+            f" plan with {flags} so that {whose} planned."
+        )
 
     def _check_every_op_placed(self) -> None:
         placed = {index for unit in self.units if isinstance(unit, NodeUnit) for index in unit.ops}

@@ -53,7 +53,7 @@ from autopar.torch.capture import exported_program
 from autopar.torch.mapping import ModuleMap, inverse, map_module
 from autopar.torch.moves import Mover
 from autopar.torch.pipeline import PlannedStage, StageModule, send_label
-from autopar.torch.step import RankProgram
+from autopar.torch.step import RankProgram, folded_nodes
 
 
 class TrainingError(AutoparError):
@@ -219,12 +219,32 @@ class Trainer:
 
     # --- parameters -----------------------------------------------------------------------------
 
+    def _check_one_stage(self, uses: Mapping[str, list[tuple[str, tuple[int, ...] | None]]]) -> None:
+        """Refuse a module parameter the plan reads as tensors owned on two pipeline stages: a weight the layers share
+        (ALBERT's one layer, read by all), whose shared vectors the import gives each reader a copy of (``bias.1``,
+        as it must for the identical norms exporters merge). Each stage would update its own copy with its part of
+        the gradient; the trainer keeps each parameter on one stage."""
+        if self.staged is None:
+            return
+        program, stages = self.program, self.staged.stages
+        for key in sorted(uses):
+            where = {t: next(i for i, nodes in enumerate(stages) if program.owner[t][0] in nodes) for t, _ in uses[key]}
+            if len(set(where.values())) > 1:
+                read = sorted(where.items(), key=lambda item: (item[1], item[0]))
+                (first, a), (second, b) = read[0], next(item for item in read if item[1] != read[0][1])
+                raise TrainingError(
+                    f"Module parameter {key!r} is read as {first} on stage {a} and as {second} on stage {b} (a weight"
+                    " the layers share); autopar's trainer keeps each parameter on one stage: plan it with"
+                    " --pipeline-stages 1, or with --stage-starts where no shared weight is read on both sides."
+                )
+
     def _shard_parameters(self, module: torch.nn.Module) -> None:
         uses: dict[str, list[tuple[str, tuple[int, ...] | None]]] = {}
         program = self.program
         for tensor, use in self.mapping.parameters.items():
             uses.setdefault(use.parameter, []).append((tensor, use.permutation))
         named = dict(module.named_parameters(remove_duplicate=False))
+        self._check_one_stage(uses)
         layouts: dict[str, Layout] = {}
         for key in sorted(uses):
             found = {
@@ -233,8 +253,9 @@ class Trainer:
             if len(found) != 1:
                 read = " and as ".join(t for t, _ in uses[key])
                 raise TrainingError(
-                    f"Module parameter {key!r} is planned in {len(found)} layouts: it is read as {read} (a tied"
-                    " weight, such as an embedding read again as the output matrix), and autopar's trainer keeps one"
+                    f"Module parameter {key!r} is planned in {len(found)} layouts: it is read as {read} (a weight"
+                    " read in several places: an embedding read again as the output matrix, or one layer's weights"
+                    " that the others share), and autopar's trainer keeps one"
                     " copy of each parameter; fix its readers to one layout (--fix), or untie it"
                     " (tie_word_embeddings=False) before exporting."
                 )
@@ -256,9 +277,25 @@ class Trainer:
                 continue
             self.stored[key] = layouts[key]
             self._replace(module, key, self._distribute(named[key], layouts[key]))
+        folded = self._folded_elsewhere(named)
         for key, parameter in named.items():
-            if key not in uses and not isinstance(parameter, DTensor):  # one the plan never reads: replicated
+            if key in folded:
+                self._replace(module, key, None)  # folded into weights another stage reads: that stage's
+            elif key not in uses and not isinstance(parameter, DTensor):  # one the plan never reads: replicated
                 self._replace(module, key, self._distribute(parameter, Layout.replicated(parameter.dim())))
+
+    def _folded_elsewhere(self, named: Mapping[str, torch.Tensor]) -> set[str]:
+        """The module's parameters the plan reads only through weights folded from them (GPT-2's and OPT's position
+        tables, looked up at the positions the exporter folded in) that this rank's stage does not read: another
+        stage computes and trains them (each rank held a copy of its own, never updated, that a checkpoint could
+        have taken)."""
+        if self.staged is None or not self.mapping.derived:
+            return set()
+        nodes, placeholders = self.rank_program.nodes, self.mapping.placeholders
+        every = folded_nodes(self.mapping, self.program, nodes, None)
+        elsewhere = every - self.rank_program.derived_nodes
+        read = {use.parameter for use in self.mapping.parameters.values()}
+        return {placeholders[n] for n in elsewhere if n in placeholders and placeholders[n] in named} - read
 
     def _distribute(self, parameter: torch.Tensor, layout: Layout) -> torch.nn.Parameter:
         mesh, placements = self.meshes.placements(layout)

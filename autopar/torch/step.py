@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -98,6 +99,24 @@ class Held:
     value: torch.Tensor
 
 
+def folded_nodes(
+    mapping: ModuleMap, program: PlanProgram, nodes: Mapping[str, torch.fx.Node], stage_ops: frozenset[int] | None
+) -> frozenset[str]:
+    """The nodes computing the folded weights (`ModuleMap.derived`) that the operators ``stage_ops`` read (None:
+    every operator), and every node they are computed from, the module's parameter placeholders among them;
+    another stage's folded weights are its own to compute and train."""
+    wanted = [
+        node for tensor, node in mapping.derived.items() if stage_ops is None or program.owner[tensor][0] in stage_ops
+    ]
+    found: set[str] = set()
+    while wanted:
+        name = mapping.node_of.get(wanted.pop(), "")
+        if name in nodes and name not in found:
+            found.add(name)
+            wanted += [arg.name for arg in nodes[name].all_input_nodes]
+    return frozenset(found)
+
+
 @dataclass
 class RankProgram:
     """One rank's share of the plan on the module (see the module docstring)."""
@@ -131,11 +150,16 @@ class RankProgram:
             elif isinstance(unit, ForkUnit):
                 if self.stage_ops is None or unit.op in self.stage_ops:
                     self.units.append((unit, self._fork_read(unit)))
-            else:
+            elif not isinstance(unit, DerivedUnit) or unit.node in self.derived_nodes:
                 self.units.append(unit)
         for name in self.mapping.derived:
             if self.mapping.parameters.get(name) is not None:
                 raise PlanMismatch(f"{name!r} is both a parameter and computed from parameters.")
+
+    @cached_property
+    def derived_nodes(self) -> frozenset[str]:
+        """The folded weights' nodes this rank computes (`folded_nodes` of its stage)."""
+        return folded_nodes(self.mapping, self.program, self.nodes, self.stage_ops)
 
     # --- building ---------------------------------------------------------------------------
 
