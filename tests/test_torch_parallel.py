@@ -162,6 +162,38 @@ def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     _check(name, results, _reference(name, batches))
 
 
+def test_a_pipelined_step_gives_one_process_gradients_folded_weights_too(tmp_path: Path) -> None:
+    """The gradients themselves, not AdamW's steps (which a gradient off by a constant factor leaves nearly as
+    they are): BERT on two stages over two micro-batches, its token type embedding folded into a weight the
+    first stage reads (its gradient was summed over the micro-batches, not averaged)."""
+    family = FAMILIES["bert"]
+    batch = family.batch(8, 0)
+    model, plan = str(tmp_path / "bert.onnx"), tmp_path / "plan.json"
+    export(family.build(2), batch, model)
+    plan.write_text(json.dumps(autopar.plan(model, devices=8, pipeline_stages=2, micro_batches=2).to_dict()))
+    reference = family.build(2)
+    reference(*batch).backward()
+    wanted = {key: value.grad for key, value in reference.named_parameters() if value.grad is not None}
+
+    def work(rank: int, world: int, device: Any) -> dict[str, torch.Tensor]:
+        from autopar.torch import parallelize
+
+        module = parallelize(family.build(2), str(plan), model, batch)
+        module.train_step(*batch)
+        return {key: value.grad.full_tensor() for key, value in module.named_parameters() if value.grad is not None}
+
+    held: dict[str, torch.Tensor] = {}
+    for grads in run_workers(8, work, timeout_s=240):
+        held.update(grads)
+    assert "model.bert.embeddings.token_type_embeddings.weight" in held and set(held) == set(wanted)
+    largest = max(float(want.abs().max()) for want in wanted.values())
+    for key, want in wanted.items():
+        kept = want.abs() > 1e-6 * largest  # (an attention key's bias has no gradient but roundoff)
+        got, want = held[key].double()[kept], want.double()[kept]
+        error = ((got - want).norm() / want.norm()).item() if kept.any() else 0.0
+        assert error <= 1e-4, f"{key}: relative error {error:.2e}"
+
+
 def test_pipelined_plan_trains_as_one_process(llama: dict[str, Any]) -> None:
     file = load_plan_file(llama["pipelined"])
     assert file.pipeline is not None and len(file.pipeline.stages) == 2 and file.pipeline.micro_batches == 4

@@ -495,9 +495,12 @@ class Trainer:
             target=torch.zeros(count), losses=losses, return_outputs=False
         )  # the loss is the output itself
         self._add_gradients(module, self.rank_program.synchronise(), 1.0)
-        with torch.no_grad():  # the micro-batches' mean, as the whole batch's loss is
-            for key in self.stored:
-                grad = module.get_parameter(key).grad
+        placeholders = self.mapping.placeholders
+        folded = {placeholders[n] for n in self.rank_program.derived_nodes if n in placeholders}
+        named = dict(module.named_parameters(remove_duplicate=False))
+        with torch.no_grad():  # the micro-batches' mean, as the whole batch's loss is (a folded weight's too)
+            for key in sorted(set(self.stored) | (folded & set(named))):
+                grad = named[key].grad
                 if grad is not None:
                     grad.to_local().div_(count)  # type: ignore[attr-defined]
         loss = torch.stack([value.detach().reshape(()) for value in losses]).mean() if losses else torch.zeros(())
