@@ -53,7 +53,7 @@ from autopar.torch.capture import exported_program
 from autopar.torch.mapping import ModuleMap, inverse, map_module
 from autopar.torch.moves import Mover
 from autopar.torch.pipeline import PlannedStage, StageModule, send_label
-from autopar.torch.step import RankProgram, folded_nodes
+from autopar.torch.step import RankProgram, folded_keys, folded_nodes
 
 
 class TrainingError(AutoparError):
@@ -284,18 +284,16 @@ class Trainer:
             elif key not in uses and not isinstance(parameter, DTensor):  # one the plan never reads: replicated
                 self._replace(module, key, self._distribute(parameter, Layout.replicated(parameter.dim())))
 
-    def _folded_elsewhere(self, named: Mapping[str, torch.Tensor]) -> set[str]:
+    def _folded_elsewhere(self, named: Mapping[str, torch.Tensor]) -> frozenset[str]:
         """The module's parameters the plan reads only through weights folded from them (GPT-2's and OPT's position
         tables, looked up at the positions the exporter folded in) that this rank's stage does not read: another
         stage computes and trains them (each rank held a copy of its own, never updated, that a checkpoint could
         have taken)."""
         if self.staged is None or not self.mapping.derived:
-            return set()
-        nodes, placeholders = self.rank_program.nodes, self.mapping.placeholders
-        every = folded_nodes(self.mapping, self.program, nodes, None)
-        elsewhere = every - self.rank_program.derived_nodes
+            return frozenset()
+        every = folded_keys(self.mapping, folded_nodes(self.mapping, self.program, self.rank_program.nodes, None))
         read = {use.parameter for use in self.mapping.parameters.values()}
-        return {placeholders[n] for n in elsewhere if n in placeholders and placeholders[n] in named} - read
+        return (every - self.rank_program.folded_parameters - read) & set(named)
 
     def _distribute(self, parameter: torch.Tensor, layout: Layout) -> torch.nn.Parameter:
         mesh, placements = self.meshes.placements(layout)
@@ -495,11 +493,9 @@ class Trainer:
             target=torch.zeros(count), losses=losses, return_outputs=False
         )  # the loss is the output itself
         self._add_gradients(module, self.rank_program.synchronise(), 1.0)
-        placeholders = self.mapping.placeholders
-        folded = {placeholders[n] for n in self.rank_program.derived_nodes if n in placeholders}
         named = dict(module.named_parameters(remove_duplicate=False))
         with torch.no_grad():  # the micro-batches' mean, as the whole batch's loss is (a folded weight's too)
-            for key in sorted(set(self.stored) | (folded & set(named))):
+            for key in sorted((self.stored.keys() | self.rank_program.folded_parameters) & named.keys()):
                 grad = named[key].grad
                 if grad is not None:
                     grad.to_local().div_(count)  # type: ignore[attr-defined]

@@ -117,6 +117,12 @@ def folded_nodes(
     return frozenset(found)
 
 
+def folded_keys(mapping: ModuleMap, nodes: frozenset[str]) -> frozenset[str]:
+    """What the placeholders among ``nodes`` (`folded_nodes`) are: the module's parameters by state_dict key (and
+    data inputs by name, which no caller holds as parameters)."""
+    return frozenset(mapping.placeholders[n] for n in nodes if n in mapping.placeholders)
+
+
 @dataclass
 class RankProgram:
     """One rank's share of the plan on the module (see the module docstring)."""
@@ -160,6 +166,11 @@ class RankProgram:
     def derived_nodes(self) -> frozenset[str]:
         """The folded weights' nodes this rank computes (`folded_nodes` of its stage)."""
         return folded_nodes(self.mapping, self.program, self.nodes, self.stage_ops)
+
+    @cached_property
+    def folded_parameters(self) -> frozenset[str]:
+        """The module's parameters (state_dict keys) the folded weights this rank computes are computed from."""
+        return folded_keys(self.mapping, self.derived_nodes)
 
     # --- building ---------------------------------------------------------------------------
 
