@@ -121,8 +121,8 @@ def _qwen3(layers: int) -> torch.nn.Module:
 
 
 def _gemma3(layers: int) -> torch.nn.Module:
-    """Gemma 3: norms that cast back with ``type_as``, sliding-window and full attention in turn (its output
-    matrix apart from the embedding: a tied one is read in two layouts, which the trainer refuses)."""
+    """Gemma 3: norms that cast back with ``type_as``, sliding-window and full attention in turn, and its output
+    matrix the token embedding (tied, as Hugging Face builds it: the exporter stores it twice, once transposed)."""
     import transformers as hf
 
     config = hf.Gemma3TextConfig(
@@ -136,7 +136,6 @@ def _gemma3(layers: int) -> torch.nn.Module:
         max_position_embeddings=SEQ,
         sliding_window=8,
         layer_types=[("sliding_attention", "full_attention")[layer % 2] for layer in range(layers)],
-        tie_word_embeddings=False,
     )
     return WithLoss(hf.Gemma3ForCausalLM(_eager(config)), "input_ids", use_cache=False)
 

@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.cost import HardwareProfile  # noqa: E402
+from autopar.graph import load_model  # noqa: E402
 from autopar.lowering import load_plan_file  # noqa: E402
 from autopar.runtime.launch import RuntimeFailure, run_workers  # noqa: E402
 from tests.conftest import simple_profile_dict  # noqa: E402
@@ -145,7 +146,8 @@ def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     in split tables; OLMoE: eight experts run as batched_mm, a value the exporter computed once for two nodes;
     ResNet: BatchNorms in training (batch statistics whole, channels split; running statistics written back, as
     the one process writes them); Gemma 3 and RoBERTa: ``type_as`` (its second argument read for its type alone),
-    RoBERTa's positions plus a zero the exporter folds away; Phi-3: an empty slice the exporter drops; Falcon:
+    Gemma's output matrix its embedding (tied), RoBERTa's positions plus a zero the exporter folds away; Phi-3: an
+    empty slice the exporter drops; Falcon:
     lookups by a list of positions whose values the file holds only transposed; GPT-2: two reshapes written as
     one, and (its plan pipelined) a position table folded into the weights the first stage alone reads. Each on a
     plan with half the memory the searched plan needs (it shards weights)."""
@@ -171,21 +173,63 @@ def test_a_pipelined_step_gives_one_process_gradients_folded_weights_too(tmp_pat
     model, plan = str(tmp_path / "bert.onnx"), tmp_path / "plan.json"
     export(family.build(2), batch, model)
     plan.write_text(json.dumps(autopar.plan(model, devices=8, pipeline_stages=2, micro_batches=2).to_dict()))
-    reference = family.build(2)
-    reference(*batch).backward()
-    wanted = {key: value.grad for key, value in reference.named_parameters() if value.grad is not None}
+    held = _one_step_gradients("bert", str(plan), model, batch)
+    assert "model.bert.embeddings.token_type_embeddings.weight" in held
+    _gradients_match("bert", held, batch)
+
+
+def test_a_tied_embedding_trains_as_one_parameter_read_in_two_layouts(tmp_path: Path) -> None:
+    """Gemma 3 as Hugging Face builds it: its output matrix is its token embedding, which the exporter stores
+    twice (the second transposed) and the import reads as one weight (`autopar.graph.tied`). Here the lookup
+    stores it split by its features and the output product reads it split by the vocabulary: the plan moves it
+    between the two, and the gradient back. One step's gradients against one process's (the two reads' sum),
+    and the module keeps its tie: one parameter under both names."""
+    family = FAMILIES["gemma3"]
+    batch = family.batch(8, 0)
+    model, plan = str(tmp_path / "gemma3.onnx"), tmp_path / "plan.json"
+    export(family.build(2), batch, model)
+    graph = load_model(model)
+    head = next(op for op in graph.ops if op.op_type == "Transpose" and graph.tensor(op.inputs[0]).kind == "parameter")
+    lookup = next(op for op in graph.ops if op.op_type == "Gather" and op.inputs[0] == head.inputs[0])
+    fixed = {lookup.name: ((1, 8), (1, 1)), head.name: ((8, 1),)}
+    planned = autopar.plan(model, devices=8, fixed=fixed)
+    assert any(entry.tensor == head.inputs[0] and entry.steps for entry in planned.file.redistributions)
+    plan.write_text(json.dumps(planned.to_dict()))
+
+    def tied(module: torch.nn.Module) -> bool:
+        return module.get_parameter("model.lm_head.weight") is module.get_parameter("model.model.embed_tokens.weight")
+
+    assert tied(family.build(2))
+    held = _one_step_gradients("gemma3", str(plan), model, batch, tied)
+    _gradients_match("gemma3", held, batch)
+
+
+def _one_step_gradients(
+    name: str, plan: str, model: str, batch: tuple[Any, ...], check: Any = None
+) -> dict[str, torch.Tensor]:
+    """Each parameter's whole gradient after one `train_step` on 8 ranks (``check``: what each rank's module must
+    satisfy after it)."""
 
     def work(rank: int, world: int, device: Any) -> dict[str, torch.Tensor]:
         from autopar.torch import parallelize
 
-        module = parallelize(family.build(2), str(plan), model, batch)
+        module = parallelize(FAMILIES[name].build(2), plan, model, batch)
         module.train_step(*batch)
+        assert check is None or check(module)
         return {key: value.grad.full_tensor() for key, value in module.named_parameters() if value.grad is not None}
 
     held: dict[str, torch.Tensor] = {}
     for grads in run_workers(8, work, timeout_s=240):
         held.update(grads)
-    assert "model.bert.embeddings.token_type_embeddings.weight" in held and set(held) == set(wanted)
+    return held
+
+
+def _gradients_match(name: str, held: dict[str, torch.Tensor], batch: tuple[Any, ...]) -> None:
+    """``held`` are one process's gradients of the batch's loss, each within 1e-4 in norm."""
+    reference = FAMILIES[name].build(2)
+    reference(*batch).backward()
+    wanted = {key: value.grad for key, value in reference.named_parameters() if value.grad is not None}
+    assert set(held) == set(wanted)
     largest = max(float(want.abs().max()) for want in wanted.values())
     for key, want in wanted.items():
         kept = want.abs() > 1e-6 * largest  # (an attention key's bias has no gradient but roundoff)
@@ -409,9 +453,13 @@ def test_a_model_file_without_node_records_is_refused(one_process: Any) -> None:
         parallelize(FAMILIES["llama"].build(2), plan, str(legacy), FAMILIES["llama"].batch(8, 0))
 
 
-def test_a_tied_weight_planned_in_two_layouts_is_refused_saying_what_to_do(tmp_path: Path) -> None:
-    """Llama with its output matrix tied to the embedding: the exporter stores the transpose the output reads as a
-    weight of its own, which a plan that shards weights lays out otherwise than the embedding."""
+def test_a_weight_planned_in_two_layouts_is_refused_saying_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama with its output matrix tied to the embedding, imported without reading the exporter's transposed copy
+    as the embedding's Transpose (`autopar.graph.tied`, turned off here): the plan holds the one parameter as two
+    weights, which a plan that shards weights lays out apart (the ranks, forked, import alike)."""
+    monkeypatch.setattr("autopar.graph.build.tie_transposed_copies", lambda proto: frozenset())
 
     def tied(layers: int) -> torch.nn.Module:
         module = FAMILIES["llama"].build(layers)

@@ -22,7 +22,8 @@ from onnx import helper, numpy_helper
 
 from autopar.errors import ModelImportError
 from autopar.graph.fold import KnownValue, fold_constant
-from autopar.graph.proto import attributes, data_inputs, shape_of, value_infos
+from autopar.graph.proto import FLOAT_DATA_TYPES, attributes, data_inputs, shape_of, value_infos
+from autopar.graph.tied import tie_transposed_copies
 from autopar.graph.types import FLOAT_TYPES, ElidedValue, Graph, OpNode, TensorInfo, TensorKind, opset_of
 from autopar.ops import lookup
 from autopar.ops.registry import output_elements
@@ -30,8 +31,9 @@ from autopar.ops.registry import output_elements
 
 def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
     """The `Graph` of a shape-inferred model, each value built once in its final form (the model may be
-    rewritten first: see `_unshare_vectors`)."""
+    rewritten first: see `_unshare_vectors` and `tie_transposed_copies`)."""
     _unshare_vectors(proto)
+    tied = tie_transposed_copies(proto)  # (their Transposes stay operators: folded, the copy would be back)
     infos = value_infos(proto)
     opset = opset_of(proto)
     tensors: dict[str, TensorInfo] = {}
@@ -51,7 +53,7 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
     readers = Counter(name for node in proto.graph.node for name in set(node.input) if name)
     for node in proto.graph.node:
         folded = None if set(node.output) & graph_outputs else fold_constant(node, constants, infos, proto)
-        if folded is not None and _shared_from_weight(node, weighty, readers):
+        if folded is not None and (node.output[0] in tied or _shared_from_weight(node, weighty, readers)):
             folded = None
         if folded is not None:
             constants[node.output[0]] = folded
@@ -331,14 +333,6 @@ def _constant_roles(
         statistics = all(d is not None and p in d.statistics_inputs for d, p in weight_uses)
         roles[cname] = ("parameter", not statistics)
     return roles
-
-
-FLOAT_DATA_TYPES = (
-    onnx.TensorProto.FLOAT,
-    onnx.TensorProto.FLOAT16,
-    onnx.TensorProto.BFLOAT16,
-    onnx.TensorProto.DOUBLE,
-)
 
 
 PER_LAYER_READERS = frozenset({"Mul", "Add", "LayerNormalization", "RMSNormalization", "BatchNormalization"})

@@ -9,6 +9,14 @@ from onnx import helper, numpy_helper
 
 from autopar.errors import ModelImportError, UnknownDimensionError
 
+FLOAT_DATA_TYPES = (
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.BFLOAT16,
+    onnx.TensorProto.DOUBLE,
+)
+"""The ONNX element types of floating-point tensors."""
+
 
 def value_infos(proto: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     """Every declared or inferred value info, by tensor name (outputs win over inputs)."""

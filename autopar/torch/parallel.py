@@ -278,8 +278,14 @@ class Trainer:
             self.stored[key] = layouts[key]
             self._replace(module, key, self._distribute(named[key], layouts[key]))
         folded = self._folded_elsewhere(named)
+        # a name the module ties to a parameter the plan reads (an embedding that is the output matrix too) names the
+        # parameter as it now is: one value under both names, as the module had it
+        planned = {id(named[key]): key for key in uses}
+        tied = {key: planned[id(value)] for key, value in named.items() if key not in uses and id(value) in planned}
         for key, parameter in named.items():
-            if key in folded:
+            if key in tied:
+                self._replace(module, key, self._registered(module, tied[key]))
+            elif key in folded:
                 self._replace(module, key, None)  # folded into weights another stage reads: that stage's
             elif key not in uses and not isinstance(parameter, DTensor):  # one the plan never reads: replicated
                 self._replace(module, key, self._distribute(parameter, Layout.replicated(parameter.dim())))
@@ -307,6 +313,12 @@ class Trainer:
         owner_path, _, name = key.rpartition(".")
         owner = module.get_submodule(owner_path) if owner_path else module
         owner.register_parameter(name, value)
+
+    @staticmethod
+    def _registered(module: torch.nn.Module, key: str) -> torch.nn.Parameter | None:
+        """The parameter registered under ``key`` (None: none, another stage's)."""
+        owner_path, _, name = key.rpartition(".")
+        return getattr(module.get_submodule(owner_path) if owner_path else module, name)
 
     def _parameters(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """This rank's shard of each parameter it holds (a parameter no operator reads, only folded weights

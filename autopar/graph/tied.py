@@ -1,0 +1,122 @@
+"""Tied weights: one trained matrix the exporter stored twice, once as it is and once transposed.
+
+A language model whose output matrix is its token embedding (``tie_word_embeddings``: Qwen2, Llama 3.2,
+Gemma, GPT-2) trains one parameter, read by the lookup as it is and by the output product transposed.
+PyTorch's exporter folds that transpose into a second initializer, so the file holds two weights of the
+same values. Planned as two, each would take its own layout, its own optimizer state and its own
+gradient, and the module's one parameter could not be stored as the plan says. `tie_transposed_copies`
+writes the copy back as what it is, a ``Transpose`` of the one weight: the plan then holds the parameter
+once, in its first reader's layout, moves it to the output product as it moves any weight read twice,
+and charges the move and its gradient's way back (`autopar.search.dataflow`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from autopar.graph.proto import FLOAT_DATA_TYPES
+
+TRANSPOSED_READERS = frozenset({"MatMul", "Gemm"})
+"""Operators an exporter stores a weight transposed for (a linear layer's ``x @ W.T``)."""
+
+WRITTEN = "autopar.tied"
+"""The metadata key marking a ``Transpose`` written for a copy: a model imported again (the proto rewritten in
+place) finds its copies already written, and keeps them operators as the first import did."""
+
+
+def tie_transposed_copies(proto: onnx.ModelProto) -> frozenset[str]:
+    """Rewrite each stored matrix that is exactly another's transpose as a ``Transpose`` of that other one,
+    written just before its first reader, named after it and with that reader's metadata (the layer it
+    belongs to). The copy is the one only matrix products read (the other is the lookup's), or, where that
+    does not tell them apart, the one stored later. A matrix of one value throughout, or its own transpose,
+    does not count (`_fresh`). The tensors the new operators write come back: they stay operators, not
+    folded into a weight again.
+
+    >>> rng = np.random.default_rng(0)
+    >>> table = rng.standard_normal((6, 4)).astype(np.float32)
+    >>> nodes = [helper.make_node("Gather", ["E", "ids"], ["h"], name="embed"),
+    ...          helper.make_node("MatMul", ["h", "E_t"], ["logits"], name="head")]
+    >>> model = helper.make_model(helper.make_graph(nodes, "g",
+    ...     [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [2])],
+    ...     [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [2, 6])],
+    ...     [numpy_helper.from_array(table, "E"), numpy_helper.from_array(table.T.copy(), "E_t")]))
+    >>> sorted(tie_transposed_copies(model)), [i.name for i in model.graph.initializer]
+    (['E_t'], ['E'])
+    >>> [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node][1]
+    ('Transpose', ['E'], ['E_t'])
+    >>> sorted(tie_transposed_copies(model))  # (imported again: the copy is found written)
+    ['E_t']
+    """
+    written = {node.output[0] for node in proto.graph.node if any(p.key == WRITTEN for p in node.metadata_props)}
+    stored = {tensor.name: tensor for tensor in proto.graph.initializer if _matrix(tensor)}
+    if len(stored) < 2:
+        return frozenset(written)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in proto.graph.node:
+        for name in set(node.input):
+            if name in stored:
+                readers.setdefault(name, []).append(node)
+    outputs = {value.name for value in proto.graph.output}
+    values = {name: numpy_helper.to_array(tensor) for name, tensor in stored.items() if name in readers}
+    # a copy's first row is its original's first column: a cheap key that only true pairs share in full
+    by_column = {(value.shape[::-1], value.dtype.str, value[:, 0].tobytes()): name for name, value in values.items()}
+    tied: dict[str, str] = {}  # copy -> the weight it is the transpose of
+    for name, value in values.items():
+        original = by_column.get((value.shape, value.dtype.str, value[0].tobytes()))
+        if original is None or original == name or name in outputs or original in tied or name in tied.values():
+            continue
+        if not np.array_equal(value, values[original].T) or _fresh(value):
+            continue
+        copy, kept = _which_is_copied(name, original, readers, list(stored))
+        if copy not in tied:
+            tied[copy] = kept
+    for copy, kept in tied.items():
+        _write_as_transpose(proto, copy, kept, readers[copy][0])
+    return frozenset(written | tied.keys())
+
+
+def _matrix(tensor: onnx.TensorProto) -> bool:
+    """A stored float matrix of more than one row and column (not elided to an external file)."""
+    return (
+        len(tensor.dims) == 2
+        and min(tensor.dims) > 1
+        and tensor.data_type in FLOAT_DATA_TYPES
+        and tensor.data_location != onnx.TensorProto.EXTERNAL
+    )
+
+
+def _fresh(value: np.ndarray) -> bool:
+    """A matrix any two fresh weights may equal without being one: one value throughout (zeros), or its own
+    transpose (an identity): two such initializers are equal for being fresh, not tied.
+
+    >>> _fresh(np.eye(3)), _fresh(np.zeros((2, 3))), _fresh(np.arange(6.0).reshape(2, 3))
+    (True, True, False)
+    """
+    return bool(np.all(value == value.flat[0])) or (value.shape[0] == value.shape[1] and np.array_equal(value, value.T))
+
+
+def _which_is_copied(a: str, b: str, readers: dict[str, list[onnx.NodeProto]], order: list[str]) -> tuple[str, str]:
+    """(the copy, the weight kept) of two matrices each the other's transpose."""
+    transposed = {name for name in (a, b) if all(node.op_type in TRANSPOSED_READERS for node in readers[name])}
+    if len(transposed) == 1:
+        copy = transposed.pop()
+        return copy, b if copy == a else a
+    first, second = sorted((a, b), key=order.index)
+    return second, first
+
+
+def _write_as_transpose(proto: onnx.ModelProto, copy: str, kept: str, reader: onnx.NodeProto) -> None:
+    """Replace the initializer ``copy`` by ``Transpose(kept)``, written just before its first reader (its type
+    declared: the model was shape-inferred with the copy stored)."""
+    initializer = next(tensor for tensor in proto.graph.initializer if tensor.name == copy)
+    proto.graph.initializer.remove(initializer)
+    for value in [value for value in proto.graph.input if value.name == copy]:
+        proto.graph.input.remove(value)
+    proto.graph.value_info.append(helper.make_tensor_value_info(copy, initializer.data_type, initializer.dims))
+    node = helper.make_node("Transpose", [kept], [copy], name=copy, perm=[1, 0])
+    node.metadata_props.extend(reader.metadata_props)
+    node.metadata_props.add(key=WRITTEN, value=kept)
+    position = list(proto.graph.node).index(reader)
+    proto.graph.node.insert(position, node)
