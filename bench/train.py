@@ -10,8 +10,9 @@ what the searched plan needs a device, so that the plan shards weights (tensor p
 optimizer, micro-batches). Then the module trains ``--steps`` AdamW steps (learning rate 1e-3) in one process
 and, parallelized (`autopar.torch.parallelize`), on ``--devices`` gloo processes, each taking its step with
 ``train_step`` (which checks every step's collectives against the plan's and stops otherwise). Printed per
-family and plan: the degrees, the largest relative difference of the loss over the steps, the largest
-relative difference (in norm) of a final parameter over the elements that have a gradient (those that have
+family and plan: the degrees, the largest relative difference of the loss over the steps, the largest relative
+difference (in norm) of a parameter's gradient in the first step (AdamW's steps would hide a gradient off by a
+constant factor) and of a final parameter, each over the elements that have a gradient (those that have
 none in exact arithmetic, such as an attention key's bias, are listed apart: see ``ROUNDOFF``), the samples a
 second and the peak resident memory of the one process and of the largest rank (forked ranks share the
 interpreter's pages), and the plan's predicted step beside the measured one (the prediction is for the plan's
@@ -62,6 +63,7 @@ def _one_process(name: str, batches: list[Any]) -> Any:
         optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
         losses, seconds = [], []
         largest = {key: torch.zeros_like(value) for key, value in module.named_parameters()}
+        first: dict[str, Any] = {}
         for batch in batches:
             start = time.perf_counter()
             loss = module(*batch)
@@ -69,6 +71,8 @@ def _one_process(name: str, batches: list[Any]) -> Any:
             for key, value in module.named_parameters():
                 if value.grad is not None:
                     torch.maximum(largest[key], value.grad.abs(), out=largest[key])
+            if not first:
+                first = {key: value.grad.clone() for key, value in module.named_parameters() if value.grad is not None}
             optimizer.step()
             optimizer.zero_grad()
             seconds.append(time.perf_counter() - start)
@@ -76,7 +80,7 @@ def _one_process(name: str, batches: list[Any]) -> Any:
         state = {key: value.detach().clone() for key, value in module.state_dict().items()}
         scale = max(value.max().item() for value in largest.values())
         roundoff = {key: value <= ROUNDOFF * scale for key, value in largest.items()}
-        return losses, state, seconds, _peak_mb(), roundoff
+        return losses, state, seconds, _peak_mb(), roundoff, first
 
     return run_workers(1, work, timeout_s=600)[0]
 
@@ -88,9 +92,12 @@ def _ranks(name: str, plan: str, model: str, batches: list[Any], devices: int) -
         module = parallelize(FAMILIES[name].build(2), plan, model, batches[0])
         optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
         losses, seconds = [], []
+        first: dict[str, Any] = {}
         for batch in batches:
             start = time.perf_counter()
             loss = module.train_step(*batch)
+            if not first:  # (the first step's time counts in no figure: gathering them costs nothing measured)
+                first = {key: p.grad.full_tensor() for key, p in module.named_parameters() if p.grad is not None}
             optimizer.step()
             optimizer.zero_grad()
             seconds.append(time.perf_counter() - start)
@@ -99,7 +106,7 @@ def _ranks(name: str, plan: str, model: str, batches: list[Any], devices: int) -
             key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
             for key, value in module.state_dict().items()
         }
-        return losses, whole, seconds, _peak_mb()
+        return losses, whole, seconds, _peak_mb(), first
 
     return run_workers(devices, work, timeout_s=1800)
 
@@ -142,7 +149,7 @@ def measure(name: str, kinds: list[str], steps: int, devices: int) -> None:
         except Exception as exc:  # a family the exporter or the planner refuses: say so and go on
             print(f"{name:9s} refused: {str(exc).splitlines()[0][:150]}", flush=True)
             return
-        losses, state, seconds, peak, roundoff = _one_process(name, batches)
+        losses, state, seconds, peak, roundoff, gradients = _one_process(name, batches)
         single = BATCH / (sum(seconds[1:]) / max(len(seconds) - 1, 1))
         for kind, plan in plans.items():
             path = str(Path(folder) / f"{kind}.json")
@@ -153,8 +160,14 @@ def measure(name: str, kinds: list[str], steps: int, devices: int) -> None:
                 print(f"{name:9s} {kind:9s} refused: {str(exc).splitlines()[0][:150]}", flush=True)
                 continue
             whole: dict[str, Any] = {}
+            held: dict[str, Any] = {}
             for result in results:
                 whole.update(result[1])
+                held.update(result[4])
+            gradient_error = max(
+                _difference(held[key], value, ~roundoff[key] if key in roundoff else True)
+                for key, value in gradients.items()
+            )
             loss_error = max(abs(a - b) / abs(b) for result in results for a, b in zip(result[0], losses))
             parameter_error = max(
                 _difference(whole[key], value, ~roundoff[key] if key in roundoff else True)
@@ -164,7 +177,8 @@ def measure(name: str, kinds: list[str], steps: int, devices: int) -> None:
             step = max(sum(result[2][1:]) / max(len(result[2]) - 1, 1) for result in results)
             rank_peak = max(result[3] for result in results)
             print(
-                f"{name:9s} {kind:9s} {plan.degrees!s:34s} loss {loss_error:8.1e}  params {parameter_error:8.1e}"
+                f"{name:9s} {kind:9s} {plan.degrees!s:34s} loss {loss_error:8.1e}  grads {gradient_error:8.1e}"
+                f"  params {parameter_error:8.1e}"
                 f"  samples/s 1 process {single:7.1f}, {devices} ranks {BATCH / step:7.1f}"
                 f"  peak MB {peak:6.0f} / {rank_peak:6.0f}"
                 f"  step predicted {plan.objective * 1e3:8.3f} ms ({plan.file.cost_model}),"
