@@ -41,6 +41,16 @@ def test_the_transposed_copy_is_read_as_a_transpose_of_the_one_weight():
     assert sorted(graph.consumers["embedding"]) == ["lookup", "output"]
 
 
+def test_a_copy_stored_in_the_typed_fields_is_tied_too():
+    """Values in ``float_data`` rather than raw bytes (a smaller exporter's way)."""
+    model = _language_model(tied=True)
+    for index, tensor in enumerate(model.graph.initializer):
+        value = numpy_helper.to_array(tensor)
+        typed = helper.make_tensor(tensor.name, TensorProto.FLOAT, value.shape, value.flatten().tolist())
+        model.graph.initializer[index].CopyFrom(typed)
+    assert [p.name for p in load_model(model).parameters] == ["embedding", "hidden"]
+
+
 def test_untied_and_fresh_zero_matrices_stay_weights_of_their_own():
     untied = load_model(_language_model(tied=False))
     assert [p.name for p in untied.parameters] == ["embedding", "hidden", "output"]

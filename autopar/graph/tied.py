@@ -12,6 +12,8 @@ and charges the move and its gradient's way back (`autopar.search.dataflow`).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -59,7 +61,8 @@ def tie_transposed_copies(proto: onnx.ModelProto) -> frozenset[str]:
             if name in stored:
                 readers.setdefault(name, []).append(node)
     outputs = {value.name for value in proto.graph.output}
-    values = {name: numpy_helper.to_array(tensor) for name, tensor in stored.items() if name in readers}
+    found = {name: _bits(tensor) for name, tensor in stored.items() if name in readers}
+    values = {name: value for name, value in found.items() if value is not None}
     # a copy's first row is its original's first column: a cheap key that only true pairs share in full
     by_column = {(value.shape[::-1], value.dtype.str, value[:, 0].tobytes()): name for name, value in values.items()}
     tied: dict[str, str] = {}  # copy -> the weight it is the transpose of
@@ -87,11 +90,23 @@ def _matrix(tensor: onnx.TensorProto) -> bool:
     )
 
 
+def _bits(tensor: onnx.TensorProto) -> np.ndarray | None:
+    """A stored matrix's elements as unsigned integers of their width: a view of the file's bytes where it
+    holds them raw (no copy of a large model's weights), equal where the values are (None: a type read
+    widened from its field, which is not compared)."""
+    width = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    if tensor.raw_data:
+        flat = np.frombuffer(tensor.raw_data, dtype=f"<u{width}")
+    else:  # (values in the typed fields: small, or a type numpy widens, whose bits say nothing here)
+        flat = np.ascontiguousarray(numpy_helper.to_array(tensor)).reshape(-1).view(f"<u{width}")
+    return flat.reshape(tuple(tensor.dims)) if flat.size == math.prod(tensor.dims) else None
+
+
 def _fresh(value: np.ndarray) -> bool:
     """A matrix any two fresh weights may equal without being one: one value throughout (zeros), or its own
     transpose (an identity): two such initializers are equal for being fresh, not tied.
 
-    >>> _fresh(np.eye(3)), _fresh(np.zeros((2, 3))), _fresh(np.arange(6.0).reshape(2, 3))
+    >>> _fresh(np.eye(3)), _fresh(np.zeros((2, 3))), _fresh(np.arange(6).reshape(2, 3))
     (True, True, False)
     """
     return bool(np.all(value == value.flat[0])) or (value.shape[0] == value.shape[1] and np.array_equal(value, value.T))
