@@ -740,3 +740,21 @@ def test_no_stage_starts_between_two_readers_of_one_weight_or_inside_one_module_
     index = {rule.op.name: node for node, rule in enumerate(autopar.build(model(False), 2).rules)}
     assert set(cut_points(autopar.build(model(False), 2))) == {index[name] for name in ("relu1", "mm2", "relu2", "mm3")}
     assert cut_points(autopar.build(model(True), 2)) == ()
+
+
+def test_more_stages_than_the_cut_points_allow_are_refused_saying_which_weight_holds_them():
+    """A tied language model (`tests.test_graph_tied`): its embedding is read by the lookup and, transposed, by the
+    output product, so no stage starts between them; two stages are refused in one sentence that names the
+    weight, where the search said nothing fit in memory. Untied, two stages plan; four are one too many."""
+    from tests.test_graph_tied import _language_model
+
+    with pytest.raises(autopar.AutoparError) as refused:
+        autopar.plan(_language_model(tied=True), devices=8, pipeline_stages=2)
+    assert str(refused.value) == (
+        "The model has no place where a pipeline stage may start (none between 'lookup' and 'output', which both"
+        " read weight 'embedding': one stage holds each weight), so it cannot be cut into 2 stages; plan it with"
+        " one."
+    )
+    assert autopar.plan(_language_model(tied=False), devices=8, pipeline_stages=2).degrees.pipeline == 2
+    with pytest.raises(autopar.AutoparError, match="has 2 places where .* cut into 4 stages; ask for at most 2"):
+        autopar.plan(_language_model(tied=False), devices=8, pipeline_stages=4)

@@ -135,15 +135,47 @@ def _module_nodes(problem: SearchProblem) -> list[tuple[int, int]]:
 
 def _shared_weights(problem: SearchProblem) -> list[tuple[int, int]]:
     """The first and last reader of each trainable weight read by more than one operator (T5's embedding, read by
-    its encoder, its decoder and its output): a stage is one weight's only owner, so no cut falls between them
-    (a plan cut there would be one `autopar.lowering.staged` refuses to run)."""
+    its encoder, its decoder and its output; a tied embedding, read again as the output matrix): a stage is one
+    weight's only owner, so no cut falls between them (a plan cut there would be one `autopar.lowering.staged`
+    refuses to run)."""
+    return [(first, last) for first, last in _shared_weight_readers(problem).values()]
+
+
+def _shared_weight_readers(problem: SearchProblem) -> dict[str, tuple[int, int]]:
+    """`_shared_weights` by weight."""
     graph = problem.graph
     readers: dict[str, list[int]] = {}
     for node, rule in enumerate(problem.rules):
         for name in rule.op.inputs:
             if name and graph.tensor(name).kind == "parameter" and graph.tensor(name).trainable:
                 readers.setdefault(name, []).append(node)
-    return [(nodes[0], nodes[-1]) for nodes in readers.values() if nodes[-1] > nodes[0]]
+    return {name: (nodes[0], nodes[-1]) for name, nodes in readers.items() if nodes[-1] > nodes[0]}
+
+
+def too_few_cut_points(problem: SearchProblem, stages: int) -> str | None:
+    """The sentence that says a model cannot be cut into ``stages`` stages, and why, where its cut points are too
+    few (None: they are enough). The widest span a weight's readers hold together is named: a tied embedding's
+    keeps a language model whole from its lookup to its output product.
+
+    """
+    points = cut_points(problem)
+    if stages <= len(points) + 1:
+        return None
+    spans = _shared_weight_readers(problem)
+    why = ""
+    if spans:
+        weight, (first, last) = max(spans.items(), key=lambda item: (item[1][1] - item[1][0], item[0]))
+        names = problem.rules[first].op.name, problem.rules[last].op.name
+        why = (
+            f" (none between {names[0]!r} and {names[1]!r}, which both read weight {weight!r}: one stage holds"
+            " each weight)"
+        )
+    where = f"{len(points)} place{'s' if len(points) != 1 else ''}" if points else "no place"
+    most = 1 << (len(points) + 1).bit_length() - 1  # (stage counts are powers of two)
+    ask = "plan it with one" if most == 1 else f"ask for at most {most}"
+    return (
+        f"The model has {where} where a pipeline stage may start{why}, so it cannot be cut into {stages} stages; {ask}."
+    )
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,15 @@ from autopar.search.driver import (
     run_search,
 )
 from autopar.search.floors import compute_floor, shape_floor
-from autopar.search.pipeline import ONE_STAGE, PipelineResult, PipelineShape, StagePlan, cut_points, stage_problem
+from autopar.search.pipeline import (
+    ONE_STAGE,
+    PipelineResult,
+    PipelineShape,
+    StagePlan,
+    cut_points,
+    stage_problem,
+    too_few_cut_points,
+)
 from autopar.search.problem import SearchProblem
 from autopar.strategy import OpRule
 
@@ -142,6 +150,9 @@ class ShapeSearch:
         options, devices = self.options, self.options.num_devices
         if options.pipeline_stages is not None:
             counts = [options.pipeline_stages]
+            too_many = None if options.stage_starts else too_few_cut_points(self.single, options.pipeline_stages)
+            if too_many is not None:
+                raise StrategyError(too_many)
         elif options.mode.searched:
             most = min(devices, len(cut_points(self.single)) + 1)
             counts = [1 << k for k in range(most.bit_length()) if 1 << k <= most]
