@@ -756,5 +756,5 @@ def test_more_stages_than_the_cut_points_allow_are_refused_saying_which_weight_h
         " one."
     )
     assert autopar.plan(_language_model(tied=False), devices=8, pipeline_stages=2).degrees.pipeline == 2
-    with pytest.raises(autopar.AutoparError, match="has 2 places where .* cut into 4 stages; ask for at most 2"):
+    with pytest.raises(autopar.AutoparError, match=r"has 2 places where .* cut into 4 stages; ask for at most 2"):
         autopar.plan(_language_model(tied=False), devices=8, pipeline_stages=4)

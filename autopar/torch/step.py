@@ -187,7 +187,7 @@ class RankProgram:
         )
         shares = any(out in self.mapping.shared for index in unit.ops for out in program.ops[index].rule.op.outputs)
         as_operators = self._moves_inside(unit) or self._reads_twice(reads) or shares
-        as_operators = as_operators or any(not plan.read.arg for plan in reads)
+        as_operators = as_operators or any(not plan.read.arg for plan in reads) or self._splits_unread(unit, reads)
         for index in unit.ops:
             why = shards.unsupported(program.ops[index])
             if why is not None:
@@ -229,6 +229,20 @@ class RankProgram:
                 if self.schedule.backward.get((name, producer, planned.name, slot)):
                     return True
         return False
+
+    def _splits_unread(self, unit: NodeUnit, reads: tuple[ReadPlan, ...]) -> bool:
+        """Whether the node's operators read a constant the plan splits that no argument of the node's call is: the
+        call computes that value whole, where the rank holds a shard (T5's labels shifted right put a start token
+        the module fills in for the whole batch, a constant the exporter stored, into each row the rank holds)."""
+        program, paired = self.program, {plan.read.tensor for plan in reads}
+        return any(
+            name not in paired
+            and program.graph.tensor(name).kind == "constant"
+            and program.ops[index].input_layout(slot).split_bits
+            for index in unit.ops
+            for slot, name in enumerate(program.ops[index].rule.op.inputs)
+            if name
+        )
 
     @staticmethod
     def _reads_twice(reads: tuple[ReadPlan, ...]) -> bool:
