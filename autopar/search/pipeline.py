@@ -155,9 +155,7 @@ def _shared_weight_readers(problem: SearchProblem) -> dict[str, tuple[int, int]]
 def too_few_cut_points(problem: SearchProblem, stages: int) -> str | None:
     """The sentence that says a model cannot be cut into ``stages`` stages, and why, where its cut points are too
     few (None: they are enough). The widest span a weight's readers hold together is named: a tied embedding's
-    keeps a language model whole from its lookup to its output product.
-
-    """
+    keeps a language model whole from its lookup to its output product."""
     points = cut_points(problem)
     if stages <= len(points) + 1:
         return None
