@@ -186,7 +186,7 @@ def _falcon(layers: int) -> torch.nn.Module:
 def _gpt2(layers: int) -> torch.nn.Module:
     """GPT-2: Conv1D projections (``addmm`` of a flattened view, which the exporter merges with the reshape
     before it) and learned positions looked up at positions the exporter folds in (its output matrix apart from
-    the embedding, as Gemma 3's)."""
+    the embedding: tied, no stage could start between them, and its test trains a pipelined plan)."""
     import transformers as hf
 
     config = hf.GPT2Config(

@@ -51,6 +51,20 @@ def test_a_copy_stored_in_the_typed_fields_is_tied_too():
     assert [p.name for p in load_model(model).parameters] == ["embedding", "hidden"]
 
 
+def test_two_matrices_only_products_read_stay_apart_though_one_is_the_others_transpose():
+    """Two layers' weights may hold equal values when fresh (an identity-like start): only a lookup's table is
+    tied to a product's matrix."""
+    first, second = np.eye(4, 6, dtype=np.float32) * 2.0, np.eye(6, 4, dtype=np.float32) * 2.0
+    first[0, 1] = second[1, 0] = 0.5  # (not its own transpose, nor of one value)
+    nodes = [
+        helper.make_node("MatMul", ["x", "first"], ["h"], name="up"),
+        helper.make_node("MatMul", ["h", "second"], ["y"], name="down"),
+    ]
+    stored = [numpy_helper.from_array(first, "first"), numpy_helper.from_array(second, "second")]
+    model = make_model(nodes, [("x", TensorProto.FLOAT, [BATCH, 4])], ["y"], stored)
+    assert [p.name for p in load_model(model).parameters] == ["first", "second"]
+
+
 def test_untied_and_fresh_zero_matrices_stay_weights_of_their_own():
     untied = load_model(_language_model(tied=False))
     assert [p.name for p in untied.parameters] == ["embedding", "hidden", "output"]
@@ -77,3 +91,15 @@ def test_the_two_reads_in_two_layouts_verify_forward_backward_and_gradients():
     report = autopar.verify(model, plan, gradients=True)
     assert report.ok, report.problems
     assert report.gradients is not None and report.gradients.ok and report.gradients.checked == 2
+
+
+def test_the_annotated_export_of_a_tied_plan_verifies(tmp_path):
+    """The plan names the copy's Transpose: the ONNX export annotates the model as imported, not as stored, and the
+    annotated file verifies as the plan it carries."""
+    stored = tmp_path / "tied.onnx"
+    onnx.save(_language_model(tied=True), stored)
+    plan = autopar.plan(stored, devices=8, fixed={"lookup": ((1, 8), (1, 1)), "output": ((8, 1),)})
+    [written] = autopar.export_plan(plan.file, "onnx", tmp_path / "annotated.onnx", model=onnx.load(stored))
+    report = autopar.verify(written, devices=8)
+    assert report.ok, report.problems
+    assert report.planned == autopar.verify(stored, plan).planned

@@ -752,8 +752,8 @@ def test_more_stages_than_the_cut_points_allow_are_refused_saying_which_weight_h
         autopar.plan(_language_model(tied=True), devices=8, pipeline_stages=2)
     assert str(refused.value) == (
         "The model has no place where a pipeline stage may start (none between 'lookup' and 'output', which both"
-        " read weight 'embedding': one stage holds each weight), so it cannot be cut into 2 stages; plan it with"
-        " one."
+        " read weight 'embedding': one stage holds it; the embedding is tied to the output matrix: untie it before"
+        " exporting to cut between them), so it cannot be cut into 2 stages; plan it with one."
     )
     assert autopar.plan(_language_model(tied=False), devices=8, pipeline_stages=2).degrees.pipeline == 2
     with pytest.raises(autopar.AutoparError, match=r"has 2 places where .* cut into 4 stages; ask for at most 2"):

@@ -52,7 +52,9 @@ def export(plan: PlanFile, to: str, out: str | Path | None = None, model: onnx.M
             " or plan it with --pipeline-stages 1."
         )
     if model is not None:  # the plan is checked against the model it is written for, as verify and report check it
-        check_context(plan, plan_graph(plan, model), plan.devices, action="be exported")
+        graph = plan_graph(plan, model)
+        check_context(plan, graph, plan.devices, action="be exported")
+        model = graph.model  # (as imported: a tied weight's stored copy is the Transpose the plan names)
     module = importlib.import_module(FORMATS[to][0])
     target = Path(out) if out is not None else default_output(plan, to)
     written: list[Path] = module.write(plan.without_forks(), model, target)

@@ -24,17 +24,17 @@ TRANSPOSED_READERS = frozenset({"MatMul", "Gemm"})
 """Operators an exporter stores a weight transposed for (a linear layer's ``x @ W.T``)."""
 
 WRITTEN = "autopar.tied"
-"""The metadata key marking a ``Transpose`` written for a copy: a model imported again (the proto rewritten in
-place) finds its copies already written, and keeps them operators as the first import did."""
+"""The metadata key marking a ``Transpose`` written for a copy: an imported model read again (`Graph.model`, as
+export and verify take it back) finds its copies already written, and keeps them operators as the first import did."""
 
 
 def tie_transposed_copies(proto: onnx.ModelProto) -> frozenset[str]:
-    """Rewrite each stored matrix that is exactly another's transpose as a ``Transpose`` of that other one,
-    written just before its first reader, named after it and with that reader's metadata (the layer it
-    belongs to). The copy is the one only matrix products read (the other is the lookup's), or, where that
-    does not tell them apart, the one stored later. A matrix of one value throughout, or its own transpose,
-    does not count (`_fresh`). The tensors the new operators write come back: they stay operators, not
-    folded into a weight again.
+    """Rewrite each stored matrix that only matrix products read and that is exactly the transpose of a matrix
+    something else reads (the lookup), as a ``Transpose`` of that one, written just before its first reader,
+    named after it and with that reader's metadata (the layer it belongs to). A matrix of one value
+    throughout, or its own transpose, does not count (`_fresh`), nor do two that products alone read (two
+    layers' weights may hold equal values when fresh). The tensors the new operators write come back: they
+    stay operators, not folded into a weight again.
 
     >>> rng = np.random.default_rng(0)
     >>> table = rng.standard_normal((6, 4)).astype(np.float32)
@@ -53,30 +53,35 @@ def tie_transposed_copies(proto: onnx.ModelProto) -> frozenset[str]:
     """
     written = {node.output[0] for node in proto.graph.node if any(p.key == WRITTEN for p in node.metadata_props)}
     stored = {tensor.name: tensor for tensor in proto.graph.initializer if _matrix(tensor)}
-    if len(stored) < 2:
-        return frozenset(written)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in proto.graph.node:
         for name in set(node.input):
             if name in stored:
                 readers.setdefault(name, []).append(node)
     outputs = {value.name for value in proto.graph.output}
-    found = {name: _bits(tensor) for name, tensor in stored.items() if name in readers}
-    values = {name: value for name, value in found.items() if value is not None}
+    products = {name for name, nodes in readers.items() if all(n.op_type in TRANSPOSED_READERS for n in nodes)}
+    looked_up = {tuple(stored[name].dims)[::-1] for name in readers if name not in products}  # (as a copy's shape)
+    copies = {name for name in products if name not in outputs and tuple(stored[name].dims) in looked_up}
+    if not copies:
+        return frozenset(written)
     # a copy's first row is its original's first column: a cheap key that only true pairs share in full
-    by_column = {(value.shape[::-1], value.dtype.str, value[:, 0].tobytes()): name for name, value in values.items()}
+    wanted = {tuple(stored[name].dims) for name in copies}
+    values: dict[str, np.ndarray] = {}
+    for name in readers:
+        value = _bits(stored[name]) if name not in products and tuple(stored[name].dims)[::-1] in wanted else None
+        if value is not None:
+            values[name] = value
+    by_column = {(v.shape[::-1], v.dtype.str, v[:, 0].tobytes()): n for n, v in values.items()}
     tied: dict[str, str] = {}  # copy -> the weight it is the transpose of
-    for name, value in values.items():
+    for copy in sorted(copies):
+        value = _bits(stored[copy])
+        if value is None or _fresh(value):
+            continue
         original = by_column.get((value.shape, value.dtype.str, value[0].tobytes()))
-        if original is None or original == name or name in outputs or original in tied or name in tied.values():
-            continue
-        if not np.array_equal(value, values[original].T) or _fresh(value):
-            continue
-        copy, kept = _which_is_copied(name, original, readers, list(stored))
-        if copy not in tied:
-            tied[copy] = kept
-    for copy, kept in tied.items():
-        _write_as_transpose(proto, copy, kept, readers[copy][0])
+        if original is not None and np.array_equal(value, values[original].T):
+            tied[copy] = original
+    for copy, original in tied.items():
+        _write_as_transpose(proto, copy, original, readers[copy][0])
     return frozenset(written | tied.keys())
 
 
@@ -91,12 +96,12 @@ def _matrix(tensor: onnx.TensorProto) -> bool:
 
 
 def _bits(tensor: onnx.TensorProto) -> np.ndarray | None:
-    """A stored matrix's elements as unsigned integers of their width: a view of the file's bytes where it
-    holds them raw (no copy of a large model's weights), equal where the values are (None: a type read
-    widened from its field, which is not compared)."""
+    """A stored matrix's elements as unsigned integers of their width, equal where the values are (bfloat16
+    included); None for a type read widened from its field, which is not compared."""
     width = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-    if tensor.raw_data:
-        flat = np.frombuffer(tensor.raw_data, dtype=f"<u{width}")
+    raw = tensor.raw_data  # (read once: each read may copy the bytes)
+    if raw:
+        flat = np.frombuffer(raw, dtype=f"<u{width}")
     else:  # (values in the typed fields: small, or a type numpy widens, whose bits say nothing here)
         flat = np.ascontiguousarray(numpy_helper.to_array(tensor)).reshape(-1).view(f"<u{width}")
     return flat.reshape(tuple(tensor.dims)) if flat.size == math.prod(tensor.dims) else None
@@ -112,19 +117,9 @@ def _fresh(value: np.ndarray) -> bool:
     return bool(np.all(value == value.flat[0])) or (value.shape[0] == value.shape[1] and np.array_equal(value, value.T))
 
 
-def _which_is_copied(a: str, b: str, readers: dict[str, list[onnx.NodeProto]], order: list[str]) -> tuple[str, str]:
-    """(the copy, the weight kept) of two matrices each the other's transpose."""
-    transposed = {name for name in (a, b) if all(node.op_type in TRANSPOSED_READERS for node in readers[name])}
-    if len(transposed) == 1:
-        copy = transposed.pop()
-        return copy, b if copy == a else a
-    first, second = sorted((a, b), key=order.index)
-    return second, first
-
-
 def _write_as_transpose(proto: onnx.ModelProto, copy: str, kept: str, reader: onnx.NodeProto) -> None:
     """Replace the initializer ``copy`` by ``Transpose(kept)``, written just before its first reader (its type
-    declared: the model was shape-inferred with the copy stored)."""
+    declared: the model was shape-inferred with the copy stored). ``kept`` is in the mark (`WRITTEN`)."""
     initializer = next(tensor for tensor in proto.graph.initializer if tensor.name == copy)
     proto.graph.initializer.remove(initializer)
     for value in [value for value in proto.graph.input if value.name == copy]:

@@ -38,6 +38,7 @@ from types import MappingProxyType
 import numpy as np
 
 from autopar.graph.records import fx_node_name, fx_record
+from autopar.graph.tied import WRITTEN as TIED
 from autopar.layout import Layout
 from autopar.search.dataflow import TensorUse
 from autopar.search.dp import Factor
@@ -163,11 +164,12 @@ def too_few_cut_points(problem: SearchProblem, stages: int) -> str | None:
     why = ""
     if spans:
         weight, (first, last) = max(spans.items(), key=lambda item: (item[1][1] - item[1][0], item[0]))
-        names = problem.rules[first].op.name, problem.rules[last].op.name
-        why = (
-            f" (none between {names[0]!r} and {names[1]!r}, which both read weight {weight!r}: one stage holds"
-            " each weight)"
-        )
+        ops = problem.rules[first].op, problem.rules[last].op
+        why = f" (none between {ops[0].name!r} and {ops[1].name!r}, which both read weight {weight!r}: one stage holds"
+        if ops[1].proto is not None and any(p.key == TIED for p in ops[1].proto.metadata_props):
+            why += " it; the embedding is tied to the output matrix: untie it before exporting to cut between them)"
+        else:
+            why += " each weight)"
     where = f"{len(points)} place{'s' if len(points) != 1 else ''}" if points else "no place"
     most = 1 << (len(points) + 1).bit_length() - 1  # (stage counts are powers of two)
     ask = "plan it with one" if most == 1 else f"ask for at most {most}"
