@@ -225,6 +225,47 @@ def test_a_tied_embedding_trains_as_one_parameter_read_in_two_layouts(tmp_path: 
     _gradients_match("gemma3", held, batch)
 
 
+class _ShiftedRight(torch.nn.Module):
+    """T5's labels shifted right: the start token filled in for the whole batch (``select_scatter`` of a ``fill`` the
+    module computes whole and the exporter stores, batch-sized), the rest the labels moved one place, looked up and
+    scored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(32, 16)
+        self.out = torch.nn.Linear(16, 32)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        shifted = labels.new_zeros(labels.shape)
+        shifted[..., 1:] = labels[..., :-1].clone()
+        shifted[..., 0] = 3
+        return torch.nn.functional.cross_entropy(self.out(self.table(shifted)).flatten(0, 1), labels.flatten())
+
+
+def test_a_value_the_module_fills_in_for_the_whole_batch_is_split_as_planned(tmp_path: Path) -> None:
+    """Data parallel over 8 ranks: each rank's rows get the start token from its rows of the stored constant (the
+    node runs as its operators), where the call put the whole batch's into one rank's rows and failed."""
+    torch.manual_seed(0)
+    module, model, plan = _ShiftedRight(), str(tmp_path / "model.onnx"), tmp_path / "plan.json"
+    batch = (torch.randint(0, 32, (8, 6)),)
+    export(module, batch, model)
+    plan.write_text(json.dumps(autopar.plan(model, devices=8, mode="data_parallel").to_dict()))
+
+    def work(rank: int, world: int, device: Any) -> dict[str, torch.Tensor]:
+        from autopar.torch import parallelize
+
+        torch.manual_seed(0)
+        parallel = parallelize(_ShiftedRight(), str(plan), model, batch)
+        parallel.train_step(*batch)
+        return {key: value.grad.full_tensor() for key, value in parallel.named_parameters()}
+
+    held: dict[str, torch.Tensor] = {}
+    for grads in run_workers(8, work, timeout_s=240):
+        held.update(grads)
+    module(*batch).backward()  # (after the ranks: a backward's threads are not forked into them)
+    _gradients_close(held, {key: value.grad for key, value in module.named_parameters()})
+
+
 def _one_step_gradients(
     name: str, plan: str, model: str, batch: tuple[Any, ...], check: Any = None
 ) -> dict[str, torch.Tensor]:
@@ -437,47 +478,6 @@ def test_nodes_the_exporter_folds_or_shares_are_paired(kind: type, tmp_path: Pat
     expected = module(*batch)
     parallel = parallelize(module, autopar.plan(model, devices=1), model, batch)
     assert torch.allclose(parallel(*batch), expected, rtol=1e-6)
-
-
-class _ShiftedRight(torch.nn.Module):
-    """T5's labels shifted right: the start token filled in for the whole batch (``select_scatter`` of a ``fill`` the
-    module computes whole and the exporter stores, batch-sized), the rest the labels moved one place, looked up and
-    scored."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = torch.nn.Embedding(32, 16)
-        self.out = torch.nn.Linear(16, 32)
-
-    def forward(self, labels: torch.Tensor) -> torch.Tensor:
-        shifted = labels.new_zeros(labels.shape)
-        shifted[..., 1:] = labels[..., :-1].clone()
-        shifted[..., 0] = 3
-        return torch.nn.functional.cross_entropy(self.out(self.table(shifted)).flatten(0, 1), labels.flatten())
-
-
-def test_a_value_the_module_fills_in_for_the_whole_batch_is_split_as_planned(tmp_path: Path) -> None:
-    """Data parallel over 8 ranks: each rank's rows get the start token from its rows of the stored constant (the
-    node runs as its operators), where the call put the whole batch's into one rank's rows and failed."""
-    torch.manual_seed(0)
-    module, model, plan = _ShiftedRight(), str(tmp_path / "model.onnx"), tmp_path / "plan.json"
-    batch = (torch.randint(0, 32, (8, 6)),)
-    export(module, batch, model)
-    plan.write_text(json.dumps(autopar.plan(model, devices=8, mode="data_parallel").to_dict()))
-
-    def work(rank: int, world: int, device: Any) -> dict[str, torch.Tensor]:
-        from autopar.torch import parallelize
-
-        torch.manual_seed(0)
-        parallel = parallelize(_ShiftedRight(), str(plan), model, batch)
-        parallel.train_step(*batch)
-        return {key: value.grad.full_tensor() for key, value in parallel.named_parameters()}
-
-    held: dict[str, torch.Tensor] = {}
-    for grads in run_workers(8, work, timeout_s=240):
-        held.update(grads)
-    module(*batch).backward()  # (after the ranks: a backward's threads are not forked into them)
-    _gradients_close(held, {key: value.grad for key, value in module.named_parameters()})
 
 
 # --- bad input: one sentence, nothing runs ---------------------------------------------------------------
