@@ -2,6 +2,7 @@
 
 Usage: python bench/train.py [--families llama,qwen3,gpt_neox,bert,vit,resnet,moe,gemma3,phi3,roberta,falcon,gpt2]
                              [--plans searched,sharded] [--steps 20] [--devices 8] [--gpu]
+       python bench/train.py --families bert_dropout
 
 Each family (`tests/hf_families.py`: random-initialised, 2 layers, hidden 64, batch 8) is exported by the dynamo
 exporter and planned twice: ``searched`` is what ``autopar plan MODEL --devices 8 --optimizer adam`` gives on
@@ -18,6 +19,10 @@ second and the peak resident memory of the one process and of the largest rank (
 interpreter's pages), and the plan's predicted step beside the measured one (the prediction is for the plan's
 hardware, not this CPU).
 
+``bert_dropout`` (`tests.hf_families.WITH_DROPOUT`: BERT at Hugging Face's default dropout, 0.1) trains so too,
+the ranks' masks drawn from one seed (`autopar.torch.dropout`), against one process whose dropout draws the same
+masks (`MasksAsPlanned`) over the plan's micro-batches (gradient accumulation).
+
 With ``--gpu`` on a machine with a CUDA device: a 4-layer Llama (hidden 1024) planned on one device with the
 h100 profile, its measured step (CUDA events, after warm-up) beside the prediction.
 """
@@ -25,6 +30,7 @@ h100 profile, its measured step (CUDA events, after warm-up) beside the predicti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import resource
 import sys
 import tempfile
@@ -43,9 +49,10 @@ import autopar  # noqa: E402
 from autopar.cost import HardwareProfile  # noqa: E402
 from autopar.runtime.launch import run_workers  # noqa: E402
 from tests.conftest import simple_profile_dict  # noqa: E402
-from tests.hf_families import FAMILIES, export  # noqa: E402
+from tests.hf_families import FAMILIES, WITH_DROPOUT, export  # noqa: E402
 
 BATCH = 8
+SEED = 11  # dropout's, where a family drops (`WITH_DROPOUT`)
 LEARNING_RATE = 1e-3
 # An element whose gradient in one process never exceeds this fraction of the largest gradient element has no
 # gradient in exact arithmetic (an attention key's bias: softmax does not see a shift of every score by one
@@ -57,26 +64,41 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _one_process(name: str, batches: list[Any]) -> Any:
+def _family(name: str) -> Any:
+    return FAMILIES[name] if name in FAMILIES else WITH_DROPOUT[name]
+
+
+def _one_process(name: str, batches: list[Any], micro_batches: int = 1) -> Any:
+    """The module's steps in one process, over ``micro_batches`` (gradient accumulation); a family that drops
+    draws the ranks' masks (`MasksAsPlanned`)."""
+
     def work(rank: int, world: int, device: Any) -> Any:
-        module = FAMILIES[name].build(2)
+        from autopar.torch.dropout import MasksAsPlanned
+
+        module = _family(name).build(2)
         optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
         losses, seconds = [], []
         largest = {key: torch.zeros_like(value) for key, value in module.named_parameters()}
         first: dict[str, Any] = {}
-        for batch in batches:
-            start = time.perf_counter()
-            loss = module(*batch)
-            loss.backward()
-            for key, value in module.named_parameters():
-                if value.grad is not None:
-                    torch.maximum(largest[key], value.grad.abs(), out=largest[key])
-            if not first:
-                first = {key: value.grad.clone() for key, value in module.named_parameters() if value.grad is not None}
-            optimizer.step()
-            optimizer.zero_grad()
-            seconds.append(time.perf_counter() - start)
-            losses.append(loss.item())
+        with MasksAsPlanned(SEED).drawing() if name in WITH_DROPOUT else contextlib.nullcontext():
+            for batch in batches:
+                start = time.perf_counter()
+                loss = torch.zeros(())
+                for part in zip(*(value.chunk(micro_batches) for value in batch)):
+                    micro = module(*part) / micro_batches
+                    micro.backward()
+                    loss += micro.detach()
+                for key, value in module.named_parameters():
+                    if value.grad is not None:
+                        torch.maximum(largest[key], value.grad.abs(), out=largest[key])
+                if not first:
+                    first = {
+                        key: value.grad.clone() for key, value in module.named_parameters() if value.grad is not None
+                    }
+                optimizer.step()
+                optimizer.zero_grad()
+                seconds.append(time.perf_counter() - start)
+                losses.append(loss.item())
         state = {key: value.detach().clone() for key, value in module.state_dict().items()}
         scale = max(value.max().item() for value in largest.values())
         roundoff = {key: value <= ROUNDOFF * scale for key, value in largest.items()}
@@ -89,7 +111,7 @@ def _ranks(name: str, plan: str, model: str, batches: list[Any], devices: int) -
     def work(rank: int, world: int, device: Any) -> Any:
         from autopar.torch import parallelize
 
-        module = parallelize(FAMILIES[name].build(2), plan, model, batches[0])
+        module = parallelize(_family(name).build(2), plan, model, batches[0], seed=SEED)
         optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
         losses, seconds = [], []
         first: dict[str, Any] = {}
@@ -139,7 +161,7 @@ def _plans(model: str, devices: int, kinds: list[str], folder: Path) -> dict[str
 
 
 def measure(name: str, kinds: list[str], steps: int, devices: int) -> None:
-    family = FAMILIES[name]
+    family = _family(name)
     batches = [family.batch(BATCH, seed) for seed in range(steps)]
     with tempfile.TemporaryDirectory() as folder:
         model = str(Path(folder) / f"{name}.onnx")
@@ -149,9 +171,14 @@ def measure(name: str, kinds: list[str], steps: int, devices: int) -> None:
         except Exception as exc:  # a family the exporter or the planner refuses: say so and go on
             print(f"{name:9s} refused: {str(exc).splitlines()[0][:150]}", flush=True)
             return
-        losses, state, seconds, peak, roundoff, gradients = _one_process(name, batches)
-        single = BATCH / (sum(seconds[1:]) / max(len(seconds) - 1, 1))
+        whole_batch = None if name in WITH_DROPOUT else _one_process(name, batches)
         for kind, plan in plans.items():
+            pipeline = plan.file.pipeline
+            micro_batches = pipeline.micro_batches if pipeline is not None else plan.file.memory_plan.micro_batches
+            # (where the family drops, one process draws the ranks' masks over the same micro-batches)
+            one = whole_batch or _one_process(name, batches, micro_batches)
+            losses, state, seconds, peak, roundoff, gradients = one
+            single = BATCH / (sum(seconds[1:]) / max(len(seconds) - 1, 1))
             path = str(Path(folder) / f"{kind}.json")
             Path(path).write_text(plan.file.model_dump_json(by_alias=True))
             try:
@@ -255,8 +282,8 @@ def main() -> None:
         gpu_step()
         return
     for name in args.families.split(","):
-        if name not in FAMILIES:
-            raise SystemExit(f"unknown family {name!r}: choose from {', '.join(FAMILIES)}")
+        if name not in FAMILIES and name not in WITH_DROPOUT:
+            raise SystemExit(f"unknown family {name!r}: choose from {', '.join([*FAMILIES, *WITH_DROPOUT])}")
         measure(name, args.plans.split(","), args.steps, args.devices)
 
 

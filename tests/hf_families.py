@@ -1,7 +1,8 @@
 """Small Hugging Face models the project did not write, random-initialised, each with its training loss.
 
 Every family is built from its transformers configuration (a few layers, hidden 64, vocabulary 128,
-dropout 0 so that a sharded run can equal one process exactly) and wrapped so that its forward takes
+dropout 0 so that a sharded run can equal one process with torch's own dropout; `WITH_DROPOUT` drops, against
+one process drawing the ranks' masks) and wrapped so that its forward takes
 ``(inputs, labels)`` and returns the loss: the module a user plans (``torch.onnx.export(module, batch,
 dynamo=True)``) and then trains with the plan (`autopar.torch.parallelize`). `batch` draws a seeded
 batch for it. The tests and ``bench/train.py`` build their models here; transformers is a test
@@ -10,6 +11,7 @@ dependency, not one of autopar's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Callable
@@ -240,7 +242,7 @@ def _gpt_neox(layers: int) -> torch.nn.Module:
     return WithLoss(hf.GPTNeoXForCausalLM(_eager(config)), "input_ids", use_cache=False)
 
 
-def _bert(layers: int) -> torch.nn.Module:
+def _bert(layers: int, dropout: float = 0.0) -> torch.nn.Module:
     import transformers as hf
 
     config = hf.BertConfig(
@@ -251,8 +253,8 @@ def _bert(layers: int) -> torch.nn.Module:
         vocab_size=VOCAB,
         max_position_embeddings=SEQ,
         num_labels=4,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
     )
     return WithLoss(hf.BertForSequenceClassification(_eager(config)), "input_ids")
 
@@ -324,6 +326,14 @@ FAMILIES = {
         Family("gpt2", _seeded(_gpt2), _tokens, "tokens"),
     )
 }
+
+
+WITH_DROPOUT = {
+    "bert_dropout": Family("bert_dropout", _seeded(functools.partial(_bert, dropout=0.1)), _sentences, "classes")
+}
+"""Families at Hugging Face's default dropout (BERT's 0.1 on its embeddings, attention probabilities, residuals and
+classifier): a sharded run equals one process only where that process draws the ranks' masks
+(`autopar.torch.dropout.MasksAsPlanned`)."""
 
 
 def export(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], path: str, optimize: bool = True) -> None:

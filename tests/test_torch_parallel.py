@@ -11,6 +11,7 @@ the collectives of every step against the plan's (`train_step` checks them and r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from autopar.graph import load_model  # noqa: E402
 from autopar.lowering import load_plan_file  # noqa: E402
 from autopar.runtime.launch import RuntimeFailure, run_workers  # noqa: E402
 from tests.conftest import simple_profile_dict  # noqa: E402
-from tests.hf_families import FAMILIES, export  # noqa: E402
+from tests.hf_families import FAMILIES, WITH_DROPOUT, export  # noqa: E402
 
 LEARNING_RATE = 1e-3
 STEPS = 3
@@ -82,32 +83,44 @@ class _Trained:
     gradients: dict[str, Any]
 
 
-def _reference(name: str, batches: list[tuple[Any, ...]]) -> _Trained:
-    module = FAMILIES[name].build(2)
+def _reference(name: str, batches: list[tuple[Any, ...]], micro_batches: int = 1, seed: int | None = None) -> _Trained:
+    """One process: a step per batch, over ``micro_batches`` (gradient accumulation); with a ``seed``, dropout
+    drawing the masks the ranks draw (`MasksAsPlanned`)."""
+    from autopar.torch.dropout import MasksAsPlanned
+
+    module = _family(name).build(2)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
     losses: list[float] = []
     gradients: dict[str, Any] = {}
-    for batch in batches:
-        loss = module(*batch)
-        loss.backward()
-        if not losses:
-            gradients = {key: value.grad.clone() for key, value in module.named_parameters() if value.grad is not None}
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    with MasksAsPlanned(seed).drawing() if seed is not None else contextlib.nullcontext():
+        for batch in batches:
+            loss = 0.0
+            for part in zip(*(value.chunk(micro_batches) for value in batch)):
+                micro = module(*part) / micro_batches
+                micro.backward()
+                loss += micro.item()
+            if not losses:
+                gradients = {k: value.grad.clone() for k, value in module.named_parameters() if value.grad is not None}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss)
     return _Trained(losses, {key: value.detach().clone() for key, value in module.state_dict().items()}, gradients)
 
 
-def _train(name: str, plan: str, model: str, batches: list[tuple[Any, ...]]) -> Any:
-    """What each rank runs: parallelize, then AdamW steps; its run (the gradients and state it holds, whole) and
-    its parameters' local storage."""
+def _family(name: str) -> Any:
+    return FAMILIES[name] if name in FAMILIES else WITH_DROPOUT[name]
+
+
+def _train(name: str, plan: str, model: str, batches: list[tuple[Any, ...]], seed: int | None = None) -> Any:
+    """What each rank runs: parallelize (dropout's masks drawn from ``seed``), then AdamW steps; its run (the
+    gradients and state it holds, whole) and its parameters' local storage."""
 
     def work(rank: int, world: int, device: Any) -> Any:
         from torch.distributed.tensor import DTensor
 
         from autopar.torch import parallelize
 
-        module = parallelize(FAMILIES[name].build(2), plan, model, batches[0])
+        module = parallelize(_family(name).build(2), plan, model, batches[0], seed=seed)
         optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
         losses: list[float] = []
         gradients: dict[str, Any] = {}
@@ -183,6 +196,38 @@ def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     path.write_text(json.dumps(plan.to_dict()))
     results = run_workers(8, _train(name, str(path), model, batches), timeout_s=240)
     _check(name, results, _reference(name, batches))
+
+
+@pytest.mark.parametrize("capacity", [0.5, 0.3])
+def test_dropout_drops_each_element_alike_on_every_rank_as_one_process_draws_it(
+    capacity: float, tmp_path: Path
+) -> None:
+    """BERT at Hugging Face's default dropout (0.1), over 2 micro-batches, on a plan that repeats its work over 4
+    devices (data 2: replicas that torch's per-process generator would drop apart) and on one that splits its
+    attention heads 4 ways: every rank draws each element's mask from where the element is in the whole tensor
+    (`autopar.torch.dropout`), so the ranks' steps are those of one process whose dropout draws the same masks,
+    over the same micro-batches."""
+    name = "bert_dropout"
+    family = WITH_DROPOUT[name]
+    batches = [family.batch(8, seed) for seed in range(2)]
+    model = str(tmp_path / f"{name}.onnx")
+    export(family.build(2), batches[0], model, family.optimize)
+    need = autopar.plan(model, devices=8, optimizer="adam").file.totals.memory_per_device_bytes
+    plan = autopar.plan(
+        model, devices=8, cost_model=_profile(need * capacity), optimizer="adam", pipeline_stages=1, micro_batches=2
+    )
+    degrees = plan.degrees
+    assert (degrees.data, degrees.tensor) == ((2, 1) if capacity == 0.5 else (2, 4)), degrees
+    dropouts = [op for op in plan.file.ops if op.op_type == "Dropout"]
+    assert len(dropouts) == 8  # embeddings, 2 x (attention probabilities, 2 residuals), classifier
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_dict()))
+    # the seed given, or rank 0's torch.initial_seed() (0: the family seeds torch before it builds the module)
+    seed = 11 if capacity == 0.5 else None
+    results = run_workers(8, _train(name, str(path), model, batches, seed=seed), timeout_s=240)
+    _check(name, results, _reference(name, batches, micro_batches=2, seed=0 if seed is None else seed))
+    undropped = _reference("bert", batches, micro_batches=2)  # the same module at dropout 0: it does drop
+    assert min(abs(a - b) for a, b in zip(undropped.losses, results[0][0].losses)) > 1e-4
 
 
 def test_a_pipelined_step_gives_one_process_gradients_folded_weights_too(tmp_path: Path) -> None:

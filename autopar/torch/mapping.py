@@ -128,6 +128,7 @@ _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 # one it does not write; a training BatchNorm's saved mean and deviation are for its backward, which autograd keeps)
 _RETURNS: dict[str, tuple[int | None, ...]] = {
     "aten._native_batch_norm_legit_functional.default": (0, None, None, 1, 2),
+    "aten.native_dropout.default": (0, None),  # its mask: no tensor of the plan (`autopar.torch.dropout`)
 }
 # a parameter viewed before use, which the exporter folds into the stored weight: target -> permutation
 _PARAMETER_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default}

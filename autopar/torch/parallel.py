@@ -131,6 +131,7 @@ class Trainer:
         mapping: ModuleMap,
         exported: torch.export.ExportedProgram,
         staged: StagedProgram | None,
+        seed: int | None = None,
     ) -> None:
         self.plan, self.graph, self.program, self.mapping = plan, graph, program, mapping
         self.exported, self.staged = exported, staged
@@ -147,6 +148,7 @@ class Trainer:
         self.buffer_tally = Tally()  # buffers the forward writes, gathered where the plan splits them: not in it
         self._writes: Any = None  # the last forward's pass, whose buffer writes train_step keeps for the step's end
         self.steps_run = 0
+        self.passes = 0  # forward passes that dropped elements: each draws its masks anew (`autopar.torch.dropout`)
         collectives = DistributedCollectives(self.rank, self.world, self._bit_sets(), self.device)
         self.rank_program = RankProgram(
             program,
@@ -157,6 +159,8 @@ class Trainer:
             stage_ops=self.stage_ops,
             derived_mover=Mover(collectives, self.derived_tally, self.rank),
         )
+        if self.rank_program.draws:
+            self.rank_program.seed = self._common_seed(seed)
         self.buffer_mover = Mover(collectives, self.buffer_tally, self.rank)
         stage_bits = plan.pipeline.bits if plan.pipeline is not None else ()
         self.meshes = Meshes(logical_axes(plan), self.world, self.device.type, stage_bits)
@@ -165,6 +169,18 @@ class Trainer:
         self.pipeline: Any = None
         if staged is not None:
             self.pipeline = self._pipeline(module, staged)
+
+    def _common_seed(self, seed: int | None) -> int:
+        """Dropout's seed: the one given, else rank 0's ``torch.initial_seed()``, so that every rank draws alike."""
+        if seed is not None:
+            return seed
+        value = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=self.device)
+        dist.broadcast(value, src=0)
+        return int(value.item())
+
+    def _draw(self, module: torch.nn.Module, ahead: int = 0) -> int | None:
+        """The number of the pass ``ahead`` passes from the next, where the module trains (its dropouts draw)."""
+        return self.passes + ahead if module.training and self.rank_program.draws else None
 
     def _mine(self, op: str) -> bool:
         return self.stage_ops is None or self.graph.position[op] in self.stage_ops
@@ -310,15 +326,14 @@ class Trainer:
 
     @staticmethod
     def _replace(module: torch.nn.Module, key: str, value: torch.nn.Parameter | None) -> None:
-        owner_path, _, name = key.rpartition(".")
-        owner = module.get_submodule(owner_path) if owner_path else module
+        owner, name = _owner(module, key)
         owner.register_parameter(name, value)
 
     @staticmethod
     def _registered(module: torch.nn.Module, key: str) -> torch.nn.Parameter | None:
         """The parameter registered under ``key`` (None: none, another stage's)."""
-        owner_path, _, name = key.rpartition(".")
-        return getattr(module.get_submodule(owner_path) if owner_path else module, name)
+        owner, name = _owner(module, key)
+        return getattr(owner, name)
 
     def _parameters(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """This rank's shard of each parameter it holds (a parameter no operator reads, only folded weights
@@ -366,7 +381,9 @@ class Trainer:
         inputs = self._inputs(args, kwargs)
         if not self.rank_program.defer_sync:
             self.rank_program.gathered.clear()
-        run = self.rank_program.forward(inputs, self._parameters(module), self._constants(module))
+        draw = self._draw(module)
+        run = self.rank_program.forward(inputs, self._parameters(module), self._constants(module), draw=draw)
+        self.passes += draw is not None
         outputs = [run.output(name) for name in self.graph.outputs]
         if self._writes is None:
             self._write_buffers(module, run)
@@ -385,8 +402,7 @@ class Trainer:
                 value = run.buffer_value(source, self.buffer_mover)
                 if value is None:
                     continue
-                owner_path, _, name = key.rpartition(".")
-                owner = module.get_submodule(owner_path) if owner_path else module
+                owner, name = _owner(module, key)
                 # a new tensor, not written in place: the step's backward may still hold the old one
                 owner._buffers[name] = value.reshape(buffers[key].shape).to(buffers[key].dtype).clone()
 
@@ -477,7 +493,11 @@ class Trainer:
             into = [c for c in staged.crossings if c.to_stage == self.stage]
             arrived = {(c.tensor, c.consumer, c.slot): value for c, value in zip(into, received)}
             result = self.rank_program.forward(
-                self.micro_inputs[micro_batch], self._parameters(module), self._constants(module), arrived
+                self.micro_inputs[micro_batch],
+                self._parameters(module),
+                self._constants(module),
+                arrived,
+                self._draw(module, micro_batch),
             )
             self._writes = result
             if last:
@@ -504,6 +524,7 @@ class Trainer:
         self.pipeline.step(
             target=torch.zeros(count), losses=losses, return_outputs=False
         )  # the loss is the output itself
+        self.passes += count if self._draw(module) is not None else 0
         self._add_gradients(module, self.rank_program.synchronise(), 1.0)
         named = dict(module.named_parameters(remove_duplicate=False))
         with torch.no_grad():  # the micro-batches' mean, as the whole batch's loss is (a folded weight's too)
@@ -570,6 +591,12 @@ class Trainer:
             raise TrainingError(
                 f"Rank {self.rank}: {collectives_differ(executed, planned)} (over {max(steps, 1)} step(s))."
             )
+
+
+def _owner(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str]:
+    """The submodule a ``state_dict`` key names a tensor of, and the tensor's name there."""
+    path, _, name = key.rpartition(".")
+    return (module.get_submodule(path) if path else module), name
 
 
 def _micro_batches(
@@ -639,13 +666,19 @@ def _check_parameters(module: torch.nn.Module, graph: Graph) -> None:
 
 
 def parallelize(
-    module: torch.nn.Module, plan: PlanLike, model: ModelLike, example_inputs: Sequence[Any]
+    module: torch.nn.Module,
+    plan: PlanLike,
+    model: ModelLike,
+    example_inputs: Sequence[Any],
+    seed: int | None = None,
 ) -> torch.nn.Module:
     """The module, parallelized as ``plan`` says, on this rank of the running torch.distributed job.
 
     ``model`` is the file the plan was made from (``torch.onnx.export(module, example_inputs, dynamo=True)``),
     whose node metadata pairs the plan's operators with the module's nodes; ``example_inputs`` are what the
-    module's forward takes (a batch the plan was made for, or more samples of the same shapes).
+    module's forward takes (a batch the plan was made for, or more samples of the same shapes). Dropout draws its
+    masks from ``seed`` (default: rank 0's ``torch.initial_seed()``), each element's from its place in the whole
+    tensor, alike on every rank (`autopar.torch.dropout`).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise TrainingError("parallelize needs a running torch.distributed job (torchrun, init_process_group).")
@@ -680,7 +713,7 @@ def parallelize(
         graph = freeze(graph, trained)
         staged = staged_program(graph, file, costs) if file.pipeline is not None else None
         program = staged.program if staged is not None else program_from_file(graph, file, file.devices, costs)
-    module.autopar = Trainer(module, file, graph, program, mapping, exported, staged)  # type: ignore[assignment]
+    module.autopar = Trainer(module, file, graph, program, mapping, exported, staged, seed)  # type: ignore[assignment]
     cls = module.__class__
     module.__class__ = type(f"Parallel{cls.__name__}", (ParallelModule, cls), {})
     return module

@@ -36,6 +36,7 @@ from autopar.redistribute import Collective, Step, redistribute
 from autopar.runtime.local import run_local
 from autopar.runtime.program import PlanBroken, Schedule, follow
 from autopar.torch import local as shards
+from autopar.torch.dropout import drawn_apart, draws, dropout_arguments, dropped, element_hashes, kept
 from autopar.torch.mapping import (
     DerivedUnit,
     ForkUnit,
@@ -139,9 +140,14 @@ class RankProgram:
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)  # parallel-optimizer loads, once a step
     by_operators: int = 0  # nodes that run as the plan's operators (see the module docstring)
     derived_mover: Mover | None = None  # counts the reductions of folded weights' gradients (`DerivedUnit`)
+    seed: int = 0  # dropout's masks' (`autopar.torch.dropout`)
 
     def __post_init__(self) -> None:
         self.nodes = {node.name: node for node in self.graph_module.graph.nodes}
+        self.draws = draws(list(self.graph_module.graph.nodes))  # dropouts that draw a mask -> their place
+        apart = next(filter(None, map(drawn_apart, self.graph_module.graph.nodes)), None)
+        if apart is not None:
+            raise PlanMismatch(apart)
         self.rank = self.mover.rank
         self.syncs = {entry.parameter: entry.step() for entry in self.program.gradient_sync}
         for unit in self.mapping.units:
@@ -151,6 +157,8 @@ class RankProgram:
                         raise PlanMismatch(f"Module node {unit.node!r} is cut between two pipeline stages.")
                     continue
                 plan = self._node_plan(unit)
+                if plan.as_operators and unit.node in self.draws:  # (the plan's Dropout kernel keeps every element)
+                    raise PlanMismatch(f"Module node {unit.node!r} drops elements, but would run as operators.")
                 self.by_operators += plan.as_operators
                 self.units.append(plan)
             elif isinstance(unit, ForkUnit):
@@ -362,10 +370,12 @@ class RankProgram:
         parameters: Mapping[str, torch.Tensor],
         constants: Mapping[str, torch.Tensor],
         received: Mapping[tuple[str, str, int], torch.Tensor] | None = None,
+        draw: int | None = None,
     ) -> "Pass":
         """One micro-batch: ``inputs`` whole (plan input name -> tensor), ``parameters`` this rank's stored
-        shards (state_dict key -> local tensor), ``constants`` the module's buffers by FX placeholder."""
-        run = Pass(self, inputs, parameters, constants, dict(received or {}))
+        shards (state_dict key -> local tensor), ``constants`` the module's buffers by FX placeholder; ``draw``:
+        the pass's number among those that drop (None: the module is not training, and dropout keeps all)."""
+        run = Pass(self, inputs, parameters, constants, dict(received or {}), draw)
         run.run()
         return run
 
@@ -405,9 +415,11 @@ class Pass:
         parameters: Mapping[str, torch.Tensor],
         constants: Mapping[str, torch.Tensor],
         received: dict[tuple[str, str, int], torch.Tensor],
+        draw: int | None = None,
     ) -> None:
         self.p = rank_program
         self.inputs, self.parameters, self.constants, self.received = inputs, parameters, constants, received
+        self.draw = draw
         self.held: dict[tuple[str, str], Held] = {}
         self.whole: dict[str, torch.Tensor] = dict(constants)
         self.values: dict[str, torch.Tensor] = {}  # FX value -> its local value in this pass (node outputs)
@@ -590,6 +602,9 @@ class Pass:
 
         mapped: Any = torch.fx.node.map_arg((node.args, node.kwargs), value_of)
         args, kwargs = mapped
+        if node.name in p.draws:
+            self._keep(plan, self._dropout(plan, args[0]))
+            return
         order = plan.unit.permutation  # (the plan's tensor is the value permuted so: its shape so too)
         shape = plan.local_shapes[0]
         in_order = tuple(shape[d] for d in inverse(order)) if order is not None and shape is not None else shape
@@ -611,6 +626,22 @@ class Pass:
         if order is not None:
             outputs[0] = outputs[0].permute(order)
         self._keep(plan, outputs)
+
+    def _dropout(self, plan: NodePlan, x: torch.Tensor) -> list[torch.Tensor]:
+        """A dropout that draws, each element's mask drawn from its place in the whole tensor
+        (`autopar.torch.dropout`): alike on every rank that holds it, as one process draws it. Outside training
+        (no ``draw``), the identity."""
+        if self.draw is None:
+            return [x, torch.ones_like(x, dtype=torch.bool)]
+        p, (tensor, _), layout = self.p, plan.unit.outputs[0], plan.layouts[0]
+        if layout is None or plan.unit.permutation is not None:
+            raise PlanMismatch(f"Module node {plan.node.name!r} drops elements of a tensor the plan does not lay out.")
+        shape = p.program.graph.tensor(tensor).shape
+        number = self.draw * len(p.draws) + p.draws[plan.node.name]
+        hashes = element_hashes(p.seed, number, shape, layout.local_slices(p.rank, shape), x.device)
+        probability, _ = dropout_arguments(plan.node)
+        assert probability is not None  # (a node that draws)
+        return [dropped(x, probability, hashes), kept(probability, hashes)]
 
     def _keep(self, plan: NodePlan, outputs: list[Any]) -> None:
         for (tensor, writer), layout, shape, value in zip(plan.unit.outputs, plan.layouts, plan.local_shapes, outputs):
