@@ -198,32 +198,34 @@ def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     _check(name, results, _reference(name, batches))
 
 
-@pytest.mark.parametrize("capacity", [0.5, 0.3])
+@pytest.mark.parametrize(
+    ("capacity", "stages", "seed", "degrees"),
+    [(0.5, 1, 11, (2, 1, 1)), (0.3, 1, None, (2, 4, 1)), (None, 2, 11, (4, 1, 2))],
+    ids=["replicated", "heads split", "two stages"],
+)
 def test_dropout_drops_each_element_alike_on_every_rank_as_one_process_draws_it(
-    capacity: float, tmp_path: Path
+    capacity: float | None, stages: int, seed: int | None, degrees: tuple[int, int, int], tmp_path: Path
 ) -> None:
     """BERT at Hugging Face's default dropout (0.1), over 2 micro-batches, on a plan that repeats its work over 4
-    devices (data 2: replicas that torch's per-process generator would drop apart) and on one that splits its
-    attention heads 4 ways: every rank draws each element's mask from where the element is in the whole tensor
+    devices (data 2: replicas that torch's per-process generator would drop apart), on one that splits its
+    attention heads 4 ways (each with a fraction of the memory the searched plan needs) and on two pipeline
+    stages (the Ascend 910's): every rank draws each element's mask from where the element is in the whole tensor
     (`autopar.torch.dropout`), so the ranks' steps are those of one process whose dropout draws the same masks,
-    over the same micro-batches."""
+    over the same micro-batches. The seed is the one given, or rank 0's ``torch.initial_seed()`` (0: the family
+    seeds torch before it builds the module)."""
     name = "bert_dropout"
     family = WITH_DROPOUT[name]
     batches = [family.batch(8, seed) for seed in range(2)]
     model = str(tmp_path / f"{name}.onnx")
     export(family.build(2), batches[0], model, family.optimize)
     need = autopar.plan(model, devices=8, optimizer="adam").file.totals.memory_per_device_bytes
-    plan = autopar.plan(
-        model, devices=8, cost_model=_profile(need * capacity), optimizer="adam", pipeline_stages=1, micro_batches=2
-    )
-    degrees = plan.degrees
-    assert (degrees.data, degrees.tensor) == ((2, 1) if capacity == 0.5 else (2, 4)), degrees
+    cost = _profile(need * capacity) if capacity is not None else "ascend910"
+    plan = autopar.plan(model, devices=8, cost_model=cost, optimizer="adam", pipeline_stages=stages, micro_batches=2)
+    assert (plan.degrees.data, plan.degrees.tensor, plan.degrees.pipeline) == degrees, plan.degrees
     dropouts = [op for op in plan.file.ops if op.op_type == "Dropout"]
     assert len(dropouts) == 8  # embeddings, 2 x (attention probabilities, 2 residuals), classifier
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_dict()))
-    # the seed given, or rank 0's torch.initial_seed() (0: the family seeds torch before it builds the module)
-    seed = 11 if capacity == 0.5 else None
     results = run_workers(8, _train(name, str(path), model, batches, seed=seed), timeout_s=240)
     _check(name, results, _reference(name, batches, micro_batches=2, seed=0 if seed is None else seed))
     undropped = _reference("bert", batches, micro_batches=2)  # the same module at dropout 0: it does drop
