@@ -289,6 +289,23 @@ def _resnet(layers: int) -> torch.nn.Module:
     return WithLoss(hf.ResNetForImageClassification(config), "pixel_values")
 
 
+def _bloom(layers: int) -> torch.nn.Module:
+    """BLOOM: ALiBi biases, and heads folded into the batch for each bmm and back, which the exporter writes as one
+    4-D MatMul (`autopar.torch.mapping`'s merged nodes)."""
+    import transformers as hf
+
+    config = hf.BloomConfig(
+        n_layer=layers,
+        hidden_size=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
+    return WithLoss(hf.BloomForCausalLM(_eager(config)), "input_ids", use_cache=False)
+
+
 def _moe(layers: int) -> torch.nn.Module:
     """OLMoE: 8 experts, top 2, run as transformers' ``batched_mm`` (each routed token's expert weights gathered
     from the stacks; the default ``grouped_mm`` calls an operator the ONNX exporter cannot translate)."""
@@ -324,6 +341,7 @@ FAMILIES = {
         Family("roberta", _seeded(_roberta), _sentences, "classes"),
         Family("falcon", _seeded(_falcon), _tokens, "tokens"),
         Family("gpt2", _seeded(_gpt2), _tokens, "tokens"),
+        Family("bloom", _seeded(_bloom), _tokens, "tokens"),
     )
 }
 

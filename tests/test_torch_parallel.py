@@ -513,7 +513,26 @@ class _SubtractedTwice(torch.nn.Module):
         return ((h - mean) * torch.rsqrt(variance + 1e-5) - y).square().mean()
 
 
-@pytest.mark.parametrize("kind", [_Folded, _ListIndexed, _MergedTranspose, _ReshapedTwice, _SubtractedTwice])
+class _BatchedThroughReshapes(torch.nn.Module):
+    """BLOOM's attention: heads folded into the batch for each bmm and back (``reshape``, ``bmm``, ``view``), which
+    the exporter's optimiser writes as one 4-D MatMul recorded under the last view: the reshapes and the bmm have
+    no operators of their own, and the view's operators read what they read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        fused = self.linear(x).view(8, 4, 3, 2, 8)
+        query, key, value = (fused[:, :, part].transpose(1, 2).reshape(16, 4, 8) for part in range(3))
+        probabilities = torch.softmax(torch.bmm(query, key.transpose(1, 2)), -1).view(8, 2, 4, 4)
+        out = torch.bmm(probabilities.view(16, 4, 4), value).view(8, 2, 4, 8)
+        return (out.transpose(1, 2).reshape(8, 4, 16) - y).square().mean()
+
+
+@pytest.mark.parametrize(
+    "kind", [_Folded, _ListIndexed, _MergedTranspose, _ReshapedTwice, _SubtractedTwice, _BatchedThroughReshapes]
+)
 def test_nodes_the_exporter_folds_or_shares_are_paired(kind: type, tmp_path: Path, one_process: Any) -> None:
     from autopar.torch import parallelize
 

@@ -19,7 +19,9 @@ shape, ``dropout`` of probability 0, arithmetic with a neutral literal: `_NEUTRA
 an empty value and arguments read for their type or shape alone (`reads_metadata_only`); one the exporter
 merged into its reader's operator (two Transposes become one) runs just before its reader on the shard the
 reader reads (``inline``); a value one node's operators compute and another's read too (the exporter computed
-it once) makes both run as their operators (``shared``); any other is refused in one sentence. Where the
+it once) makes both run as their operators (``shared``); nodes read only, in the end, by nodes with operators
+are merged into those (BLOOM's reshapes and bmm: one 4-D MatMul recorded under the last view), which then run as
+their operators, reading what the merged nodes read (``merged``); any other is refused in one sentence. Where the
 exporter merged the Transpose ending a node's operators into its reader's (Falcon's lookups by a list of
 positions, read through ``transpose(1, 2)``), the node's value is its tensor in another order
 (`NodeUnit.permutation`): the node's shard is permuted into the plan's order, and back for its readers.
@@ -164,6 +166,9 @@ class NodeUnit:
     # its one value is the plan's tensor with its dimensions in another order: the tensor is the value permuted
     # so (the exporter merged the Transpose that ends the node's operators into its reader's: `_Mapper._permuted`)
     permutation: tuple[int, ...] | None = None
+    # module nodes before it that have no operators of their own were merged into its operators (`_Mapper.merged`):
+    # it runs as its operators, which read what those nodes read
+    merged: bool = False
 
 
 @dataclass(frozen=True)
@@ -424,6 +429,7 @@ class _Mapper:
         self.untrained: set[str] = set()
         self.derived: dict[str, str] = {}
         self.inline: dict[str, str] = {}
+        self.merged: dict[str, list[torch.fx.Node]] = {}  # node merged into its readers' operators -> its data args
         self.shared: set[str] = set()
         self.order_of: dict[str, tuple[int, ...]] = {}  # FX value -> its plan tensor is it permuted so (`_permuted`)
         self.constants_trained: dict[str, str] = {}  # constant of the plan -> the node computing it from parameters
@@ -581,6 +587,10 @@ class _Mapper:
             self.node_of[node.name] = self.node_of[twin]
             self.kind[node.name] = self.kind[self.node_of[twin]]
             return
+        if data and self._merged_forward(node):
+            self.kind[node.name] = "data"
+            self.merged[node.name] = data
+            return
         raise MappingError(
             f"Module node {node.name!r} ({node.target}) computes from the model's data, but the plan has no operator"
             " for it: the plan was made from another export of this module, or the exporter merged it with a node"
@@ -602,6 +612,31 @@ class _Mapper:
             and bool(node.users)
             and all(user.target in _RESHAPES and user.name in self.ops_of for user in node.users)
         )
+
+    def _merged_forward(self, node: torch.fx.Node) -> bool:
+        """Whether ``node`` (no operators of its own) is read only by nodes with operators, or by nodes without
+        any that are read so in turn: the exporter merged it into its readers' operators, which read what it reads
+        (BLOOM's reshapes to heads times batch around a bmm and back: one 4-D MatMul, recorded under the last)."""
+        stack, seen = list(node.users), set()
+        while stack:
+            user = stack.pop()
+            if user.name in seen or user.name in self.ops_of:
+                continue
+            seen.add(user.name)
+            if user.op != "call_function" or not user.users:
+                return False
+            stack.extend(user.users)
+        return bool(node.users)
+
+    def _carried(self, arg: torch.fx.Node) -> list[tuple[str, torch.fx.Node]]:
+        """The values a node's argument brings its operators, each with the argument that carries it: its own
+        (the operators read what a merged node moves: ``inline``), or those of the nodes merged into them."""
+        value = self.node_of[arg.name]
+        while value in self.inline:  # the operators read what the merged node moves
+            value = self.inline[value]
+        if value not in self.merged:
+            return [(value, arg)]
+        return [carried for source in self.merged[value] for carried in self._carried(source)]
 
     def _claim(self, node: torch.fx.Node, data: list[torch.fx.Node]) -> list[int]:
         """The operators without a record that compute this node: an operator reading exactly the node's data
@@ -629,10 +664,9 @@ class _Mapper:
         outputs = self._outputs(node, ops)
         by_value: dict[str, torch.fx.Node] = {}
         for arg in args:
-            value = self.node_of[arg.name]
-            while value in self.inline:  # the operators read what the merged node moves
-                value = self.inline[value]
-            by_value.setdefault(value, arg)
+            for value, carrier in self._carried(arg):
+                by_value.setdefault(value, carrier)
+        merged = any(self.node_of[arg.name] in self.merged for arg in args)
         reads: list[Read] = []
         left: list[tuple[int, int, str]] = []
         for index in ops:
@@ -674,7 +708,7 @@ class _Mapper:
         for tensor, _ in outputs:
             self.value_of.setdefault(tensor, node.name)
         order = self.order_of.get(node.name)
-        self.units.append(NodeUnit(node.name, tuple(ops), tuple(reads), tuple(outputs), order))
+        self.units.append(NodeUnit(node.name, tuple(ops), tuple(reads), tuple(outputs), order, merged))
         for index in ops:  # each fork right after the value it forks
             for out in self.program.ops[index].rule.op.outputs:
                 self.units += [ForkUnit(fork) for fork in self._forks_of(out)]

@@ -196,6 +196,7 @@ class RankProgram:
         shares = any(out in self.mapping.shared for index in unit.ops for out in program.ops[index].rule.op.outputs)
         as_operators = self._moves_inside(unit) or self._reads_twice(reads) or shares
         as_operators = as_operators or any(not plan.read.arg for plan in reads) or self._splits_unread(unit, reads)
+        as_operators = as_operators or unit.merged
         for index in unit.ops:
             why = shards.unsupported(program.ops[index])
             if why is not None:
