@@ -41,6 +41,10 @@ of position ``t``).
   post-LN (``ln1`` after the attention residual, ``ln2`` after the MLP
   residual, plus ``embed.ln``); GPT is pre-LN (``ln1`` before attention,
   ``ln2`` before the MLP, plus ``ln_f`` after the last layer).
+* Dropout: with ``dropout`` above 0, a training Dropout (opset 12's form: the ratio and a training mode of
+  true as constants) on the attention probabilities (``attn.dropout``, read by ``context``) and on the
+  attention's and the MLP's outputs before each residual (``attn.out.dropout``, ``mlp.dropout``), where
+  Megatron-LM places them; with 0 (the default) there is none.
 * Head and loss: ``logits`` = MatMul by an untied ``logits.weight``
   [hidden, vocab] (no bias) -> [b, s, vocab].  With ``loss=True`` the logits
   and labels are reshaped to [b*s, vocab] and [b*s] and fed to
@@ -248,18 +252,26 @@ def _attention(b: _Builder, prefix: str, x: str, cfg: dict, mask: str | None) ->
     scores = b.node("Mul", f"{prefix}.scale", [scores, b.scalar("attn_scale", 1.0 / math.sqrt(head_dim))])
     if mask is not None:
         scores = b.node("Add", f"{prefix}.mask", [scores, mask])
-    probs = b.node("Softmax", f"{prefix}.softmax", [scores], axis=-1)
+    probs = _dropout(b, f"{prefix}.dropout", b.node("Softmax", f"{prefix}.softmax", [scores], axis=-1), cfg)
     context = b.node("MatMul", f"{prefix}.context", [probs, v])
     context = b.node("Transpose", f"{prefix}.context.transpose", [context], perm=[0, 2, 1, 3])
     context = b.node("Reshape", f"{prefix}.context.reshape", [context, merge_shape])
-    return _linear(b, f"{prefix}.out", context, hidden, hidden)
+    return _dropout(b, f"{prefix}.out.dropout", _linear(b, f"{prefix}.out", context, hidden, hidden), cfg)
+
+
+def _dropout(b: _Builder, name: str, x: str, cfg: dict) -> str:
+    """A training Dropout of ``x`` at ``cfg["dropout"]``; ``x`` itself at 0."""
+    if not cfg["dropout"]:
+        return x
+    ratio = b.scalar("dropout_ratio", cfg["dropout"])
+    return b.node("Dropout", name, [x, ratio, b.constant("const.training", np.array(True))])
 
 
 def _mlp(b: _Builder, prefix: str, x: str, cfg: dict) -> str:
     """fc1 + bias, GELU, fc2 + bias (no residual)."""
     y = _linear(b, f"{prefix}.fc1", x, cfg["hidden"], cfg["ffn"])
     y = _gelu(b, f"{prefix}.gelu", y, cfg["kind"], cfg["gelu"])
-    return _linear(b, f"{prefix}.fc2", y, cfg["ffn"], cfg["hidden"])
+    return _dropout(b, f"{prefix}.dropout", _linear(b, f"{prefix}.fc2", y, cfg["ffn"], cfg["hidden"]), cfg)
 
 
 def _layer(b: _Builder, index: int, x: str, cfg: dict, mask: str | None) -> str:
@@ -298,6 +310,8 @@ def _validate(cfg: dict) -> None:
         raise ValueError(f"seed must be a non-negative integer, got {cfg['seed']!r}")
     if cfg["loss"] not in (True, False):
         raise ValueError(f"loss must be True or False, got {cfg['loss']!r}")
+    if isinstance(cfg["dropout"], bool) or not isinstance(cfg["dropout"], (int, float)) or not 0 <= cfg["dropout"] < 1:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {cfg['dropout']!r}")
     if cfg["weights"] == "random":
         count = expected_parameter_count(
             cfg["kind"], cfg["layers"], cfg["hidden"], cfg["seq"], cfg["vocab"], cfg["ffn"]
@@ -323,6 +337,7 @@ def build_transformer(
     layernorm: str = "fused",
     loss: bool = True,
     gelu: str = "expanded",
+    dropout: float = 0.0,
 ) -> onnx.ModelProto:
     """Return a BERT-style encoder (``kind="bert"``) or GPT-style decoder as an ONNX model.
 
@@ -345,11 +360,13 @@ def build_transformer(
         layernorm=layernorm,
         loss=loss,
         gelu=gelu,
+        dropout=dropout,
     )
     _validate(cfg)
     for key in ("layers", "hidden", "heads", "seq", "vocab", "batch", "ffn", "seed"):
         cfg[key] = int(cfg[key])
     cfg["loss"] = loss = bool(loss)
+    cfg["dropout"] = float(dropout)
     layers, hidden, seq, vocab, batch = (cfg[k] for k in ("layers", "hidden", "seq", "vocab", "batch"))
 
     b = _Builder(weights, cfg["seed"])

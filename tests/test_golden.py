@@ -176,6 +176,28 @@ def test_gpt_layer_keeps_what_its_backward_needs(seq, batch, hidden, heads):
     assert activations(3) - activations(2) == 32 * s * b * h + 2 * a * s * s * b + 16 * s * b
 
 
+@pytest.mark.parametrize("seq, batch, hidden, heads", [(64, 2, 32, 4), (32, 4, 48, 3)])
+def test_gpt_layer_with_dropout_keeps_its_masks(seq, batch, hidden, heads):
+    """Korthikanti et al. (2022) with dropout: 34sbh + 5as^2b bytes in FP16 per layer.
+
+    Over the layer without dropout: the attention probabilities' mask as^2b and their dropped values 2as^2b (the
+    product with the values keeps those, not the softmax output, which the softmax keeps), and the masks of the
+    two dropouts before the residuals, sbh each (the residual Add keeps nothing). A mask is a byte an element.
+    """
+    from models.transformer import build_transformer
+
+    def activations(layers: int, dropout: float) -> int:
+        model = build_transformer(
+            kind="gpt", layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, vocab=64, gelu="fused",
+            dropout=dropout,
+        )  # fmt: skip
+        return autopar.plan(model, devices=1).to_dict()["totals"]["memory_breakdown"]["activations"]
+
+    s, b, h, a = seq, batch, hidden, heads
+    assert activations(3, 0.1) - activations(2, 0.1) == 34 * s * b * h + 5 * a * s * s * b + 16 * s * b
+    assert activations(3, 0.0) - activations(2, 0.0) == 32 * s * b * h + 2 * a * s * s * b + 16 * s * b
+
+
 def test_overlap_hides_a_sync_behind_the_backward_before_it_and_changes_the_winner(slow_profile):
     """Batch 64, 4 -> 128 -> 16 at 1 GFLOP/s; both plans halve the compute, so only communication differs.
 

@@ -176,3 +176,37 @@ def test_a_clip_export_pools_its_text_by_arg_max_split_by_batch():
     (pooling,) = [rule.op.name for rule in plan.problem.rules if rule.op.op_type == "ArgMax"]
     assert plan.strategies[pooling] == ((4, 1),)
     assert autopar.verify(path, plan, gradients=True).ok
+
+
+@pytest.mark.parametrize(
+    ("opset", "ratio", "training", "draws"),
+    [
+        (17, 0.1, True, True),
+        (17, 0.1, False, False),
+        (17, 0.0, True, False),
+        (17, None, True, True),
+        (11, 0.1, None, False),
+    ],
+)
+def test_a_dropout_draws_a_mask_only_where_it_trains(opset, ratio, training, draws):
+    """From opset 12, where its training mode is true and its ratio (0.5 unless given) above 0; before opset 12,
+    ONNX's Dropout is inference's. Only then does its backward keep a mask (`Keeps.MASK`)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from autopar.graph import load_model
+    from autopar.ops.elementwise import dropout_draws
+
+    constants = []
+    if opset >= 12:
+        constants = [
+            numpy_helper.from_array(np.array(ratio if ratio is not None else 0.5, dtype=np.float32), "ratio"),
+            numpy_helper.from_array(np.array(training), "training"),
+        ]
+        inputs = ["x", "ratio" if ratio is not None else "", "training"]
+        node = helper.make_node("Dropout", inputs, ["y"], name="drop")
+    else:
+        node = helper.make_node("Dropout", ["x"], ["y"], name="drop", ratio=ratio)
+    model = make_model([node], [("x", TensorProto.FLOAT, [4, 8])], ["y"], constants, opset=opset)
+    graph = load_model(model)
+    assert dropout_draws(graph.op("drop"), graph) is draws

@@ -191,6 +191,24 @@ def test_verify_without_a_plan_runs_the_plan_that_plan_prints(monkeypatch):
     assert shown(verified[0]) == shown(printed.program)
 
 
+def test_a_model_that_drops_in_training_verifies_its_sharding_with_dropout_as_the_identity():
+    """A GPT whose Dropouts train (ratio 0.1, training mode true): onnxruntime drew a mask of its own on every rank
+    and in the reference ('rank 2 disagrees with its replicas', an internal error). The ranks and the reference now
+    run Dropout as inference does, the identity, so the check proves the sharding, forward and backward; the
+    trainer draws the masks alike on every rank (`autopar.torch.dropout`)."""
+    from models.transformer import build_transformer
+    from tests.conftest import profile
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=16, vocab=128, batch=8, dropout=0.1)
+    free = autopar.plan(model, devices=8, cost_model=profile())
+    plan = autopar.plan(model, devices=8, cost_model=profile(capacity=0.3 * free.memory_per_device))
+    strategies = plan.strategies
+    assert strategies["layer0.attn.dropout"][0] == (2, 4, 1, 1)  # batch and heads split
+    assert strategies["layer0.mlp.dropout"][0] == (2, 2, 2)  # batch, sequence and hidden split
+    report = autopar.verify(model, plan, gradients=True)
+    assert report.ok, report
+
+
 def test_a_training_step_through_float16_verifies_against_the_rounding_reference(tmp_path):
     """The step runs in float64; onnxruntime rounds where the model casts to float16, and the outputs compare
     within that rounding (they differed by 3.5e-4 relative where 1e-4 was asked, on every plan)."""

@@ -14,10 +14,11 @@ from onnx import TensorProto
 
 from autopar.ops.base import OpSpec, as_float, as_ints, broadcast_labels, dim_labels, shape, tensors
 from autopar.ops.cases import BOOLS, I64, U8, X2, XZ, B, F, const, floats, ints, named, node, one
-from autopar.ops.registry import Keeps, MindSporePrimitive, TorchKernel, no_flops, register
+from autopar.ops.registry import Keeps, LocalCall, MindSporePrimitive, TorchKernel, no_flops, register
 from autopar.ops.shape import local_target_shape
 
 if TYPE_CHECKING:
+    from autopar.graph import Graph, OpNode
     from autopar.ops.views import GraphView, NodeView
 
 # What each backward needs: y' from the output (Relu, Exp, Sigmoid, Tanh, Sqrt, Reciprocal),
@@ -200,6 +201,27 @@ def dropout_kernel(mask: bool, typed_mask: bool = False) -> TorchKernel:
     return torch_dropout
 
 
+def dropout_draws(op: OpNode, graph: Graph) -> bool:
+    """Whether a Dropout draws a mask, which its backward keeps: from opset 12, where its training mode is true
+    and its ratio (0.5 where not given) above 0; one computed in the graph counts as drawing. Before opset 12,
+    ONNX's Dropout is inference's: the identity."""
+    if op.op_type != "Dropout" or graph.opset < 12 or len(op.inputs) < 3 or not op.inputs[2]:
+        return False
+    training = graph.tensor(op.inputs[2]).value
+    ratio = graph.tensor(op.inputs[1]).value if len(op.inputs) > 1 and op.inputs[1] else np.float32(0.5)
+    trains = training is None or bool(np.asarray(training).reshape(-1)[0])
+    return trains and (ratio is None or float(np.asarray(ratio).reshape(-1)[0]) > 0)
+
+
+def dropout_local(call: LocalCall) -> list[Any]:
+    """Dropout on a rank's shards as inference runs it, the identity, as `dropout_kernel` and the verification's
+    reference run it (`autopar.spmd.reference`): a mask onnxruntime drew on each rank would be that rank's own."""
+    inputs = list(call.inputs)
+    if len(inputs) > 2 and inputs[2] is not None:
+        inputs[2] = np.zeros_like(inputs[2])  # its training mode, off
+    return call.run(inputs)
+
+
 _TORCH_BINARY = {
     "Add": "add",
     "Sub": "sub",
@@ -252,12 +274,14 @@ register("Clip", mindspore=None, keeps=Keeps.INPUTS, config_inputs=frozenset({1,
 )  # its bounds are not weights
 register(*UNARY_KEEPS_NOTHING, mindspore=UNARY_KEEPS_NOTHING, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
 register("Identity", mindspore="ops.Identity", flops=no_flops, keeps=Keeps.NOTHING, torch_kernel=torch_unary)(unary)
-# Dropout's ratio and training mode configure it; its mask is what the backward keeps; never folded
+# Dropout's ratio and training mode configure it; its mask is what the backward keeps (a byte an element, as
+# torch's native_dropout keeps it, where it draws one: `dropout_draws`); never folded
 _DROPOUT: dict[str, Any] = {
     "mindspore": MindSporePrimitive("ops.Dropout", 1),
-    "keeps": Keeps.OUTPUTS,
+    "keeps": Keeps.MASK,
     "config_inputs": frozenset({1, 2}),
     "foldable": False,
+    "local_kernel": dropout_local,
 }
 register("Dropout", until=9, torch_kernel=dropout_kernel(False, typed_mask=True), **_DROPOUT)(unary)
 register("Dropout", since=10, until=11, torch_kernel=dropout_kernel(False), **_DROPOUT)(unary)

@@ -47,7 +47,8 @@ class Keeps(enum.Flag):
     nothing); ``DIVISOR`` the second input, which a quotient's backward always needs (Div: with
     ``OPERANDS``, the numerator too when the divisor needs a gradient); ``SELECTORS`` the
     integer or boolean inputs (Where's condition, Gather's indices); ``STATISTICS`` an FP32
-    mean and inverse deviation per normalised row.
+    mean and inverse deviation per normalised row; ``MASK`` a byte per element of its output, where it
+    draws one (Dropout in training: `autopar.ops.elementwise.dropout_draws`).
     """
 
     NOTHING = 0
@@ -57,6 +58,7 @@ class Keeps(enum.Flag):
     SELECTORS = enum.auto()
     STATISTICS = enum.auto()
     DIVISOR = enum.auto()
+    MASK = enum.auto()
 
 
 @dataclass(frozen=True)

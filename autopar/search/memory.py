@@ -19,9 +19,11 @@ import numpy as np
 from autopar.graph import TensorInfo
 from autopar.layout import Layout
 from autopar.ops import Keeps
+from autopar.ops.elementwise import dropout_draws
 from autopar.search.dataflow import Dataflow, backward_readers, backward_runs
 
 STATISTICS_BYTES_PER_ROW = 8  # a normalisation's FP32 mean and inverse deviation per row
+MASK_BYTES_PER_ELEMENT = 1  # a dropout's mask, a bool an element (torch's native_dropout keeps it so)
 LOGSUMEXP_BYTES_PER_ROW = 4  # a fused attention kernel's FP32 log-sum-exp per query row (FlashAttention's L)
 
 
@@ -143,7 +145,19 @@ def resident(flow: Dataflow, node: int, splits: CandidateSplits) -> Resident:
     if rows:
         statistics = (np.int64(rows) >> splits.split(spec.outputs[0][:-1])) * LOGSUMEXP_BYTES_PER_ROW
         memory, activations = memory + statistics, activations + statistics
+    if keeps_mask(flow, node):
+        mask = splits.local(graph.tensor(op.outputs[0]), spec.outputs[0]) * MASK_BYTES_PER_ELEMENT
+        memory, activations = memory + mask, activations + mask
     return Resident(memory, state_saving, activations)
+
+
+def keeps_mask(flow: Dataflow, node: int) -> bool:
+    """Whether an operator's backward keeps a mask of its own (`Keeps.MASK`): a Dropout that draws one, in
+    training, outside a fused attention kernel (which draws its mask again in its backward)."""
+    rule = flow.rules[node]
+    if Keeps.MASK not in rule.keeps or not backward_runs(rule, flow.requires_grad) or rule.op.name in flow.fused:
+        return False
+    return dropout_draws(rule.op, flow.graph)
 
 
 def input_bytes(flow: Dataflow, node: int) -> np.ndarray:
@@ -183,7 +197,7 @@ def released_after(flow: Dataflow) -> tuple[int, ...]:
     for node, rule in enumerate(flow.rules):
         readers = [min(keepers[name]) for name in rule.op.outputs if name in keepers]
         own = Keeps.STATISTICS in rule.keeps and backward_runs(rule, flow.requires_grad)
-        if own or logsumexp_rows(flow, node):
+        if own or logsumexp_rows(flow, node) or keeps_mask(flow, node):
             readers.append(node)
         found.append(min(readers, default=node))
     return tuple(found)
@@ -270,6 +284,9 @@ def memory_items(
         y, layout = graph.tensor(op.outputs[0]), out_layouts[0]
         shards = 1 if layout is None else y.numel // max(1, layout.local_numel(y.shape)) >> len(layout.dims[-1])
         items.append((f"{op.name} log-sum-exp", "activation", share * (rows // shards * LOGSUMEXP_BYTES_PER_ROW)))
+    if keeps_mask(flow, node):
+        mask = _local_bytes(out_layouts[0], graph.tensor(op.outputs[0]), MASK_BYTES_PER_ELEMENT)
+        items.append((f"{op.name} mask", "activation", share * mask))
     return items
 
 

@@ -48,6 +48,7 @@ def reference_outputs(graph: Graph, values: Mapping[str, np.ndarray]) -> dict[st
     for name in sorted((params | {init.name for init in external if init.name in values}) - existing):
         model.graph.initializer.append(numpy_helper.from_array(values[name], name))
     _name_apart(model)
+    _without_training_dropout(model)
     feeds = {name: values[name] for name in graph.inputs}
     names = list(graph.outputs)
     try:
@@ -66,6 +67,18 @@ def reference_outputs(graph: Graph, values: Mapping[str, np.ndarray]) -> dict[st
                 " checked against it."
             )
     return found
+
+
+def _without_training_dropout(model: onnx.ModelProto) -> None:
+    """Run every Dropout as inference does, the identity (its training mode off), as the ranks run it
+    (`autopar.ops.elementwise.dropout_local`): onnxruntime's random mask would be drawn anew on every run."""
+    off = "autopar_dropout_training_off"
+    dropouts = [node for node in model.graph.node if node.op_type == "Dropout" and node.domain in ("", "ai.onnx")]
+    for node in dropouts:
+        if len(node.input) > 2 and node.input[2]:
+            node.input[2] = off
+    if any(len(node.input) > 2 and node.input[2] == off for node in dropouts):
+        model.graph.initializer.append(numpy_helper.from_array(np.array(False), off))
 
 
 def _name_apart(model: onnx.ModelProto) -> None:
