@@ -489,6 +489,9 @@ def main(argv=None) -> None:
     parser.add_argument("--layernorm", choices=LAYERNORMS, default=None)
     parser.add_argument("--gelu", choices=GELUS, default=None)
     parser.add_argument(
+        "--dropout", type=float, default=None, help="a training Dropout's ratio, where Megatron-LM drops"
+    )
+    parser.add_argument(
         "--no-loss", dest="loss", action="store_false", help="end at the logits; no labels input and no loss output"
     )
     parser.add_argument("--out", required=True, help="path of the .onnx file to write")

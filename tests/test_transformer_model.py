@@ -362,6 +362,8 @@ def test_build_preset_overrides_and_rejects_unknown_names():
         (dict(weights="zeros"), "weights"),
         (dict(layernorm="rms"), "layernorm"),
         (dict(seed=-1), "seed"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(dropout="0.1"), "dropout"),
         (dict(layers=24, hidden=2048, heads=16, weights="random"), "protobuf limit"),
     ],
 )
