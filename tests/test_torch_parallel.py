@@ -407,6 +407,50 @@ def test_checkpoint_loads_under_another_plan_and_unsharded(llama: dict[str, Any]
     assert abs(plain(*batches[2]).item() - expected[2]) <= 1e-5 * abs(expected[2])
 
 
+def test_a_run_that_drops_resumes_drawing_the_masks_of_not_stopping(tmp_path: Path) -> None:
+    """BERT at Hugging Face's default dropout, saved after two steps on 8 ranks (data 2, replicated 4) and resumed
+    on 4 under data parallel, both over 2 micro-batches: the checkpoint keeps dropout's seed and the passes drawn,
+    so the resumed steps draw the masks of not stopping (the second job is given no seed of its own)."""
+    from autopar.torch import load_unsharded
+
+    name = "bert_dropout"
+    family = WITH_DROPOUT[name]
+    batches = [family.batch(8, seed) for seed in range(4)]
+    model, folder = str(tmp_path / f"{name}.onnx"), str(tmp_path / "checkpoint")
+    export(family.build(2), batches[0], model, family.optimize)
+    need = autopar.plan(model, devices=8, optimizer="adam").file.totals.memory_per_device_bytes
+    plans = {}
+    for devices, options in ((8, {"cost_model": _profile(need * 0.5)}), (4, {"mode": "data_parallel"})):
+        plan = autopar.plan(model, devices=devices, optimizer="adam", pipeline_stages=1, micro_batches=2, **options)
+        plans[devices] = str(tmp_path / f"plan{devices}.json")
+        Path(plans[devices]).write_text(json.dumps(plan.to_dict()))
+
+    def steps(devices: int, seed: int | None, taken: list[Any], saves: bool) -> Any:
+        def work(rank: int, world: int, device: Any) -> list[float]:
+            from autopar.torch import load, parallelize, save
+
+            module = parallelize(family.build(2), plans[devices], model, batches[0], seed=seed)
+            optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+            if not saves:
+                load(module, optimizer, folder)
+            losses = []
+            for batch in taken:
+                losses.append(module.train_step(*batch).item())
+                optimizer.step()
+                optimizer.zero_grad()
+            if saves:
+                save(module, optimizer, folder)
+            return losses
+
+        return work
+
+    first = run_workers(8, steps(8, 11, batches[:2], saves=True), timeout_s=240)[0]
+    resumed = first + run_workers(4, steps(4, None, batches[2:], saves=False), timeout_s=240)[0]
+    expected = _reference(name, batches, micro_batches=2, seed=11).losses
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, expected)) <= 1e-5
+    load_unsharded(family.build(2), folder)  # the plain module reads its weights, the dropout state aside
+
+
 @pytest.fixture
 def one_process() -> Any:
     """A torch.distributed job of this one process (for one-device plans)."""

@@ -3,8 +3,9 @@
 Every rank writes its own shards (`save`), named by the module's own ``state_dict`` keys with each tensor's
 global shape, so a checkpoint saved under one plan loads under another (`load`: each rank reads the regions
 its new shards cover) and into the plain module in one process (`load_unsharded`, then a strict
-``load_state_dict``). The optimizer's state travels with it, so a run resumed from a checkpoint takes the
-steps it would have taken without stopping.
+``load_state_dict``). The optimizer's state travels with it, and a module that drops its dropout's seed and
+the passes drawn so far (`autopar.torch.dropout`), so a run resumed from a checkpoint takes the steps it would
+have taken without stopping (its masks too, where the plan it resumes under has as many micro-batches).
 """
 
 from __future__ import annotations
@@ -25,24 +26,31 @@ class CheckpointError(AutoparError):
 
 def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
     """Write the module's (and the optimizer's) shards to the folder ``path``, every rank its own."""
-    model_state, optim_state = get_state_dict(module, optimizer if optimizer is not None else [])
-    state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
-        state["optimizer"] = optim_state
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(_state(module, optimizer), checkpoint_id=str(path))
 
 
 def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
     """Read a checkpoint into the module (and the optimizer), whatever plan it was saved under."""
-    model_state, optim_state = get_state_dict(module, optimizer if optimizer is not None else [])
-    state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
-        state["optimizer"] = optim_state
+    state = _state(module, optimizer)
     _read(state, path, no_dist=False)
+    if "dropout" in state:
+        module.autopar.restore_dropout(state["dropout"])  # type: ignore[operator, union-attr]
     if optimizer is not None:
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:
         set_state_dict(module, [], model_state_dict=state["model"], optim_state_dict={})
+
+
+def _state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What a checkpoint holds: the module's state, the optimizer's, and where the module drops, its dropout's."""
+    model_state, optim_state = get_state_dict(module, optimizer if optimizer is not None else [])
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        state["optimizer"] = optim_state
+    trainer = getattr(module, "autopar", None)
+    if trainer is not None and trainer.rank_program.draws:
+        state["dropout"] = trainer.dropout_state()
+    return state
 
 
 def load_unsharded(module: torch.nn.Module, path: str | Path) -> None:

@@ -178,6 +178,14 @@ class Trainer:
         dist.broadcast(value, src=0)
         return int(value.item())
 
+    def dropout_state(self) -> torch.Tensor:
+        """Dropout's seed and the passes drawn so far (`autopar.torch.checkpoint` keeps them)."""
+        return torch.tensor([self.rank_program.seed, self.passes], dtype=torch.int64)
+
+    def restore_dropout(self, state: torch.Tensor) -> None:
+        """Draw on from a checkpoint's `dropout_state`, as the run it was saved from would have."""
+        self.rank_program.seed, self.passes = (int(value) for value in state.tolist())
+
     def _draw(self, module: torch.nn.Module, ahead: int = 0) -> int | None:
         """The number of the pass ``ahead`` passes from the next, where the module trains (its dropouts draw)."""
         return self.passes + ahead if module.training and self.rank_program.draws else None
