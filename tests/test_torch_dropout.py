@@ -7,13 +7,18 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from autopar.layout import Layout  # noqa: E402
-from autopar.torch.dropout import MasksAsPlanned, drawn_apart, draws, dropped, element_hashes, kept  # noqa: E402
+from autopar.torch import dropout  # noqa: E402
+from autopar.torch.dropout import MasksAsPlanned, drawn_apart, draws, dropped, element_hashes, keep_mask  # noqa: E402
 
 SHAPE = (4, 8, 6)
 
 
 def _whole(seed: int, draw: int) -> torch.Tensor:
     return element_hashes(seed, draw, SHAPE, [slice(0, size) for size in SHAPE])
+
+
+def _mask(seed: int, draw: int, probability: float) -> torch.Tensor:
+    return keep_mask(seed, draw, probability, SHAPE, [slice(0, size) for size in SHAPE])
 
 
 def test_the_ranks_shards_put_together_are_the_whole_tensors_mask() -> None:
@@ -32,20 +37,26 @@ def test_the_ranks_shards_put_together_are_the_whole_tensors_mask() -> None:
 def test_each_draw_drops_about_its_probability_and_draws_differ() -> None:
     shape = (256, 256)
     region = [slice(0, 256)] * 2
-    first, second = (kept(0.1, element_hashes(0, draw, shape, region)) for draw in (0, 1))
+    first, second = (keep_mask(0, draw, 0.1, shape, region) for draw in (0, 1))
     assert abs(1 - first.float().mean().item() - 0.1) < 0.01
     assert abs((first == second).float().mean().item() - (0.1**2 + 0.9**2)) < 0.01  # independent, not equal
-    other_seed = kept(0.1, element_hashes(1, 0, shape, region))
-    assert not torch.equal(first, other_seed)
+    assert not torch.equal(first, keep_mask(1, 0, 0.1, shape, region))
+
+
+def test_a_mask_drawn_a_piece_at_a_time_is_the_mask_drawn_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    region = (slice(1, 4), slice(2, 8), slice(0, 6))
+    at_once = keep_mask(5, 9, 0.3, SHAPE, region)
+    assert torch.equal(at_once, (element_hashes(5, 9, SHAPE, region) >> 8) >= int(0.3 * (1 << 24)))
+    monkeypatch.setattr(dropout, "_PIECE", 7)  # a row (36 elements) a piece
+    assert torch.equal(keep_mask(5, 9, 0.3, SHAPE, region), at_once)
 
 
 def test_dropped_scales_what_it_keeps_as_torch_does() -> None:
     x = torch.arange(1.0, 1.0 + 4 * 8 * 6).reshape(SHAPE)
-    hashes = _whole(0, 0)
-    out = dropped(x, 0.25, hashes)
-    mask = kept(0.25, hashes)
+    mask = _mask(0, 0, 0.25)
+    out = dropped(x, 0.25, mask)
     assert torch.equal(out[mask], x[mask] * (1 / 0.75)) and bool((out[~mask] == 0).all())
-    assert bool((dropped(x, 1.0, hashes) == 0).all())
+    assert bool((dropped(x, 1.0, _mask(0, 0, 1.0)) == 0).all())
 
 
 def test_one_process_draws_the_masks_the_ranks_number_in_order() -> None:
@@ -60,9 +71,9 @@ def test_one_process_draws_the_masks_the_ranks_number_in_order() -> None:
         again = module(x)
     assert torch.nn.functional.dropout is original
     assert masks.calls == 4  # two that drop, twice: the one of probability 0 draws nothing
-    want = dropped(dropped(x, 0.5, _whole(7, 0)), 0.2, _whole(7, 1))
+    want = dropped(dropped(x, 0.5, _mask(7, 0, 0.5)), 0.2, _mask(7, 1, 0.2))
     assert torch.equal(out, want)
-    assert torch.equal(again, dropped(dropped(x, 0.5, _whole(7, 2)), 0.2, _whole(7, 3)))
+    assert torch.equal(again, dropped(dropped(x, 0.5, _mask(7, 2, 0.5)), 0.2, _mask(7, 3, 0.2)))
 
 
 def test_the_programs_dropouts_that_draw_are_numbered_in_order() -> None:

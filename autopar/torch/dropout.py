@@ -8,12 +8,13 @@ element's index in the whole tensor, so every rank holding an element keeps or d
 put together are the mask one process draws with the same function (`MasksAsPlanned`, for a run to compare).
 
 The hash is a 32-bit integer mix (Chris Wellons' "lowbias32" shape, with constants whose products with any
-32-bit value stay within int64) on torch's int64 tensors: the same on every device and platform, and a
-quarter of a multiplication per bit where a counter-based generator would want its own kernel.
+32-bit value stay within int64) on torch's int64 tensors: a dozen integer operations an element, the same on
+every device and platform, where a counter-based generator would want a kernel of its own. The mask is
+computed a piece of rows at a time, so that the hash's int64 temporaries stay small beside the tensor.
 
 >>> x = torch.ones(4, 6)
->>> whole = dropped(x, 0.5, element_hashes(7, 3, (4, 6), (slice(0, 4), slice(0, 6))))
->>> left = dropped(x[:, :3], 0.5, element_hashes(7, 3, (4, 6), (slice(0, 4), slice(0, 3))))
+>>> whole = dropped(x, 0.5, keep_mask(7, 3, 0.5, (4, 6), (slice(0, 4), slice(0, 6))))
+>>> left = dropped(x[:, :3], 0.5, keep_mask(7, 3, 0.5, (4, 6), (slice(0, 4), slice(0, 3))))
 >>> bool((whole[:, :3] == left).all()), sorted(set(whole.flatten().tolist())) == [0.0, 2.0]
 (True, True)
 """
@@ -21,6 +22,7 @@ quarter of a multiplication per bit where a counter-based generator would want i
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,6 +31,7 @@ import torch
 _LOW = 0xFFFFFFFF
 _FIRST, _SECOND = 0x7FEB352D, 0x5BD1E995  # odd, below 2**31: a product with a 32-bit value fits in int64
 _UNIFORM_BITS = 24  # the mask compares this many bits of the hash with the probability
+_PIECE = 1 << 22  # elements hashed at a time (`keep_mask`): a piece's int64 temporaries stay a few tens of MB
 
 
 def _mixed(value: Any) -> Any:
@@ -63,15 +66,35 @@ def element_hashes(
     return _mixed(_mixed((index & _LOW) ^ key) ^ (index >> 32) ^ _mixed(key ^ 0x9E3779B9))
 
 
-def dropped(x: torch.Tensor, probability: float, hashes: torch.Tensor) -> torch.Tensor:
-    """``x`` with the elements whose hash falls below ``probability`` zeroed and the others scaled by
-    1 / (1 - probability), as torch's dropout scales them."""
-    return x * kept(probability, hashes).to(x.dtype) * (1.0 / (1.0 - probability)) if probability < 1 else x * 0
+def keep_mask(
+    seed: int,
+    draw: int,
+    probability: float,
+    shape: Sequence[int],
+    region: Sequence[slice],
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Which elements of ``region`` of a tensor of ``shape`` draw ``draw`` keeps: those whose hash
+    (`element_hashes`), read as a fraction, is not below ``probability``. Hashed a piece of leading rows at a
+    time (`_PIECE` elements), whatever the tensor's size."""
+    threshold = int(probability * (1 << _UNIFORM_BITS))
+    if not region:  # (a scalar)
+        return (element_hashes(seed, draw, shape, region, device) >> (32 - _UNIFORM_BITS)) >= threshold
+    sizes = [part.stop - part.start for part in region]
+    mask = torch.empty(sizes, dtype=torch.bool, device=device)
+    rows = max(1, _PIECE // max(1, math.prod(sizes[1:])))
+    first = region[0]
+    for start in range(first.start, first.stop, rows):
+        stop = min(start + rows, first.stop)
+        hashes = element_hashes(seed, draw, shape, [slice(start, stop), *region[1:]], device)
+        mask[start - first.start : stop - first.start] = (hashes >> (32 - _UNIFORM_BITS)) >= threshold
+    return mask
 
 
-def kept(probability: float, hashes: torch.Tensor) -> torch.Tensor:
-    """The mask itself: True where the element stays."""
-    return (hashes >> (32 - _UNIFORM_BITS)) >= int(probability * (1 << _UNIFORM_BITS))
+def dropped(x: torch.Tensor, probability: float, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with the elements ``mask`` does not keep zeroed and the others scaled by 1 / (1 - probability), as
+    torch's dropout scales them."""
+    return x * mask.to(x.dtype) * (1.0 / (1.0 - probability)) if probability < 1 else x * 0
 
 
 def draws(nodes: Sequence[torch.fx.Node]) -> dict[str, int]:
@@ -125,7 +148,7 @@ def dropout_arguments(node: torch.fx.Node) -> tuple[float | None, bool]:
 
 
 class MasksAsPlanned:
-    """In one process, torch's ``dropout`` drawing the masks a plan's ranks draw (`element_hashes`), to compare a
+    """In one process, torch's ``dropout`` drawing the masks a plan's ranks draw (`keep_mask`), to compare a
     sharded run with one process: ``with MasksAsPlanned(seed).drawing(): ...`` counts the draws (every call that drops,
     in order) as the ranks number theirs, pass after pass (a micro-batch is a pass of its own)."""
 
@@ -141,11 +164,9 @@ class MasksAsPlanned:
         def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
             if not training or p == 0:
                 return x
-            hashes = element_hashes(
-                self.seed, self.calls, tuple(x.shape), [slice(0, size) for size in x.shape], x.device
-            )
+            mask = keep_mask(self.seed, self.calls, p, tuple(x.shape), [slice(0, size) for size in x.shape], x.device)
             self.calls += 1
-            return dropped(x, p, hashes)
+            return dropped(x, p, mask)
 
         functional.dropout = dropout  # type: ignore[assignment]
         try:

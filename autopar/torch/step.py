@@ -36,7 +36,7 @@ from autopar.redistribute import Collective, Step, redistribute
 from autopar.runtime.local import run_local
 from autopar.runtime.program import PlanBroken, Schedule, follow
 from autopar.torch import local as shards
-from autopar.torch.dropout import drawn_apart, draws, dropout_arguments, dropped, element_hashes, kept
+from autopar.torch.dropout import drawn_apart, draws, dropout_arguments, dropped, keep_mask
 from autopar.torch.mapping import (
     DerivedUnit,
     ForkUnit,
@@ -639,10 +639,10 @@ class Pass:
             raise PlanMismatch(f"Module node {plan.node.name!r} drops elements of a tensor the plan does not lay out.")
         shape = p.program.graph.tensor(tensor).shape
         number = self.draw * len(p.draws) + p.draws[plan.node.name]
-        hashes = element_hashes(p.seed, number, shape, layout.local_slices(p.rank, shape), x.device)
         probability, _ = dropout_arguments(plan.node)
         assert probability is not None  # (a node that draws)
-        return [dropped(x, probability, hashes), kept(probability, hashes)]
+        mask = keep_mask(p.seed, number, probability, shape, layout.local_slices(p.rank, shape), x.device)
+        return [dropped(x, probability, mask), mask]
 
     def _keep(self, plan: NodePlan, outputs: list[Any]) -> None:
         for (tensor, writer), layout, shape, value in zip(plan.unit.outputs, plan.layouts, plan.local_shapes, outputs):
