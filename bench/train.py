@@ -49,7 +49,7 @@ import autopar  # noqa: E402
 from autopar.cost import HardwareProfile  # noqa: E402
 from autopar.runtime.launch import run_workers  # noqa: E402
 from tests.conftest import simple_profile_dict  # noqa: E402
-from tests.hf_families import FAMILIES, WITH_DROPOUT, export  # noqa: E402
+from tests.hf_families import FAMILIES, WITH_DROPOUT, export, family_named  # noqa: E402
 
 BATCH = 8
 SEED = 11  # dropout's, where a family drops (`WITH_DROPOUT`)
@@ -64,10 +64,6 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _family(name: str) -> Any:
-    return FAMILIES[name] if name in FAMILIES else WITH_DROPOUT[name]
-
-
 def _one_process(name: str, batches: list[Any], micro_batches: int = 1) -> Any:
     """The module's steps in one process, over ``micro_batches`` (gradient accumulation); a family that drops
     draws the ranks' masks (`MasksAsPlanned`)."""
@@ -75,7 +71,7 @@ def _one_process(name: str, batches: list[Any], micro_batches: int = 1) -> Any:
     def work(rank: int, world: int, device: Any) -> Any:
         from autopar.torch.dropout import MasksAsPlanned
 
-        module = _family(name).build(2)
+        module = family_named(name).build(2)
         optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
         losses, seconds = [], []
         largest = {key: torch.zeros_like(value) for key, value in module.named_parameters()}
@@ -111,7 +107,7 @@ def _ranks(name: str, plan: str, model: str, batches: list[Any], devices: int) -
     def work(rank: int, world: int, device: Any) -> Any:
         from autopar.torch import parallelize
 
-        module = parallelize(_family(name).build(2), plan, model, batches[0], seed=SEED)
+        module = parallelize(family_named(name).build(2), plan, model, batches[0], seed=SEED)
         optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
         losses, seconds = [], []
         first: dict[str, Any] = {}
@@ -161,7 +157,7 @@ def _plans(model: str, devices: int, kinds: list[str], folder: Path) -> dict[str
 
 
 def measure(name: str, kinds: list[str], steps: int, devices: int) -> None:
-    family = _family(name)
+    family = family_named(name)
     batches = [family.batch(BATCH, seed) for seed in range(steps)]
     with tempfile.TemporaryDirectory() as folder:
         model = str(Path(folder) / f"{name}.onnx")

@@ -354,6 +354,11 @@ classifier): a sharded run equals one process only where that process draws the 
 (`autopar.torch.dropout.MasksAsPlanned`)."""
 
 
+def family_named(name: str) -> Family:
+    """A family by name, among `FAMILIES` and `WITH_DROPOUT`."""
+    return FAMILIES[name] if name in FAMILIES else WITH_DROPOUT[name]
+
+
 def export(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], path: str, optimize: bool = True) -> None:
     """Write the module's dynamo export, node metadata and all, as a user does before planning."""
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # "no torchvision"

@@ -47,7 +47,7 @@ def test_a_mask_drawn_a_piece_at_a_time_is_the_mask_drawn_at_once(monkeypatch: p
     region = (slice(1, 4), slice(2, 8), slice(0, 6))
     at_once = keep_mask(5, 9, 0.3, SHAPE, region)
     assert torch.equal(at_once, (element_hashes(5, 9, SHAPE, region) >> 8) >= int(0.3 * (1 << 24)))
-    monkeypatch.setattr(dropout, "_PIECE", 7)  # a row (36 elements) a piece
+    monkeypatch.setattr(dropout, "_PIECE", 7)  # pieces that start and end within rows
     assert torch.equal(keep_mask(5, 9, 0.3, SHAPE, region), at_once)
 
 

@@ -30,11 +30,12 @@ import torch.distributed as dist  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.cost import HardwareProfile  # noqa: E402
+from autopar.errors import AutoparError  # noqa: E402
 from autopar.graph import load_model  # noqa: E402
 from autopar.lowering import load_plan_file  # noqa: E402
 from autopar.runtime.launch import RuntimeFailure, run_workers  # noqa: E402
 from tests.conftest import simple_profile_dict  # noqa: E402
-from tests.hf_families import FAMILIES, WITH_DROPOUT, export  # noqa: E402
+from tests.hf_families import FAMILIES, WITH_DROPOUT, export, family_named  # noqa: E402
 
 LEARNING_RATE = 1e-3
 STEPS = 3
@@ -88,7 +89,7 @@ def _reference(name: str, batches: list[tuple[Any, ...]], micro_batches: int = 1
     drawing the masks the ranks draw (`MasksAsPlanned`)."""
     from autopar.torch.dropout import MasksAsPlanned
 
-    module = _family(name).build(2)
+    module = family_named(name).build(2)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
     losses: list[float] = []
     gradients: dict[str, Any] = {}
@@ -107,10 +108,6 @@ def _reference(name: str, batches: list[tuple[Any, ...]], micro_batches: int = 1
     return _Trained(losses, {key: value.detach().clone() for key, value in module.state_dict().items()}, gradients)
 
 
-def _family(name: str) -> Any:
-    return FAMILIES[name] if name in FAMILIES else WITH_DROPOUT[name]
-
-
 def _train(name: str, plan: str, model: str, batches: list[tuple[Any, ...]], seed: int | None = None) -> Any:
     """What each rank runs: parallelize (dropout's masks drawn from ``seed``), then AdamW steps; its run (the
     gradients and state it holds, whole) and its parameters' local storage."""
@@ -120,7 +117,7 @@ def _train(name: str, plan: str, model: str, batches: list[tuple[Any, ...]], see
 
         from autopar.torch import parallelize
 
-        module = parallelize(_family(name).build(2), plan, model, batches[0], seed=seed)
+        module = parallelize(family_named(name).build(2), plan, model, batches[0], seed=seed)
         optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
         losses: list[float] = []
         gradients: dict[str, Any] = {}
@@ -448,7 +445,9 @@ def test_a_run_that_drops_resumes_drawing_the_masks_of_not_stopping(tmp_path: Pa
     resumed = first + run_workers(4, steps(4, None, batches[2:], saves=False), timeout_s=240)[0]
     expected = _reference(name, batches, micro_batches=2, seed=11).losses
     assert max(abs(a - b) / abs(b) for a, b in zip(resumed, expected)) <= 1e-5
-    load_unsharded(family.build(2), folder)  # the plain module reads its weights, the dropout state aside
+    plain, fresh = family.build(2), family.build(2)
+    load_unsharded(plain, folder)  # the plain module reads its weights, the dropout state aside
+    assert not torch.equal(plain.model.classifier.weight, fresh.model.classifier.weight)  # (two steps' worth)
 
 
 @pytest.fixture
@@ -586,11 +585,98 @@ def test_nodes_the_exporter_folds_or_shares_are_paired(kind: type, tmp_path: Pat
     module, model = kind(), str(tmp_path / "model.onnx")
     export(module, batch, model)
     expected = module(*batch)
+    expected.backward()
+    wanted = {key: value.grad.clone() for key, value in module.named_parameters()}
+    module.zero_grad()
     parallel = parallelize(module, autopar.plan(model, devices=1), model, batch)
-    assert torch.allclose(parallel(*batch), expected, rtol=1e-6)
+    loss = parallel(*batch)
+    assert torch.allclose(loss, expected, rtol=1e-6)
+    loss.backward()
+    for key, value in parallel.named_parameters():
+        assert torch.allclose(value.grad.full_tensor(), wanted[key], rtol=1e-5, atol=1e-7), key
 
 
 # --- bad input: one sentence, nothing runs ---------------------------------------------------------------
+
+
+class _Dropping(torch.nn.Module):
+    """A product, a dropout and a product: the smallest module that drops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.second(self.dropout(self.first(x))) - y).square().mean()
+
+
+def test_a_module_that_drops_draws_only_in_training(tmp_path: Path, one_process: Any) -> None:
+    """In ``eval()`` mode it drops nothing and counts no pass; back in training, its next pass draws the masks one
+    process draws for the first (`MasksAsPlanned`)."""
+    from autopar.torch import parallelize
+    from autopar.torch.dropout import MasksAsPlanned
+
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 16), torch.randn(8, 16))
+    module, model = _Dropping(), str(tmp_path / "model.onnx")
+    export(module, batch, model)
+    plain = _Dropping()
+    plain.load_state_dict(module.state_dict())
+    parallel = parallelize(module, autopar.plan(model, devices=1), model, batch, seed=3)
+    parallel.eval()
+    plain.eval()
+    assert torch.allclose(parallel(*batch), plain(*batch), rtol=1e-6)
+    assert parallel.autopar.passes == 0
+    parallel.train()
+    plain.train()
+    with MasksAsPlanned(3).drawing():
+        expected = plain(*batch)
+    assert torch.allclose(parallel(*batch), expected, rtol=1e-6)
+    assert parallel.autopar.passes == 1
+
+
+def test_a_module_parallelized_in_eval_mode_is_refused_training(tmp_path: Path, one_process: Any) -> None:
+    from autopar.torch import TrainingError, parallelize
+
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 16), torch.randn(8, 16))
+    module, model = _Dropping().eval(), str(tmp_path / "model.onnx")
+    export(module, batch, model)
+    parallel = parallelize(module, autopar.plan(model, devices=1), model, batch)
+    parallel(*batch)  # evaluating is what it was captured for
+    parallel.train()
+    with pytest.raises(TrainingError, match=re.escape("call module.train() before parallelize")):
+        parallel(*batch)
+
+
+class _Activated(torch.nn.Module):
+    """Two products; `_ActivatedMore` computes one more activation between them than the plan has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.second(torch.relu(self.first(x))) - y).square().mean()
+
+
+class _ActivatedMore(_Activated):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.second(torch.tanh(torch.relu(self.first(x))) * 3.0) - y).square().mean()
+
+
+def test_a_module_with_an_operation_the_plan_lacks_is_refused(tmp_path: Path, one_process: Any) -> None:
+    """Nodes without operators merge into their readers' only where the exporter merges them (reshapes, copies,
+    a batched product): an activation more is another module."""
+    from autopar.torch import parallelize
+
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 16), torch.randn(8, 16))
+    model = str(tmp_path / "model.onnx")
+    export(_Activated(), batch, model)
+    with pytest.raises(AutoparError, match=r"'tanh' .* the plan has no operator for it"):
+        parallelize(_ActivatedMore(), autopar.plan(model, devices=1), model, batch)
 
 
 def test_a_plan_for_another_device_count_is_refused(llama: dict[str, Any], one_process: Any) -> None:

@@ -208,7 +208,7 @@ def dropout_draws(op: OpNode, graph: Graph) -> bool:
     if op.op_type != "Dropout" or graph.opset < 12 or len(op.inputs) < 3 or not op.inputs[2]:
         return False
     training = graph.tensor(op.inputs[2]).value
-    ratio = graph.tensor(op.inputs[1]).value if len(op.inputs) > 1 and op.inputs[1] else np.float32(0.5)
+    ratio = graph.tensor(op.inputs[1]).value if op.inputs[1] else np.float32(0.5)
     trains = training is None or bool(np.asarray(training).reshape(-1)[0])
     return trains and (ratio is None or float(np.asarray(ratio).reshape(-1)[0]) > 0)
 

@@ -5,7 +5,8 @@ global shape, so a checkpoint saved under one plan loads under another (`load`: 
 its new shards cover) and into the plain module in one process (`load_unsharded`, then a strict
 ``load_state_dict``). The optimizer's state travels with it, and a module that drops its dropout's seed and
 the passes drawn so far (`autopar.torch.dropout`), so a run resumed from a checkpoint takes the steps it would
-have taken without stopping (its masks too, where the plan it resumes under has as many micro-batches).
+have taken without stopping (its masks too, where the plan it resumes under has as many micro-batches: the
+checkpoint's seed replaces one given to `parallelize`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path:
 def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
     """Read a checkpoint into the module (and the optimizer), whatever plan it was saved under."""
     state = _state(module, optimizer)
+    if "dropout" in state and not _holds(path, "dropout"):
+        del state["dropout"]  # saved from a module that did not drop: it draws on from its own start
     _read(state, path, no_dist=False)
     if "dropout" in state:
         module.autopar.restore_dropout(state["dropout"])  # type: ignore[operator, union-attr]
@@ -58,6 +61,15 @@ def load_unsharded(module: torch.nn.Module, path: str | Path) -> None:
     state = {"model": {key: value.detach().clone() for key, value in module.state_dict().items()}}
     _read(state, path, no_dist=True)
     module.load_state_dict(state["model"], strict=True)
+
+
+def _holds(path: str | Path, key: str) -> bool:
+    """Whether the checkpoint saved a value under ``key`` (True where its metadata cannot be read: `_read` says why)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception:  # (a folder that is not a checkpoint: `_read`'s sentence)
+        return True
+    return key in metadata.state_dict_metadata
 
 
 def _read(state: dict[str, Any], path: str | Path, no_dist: bool) -> None:

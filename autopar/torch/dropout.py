@@ -10,7 +10,8 @@ put together are the mask one process draws with the same function (`MasksAsPlan
 The hash is a 32-bit integer mix (Chris Wellons' "lowbias32" shape, with constants whose products with any
 32-bit value stay within int64) on torch's int64 tensors: a dozen integer operations an element, the same on
 every device and platform, where a counter-based generator would want a kernel of its own. The mask is
-computed a piece of rows at a time, so that the hash's int64 temporaries stay small beside the tensor.
+computed a piece of elements at a time, so that the hash's int64 temporaries stay small beside the tensor, and
+the backward keeps it as booleans.
 
 >>> x = torch.ones(4, 6)
 >>> whole = dropped(x, 0.5, keep_mask(7, 3, 0.5, (4, 6), (slice(0, 4), slice(0, 6))))
@@ -22,7 +23,6 @@ computed a piece of rows at a time, so that the hash's int64 temporaries stay sm
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -62,6 +62,11 @@ def element_hashes(
         steps = torch.arange(part.start, part.stop, dtype=torch.int64, device=device) * stride
         index = steps.reshape(-1, *([1] * index.dim())) + index
         stride *= size
+    return _hashed(seed, draw, index)
+
+
+def _hashed(seed: int, draw: int, index: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash of each of the whole tensor's element indices ``index`` (int64) for one draw."""
     key = _key(seed, draw)
     return _mixed(_mixed((index & _LOW) ^ key) ^ (index >> 32) ^ _mixed(key ^ 0x9E3779B9))
 
@@ -75,26 +80,44 @@ def keep_mask(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """Which elements of ``region`` of a tensor of ``shape`` draw ``draw`` keeps: those whose hash
-    (`element_hashes`), read as a fraction, is not below ``probability``. Hashed a piece of leading rows at a
-    time (`_PIECE` elements), whatever the tensor's size."""
+    (`element_hashes`), read as a fraction, is not below ``probability``. Hashed `_PIECE` elements of the region
+    at a time, in its row-major order, whatever its shape."""
     threshold = int(probability * (1 << _UNIFORM_BITS))
-    if not region:  # (a scalar)
-        return (element_hashes(seed, draw, shape, region, device) >> (32 - _UNIFORM_BITS)) >= threshold
     sizes = [part.stop - part.start for part in region]
     mask = torch.empty(sizes, dtype=torch.bool, device=device)
-    rows = max(1, _PIECE // max(1, math.prod(sizes[1:])))
-    first = region[0]
-    for start in range(first.start, first.stop, rows):
-        stop = min(start + rows, first.stop)
-        hashes = element_hashes(seed, draw, shape, [slice(start, stop), *region[1:]], device)
-        mask[start - first.start : stop - first.start] = (hashes >> (32 - _UNIFORM_BITS)) >= threshold
+    flat = mask.view(-1)
+    for first in range(0, flat.numel(), _PIECE):
+        index = torch.arange(first, min(first + _PIECE, flat.numel()), dtype=torch.int64, device=device)
+        place, stride = torch.zeros_like(index), 1
+        for size, part, whole in reversed(list(zip(sizes, region, shape))):
+            place += (index % size + part.start) * stride  # (the element's index along this dimension, whole)
+            index, stride = index // size, stride * whole
+        flat[first : first + _PIECE] = (_hashed(seed, draw, place) >> (32 - _UNIFORM_BITS)) >= threshold
     return mask
+
+
+class _Dropped(torch.autograd.Function):
+    """``x * mask * scale``, keeping the boolean mask for the backward (a byte an element, as the cost model
+    counts it), not the mask cast to ``x``'s type."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(mask)
+        ctx.scale = scale
+        return x * mask.to(x.dtype) * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (mask,) = ctx.saved_tensors
+        return grad * mask.to(grad.dtype) * ctx.scale, None, None
 
 
 def dropped(x: torch.Tensor, probability: float, mask: torch.Tensor) -> torch.Tensor:
     """``x`` with the elements ``mask`` does not keep zeroed and the others scaled by 1 / (1 - probability), as
     torch's dropout scales them."""
-    return x * mask.to(x.dtype) * (1.0 / (1.0 - probability)) if probability < 1 else x * 0
+    if probability >= 1:
+        return x * 0
+    return _Dropped.apply(x, mask, 1.0 / (1.0 - probability))
 
 
 def draws(nodes: Sequence[torch.fx.Node]) -> dict[str, int]:
@@ -149,8 +172,12 @@ def dropout_arguments(node: torch.fx.Node) -> tuple[float | None, bool]:
 
 class MasksAsPlanned:
     """In one process, torch's ``dropout`` drawing the masks a plan's ranks draw (`keep_mask`), to compare a
-    sharded run with one process: ``with MasksAsPlanned(seed).drawing(): ...`` counts the draws (every call that drops,
-    in order) as the ranks number theirs, pass after pass (a micro-batch is a pass of its own)."""
+    sharded run with one process: ``with MasksAsPlanned(seed).drawing(): ...`` counts the draws (every call that
+    drops, in order) as the ranks number theirs, pass after pass (a micro-batch is a pass of its own). The ranks
+    number the dropouts of the captured program, so the two agree where each call in training is one of its
+    nodes: not for a dropout whose result nothing reads (the capture drops it), nor one called with
+    ``training=True`` in ``eval()`` mode. ``inplace`` is not honoured. It patches ``torch.nn.functional`` for
+    the process while it is open: a helper for a reference run, not for threads."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed

@@ -49,6 +49,7 @@ from autopar.errors import AutoparError
 from autopar.graph.records import fx_node_name
 from autopar.lowering.program import PlannedOp, PlanProgram
 from autopar.ops.fork import FORK, FORK_DOMAIN
+from autopar.torch.dropout import dropout_arguments
 
 FX_NODE_KEY = "pkg.torch.onnx.fx_node"
 aten = torch.ops.aten
@@ -125,6 +126,18 @@ _MERGED = (
 # it into them (a reshape of a reshape is one reshape to the last shape: GPT-2's and BLOOM's heads joined, then
 # flattened for their projection)
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+# what the exporter's optimiser merges into a later node's operators (`_Mapper._merges`): reshapes, copies and a
+# batched product (BLOOM's heads folded into the batch for a bmm and back: one 4-D MatMul)
+_MERGED_INTO_READERS = {
+    *_RESHAPES,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.expand.default,
+    aten.clone.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten.matmul.default,
+}
 
 # nodes returning values their operator does not write: target -> the operator's output slot of each value (None:
 # one it does not write; a training BatchNorm's saved mean and deviation are for its backward, which autograd keeps)
@@ -314,9 +327,8 @@ def _passes_on(node: torch.fx.Node, source: torch.fx.Node) -> bool:
     if node.target not in _PASS_THROUGH:
         return False
     if node.target == aten.dropout.default:  # the same shape for a slice: the whole dimension
-        probability = args[1] if len(args) > 1 else node.kwargs.get("p", 0.5)
-        training = args[2] if len(args) > 2 else node.kwargs.get("train", True)
-        return bool(probability == 0 or not training)
+        probability, training = dropout_arguments(node)
+        return probability == 0 or not training
     return True
 
 
@@ -587,9 +599,7 @@ class _Mapper:
             self.node_of[node.name] = self.node_of[twin]
             self.kind[node.name] = self.kind[self.node_of[twin]]
             return
-        if data and self._merged_forward(node):
-            self.kind[node.name] = "data"
-            self.merged[node.name] = data
+        if data and self._merges(node, data):
             return
         raise MappingError(
             f"Module node {node.name!r} ({node.target}) computes from the model's data, but the plan has no operator"
@@ -613,20 +623,26 @@ class _Mapper:
             and all(user.target in _RESHAPES and user.name in self.ops_of for user in node.users)
         )
 
-    def _merged_forward(self, node: torch.fx.Node) -> bool:
-        """Whether ``node`` (no operators of its own) is read only by nodes with operators, or by nodes without
-        any that are read so in turn: the exporter merged it into its readers' operators, which read what it reads
-        (BLOOM's reshapes to heads times batch around a bmm and back: one 4-D MatMul, recorded under the last)."""
+    def _merges(self, node: torch.fx.Node, data: list[torch.fx.Node]) -> bool:
+        """Whether ``node`` (no operators of its own: a reshape, a copy, a batched product) is merged into its
+        readers' operators, which then read what it reads (``data``); kept so where it is. It is where every
+        reader has operators, or is such a node read so in turn (BLOOM's reshapes to heads times batch around a
+        bmm and back: one 4-D MatMul, recorded under the last view). Any other node without operators is not
+        the plan's module (an activation more) and stays refused."""
         stack, seen = list(node.users), set()
         while stack:
             user = stack.pop()
             if user.name in seen or user.name in self.ops_of:
                 continue
             seen.add(user.name)
-            if user.op != "call_function" or not user.users:
+            if user.target not in _MERGED_INTO_READERS or not user.users:
                 return False
             stack.extend(user.users)
-        return bool(node.users)
+        if node.target not in _MERGED_INTO_READERS or not node.users:
+            return False
+        self.kind[node.name] = "data"
+        self.merged[node.name] = data
+        return True
 
     def _carried(self, arg: torch.fx.Node) -> list[tuple[str, torch.fx.Node]]:
         """The values a node's argument brings its operators, each with the argument that carries it: its own
@@ -666,7 +682,7 @@ class _Mapper:
         for arg in args:
             for value, carrier in self._carried(arg):
                 by_value.setdefault(value, carrier)
-        merged = any(self.node_of[arg.name] in self.merged for arg in args)
+        merged = any(carrier is not arg for arg in args for _, carrier in self._carried(arg))
         reads: list[Read] = []
         left: list[tuple[int, int, str]] = []
         for index in ops:

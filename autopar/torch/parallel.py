@@ -149,6 +149,7 @@ class Trainer:
         self._writes: Any = None  # the last forward's pass, whose buffer writes train_step keeps for the step's end
         self.steps_run = 0
         self.passes = 0  # forward passes that dropped elements: each draws its masks anew (`autopar.torch.dropout`)
+        self.captured_training = module.training  # the mode its program was captured in (`_draw`)
         collectives = DistributedCollectives(self.rank, self.world, self._bit_sets(), self.device)
         self.rank_program = RankProgram(
             program,
@@ -171,10 +172,10 @@ class Trainer:
             self.pipeline = self._pipeline(module, staged)
 
     def _common_seed(self, seed: int | None) -> int:
-        """Dropout's seed: the one given, else rank 0's ``torch.initial_seed()``, so that every rank draws alike."""
-        if seed is not None:
-            return seed
-        value = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=self.device)
+        """Dropout's seed, rank 0's on every rank, so that every rank draws alike: the one given, else its
+        ``torch.initial_seed()``, modulo 2**63 (a checkpoint keeps it as an int64)."""
+        mine = torch.initial_seed() if seed is None else seed
+        value = torch.tensor([mine % (1 << 63)], dtype=torch.int64, device=self.device)
         dist.broadcast(value, src=0)
         return int(value.item())
 
@@ -187,7 +188,14 @@ class Trainer:
         self.rank_program.seed, self.passes = (int(value) for value in state.tolist())
 
     def _draw(self, module: torch.nn.Module, ahead: int = 0) -> int | None:
-        """The number of the pass ``ahead`` passes from the next, where the module trains (its dropouts draw)."""
+        """The number of the pass ``ahead`` passes from the next, where the module trains (its dropouts draw).
+        A module captured in ``eval()`` mode has no dropout in its program (nor batch statistics): it is refused
+        training, where it would train without them."""
+        if module.training and not self.captured_training:
+            raise TrainingError(
+                "The module was parallelized in eval() mode, whose program has no dropout and normalises with"
+                " running statistics; call module.train() before parallelize to train it."
+            )
         return self.passes + ahead if module.training and self.rank_program.draws else None
 
     def _mine(self, op: str) -> bool:
@@ -685,8 +693,9 @@ def parallelize(
     ``model`` is the file the plan was made from (``torch.onnx.export(module, example_inputs, dynamo=True)``),
     whose node metadata pairs the plan's operators with the module's nodes; ``example_inputs`` are what the
     module's forward takes (a batch the plan was made for, or more samples of the same shapes). Dropout draws its
-    masks from ``seed`` (default: rank 0's ``torch.initial_seed()``), each element's from its place in the whole
-    tensor, alike on every rank (`autopar.torch.dropout`).
+    masks from rank 0's ``seed`` (default: its ``torch.initial_seed()``), each element's from its place in the
+    whole tensor, alike on every rank (`autopar.torch.dropout`). Parallelize the module in ``train()`` mode to
+    train it: the program captured in ``eval()`` mode has no dropout.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise TrainingError("parallelize needs a running torch.distributed job (torchrun, init_process_group).")

@@ -31,6 +31,7 @@ import torch.fx
 from autopar.layout import Layout, ReduceOp
 from autopar.lowering.planfile import GRAPH_OUTPUT
 from autopar.lowering.program import PlannedOp, PlanProgram
+from autopar.ops.elementwise import dropout_draws
 from autopar.ops.fork import FORK_DOMAIN
 from autopar.redistribute import Collective, Step, redistribute
 from autopar.runtime.local import run_local
@@ -157,8 +158,7 @@ class RankProgram:
                         raise PlanMismatch(f"Module node {unit.node!r} is cut between two pipeline stages.")
                     continue
                 plan = self._node_plan(unit)
-                if plan.as_operators and unit.node in self.draws:  # (the plan's Dropout kernel keeps every element)
-                    raise PlanMismatch(f"Module node {unit.node!r} drops elements, but would run as operators.")
+                self._check_drawn(plan)
                 self.by_operators += plan.as_operators
                 self.units.append(plan)
             elif isinstance(unit, ForkUnit):
@@ -169,6 +169,20 @@ class RankProgram:
         for name in self.mapping.derived:
             if self.mapping.parameters.get(name) is not None:
                 raise PlanMismatch(f"{name!r} is both a parameter and computed from parameters.")
+        paired = {unit.node for unit in self.mapping.units if isinstance(unit, NodeUnit)}
+        unpaired = sorted(set(self.draws) - paired, key=self.draws.__getitem__)
+        if unpaired:
+            raise PlanMismatch(f"Module node {unpaired[0]!r} drops elements, but no Dropout of the plan is its.")
+
+    def _check_drawn(self, plan: NodePlan) -> None:
+        """A node run as the plan's operators draws no mask: refused where it should (its node drops, or one of
+        its operators is a Dropout that trains: the plan's kernel keeps every element)."""
+        program = self.program
+        drops = plan.unit.node in self.draws or any(
+            dropout_draws(program.ops[index].rule.op, program.graph) for index in plan.unit.ops
+        )
+        if plan.as_operators and drops:
+            raise PlanMismatch(f"Module node {plan.unit.node!r} drops elements, but would run as operators.")
 
     @cached_property
     def derived_nodes(self) -> frozenset[str]:
