@@ -650,6 +650,33 @@ def test_a_module_parallelized_in_eval_mode_is_refused_training(tmp_path: Path, 
         parallel(*batch)
 
 
+def test_a_module_that_normalises_by_its_batch_is_refused_evaluation(tmp_path: Path, one_process: Any) -> None:
+    """Captured in training, its BatchNorm normalises with the batch's statistics: in eval() mode the module would
+    use its running ones, so evaluating the parallelized module is one sentence, not another computation."""
+    from autopar.torch import TrainingError, parallelize
+
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 16), torch.randn(8, 16))
+    module = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
+    model = str(tmp_path / "model.onnx")
+    wrapped = _Normalised(module)
+    export(wrapped, batch, model, optimize=False)
+    parallel = parallelize(wrapped, autopar.plan(model, devices=1), model, batch)
+    parallel(*batch)  # training: batch statistics, as captured
+    parallel.eval()
+    with pytest.raises(TrainingError, match="normalises with its batch's statistics"):
+        parallel(*batch)
+
+
+class _Normalised(torch.nn.Module):
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.body(x) - y).square().mean()
+
+
 class _Activated(torch.nn.Module):
     """Two products; `_ActivatedMore` computes one more activation between them than the plan has."""
 

@@ -215,10 +215,11 @@ def dropout_draws(op: OpNode, graph: Graph) -> bool:
 
 def dropout_local(call: LocalCall) -> list[Any]:
     """Dropout on a rank's shards as inference runs it, the identity, as `dropout_kernel` and the verification's
-    reference run it (`autopar.spmd.reference`): a mask onnxruntime drew on each rank would be that rank's own."""
+    reference run it (`autopar.spmd.reference`): a mask onnxruntime drew on each rank would be that rank's own.
+    The same for numpy arrays and torch tensors (torch's kernel is the identity already)."""
     inputs = list(call.inputs)
     if len(inputs) > 2 and inputs[2] is not None:
-        inputs[2] = np.zeros_like(inputs[2])  # its training mode, off
+        inputs[2] = inputs[2] != inputs[2]  # its training mode, off (a boolean of its own kind)
     return call.run(inputs)
 
 
@@ -282,6 +283,7 @@ _DROPOUT: dict[str, Any] = {
     "config_inputs": frozenset({1, 2}),
     "foldable": False,
     "local_kernel": dropout_local,
+    "torch_local_kernel": dropout_local,
 }
 register("Dropout", until=9, torch_kernel=dropout_kernel(False, typed_mask=True), **_DROPOUT)(unary)
 register("Dropout", since=10, until=11, torch_kernel=dropout_kernel(False), **_DROPOUT)(unary)

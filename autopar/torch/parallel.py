@@ -150,6 +150,14 @@ class Trainer:
         self.steps_run = 0
         self.passes = 0  # forward passes that dropped elements: each draws its masks anew (`autopar.torch.dropout`)
         self.captured_training = module.training  # the mode its program was captured in (`_draw`)
+        self.batch_statistics = next(  # a BatchNorm of the program that normalises with its batch's statistics
+            (
+                node.name
+                for node in exported.graph.nodes
+                if node.target == torch.ops.aten._native_batch_norm_legit_functional.default and node.args[5]
+            ),
+            None,
+        )
         collectives = DistributedCollectives(self.rank, self.world, self._bit_sets(), self.device)
         self.rank_program = RankProgram(
             program,
@@ -195,6 +203,12 @@ class Trainer:
             raise TrainingError(
                 "The module was parallelized in eval() mode, whose program has no dropout and normalises with"
                 " running statistics; call module.train() before parallelize to train it."
+            )
+        if not module.training and self.batch_statistics:
+            raise TrainingError(
+                f"Module node {self.batch_statistics!r} normalises with its batch's statistics, as the module was"
+                " captured in training; in eval() mode the module would use its running statistics: evaluate the"
+                " plain module (load_unsharded), or one parallelized in eval() mode."
             )
         return self.passes + ahead if module.training and self.rank_program.draws else None
 
