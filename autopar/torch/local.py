@@ -44,8 +44,9 @@ SHAPE_ARGUMENT = {
     aten.full.default: 0,
 }
 
-# operators whose own local kernel autopar runs where a shard changes the call, and that this module mirrors
-_MIRRORED = {"Reshape", "Expand", "Gather"}
+# operators whose own local kernel autopar runs where a shard changes the call, and that this module mirrors (a
+# Dropout's, inference's identity for verification: the trainer draws each shard's mask, `autopar.torch.dropout`)
+_MIRRORED = {"Reshape", "Expand", "Gather", "Dropout"}
 
 
 def unsupported(planned: PlannedOp) -> str | None:

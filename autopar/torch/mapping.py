@@ -646,9 +646,10 @@ class _Mapper:
 
     def _carried(self, arg: torch.fx.Node) -> list[tuple[str, torch.fx.Node]]:
         """The values a node's argument brings its operators, each with the argument that carries it: its own
-        (the operators read what a merged node moves: ``inline``), or those of the nodes merged into them."""
+        (seen through a node run just before its reader: ``inline``), or those of the nodes merged into the
+        operators (``merged``), which read what those read."""
         value = self.node_of[arg.name]
-        while value in self.inline:  # the operators read what the merged node moves
+        while value in self.inline:  # the operators read what the inlined node moves
             value = self.inline[value]
         if value not in self.merged:
             return [(value, arg)]
