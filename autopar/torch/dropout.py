@@ -23,6 +23,7 @@ the backward keeps it as booleans.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -56,13 +57,21 @@ def element_hashes(
 ) -> torch.Tensor:
     """The 32-bit hash of each element of ``region`` (one slice per dimension) of a tensor of ``shape`` for one
     draw, from the element's index in the whole tensor: the same whichever rank asks."""
-    index = torch.zeros((), dtype=torch.int64, device=device)
-    stride = 1
-    for size, part in reversed(list(zip(shape, region))):
-        steps = torch.arange(part.start, part.stop, dtype=torch.int64, device=device) * stride
-        index = steps.reshape(-1, *([1] * index.dim())) + index
-        stride *= size
-    return _hashed(seed, draw, index)
+    sizes = [part.stop - part.start for part in region]
+    return _hashed(seed, draw, _indices(shape, region, 0, math.prod(sizes), device)).reshape(sizes)
+
+
+def _indices(
+    shape: Sequence[int], region: Sequence[slice], first: int, stop: int, device: torch.device | None
+) -> torch.Tensor:
+    """The whole tensor's (row-major) index of the region's elements ``first`` .. ``stop - 1``, in its order."""
+    index = torch.arange(first, stop, dtype=torch.int64, device=device)
+    place, stride = torch.zeros_like(index), 1
+    for whole, part in reversed(list(zip(shape, region))):
+        size = part.stop - part.start
+        place += (index % size + part.start) * stride  # (the element's index along this dimension, whole)
+        index, stride = index // size, stride * whole
+    return place
 
 
 def _hashed(seed: int, draw: int, index: torch.Tensor) -> torch.Tensor:
@@ -83,16 +92,12 @@ def keep_mask(
     (`element_hashes`), read as a fraction, is not below ``probability``. Hashed `_PIECE` elements of the region
     at a time, in its row-major order, whatever its shape."""
     threshold = int(probability * (1 << _UNIFORM_BITS))
-    sizes = [part.stop - part.start for part in region]
-    mask = torch.empty(sizes, dtype=torch.bool, device=device)
+    mask = torch.empty([part.stop - part.start for part in region], dtype=torch.bool, device=device)
     flat = mask.view(-1)
     for first in range(0, flat.numel(), _PIECE):
-        index = torch.arange(first, min(first + _PIECE, flat.numel()), dtype=torch.int64, device=device)
-        place, stride = torch.zeros_like(index), 1
-        for size, part, whole in reversed(list(zip(sizes, region, shape))):
-            place += (index % size + part.start) * stride  # (the element's index along this dimension, whole)
-            index, stride = index // size, stride * whole
-        flat[first : first + _PIECE] = (_hashed(seed, draw, place) >> (32 - _UNIFORM_BITS)) >= threshold
+        stop = min(first + _PIECE, flat.numel())
+        hashes = _hashed(seed, draw, _indices(shape, region, first, stop, device))
+        flat[first:stop] = (hashes >> (32 - _UNIFORM_BITS)) >= threshold
     return mask
 
 
