@@ -161,14 +161,20 @@ def keeps_mask(flow: Dataflow, node: int) -> bool:
 
 
 def input_bytes(flow: Dataflow, node: int) -> np.ndarray:
-    """Per candidate, the bytes of the data inputs an operator loads (those it owns), as `resident` counts them."""
+    """Per candidate, the bytes of the data inputs an operator loads (those it owns), as `resident` counts them.
+    Most operators own none: their candidates are not read (a relaxation asks for every operator's)."""
     rule = flow.rules[node]
     total = np.zeros(len(rule.candidates))
+    owned = [
+        slot
+        for slot, name in enumerate(rule.op.inputs)
+        if name and flow.owner.get(name) == (node, slot) and flow.graph.tensor(name).kind != "parameter"
+    ]
+    if not owned:
+        return total
     splits = CandidateSplits(rule.candidates, rule.spec.label_order)
-    for slot, name in enumerate(rule.op.inputs):
-        if not name or flow.owner.get(name) != (node, slot) or flow.graph.tensor(name).kind == "parameter":
-            continue
-        info = flow.graph.tensor(name)
+    for slot in owned:
+        info = flow.graph.tensor(rule.op.inputs[slot])
         labels = rule.spec.inputs[slot] if slot < len(rule.spec.inputs) else None
         total = total + splits.local(info, labels) * flow.itemsize(info)
     return total
