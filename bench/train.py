@@ -1,6 +1,7 @@
 """Train Hugging Face families nobody here wrote with their plans: one process against the plan's ranks.
 
-Usage: python bench/train.py [--families llama,qwen3,gpt_neox,bert,vit,resnet,moe,gemma3,phi3,roberta,falcon,gpt2,bloom]
+Usage: python bench/train.py [--families llama,qwen3,gpt_neox,bert,vit,resnet,moe,gemma3,phi3,roberta,falcon,gpt2,bloom,
+                                        deepseek_v3,mamba2]
                              [--plans searched,sharded] [--steps 20] [--devices 8] [--gpu]
        python bench/train.py --families bert_dropout
 

@@ -326,6 +326,58 @@ def _moe(layers: int) -> torch.nn.Module:
     return WithLoss(hf.OlmoeForCausalLM(_eager(config)), "input_ids", use_cache=False)
 
 
+def _deepseek_v3(layers: int) -> torch.nn.Module:
+    """DeepSeek-V3: latent attention (queries and keys and values through low-rank projections, key states
+    written into ``new_empty`` by two slice assignments), a dense first layer, then 4 routed experts, top 2 of one
+    group, and a shared one (``batched_mm``); routing weights over their sum plus 1e-20, which the exporter folds."""
+    import transformers as hf
+
+    config = hf.DeepseekV3Config(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    config._experts_implementation = "batched_mm"
+    return WithLoss(hf.DeepseekV3ForCausalLM(_eager(config)), "input_ids", use_cache=False)
+
+
+def _mamba2(layers: int) -> torch.nn.Module:
+    """Mamba2: a state-space scan in chunks of 8 (transformers' torch path: the chunked scan's einsums, cumulative
+    sums and segment masks), 8 heads of 16, one group."""
+    import transformers as hf
+
+    config = hf.Mamba2Config(
+        num_hidden_layers=layers,
+        hidden_size=64,
+        state_size=16,
+        expand=2,
+        n_groups=1,
+        head_dim=16,
+        num_heads=8,
+        chunk_size=8,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    )
+    return WithLoss(hf.Mamba2ForCausalLM(config), "input_ids", use_cache=False)
+
+
 FAMILIES = {
     family.name: family
     for family in (
@@ -342,6 +394,8 @@ FAMILIES = {
         Family("falcon", _seeded(_falcon), _tokens, "tokens"),
         Family("gpt2", _seeded(_gpt2), _tokens, "tokens"),
         Family("bloom", _seeded(_bloom), _tokens, "tokens"),
+        Family("deepseek_v3", _seeded(_deepseek_v3), _tokens, "tokens"),
+        Family("mamba2", _seeded(_mamba2), _tokens, "tokens"),
     )
 }
 

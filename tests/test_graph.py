@@ -698,3 +698,32 @@ def test_gather_nd_folds_as_onnx_defines_it(seed):
         (expected,) = ReferenceEvaluator(node).run(None, {"data": data, "indices": indices})
         got = gather_nd(data, indices, batch_dims)
         assert got.shape == expected.shape and np.array_equal(got, expected)
+
+
+def test_a_buffer_built_to_scatter_into_is_a_constant_but_an_elided_weight_is_a_parameter():
+    """DeepSeek-V3's key states: ``new_empty`` (a ConstantOfShape of the file's shape) transposed and scattered
+    into, then read by the model. The buffer holds its one value at every place, as a constant the trainer and the
+    reference read (a broadcast view, one element held); the Transpose stays an operator (the order it is
+    scattered in is the trainer's to read). A weight elided as ConstantOfShape and read by a MatMul stays a
+    trained parameter."""
+    fill = numpy_helper.from_array(np.array([0.0], dtype=np.float32))
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["buffer"], name="new_empty", value=fill),
+        helper.make_node("Transpose", ["buffer"], ["turned"], name="turn", perm=[1, 0]),
+        helper.make_node("Transpose", ["X"], ["x_turned"], name="turn_x", perm=[1, 0]),
+        helper.make_node("ScatterND", ["turned", "rows", "x_turned"], ["written"], name="scatter"),
+        helper.make_node("Transpose", ["written"], ["keys"], name="turn_back", perm=[1, 0]),
+        helper.make_node("ConstantOfShape", ["w_shape"], ["W"], name="W__init", value=fill),
+        helper.make_node("MatMul", ["keys", "W"], ["Y"], name="mm"),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([4, 6], dtype=np.int64), "shape"),
+        numpy_helper.from_array(np.array([[0], [1], [2], [3], [4], [5]], dtype=np.int64), "rows"),
+        numpy_helper.from_array(np.array([6, 3], dtype=np.int64), "w_shape"),
+    ]
+    graph = load_model(make_model(nodes, [("X", TensorProto.FLOAT, [4, 6])], ["Y"], inits))
+    buffer = graph.tensor("buffer")
+    assert buffer.kind == "constant" and buffer.value is not None
+    assert buffer.value.shape == (4, 6) and not buffer.value.any() and not any(buffer.value.strides)
+    assert "turn" in {op.name for op in graph.ops}
+    assert graph.tensor("W").kind == "parameter" and graph.tensor("W").trainable

@@ -289,3 +289,19 @@ def test_a_training_check_too_large_for_this_machine_is_refused_before_any_work(
     assert code == 1 and out == ""
     assert "Checking the training step of 'resnet50' on 8 devices would hold about" in err
     assert "verify at a smaller batch, or the forward alone" in err and "Traceback" not in err
+
+
+def test_a_rank_reports_the_error_a_pipeline_stage_raised_not_torchs_wrapper():
+    """torch's pipeline stages wrap what a stage's forward raised in "[Stage 0] failed to run forward", which says
+    nothing of it: the rank's report is the error underneath, in its own words."""
+    pytest.importorskip("torch")
+    from autopar.runtime.launch import RuntimeFailure, run_workers
+
+    def work(rank: int, world: int, device: object) -> None:
+        try:
+            raise AutoparError("Constant 'buffer' of the plan's model has no stored value.")
+        except AutoparError as error:
+            raise RuntimeError("\n  [Stage 0] failed to run forward:\n  args: ()\n") from error
+
+    with pytest.raises(RuntimeFailure, match="AutoparError: Constant 'buffer' of the plan's model has no stored"):
+        run_workers(2, work, timeout_s=60)

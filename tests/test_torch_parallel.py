@@ -171,7 +171,9 @@ def test_trains_as_one_process(llama: dict[str, Any], plan: str) -> None:
         assert any(len(bits) for op in file.ops if op.op_type == "MatMul" for bits in op.inputs[1].layout.dims)
 
 
-@pytest.mark.parametrize("name", ["bert", "moe", "resnet", "gemma3", "phi3", "roberta", "falcon", "gpt2"])
+@pytest.mark.parametrize(
+    "name", ["bert", "moe", "resnet", "gemma3", "phi3", "roberta", "falcon", "gpt2", "deepseek_v3"]
+)
 def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     """BERT: a weight the exporter folded from parameters (the token type embedding at constant indices), lookups
     in split tables; OLMoE: eight experts run as batched_mm, a value the exporter computed once for two nodes;
@@ -180,8 +182,10 @@ def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     Gemma's output matrix its embedding (tied), RoBERTa's positions plus a zero the exporter folds away; Phi-3: an
     empty slice the exporter drops; Falcon:
     lookups by a list of positions whose values the file holds only transposed; GPT-2: two reshapes written as
-    one, and (its plan pipelined) a position table folded into the weights the first stage alone reads. Each on a
-    plan with half the memory the searched plan needs (it shards weights)."""
+    one, and (its plan pipelined) a position table folded into the weights the first stage alone reads;
+    DeepSeek-V3: key states scattered into a buffer in another order, a sum plus 1e-20 the exporter folds away, a
+    routing mask scattered from a table of ones. Each on a plan with half the memory the searched plan needs (it
+    shards weights)."""
     family = FAMILIES[name]
     batches = [family.batch(8, seed) for seed in range(2)]
     model = str(tmp_path / f"{name}.onnx")
@@ -573,8 +577,38 @@ class _BatchedThroughReshapes(torch.nn.Module):
         return (out.transpose(1, 2).reshape(8, 4, 16) - y).square().mean()
 
 
+class _ScatteredIntoBuffers(torch.nn.Module):
+    """DeepSeek-V3's latent attention and router: key states written into ``new_empty`` by two slice assignments
+    (the exporter scatters into a transposed copy and transposes back only after the second), routing weights over
+    their sum plus 1e-20 (which the exporter's optimiser folds away), a routing mask scattered into ``zeros_like``
+    with a value of 1 (a table of ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        keys = x.new_empty(8, 4, 24)
+        keys[..., :16].copy_(self.linear(x))
+        keys[..., 16:].copy_(x[..., :8])
+        weights = torch.sigmoid(keys.sum(-1))
+        top, index = weights.topk(2, dim=-1)
+        top = top / (top.sum(-1, keepdim=True) + 1e-20)
+        routed = torch.zeros_like(weights).scatter(1, index, 1)
+        return (keys[..., :16] * (routed * weights).unsqueeze(-1) - y).square().mean() + top.mean()
+
+
 @pytest.mark.parametrize(
-    "kind", [_Folded, _ListIndexed, _MergedTranspose, _ReshapedTwice, _SubtractedTwice, _BatchedThroughReshapes]
+    "kind",
+    [
+        _Folded,
+        _ListIndexed,
+        _MergedTranspose,
+        _ReshapedTwice,
+        _SubtractedTwice,
+        _BatchedThroughReshapes,
+        _ScatteredIntoBuffers,
+    ],
 )
 def test_nodes_the_exporter_folds_or_shares_are_paired(kind: type, tmp_path: Path, one_process: Any) -> None:
     from autopar.torch import parallelize

@@ -48,6 +48,7 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
     # values that may be weights: stored or elided float tensors, and what is folded from them
     # (a Transpose of a weight is a weight; a causal mask built from Range and Where is not)
     weighty = {name for name, value in constants.items() if _may_be_weight(value)}
+    buffers = scattered_buffers(proto)
     nodes: list[onnx.NodeProto] = []  # the operators that stay, in the file's order
     graph_outputs = {o.name for o in proto.graph.output}
     readers = Counter(name for node in proto.graph.node for name in set(node.input) if name)
@@ -55,10 +56,15 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
         folded = None if set(node.output) & graph_outputs else fold_constant(node, constants, infos, proto)
         if folded is not None and (node.output[0] in tied or _shared_from_weight(node, weighty, readers)):
             folded = None
+        if folded is not None and node.op_type in ("Transpose", "Reshape") and node.input[0] in buffers:
+            folded = None  # (the order a buffer is scattered in stays an operator: the trainer reads it there)
         if folded is not None:
+            if isinstance(folded, ElidedValue) and node.output[0] in buffers:
+                folded = _filled(node, folded)
             constants[node.output[0]] = folded
             from_weight = any(name in weighty for name in node.input)
-            if from_weight or (node.op_type in ("Constant", "ConstantOfShape") and _may_be_weight(folded)):
+            built = node.op_type in ("Constant", "ConstantOfShape") and node.output[0] not in buffers
+            if from_weight or (built and _may_be_weight(folded)):
                 weighty.add(node.output[0])
             continue
         nodes.append(node)
@@ -276,6 +282,57 @@ def train(graph: Graph, patterns: Iterable[str]) -> Graph:
         for name in matched:
             tensors[name] = dataclasses.replace(tensors[name], kind="parameter", trainable=True)
     return dataclasses.replace(graph, tensors=tensors)
+
+
+SCATTERS = frozenset({"ScatterND", "ScatterElements", "Scatter"})
+"""Operators that write values into a copy of their first input at given places."""
+
+
+def scattered_buffers(proto: onnx.ModelProto) -> set[str]:
+    """Tensors that scatters alone read, directly or through Transposes and Reshapes: a buffer the model builds to
+    write into (DeepSeek-V3's key states, ``new_empty`` filled by two slice assignments; a routing mask from
+    ``zeros_like``) or the values it writes (``scatter``'s one value, made a table of its indices' shape). A
+    weight elided as ``ConstantOfShape`` is read by the products and norms it is a weight of; such a buffer, built
+    the same way, is a constant.
+
+    >>> from onnx import helper
+    >>> nodes = [helper.make_node("ConstantOfShape", ["s"], ["zeros"]),
+    ...          helper.make_node("Transpose", ["zeros"], ["turned"], perm=[1, 0]),
+    ...          helper.make_node("ScatterND", ["turned", "i", "u"], ["y"]),
+    ...          helper.make_node("MatMul", ["x", "w"], ["z"])]
+    >>> sorted(scattered_buffers(helper.make_model(helper.make_graph(nodes, "g", [], []))))
+    ['turned', 'u', 'zeros']
+    """
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in proto.graph.node:
+        for slot, name in enumerate(node.input):
+            if name:
+                consumers.setdefault(name, []).append((node, slot))
+    found: dict[str, bool] = {}
+
+    def only_scattered(name: str) -> bool:
+        if name not in found:
+            found[name] = False  # (a cycle is no buffer)
+            readers = consumers.get(name, [])
+            found[name] = bool(readers) and all(
+                (node.op_type in SCATTERS and slot != 1)
+                or (
+                    node.op_type in ("Transpose", "Reshape")
+                    and slot == 0
+                    and all(only_scattered(out) for out in node.output if out)
+                )
+                for node, slot in readers
+            )
+        return found[name]
+
+    return {name for name in consumers if only_scattered(name)}
+
+
+def _filled(node: onnx.NodeProto, elided: ElidedValue) -> np.ndarray:
+    """A buffer ``ConstantOfShape`` fills (`scattered_buffers`): its one value at every place, one element held
+    (a read-only broadcast view: a key-state buffer of a large model is gigabytes)."""
+    fill = np.asarray(attributes(node).get("value", np.zeros(1, dtype=np.float32)))
+    return np.broadcast_to(fill.reshape(-1)[:1].astype(elided.dtype).reshape(()), elided.shape)
 
 
 def _may_be_weight(value: KnownValue) -> bool:

@@ -106,10 +106,19 @@ def _worker(rank: int, world: int, port: int, folder: str, timeout_s: float, wor
         dist.destroy_process_group()
     except BaseException as exc:  # a worker reports every failure, then exits non-zero
         code = 1
+        exc = _root(exc)
         last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
         where = f" ({Path(last[0].filename).name}:{last[0].lineno})" if last else ""
         (Path(folder) / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}{where}".strip())
     os._exit(code)  # a forked worker must not run the parent's exit handlers
+
+
+def _root(exc: BaseException) -> BaseException:
+    """The failure to report: the error a library raised ours from, where it did (torch's pipeline stages wrap
+    what a stage's forward raised in "[Stage 0] failed to run forward", saying nothing of it)."""
+    while exc.__cause__ is not None and isinstance(exc, RuntimeError) and "failed to run" in str(exc):
+        exc = exc.__cause__
+    return exc
 
 
 def run_processes(

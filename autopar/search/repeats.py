@@ -97,7 +97,7 @@ def signatures(
     whole_ids: dict[tuple, int] = {}
     local_ids: dict[tuple, int] = {}
     source_ids: dict[tuple, int] = {}
-    values: dict[str, bytes] = {}  # a constant's bytes, once per tensor (every layer may read one mask)
+    values: dict[str, bytes | tuple[object, ...]] = {}  # a constant's bytes, once per tensor (each layer may read one)
     whole, local = [], []
     width = max((len(op.inputs) for op in graph.ops), default=0)
     relative = np.full((len(graph.ops), max(width, 1)), -1, dtype=np.int64)
@@ -119,11 +119,11 @@ def signatures(
                 where = (node - src, src_slot, is_output)
                 relative[node, slot] = source_ids.setdefault(("relative", *where), len(source_ids))
                 absolute[node, slot] = source_ids.setdefault(("absolute", *found), len(source_ids))
-            value = None
+            value: bytes | tuple[object, ...] | None = None
             if info.kind == "constant" and info.value is not None:
                 value = values.get(name)
                 if value is None:
-                    value = values[name] = info.value.tobytes()
+                    value = values[name] = _value_key(info.value)
             inputs.append((info.shape, info.dtype, info.kind, info.trainable, requires_grad.get(name, False), value))
             wheres.append(where if found is None else "used")
         outputs_ = tuple(
@@ -335,3 +335,11 @@ def _valid_prefix(repeat: Repeat, reads: list[list[tuple[int, int]]], readers: l
     if not why[0]:
         why = (f"fewer than {MIN_FOLDED_COPIES} copies have a clean boundary", repeat.start)
     return Unfolded(repeat.start, repeat.period, repeat.copies, why[0], why[1], copies)
+
+
+def _value_key(value: np.ndarray) -> bytes | tuple[object, ...]:
+    """What a constant holds, comparable: its bytes, or for one value at every place (a broadcast buffer,
+    `autopar.graph.build.scattered_buffers`) that value and its shape, without writing the buffer out."""
+    if value.size > 1 and not any(value.strides):
+        return ("filled", value.shape, value.reshape(-1)[:1].tobytes())
+    return value.tobytes()

@@ -323,7 +323,7 @@ def _passes_on(node: torch.fx.Node, source: torch.fx.Node) -> bool:
         if len(args) != 2 or (args[0] is not source and not commutes):
             return False
         other = args[1] if args[0] is source else args[0]
-        return other is not source and _is_literal(other, element)
+        return other is not source and _is_literal(other, element, tolerance=_NEGLIGIBLE if element == 0.0 else 0.0)
     if node.target not in _PASS_THROUGH:
         return False
     if node.target == aten.dropout.default:  # the same shape for a slice: the whole dimension
@@ -346,13 +346,20 @@ _NEUTRAL: dict[Any, tuple[float, bool]] = {
 come first), which the exporter's optimiser folds away: RoBERTa's positions plus a cache length of 0, Whisper's
 attention scores times a scaling of 1."""
 
+_NEGLIGIBLE = 1e-15
+"""A literal this small added to a value the exporter's optimiser may fold away too: DeepSeek-V3's router divides by
+a sum of routing weights plus 1e-20, and its file divides by the sum. Looked through where the file has no operator
+for it, as the plan's model computes (in float32 it changes no value above 2e-8)."""
 
-def _is_literal(value: Any, element: float) -> bool:
-    """``value`` is the number ``element``, as a literal or a scalar tensor the module makes of one."""
+
+def _is_literal(value: Any, element: float, tolerance: float = 0.0) -> bool:
+    """``value`` is the number ``element`` (within ``tolerance``), as a literal or a scalar tensor the module makes
+    of one."""
     if isinstance(value, torch.fx.Node):
         args: Any = value.args
-        return value.target == aten.scalar_tensor.default and len(args) == 1 and _is_literal(args[0], element)
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == element
+        made = value.target == aten.scalar_tensor.default and len(args) == 1
+        return made and _is_literal(args[0], element, tolerance)
+    return isinstance(value, int | float) and not isinstance(value, bool) and abs(value - element) <= tolerance
 
 
 def _permutation_of(node: torch.fx.Node) -> tuple[int, ...] | None:
@@ -829,8 +836,10 @@ class _Mapper:
             raise MappingError(f"Module node {node.name!r} becomes operators none of whose outputs is read.")
         tensor = max(own, key=lambda t: writer[t])  # the last one written; others are shared (`ModuleMap.shared`)
         self.shared.update(t for t in read_outside if t != tensor)
-        order = self._permuted(node, tensor)
         planned = tuple(self.graph.tensor(tensor).shape)
+        order = self._permuted(node, tensor)
+        if order is None and shape is not None and not _same_but_batch(planned, shape):
+            order = self._scattered_transposed(tensor, ops)
         if shape is not None and order is not None and _same_but_batch(_permuted(planned, inverse(order)), shape):
             self.order_of[node.name] = order
         elif shape is not None and not _same_but_batch(planned, shape):
@@ -863,6 +872,29 @@ class _Mapper:
                     return None
                 return _identity_none(_compose(r, inverse(tuple(int(d) for d in q))))
         return None
+
+    def _scattered_transposed(self, tensor: str, ops: Sequence[int]) -> tuple[int, ...] | None:
+        """How the plan's ``tensor`` orders the dimensions of the node's value where the exporter scattered into a
+        transposed copy of the value the node writes into and left the Transpose back to the node's reader (None:
+        where it did not). DeepSeek-V3's key states, ``k[..., :8].copy_(k_nope)``, are a ``slice_scatter`` along
+        the last dimension: a Transpose bringing that dimension first, a ScatterND into it, and the Transpose back
+        only after the next ``slice_scatter``. The ScatterND keeps the order of what it scatters into, so the
+        tensor is the value permuted as that Transpose permutes (after any order its input has already; a table
+        the exporter folded, as DeepSeek-V3's ``new_empty``, has the value's own)."""
+        written = {out: index for index in ops for out in self.program.ops[index].rule.op.outputs if out}
+        writer = self.program.ops[written[tensor]].rule.op
+        data = writer.inputs[0]
+        if writer.op_type not in ("ScatterND", "ScatterElements") or data not in self.graph.producer:
+            return None
+        turned = self.graph.op(self.graph.producer[data])  # (the next layer's scatter may read this one's)
+        into = turned.inputs[0] if turned.op_type == "Transpose" else None
+        perm = turned.attrs.get("perm")
+        if into is None or into in written or perm is None:
+            return None
+        value = self._value_of_tensor(into)  # (None: a table the exporter folded, in the value's own order)
+        if value is None and self.graph.tensor(into).kind not in ("constant", "parameter"):
+            return None
+        return _identity_none(_compose(self.order_of.get(value or ""), tuple(int(d) for d in perm)))
 
     def _pair_stored(
         self, node: torch.fx.Node, arg: torch.fx.Node, left: list[tuple[int, int, str]]
