@@ -172,7 +172,7 @@ def test_trains_as_one_process(llama: dict[str, Any], plan: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["bert", "moe", "resnet", "gemma3", "phi3", "roberta", "falcon", "gpt2", "deepseek_v3"]
+    "name", ["bert", "moe", "resnet", "gemma3", "phi3", "roberta", "falcon", "gpt2", "deepseek_v3", "mamba2"]
 )
 def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     """BERT: a weight the exporter folded from parameters (the token type embedding at constant indices), lookups
@@ -184,8 +184,8 @@ def test_other_families_train_as_one_process(name: str, tmp_path: Path) -> None:
     lookups by a list of positions whose values the file holds only transposed; GPT-2: two reshapes written as
     one, and (its plan pipelined) a position table folded into the weights the first stage alone reads;
     DeepSeek-V3: key states scattered into a buffer in another order, a sum plus 1e-20 the exporter folds away, a
-    routing mask scattered from a table of ones. Each on a plan with half the memory the searched plan needs (it
-    shards weights)."""
+    routing mask scattered from a table of ones; Mamba2: a state-space scan in chunks. Each on a plan with half the
+    memory the searched plan needs (it shards weights)."""
     family = FAMILIES[name]
     batches = [family.batch(8, seed) for seed in range(2)]
     model = str(tmp_path / f"{name}.onnx")
@@ -596,6 +596,37 @@ class _ScatteredIntoBuffers(torch.nn.Module):
         top = top / (top.sum(-1, keepdim=True) + 1e-20)
         routed = torch.zeros_like(weights).scatter(1, index, 1)
         return (keys[..., :16] * (routed * weights).unsqueeze(-1) - y).square().mean() + top.mean()
+
+
+class _ScatteredIntoSquareBuffers(torch.nn.Module):
+    """`_ScatteredIntoBuffers`' key states where the transposed copy has the value's shape: the buffer's last
+    dimension, which the exporter brings first to scatter along it, has the batch's size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = x.new_empty(8, 4, 8)
+        keys[..., :4].copy_(x[..., :4])
+        keys[..., 4:].copy_(x[..., 4:8] * 2)
+        return keys.square().mean()
+
+
+def test_a_value_scattered_in_another_order_is_paired_so_whatever_its_sizes(tmp_path: Path) -> None:
+    """The exporter scatters the key states into a transposed copy of the buffer (dimensions 0 and 2 swapped), both
+    of size 8: the shapes alike, the node's value is its plan tensor permuted all the same (a plan that split the
+    tensor's first dimension would split the value's last)."""
+    from autopar.graph import read_model
+    from autopar.lowering import program_from_file
+    from autopar.lowering.program import plan_graph
+    from autopar.options import PlanOptions
+    from autopar.torch.capture import exported_program
+    from autopar.torch.mapping import NodeUnit, map_module
+
+    module, batch, model = _ScatteredIntoSquareBuffers(), (torch.randn(8, 4, 16),), str(tmp_path / "model.onnx")
+    export(module, batch, model)
+    file = autopar.plan(model, devices=1).file
+    program = program_from_file(plan_graph(file, read_model(model)), file, 1, PlanOptions(1).costs())
+    units = {unit.node: unit for unit in map_module(program, exported_program(module, batch)).units}
+    first = units["slice_scatter"]
+    assert isinstance(first, NodeUnit) and first.permutation == (2, 1, 0)
 
 
 @pytest.mark.parametrize(

@@ -39,35 +39,11 @@ def build_graph(proto: onnx.ModelProto, name: str) -> Graph:
     tensors: dict[str, TensorInfo] = {}
     constants: dict[str, KnownValue] = {}
     for init in proto.graph.initializer:
-        if init.data_location == onnx.TensorProto.EXTERNAL:
-            dims = tuple(int(d) for d in init.dims)
-            constants[init.name] = _elided(dims, init.data_type)
-        else:
-            constants[init.name] = numpy_helper.to_array(init)
+        external = init.data_location == onnx.TensorProto.EXTERNAL
+        constants[init.name] = _elided(tuple(init.dims), init.data_type) if external else numpy_helper.to_array(init)
 
-    # values that may be weights: stored or elided float tensors, and what is folded from them
-    # (a Transpose of a weight is a weight; a causal mask built from Range and Where is not)
-    weighty = {name for name, value in constants.items() if _may_be_weight(value)}
-    buffers = scattered_buffers(proto)
-    nodes: list[onnx.NodeProto] = []  # the operators that stay, in the file's order
+    nodes, weighty = _folded(proto, constants, infos, tied)
     graph_outputs = {o.name for o in proto.graph.output}
-    readers = Counter(name for node in proto.graph.node for name in set(node.input) if name)
-    for node in proto.graph.node:
-        folded = None if set(node.output) & graph_outputs else fold_constant(node, constants, infos, proto)
-        if folded is not None and (node.output[0] in tied or _shared_from_weight(node, weighty, readers)):
-            folded = None
-        if folded is not None and node.op_type in ("Transpose", "Reshape") and node.input[0] in buffers:
-            folded = None  # (the order a buffer is scattered in stays an operator: the trainer reads it there)
-        if folded is not None:
-            if isinstance(folded, ElidedValue) and node.output[0] in buffers:
-                folded = _filled(node, folded)
-            constants[node.output[0]] = folded
-            from_weight = any(name in weighty for name in node.input)
-            built = node.op_type in ("Constant", "ConstantOfShape") and node.output[0] not in buffers
-            if from_weight or (built and _may_be_weight(folded)):
-                weighty.add(node.output[0])
-            continue
-        nodes.append(node)
     names, renamed = _unique_names([node.name or f"{node.op_type}_{i}" for i, node in enumerate(nodes)])
 
     roles = _constant_roles(nodes, {name: v for name, v in constants.items() if name in weighty}, opset)
@@ -286,6 +262,39 @@ def train(graph: Graph, patterns: Iterable[str]) -> Graph:
 
 SCATTERS = frozenset({"ScatterND", "ScatterElements", "Scatter"})
 """Operators that write values into a copy of their first input at given places."""
+
+
+def _folded(
+    proto: onnx.ModelProto,
+    constants: dict[str, KnownValue],
+    infos: dict[str, onnx.ValueInfoProto],
+    tied: frozenset[str],
+) -> tuple[list[onnx.NodeProto], set[str]]:
+    """Fold into ``constants`` what the import can compute; the operators that stay, in the file's order, and the
+    values that may be weights: stored or elided float tensors, and what is folded from them (a Transpose of a
+    weight is a weight; a causal mask built from Range and Where is not, nor a buffer built for scatters)."""
+    weighty = {name for name, value in constants.items() if _may_be_weight(value)}
+    buffers = scattered_buffers(proto)
+    nodes: list[onnx.NodeProto] = []
+    graph_outputs = {o.name for o in proto.graph.output}
+    readers = Counter(name for node in proto.graph.node for name in set(node.input) if name)
+    for node in proto.graph.node:
+        folded = None if set(node.output) & graph_outputs else fold_constant(node, constants, infos, proto)
+        if folded is not None and (node.output[0] in tied or _shared_from_weight(node, weighty, readers)):
+            folded = None
+        if folded is not None and node.op_type in ("Transpose", "Reshape") and node.input[0] in buffers:
+            folded = None  # (the order a buffer is scattered in stays an operator: the trainer reads it there)
+        if folded is None:
+            nodes.append(node)
+            continue
+        if isinstance(folded, ElidedValue) and node.output[0] in buffers:
+            folded = _filled(node, folded)
+        constants[node.output[0]] = folded
+        from_weight = any(name in weighty for name in node.input)
+        built = node.op_type in ("Constant", "ConstantOfShape") and node.output[0] not in buffers
+        if from_weight or (built and _may_be_weight(folded)):
+            weighty.add(node.output[0])
+    return nodes, weighty
 
 
 def scattered_buffers(proto: onnx.ModelProto) -> set[str]:

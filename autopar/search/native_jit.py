@@ -204,6 +204,46 @@ def _price(
     return key, latency[key], per_byte[key] * (1.0 / (np.int64(1) << shift))
 
 
+@_inlined
+def _closed(
+    state: tuple[int, int, int, int],
+    sums: tuple[float, float],
+    level_masks: np.ndarray,
+    radix: int,
+    latency: np.ndarray,
+    per_byte: np.ndarray,
+) -> tuple[tuple[float, float], int]:
+    """The sums with the open step priced (none open: as they are), and the key of a price not in the tables (else
+    -1)."""
+    kind, _, mask, shift = state
+    if kind < 0:
+        return sums, -1
+    key, price, per = _price(kind, mask, shift, level_masks, radix, latency, per_byte)
+    if np.isnan(price):
+        return sums, key
+    return (sums[0] + price, sums[1] + per), -1
+
+
+@_inlined
+def _fused(
+    state: tuple[int, int, int, int],
+    sums: tuple[float, float],
+    step: tuple[int, int, int, int],
+    level_masks: np.ndarray,
+    radix: int,
+    latency: np.ndarray,
+    per_byte: np.ndarray,
+) -> tuple[tuple[int, int, int, int], tuple[float, float], int]:
+    """A step taken after the open one (`redistribute._merge`): fused into it where both are of one kind on one
+    dimension (an AllToAll never is: each moves its own run), else the open one priced and this one open; the key
+    of a price not in the tables (else -1)."""
+    kind, dim, mask, shift = step
+    if state[0] == kind and state[1] == dim and kind != _A2A:
+        return (kind, dim, state[2] | mask, min(state[3], shift)), sums, -1
+    sums, key = _closed(state, sums, level_masks, radix, latency, per_byte)
+    return (step if key < 0 else state), sums, key
+
+
 @_jit
 def _drop(code: np.uint64, count: int) -> np.uint64:
     """A packed code without its last ``count`` bits (`coefficients._drop`)."""
@@ -269,8 +309,7 @@ def pair_coefficients(
             current[d] = code[s, d]
             total += held[d]
         left = partial[s]
-        open_kind, open_dim, open_mask, open_shift = -1, 0, 0, 0
-        sum_latency, sum_per_byte = 0.0, 0.0
+        state, sums = (-1, 0, 0, 0), (0.0, 0.0)  # the step still open (kind, dimension, mask, shift); the sums
         missing[p] = -1
         d = 0
         while d < width:  # 1. a bit where the target does not want it: an AllToAll's run, or gathered
@@ -304,17 +343,11 @@ def pair_coefficients(
                 held[d] -= 1
                 total -= 1
                 kind, dim, mask, shift = _AG, d, 1 << bit, total
-            if open_kind == kind and open_dim == dim and kind != _A2A:
-                open_mask |= mask
-                open_shift = min(open_shift, shift)
-                continue
-            if open_kind >= 0:
-                key, price, per = _price(open_kind, open_mask, open_shift, level_masks, radix, latency, per_byte)
-                if np.isnan(price):
-                    missing[p] = key
-                    break
-                sum_latency, sum_per_byte = sum_latency + price, sum_per_byte + per
-            open_kind, open_dim, open_mask, open_shift = kind, dim, mask, shift
+            state, sums, missing[p] = _fused(
+                state, sums, (kind, dim, mask, shift), level_masks, radix, latency, per_byte
+            )
+            if missing[p] >= 0:
+                break
         if missing[p] >= 0:
             continue
         for grow in range(width):  # 2. every dimension a prefix of its target: extend each in turn
@@ -324,37 +357,22 @@ def pair_coefficients(
                 if (left >> bit) & 1:
                     left &= ~(1 << bit)
                     kind = _RS
+                step = (kind, grow, 1 << bit, total)
                 held[grow] += 1
                 total += 1
-                if open_kind == kind and open_dim == grow:
-                    open_mask |= 1 << bit
-                    open_shift = min(open_shift, total - 1)
-                    continue
-                if open_kind >= 0:
-                    key, price, per = _price(open_kind, open_mask, open_shift, level_masks, radix, latency, per_byte)
-                    if np.isnan(price):
-                        missing[p] = key
-                        break
-                    sum_latency, sum_per_byte = sum_latency + price, sum_per_byte + per
-                open_kind, open_dim, open_mask, open_shift = kind, grow, 1 << bit, total - 1
+                state, sums, missing[p] = _fused(state, sums, step, level_masks, radix, latency, per_byte)
+                if missing[p] >= 0:
+                    break
             if missing[p] >= 0:
                 break
         if missing[p] >= 0:
             continue
-        if open_kind >= 0:  # 3. the last fused step, then an AllReduce of what is still partial
-            key, price, per = _price(open_kind, open_mask, open_shift, level_masks, radix, latency, per_byte)
-            if np.isnan(price):
-                missing[p] = key
-                continue
-            sum_latency, sum_per_byte = sum_latency + price, sum_per_byte + per
-        if left:
-            key, price, per = _price(_AR, left, total, level_masks, radix, latency, per_byte)
-            if np.isnan(price):
-                missing[p] = key
-                continue
-            sum_latency, sum_per_byte = sum_latency + price, sum_per_byte + per
-        out_latency[p] = sum_latency
-        out_per_byte[p] = sum_per_byte
+        if left:  # 3. the last fused step, then an AllReduce of what is still partial
+            state, sums, missing[p] = _fused(state, sums, (_AR, -1, left, total), level_masks, radix, latency, per_byte)
+        if missing[p] < 0:
+            sums, missing[p] = _closed(state, sums, level_masks, radix, latency, per_byte)
+        if missing[p] < 0:
+            out_latency[p], out_per_byte[p] = sums
 
 
 @_jit

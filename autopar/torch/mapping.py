@@ -837,9 +837,7 @@ class _Mapper:
         tensor = max(own, key=lambda t: writer[t])  # the last one written; others are shared (`ModuleMap.shared`)
         self.shared.update(t for t in read_outside if t != tensor)
         planned = tuple(self.graph.tensor(tensor).shape)
-        order = self._permuted(node, tensor)
-        if order is None and shape is not None and not _same_but_batch(planned, shape):
-            order = self._scattered_transposed(tensor, ops)
+        order = self._permuted(node, tensor) or self._scattered_transposed(node, tensor, ops)
         if shape is not None and order is not None and _same_but_batch(_permuted(planned, inverse(order)), shape):
             self.order_of[node.name] = order
         elif shape is not None and not _same_but_batch(planned, shape):
@@ -873,28 +871,37 @@ class _Mapper:
                 return _identity_none(_compose(r, inverse(tuple(int(d) for d in q))))
         return None
 
-    def _scattered_transposed(self, tensor: str, ops: Sequence[int]) -> tuple[int, ...] | None:
-        """How the plan's ``tensor`` orders the dimensions of the node's value where the exporter scattered into a
+    def _scattered_transposed(self, node: torch.fx.Node, tensor: str, ops: Sequence[int]) -> tuple[int, ...] | None:
+        """How the plan's ``tensor`` orders the dimensions of ``node``'s value where the exporter scattered into a
         transposed copy of the value the node writes into and left the Transpose back to the node's reader (None:
         where it did not). DeepSeek-V3's key states, ``k[..., :8].copy_(k_nope)``, are a ``slice_scatter`` along
         the last dimension: a Transpose bringing that dimension first, a ScatterND into it, and the Transpose back
         only after the next ``slice_scatter``. The ScatterND keeps the order of what it scatters into, so the
         tensor is the value permuted as that Transpose permutes (after any order its input has already; a table
-        the exporter folded, as DeepSeek-V3's ``new_empty``, has the value's own)."""
+        the exporter folded, as DeepSeek-V3's ``new_empty``, has the value's own). Only a Transpose the exporter
+        wrote for a node of the same kind counts (the next layer's scatter reads the one this layer's wrote): a
+        module's own transpose before its scatter gives the value its order too. Asked whatever the shapes, which
+        the order is then checked against: the dimensions it swaps may have one size."""
         written = {out: index for index in ops for out in self.program.ops[index].rule.op.outputs if out}
         writer = self.program.ops[written[tensor]].rule.op
         data = writer.inputs[0]
         if writer.op_type not in ("ScatterND", "ScatterElements") or data not in self.graph.producer:
             return None
-        turned = self.graph.op(self.graph.producer[data])  # (the next layer's scatter may read this one's)
+        turned = self.graph.op(self.graph.producer[data])
         into = turned.inputs[0] if turned.op_type == "Transpose" else None
         perm = turned.attrs.get("perm")
-        if into is None or into in written or perm is None:
+        if into is None or into in written or perm is None or not self._written_for(turned.name, node):
             return None
         value = self._value_of_tensor(into)  # (None: a table the exporter folded, in the value's own order)
         if value is None and self.graph.tensor(into).kind not in ("constant", "parameter"):
             return None
         return _identity_none(_compose(self.order_of.get(value or ""), tuple(int(d) for d in perm)))
+
+    def _written_for(self, op: str, node: torch.fx.Node) -> bool:
+        """Whether the exporter wrote operator ``op`` for ``node`` or for a node of the same kind."""
+        index = self.op_index.get(op)
+        owner = next((name for name, indices in self.ops_of.items() if index in indices), None)
+        return owner is not None and (owner == node.name or self.nodes[owner].target == node.target)
 
     def _pair_stored(
         self, node: torch.fx.Node, arg: torch.fx.Node, left: list[tuple[int, int, str]]

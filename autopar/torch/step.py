@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx
 
@@ -732,9 +733,9 @@ class Pass:
         info = self.p.program.graph.tensor(name)
         if info.value is None:
             raise PlanMismatch(f"Constant {name!r} of the plan's model has no stored value.")
-        whole = torch.as_tensor(info.value)
         layout = reader.input_layout(slot)
-        return whole[layout.local_slices(self.p.rank, tuple(whole.shape))]
+        local = info.value[layout.local_slices(self.p.rank, tuple(info.value.shape))]
+        return torch.from_numpy(np.array(local))  # (a copy: a stored value, or a buffer's broadcast view, is read-only)
 
     # --- outputs --------------------------------------------------------------------------------
 
