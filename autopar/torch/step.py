@@ -140,6 +140,7 @@ class RankProgram:
     units: list[Any] = field(default_factory=list)
     unsynced: dict[str, torch.Tensor] = field(default_factory=dict)
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)  # parallel-optimizer loads, once a step
+    constants: dict[tuple[str, Layout], torch.Tensor] = field(default_factory=dict)  # this rank's slices of them
     by_operators: int = 0  # nodes that run as the plan's operators (see the module docstring)
     derived_mover: Mover | None = None  # counts the reductions of folded weights' gradients (`DerivedUnit`)
     seed: int = 0  # dropout's masks' (`autopar.torch.dropout`)
@@ -734,8 +735,11 @@ class Pass:
         if info.value is None:
             raise PlanMismatch(f"Constant {name!r} of the plan's model has no stored value.")
         layout = reader.input_layout(slot)
-        local = info.value[layout.local_slices(self.p.rank, tuple(info.value.shape))]
-        return torch.from_numpy(np.array(local))  # (a copy: a stored value, or a buffer's broadcast view, is read-only)
+        key = (name, layout)
+        if key not in self.p.constants:  # made once: a copy (a stored value, or a buffer's view, is read-only)
+            local = info.value[layout.local_slices(self.p.rank, tuple(info.value.shape))]
+            self.p.constants[key] = torch.from_numpy(np.array(local))
+        return self.p.constants[key]
 
     # --- outputs --------------------------------------------------------------------------------
 
