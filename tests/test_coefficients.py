@@ -244,7 +244,7 @@ def test_layouts_stripped_of_partial_bits_are_numbered_as_one_at_a_time_numbers_
     from models.transformer import build_transformer
 
     graph = load_model(build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, batch=8))
-    layouts = costing._planned(graph, CostModel(profile()), 8, True, None, True).layouts
+    layouts = costing._planned(costing._Bound.of(graph, CostModel(profile()), 8, None), True, True).layouts
     every = np.arange(len(layouts.rows))
     partial = np.flatnonzero(layouts.partial(every))
     assert len(partial) > 4  # the model has layouts partial over some bits

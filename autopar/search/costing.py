@@ -15,7 +15,7 @@ import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -61,10 +61,11 @@ def build_problem(
     the search without them (``forks_meet`` is then False on the problem). Without ``meet`` they pass
     through from the start.
     """
-    planned = _planned(graph, cost, num_devices, fold, fixed, twins, meet)
+    bound = _Bound.of(graph, cost, num_devices, fixed)
+    planned = _planned(bound, fold, twins, meet)
     if meet and not planned.exact():
         # forks are a saving, not a need: where meeting would pass the table limits, they pass through
-        planned = _planned(graph, cost, num_devices, fold, fixed, twins, meet=False)
+        planned = _planned(bound, fold, twins, meet=False)
     flow, costs, costed, layouts = planned.flow, planned.costs, planned.costed, planned.layouts
     rules = flow.rules
     repeats, blocks, unfolded, ties = planned.repeats, planned.blocks, planned.unfolded, planned.ties
@@ -144,28 +145,52 @@ class _Planned:
         )
 
 
-def _planned(
-    graph: Graph,
-    cost: CostModel,
-    num_devices: int,
-    fold: bool,
-    fixed: Mapping[str, Sequence[Sequence[int]]] | None,
-    twins: bool,
-    meet: bool = True,
-) -> _Planned:
-    mesh_bits = num_devices.bit_length() - 1
-    rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
-    pinned = _pin(rules, fixed or {})
-    for node, rule in enumerate(rules):
-        if rule.spec.gradient_labels and node not in pinned:
-            rules[node] = rule.with_candidates(meeting_layouts(graph, rules, node, meet))
-    flow = Dataflow.of(graph, rules, cost, num_devices, frozenset(pinned))
-    # repeated blocks bound the overlap windows whether or not they are folded, so folding never
-    # changes the objective
-    owner, grad = dict(flow.owner), dict(flow.requires_grad)
-    signature = signatures(graph, flow.uses, owner, grad, flow.kept, set(graph.outputs), pinned)
-    blocks, unfolded = find_repeats(len(rules), flow.uses, signature)
+@dataclass(frozen=True)
+class _Bound:
+    """What costing derives before any fork's candidates are chosen, whether forks meet or not: the
+    operators bound to the mesh (the fixed ones pinned), the dataflow and the repeated blocks."""
+
+    graph: Graph
+    rules: tuple[OpRule, ...]
+    pinned: Mapping[int, tuple[int, ...]]
+    flow: Dataflow  # (its rules' candidates are not read: forks take theirs in `_planned`)
+    blocks: list[Repeat]
+    unfolded: list[Any]
+
+    @classmethod
+    def of(
+        cls, graph: Graph, cost: CostModel, num_devices: int, fixed: Mapping[str, Sequence[Sequence[int]]] | None
+    ) -> "_Bound":
+        mesh_bits = num_devices.bit_length() - 1
+        rules = [OpRule.build(op, graph, mesh_bits) for op in graph.ops]
+        pinned = _pin(rules, fixed or {})
+        flow = Dataflow.of(graph, rules, cost, num_devices, frozenset(pinned))
+        # repeated blocks bound the overlap windows whether or not they are folded, so folding never
+        # changes the objective
+        owner, grad = dict(flow.owner), dict(flow.requires_grad)
+        signature = signatures(graph, flow.uses, owner, grad, flow.kept, set(graph.outputs), pinned)
+        blocks, unfolded = find_repeats(len(rules), flow.uses, signature)
+        return cls(graph, tuple(rules), MappingProxyType(pinned), flow, blocks, unfolded)
+
+
+def _met(bound: _Bound, repeats: Sequence[Repeat], meet: bool) -> list[OpRule]:
+    """The rules with each fork's candidates (`meeting_layouts`), in graph order. A fork in a later copy of
+    a folded run takes its first copy's candidates (`_planned`), so its own are not derived, unless a fork
+    after it reads its output (a fork's candidates read its producer's)."""
+    graph, rules, pinned = bound.graph, list(bound.rules), bound.pinned
+    later_copies = {node for repeat in repeats for node in range(repeat.block(1).start, repeat.folded.stop)}
+    forks = [node for node, rule in enumerate(rules) if rule.spec.gradient_labels and node not in pinned]
+    producers = {graph.position[graph.producer[rules[node].op.inputs[0]]] for node in forks}
+    for node in forks:
+        if node not in later_copies or node in producers:
+            rules[node] = rules[node].with_candidates(meeting_layouts(graph, rules, node, meet))
+    return rules
+
+
+def _planned(bound: _Bound, fold: bool, twins: bool, meet: bool = True) -> _Planned:
+    graph, pinned, blocks, unfolded = bound.graph, bound.pinned, bound.blocks, bound.unfolded
     repeats = blocks if fold else []
+    rules = _met(bound, repeats, meet)
     copy_of: dict[int, int] = {}  # operators of copies 1.. -> the same operator of copy 0
     run_of: dict[int, int] = {}  # operators of copy 0 -> their run
     shared = [u for block in blocks for u in block.shared]
@@ -182,7 +207,7 @@ def _planned(
             for node in repeat.block(k):
                 copy_of[node] = node - k * repeat.period
                 rules[node] = rules[node].with_candidates(rules[copy_of[node]].candidates)
-    flow = dataclasses.replace(flow, rules=tuple(rules))
+    flow = dataclasses.replace(bound.flow, rules=tuple(rules))
     costed = [use for use in flow.uses if use.dst_node not in copy_of]
     # copy 0 reads the operator before its run where every later copy reads the previous copy's last
     entry_of = {
@@ -525,6 +550,23 @@ def _collective_coefficients(kind: Collective, masks: np.ndarray, cost: CostMode
     return latency[inverse.reshape(-1)], per_byte[inverse.reshape(-1)]
 
 
+def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`np.unique` of a table's rows (``axis=0``), with each one's first index and every row's position among
+    them: the same arrays, by one lexicographic sort of the row indices (`np.lexsort`, stable), where numpy
+    sorts the rows as records, three times as long on a layout table.
+
+    >>> [a.tolist() for a in unique_rows(np.array([[2, 1], [1, 5], [2, 1]], dtype=np.uint64))]
+    [[[1, 5], [2, 1]], [1, 0], [1, 0, 1]]
+    """
+    order = np.lexsort(rows.T[::-1]) if rows.shape[1] else np.arange(len(rows))
+    ordered = rows[order]
+    starts = np.ones(len(order), dtype=bool)
+    starts[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    positions = np.empty(len(order), dtype=np.int64)
+    positions[order] = np.cumsum(starts) - 1
+    return ordered[starts], order[starts], positions
+
+
 class _Layouts:
     """Each tensor end's distinct layouts, numbered across the model, and every candidate's among them.
 
@@ -567,12 +609,13 @@ class _Layouts:
                 splits = CandidateSplits(rule.candidates, rule.spec.label_order)
                 partial = splits.absent_mask(rule.spec.inputs[slot])
             packed = np.concatenate([length.view(np.uint64), code, partial.view(np.uint64)[:, None]], axis=1)
-            unique, first, positions = np.unique(packed, axis=0, return_index=True, return_inverse=True)
+            unique, first, positions = unique_rows(packed)
             rows = np.ascontiguousarray(unique).view(np.dtype((np.void, unique.dtype.itemsize * unique.shape[1])))
-            ids = np.empty(len(unique), dtype=np.int64)
-            for index, (row, at) in enumerate(zip(rows.reshape(-1).tolist(), first.tolist())):  # each row's bytes
-                ids[index] = self._number(bytes(row), length, code, partial, at)
-            self._cache[key] = (ids, positions.reshape(-1).astype(np.int64))
+            packed_rows = cast(list[bytes], rows.reshape(-1).tolist())  # each row's bytes
+            found = [self.ids.get(row) for row in packed_rows]
+            for index in [index for index, number in enumerate(found) if number is None]:  # numbered in order
+                found[index] = self._number(packed_rows[index], length, code, partial, int(first[index]))
+            self._cache[key] = (np.asarray(found, dtype=np.int64), positions.reshape(-1).astype(np.int64))
         return self._cache[key]
 
     def _number(self, row: bytes, length: np.ndarray, code: np.ndarray, partial: np.ndarray, at: int) -> int:
