@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,15 @@ def _check_bit(bit: Any) -> int:
     return bit
 
 
+def _checked(bits: Iterable[Any]) -> tuple[int, ...]:
+    """``bits`` as a tuple, each a mesh bit (`_check_bit`)."""
+    found = tuple(bits)
+    for bit in found:
+        if type(bit) is not int or bit < 0:
+            _check_bit(bit)
+    return found
+
+
 @dataclass(frozen=True, order=True)
 class Layout:
     """Bits splitting each dimension (MSB first), plus bits over which values are partial."""
@@ -66,12 +75,15 @@ class Layout:
     partial_op: ReduceOp = ReduceOp.SUM
 
     def __post_init__(self) -> None:
-        dims = tuple(tuple(_check_bit(b) for b in bits) for bits in self.dims)
-        partial = tuple(sorted((_check_bit(b) for b in self.partial), reverse=True))
-        try:
-            op = ReduceOp(self.partial_op)
-        except ValueError:
-            raise ValueError(f"unknown reduce op {self.partial_op!r} (sum, max or min)") from None
+        # (the hottest constructor of a large plan: the checks are `_checked`'s, each bit's type asked directly)
+        dims = tuple(map(_checked, self.dims))
+        partial = tuple(sorted(_checked(self.partial), reverse=True))
+        op = self.partial_op
+        if type(op) is not ReduceOp:
+            try:
+                op = ReduceOp(op)
+            except ValueError:
+                raise ValueError(f"unknown reduce op {self.partial_op!r} (sum, max or min)") from None
         if not partial:
             op = ReduceOp.SUM  # nothing is partial: one spelling for every replicated layout
         object.__setattr__(self, "dims", dims)
