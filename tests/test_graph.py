@@ -510,6 +510,66 @@ def test_a_reshape_target_merging_the_batch_with_the_sequence_is_rebatched():
     assert graph.tensor("layer0.attn.q.reshape").shape == (2, 16, 2, 32)
 
 
+def _routed(batch: int = 8, seq: int = 4, experts: int = 2) -> onnx.ModelProto:
+    """A router as the dynamo exporter writes DeepSeek-V3's: each token's top expert marked with a scatter of ones
+    into ``zeros_like`` of its scores (both folded: a stored table of zeros, a ConstantOfShape of the tokens' count),
+    the scores gathered per token and split back into the batch's sequences, and a key-state buffer the model
+    fills at its batch (``new_empty``) that a scatter writes into."""
+    tokens = batch * seq
+    nodes = [
+        helper.make_node("Reshape", ["x", "per_token"], ["flat"], name="flatten"),
+        helper.make_node("MatMul", ["flat", "gate"], ["scores"], name="gate"),
+        helper.make_node("TopK", ["scores", "one"], ["top", "chosen"], name="topk"),
+        helper.make_node(
+            "ConstantOfShape",
+            ["ones_shape"],
+            ["ones"],
+            name="ones",
+            value=numpy_helper.from_array(np.ones(1, np.float32)),
+        ),
+        helper.make_node("ScatterElements", ["zeros_like", "chosen", "ones"], ["marked"], name="mark", axis=1),
+        helper.make_node("Mul", ["scores", "marked"], ["routed"], name="route"),
+        helper.make_node("Reshape", ["routed", "per_sequence"], ["back"], name="unflatten"),
+        helper.make_node("ConstantOfShape", ["buffer_shape"], ["buffer"], name="new_empty"),
+        helper.make_node("ScatterND", ["buffer", "where", "back"], ["states"], name="write_states"),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([tokens, 4], np.int64), "per_token"),
+        weight("gate", [4, experts]),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+        numpy_helper.from_array(np.array([tokens, 1], np.int64), "ones_shape"),
+        numpy_helper.from_array(np.zeros((tokens, experts), np.float32), "zeros_like"),
+        numpy_helper.from_array(np.array([batch, seq, experts], np.int64), "per_sequence"),
+        numpy_helper.from_array(np.array([batch, seq, experts], np.int64), "buffer_shape"),
+        numpy_helper.from_array(np.zeros((1, 1), np.int64), "where"),
+    ]
+    outputs = [("states", TensorProto.FLOAT, [batch, seq, experts])]
+    return _model(nodes, [("x", TensorProto.FLOAT, [batch, seq, 4])], outputs, inits)
+
+
+def test_a_routers_buffers_and_its_tokens_reshapes_follow_the_batch():
+    """At another batch (a micro-batch's), the buffers a model fills at its batch or its tokens' count and the
+    reshapes that gather the batch's tokens and split them back take the new batch (DeepSeek-V3 refused every
+    micro-batch count but one: 'Incompatible dimensions'); ``zeros_like`` folded into a stored table, which only a
+    scatter writes into, is a constant, not a trained parameter."""
+    whole, micro = load_model(_routed()), load_model(_routed(), batch=2)
+    assert micro.tensor("states").shape == (2, 4, 2) and micro.tensor("back").shape == (2, 4, 2)
+    assert micro.tensor("marked").shape == (8, 2) and micro.tensor("zeros_like").shape == (8, 2)
+    assert whole.tensor("zeros_like").kind == micro.tensor("zeros_like").kind == "constant"
+    assert whole.tensor("gate").kind == "parameter"
+
+
+def test_a_reshape_naming_a_size_the_batch_does_not_hold_is_not_rebatched():
+    """A tensor of weights leading with a size equal to the batch's tokens is not reshaped as if it held them."""
+    nodes = [
+        helper.make_node("Reshape", ["table", "split"], ["rows"], name="split_table"),
+        helper.make_node("MatMul", ["x", "rows"], ["y"], name="mm"),
+    ]
+    inits = [weight("table", [8, 4]), numpy_helper.from_array(np.array([8, 4], np.int64), "split")]
+    model = _model(nodes, [("x", TensorProto.FLOAT, [2, 4, 8])], [("y", TensorProto.FLOAT, [2, 4, 4])], inits)
+    assert load_model(model, batch=1).tensor("rows").shape == (8, 4)
+
+
 @pytest.mark.parametrize(
     "path, node, source",
     [

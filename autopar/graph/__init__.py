@@ -35,9 +35,10 @@ from autopar.graph.bind import (
     note_propagated,
     propagated,
     rebatch_constants,
+    rebatch_filled,
     rebatch_reshapes,
 )
-from autopar.graph.build import build_graph, freeze, gradient_reaches, train, untrained
+from autopar.graph.build import build_graph, freeze, gradient_reaches, scattered_buffers, train, untrained
 from autopar.graph.forks import insert_forks
 from autopar.graph.read import read_model
 from autopar.graph.records import restore_training_batch_norms
@@ -82,6 +83,7 @@ def load_model(
     if batch is not None:
         rebatch_reshapes(proto, batch, key)
         rebatch_constants(proto, batch)
+        rebatch_filled(proto, batch, scattered_buffers(proto))
     symbols, computed = split_computed(dims or {}, proto)
     proto = bind_dimensions(proto, batch, symbols)
     try:

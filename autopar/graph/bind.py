@@ -13,6 +13,7 @@ import collections
 import hashlib
 import math
 import re
+from collections.abc import Container
 
 import numpy as np
 import onnx
@@ -114,8 +115,10 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int, key: bytes | None = Non
     Reshape merges into it (``[batch * seq, vocab]``; not for a batch of 1, which would match any
     flattening): so the entry is the batch, not a feature. An Expand's target is rewritten where
     both lead with the file's batch (grouped-query attention's ``repeat_kv`` writes
-    ``[batch, kv_heads, groups, seq, head_dim]``). ``key``: the file's `content_key`, where the
-    caller has it.
+    ``[batch, kv_heads, groups, seq, head_dim]``). A tensor leading with a batch's tokens (the batch
+    times the sizes after it in a data input: a router's scores over every token) is reshaped so too,
+    where the target names every size (no -1, so that a size the batch does not hold is refused by the
+    element count, never reshaped otherwise). ``key``: the file's `content_key`, where the caller has it.
     """
     old = _declared_batch(proto)
     if old is None or old == batch:
@@ -123,6 +126,7 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int, key: bytes | None = Non
     infos = _file_shapes(proto, key or content_key(proto))
     if infos is None:
         return  # the strict inference after binding reports the problem
+    tokens, from_data = _batch_leading(proto, old), _read_from_data(proto)
     initializers = {init.name: init for init in proto.graph.initializer}
     for node in proto.graph.node:
         if node.op_type not in ("Reshape", "Expand") or node.domain or len(node.input) < 2:
@@ -131,7 +135,11 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int, key: bytes | None = Non
             continue
         target = numpy_helper.to_array(initializers[node.input[1]])
         dims = infos.get(node.input[0], ())
-        if target.ndim != 1 or not target.size or not dims or dims[0] != old:
+        if target.ndim != 1 or not target.size or not dims:
+            continue
+        if dims[0] != old:
+            if _token_reshape(node, target, dims, old, tokens, from_data):
+                _read_rebatched(proto, initializers, node, 1, target, old, batch)
             continue
         if node.op_type == "Expand" and (old == 1 or int(target[0]) != old):
             continue
@@ -142,28 +150,131 @@ def rebatch_reshapes(proto: onnx.ModelProto, batch: int, key: bytes | None = Non
             merged.append(merged[-1] * size)
         if int(target[0]) not in (merged[1:] if old > 1 else [1]):  # a batch of 1 merges into anything
             continue
-        rewritten = target.copy()
-        rewritten[0] = int(target[0]) // old * batch
-        new_name = f"{node.input[1]}__batch{batch}"
-        if new_name not in initializers:
-            initializers[new_name] = numpy_helper.from_array(rewritten, new_name)
-            proto.graph.initializer.append(initializers[new_name])
-            if proto.ir_version < 4:  # before IR 4 every initializer is also a graph input
-                proto.graph.input.append(
-                    onnx.helper.make_tensor_value_info(new_name, onnx.TensorProto.INT64, list(rewritten.shape))
-                )
-        node.input[1] = new_name
+        _read_rebatched(proto, initializers, node, 1, target, old, batch)
+
+
+def _token_reshape(
+    node: onnx.NodeProto, target: np.ndarray, dims: tuple[int, ...], old: int, tokens: set[int], from_data: set[str]
+) -> bool:
+    """Whether a Reshape of a tensor computed from the data, leading with a multiple of the file's batch ``old``
+    (a batch's tokens, or each token's experts), leads its target with the batch or its tokens: a router's
+    scores gathered per token, then split back into the batch's sequences. Only a target naming every size
+    (no -1): a size the batch does not hold is then refused by the element count, never reshaped otherwise."""
+    return (
+        node.op_type == "Reshape"
+        and node.input[0] in from_data
+        and dims[0] > 0
+        and dims[0] % old == 0
+        and int(target[0]) in tokens | {old}
+        and not (target <= 0).any()
+    )
+
+
+def _read_from_data(proto: onnx.ModelProto) -> set[str]:
+    """The tensors computed from the data inputs (their sizes may follow the batch), in whatever order the file
+    lists its nodes."""
+    found = {vi.name for vi in data_inputs(proto)}
+    pending = list(proto.graph.node)
+    while pending:
+        left = [node for node in pending if not any(name in found for name in node.input)]
+        if len(left) == len(pending):
+            break
+        for node in pending:
+            if any(name in found for name in node.input):
+                found.update(name for name in node.output if name)
+        pending = left
+    return found
+
+
+def _read_rebatched(
+    proto: onnx.ModelProto,
+    initializers: dict[str, onnx.TensorProto],
+    node: onnx.NodeProto,
+    slot: int,
+    target: np.ndarray,
+    old: int,
+    batch: int,
+) -> None:
+    """Make ``node`` read, at ``slot``, the shape ``target`` with its first entry (the file's batch ``old``, or a
+    multiple of it) scaled to ``batch``: an initializer of its own, which other readers of the file's keep."""
+    rewritten = target.copy()
+    rewritten[0] = int(target[0]) // old * batch
+    new_name = f"{node.input[slot]}__batch{batch}"
+    if new_name not in initializers:
+        initializers[new_name] = numpy_helper.from_array(rewritten, new_name)
+        proto.graph.initializer.append(initializers[new_name])
+        if proto.ir_version < 4:  # before IR 4 every initializer is also a graph input
+            proto.graph.input.append(
+                onnx.helper.make_tensor_value_info(new_name, onnx.TensorProto.INT64, list(rewritten.shape))
+            )
+    node.input[slot] = new_name
+
+
+def rebatch_filled(proto: onnx.ModelProto, batch: int, buffers: Container[str]) -> None:
+    """A buffer the model fills at its batch (``new_empty(batch, ...)``, ``ones(batch * seq, 1)``), which the
+    exporter folds into a ConstantOfShape of a stored shape, is filled at ``batch``: those of ``buffers``
+    (`build.scattered_buffers`: what scatters alone read; a weight a builder elides as ConstantOfShape keeps
+    its sizes, whatever they are).
+
+    A shape is rewritten when its first entry is the file's batch, or the batch times the sizes after it in
+    a data input (a batch of sequences' tokens), as `rebatch_reshapes` reads a Reshape's target; not for a
+    batch of 1, which would match any size. DeepSeek-V3's key states are written into such a buffer.
+
+    >>> from onnx import helper
+    >>> graph = helper.make_graph(
+    ...     [helper.make_node("ConstantOfShape", ["shape"], ["buffer"])], "g",
+    ...     [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [8, 16])],
+    ...     [helper.make_tensor_value_info("buffer", onnx.TensorProto.FLOAT, None)],
+    ...     [numpy_helper.from_array(np.array([128, 1], dtype=np.int64), "shape")])
+    >>> proto = helper.make_model(graph)
+    >>> rebatch_filled(proto, 2, {"buffer"})
+    >>> proto.graph.node[0].input[0], numpy_helper.to_array(proto.graph.initializer[-1]).tolist()
+    ('shape__batch2', [32, 1])
+    """
+    old = _declared_batch(proto)
+    if old is None or old == batch or old == 1:
+        return
+    leading = {old} | _batch_leading(proto, old)
+    initializers = {init.name: init for init in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type != "ConstantOfShape" or node.domain or not node.input or node.input[0] not in initializers:
+            continue
+        if node.output[0] not in buffers:
+            continue
+        target = numpy_helper.to_array(initializers[node.input[0]])
+        if target.ndim == 1 and target.size and int(target[0]) in leading:
+            _read_rebatched(proto, initializers, node, 0, target, old, batch)
+
+
+def _batch_leading(proto: onnx.ModelProto, old: int) -> set[int]:
+    """The sizes a batch's tokens lead a tensor with: the file's batch ``old`` times the sizes after it in a
+    data input that leads with it (``[batch, seq]``: batch x seq), the batch itself left out."""
+    found: set[int] = set()
+    for vi in data_inputs(proto):
+        dims = list(vi.type.tensor_type.shape.dim) if vi.type.HasField("tensor_type") else []
+        if not dims or not dims[0].HasField("dim_value") or dims[0].dim_value != old:
+            continue
+        merged = old
+        for dim in dims[1:]:
+            if not dim.HasField("dim_value") or dim.dim_value <= 0:
+                break
+            merged *= dim.dim_value
+            if merged != old:
+                found.add(merged)
+    return found
 
 
 # operators that read a stored table element by element (a mask added to scores, a mask selected by)
 _ELEMENT_WISE_READERS = frozenset({"Add", "Sub", "Mul", "Div", "Where", "And", "Or", "Not", "Equal", "Less", "Greater"})
+_SCATTERS = frozenset({"ScatterElements", "ScatterND"})  # a uniform table each writes into is read element by element
 
 
 def rebatch_constants(proto: onnx.ModelProto, batch: int) -> None:
     """A stored table that repeats one slice for every sample of the file's batch (the causal mask a
     Hugging Face model expands to the batch it was exported at) is stored again for ``batch`` samples.
 
-    Only tables read element by element, at least two-dimensional, leading with the file's batch and the
+    Only tables read element by element (or written into by a scatter: ``zeros_like`` folded into a stored
+    table), at least two-dimensional, leading with the file's batch or its tokens (`_batch_leading`) and the
     same in every slice along it: the values each sample reads stay the values it read.
     """
     old = _declared_batch(proto)
@@ -171,13 +282,15 @@ def rebatch_constants(proto: onnx.ModelProto, batch: int) -> None:
         return
     readers: dict[str, set[str]] = {}
     for node in proto.graph.node:
-        for name in node.input:
-            readers.setdefault(name, set()).add(node.op_type)
+        for slot, name in enumerate(node.input):
+            scattered = node.op_type in _SCATTERS and slot == 0  # the table a scatter writes into
+            readers.setdefault(name, set()).add("Scatter" if scattered else node.op_type)
+    leading = {old} | _batch_leading(proto, old)
     for index, tensor in enumerate(proto.graph.initializer):
         if (
             len(tensor.dims) < 2
-            or tensor.dims[0] != old
-            or not readers.get(tensor.name, set()) <= _ELEMENT_WISE_READERS
+            or tensor.dims[0] not in leading
+            or not readers.get(tensor.name, set()) <= _ELEMENT_WISE_READERS | {"Scatter"}
         ):
             continue
         if tensor.name not in readers or tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -185,8 +298,9 @@ def rebatch_constants(proto: onnx.ModelProto, batch: int) -> None:
         value = numpy_helper.to_array(tensor)
         if not (value == value[:1]).all():
             continue
+        rows = int(tensor.dims[0]) // old * batch
         rebatched = numpy_helper.from_array(
-            np.ascontiguousarray(np.broadcast_to(value[:1], (batch, *value.shape[1:]))), tensor.name
+            np.ascontiguousarray(np.broadcast_to(value[:1], (rows, *value.shape[1:]))), tensor.name
         )
         proto.graph.initializer[index].CopyFrom(rebatched)
 

@@ -273,8 +273,11 @@ def _folded(
     """Fold into ``constants`` what the import can compute; the operators that stay, in the file's order, and the
     values that may be weights: stored or elided float tensors, and what is folded from them (a Transpose of a
     weight is a weight; a causal mask built from Range and Where is not, nor a buffer built for scatters)."""
-    weighty = {name for name, value in constants.items() if _may_be_weight(value)}
     buffers = scattered_buffers(proto)
+    # a table stored with one value throughout that only scatters write into is a buffer (``zeros_like`` folded)
+    weighty = {
+        name for name, value in constants.items() if _may_be_weight(value) and not (name in buffers and _uniform(value))
+    }
     nodes: list[onnx.NodeProto] = []
     graph_outputs = {o.name for o in proto.graph.output}
     readers = Counter(name for node in proto.graph.node for name in set(node.input) if name)
@@ -335,6 +338,15 @@ def scattered_buffers(proto: onnx.ModelProto) -> set[str]:
         return found[name]
 
     return {name for name in consumers if only_scattered(name)}
+
+
+def _uniform(value: KnownValue) -> bool:
+    """A stored table holding one value throughout (an elided one's values are not known).
+
+    >>> _uniform(np.zeros((4, 1), dtype=np.float32)), _uniform(np.eye(2, dtype=np.float32))
+    (True, False)
+    """
+    return isinstance(value, np.ndarray) and value.size > 0 and bool((value == value.reshape(-1)[0]).all())
 
 
 def _filled(node: onnx.NodeProto, elided: ElidedValue) -> np.ndarray:
