@@ -162,6 +162,7 @@ def _token_reshape(
     (no -1): a size the batch does not hold is then refused by the element count, never reshaped otherwise."""
     return (
         node.op_type == "Reshape"
+        and old > 1  # (a batch of 1 divides every size)
         and node.input[0] in from_data
         and dims[0] > 0
         and dims[0] % old == 0
