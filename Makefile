@@ -32,8 +32,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check autopar tests bench models examples
 	$(BIN)/mypy
 
+# two workers, a test file each at a time (its fixtures built once): the suite's torch tests run eight ranks
+# of their own, the rest one core, so a two-core machine runs it in about three fifths of the time
 pytest: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # the wheel a user installs (not the editable install) carries every package: report included
 wheel-check: $(STAMP)
