@@ -232,3 +232,43 @@ def test_a_hugging_face_export_plans_the_same_with_counts_refuted_on_the_relaxat
     assert refuted == [2]
     monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", lambda self, shape, bound: False)
     assert _same_but_times(relaxed, autopar.plan(path, **options))
+
+
+@pytest.mark.parametrize("capacity", [0.6e6, 1e12])
+def test_a_larger_micro_batch_s_relaxation_never_refutes_a_stage_shape_that_has_a_plan_as_fast(capacity):
+    """The relaxation of a shape's problem at fewer micro-batches (`smaller_batch_floor`) bounds the plans of as
+    many stages over more micro-batches from below: at the bound of their best plan (found by the exact cut
+    search), it never refutes them, memory binding or not; and with a bound of twice that plan, no lower."""
+    from autopar.search.cuts import bounded_search_stages
+    from autopar.search.driver import SearchOptions
+    from autopar.search.shape_search import smaller_batch_floor
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=24)
+    options = PlanOptions.resolve(8, profile(capacity=capacity, peak=1e9), None)
+    shapes = ShapeSearch(load_model(model), options, options.costs(), lambda m: load_model(model, batch=24 // m))
+    compared = 0
+    for stages, fewer, more in ((2, 2, 4), (2, 3, 4), (2, 4, 8), (4, 3, 6), (2, 6, 12)):
+        larger, shape = shapes.problem(stages, fewer), PipelineShape(stages, more)
+        found, _ = bounded_search_stages(shapes.problem(stages, more), shape, SearchOptions())
+        if found is None:  # nothing fits
+            continue
+        compared += 1
+        floor = smaller_batch_floor(larger, fewer, shapes._graph(more), shape, found.time_s * (1 + 1e-9))
+        assert floor is not None and floor < found.time_s * (1 + 1e-9)
+        loose = smaller_batch_floor(larger, fewer, shapes._graph(more), shape, 2 * found.time_s)
+        assert loose is not None and loose <= found.time_s * (1 + 1e-9)
+        assert floor > 0.5 * found.time_s  # it bounds something: most of the step
+    assert compared >= 3
+
+
+def test_a_smaller_micro_batch_s_premise_is_checked():
+    """Sizes that do not shrink by the share, or a graph of other operators, give no floor (`_sizes_shrink`)."""
+    from autopar.search.shape_search import _sizes_shrink
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=24)
+    six, three = load_model(model, batch=6), load_model(model, batch=3)
+    assert _sizes_shrink(six, three, 4, 8)
+    assert not _sizes_shrink(three, six, 8, 4)  # larger, not smaller
+    assert not _sizes_shrink(six, three, 4, 5)  # 3 is less than 4 / 5 of 6
+    other = load_model(build_transformer(kind="gpt", layers=1, hidden=64, heads=4, seq=32, vocab=256, batch=3))
+    assert not _sizes_shrink(six, other, 4, 8)

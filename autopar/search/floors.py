@@ -1,6 +1,7 @@
 """Lower bounds on pipelined plans: no plan of a shape, a cut or a stage is faster than these.
 
-The shape search (`autopar.search.shape_search`) skips a shape by `shape_floor`; the cut search
+The shape search (`autopar.search.shape_search`) skips a shape by `shape_floor`, or by `time_floors` of
+a relaxation of a shape built before (a larger micro-batch, on as many stages); the cut search
 (`autopar.search.cuts`) skips a cut by `shape_floors` and a stage by `stage_floor`, each bound
 taken from the costs of the problem itself, so a skipped shape, cut or stage is one the exact
 search would not have picked.
@@ -35,10 +36,20 @@ def shape_floors(
 ) -> ShapeFloors:
     """The lower bounds `search_stages` refutes a shape by, cheapest first, stopping at one no less than
     ``bound``: too few points for the stages, or every cut leaves a stage that does not fit
-    (`_no_cut_fits`: infinite); the least fullest stage with each operator at its least time; the same
-    with each whole copy of a folded block at its `copy_floors` bound where that is larger."""
+    (`_no_cut_fits`: infinite); then `time_floors`."""
+    if len(points) - 1 < shape.stages or _no_cut_fits(problem, shape, points):
+        return ShapeFloors(math.inf, np.zeros(problem.size + 1), ())
+    return time_floors(problem, shape, points, bound)
+
+
+def time_floors(
+    problem: SearchProblem, shape: PipelineShape, points: Sequence[int], bound: float = math.inf
+) -> ShapeFloors:
+    """`shape_floors` memory aside, stopping at one no less than ``bound``: too few points for the stages
+    (infinite); the least fullest stage with each operator at its least time; the same with each whole copy
+    of a folded block at its `copy_floors` bound where that is larger."""
     n, count = problem.size, shape.stages
-    if len(points) - 1 < count or _no_cut_fits(problem, shape, points):
+    if len(points) - 1 < count:
         return ShapeFloors(math.inf, np.zeros(n + 1), ())
     each = [_least(problem, i, shape.slots) for i in range(n)]
     least = np.concatenate([[0.0], np.cumsum(each)])

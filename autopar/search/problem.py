@@ -190,6 +190,27 @@ class SearchProblem(Dataflow):
             one_process=False,
         )
 
+    def per_micro_batch_relaxation(self, lacking: Sequence[np.ndarray], beyond: float) -> SearchProblem:
+        """This problem (one micro-batch's, on one stage's devices) as a relaxation, memory aside, of the same
+        model at a smaller micro-batch, ``share`` of this one's: each operator's time per micro-batch alone (its
+        exposed sync and its update, paid once a step, left out), the candidates the smaller one lacks
+        (``lacking``) costing ``beyond`` seconds more. Scaled by ``share``, no plan of the smaller micro-batch
+        is faster per micro-batch (`ShapeSearch._smaller_batch_refutes` says why and checks the premise).
+
+        Each arrays' time less its sync is the operator's compute and communication per micro-batch
+        (`costing._compose`); the edges are per micro-batch already."""
+        extra = [np.where(lacks, beyond, 0.0) for lacks in lacking]
+        zeros = [np.zeros_like(sync) for sync in self.node_sync]
+        return replace(
+            self,
+            node_time=tuple(time - sync + more for time, sync, more in zip(self.node_time, self.node_sync, extra)),
+            node_sync=tuple(zeros),
+            sharded=MappingProxyType(
+                {i: replace(alt, time=alt.time - alt.sync + extra[i], sync=zeros[i]) for i, alt in self.sharded.items()}
+            ),
+            one_process=False,
+        )
+
     def main_factors(self, recompute: bool = False) -> tuple[Factor, ...]:
         """The edge factors outside folded runs, with recomputed forwards paid twice if ``recompute``."""
         return self.recompute_factors if recompute and self.recompute_factors else self.factors
