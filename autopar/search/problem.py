@@ -197,7 +197,7 @@ class SearchProblem(Dataflow):
         (``lacking``) costing ``beyond`` seconds more. Scaled by ``share``, no plan of the smaller micro-batch
         is faster per micro-batch (`ShapeSearch._smaller_batch_refutes` says why and checks the premise).
 
-        Each arrays' time less its sync is the operator's compute and communication per micro-batch
+        An operator's time less its sync is its compute and communication per micro-batch
         (`costing._compose`); the edges are per micro-batch already."""
         extra = [np.where(lacks, beyond, 0.0) for lacks in lacking]
         zeros = [np.zeros_like(sync) for sync in self.node_sync]
