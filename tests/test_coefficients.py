@@ -11,7 +11,7 @@ from autopar.context import opened
 from autopar.cost import CostModel
 from autopar.layout import Layout
 from autopar.redistribute import Collective
-from autopar.search.coefficients import KeySet, LayoutTable, PairCache, PairSlots, pair_coefficients
+from autopar.search.coefficients import KeySet, LayoutTable, PairCache, PairSlots, _insert_sorted, pair_coefficients
 from autopar.search.costing import redistribution_coefficients
 from tests.conftest import profile
 
@@ -105,6 +105,21 @@ def test_a_pair_cache_gives_what_costing_each_pair_gives(first, second):
         want = pair_coefficients(table, src, dst, cost)
         assert all(np.array_equal(g, w) for g, w in zip(got, want))
     assert len(cache.keys) == len(np.unique(cache.keys))
+    assert (np.diff(cache.keys) > 0).all()  # sorted, as its lookups need
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=st.sets(st.integers(-1000, 1000), max_size=60), data=st.data(), band=st.integers(1, 8))
+def test_inserting_into_sorted_keys_in_place_is_sorting_them_all(keys, data, band):
+    """`_insert_sorted`, whatever its band (how many held entries move at a time), gives the keys sorted, each
+    held and new entry beside its key (the slots move with the keys)."""
+    ordered = sorted(keys)
+    new = sorted(data.draw(st.sets(st.sampled_from(ordered), max_size=len(ordered))) if ordered else [])
+    held = [k for k in ordered if k not in set(new)]
+    buffer = np.array(held + [0] * (len(new) + data.draw(st.integers(0, 3))), dtype=np.int64)
+    before = np.searchsorted(np.array(held, dtype=np.int64), np.array(new, dtype=np.int64))
+    _insert_sorted(buffer, len(held), np.array(new, dtype=np.int64), before, band)
+    assert buffer[: len(ordered)].tolist() == ordered
 
 
 @settings(max_examples=100, deadline=None)

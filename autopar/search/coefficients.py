@@ -100,7 +100,7 @@ def pair_coefficients(
     installed (`native`), which gives the same numbers.
     """
     count = len(src)
-    if (table.partial[dst] != 0).any():
+    if (table.partial != 0)[dst].any():  # (a flag a pair, not a row's bits: tens of millions of pairs)
         raise ValueError("a consumer never asks for a partial layout")
     if native.worth(count, native.PAIRS):
         return _compiled_coefficients(table, src, dst, cost)
@@ -200,13 +200,30 @@ class KeySet:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def position(self, keys: np.ndarray) -> np.ndarray:
-        """Each of ``keys``' index in `keys` (every one of them must be there)."""
+    def position(self, keys: np.ndarray, beside: np.ndarray | None = None) -> np.ndarray:
+        """Each of ``keys``' index in `keys` (every one of them must be there), or, given an array ``beside``
+        `keys`, its entry there, in ``beside``'s type. A chunk of keys at a time: a first problem's tables hold
+        tens of millions of keys, and each step's array of that size was paged in anew.
+
+        >>> KeySet.of([np.array([7, 2])]).position(np.array([[7, 7], [2, 7]]), np.array([20, 70])).tolist()
+        [[70, 70], [20, 70]]
+        """
+        flat = keys.reshape(-1)
+        found = np.empty(len(flat), dtype=np.int64 if beside is None else beside.dtype)
+        for start in range(0, len(flat), _POSITIONS):
+            at = self._positions(flat[start : start + _POSITIONS])
+            found[start : start + len(at)] = at if beside is None else beside[at]
+        return found.reshape(keys.shape)
+
+    def _positions(self, keys: np.ndarray) -> np.ndarray:
         if self.words is None or self.before is None:
             return np.searchsorted(self.keys, keys)
         word = keys >> 6
         below = (np.uint64(1) << (keys & 63).astype(np.uint64)) - np.uint64(1)
         return self.before[word] + np.bitwise_count(self.words[word] & below)
+
+
+_POSITIONS = 1 << 18  # keys `KeySet.position` looks up at a time: its steps' arrays stay a few MB
 
 
 class PairCache:
@@ -229,6 +246,7 @@ class PairCache:
         self.rows: dict[bytes, int] = {}  # a packed layout row -> its number
         self.keys = np.zeros(0, dtype=np.int64)  # source number << 32 | target number, sorted
         self.slots = np.zeros(0, dtype=np.int64)  # where each key's coefficients are in `values`
+        self._sorted = [self.keys, self.slots]  # `keys` and `slots`, with room to grow (`_insert`)
         self._buffers = [np.zeros(0) for _ in range(2)]  # `values`, with room to grow (`_append`)
         self._count = 0  # pairs costed: the buffers' entries in use
         self.groups: dict[Hashable, PairSlots] = {}  # the slots of a group's pairs, by the group's name
@@ -270,10 +288,14 @@ class PairCache:
     ) -> np.ndarray:
         """The slot in `values` of each pair ``src`` -> ``dst`` (indices of ``table``, whose rows are
         numbered ``numbers``), costing the pairs not costed before."""
-        keys = (numbers[src] << 32) | numbers[dst]
+        keys = numbers[src]  # (in place: each array of a first problem's pairs is a hundred MB, paged in anew)
+        keys <<= 32
+        keys |= numbers[dst]
         if not len(self.keys) and (keys[1:] > keys[:-1]).all():  # the first problem: every pair new, in order
             self.keys, self.slots = keys, self._append(pair_coefficients(table, src, dst, cost))
-            return self.slots.copy()
+            held = self.slots.view()
+            held.flags.writeable = False
+            return held
         at = np.searchsorted(self.keys, keys)
         np.minimum(at, len(self.keys) - 1, out=at)
         known = self.keys[at] == keys if len(self.keys) else np.zeros(len(keys), dtype=bool)
@@ -293,22 +315,36 @@ class PairCache:
         if not len(self.keys):  # an empty cache takes the new pairs as they are
             self.keys, self.slots = new, slots
             return found
-        # both key lists are sorted and share no key: merged in one pass (15 million held and 180 thousand
-        # new: 0.7 s, where sorting them all again took 1.6 s)
-        placed = np.searchsorted(self.keys, new) + np.arange(len(new))  # where each new key lands
-        kept = np.ones(len(self.keys) + len(new), dtype=bool)
-        kept[placed] = False
-        self.keys = _merged(self.keys, new, kept, placed)
-        self.slots = _merged(self.slots, slots, kept, placed)
+        self._insert(new, slots)
         return found
+
+    def _insert(self, new: np.ndarray, slots: np.ndarray) -> None:
+        """Merge new keys (sorted, none held) and their slots into the sorted ones, in place: the keys sit at
+        the head of buffers that at least double when they grow, and each later problem's few hundred
+        thousand pairs move the held ones right, a band at a time. A merge into fresh arrays paged 240 MB in
+        anew for each of a 1,024-device GPT's later problems (15 million pairs held)."""
+        count, total = len(self.keys), len(self.keys) + len(new)
+        before = np.searchsorted(self.keys, new)  # each new key goes before the held key there
+        if total > len(self._sorted[0]):
+            grown = [np.empty(max(total, 2 * count), dtype=np.int64) for _ in self._sorted]
+            for buffer, held in zip(grown, (self.keys, self.slots)):
+                buffer[:count] = held
+            self._sorted = grown
+        for buffer, fresh in zip(self._sorted, (new, slots)):
+            _insert_sorted(buffer, count, fresh, before)
+        self.keys, self.slots = (buffer[:total] for buffer in self._sorted)
+
+    def narrowed(self, slots: np.ndarray) -> np.ndarray:
+        """Slots in the type `keep` keeps them in."""
+        return slots.astype(np.int32) if self._count < 2**31 else slots
 
     def keep(self, name: Hashable, slots: "PairSlots") -> "PairSlots":
         """Keep a group's slots under its name, and give them back as kept: in 32 bits where they fit
         (a 1024-device GPT's groups hold 30 million slots, 120 MB so). The latest group of a name
         replaces the one before, and groups stay as long as the cost model does."""
         if self._count < 2**31:
-            backward = None if slots.backward is None else slots.backward.astype(np.int32)
-            slots = PairSlots(slots.sources, slots.targets, slots.forward.astype(np.int32), backward)
+            backward = None if slots.backward is None else slots.backward.astype(np.int32, copy=False)
+            slots = PairSlots(slots.sources, slots.targets, slots.forward.astype(np.int32, copy=False), backward)
         self.groups[name] = slots
         return slots
 
@@ -387,17 +423,25 @@ def _places(held: np.ndarray, wanted: np.ndarray) -> np.ndarray | None:
     return order[at] if np.array_equal(ordered[at], wanted) else None
 
 
-def _merged(old: np.ndarray, new: np.ndarray, kept: np.ndarray, placed: np.ndarray) -> np.ndarray:
-    """``old`` and ``new`` in one array: ``old``'s values, in order, where ``kept`` is set and ``new``'s at
-    ``placed`` (used instead of `np.insert`, which sorts its positions first).
+def _insert_sorted(buffer: np.ndarray, count: int, new: np.ndarray, before: np.ndarray, band: int = 1 << 18) -> None:
+    """Insert ``new`` into the first ``count`` entries of ``buffer``, each new entry ``j`` before the held one at
+    ``before[j]`` (sorted), in place: held entry ``i`` moves right by the new entries before it, a ``band`` of
+    entries at a time from the end (a few MB), so no entry is written before it is read (used instead of
+    `np.insert`, which makes a new array and sorts its positions first).
 
-    >>> _merged(np.array([1, 5]), np.array([3, 9]), np.array([True, False, True, False]), np.array([1, 3])).tolist()
-    [1, 3, 5, 9]
+    >>> buffer = np.array([1, 5, 7, 0, 0, 0])
+    >>> _insert_sorted(buffer, 3, np.array([3, 6, 9]), np.array([1, 2, 3]))
+    >>> buffer.tolist()
+    [1, 3, 5, 6, 7, 9]
     """
-    merged = np.empty(len(kept), dtype=np.result_type(old, new))
-    merged[kept] = old
-    merged[placed] = new
-    return merged
+    stop = count
+    while len(new) and stop > before[0]:
+        start = max(int(before[0]), stop - band)
+        first, last = np.searchsorted(before, [start, stop])
+        moves = first + np.cumsum(np.bincount(before[first:last] - start, minlength=stop - start))
+        buffer[np.arange(start, stop) + moves] = buffer[start:stop].copy()
+        stop = start
+    buffer[before + np.arange(len(new))] = new
 
 
 def _cells(array: np.ndarray) -> np.ndarray:

@@ -986,8 +986,12 @@ def _costed_slots(
     wholes = {key: layouts.whole(dst_ids) for key, (_, dst_ids, _, _) in groups.items()}
     backwards = {key: _Backward.of(layouts, *group) for key, group in groups.items() if group[2]}
     count = len(rows)
-    forward_keys = {key: (forwards[key][:, None] * count + wholes[key][None, :]) for key in groups}
-    backward_keys = {key: backward.keys(count) for key, backward in backwards.items()}
+    # a pair's key in 32 bits where every one fits: a first problem's keys are tens of millions
+    kind = np.int32 if count * count <= np.iinfo(np.int32).max else np.int64
+    forward_keys = {
+        key: forwards[key].astype(kind)[:, None] * kind(count) + wholes[key].astype(kind)[None, :] for key in groups
+    }
+    backward_keys = {key: backward.keys(count, kind) for key, backward in backwards.items()}
     forward_pairs = KeySet.of([keys.reshape(-1) for keys in forward_keys.values()])
     _too_many_pairs(flow, len(forward_pairs))
     pairs = KeySet.of([forward_pairs.keys, *(keys.reshape(-1) for keys in backward_keys.values())])
@@ -1000,10 +1004,10 @@ def _costed_slots(
         codes[index, : len(code)] = code
     table = LayoutTable(lengths, codes, np.array([partial for _, _, partial in rows], dtype=np.int64))
     numbers = cache.numbers(list(layouts.ids))  # the rows numbered since too (partial rows made whole)
-    where = cache.slots_of(numbers, table, unique // count, unique % count, flow.cost)
+    where = cache.narrowed(cache.slots_of(numbers, table, *np.divmod(unique, count, dtype=np.int64), flow.cost))
     for key, (src, dst, _, _) in groups.items():
-        backward = where[pairs.position(backward_keys[key])] if key in backward_keys else None
-        found = PairSlots(numbers[src], numbers[dst], where[pairs.position(forward_keys[key])], backward)
+        backward = pairs.position(backward_keys[key], where) if key in backward_keys else None
+        found = PairSlots(numbers[src], numbers[dst], pairs.position(forward_keys[key], where), backward)
         slots[key] = cache.keep(names[key], found)
 
 
@@ -1040,9 +1044,9 @@ class _Backward:
         kept = layouts.partial(src_ids) if accepts else np.zeros(len(src_ids), dtype=np.int64)
         return kept, {mask: layouts.without(dst_ids, mask) for mask in sorted(set(kept.tolist()))}
 
-    def keys(self, count: int) -> np.ndarray:
-        """The (consumer row, source row) pair keys, numbered as `_edge_costs` numbers pairs."""
-        return self.dst * count + self.src[None, :]
+    def keys(self, count: int, kind: type[np.signedinteger]) -> np.ndarray:
+        """The (consumer row, source row) pair keys, numbered as `_edge_costs` numbers pairs, of type ``kind``."""
+        return self.dst.astype(kind) * kind(count) + self.src.astype(kind)[None, :]
 
 
 def redistribution_coefficients(cost: CostModel, src: Layout, dst: Layout) -> tuple[float, float]:
