@@ -87,13 +87,14 @@ def test_a_partial_target_is_refused():
 
 
 @settings(max_examples=50, deadline=None)
-@given(first=layout_pairs(), second=layout_pairs())
-def test_a_pair_cache_gives_what_costing_each_pair_gives(first, second):
-    """Two tables costed through one cache (the second reusing the first's pairs where they meet)
-    give the coefficients costing each table afresh gives."""
+@given(first=layout_pairs(), second=layout_pairs(), third=layout_pairs())
+def test_a_pair_cache_gives_what_costing_each_pair_gives(first, second, third):
+    """Tables costed through one cache (each reusing the pairs of those before where they meet, its new
+    pairs merged into the keys held, into room left by the last) give the coefficients costing each table
+    afresh gives."""
     cost = CostModel(profile())
     cache = PairCache()
-    for _, pairs in (first, second, first):
+    for _, pairs in (first, second, third, first):
         layouts = sorted({layout for pair in pairs for layout in pair})
         index = {layout: i for i, layout in enumerate(layouts)}
         table = LayoutTable.of(layouts)
