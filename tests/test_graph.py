@@ -559,6 +559,57 @@ def test_a_routers_buffers_and_its_tokens_reshapes_follow_the_batch():
     assert whole.tensor("gate").kind == "parameter"
 
 
+def _gathered_mask(batch: int = 4, seq: int = 3, index_reader: str = "Unsqueeze") -> onnx.ModelProto:
+    """A padding mask as transformers 5 exports it: gathered from the attention mask by index grids stored at the
+    file's batch, one holding each sample's index and one the positions (each sample's the same), each unsqueezed
+    and concatenated into GatherND's indices. ``index_reader``: what reads the sample-index grid."""
+    index_node = (
+        helper.make_node("Unsqueeze", ["sample", "last"], ["sample_1"], name="index_sample")
+        if index_reader == "Unsqueeze"
+        else helper.make_node("Reshape", ["sample", "grid_shape"], ["sample_1"], name="index_sample")
+    )
+    nodes = [
+        index_node,
+        helper.make_node("Unsqueeze", ["position", "last"], ["position_1"], name="index_position"),
+        helper.make_node("Concat", ["sample_1", "position_1"], ["indices"], name="indices", axis=-1),
+        helper.make_node("GatherND", ["attention_mask", "indices"], ["kept"], name="gather_mask"),
+        helper.make_node("Cast", ["kept"], ["kept_f"], name="to_float", to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["x", "kept_f"], ["padded"], name="mask"),
+        helper.make_node("LessOrEqual", ["position", "limit"], ["early"], name="compare"),  # (as Qwen3's mask does)
+        helper.make_node("Cast", ["early"], ["early_f"], name="early_to_float", to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["padded", "early_f"], ["y"], name="limit_mask"),
+    ]
+    samples = np.broadcast_to(np.arange(batch).reshape(batch, 1, 1), (batch, 1, seq))
+    inits = [
+        numpy_helper.from_array(samples.copy(), "sample"),
+        numpy_helper.from_array(np.broadcast_to(np.arange(seq), (batch, 1, seq)).copy(), "position"),
+        numpy_helper.from_array(np.full((batch, 1, seq), seq - 2, np.int64), "limit"),
+        numpy_helper.from_array(np.array([-1], np.int64), "last"),
+        numpy_helper.from_array(np.array([batch, 1, seq, 1], np.int64), "grid_shape"),
+    ]
+    inputs = [("x", TensorProto.FLOAT, [batch, 1, seq]), ("attention_mask", TensorProto.INT64, [batch, seq])]
+    return _model(nodes, inputs, [("y", TensorProto.FLOAT, [batch, 1, seq])], inits)
+
+
+def test_a_mask_gathered_by_stored_index_grids_follows_the_batch():
+    """At a micro-batch's size, the index grids a transformers 5 mask gathers by are stored again: each sample's
+    index for the first samples, the positions each sample's (a GPT-NeoX export refused every micro-batch count
+    but one: 'Incompatible dimensions' at its mask)."""
+    micro = load_model(_gathered_mask(), batch=2)  # (the grids are folded into GatherND's indices)
+    assert micro.tensor("y").shape == (2, 1, 3)
+    indices = micro.tensor("indices").value
+    assert indices[..., 0].tolist() == [[[0, 0, 0]], [[1, 1, 1]]] and indices[..., 1].tolist() == [[[0, 1, 2]]] * 2
+    assert micro.tensor("early_f").value.tolist() == [[[1.0, 1.0, 0.0]]] * 2  # (folded: positions <= 1)
+    assert load_model(_gathered_mask(), batch=6).tensor("indices").value[:, 0, 0, 0].tolist() == list(range(6))
+
+
+def test_an_index_grid_read_otherwise_than_sample_by_sample_is_not_rebatched():
+    """A sample-index grid that a Reshape reads (which may move its samples) keeps its size: the import at
+    another batch is refused, not rewritten."""
+    with pytest.raises(ModelImportError):
+        load_model(_gathered_mask(index_reader="Reshape"), batch=2)
+
+
 def test_a_reshape_naming_a_size_the_batch_does_not_hold_is_not_rebatched():
     """A tensor of weights leading with a size equal to the batch's tokens is not reshaped as if it held them."""
     nodes = [

@@ -266,44 +266,130 @@ def _batch_leading(proto: onnx.ModelProto, old: int) -> set[int]:
 
 
 # operators that read a stored table element by element (a mask added to scores, a mask selected by)
-_ELEMENT_WISE_READERS = frozenset({"Add", "Sub", "Mul", "Div", "Where", "And", "Or", "Not", "Equal", "Less", "Greater"})
+_ELEMENT_WISE_READERS = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Where", "And", "Or", "Xor", "Not", "Equal"}
+    | {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
+)
 _SCATTERS = frozenset({"ScatterElements", "ScatterND"})  # a uniform table each writes into is read element by element
+# operators a table passes through on its way to such a reader, where they leave its first axis first and whole
+_PASSING = frozenset({"Unsqueeze", "Concat", "Slice", "Cast"})
 
 
 def rebatch_constants(proto: onnx.ModelProto, batch: int) -> None:
-    """A stored table that repeats one slice for every sample of the file's batch (the causal mask a
-    Hugging Face model expands to the batch it was exported at) is stored again for ``batch`` samples.
+    """A stored table that holds one slice per sample of the file's batch, each the same (the causal mask a
+    Hugging Face model expands to the batch it was exported at, its positions) or each its sample's index
+    (the batch coordinate of the index grids transformers' masks gather by), is stored again for ``batch``
+    samples: each sample's slice stays the slice it was.
 
-    Only tables read element by element (or written into by a scatter: ``zeros_like`` folded into a stored
-    table), at least two-dimensional, leading with the file's batch or its tokens (`_batch_leading`) and the
-    same in every slice along it: the values each sample reads stay the values it read.
+    Only tables at least two-dimensional, leading with the file's batch (or, each slice the same, its tokens:
+    `_batch_leading`), and read sample by sample along that axis (`_read_per_sample`): element by element,
+    written into by a scatter (``zeros_like`` folded into a stored table), or gathered by or from with
+    GatherND, directly or through an Unsqueeze, Concat, Slice or Cast that leaves that axis first and whole.
     """
     old = _declared_batch(proto)
     if old is None or old == batch or old == 1:
         return
-    readers: dict[str, set[str]] = {}
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in proto.graph.node:
         for slot, name in enumerate(node.input):
-            scattered = node.op_type in _SCATTERS and slot == 0  # the table a scatter writes into
-            readers.setdefault(name, set()).add("Scatter" if scattered else node.op_type)
+            readers.setdefault(name, []).append((node, slot))
+    constants = _small_constants(proto)
     leading = {old} | _batch_leading(proto, old)
     for index, tensor in enumerate(proto.graph.initializer):
-        if (
-            len(tensor.dims) < 2
-            or tensor.dims[0] not in leading
-            or not readers.get(tensor.name, set()) <= _ELEMENT_WISE_READERS | {"Scatter"}
-        ):
+        if len(tensor.dims) < 2 or tensor.dims[0] not in leading or tensor.data_location == onnx.TensorProto.EXTERNAL:
             continue
-        if tensor.name not in readers or tensor.data_location == onnx.TensorProto.EXTERNAL:
+        if not _read_per_sample(tensor.name, len(tensor.dims), readers, constants):
             continue
         value = numpy_helper.to_array(tensor)
-        if not (value == value[:1]).all():
-            continue
         rows = int(tensor.dims[0]) // old * batch
-        rebatched = numpy_helper.from_array(
-            np.ascontiguousarray(np.broadcast_to(value[:1], (rows, *value.shape[1:]))), tensor.name
-        )
-        proto.graph.initializer[index].CopyFrom(rebatched)
+        if (value == value[:1]).all():
+            new = np.broadcast_to(value[:1], (rows, *value.shape[1:]))
+        elif rows == batch and value.dtype.kind in "iu" and (value == _sample_index(old, value.ndim)).all():
+            new = np.broadcast_to(_sample_index(batch, value.ndim), (rows, *value.shape[1:])).astype(value.dtype)
+        else:
+            continue
+        proto.graph.initializer[index].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(new), tensor.name))
+
+
+def _sample_index(batch: int, ndim: int) -> np.ndarray:
+    """Each sample's index along the first of ``ndim`` axes (the others of size 1, to broadcast).
+
+    >>> _sample_index(3, 2).tolist()
+    [[0], [1], [2]]
+    """
+    return np.arange(batch).reshape((batch,) + (1,) * (ndim - 1))
+
+
+def _read_per_sample(
+    name: str,
+    rank: int,
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]],
+    constants: dict[str, np.ndarray],
+) -> bool:
+    """Whether ``name`` (of ``rank`` axes) is read, and only read, sample by sample along its first axis: by
+    an element-wise reader, a scatter writing into it, a GatherND (data or indices, no batch dims), or an
+    operator of `_PASSING` that keeps that axis first and whole (what it names of it is a stored constant
+    here) and whose outputs are read so in turn."""
+    found = readers.get(name)
+    if not found:
+        return False
+    for node, slot in found:
+        op = node.op_type
+        if op in _ELEMENT_WISE_READERS or (op in _SCATTERS and slot == 0):
+            continue
+        if op == "GatherND" and slot in (0, 1) and not _int_attribute(node, "batch_dims", 0):
+            continue
+        after = _rank_after(node, slot, rank, constants) if op in _PASSING else None
+        if after is None or not all(_read_per_sample(out, after, readers, constants) for out in node.output if out):
+            return False
+    return True
+
+
+def _rank_after(node: onnx.NodeProto, slot: int, rank: int, constants: dict[str, np.ndarray]) -> int | None:
+    """The rank of a `_PASSING` operator's output where it keeps its input's first axis first and whole
+    (None: it may not)."""
+    op = node.op_type
+    if op == "Cast":
+        return rank
+    if op == "Concat":
+        return rank if _int_attribute(node, "axis", 0) % rank != 0 else None
+    if op == "Unsqueeze":
+        axes = _axes(node, 1, constants)
+        after = rank + len(axes) if axes is not None else 0
+        return after if axes is not None and all(int(a) % after != 0 for a in axes) else None
+    if op == "Slice" and slot == 0:  # (without axes it slices the first too)
+        axes = _axes(node, 3, constants) if len(node.input) > 3 else None
+        return rank if axes is not None and all(int(a) % rank != 0 for a in axes) else None
+    return None
+
+
+def _axes(node: onnx.NodeProto, slot: int, constants: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The axes an operator names: its input at ``slot`` where stored, else its attribute (older opsets)."""
+    if len(node.input) > slot:
+        found = constants.get(node.input[slot])
+        return None if found is None else np.atleast_1d(found)
+    attribute = next((a for a in node.attribute if a.name == "axes"), None)
+    return None if attribute is None else np.asarray(onnx.helper.get_attribute_value(attribute), dtype=np.int64)
+
+
+def _int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((int(onnx.helper.get_attribute_value(a)) for a in node.attribute if a.name == name), default)
+
+
+def _small_constants(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Stored integer vectors (axes, starts, ends), by name: initializers and Constant nodes' values."""
+    found = {t.name: t for t in proto.graph.initializer if len(t.dims) <= 1}
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and node.output and node.attribute and node.attribute[0].name == "value":
+            found[node.output[0]] = node.attribute[0].t
+    return {
+        name: numpy_helper.to_array(t)
+        for name, t in found.items()
+        if t.data_location != onnx.TensorProto.EXTERNAL and t.data_type in _INTEGER_TYPES
+    }
+
+
+_INTEGER_TYPES = frozenset({onnx.TensorProto.INT32, onnx.TensorProto.INT64})
 
 
 _FILE_SHAPES_KEPT = 4  # files whose shapes a plan keeps (`autopar.context`)
