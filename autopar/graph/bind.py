@@ -353,7 +353,7 @@ def _rank_after(node: onnx.NodeProto, slot: int, rank: int, constants: dict[str,
         return rank
     if op == "Concat":
         return rank if _int_attribute(node, "axis", 0) % rank != 0 else None
-    if op == "Unsqueeze":
+    if op == "Unsqueeze" and slot == 0:
         axes = _axes(node, 1, constants)
         after = rank + len(axes) if axes is not None else 0
         return after if axes is not None and all(int(a) % after != 0 for a in axes) else None
