@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import onnx
 import pytest
 
 import autopar
@@ -63,6 +64,40 @@ def test_every_family_trains_on_8_processes(family):
     path = DATA / f"{FAMILIES[family]}.onnx"
     plan = autopar.plan(path, devices=8, cost_model=SPLITTING_PAYS)
     _trains_on_8_processes(path, plan, sum(p.trainable for p in load_model(path).parameters))
+
+
+def test_a_qwen3_export_whose_mask_was_left_unfolded_runs_over_micro_batches_as_the_whole_batch(tmp_path):
+    """Qwen3 at 512 tokens: its mask too large for the exporter to fold, the file stores the position tables its
+    comparisons read at the export's batch of 2 (any other batch was refused: 'Incompatible dimensions'). Two
+    stages over two micro-batches of one sample each run on 2 virtual devices as one device runs the whole batch,
+    every gradient checked."""
+    torch = pytest.importorskip("torch")
+    hf = pytest.importorskip("transformers")
+    from tests.hf_families import VOCAB, WithLoss, export
+
+    config = hf.Qwen3Config(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    module = WithLoss(hf.Qwen3ForCausalLM(config), "input_ids", use_cache=False)
+    ids = torch.randint(0, VOCAB, (2, 512))
+    path = str(tmp_path / "qwen3_512.onnx")
+    export(module, (ids, ids), path)
+    tables = [t for t in onnx.load(path).graph.initializer if len(t.dims) == 4 and t.dims[0] == 2]
+    assert tables and all(t.data_type == onnx.TensorProto.INT64 for t in tables)  # the positions, not the mask
+    plan = autopar.plan(path, devices=2, pipeline_stages=2, micro_batches=2)
+    assert plan.file.pipeline is not None and plan.file.pipeline.micro_batches == 2
+    report = autopar.verify(path, plan, gradients=True)
+    assert report.ok, report.problems
+    assert report.gradients is not None and report.gradients.ok
 
 
 def test_the_mixture_of_experts_trains_on_8_processes_one_expert_each():
