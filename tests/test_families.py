@@ -72,22 +72,12 @@ def test_a_qwen3_export_whose_mask_was_left_unfolded_runs_over_micro_batches_as_
     stages over two micro-batches of one sample each run on 2 virtual devices as one device runs the whole batch,
     every gradient checked."""
     torch = pytest.importorskip("torch")
-    hf = pytest.importorskip("transformers")
-    from tests.hf_families import VOCAB, WithLoss, export
+    pytest.importorskip("transformers")
+    from tests.hf_families import FAMILIES as HF_FAMILIES
+    from tests.hf_families import VOCAB, export
 
-    config = hf.Qwen3Config(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-    )
-    config._attn_implementation = "eager"
     torch.manual_seed(0)
-    module = WithLoss(hf.Qwen3ForCausalLM(config), "input_ids", use_cache=False)
+    module = HF_FAMILIES["qwen3"].build(2)
     ids = torch.randint(0, VOCAB, (2, 512))
     path = str(tmp_path / "qwen3_512.onnx")
     export(module, (ids, ids), path)
