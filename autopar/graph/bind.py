@@ -21,7 +21,7 @@ from onnx import numpy_helper, shape_inference
 
 from autopar import context
 from autopar.errors import ModelImportError, UnknownSymbolError
-from autopar.graph.proto import data_inputs, value_infos
+from autopar.graph.proto import attributes, data_inputs, value_infos
 from autopar.limits import MAX_DIMENSION
 
 
@@ -337,7 +337,7 @@ def _read_per_sample(
         op = node.op_type
         if op in _ELEMENT_WISE_READERS or (op in _SCATTERS and slot == 0):
             continue
-        if op == "GatherND" and slot in (0, 1) and not _int_attribute(node, "batch_dims", 0):
+        if op == "GatherND" and slot in (0, 1) and not int(attributes(node).get("batch_dims", 0)):
             continue
         after = _rank_after(node, slot, rank, constants) if op in _PASSING else None
         if after is None or not all(_read_per_sample(out, after, readers, constants) for out in node.output if out):
@@ -352,7 +352,7 @@ def _rank_after(node: onnx.NodeProto, slot: int, rank: int, constants: dict[str,
     if op == "Cast":
         return rank
     if op == "Concat":
-        return rank if _int_attribute(node, "axis", 0) % rank != 0 else None
+        return rank if int(attributes(node).get("axis", 0)) % rank != 0 else None
     if op == "Unsqueeze" and slot == 0:
         axes = _axes(node, 1, constants)
         after = rank + len(axes) if axes is not None else 0
@@ -368,28 +368,21 @@ def _axes(node: onnx.NodeProto, slot: int, constants: dict[str, np.ndarray]) -> 
     if len(node.input) > slot:
         found = constants.get(node.input[slot])
         return None if found is None else np.atleast_1d(found)
-    attribute = next((a for a in node.attribute if a.name == "axes"), None)
-    return None if attribute is None else np.asarray(onnx.helper.get_attribute_value(attribute), dtype=np.int64)
-
-
-def _int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
-    return next((int(onnx.helper.get_attribute_value(a)) for a in node.attribute if a.name == name), default)
+    axes = attributes(node).get("axes")
+    return None if axes is None else np.asarray(axes, dtype=np.int64)
 
 
 def _small_constants(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
     """Stored integer vectors (axes, starts, ends), by name: initializers and Constant nodes' values."""
-    found = {t.name: t for t in proto.graph.initializer if len(t.dims) <= 1}
-    for node in proto.graph.node:
-        if node.op_type == "Constant" and node.output and node.attribute and node.attribute[0].name == "value":
-            found[node.output[0]] = node.attribute[0].t
-    return {
-        name: numpy_helper.to_array(t)
-        for name, t in found.items()
-        if t.data_location != onnx.TensorProto.EXTERNAL and t.data_type in _INTEGER_TYPES
+    found = {
+        t.name: numpy_helper.to_array(t)
+        for t in proto.graph.initializer
+        if len(t.dims) <= 1 and t.data_location != onnx.TensorProto.EXTERNAL
     }
-
-
-_INTEGER_TYPES = frozenset({onnx.TensorProto.INT32, onnx.TensorProto.INT64})
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and node.output:
+            found[node.output[0]] = np.asarray(attributes(node).get("value"))
+    return {name: value for name, value in found.items() if value.dtype.kind == "i"}
 
 
 _FILE_SHAPES_KEPT = 4  # files whose shapes a plan keeps (`autopar.context`)
