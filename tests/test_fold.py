@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from autopar.cost import CostModel
 from autopar.graph import load_model
-from autopar.search import repeats
+from autopar.search import fold, repeats
 from autopar.search.costing import build_problem
 from autopar.search.driver import SearchOptions, run_search
 from autopar.search.fold import CopyRuns, Solver, min_plus
@@ -215,7 +215,8 @@ def test_a_relaxed_run_bounds_the_optimum_from_below_and_its_plan_from_above(mon
 
 def test_stages_cut_from_one_problem_share_their_copies_elimination():
     """Stages of one place with different numbers of copies, cut from one problem with their arrays shared (as
-    the cut search cuts them), run one copy elimination between them where their copies' costs are the same:
+    the cut search cuts them), run one copy elimination between them where their copies' costs are the same,
+    and one elimination of their first copy (which reads the stage before, so is no copy of their run: `_Lead`):
     the later stage takes the earlier one's (`CopyRuns`) and solves as it solves alone."""
     problem = build_problem(load_model(residual_stack(8, batch=8)), CostModel(profile(peak=1e9)), 4)
     shape, made, copies = PipelineShape(2, 4), {}, CopyRuns()
@@ -224,5 +225,33 @@ def test_stages_cut_from_one_problem_share_their_copies_elimination():
         stage = stage_problem(problem, start, problem.size, shape, 1, made=made)
         assert stage.folds and stage.folds[0][0].copies >= 2
         unary = list(stage.node_time)
-        assert Solver.of(stage, copies=copies).solve(unary) == Solver.of(stage).solve(unary)
-    assert len(copies) == 1
+        solver = Solver.of(stage, copies=copies)
+        assert solver.lead is not None and solver.lead.eliminated  # the stage's first copy, eliminated on its own
+        assert solver.solve(unary) == Solver.of(stage).solve(unary)
+    assert len(copies) == 2  # the run's copy and the stages' first copy: each eliminated once for both stages
+
+
+def test_a_later_stage_eliminates_its_first_copy_on_its_own_as_its_main_graph_did(monkeypatch):
+    """A later stage's first copy reads what the stage before sends, so it is no copy of the stage's run: it is
+    eliminated on its own (`fold._Lead`), down to its last operator, which the run reads. Its plan and value are
+    the main graph's that eliminated it before, on costs the copies share and costs of their own."""
+    problem = build_problem(load_model(residual_stack(6, batch=8)), CostModel(profile(peak=1e9)), 4)
+    start = problem.folds[0][0].block(2).start
+    stage = stage_problem(problem, start, problem.size, PipelineShape(2, 4), 1)
+    led = Solver.of(stage)
+    assert led.lead is not None and led.lead.keep == (problem.folds[0][0].period - 1,)
+    monkeypatch.setattr(fold._Lead, "of", classmethod(lambda cls, *args: None))
+    plain = Solver.of(stage)
+    assert plain.lead is None
+    factors = stage.all_factors(False)
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        scaled: dict[int, np.ndarray] = {}
+        unary = [scaled.setdefault(id(t), t * rng.uniform(0.5, 2.0, len(t))) for t in stage.node_time]
+        choice, value = led.solve(unary)
+        plain_choice, plain_value = plain.solve(unary)
+        objective = sum(float(u[c]) for u, c in zip(unary, choice))
+        objective += sum(factor.value([choice[u] for u in scope]) for factor, scope in factors)
+        assert value == pytest.approx(plain_value, rel=1e-12)
+        assert objective == pytest.approx(plain_value, rel=1e-12)
+        assert choice == plain_choice

@@ -352,6 +352,11 @@ class Elimination:
         """(scope, class maps) of each factor `run` leaves over the kept operators."""
         return [self._leftover[fid][:2] for fid in self.leftover]
 
+    def leftover_placeholders(self) -> list[Factor]:
+        """The factors `run` leaves over the kept operators, with zero tables of their shapes: what a search
+        that takes them in (`fold.Solver`'s main graph) is planned on."""
+        return [Factor(scope, maps, np.zeros(shape)) for scope, maps, shape in map(self._leftover.get, self.leftover)]
+
     def run(self, unary: Sequence[np.ndarray], tables: dict[int, np.ndarray] | None = None) -> "Solved":
         """Replay the plan on these unary costs (kept operators' entries are ignored).
 
