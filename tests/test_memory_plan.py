@@ -599,9 +599,9 @@ def test_a_hinted_memory_walk_ends_at_the_same_plan_in_no_more_runs(share, monke
 
 @pytest.mark.parametrize("share", [0.1, 0.25, 0.5, 0.75, 0.9])
 def test_a_walk_widening_from_a_hint_ends_where_the_plain_secant_walk_does(share, monkeypatch):
-    """While the leanest plan is the only one known to fit, the walk's weight grows at most `_WIDEN`
-    times a run: every run is still a hull vertex between the ends, so from any hint the walk ends at the
-    plan, memory choices and weight the unbounded secant walk (`_WIDEN` infinite) ends at."""
+    """While the leanest plan is the only one known to fit, the walk's weight grows at most a factor a run
+    (`_WIDEN`, then its powers): every run is still a hull vertex between the ends, so from any hint the walk
+    ends at the plan, memory choices and weight the unbounded secant walk (`_WIDEN` infinite) ends at."""
     from autopar.search import driver
 
     model = block_stack(batch=64, width=8, hidden=32)
