@@ -370,7 +370,8 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
     stage that fits is faster, at the weight it settles on or far from it, recomputing or not; sometimes just
     below its best; and the cut search with that hint still ends at brute force's plan. The floor of the ways a
     stage may fit (`_StageSearch._floors`) is no more than its plan either, and above the time-only floor where
-    only recomputing plans fit."""
+    only recomputing plans fit. Told what to beat, the bound says minus infinity where it would be below it
+    (stopping at the first way that is), and itself elsewhere."""
     from autopar.search.cuts import _StageSearch
     from tests.test_memory_plan import RC_PEAK, block_stack, leanest
 
@@ -407,6 +408,11 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
                 bound = search._bound_at_hint(kept, a, b, index, memory_weight)
                 assert bound < exact * (1 + 1e-9)
                 refuted += bound >= exact * 0.999
+                for beat in (0.5 * bound, bound, 2.0 * bound):  # told what to beat, it may stop at the first way
+                    kept.at_weight.pop(memory_weight)
+                    told = search._bound_at_hint(kept, a, b, index, memory_weight, beat)
+                    assert told == (bound if bound >= beat else -math.inf)
+                    kept.at_weight[memory_weight] = bound
     assert weights and refuted > 0  # memory binds, and the bound is close enough to refute
     assert raised > 0  # some stages fit only recomputing, and their floor says so
     brute = every_cut(problem, shape)

@@ -98,11 +98,15 @@ class _StageSearch:
         place = (self.shape.in_flight(index), receives, sends)
         return (tuple(self.classes[first:last]), into, out, place)
 
-    def _bound_at_hint(self, kept: "_Kept", first: int, last: int, index: int, weight: float) -> float:
+    def _bound_at_hint(
+        self, kept: "_Kept", first: int, last: int, index: int, weight: float, beat: float | None = None
+    ) -> float:
         """The Lagrangian bound at the memory ``weight`` (`stage_floor`), the least over recomputing or
         not, each way's no less than its floor (`_floors`): no plan of the stage that fits is faster. Where
         memory binds, this refutes a cut whose walk would take two DP runs or more, with none (the copies'
-        bounds are shared by every cut). Once per stage kind and hint."""
+        bounds are shared by every cut). Once per stage kind and hint. Given ``beat``, a way whose bound is
+        below it ends the work at once with no bound (minus infinity): the least is no larger, so it could not
+        refute the stage, and the other way's copies are not run (a DP run over a copy each)."""
         if weight in kept.at_weight:
             return kept.at_weight[weight]
         held, stage = self.shape.in_flight(index), kept.stage
@@ -134,6 +138,8 @@ class _StageSearch:
             if not all(inner):
                 within = [copy for copy, keep in zip(copies, inner) if keep]
                 best = max(best, stage_floor(stage, within, weight, recompute, edges))
+            if beat is not None and best < beat:
+                return -math.inf
             least = min(least, best)
         kept.at_weight[weight] = least
         return least
@@ -201,7 +207,7 @@ class _StageSearch:
             return kept.floor, None
         hint = self.hints.get(self.shape.in_flight(index), self.hint)
         if hint > 0.0 and beat < math.inf:
-            bound = self._bound_at_hint(kept, first, last, index, hint)
+            bound = self._bound_at_hint(kept, first, last, index, hint, beat)
             if bound >= beat:
                 self.found[key] = (bound, None)  # no plan of the stage that fits beats ``beat``: a bound
                 return bound, None
