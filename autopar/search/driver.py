@@ -42,7 +42,7 @@ overshoots the crossing by orders of magnitude, and the walk would climb back a 
 walk's first run most often lands just short of the crossing (a neighbouring stage's weight), so the first
 step is small; a weight far too small is passed as fast as eightfold steps pass it. At most `_WIDEN_RUNS`
 such runs (a hint 32,768 times too small); then the line to the leanest plan again. GPT-3 175B on 1,024
-devices, whose stages' walks widened 8-fold from their hint to plans twice as lean as the crossing's: 182 s
+devices, whose stages' walks widened 8-fold from their hint to plans far leaner than the crossing's: 180 s
 where 192 s, the same plan; Megatron's 39.1B and 76.1B GPTs plan as fast as with eightfold steps."""
 _WIDEN_RUNS = 5
 _FIRST_SHARE = 0.15

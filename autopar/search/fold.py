@@ -585,6 +585,8 @@ class _Lead:
         beyond |= {x for run in runs for x in (run.p, *run.shared) if x < size}
         keep = tuple(sorted(beyond))
         own_ties = {a: b for a, b in (ties or {}).items() if a < size and b < size}
+        if any(a in beyond or b in beyond for a, b in own_ties.items()):
+            return None  # a twin the main graph eliminates: neither search would tie it (each leaves it to the other)
         elimination = Elimination(sizes[:size], [factors[index] for index in inner], keep, own_ties, limits, exact_only)
         eliminated = tuple(u for u in range(size) if u not in beyond)
         return cls(elimination, inner, keep, eliminated)
