@@ -422,6 +422,28 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
         assert found is None or found.time_s == pytest.approx(brute.time_s, rel=1e-12)
 
 
+def test_a_copy_s_bound_at_weight_zero_is_worked_out_once_for_every_place_and_is_each_place_s_own(monkeypatch):
+    """A copy's Lagrangian bound at memory weight 0 is one DP run for every place of a shape: the micro-batches a
+    place holds change its bytes alone, which weight 0 counts nothing of. Each place's bound, worked out alone
+    in a search of its own, is that one; at a weight above 0 each place has its own."""
+    from autopar.search.cuts import _StageSearch
+
+    fold_short(monkeypatch)
+    model = build_transformer(kind="gpt", layers=6, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    problem = autopar.build(model, 4, profile())
+    shape = PipelineShape(4, 4)  # four places, holding 4, 3, 2 and 1 micro-batches
+    block = next(repeat.block(1) for repeat, _ in problem.folds if repeat.copies > 1)
+    for recompute in (False, True):
+        shared = _StageSearch(problem, shape, SearchOptions())
+        alone = [
+            _StageSearch(problem, shape, SearchOptions())._copy_lagrangian(block, i, 0.0, recompute) for i in range(4)
+        ]
+        assert [shared._copy_lagrangian(block, i, 0.0, recompute) for i in range(4)] == alone
+        assert len(shared._copy_bounds) == 1 and len(set(alone)) == 1
+        weighted = [shared._copy_lagrangian(block, i, 1e-9, recompute) for i in range(4)]
+        assert len(shared._copy_bounds) == 5 and len(set(weighted)) == 4  # (more micro-batches held, more bytes)
+
+
 def test_a_stage_refuted_at_a_memory_weight_hands_that_weight_to_the_next_stage_of_its_place(monkeypatch):
     """Where memory binds, a stage search that cannot beat its bound says at which memory weight its DP runs
     proved the most (`NothingFaster.weight`: the run whose Lagrangian bound is highest), and the cut search tries

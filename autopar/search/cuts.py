@@ -175,9 +175,11 @@ class _StageSearch:
         the copy as a stage's operators are costed (`stage_problem`, its micro-batches in flight), without
         what only a stage's boundary adds or takes away (sends, kept tensors: `_bound_at_hint` takes the
         latter off), and, recomputing, with no share of the one block's activations held at a time (which
-        depends on how many copies the stage has). Once per copy kind, stage place, weight and way."""
+        depends on how many copies the stage has). Once per copy kind, stage place, weight and way; at weight 0
+        once per copy kind and way: a copy's times are the same in every place (the micro-batches a place holds
+        change its bytes alone), and memory then counts nothing."""
         kind = (self.classes[block.start], self.shape.in_flight(index))
-        key = (*kind, weight, recompute)
+        key = (kind[0], kind[1] if weight else None, weight, recompute)
         if key not in self._copy_bounds:
             if kind not in self._copy_problems:  # (one problem and solver for every weight and way)
                 copy = stage_problem(
