@@ -89,20 +89,64 @@ _ROWS = 8  # rows of ``a`` that share each band of ``b_t`` loaded
 _STEPS = 8  # summed indices taken per pass over a band: each entry's running minimum is read and written once per eight
 
 
+@_inlined
+def _steps(k: int, end: int) -> tuple[int, int, int, int, int, int, int, int]:
+    """The `_STEPS` summed indices a pass from ``k`` takes: past the last (``end``) it takes that again."""
+    return (
+        k,
+        min(k + 1, end),
+        min(k + 2, end),
+        min(k + 3, end),
+        min(k + 4, end),
+        min(k + 5, end),
+        min(k + 6, end),
+        min(k + 7, end),
+    )
+
+
+@_inlined
+def _band(b_t: np.ndarray, steps: tuple[int, ...], left: int, right: int) -> tuple[np.ndarray, ...]:
+    """Rows ``steps`` of ``b_t``, columns ``left`` .. ``right``."""
+    return (
+        b_t[steps[0], left:right],
+        b_t[steps[1], left:right],
+        b_t[steps[2], left:right],
+        b_t[steps[3], left:right],
+        b_t[steps[4], left:right],
+        b_t[steps[5], left:right],
+        b_t[steps[6], left:right],
+        b_t[steps[7], left:right],
+    )
+
+
+@_inlined
+def _taken(row: np.ndarray, steps: tuple[int, ...]) -> tuple[float, ...]:
+    """Entries ``steps`` of a row of ``a``."""
+    return (
+        row[steps[0]],
+        row[steps[1]],
+        row[steps[2]],
+        row[steps[3]],
+        row[steps[4]],
+        row[steps[5]],
+        row[steps[6]],
+        row[steps[7]],
+    )
+
+
 @_jit
 def min_plus_rows(a: np.ndarray, b_t: np.ndarray, out: np.ndarray, first: int, last: int) -> None:
     """Rows ``first`` .. ``last`` of out[i, j] = min_k a[i, k] + b_t[k, j] (``a`` and ``b_t`` C-contiguous).
 
     Columns run innermost, so each step is element-wise over contiguous columns (``v if v < w else w``
     is one vector minimum), a band of `_TILE` columns and `_ROWS` rows of ``a`` at a time. Each entry's
-    running minimum is read, taken over `_STEPS` values of k in registers, and written back: a minimum
-    stored where it was read (``m[j] = v if v < m[j] else m[j]``, one k at a time) compiles to a masked
-    store, which AMD's Zen cores run as microcode (1.9 G entries a second on a Zen 3 core, where this
-    takes 10). Each entry is one addition, as numpy's broadcast sum makes it, and its minimum is taken over
-    k in ascending order, so every bit is the same; past the last k a step repeats it, which changes
-    nothing (a minimum only moves to a smaller value)."""
+    running minimum is read, taken over `_STEPS` values of k in registers (the compiler unrolls that loop
+    of a fixed count), and written back: a minimum stored where it was read (``m[j] = v if v < m[j] else
+    m[j]``, one k at a time) compiles to a masked store, which AMD's Zen cores run as microcode (1.9 G
+    entries a second on a Zen 3 core, where this takes 10). Each entry is one addition, as numpy's
+    broadcast sum makes it, and its minimum is taken over k in ascending order, so every bit is the same;
+    past the last k a step repeats it, which changes nothing (a minimum only moves to a smaller value)."""
     depth, columns = b_t.shape
-    end = depth - 1  # the last k, which steps past it repeat
     for top in range(first, last, _ROWS):
         bottom = min(last, top + _ROWS)
         for left in range(0, columns, _TILE):
@@ -110,32 +154,15 @@ def min_plus_rows(a: np.ndarray, b_t: np.ndarray, out: np.ndarray, first: int, l
             for i in range(top, bottom):
                 out[i, left:right] = np.inf
             for k in range(0, depth, _STEPS):
-                k1, k2, k3, k4 = min(k + 1, end), min(k + 2, end), min(k + 3, end), min(k + 4, end)
-                k5, k6, k7 = min(k + 5, end), min(k + 6, end), min(k + 7, end)
-                y0, y1, y2, y3 = b_t[k, left:right], b_t[k1, left:right], b_t[k2, left:right], b_t[k3, left:right]
-                y4, y5, y6, y7 = b_t[k4, left:right], b_t[k5, left:right], b_t[k6, left:right], b_t[k7, left:right]
+                steps = _steps(k, depth - 1)
+                band = _band(b_t, steps, left, right)
                 for i in range(top, bottom):
-                    x0, x1, x2, x3 = a[i, k], a[i, k1], a[i, k2], a[i, k3]
-                    x4, x5, x6, x7 = a[i, k4], a[i, k5], a[i, k6], a[i, k7]
-                    least = out[i, left:right]
+                    taken, least = _taken(a[i], steps), out[i, left:right]
                     for j in range(right - left):
                         w = least[j]
-                        v = x0 + y0[j]
-                        w = v if v < w else w
-                        v = x1 + y1[j]
-                        w = v if v < w else w
-                        v = x2 + y2[j]
-                        w = v if v < w else w
-                        v = x3 + y3[j]
-                        w = v if v < w else w
-                        v = x4 + y4[j]
-                        w = v if v < w else w
-                        v = x5 + y5[j]
-                        w = v if v < w else w
-                        v = x6 + y6[j]
-                        w = v if v < w else w
-                        v = x7 + y7[j]
-                        w = v if v < w else w
+                        for q in range(_STEPS):
+                            v = taken[q] + band[q][j]
+                            w = v if v < w else w
                         least[j] = w
 
 
@@ -145,7 +172,6 @@ def min_plus_argmin(a: np.ndarray, b_t: np.ndarray, out: np.ndarray, arg: np.nda
     every sum is infinite): a k replaces the running one only where its sum is strictly smaller, so a repeated
     last k changes neither."""
     depth, columns = b_t.shape
-    end = depth - 1  # the last k, which steps past it repeat
     for top in range(first, last, _ROWS):
         bottom = min(last, top + _ROWS)
         for left in range(0, columns, _TILE):
@@ -154,40 +180,15 @@ def min_plus_argmin(a: np.ndarray, b_t: np.ndarray, out: np.ndarray, arg: np.nda
                 out[i, left:right] = np.inf
                 arg[i, left:right] = 0
             for k in range(0, depth, _STEPS):
-                k1, k2, k3, k4 = min(k + 1, end), min(k + 2, end), min(k + 3, end), min(k + 4, end)
-                k5, k6, k7 = min(k + 5, end), min(k + 6, end), min(k + 7, end)
-                y0, y1, y2, y3 = b_t[k, left:right], b_t[k1, left:right], b_t[k2, left:right], b_t[k3, left:right]
-                y4, y5, y6, y7 = b_t[k4, left:right], b_t[k5, left:right], b_t[k6, left:right], b_t[k7, left:right]
+                steps = _steps(k, depth - 1)
+                band = _band(b_t, steps, left, right)
                 for i in range(top, bottom):
-                    x0, x1, x2, x3 = a[i, k], a[i, k1], a[i, k2], a[i, k3]
-                    x4, x5, x6, x7 = a[i, k4], a[i, k5], a[i, k6], a[i, k7]
-                    least, where = out[i, left:right], arg[i, left:right]
+                    taken, least, where = _taken(a[i], steps), out[i, left:right], arg[i, left:right]
                     for j in range(right - left):
                         w, at = least[j], where[j]
-                        v = x0 + y0[j]
-                        smaller = v < w
-                        w, at = (v, k) if smaller else (w, at)
-                        v = x1 + y1[j]
-                        smaller = v < w
-                        w, at = (v, k1) if smaller else (w, at)
-                        v = x2 + y2[j]
-                        smaller = v < w
-                        w, at = (v, k2) if smaller else (w, at)
-                        v = x3 + y3[j]
-                        smaller = v < w
-                        w, at = (v, k3) if smaller else (w, at)
-                        v = x4 + y4[j]
-                        smaller = v < w
-                        w, at = (v, k4) if smaller else (w, at)
-                        v = x5 + y5[j]
-                        smaller = v < w
-                        w, at = (v, k5) if smaller else (w, at)
-                        v = x6 + y6[j]
-                        smaller = v < w
-                        w, at = (v, k6) if smaller else (w, at)
-                        v = x7 + y7[j]
-                        smaller = v < w
-                        w, at = (v, k7) if smaller else (w, at)
+                        for q in range(_STEPS):
+                            v = taken[q] + band[q][j]
+                            w, at = (v, steps[q]) if v < w else (w, at)
                         least[j], where[j] = w, at
 
 
