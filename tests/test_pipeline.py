@@ -422,6 +422,78 @@ def test_the_bound_at_a_memory_weight_never_refutes_a_stage_that_fits_faster(
         assert found is None or found.time_s == pytest.approx(brute.time_s, rel=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("blocks", "batch", "devices", "micro", "share", "tighter"), [(6, 64, 8, 2, 0.3, True), (-4, 16, 4, 2, 0.05, False)]
+)
+def test_a_shape_s_memory_floor_is_below_its_best_plan_at_every_weight_and_above_its_time_floor_at_some(
+    monkeypatch, blocks, batch, devices, micro, share, tighter
+):
+    """Where memory binds, `MemoryFloors` bounds every plan of a shape from below at every memory weight, each
+    stage by its Lagrangian less the weight times the capacity (a copy ending a stage of GPT layers sends its
+    residual on, which the next stage keeps: `kept_sent`), and it is tighter than the time floor at some weight
+    where a stage's plans trade much time for memory (the small GPT's stages recompute at little cost).
+    The cut search that refutes shapes by it ends at brute force's plan, told a bound just above it or not."""
+    from autopar.search.cuts import _StageSearch
+    from autopar.search.floors import MemoryFloors, shape_floors
+    from tests.test_memory_plan import RC_PEAK, block_stack, leanest
+
+    fold_short(monkeypatch)
+    if blocks > 0:
+        model = block_stack(blocks=blocks, batch=batch // micro, width=8, hidden=32)
+    else:
+        model = build_transformer(
+            kind="gpt", layers=-blocks, hidden=64, heads=4, seq=32, vocab=256, batch=batch // micro
+        )
+    free = autopar.build(model, devices // 2, profile(peak=RC_PEAK))
+    without, with_recompute = leanest(free, False), leanest(free, True)
+    capacity = profile(capacity=with_recompute + share * (without - with_recompute), peak=RC_PEAK)
+    above = 0
+    for stages in (2, 4):
+        problem, shape = autopar.build(model, devices // stages, capacity), PipelineShape(stages, micro)
+        points = [0, *cut_points(problem), problem.size]
+        brute = every_cut(problem, shape)
+        floors = shape_floors(problem, shape, points)
+        search = _StageSearch(problem, shape, SearchOptions())
+        blocks_whole = [block for block, _ in floors.copies]
+        memory = MemoryFloors(problem, shape, points, floors.least, blocks_whole, search._copy_lagrangian, None)
+        assert blocks_whole and memory.safe()
+        best = brute.time_s if brute is not None else math.inf
+        for memory_weight in (1e-12, 1e-10, 1e-9, 1e-8, 1e-7, 1e-6):
+            alone = MemoryFloors(problem, shape, points, floors.least, blocks_whole, search._copy_lagrangian, None)
+            at_weight = alone.add([memory_weight] * alone.places)
+            assert at_weight <= best * (1 + 1e-9)
+            above += at_weight > floors.seconds * (1 + 1e-6)
+            assert memory.add([memory_weight] * memory.places) >= at_weight  # (every weight taken so far counts)
+        if brute is None:
+            continue
+        for hint in (1e-10, 1e-8):
+            for bound in (math.inf, brute.time_s * (1 + 1e-9), brute.time_s):
+                found = search_stages(problem, shape, SearchOptions(bound=bound, hint=hint))
+                assert (found is None) == (bound == brute.time_s)
+                assert found is None or found.time_s == pytest.approx(brute.time_s, rel=1e-12)
+    assert above > 0 or not tighter
+
+
+def test_the_kept_bytes_a_cut_sends_on_are_at_least_what_the_stage_that_writes_them_frees(monkeypatch):
+    """`kept_sent` counts every kept output read past a point, where `_kept_across` leaves out those another
+    operator of the stage keeps: what it says a cut moves is never less."""
+    from autopar.search.pipeline import _kept_across, kept_sent
+
+    fold_short(monkeypatch)
+    model = build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    problem = autopar.build(model, 4, profile())
+    points = [0, *cut_points(problem), problem.size]
+    compared = 0
+    for a, b in itertools.pairwise(points):
+        moved = _kept_across(problem, a, b, cut_crossings(problem, a, b))
+        sent = kept_sent(problem, {node: b for node in range(a, b)})
+        for node, change in moved.items():
+            if float(np.min(change)) < 0:
+                assert a + node in sent and (sent[a + node] >= -change - 1e-9).all()
+                compared += 1
+    assert compared > 0
+
+
 def test_a_copy_s_bound_at_weight_zero_is_worked_out_once_for_every_place_and_is_each_place_s_own(monkeypatch):
     """A copy's Lagrangian bound at memory weight 0 is one DP run for every place of a shape: the micro-batches a
     place holds change its bytes alone, which weight 0 counts nothing of. Each place's bound, worked out alone

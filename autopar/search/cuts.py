@@ -29,7 +29,15 @@ from autopar.search.driver import (
     data_parallel_choice,
     run_search,
 )
-from autopar.search.floors import StageEdges, copies_in, least_below, least_fullest, shape_floors, stage_floor
+from autopar.search.floors import (
+    MemoryFloors,
+    StageEdges,
+    copies_in,
+    least_below,
+    least_fullest,
+    shape_floors,
+    stage_floor,
+)
 from autopar.search.fold import CopyRuns, Solver
 from autopar.search.ilp import recomputing
 from autopar.search.pipeline import (
@@ -40,6 +48,7 @@ from autopar.search.pipeline import (
     StagePlan,
     cut_crossings,
     cut_points,
+    kept_sent,
     send_costs,
     stage_link_bit,
     stage_problem,
@@ -77,6 +86,7 @@ class _StageSearch:
         self.copies: tuple[tuple[range, float], ...] = ()  # `copy_floors`, once the cut search asks for them
         self._copy_bounds: dict[tuple, float] = {}  # `_copy_lagrangian`'s
         self._copy_problems: dict[tuple[int, int], tuple[SearchProblem, Solver]] = {}  # (the same's, by copy kind)
+        self._sent_on: dict[int, dict[int, np.ndarray]] = {}  # per copy kind, `kept_sent` past its end, by place
         self._stages: dict[tuple, _Kept] = {}  # `_kept`'s
         self._arrays: dict[tuple, tuple] = {}  # the rescaled arrays the stages share (`stage_problem`'s ``made``)
         self._copies = CopyRuns()  # the copy eliminations the stages' searches share (`fold.CopyRuns`)
@@ -169,7 +179,7 @@ class _StageSearch:
             kept.edges[recompute] = StageEdges(kept.stage, recompute, self._minima)
         return kept.edges[recompute]
 
-    def _copy_lagrangian(self, block: range, index: int, weight: float, recompute: bool) -> float:
+    def _copy_lagrangian(self, block: range, index: int, weight: float, recompute: bool, end: bool = False) -> float:
         """A lower bound on the Lagrangian (time + ``weight`` x memory) of one copy of a folded block, its
         operators and the edges among them, in stage ``index`` wherever the cuts put it: one DP run over
         the copy as a stage's operators are costed (`stage_problem`, its micro-batches in flight), without
@@ -177,9 +187,11 @@ class _StageSearch:
         latter off), and, recomputing, with no share of the one block's activations held at a time (which
         depends on how many copies the stage has). Once per copy kind, stage place, weight and way; at weight 0
         once per copy kind and way: a copy's times are the same in every place (the micro-batches a place holds
-        change its bytes alone), and memory then counts nothing."""
+        change its bytes alone), and memory then counts nothing. With ``end``, the copy ends its stage: its
+        outputs kept for a backward that later operators read are sent on (`pipeline.kept_sent`), their bytes
+        off each micro-batch held (`MemoryFloors`)."""
         kind = (self.classes[block.start], self.shape.in_flight(index))
-        key = (kind[0], kind[1] if weight else None, weight, recompute)
+        key = (kind[0], kind[1] if weight else None, weight, recompute, end and weight > 0.0)
         if key not in self._copy_bounds:
             if kind not in self._copy_problems:  # (one problem and solver for every weight and way)
                 copy = stage_problem(
@@ -191,8 +203,26 @@ class _StageSearch:
             if recompute:
                 for node, share in copy.recompute_share.items():
                     unary[node] = unary[node] - weight * share * copy.node_activations[node]
+            if end and weight > 0.0:
+                if kind[0] not in self._sent_on:  # (alike for every copy of the kind: by place in the copy)
+                    sent = kept_sent(self.problem, {node: block.stop for node in block})
+                    self._sent_on[kind[0]] = {node - block.start: sent_bytes for node, sent_bytes in sent.items()}
+                for node, sent_bytes in self._sent_on[kind[0]].items():
+                    unary[node] = unary[node] - weight * kind[1] * sent_bytes
             self._copy_bounds[key] = least_below(copy, unary, recompute, solver)
         return self._copy_bounds[key]
+
+    def memory_floor(self, points: Sequence[int], times: np.ndarray, bound: float) -> float:
+        """`MemoryFloors` of the shape at `_FLOOR_WEIGHT` of the hint, for every place. Minus infinity where
+        memory did not bind (no hint), nothing bounds the search, no copy is whole between the points or a copy
+        keeps an output for past the next copy (the bound would not hold)."""
+        blocks = [block for block, _ in self.copies]
+        if self.hint <= 0.0 or math.isinf(bound) or not blocks:
+            return -math.inf
+        floors = MemoryFloors(self.problem, self.shape, points, times, blocks, self._copy_lagrangian, self.recompute)
+        if not floors.safe():
+            return -math.inf
+        return floors.add([_FLOOR_WEIGHT * self.hint] * floors.places)
 
     def time(self, first: int, last: int, index: int, beat: float = math.inf) -> tuple[float, SearchResult | None]:
         """The stage's time per step and plan (infinite and None when nothing fits). A stage whose lower
@@ -250,6 +280,13 @@ class _StageSearch:
         return kept
 
 
+_FLOOR_WEIGHT = 0.25
+"""The share of the hint (the memory weight the last one-stage search that memory bound settled on) that
+`_StageSearch.memory_floor` bounds a shape's stages at. Any weight gives a bound; a stage holds a share of
+the model and of the micro-batches, and its walk settles lower (GPT-3 175B on 1,024 Ascend 910s: the hint
+2.9e-9, its stages' walks 1e-10 to 2.6e-9). Fitted on that model: of the shares 1, 1/2 and 1/4 of the hint,
+the quarter refutes most shapes (2 to 4 stages), and one weight costs a third of three."""
+
 _STAGES_KEPT = 16
 """Stage problems a cut search keeps for asking again (`_StageSearch._kept`): the cut search asks a stage
 again within a few others (the cuts of one end), and each holds its arrays and solver."""
@@ -303,7 +340,8 @@ def bounded_search_stages(
     picks. A stage is searched only when lower bounds leave it a chance to beat the best plan found so
     far: its own (`stage_floor`) and, for the stages before and after it, the sum of their operators'
     least time per micro-batch, times the slots, each whole copy of a folded block counted at
-    `copy_floors`' bound where that is larger."""
+    `copy_floors`' bound where that is larger; and, where memory binds, no cut is searched whose stages'
+    Lagrangian bounds (`MemoryFloors`) leave none fast enough."""
     options = options or SearchOptions()
     bound = options.bound
     search = _StageSearch(problem, shape, options)
@@ -316,6 +354,9 @@ def bounded_search_stages(
         return None, floors.seconds  # not even the stages' lower bounds leave one fast enough (or no cut fits)
     search.copies = floors.copies
     least = floors.least
+    memory = search.memory_floor(points, least, bound)
+    if memory >= bound:
+        return None, memory  # where memory binds, the stages' Lagrangian bounds leave none fast enough
 
     def floor(a: int, b: int) -> float:  # no stage over points a..b is faster
         return float(least[points[b]] - least[points[a]])
@@ -325,7 +366,7 @@ def bounded_search_stages(
     if probe is not None:  # its ties too: the exact search's rule, not the bounds', picks among equal cuts
         bound = probe.time_s * (1 + 1e-12)
     exact = _min_max_search(search, points, count, floor, bound)
-    return _proved(search, exact if exact is not None else probe, options.bound, floors.seconds)
+    return _proved(search, exact if exact is not None else probe, options.bound, max(floors.seconds, memory))
 
 
 def _proved(

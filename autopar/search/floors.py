@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from autopar.search.fold import Solver
-from autopar.search.pipeline import PipelineShape, stage_problem
+from autopar.search.ilp import recomputing
+from autopar.search.pipeline import PipelineShape, kept_sent, stage_problem
 from autopar.search.problem import SearchProblem
 from autopar.strategy import OpRule
 
@@ -89,20 +90,138 @@ def least_fullest(prefixes: Sequence[np.ndarray]) -> tuple[float, list[int]]:
     >>> least_fullest([np.array([0.0, 1.0, 3.0, 4.0])] * 2)
     (3.0, [0, 1, 3])
     """
-    first = prefixes[0]
-    best = first - first[0]  # stage 0 ending at each point
+    return least_slowest(len(prefixes), lambda i: prefixes[i][None, :] - prefixes[i][:, None])
+
+
+def least_slowest(count: int, stage: Callable[[int], np.ndarray]) -> tuple[float, list[int]]:
+    """`least_fullest` of ``count`` stages, stage i over points a .. b costing ``stage(i)[a, b]`` (a cost
+    that need not be a difference of sums: `memory_floor_of_cuts` takes the best of several per stage).
+
+    >>> cost = np.array([[0.0, 1.0, 5.0], [0.0, 0.0, 2.0], [0.0, 0.0, 0.0]])
+    >>> least_slowest(2, lambda i: cost)
+    (2.0, [0, 1, 2])
+    """
+    best = stage(0)[0].copy()  # stage 0 ending at each point
     best[0] = np.inf  # a stage has at least one step between its points
-    below = np.tril(np.ones((len(first), len(first)), dtype=bool))  # a stage ends after it starts
+    below = np.tril(np.ones((len(best), len(best)), dtype=bool))  # a stage ends after it starts
     came: list[np.ndarray] = []  # per stage after the first: where it starts, for each point it ends at
-    for prefix in prefixes[1:]:
-        ending = np.maximum(best[:, None], prefix[None, :] - prefix[:, None])  # [start, end]
+    for index in range(1, count):
+        ending = np.maximum(best[:, None], stage(index))  # [start, end]
         ending[below] = np.inf
         came.append(ending.argmin(axis=0))
         best = ending.min(axis=0)
-    cuts = [len(first) - 1]
+    cuts = [len(best) - 1]
     for starts in reversed(came):
         cuts.append(int(starts[cuts[-1]]))
     return float(best[-1]), [0, *reversed(cuts)]
+
+
+CopyBound = Callable[[range, int, float, bool, bool], float]
+"""A lower bound on the Lagrangian of one copy of a folded block in a stage of a shape: given the copy, the
+stage's index, the memory weight, whether the stage recomputes and whether the copy ends its stage (its
+kept outputs then sent on: `pipeline.kept_sent`). The cut search's `_StageSearch._copy_lagrangian`."""
+
+
+class MemoryFloors:
+    """A step no cut of a shape at ``points`` beats, memory counted: `time_floors` made tighter where memory binds.
+
+    A stage's plan that fits is no slower than its Lagrangian less the weight times the capacity, at every
+    memory weight (time + weight x bytes, `stage_floor`'s), whichever way it recomputes. So each stage over
+    points a .. b is bounded by the least, over the ways to recompute, of the largest over the weights added
+    (`add`) of: its copies' bounds (`CopyBound`, the one ending the stage with its kept outputs sent on) and
+    the least Lagrangian of each other operator (its kept outputs read past the next point sent on), less the
+    weight times the capacity; and by its time floor. The min-max over the cuts of those (`least_slowest`) bounds
+    every plan of the shape. A stage's place counts: the first holds the most micro-batches, so it binds
+    where memory does, and only the first `_PLACES` places are bounded so (the rest by their time floors).
+
+    GPT-3 175B on 1,024 Ascend 910s, 4 stages x 64 micro-batches: 57.4 s against its time floor's 54.1 s
+    (its plan 60.8 s, the best shape's 57.3 s), where refuting it took a cut search of 2 s."""
+
+    def __init__(
+        self,
+        problem: SearchProblem,
+        shape: PipelineShape,
+        points: Sequence[int],
+        times: np.ndarray,
+        copies: Sequence[range],
+        copy_bound: CopyBound,
+        recompute: bool | None,
+    ) -> None:
+        """``times``: `ShapeFloors.least`; ``copies``: the copies none of whose runs a point splits;
+        ``recompute``: as the options ask."""
+        self.problem, self.shape, self.points, self.copies, self.copy_bound = problem, shape, points, copies, copy_bound
+        prefix = times[list(points)]
+        self.base = prefix[None, :] - prefix[:, None]  # every stage's time floor
+        self.places = min(shape.stages, _PLACES)
+        self.ways = recomputing(problem, recompute)
+        self.bounds: dict[tuple[int, bool], np.ndarray] = {}  # per place and way, the best over the weights
+        inside = np.zeros(problem.size, dtype=bool)
+        for block in copies:
+            inside[block.start : block.stop] = True
+        self.outside = np.flatnonzero(~inside).tolist()
+        after = {node: points[bisect.bisect_right(points, node)] for node in self.outside if node < points[-1]}
+        self.sent = kept_sent(problem, after)
+        self.ends = [next((block for block in copies if block.stop == point), None) for point in points]
+        self._stages: dict[int, SearchProblem] = {}
+
+    def safe(self) -> bool:
+        """Whether a stage's kept outputs sent on come from its last copy and its other operators alone: no copy
+        keeps an output for an operator past the next copy's end (else no bound is taken)."""
+        return not kept_sent(
+            self.problem, {node: 2 * block.stop - block.start for block in self.copies for node in block}
+        )
+
+    def add(self, weights: Sequence[float]) -> float:
+        """Take ``weights`` (one per place: the first `_PLACES` stages') among the weights tried; the bound from
+        every weight taken so far."""
+        for index, weight in enumerate(weights[: self.places]):
+            for recompute in self.ways:
+                found = self._lagrangian(index, weight, recompute)
+                key = (index, recompute)
+                self.bounds[key] = np.maximum(self.bounds[key], found) if key in self.bounds else found
+        per_place = [
+            np.maximum(self.base, np.minimum.reduce([self.bounds[(index, way)] for way in self.ways]))
+            if (index, self.ways[0]) in self.bounds
+            else self.base
+            for index in range(self.places)
+        ]
+        return least_slowest(self.shape.stages, lambda i: per_place[i] if i < self.places else self.base)[0]
+
+    def _lagrangian(self, index: int, weight: float, recompute: bool) -> np.ndarray:
+        """Per stage of place ``index`` over points a .. b, its bound at ``weight`` recomputing or not. A copy
+        ending its stage is bounded as one sending its kept outputs on only without recomputation: recomputing,
+        its bound counts none of its activations (`_StageSearch._copy_lagrangian`), of which they are part."""
+        each = np.zeros(self.problem.size + 1)
+        stage, held = self._whole(index), self.shape.in_flight(index)
+        for node in self.outside:
+            unary = stage.node_lagrangian(node, weight, recompute)[0]
+            if recompute and node in stage.recompute_share:
+                unary = unary - weight * stage.recompute_share[node] * stage.node_activations[node]
+            if node in self.sent:
+                unary = unary - weight * held * self.sent[node]
+            each[node + 1] = float(np.min(unary))
+        plain: dict[int, float] = {}
+        for block in self.copies:
+            each[block.start + 1] = plain[block.start] = self.copy_bound(block, index, weight, recompute, False)
+        prefix = np.cumsum(each)[list(self.points)]
+        ending = np.zeros(len(self.points))
+        for at, end in enumerate(self.ends):
+            if end is not None and not recompute:
+                ending[at] = self.copy_bound(end, index, weight, recompute, True) - plain[end.start]
+        return prefix[None, :] - prefix[:, None] + ending[None, :] - weight * self.problem.cost.capacity * (1 + 1e-12)
+
+    def _whole(self, index: int) -> SearchProblem:
+        """Every operator as a stage of place ``index``, without what crosses cuts (its other operators' costs)."""
+        if index not in self._stages:
+            self._stages[index] = stage_problem(
+                self.problem, 0, self.problem.size, self.shape, index, {}, boundary=False
+            )
+        return self._stages[index]
+
+
+_PLACES = 4
+"""The first places of a pipeline `MemoryFloors` bounds with memory counted (each a DP run over each kind of copy
+per weight and way): the first stage holds the most micro-batches, so memory binds there first."""
 
 
 def leanest_memory(problem: SearchProblem, shape: PipelineShape, points: Sequence[int]) -> list[np.ndarray]:

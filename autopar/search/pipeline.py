@@ -295,7 +295,6 @@ def _kept_across(problem: SearchProblem, first: int, last: int, crossings: Cross
     """Per operator of the stage (its own index), bytes per candidate its activations change by because a
     tensor kept for a backward crosses a cut: the stage that keeps it holds it (the reading stage its
     received copy, at the first reader that keeps it), not the producing one unless it keeps it too."""
-    graph = problem.graph
     keeps = {node: problem.kept_by_operator[node] for node in range(first, last)}
     for use in problem.fork_uses:  # what a fork's readers keep is its input (`dataflow._kept_for_backward`)
         if use.src_node in keeps and use.tensor in keeps.get(use.dst_node, ()):
@@ -306,20 +305,38 @@ def _kept_across(problem: SearchProblem, first: int, last: int, crossings: Cross
     for use in crossings.out:
         if use.src_is_output and use.tensor in problem.kept and use.tensor not in here and use.tensor not in done:
             done.add(use.tensor)
-            rule, info = problem.rules[use.src_node], graph.tensor(use.tensor)
-            local = [rule.output_layout(c, use.src_slot).local_numel(info.shape) for c in range(len(rule.candidates))]
-            moved[use.src_node - first] = moved.get(use.src_node - first, 0.0) - np.array(
-                local, dtype=float
-            ) * problem.kept_itemsize(info)
+            moved[use.src_node - first] = moved.get(use.src_node - first, 0.0) - _kept_bytes(problem, use, True)
     for use in sorted(crossings.into, key=lambda u: u.dst_node):
         if use.tensor in keeps[use.dst_node] and use.tensor not in done:
             done.add(use.tensor)
-            rule, info = problem.rules[use.dst_node], graph.tensor(use.tensor)
-            local = [rule.input_layout(c, use.dst_slot).local_numel(info.shape) for c in range(len(rule.candidates))]
-            moved[use.dst_node - first] = moved.get(use.dst_node - first, 0.0) + np.array(
-                local, dtype=float
-            ) * problem.kept_itemsize(info)
+            moved[use.dst_node - first] = moved.get(use.dst_node - first, 0.0) + _kept_bytes(problem, use, False)
     return moved
+
+
+def _kept_bytes(problem: SearchProblem, use: TensorUse, written: bool) -> np.ndarray:
+    """The bytes a device holds of a tensor kept for a backward, per candidate of the operator that writes it
+    (``written``) or reads it in ``use``."""
+    node, slot = (use.src_node, use.src_slot) if written else (use.dst_node, use.dst_slot)
+    rule, info = problem.rules[node], problem.graph.tensor(use.tensor)
+    layout = rule.output_layout if written else rule.input_layout
+    local = [layout(c, slot).local_numel(info.shape) for c in range(len(rule.candidates))]
+    return np.array(local, dtype=float) * problem.kept_itemsize(info)
+
+
+def kept_sent(problem: SearchProblem, past: Mapping[int, int]) -> dict[int, np.ndarray]:
+    """Per operator among ``past``'s keys, per candidate, the bytes of its outputs kept for a backward that an
+    operator at ``past[node]`` or after reads: the most a cut at or after that point moves out of the stage
+    writing them, per micro-batch it holds (`_kept_across`, where a tensor another operator of the stage keeps
+    stays). Operators with none are left out."""
+    sent: dict[int, np.ndarray] = {}
+    done: set[str] = set()
+    for use in problem.uses:
+        if use.src_node not in past or use.dst_node < past[use.src_node] or not use.src_is_output:
+            continue
+        if use.tensor in problem.kept and use.tensor not in done:
+            done.add(use.tensor)
+            sent[use.src_node] = sent.get(use.src_node, 0.0) + _kept_bytes(problem, use, True)
+    return sent
 
 
 def stage_problem(
