@@ -212,17 +212,18 @@ class _StageSearch:
             self._copy_bounds[key] = least_below(copy, unary, recompute, solver)
         return self._copy_bounds[key]
 
-    def memory_floor(self, points: Sequence[int], times: np.ndarray, bound: float) -> float:
-        """`MemoryFloors` of the shape at `_FLOOR_WEIGHT` of the hint, for every place. Minus infinity where
-        memory did not bind (no hint), nothing bounds the search, no copy is whole between the points or a copy
-        keeps an output for past the next copy (the bound would not hold)."""
+    def memory_floor(self, points: Sequence[int], times: np.ndarray, bound: float) -> MemoryFloors | None:
+        """`MemoryFloors` of the shape at `_FLOOR_WEIGHT` of the hint, for every place. None where memory did not
+        bind (no hint), nothing bounds the search, no copy is whole between the points or a copy keeps an output
+        for past the next copy (the bound would not hold)."""
         blocks = [block for block, _ in self.copies]
         if self.hint <= 0.0 or math.isinf(bound) or not blocks:
-            return -math.inf
+            return None
         floors = MemoryFloors(self.problem, self.shape, points, times, blocks, self._copy_lagrangian, self.recompute)
         if not floors.safe():
-            return -math.inf
-        return floors.add([_FLOOR_WEIGHT * self.hint] * floors.places)
+            return None
+        floors.add([_FLOOR_WEIGHT * self.hint] * floors.places)
+        return floors
 
     def time(self, first: int, last: int, index: int, beat: float = math.inf) -> tuple[float, SearchResult | None]:
         """The stage's time per step and plan (infinite and None when nothing fits). A stage whose lower
@@ -355,8 +356,9 @@ def bounded_search_stages(
     search.copies = floors.copies
     least = floors.least
     memory = search.memory_floor(points, least, bound)
-    if memory >= bound:
-        return None, memory  # where memory binds, the stages' Lagrangian bounds leave none fast enough
+    seconds = float(memory.before[-1][-1]) if memory is not None else floors.seconds
+    if seconds >= bound:
+        return None, seconds  # where memory binds, the stages' Lagrangian bounds leave none fast enough
 
     def floor(a: int, b: int) -> float:  # no stage over points a..b is faster
         return float(least[points[b]] - least[points[a]])
@@ -365,8 +367,8 @@ def bounded_search_stages(
     probe = _assemble(search, [points[b] for b in least_fullest([least[points]] * count)[1]], bound)
     if probe is not None:  # its ties too: the exact search's rule, not the bounds', picks among equal cuts
         bound = probe.time_s * (1 + 1e-12)
-    exact = _min_max_search(search, points, count, floor, bound)
-    return _proved(search, exact if exact is not None else probe, options.bound, max(floors.seconds, memory))
+    exact = _min_max_search(search, points, count, floor, bound, memory)
+    return _proved(search, exact if exact is not None else probe, options.bound, max(floors.seconds, seconds))
 
 
 def _proved(
@@ -381,7 +383,12 @@ def _proved(
 
 
 def _min_max_search(
-    search: _StageSearch, points: Sequence[int], count: int, floor: Callable[[int, int], float], bound: float
+    search: _StageSearch,
+    points: Sequence[int],
+    count: int,
+    floor: Callable[[int, int], float],
+    bound: float,
+    memory: MemoryFloors | None = None,
 ) -> PipelineResult | None:
     """The exact min-max DP over the cut points, each stage searched only where its lower bound and
     those of the stages around it leave it a chance to beat ``bound`` (None: nothing does).
@@ -395,7 +402,7 @@ def _min_max_search(
     searches). Where cuts tie, each stage starts at the first place, in order, of the least: for the
     last stage, then for the stages before it given that start."""
     last = len(points) - 1
-    cuts = _Cuts(search, points, floor)
+    cuts = _Cuts(search, points, floor, memory)
     if not cuts.best_before(count - 1, last, bound) < bound:
         return None
     ends = [last]
@@ -412,25 +419,34 @@ class _Cuts:
     search: _StageSearch
     points: Sequence[int]
     floor: Callable[[int, int], float]
+    memory: MemoryFloors | None = None  # per stage and cuts of the stages before, bounds memory counted
     # (stage index, end) -> (the least slowest stage, where that stage starts, the bound it was told):
     # exact where below its bound, else only known to be no less
     known: dict[tuple[int, int], tuple[float, int, float]] = field(default_factory=dict)
 
     def lower(self, index: int, b: int) -> float:
-        """No cuts of stages 0..index ending at point b are faster: the slowest is no faster than the average."""
-        return self.floor(0, b) / (index + 1)
+        """No cuts of stages 0..index ending at point b are faster: the slowest is no faster than the average,
+        nor than the least slowest of their bounds memory counted (`MemoryFloors.before`)."""
+        average = self.floor(0, b) / (index + 1)
+        return average if self.memory is None else max(average, float(self.memory.before[index][b]))
+
+    def own(self, index: int, a: int, b: int) -> float:
+        """No stage ``index`` over points a .. b is faster: its floor, or its bound memory counted."""
+        floor = self.floor(a, b)
+        return floor if self.memory is None else max(floor, float(self.memory.stage(index)[a, b]))
 
     def best_before(self, index: int, b: int, beat: float) -> float:
-        search, points, floor = self.search, self.points, self.floor
+        search, points = self.search, self.points
         hit = self.known.get((index, b))
         if hit is not None and (hit[0] < hit[2] or hit[0] >= beat):
             return hit[0]
         if index == 0:
-            found, came = search.time(points[0], points[b], 0, beat)[0], 0
+            own = self.own(0, 0, b)
+            found, came = (own if own >= beat else search.time(points[0], points[b], 0, beat)[0]), 0
         else:
             found, came = beat, -1
             for a in range(index, b):
-                before, own = self.lower(index - 1, a), floor(a, b)
+                before, own = self.lower(index - 1, a), self.own(index, a, b)
                 if max(before, own) >= found:
                     continue  # cannot beat the best found
                 if own >= before:  # the stage first: it is the likelier to lose

@@ -95,25 +95,32 @@ def least_fullest(prefixes: Sequence[np.ndarray]) -> tuple[float, list[int]]:
 
 def least_slowest(count: int, stage: Callable[[int], np.ndarray]) -> tuple[float, list[int]]:
     """`least_fullest` of ``count`` stages, stage i over points a .. b costing ``stage(i)[a, b]`` (a cost
-    that need not be a difference of sums: `memory_floor_of_cuts` takes the best of several per stage).
+    that need not be a difference of sums: `MemoryFloors` takes the best of several per stage).
 
     >>> cost = np.array([[0.0, 1.0, 5.0], [0.0, 0.0, 2.0], [0.0, 0.0, 0.0]])
     >>> least_slowest(2, lambda i: cost)
     (2.0, [0, 1, 2])
     """
+    bests, came = slowest_before(count, stage)
+    cuts = [len(bests[-1]) - 1]
+    for starts in reversed(came):
+        cuts.append(int(starts[cuts[-1]]))
+    return float(bests[-1][-1]), [0, *reversed(cuts)]
+
+
+def slowest_before(count: int, stage: Callable[[int], np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """`least_slowest`'s DP: per stage i, the least slowest of stages 0 .. i ending at each point (infinite where
+    none), and per stage after the first, where it starts for each point it ends at."""
     best = stage(0)[0].copy()  # stage 0 ending at each point
     best[0] = np.inf  # a stage has at least one step between its points
     below = np.tril(np.ones((len(best), len(best)), dtype=bool))  # a stage ends after it starts
-    came: list[np.ndarray] = []  # per stage after the first: where it starts, for each point it ends at
+    bests, came = [best], []
     for index in range(1, count):
-        ending = np.maximum(best[:, None], stage(index))  # [start, end]
+        ending = np.maximum(bests[-1][:, None], stage(index))  # [start, end]
         ending[below] = np.inf
         came.append(ending.argmin(axis=0))
-        best = ending.min(axis=0)
-    cuts = [len(best) - 1]
-    for starts in reversed(came):
-        cuts.append(int(starts[cuts[-1]]))
-    return float(best[-1]), [0, *reversed(cuts)]
+        bests.append(ending.min(axis=0))
+    return bests, came
 
 
 CopyBound = Callable[[range, int, float, bool, bool], float]
@@ -158,11 +165,19 @@ class MemoryFloors:
         inside = np.zeros(problem.size, dtype=bool)
         for block in copies:
             inside[block.start : block.stop] = True
-        self.outside = np.flatnonzero(~inside).tolist()
-        after = {node: points[bisect.bisect_right(points, node)] for node in self.outside if node < points[-1]}
+        outside = np.flatnonzero(~inside).tolist()
+        self.runs: list[tuple[int, int]] = []  # the other operators, in runs (first, last + 1)
+        for node in outside:
+            if self.runs and self.runs[-1][1] == node:
+                self.runs[-1] = (self.runs[-1][0], node + 1)
+            else:
+                self.runs.append((node, node + 1))
+        after = {node: points[bisect.bisect_right(points, node)] for node in outside}
         self.sent = kept_sent(problem, after)
         self.ends = [next((block for block in copies if block.stop == point), None) for point in points]
-        self._stages: dict[int, SearchProblem] = {}
+        self._stages: dict[int, list[SearchProblem]] = {}
+        self.per_place: list[np.ndarray] = []  # `stage`'s, per place the weights bound
+        self.before: list[np.ndarray] = []  # per stage i, no cuts of stages 0 .. i ending at a point are faster
 
     def safe(self) -> bool:
         """Whether a stage's kept outputs sent on come from its last copy and its other operators alone: no copy
@@ -179,27 +194,33 @@ class MemoryFloors:
                 found = self._lagrangian(index, weight, recompute)
                 key = (index, recompute)
                 self.bounds[key] = np.maximum(self.bounds[key], found) if key in self.bounds else found
-        per_place = [
+        self.per_place = [
             np.maximum(self.base, np.minimum.reduce([self.bounds[(index, way)] for way in self.ways]))
             if (index, self.ways[0]) in self.bounds
             else self.base
             for index in range(self.places)
         ]
-        return least_slowest(self.shape.stages, lambda i: per_place[i] if i < self.places else self.base)[0]
+        self.before = slowest_before(self.shape.stages, self.stage)[0]
+        return float(self.before[-1][-1])
+
+    def stage(self, index: int) -> np.ndarray:
+        """Stage ``index``'s bound over points a .. b, at [a, b], from the weights taken so far."""
+        return self.per_place[index] if index < len(self.per_place) else self.base
 
     def _lagrangian(self, index: int, weight: float, recompute: bool) -> np.ndarray:
         """Per stage of place ``index`` over points a .. b, its bound at ``weight`` recomputing or not. A copy
         ending its stage is bounded as one sending its kept outputs on only without recomputation: recomputing,
         its bound counts none of its activations (`_StageSearch._copy_lagrangian`), of which they are part."""
         each = np.zeros(self.problem.size + 1)
-        stage, held = self._whole(index), self.shape.in_flight(index)
-        for node in self.outside:
-            unary = stage.node_lagrangian(node, weight, recompute)[0]
-            if recompute and node in stage.recompute_share:
-                unary = unary - weight * stage.recompute_share[node] * stage.node_activations[node]
-            if node in self.sent:
-                unary = unary - weight * held * self.sent[node]
-            each[node + 1] = float(np.min(unary))
+        held = self.shape.in_flight(index)
+        for (first, _), stage in zip(self.runs, self._outside(index)):
+            for own in range(stage.size):
+                unary = stage.node_lagrangian(own, weight, recompute)[0]
+                if recompute and own in stage.recompute_share:
+                    unary = unary - weight * stage.recompute_share[own] * stage.node_activations[own]
+                if first + own in self.sent:
+                    unary = unary - weight * held * self.sent[first + own]
+                each[first + own + 1] = float(np.min(unary))
         plain: dict[int, float] = {}
         for block in self.copies:
             each[block.start + 1] = plain[block.start] = self.copy_bound(block, index, weight, recompute, False)
@@ -210,12 +231,14 @@ class MemoryFloors:
                 ending[at] = self.copy_bound(end, index, weight, recompute, True) - plain[end.start]
         return prefix[None, :] - prefix[:, None] + ending[None, :] - weight * self.problem.cost.capacity * (1 + 1e-12)
 
-    def _whole(self, index: int) -> SearchProblem:
-        """Every operator as a stage of place ``index``, without what crosses cuts (its other operators' costs)."""
+    def _outside(self, index: int) -> list[SearchProblem]:
+        """Each run of the operators outside the copies as a stage of place ``index``, without what crosses
+        cuts (`stage_problem` without its boundary): their own costs."""
         if index not in self._stages:
-            self._stages[index] = stage_problem(
-                self.problem, 0, self.problem.size, self.shape, index, {}, boundary=False
-            )
+            self._stages[index] = [
+                stage_problem(self.problem, first, last, self.shape, index, {}, boundary=False)
+                for first, last in self.runs
+            ]
         return self._stages[index]
 
 
