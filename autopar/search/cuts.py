@@ -441,8 +441,7 @@ class _Cuts:
         if hit is not None and (hit[0] < hit[2] or hit[0] >= beat):
             return hit[0]
         if index == 0:
-            own = self.own(0, 0, b)
-            found, came = (own if own >= beat else search.time(points[0], points[b], 0, beat)[0]), 0
+            found, came = search.time(points[0], points[b], 0, beat)[0], 0
         else:
             found, came = beat, -1
             for a in range(index, b):
