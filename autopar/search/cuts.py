@@ -368,7 +368,7 @@ def bounded_search_stages(
     if probe is not None:  # its ties too: the exact search's rule, not the bounds', picks among equal cuts
         bound = probe.time_s * (1 + 1e-12)
     exact = _min_max_search(search, points, count, floor, bound, memory)
-    return _proved(search, exact if exact is not None else probe, options.bound, max(floors.seconds, seconds))
+    return _proved(search, exact if exact is not None else probe, options.bound, seconds)  # (no less than the floor)
 
 
 def _proved(
