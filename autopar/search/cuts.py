@@ -31,6 +31,7 @@ from autopar.search.driver import (
 )
 from autopar.search.floors import (
     MemoryFloors,
+    ShapeFloors,
     StageEdges,
     copies_in,
     least_below,
@@ -342,33 +343,58 @@ def bounded_search_stages(
     far: its own (`stage_floor`) and, for the stages before and after it, the sum of their operators'
     least time per micro-batch, times the slots, each whole copy of a folded block counted at
     `copy_floors`' bound where that is larger; and, where memory binds, no cut is searched whose stages'
-    Lagrangian bounds (`MemoryFloors`) leave none fast enough."""
+    Lagrangian bounds (`MemoryFloors`) leave none fast enough. `bound_shape` then `search_bounded`."""
     options = options or SearchOptions()
-    bound = options.bound
-    search = _StageSearch(problem, shape, options)
-    n, count = problem.size, shape.stages
     if starts is not None:  # the cuts given: the bound is of plans with them
-        return _proved(search, _assemble(search, [*starts, n], bound), bound, -math.inf)
-    points = [0, *cut_points(problem), n]
-    floors = shape_floors(problem, shape, points, bound)
-    if floors.seconds >= bound:
-        return None, floors.seconds  # not even the stages' lower bounds leave one fast enough (or no cut fits)
+        search = _StageSearch(problem, shape, options)
+        return _proved(search, _assemble(search, [*starts, problem.size], options.bound), options.bound, -math.inf)
+    return search_bounded(bound_shape(problem, shape, options), options.bound)
+
+
+@dataclass
+class ShapeBound:
+    """What bounds a shape's plans before any cut is searched (`bound_shape`), with the search that took the
+    bounds and searches the cuts (`search_bounded`): its stage problems and DP runs serve both."""
+
+    search: _StageSearch
+    points: list[int]  # the cut points, with the first and the last operator's end
+    floors: ShapeFloors
+    memory: MemoryFloors | None  # where memory binds (a hint) and a bound was given
+
+    @property
+    def seconds(self) -> float:
+        """No plan of the shape that fits is faster."""
+        return float(self.memory.before[-1][-1]) if self.memory is not None else self.floors.seconds
+
+
+def bound_shape(problem: SearchProblem, shape: PipelineShape, options: SearchOptions) -> ShapeBound:
+    """A shape's lower bounds, cheapest first, stopping at one no less than ``options.bound``: its floors
+    (`shape_floors`), then, where memory binds, its stages' Lagrangian bounds (`MemoryFloors`)."""
+    search = _StageSearch(problem, shape, options)
+    points = [0, *cut_points(problem), problem.size]
+    floors = shape_floors(problem, shape, points, options.bound)
+    if floors.seconds >= options.bound:
+        return ShapeBound(search, points, floors, None)  # not even the stages' lower bounds leave one fast enough
     search.copies = floors.copies
-    least = floors.least
-    memory = search.memory_floor(points, least, bound)
-    seconds = float(memory.before[-1][-1]) if memory is not None else floors.seconds
+    return ShapeBound(search, points, floors, search.memory_floor(points, floors.least, options.bound))
+
+
+def search_bounded(bounded: ShapeBound, bound: float) -> tuple[PipelineResult | None, float]:
+    """`bounded_search_stages` of a shape bounded before (`bound_shape`, with the same or a larger bound)."""
+    search, points, floors, memory = bounded.search, bounded.points, bounded.floors, bounded.memory
+    seconds = bounded.seconds
     if seconds >= bound:
-        return None, seconds  # where memory binds, the stages' Lagrangian bounds leave none fast enough
+        return None, seconds  # the stages' lower bounds (memory counted, where it binds) leave none fast enough
+    least, count = floors.least, search.shape.stages
 
     def floor(a: int, b: int) -> float:  # no stage over points a..b is faster
         return float(least[points[b]] - least[points[a]])
 
     # first the cuts that balance the stages' lower bounds: their plan bounds the exact search
     probe = _assemble(search, [points[b] for b in least_fullest([least[points]] * count)[1]], bound)
-    if probe is not None:  # its ties too: the exact search's rule, not the bounds', picks among equal cuts
-        bound = probe.time_s * (1 + 1e-12)
-    exact = _min_max_search(search, points, count, floor, bound, memory)
-    return _proved(search, exact if exact is not None else probe, options.bound, seconds)  # (no less than the floor)
+    beat = probe.time_s * (1 + 1e-12) if probe is not None else bound  # (its ties too: the exact search's rule picks)
+    exact = _min_max_search(search, points, count, floor, beat, memory)
+    return _proved(search, exact if exact is not None else probe, bound, seconds)  # (no less than the floor)
 
 
 def _proved(
