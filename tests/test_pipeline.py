@@ -474,6 +474,48 @@ def test_a_shape_s_memory_floor_is_below_its_best_plan_at_every_weight_and_above
     assert above > 0 or not tighter
 
 
+def test_a_copy_s_bound_between_the_first_and_last_place_is_the_chord_below_its_own(monkeypatch):
+    """A copy's Lagrangian bound is concave in the micro-batches its stage holds (every plan's is affine in
+    them), so `MemoryFloors` reads a place between the first and the last off the chord of theirs: never above
+    the place's own DP run, equal to it at the two ends and on the line where one plan is best at every place
+    (as in these GPT layers), and the shape's floor stays below brute force's best plan at every weight (4
+    stages over 4 micro-batches: 4, 3, 2 and 1 held)."""
+    from autopar.search.cuts import _StageSearch
+    from autopar.search.floors import MemoryFloors, shape_floors
+    from tests.test_memory_plan import RC_PEAK, leanest
+
+    fold_short(monkeypatch)
+    stages, micro, devices = 4, 4, 16
+    model = build_transformer(kind="gpt", layers=8, hidden=64, heads=4, seq=32, vocab=256, batch=64 // micro)
+    free = autopar.build(model, devices // stages, profile(peak=RC_PEAK))
+    without, with_recompute = leanest(free, False), leanest(free, True)
+    capacity = profile(capacity=with_recompute + 0.3 * (without - with_recompute), peak=RC_PEAK)
+    problem, shape = autopar.build(model, devices // stages, capacity), PipelineShape(stages, micro)
+    assert [shape.in_flight(index) for index in range(stages)] == [4, 3, 2, 1]
+    points = [0, *cut_points(problem), problem.size]
+    floors = shape_floors(problem, shape, points)
+    search = _StageSearch(problem, shape, SearchOptions())
+    blocks = [block for block, _ in floors.copies]
+    brute = every_cut(problem, shape)
+    best = brute.time_s if brute is not None else math.inf
+    affine = 0
+    for memory_weight in (1e-10, 1e-8, 1e-6, 1e-4):
+        memory = MemoryFloors(problem, shape, points, floors.least, blocks, search._copy_lagrangian, None)
+        for recompute in (False, True):
+            for end in (False, True):
+                way = (memory_weight, recompute, end)
+                own = [search._copy_lagrangian(blocks[1], index, *way) for index in range(stages)]
+                assert all(own[i] >= (own[i - 1] + own[i + 1]) / 2 * (1 - 1e-9) for i in (1, 2))  # concave
+                read = [memory._copy(blocks[1], index, *way) for index in range(stages)]
+                assert read[0] == own[0] and read[3] == own[3]
+                assert all(read[i] <= own[i] for i in (1, 2))
+                if own[1] - own[0] == pytest.approx(own[2] - own[1], rel=1e-9, abs=1e-15):  # where the same plan
+                    affine += 1  # stays best at every place, the chord is its line
+                    assert all(read[i] == pytest.approx(own[i], rel=1e-8) for i in (1, 2))
+        assert memory.add([memory_weight] * memory.places) <= best * (1 + 1e-9)
+    assert affine > 0
+
+
 def test_the_kept_bytes_a_cut_sends_on_are_at_least_what_the_stage_that_writes_them_frees(monkeypatch):
     """`kept_sent` counts every kept output read past a point, where `_kept_across` leaves out those another
     operator of the stage keeps: what it says a cut moves is never less."""
