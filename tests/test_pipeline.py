@@ -516,6 +516,39 @@ def test_a_copy_s_bound_between_the_first_and_last_place_is_the_chord_below_its_
     assert affine > 0
 
 
+def test_the_last_stage_s_memory_floor_bounds_a_copy_ending_it_only_at_the_last_point(monkeypatch):
+    """The last stage ends at the last point, where a GPT's head follows its last layer: its place takes no
+    DP run for a copy ending it, its bound stands at the last point alone (the time floor before it, where
+    the cut search never asks), and the shape's floor is still no more than brute force's best plan."""
+    from autopar.search.cuts import _StageSearch
+    from autopar.search.floors import MemoryFloors, shape_floors
+    from tests.test_memory_plan import RC_PEAK, leanest
+
+    fold_short(monkeypatch)
+    model = build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    free = autopar.build(model, 2, profile(peak=RC_PEAK))
+    without, with_recompute = leanest(free, False), leanest(free, True)
+    problem = autopar.build(
+        model, 2, profile(capacity=with_recompute + 0.05 * (without - with_recompute), peak=RC_PEAK)
+    )
+    shape = PipelineShape(2, 2)
+    points = [0, *cut_points(problem), problem.size]
+    floors = shape_floors(problem, shape, points)
+    search = _StageSearch(problem, shape, SearchOptions())
+    memory = MemoryFloors(
+        problem, shape, points, floors.least, [b for b, _ in floors.copies], search._copy_lagrangian, None
+    )
+    best = every_cut(problem, shape)
+    for memory_weight in (1e-9, 1e-7, 1e-5):
+        assert memory.add([memory_weight] * memory.places) <= (best.time_s if best else math.inf) * (1 + 1e-9)
+    ended = {(key[1], key[4]) for key in search._copy_bounds}
+    assert (shape.in_flight(0), True) in ended and (shape.in_flight(1), True) not in ended
+    ending = [at for at, end in enumerate(memory.ends[:-1]) if end is not None]  # a copy ends there
+    last = memory.stage(1)
+    assert ending and np.array_equal(last[:, ending], memory.base[:, ending])
+    assert (last[:, -1] > memory.base[:, -1]).any()  # where it ends, memory counted bounds more
+
+
 def test_the_kept_bytes_a_cut_sends_on_are_at_least_what_the_stage_that_writes_them_frees(monkeypatch):
     """`kept_sent` counts every kept output read past a point, where `_kept_across` leaves out those another
     operator of the stage keeps: what it says a cut moves is never less."""

@@ -86,7 +86,8 @@ class _StageSearch:
         self.searches = 0
         self.copies: tuple[tuple[range, float], ...] = ()  # `copy_floors`, once the cut search asks for them
         self._copy_bounds: dict[tuple, float] = {}  # `_copy_lagrangian`'s
-        self._copy_problems: dict[tuple[int, int], tuple[SearchProblem, Solver]] = {}  # (the same's, by copy kind)
+        self._copy_problems: dict[tuple[int, int], SearchProblem] = {}  # (the same's, by copy kind and place)
+        self._copy_solvers: dict[int, Solver] = {}  # (their solvers, by copy kind: planned once for every place)
         self._sent_on: dict[int, dict[int, np.ndarray]] = {}  # per copy kind, `kept_sent` past its end, by place
         self._stages: dict[tuple, _Kept] = {}  # `_kept`'s
         self._arrays: dict[tuple, tuple] = {}  # the rescaled arrays the stages share (`stage_problem`'s ``made``)
@@ -194,12 +195,14 @@ class _StageSearch:
         kind = (self.classes[block.start], self.shape.in_flight(index))
         key = (kind[0], kind[1] if weight else None, weight, recompute, end and weight > 0.0)
         if key not in self._copy_bounds:
-            if kind not in self._copy_problems:  # (one problem and solver for every weight and way)
-                copy = stage_problem(
+            if kind not in self._copy_problems:  # (one problem for every weight and way)
+                self._copy_problems[kind] = stage_problem(
                     self.problem, block.start, block.stop, self.shape, index, {}, boundary=False, made=self._arrays
                 )
-                self._copy_problems[kind] = (copy, Solver.of(copy))
-            copy, solver = self._copy_problems[kind]
+            copy = self._copy_problems[kind]
+            if kind[0] not in self._copy_solvers:  # every place's copy has the same operators and edges
+                self._copy_solvers[kind[0]] = Solver.of(copy)
+            solver = self._copy_solvers[kind[0]]
             unary = copy.lagrangian(weight, recompute)[0]
             if recompute:
                 for node, share in copy.recompute_share.items():

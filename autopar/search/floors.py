@@ -211,7 +211,9 @@ class MemoryFloors:
     def _lagrangian(self, index: int, weight: float, recompute: bool) -> np.ndarray:
         """Per stage of place ``index`` over points a .. b, its bound at ``weight`` recomputing or not. A copy
         ending its stage is bounded as one sending its kept outputs on only without recomputation: recomputing,
-        its bound counts none of its activations (`_StageSearch._copy_lagrangian`), of which they are part."""
+        its bound counts none of its activations (`_StageSearch._copy_lagrangian`), of which they are part. The
+        last stage ends at the last point, so only there is a copy ending it bounded: a model whose last copy
+        is followed by operators of its own (a GPT's head) takes no such DP run for its last place."""
         each = np.zeros(self.problem.size + 1)
         held = self.shape.in_flight(index)
         for (first, _), stage in zip(self.runs, self._outside(index)):
@@ -227,8 +229,13 @@ class MemoryFloors:
             each[block.start + 1] = plain[block.start] = self._copy(block, index, weight, recompute, False)
         prefix = np.cumsum(each)[list(self.points)]
         ending = np.zeros(len(self.points))
+        final = len(self.points) - 1  # the last stage ends there: where it ends before, it is left unbounded
         for at, end in enumerate(self.ends):
-            if end is not None and not recompute:
+            if end is None or recompute:
+                continue
+            if index == self.shape.stages - 1 and at < final:
+                ending[at] = -np.inf  # (the cut search never asks: the time floor stands there)
+            else:
                 ending[at] = self._copy(end, index, weight, recompute, True) - plain[end.start]
         return prefix[None, :] - prefix[:, None] + ending[None, :] - weight * self.problem.cost.capacity * (1 + 1e-12)
 
