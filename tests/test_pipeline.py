@@ -549,6 +549,60 @@ def test_the_last_stage_s_memory_floor_bounds_a_copy_ending_it_only_at_the_last_
     assert (last[:, -1] > memory.base[:, -1]).any()  # where it ends, memory counted bounds more
 
 
+def test_a_shape_its_first_place_refutes_takes_no_dp_run_for_the_other_places(monkeypatch):
+    """`_StageSearch.memory_floor` bounds the first place first (the other stages at their time floors): where
+    that alone is no less than the bound to beat, the shape is refuted with no DP run for any other place;
+    elsewhere its floors are every place's, as taken all at once, and the cut search ends at brute force's plan."""
+    from autopar.search.cuts import _FLOOR_WEIGHT, _StageSearch
+    from autopar.search.floors import MemoryFloors, shape_floors
+    from tests.test_memory_plan import RC_PEAK, block_stack, leanest
+
+    fold_short(monkeypatch)
+    model = block_stack(blocks=6, batch=32, width=8, hidden=32)
+    free = autopar.build(model, 4, profile(peak=RC_PEAK))
+    without, with_recompute = leanest(free, False), leanest(free, True)
+    capacity = profile(capacity=with_recompute + 0.3 * (without - with_recompute), peak=RC_PEAK)
+    problem, shape = autopar.build(model, 4, capacity), PipelineShape(2, 2)
+    points = [0, *cut_points(problem), problem.size]
+    floors = shape_floors(problem, shape, points)
+    hint = 1e-9 / _FLOOR_WEIGHT
+    blocks = [block for block, _ in floors.copies]
+
+    def taken(places: int) -> tuple[MemoryFloors, float]:
+        memory = MemoryFloors(
+            problem,
+            shape,
+            points,
+            floors.least,
+            blocks,
+            _StageSearch(problem, shape, SearchOptions())._copy_lagrangian,
+            None,
+        )
+        return memory, memory.add([_FLOOR_WEIGHT * hint] * places)
+
+    (every, whole), (_, alone) = taken(2), taken(1)
+    assert floors.seconds <= alone <= whole and alone > floors.seconds * (1 + 1e-6)  # memory binds the first place
+
+    def bounded(bound: float) -> tuple[MemoryFloors, set[int]]:
+        search = _StageSearch(problem, shape, SearchOptions(hint=hint))
+        search.copies = floors.copies
+        found = search.memory_floor(points, floors.least, bound)
+        assert found is not None
+        return found, {key[1] for key in search._copy_bounds if key[2] > 0.0}  # the places DP runs were made for
+
+    refuted, places = bounded(alone)
+    assert float(refuted.before[-1][-1]) == alone and places == {shape.in_flight(0)}
+    searched, places = bounded(alone * (1 + 1e-6))
+    assert float(searched.before[-1][-1]) == whole and shape.in_flight(shape.stages - 1) in places
+    assert all(np.array_equal(a, b) for a, b in zip(searched.before, every.before))
+    brute = every_cut(problem, shape)
+    assert brute is not None and alone <= brute.time_s * (1 + 1e-9)
+    for bound in (brute.time_s * (1 + 1e-9), brute.time_s):
+        found = search_stages(problem, shape, SearchOptions(bound=bound, hint=hint))
+        assert (found is None) == (bound == brute.time_s)
+        assert found is None or found.time_s == pytest.approx(brute.time_s, rel=1e-12)
+
+
 def test_the_kept_bytes_a_cut_sends_on_are_at_least_what_the_stage_that_writes_them_frees(monkeypatch):
     """`kept_sent` counts every kept output read past a point, where `_kept_across` leaves out those another
     operator of the stage keeps: what it says a cut moves is never less."""
@@ -589,6 +643,35 @@ def test_a_copy_s_bound_at_weight_zero_is_worked_out_once_for_every_place_and_is
         assert len(shared._copy_bounds) == 1 and len(set(alone)) == 1
         weighted = [shared._copy_lagrangian(block, i, 1e-9, recompute) for i in range(4)]
         assert len(shared._copy_bounds) == 5 and len(set(weighted)) == 4  # (more micro-batches held, more bytes)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_shape_s_copy_floors_are_the_cut_search_s_own_copy_bounds_at_weight_zero(monkeypatch, stages):
+    """`bound_shape` takes each copy's time floor (`copy_floors`) from the cut search (`_StageSearch.copy_time`):
+    bit for bit the bound `copy_floors` works out alone on a copy of its own, and the copy problem and its
+    planned elimination are then the memory floors' own, not made again (one solver per copy kind)."""
+    from autopar.search import cuts
+    from autopar.search.cuts import _StageSearch
+    from autopar.search.floors import time_floors
+
+    fold_short(monkeypatch)
+    model = build_transformer(kind="gpt", layers=6, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    problem = autopar.build(model, 4, profile())
+    shape = PipelineShape(stages, 8 // stages)
+    points = [0, *cut_points(problem), problem.size]
+    alone = copy_floors(problem, shape, points)
+    search = _StageSearch(problem, shape, SearchOptions())
+    shared = copy_floors(problem, shape, points, search.copy_time)
+    assert alone and shared == alone
+    taken, own = time_floors(problem, shape, points, copy_time=search.copy_time), time_floors(problem, shape, points)
+    assert taken.seconds == own.seconds and taken.copies == own.copies and np.array_equal(taken.least, own.least)
+    kinds = {search.classes[block.start] for block, _ in alone}
+    assert len(search._copy_solvers) == len(kinds) and len(search._copy_bounds) == len(kinds)
+    planned = []
+    monkeypatch.setattr(cuts.Solver, "of", lambda problem, _of=cuts.Solver.of: planned.append(problem) or _of(problem))
+    block = alone[0][0]
+    search._copy_lagrangian(block, 0, 1e-9, False)  # the memory floor's first place: the same copy problem
+    assert not planned and len(search._copy_problems) == len(kinds)
 
 
 def test_a_stage_refuted_at_a_memory_weight_hands_that_weight_to_the_next_stage_of_its_place(monkeypatch):

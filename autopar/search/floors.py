@@ -32,19 +32,33 @@ class ShapeFloors:
     copies: tuple[tuple[range, float], ...]  # `copy_floors`
 
 
+CopyTime = Callable[[range], float]
+"""A lower bound on the time per step of one copy of a folded block, its operators and the edges among them, in
+any stage of a shape, memory aside (`copy_floors`): the cut search's own (`_StageSearch.copy_time`), whose copy
+problem and planned elimination its memory floors then take again."""
+
+
 def shape_floors(
-    problem: SearchProblem, shape: PipelineShape, points: Sequence[int], bound: float = math.inf
+    problem: SearchProblem,
+    shape: PipelineShape,
+    points: Sequence[int],
+    bound: float = math.inf,
+    copy_time: CopyTime | None = None,
 ) -> ShapeFloors:
     """The lower bounds `search_stages` refutes a shape by, cheapest first, stopping at one no less than
     ``bound``: too few points for the stages, or every cut leaves a stage that does not fit
     (`_no_cut_fits`: infinite); then `time_floors`."""
     if len(points) - 1 < shape.stages or _no_cut_fits(problem, shape, points):
         return ShapeFloors(math.inf, np.zeros(problem.size + 1), ())
-    return time_floors(problem, shape, points, bound)
+    return time_floors(problem, shape, points, bound, copy_time)
 
 
 def time_floors(
-    problem: SearchProblem, shape: PipelineShape, points: Sequence[int], bound: float = math.inf
+    problem: SearchProblem,
+    shape: PipelineShape,
+    points: Sequence[int],
+    bound: float = math.inf,
+    copy_time: CopyTime | None = None,
 ) -> ShapeFloors:
     """`shape_floors` memory aside, stopping at one no less than ``bound``: too few points for the stages
     (infinite); the least fullest stage with each operator at its least time; the same with each whole copy
@@ -57,7 +71,7 @@ def time_floors(
     seconds = least_fullest([least[points]] * count)[0]
     if seconds >= bound:
         return ShapeFloors(seconds, least, ())
-    copies = copy_floors(problem, shape, points)
+    copies = copy_floors(problem, shape, points, copy_time)
     if not copies:
         return ShapeFloors(seconds, least, copies)
     for block, copy_least in copies:  # a cut never splits a copy: its least counts as a whole
@@ -188,8 +202,8 @@ class MemoryFloors:
         )
 
     def add(self, weights: Sequence[float]) -> float:
-        """Take ``weights`` (one per place: the first `_PLACES` stages') among the weights tried; the bound from
-        every weight taken so far."""
+        """Take ``weights`` (one per place from the first, of the first `_PLACES` stages': a place without one keeps
+        its time floors) among the weights tried; the bound from every weight taken so far."""
         for index, weight in enumerate(weights[: self.places]):
             for recompute in self.ways:
                 found = self._lagrangian(index, weight, recompute)
@@ -316,10 +330,12 @@ def leanest_memory(problem: SearchProblem, shape: PipelineShape, points: Sequenc
     return [at[shape.in_flight(index)] for index in range(shape.stages)]
 
 
-def copy_floors(problem: SearchProblem, shape: PipelineShape, points: Sequence[int]) -> tuple[tuple[range, float], ...]:
+def copy_floors(
+    problem: SearchProblem, shape: PipelineShape, points: Sequence[int], copy_time: CopyTime | None = None
+) -> tuple[tuple[range, float], ...]:
     """Every copy of each folded run none of whose copies a cut point splits, with a lower bound on the time
     per step of its operators and the edges among them in any stage of ``shape``: one DP run over one
-    copy per run, memory aside (less a billionth, for rounding).
+    copy per run, memory aside (less a billionth, for rounding); ``copy_time``'s, given one.
 
     Copies are alike (their operators' costs and their edges among them are one table), and a stage's
     cost of a copy is at least this: only the edges from outside the copy (the previous copy's, the
@@ -334,8 +350,11 @@ def copy_floors(problem: SearchProblem, shape: PipelineShape, points: Sequence[i
         if repeat.copies < 2 or any(block.start < p < block.stop for block in copies for p in points):
             continue
         one = repeat.block(1)
-        copy = stage_problem(problem, one.start, one.stop, PipelineShape(1, shape.slots), 0)
-        least = least_below(copy, copy.lagrangian(0.0, False)[0], False)
+        if copy_time is not None:
+            least = copy_time(one)
+        else:
+            copy = stage_problem(problem, one.start, one.stop, PipelineShape(1, shape.slots), 0)
+            least = least_below(copy, copy.lagrangian(0.0, False)[0], False)
         found.extend((block, least) for block in copies)
     return tuple(found)
 
