@@ -103,15 +103,16 @@ def _refusing_to_meet(monkeypatch, batches: tuple[int, ...]) -> list[tuple[int, 
 def test_the_relaxation_of_a_micro_batch_count_is_no_slower_than_its_own_plans():
     """The whole batch's problem relaxed to a micro-batch's (activations and inputs shrunk, the splits the
     micro-batch lacks priced out) bounds that count's own problem from below: its fastest plan memory aside,
-    and its best plan that fits, at capacities where memory binds and where it does not; and every candidate
-    the micro-batch's operators have is one the relaxation keeps."""
+    and its best plan that fits, at capacities where memory binds and where it does not, and so does its
+    Lagrangian bound at every memory weight (`memory_bound`), above the bound memory aside where memory binds;
+    and every candidate the micro-batch's operators have is one the relaxation keeps."""
     from autopar.errors import InfeasibleError
-    from autopar.search.driver import SearchOptions, fastest_bound, run_search
+    from autopar.search.driver import SearchOptions, fastest_bound, memory_bound, run_search
     from autopar.search.pipeline import stage_problem
     from autopar.search.shape_search import lacking_splits
 
     model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=16)
-    compared = bound_by_memory = 0
+    compared = bound_by_memory = raised = 0
     for capacity in (0.5e6, 0.7e6, 2e6, 1e12):
         options = PlanOptions.resolve(16, profile(capacity=capacity, peak=1e9), None)
         shapes = ShapeSearch(load_model(model), options, options.costs(), lambda m: load_model(model, batch=16 // m))
@@ -139,7 +140,14 @@ def test_the_relaxation_of_a_micro_batch_count_is_no_slower_than_its_own_plans()
                 assert fastest <= found.fastest_s * (1 + 1e-9)
             relaxed_plan = run_search(relaxed)
             assert relaxed.objective(relaxed_plan.choice, relaxed_plan.choices) <= seconds * (1 + 1e-9)
-    assert compared >= 9 and bound_by_memory >= 3
+            for weight in (1e-12, 1e-10, 1e-8, 1e-6):  # memory counted: still no faster than its best plan that fits
+                counted = memory_bound(relaxed, SearchOptions(bound=0.0), weight, least)  # (every way run)
+                assert least <= counted <= seconds * (1 + 1e-9)
+                raised += counted > least * (1 + 1e-6)
+                assert memory_bound(relaxed, SearchOptions(bound=counted), weight, least) == counted  # (refuted)
+                short = memory_bound(relaxed, SearchOptions(bound=counted * (1 + 1e-9)), weight, least)
+                assert short == least  # not refuted: the bound memory aside comes back
+    assert compared >= 9 and bound_by_memory >= 3 and raised > 0
 
 
 def test_counts_the_relaxation_refutes_are_not_built_and_the_plan_is_the_same(monkeypatch):
@@ -161,6 +169,33 @@ def test_counts_the_relaxation_refutes_are_not_built_and_the_plan_is_the_same(mo
     monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", lambda self, shape, bound: False)
     searched = autopar.plan(model, devices=16, cost_model=cost)
     assert _same_but_times(relaxed, searched)
+
+
+def test_counts_refuted_with_memory_counted_are_not_built_and_the_plan_is_the_same(monkeypatch):
+    """Where memory binds the one-stage plans, a count the relaxation does not refute memory aside may be refuted
+    with memory counted (`memory_bound`, at the hint's weight), never built; the plan is the one searching
+    every count gives (GPT at batch 16 on 8 devices with 1.5 MB each). `_memory_may_refute`, a guess about
+    cost, is told yes here."""
+    import autopar
+    from autopar.search import driver, shape_search
+
+    model = build_transformer(kind="gpt", layers=8, hidden=64, heads=4, seq=32, vocab=256, batch=16)
+    cost = profile(capacity=1.5e6, peak=1e9)
+    monkeypatch.setattr(shape_search.ShapeSearch, "_memory_may_refute", lambda self, least, bound: self._hint > 0)
+    counted: list[bool] = []
+    bounding = driver.memory_bound
+
+    def memory_bound(problem, options, weight, least, solver=None):
+        found = bounding(problem, options, weight, least, solver)
+        counted.append(least < options.bound <= found)
+        return found
+
+    monkeypatch.setattr(shape_search, "memory_bound", memory_bound)
+    refuted = _counting_refutations(monkeypatch)
+    with_memory = autopar.plan(model, devices=8, cost_model=cost)
+    assert any(counted) and len(refuted) >= sum(counted)
+    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", lambda self, shape, bound: False)
+    assert _same_but_times(with_memory, autopar.plan(model, devices=8, cost_model=cost))
 
 
 def _counting_refutations(monkeypatch) -> list[int]:

@@ -35,6 +35,7 @@ from autopar.search.driver import (
     SearchOptions,
     SearchResult,
     fastest_bound,
+    memory_bound,
     parameter_state_bytes,
     run_search,
 )
@@ -100,6 +101,7 @@ class ShapeSearch:
         self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
         self._stages_built: dict[int, tuple[int, SearchProblem]] = {}  # per stage count, the last shape's problem
         self._hint = 0.0  # the memory weight the last search that memory bound settled on: the next tries it first
+        self._one_stage_s = math.inf  # the fastest one-stage plan found (`_memory_may_refute`)
         self._single_runs = SearchCache()  # the whole batch is searched twice where memory binds (`_visiting`)
         self.lower_s = math.inf  # no plan of a shape searched (`_timed_search`) is faster, where it fits
         self.searching = SearchOptions(options.mode, options.search, options.recompute)  # every search's
@@ -364,9 +366,12 @@ class ShapeSearch:
         activations and inputs shrunk, the splits a micro-batch lacks priced out) before the shape is built.
         One DP run (`fastest_bound`): the relaxation's fastest plan of the first way to recompute that can fit,
         memory aside, is no faster than the count's; that of all, where it is the one, bounds its multiples
-        too (`_fewer_micro_batches_win`). Where it refutes nothing, the shape is built and searched as before
-        (its import kept), a DP run later. Megatron's 76.1B GPT on 1,024 GPUs: 4 micro-batches (so 8 to 64)
-        and 2 refuted in 1.3 s, where their builds and walks took 3.6 s."""
+        too (`_fewer_micro_batches_win`). Where that refutes nothing and memory may (`_memory_may_refute`), memory
+        counts too: a DP run per way to recompute at the hint's weight (`memory_bound`; the relaxation's bytes are
+        no more than the count's). Where it refutes nothing, the shape is built and searched as before (its
+        import kept). Megatron's 76.1B GPT on 1,024 GPUs: 4 micro-batches (so 8 to 64) and 2 refuted in 1.3 s,
+        where their builds and walks took 3.6 s; GPT-3 175B on 1,024 Ascend 910s, whose one-stage plans memory
+        binds: 3, 12, 16 and 24 micro-batches refuted with memory counted, where each took a build and a walk."""
         if shape.stages > 1 or shape.micro_batches == 1 or math.isinf(bound) or self.options.search.value != "dp":
             return False
         try:
@@ -378,13 +383,26 @@ class ShapeSearch:
             return False
         relaxed = self.single.micro_batch_relaxation(1.0 / shape.micro_batches, lacking, 2.0 * bound)
         started = time.perf_counter()
-        least, fastest = fastest_bound(relaxed, self.searching, self._single_runs.solver)  # (its tables)
-        self.search_s += time.perf_counter() - started
+        searching, solver = dataclasses.replace(self.searching, bound=bound), self._single_runs.solver  # (its tables)
+        least, fastest = fastest_bound(relaxed, searching, solver)
         self._note_fastest(self.single, shape, fastest)
+        if least < bound and self._memory_may_refute(least, bound):
+            least = memory_bound(relaxed, searching, self._hint, least, solver)
+        self.search_s += time.perf_counter() - started
         if least < bound:
             return False
         self.lower_s = min(self.lower_s, least)
         return True
+
+    def _memory_may_refute(self, least: float, bound: float) -> bool:
+        """Whether a relaxation that memory aside does not refute a one-stage shape (its bound ``least``, short of
+        ``bound``) is worth its DP runs with memory counted: memory bound a search before (a hint), and the fastest
+        one-stage plan found is slower than ``bound`` by as much as ``least`` falls short of it (memory cost those
+        plans at least that much). A guess about cost only: where it says no, the shape is built and searched.
+        GPT-3 175B on 1,024 Ascend 910s: its one-stage plan takes 111.7 s against 57.3 s, and its relaxations
+        with memory counted bound 75-101 s; Megatron's 39.1B GPT on 512 GPUs: 9.18 s against 9.18 s, where
+        memory counted would raise no relaxation past the bound."""
+        return self._hint > 0.0 and self._one_stage_s - bound >= bound - least
 
     def _smaller_batch_refutes(self, shape: PipelineShape, bound: float) -> bool:
         """Whether ``shape``'s stages have no plan faster than ``bound``, shown before it is built on the problem
@@ -507,9 +525,10 @@ class ShapeSearch:
             self._note_fastest(stage, shape, found.fastest_s)
             self._hint = found.memory_multiplier or self._hint
             lower = found.bound_s if found.bound_s is not None else -math.inf
-            if shape == ONE_STAGE:
-                return ShapeResult(problem, found, None, problem.objective(found.choice, found.choices)), lower
             seconds = stage.objective(found.choice, found.choices)
+            self._one_stage_s = min(self._one_stage_s, seconds)
+            if shape == ONE_STAGE:
+                return ShapeResult(problem, found, None, seconds), lower
             if seconds >= bound:
                 return None, lower
             whole = PipelineResult(shape, (StagePlan(0, problem.size, found, seconds),))
