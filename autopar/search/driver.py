@@ -228,24 +228,20 @@ def fastest_bound(
 def memory_bound(
     problem: SearchProblem, options: SearchOptions, weight: float, least: float, solver: Solver | None = None
 ) -> float:
-    """No plan of the problem that fits is faster than this, memory counted at ``weight``: per way to recompute
-    that can fit, the larger of ``least`` (`fastest_bound`'s, memory aside, which bounds every way) and its
-    Lagrangian bound (one DP run: no plan that fits beats the least of time + weight x bytes less the weight
-    times the capacity, less what the tie-break adds: `_lower_bound`), the least over the ways. Once a way's is
-    below ``options.bound``, the others are not run and ``least`` comes back (the shape is not refuted)."""
+    """No plan of the problem that fits is faster than this, memory counted at ``weight``: the larger of ``least``
+    (`fastest_bound`'s, memory aside, which bounds every way to recompute) and the Lagrangian bound of one DP run
+    per way that can fit at that weight (`_lower_bound`). Once a way's run leaves it below ``options.bound``, the
+    others are not run and ``least`` comes back (the shape is not refuted)."""
     solver = solver or Solver.of(problem, options.table_limits)
     tie = _tie_break(problem, options)
     runs = _Runs(problem, solver, tie.offsets(problem.node_time), {})
     capacity = problem.cost.capacity
-    found = math.inf
     for kind in recomputing(problem, options.recompute):
         if problem.memory_floor(kind) > capacity * (1 + 1e-12):
             continue  # no plan of this kind fits
-        point = runs.solve(weight, kind)
-        found = min(found, max(least, point.floor - weight * capacity - tie.slack))
-        if found < options.bound:
+        if runs.solve(weight, kind).floor - weight * capacity - tie.slack < options.bound:
             return least
-    return found
+    return max(least, _lower_bound(problem, runs.made, options.recompute, capacity, tie.slack))
 
 
 def _tie_break(problem: SearchProblem, options: SearchOptions) -> TieBreak:
