@@ -3,6 +3,9 @@ them in, how ties go, and what one shape's plan tells of another's."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from autopar.graph import Graph, load_model
@@ -196,6 +199,105 @@ def test_counts_refuted_with_memory_counted_are_not_built_and_the_plan_is_the_sa
     assert any(counted) and len(refuted) >= sum(counted)
     monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", lambda self, shape, bound: False)
     assert _same_but_times(with_memory, autopar.plan(model, devices=8, cost_model=cost))
+
+
+def test_counts_relaxed_together_are_bounded_below_their_own_best_plans(monkeypatch):
+    """One relaxation of the whole batch for several one-stage counts (`ShapeSearch._relax_together`: the bytes
+    that grow with the batch at the least share, only what every count lacks priced out) bounds each count's
+    best plan that fits from below, at every memory weight, memory binding or not; and with memory counted it
+    bounds more than memory aside somewhere."""
+    import math
+
+    from autopar.errors import InfeasibleError
+    from autopar.search import driver, shape_search
+    from autopar.search.driver import run_search
+    from autopar.search.pipeline import stage_problem
+
+    model = build_transformer(kind="gpt", layers=6, hidden=64, heads=4, seq=32, vocab=256, batch=24)
+    counted: list[tuple[float, float]] = []  # (memory aside, memory counted), every way run
+
+    def memory_bound(problem, options, weight, least, solver=None):
+        found = driver.memory_bound(problem, dataclasses.replace(options, bound=0.0), weight, least, solver)
+        counted.append((least, found))
+        return found
+
+    monkeypatch.setattr(shape_search, "memory_bound", memory_bound)
+    monkeypatch.setattr(shape_search.ShapeSearch, "_memory_may_refute", lambda self, least, bound: True)
+    compared = 0
+    for capacity in (0.8e6, 1.5e6, 1e12):
+        options = PlanOptions.resolve(8, profile(capacity=capacity, peak=1e9), None)
+        shapes = ShapeSearch(load_model(model), options, options.costs(), lambda m: load_model(model, batch=24 // m))
+        best: dict[int, float] = {}
+        for micro in (2, 3, 4, 6, 8, 12):
+            own = shapes.problem(1, micro)
+            stage = stage_problem(own, 0, own.size, PipelineShape(1, micro), 0)
+            try:
+                found = run_search(stage)
+            except InfeasibleError:
+                best[micro] = math.inf  # (nothing fits: any bound holds)
+                continue
+            best[micro] = stage.objective(found.choice, found.choices)
+        least = min(best.values())
+        for weight in (1e-10, 1e-9, 1e-8, 1e-7):
+            shapes._hint, shapes._together, shapes._together_at = weight, {}, math.inf
+            shapes._relax_together(PipelineShape(1, 2), least, [3, 4, 6, 8, 12])
+            assert sorted(shapes._together) == [2, 3, 4, 6, 8, 12]
+            for micro, seconds in best.items():
+                assert shapes._together[micro] <= seconds * (1 + 1e-9), (capacity, weight, micro)
+                compared += seconds < math.inf
+    assert compared >= 40
+    assert any(found > aside * (1 + 1e-6) for aside, found in counted)
+
+
+def test_counts_relaxed_together_are_refuted_unbuilt_and_the_plan_is_the_same(monkeypatch):
+    """Where one relaxation for the one-stage counts left to visit bounds them all above the best plan
+    (`ShapeSearch._relax_together`), none of them is built, and the plan is the one searching every count gives
+    (GPT at batch 16 on 8 devices with 1 MB each; `_memory_may_refute`, a guess about cost, told yes)."""
+    import autopar
+    from autopar.search import shape_search
+
+    model = build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=16)
+    cost = profile(capacity=1e6, peak=1e9)
+    monkeypatch.setattr(shape_search.ShapeSearch, "_memory_may_refute", lambda self, least, bound: self._hint > 0)
+    together: list[set[int]] = []
+    relaxing = shape_search.ShapeSearch._relax_together
+
+    def relax_together(self, shape, bound, later):
+        relaxing(self, shape, bound, later)
+        together.append({count for count, least in self._together.items() if least >= bound})
+
+    monkeypatch.setattr(shape_search.ShapeSearch, "_relax_together", relax_together)
+    refuted = _counting_refutations(monkeypatch)
+    built: list[tuple[int, int]] = []
+    building = shape_search.ShapeSearch.problem
+    monkeypatch.setattr(
+        shape_search.ShapeSearch, "problem", lambda self, s, m: built.append((s, m)) or building(self, s, m)
+    )
+    relaxed = autopar.plan(model, devices=8, cost_model=cost)
+    jointly = set().union(*together)
+    assert len(jointly) >= 2 and jointly <= set(refuted)
+    assert not {(1, count) for count in jointly} & set(built)
+    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", lambda self, shape, bound: False)
+    assert _same_but_times(relaxed, autopar.plan(model, devices=8, cost_model=cost))
+
+
+def test_a_micro_batch_relaxation_s_bytes_fall_with_the_share():
+    """`_shrinks_with_share`, the premise `_relax_together` reads, holds on a model that may recompute (six layers,
+    a folded run): each plan's bytes in the relaxation, recomputing or not, are no more at a smaller share."""
+    from autopar.search.driver import data_parallel_choice
+    from autopar.search.memory import MemoryChoices
+    from autopar.search.shape_search import _shrinks_with_share
+
+    model = build_transformer(kind="gpt", layers=6, hidden=64, heads=4, seq=32, vocab=256, batch=16)
+    options = PlanOptions.resolve(8, profile(capacity=1e6, peak=1e9), None)
+    single = ShapeSearch(load_model(model), options, options.costs(), lambda m: load_model(model, batch=16 // m)).single
+    assert single.recompute_memory and _shrinks_with_share(single)
+    nothing = [np.zeros(len(rule.candidates), dtype=bool) for rule in single.rules]
+    choice = data_parallel_choice(single)
+    for recompute in (False, True):
+        choices = MemoryChoices(recompute=recompute)
+        held = [single.micro_batch_relaxation(share, nothing, 1.0).memory(choice, choices) for share in (1, 0.5, 0.25)]
+        assert held[0] >= held[1] >= held[2] and held[0] > held[2]
 
 
 def _counting_refutations(monkeypatch) -> list[int]:
