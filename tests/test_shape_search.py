@@ -203,9 +203,10 @@ def test_counts_refuted_with_memory_counted_are_not_built_and_the_plan_is_the_sa
 
 def test_counts_relaxed_together_are_bounded_below_their_own_best_plans(monkeypatch):
     """One relaxation of the whole batch for several one-stage counts (`ShapeSearch._relax_together`: the bytes
-    that grow with the batch at the least share, only what every count lacks priced out) bounds each count's
-    best plan that fits from below, at every memory weight, memory binding or not; and with memory counted it
-    bounds more than memory aside somewhere."""
+    that grow with the batch at the least share, only what every count lacks priced out) bounds from below the
+    plan that fits each count's own search finds (its best where that search is exact, as it is with memory
+    unbounded; else no less than the best), at every memory weight, memory binding or not; and with memory
+    counted it bounds more than memory aside somewhere."""
     import math
 
     from autopar.errors import InfeasibleError
@@ -283,21 +284,34 @@ def test_counts_relaxed_together_are_refuted_unbuilt_and_the_plan_is_the_same(mo
 
 def test_a_micro_batch_relaxation_s_bytes_fall_with_the_share():
     """`_shrinks_with_share`, the premise `_relax_together` reads, holds on a model that may recompute (six layers,
-    a folded run): each plan's bytes in the relaxation, recomputing or not, are no more at a smaller share."""
-    from autopar.search.driver import data_parallel_choice
+    a folded run), and there every candidate's bytes in the relaxation, with its parameters' state whole or
+    under the parallel optimizer, recomputing or not, are no more at a smaller share (a plan's bytes are their
+    sum). Where what recomputing frees were more than the activations, the premise fails and bytes rise."""
     from autopar.search.memory import MemoryChoices
     from autopar.search.shape_search import _shrinks_with_share
 
     model = build_transformer(kind="gpt", layers=6, hidden=64, heads=4, seq=32, vocab=256, batch=16)
     options = PlanOptions.resolve(8, profile(capacity=1e6, peak=1e9), None)
     single = ShapeSearch(load_model(model), options, options.costs(), lambda m: load_model(model, batch=16 // m)).single
-    assert single.recompute_memory and _shrinks_with_share(single)
+    assert single.recompute_memory and single.sharded and _shrinks_with_share(single)
     nothing = [np.zeros(len(rule.candidates), dtype=bool) for rule in single.rules]
-    choice = data_parallel_choice(single)
-    for recompute in (False, True):
-        choices = MemoryChoices(recompute=recompute)
-        held = [single.micro_batch_relaxation(share, nothing, 1.0).memory(choice, choices) for share in (1, 0.5, 0.25)]
-        assert held[0] >= held[1] >= held[2] and held[0] > held[2]
+
+    def rises(problem) -> bool:  # some candidate's bytes are more at a smaller share
+        relaxed = [problem.micro_batch_relaxation(share, nothing, 1.0) for share in (1.0, 0.5, 0.25)]
+        for recompute in (False, True):
+            choices = MemoryChoices(sharded=frozenset(problem.sharded), recompute=recompute)
+            for node in range(problem.size):
+                for whole in (MemoryChoices(recompute=recompute), choices):
+                    held = [r.node_arrays(node, whole)[1] for r in relaxed]
+                    if (held[1] > held[0]).any() or (held[2] > held[1]).any():
+                        return True
+        return False
+
+    assert not rises(single)
+    node, freed = next(iter(single.recompute_memory.items()))
+    freeing_more = {**single.recompute_memory, node: freed - 2.0 * single.node_activations[node] - 1.0}
+    wrong = dataclasses.replace(single, recompute_memory=freeing_more)
+    assert not _shrinks_with_share(wrong) and rises(wrong)
 
 
 def _counting_refutations(monkeypatch) -> list[int]:

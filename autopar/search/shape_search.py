@@ -415,7 +415,7 @@ class ShapeSearch:
 
     def _relaxes_together(self, shape: PipelineShape, bound: float, floor: float) -> bool:
         """Whether one stage over ``shape``'s micro-batches is relaxed with the counts after it (`_relax_together`):
-        they were not relaxed together for ``bound`` or a larger one, nor refuted so, and `_memory_may_refute`'s
+        they were not relaxed together for ``bound`` or a smaller one, nor refuted so, and `_memory_may_refute`'s
         guess says yes, made before the counts are imported with ``floor`` (`shape_floor`, no more than any
         relaxation's bound memory aside) for the relaxation's bound. GPT-3 175B on 1,024 Ascend 910s: 111.7 s
         against 57.3 s, its floor 34.1 s; Megatron's 39.1B GPT on 512 GPUs: 9.184 s against 9.180 s, its floor
