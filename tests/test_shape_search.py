@@ -162,11 +162,7 @@ def test_counts_the_relaxation_refutes_are_not_built_and_the_plan_is_the_same(mo
     model = build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=16)
     cost = profile(capacity=2e6, peak=1e9)
     refuted = _counting_refutations(monkeypatch)
-    built: list[tuple[int, int]] = []
-    building = shape_search.ShapeSearch.problem
-    monkeypatch.setattr(
-        shape_search.ShapeSearch, "problem", lambda self, s, m: built.append((s, m)) or building(self, s, m)
-    )
+    built = _counting_builds(monkeypatch)
     relaxed = autopar.plan(model, devices=16, cost_model=cost)
     assert sorted(refuted) == [2, 4] and not {(1, 2), (1, 4)} & set(built)
     monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", lambda self, shape, bound: False)
@@ -269,11 +265,7 @@ def test_counts_relaxed_together_are_refuted_unbuilt_and_the_plan_is_the_same(mo
 
     monkeypatch.setattr(shape_search.ShapeSearch, "_relax_together", relax_together)
     refuted = _counting_refutations(monkeypatch)
-    built: list[tuple[int, int]] = []
-    building = shape_search.ShapeSearch.problem
-    monkeypatch.setattr(
-        shape_search.ShapeSearch, "problem", lambda self, s, m: built.append((s, m)) or building(self, s, m)
-    )
+    built = _counting_builds(monkeypatch)
     relaxed = autopar.plan(model, devices=8, cost_model=cost)
     jointly = set().union(*together)
     assert len(jointly) >= 2 and jointly <= set(refuted)
@@ -328,6 +320,18 @@ def _counting_refutations(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", counted)
     return refuted
+
+
+def _counting_builds(monkeypatch) -> list[tuple[int, int]]:
+    """The shapes (stages, micro-batches) whose problems the shape search builds (`ShapeSearch.problem`), in order."""
+    from autopar.search import shape_search
+
+    built: list[tuple[int, int]] = []
+    building = shape_search.ShapeSearch.problem
+    monkeypatch.setattr(
+        shape_search.ShapeSearch, "problem", lambda self, s, m: built.append((s, m)) or building(self, s, m)
+    )
+    return built
 
 
 def _same_but_times(a, b) -> bool:
