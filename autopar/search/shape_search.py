@@ -401,13 +401,8 @@ class ShapeSearch:
         if lacking is None:
             return False
         relaxed = self.single.micro_batch_relaxation(1.0 / shape.micro_batches, lacking, 2.0 * bound)
-        started = time.perf_counter()
-        searching, solver = dataclasses.replace(self.searching, bound=bound), self._single_runs.solver  # (its tables)
-        least, fastest = fastest_bound(relaxed, searching, solver)
+        least, fastest = self._relaxed_bound(relaxed, bound)
         self._note_fastest(self.single, shape, fastest)
-        if least < bound and self._memory_may_refute(least, bound):
-            least = memory_bound(relaxed, searching, self._hint, least, solver)
-        self.search_s += time.perf_counter() - started
         if least < bound:
             return False
         self.lower_s = min(self.lower_s, least)
@@ -456,15 +451,24 @@ class ShapeSearch:
             return
         self._together_at = bound
         every = [np.logical_and.reduce([lacks[node] for lacks in lacking.values()]) for node in range(self.single.size)]
-        relaxed = self.single.micro_batch_relaxation(1.0 / max(lacking), every, 2.0 * bound)
+        least, _ = self._relaxed_bound(
+            self.single.micro_batch_relaxation(1.0 / max(lacking), every, 2.0 * bound), bound
+        )
+        for count in lacking:
+            self._together[count] = max(self._together.get(count, -math.inf), least)
+
+    def _relaxed_bound(self, relaxed: SearchProblem, bound: float) -> tuple[float, float | None]:
+        """A step no plan of a one-stage relaxation of the whole batch (`micro_batch_relaxation`) that fits beats,
+        told ``bound``, and its fastest plan memory aside (as `fastest_bound` gives it), timed: one DP run on the
+        whole batch's solver (its tables), and where that is short of ``bound`` and memory may refute
+        (`_memory_may_refute`), a run per way to recompute at the hint's weight (`memory_bound`)."""
         started = time.perf_counter()
         searching, solver = dataclasses.replace(self.searching, bound=bound), self._single_runs.solver
-        least, _ = fastest_bound(relaxed, searching, solver)
+        least, fastest = fastest_bound(relaxed, searching, solver)
         if least < bound and self._memory_may_refute(least, bound):
             least = memory_bound(relaxed, searching, self._hint, least, solver)
         self.search_s += time.perf_counter() - started
-        for count in lacking:
-            self._together[count] = max(self._together.get(count, -math.inf), least)
+        return least, fastest
 
     def _memory_may_refute(self, least: float, bound: float) -> bool:
         """Whether a relaxation that memory aside does not refute a one-stage shape (its bound ``least``, short of
