@@ -150,6 +150,23 @@ def test_a_key_set_positions_keys_as_unique_and_searchsorted_do(parts, sparse):
         assert found.position(every).tolist() == np.searchsorted(unique, every).tolist()
 
 
+@settings(max_examples=50, deadline=None)
+@given(parts=st.lists(st.lists(st.integers(0, 3_000), min_size=1, max_size=400), min_size=1, max_size=3))
+def test_dense_keys_listed_a_band_of_flags_at_a_time_are_numpy_s_unique(parts):
+    """`KeySet.of` lists flagged keys a band at a time; with bands of 64 flags (dozens of them here), the
+    keys are numpy's `unique`, in the type given, and each is where `position` finds it."""
+    from autopar.search import coefficients
+
+    for dtype in (np.int32, np.int64):
+        arrays = [np.asarray(part, dtype=dtype) for part in parts]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(coefficients, "_FLAGS", 64)
+            found = KeySet.of(arrays)
+        every = np.concatenate(arrays)
+        assert found.keys.dtype == dtype and found.keys.tolist() == np.unique(every).tolist()
+        assert found.position(every).tolist() == np.searchsorted(found.keys, every).tolist()
+
+
 def test_keys_within_sixteen_per_key_are_flagged_and_sparser_ones_sorted():
     keys = np.array([0, 63, 64, 65, 127, 200, 7, 7, *range(20)])  # 28 keys, the largest 200 < 16 x 28
     dense = KeySet.of([keys])
@@ -278,3 +295,21 @@ def test_layouts_stripped_of_partial_bits_are_numbered_as_one_at_a_time_numbers_
         new = [number for number in dict.fromkeys(found.tolist()) if number >= before]
         assert new == list(range(before, len(layouts.rows)))  # numbered in the order first asked for
         assert np.array_equal(layouts.without(asked, kept), found)  # again, from its table
+
+
+def test_the_pairs_limit_counts_the_forward_pairs_alone(monkeypatch):
+    """A problem is refused where its distinct forward layout pairs pass `MAX_LAYOUT_PAIRS`, saying how many;
+    the gradient's ways back, which add pairs of their own, do not count."""
+    from types import SimpleNamespace
+
+    from autopar.errors import TooLargeError
+    from autopar.search import costing
+
+    flow = SimpleNamespace(num_devices=8)
+    forward = [np.array([[1, 2], [2, 3]], dtype=np.int32), np.array([3, 2], dtype=np.int32)]
+    backward = [np.array([[4, 5], [6, 7]], dtype=np.int32)]
+    monkeypatch.setattr(costing, "MAX_LAYOUT_PAIRS", 3)
+    assert costing._distinct_keys(flow, forward, backward).keys.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    monkeypatch.setattr(costing, "MAX_LAYOUT_PAIRS", 2)
+    with pytest.raises(TooLargeError, match=r"^3 distinct redistributions between layouts .* on 8 devices"):
+        costing._distinct_keys(flow, forward, backward)

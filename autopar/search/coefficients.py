@@ -128,28 +128,32 @@ def _compiled_coefficients(
     table: LayoutTable, src: np.ndarray, dst: np.ndarray, cost: CostModel
 ) -> tuple[np.ndarray, np.ndarray]:
     """`pair_coefficients` by the compiled planner (`native_jit.pair_coefficients`). The prices it reads
-    are filled beforehand; a pair that meets one missing all the same is run again once it is priced."""
+    are filled beforehand; a pair that meets one missing all the same (its latency NaN, the price's key for
+    its seconds per byte: a first problem's tens of millions of pairs need no third array) is run again once
+    it is priced."""
     prices = _Prices.of(cost).filled()
     where, place = table.places()
     kernel = native.kernels().pair_coefficients
 
-    def run(src: np.ndarray, dst: np.ndarray, out: tuple[np.ndarray, np.ndarray, np.ndarray], start: int) -> None:
+    def run(src: np.ndarray, dst: np.ndarray, out: tuple[np.ndarray, np.ndarray], start: int) -> None:
         stop = min(start + CHUNK, len(src))
         prices_read = (prices.masks, prices.radix, prices.latency, prices.per_byte)
-        kernel(table.length, table.code, table.partial, where, place, src, dst, *prices_read, *out, start, stop)
+        ends = [side[start:stop].astype(np.int64, copy=False) for side in (src, dst)]  # (a chunk at a time)
+        outputs = [part[start:stop] for part in out]
+        kernel(table.length, table.code, table.partial, where, place, *ends, *prices_read, *outputs, 0, stop - start)
 
     count = len(src)
-    found = (np.zeros(count), np.zeros(count), np.full(count, -1, dtype=np.int64))  # latency, per byte, missing
+    found = (np.empty(count), np.empty(count))  # latency, per byte: the kernel writes every pair
     _over_chunks(lambda start: run(src, dst, found, start), count)
-    again = np.flatnonzero(found[2] >= 0)
+    again = np.flatnonzero(np.isnan(found[0]))
     while len(again):  # price what the tables lacked (in this thread), then run those pairs again
-        prices.fill(np.unique(found[2][again]))
-        redone = (np.zeros(len(again)), np.zeros(len(again)), np.full(len(again), -1, dtype=np.int64))
+        prices.fill(np.unique(found[1][again].astype(np.int64)))
+        redone = (np.empty(len(again)), np.empty(len(again)))
         for start in range(0, len(again), CHUNK):
             run(src[again], dst[again], redone, start)
         for array, values in zip(found, redone):
             array[again] = values
-        again = again[redone[2] >= 0]
+        again = again[np.isnan(redone[0])]
     return found[0], found[1]
 
 
@@ -195,7 +199,12 @@ class KeySet:
         words = np.packbits(seen, bitorder="little").view("<u8")
         before = np.zeros(len(words), dtype=np.int64)
         np.cumsum(np.bitwise_count(words[:-1]), out=before[1:])
-        return cls(np.flatnonzero(seen).astype(dtype, copy=False), words, before)
+        keys = np.empty(int(before[-1] + np.bitwise_count(words[-1])), dtype=dtype)
+        for start in range(0, len(seen), _FLAGS):  # (a band of flags at a time: no 64-bit index of every key)
+            found = np.flatnonzero(seen[start : start + _FLAGS])
+            at = int(before[start // 64])  # (the keys flagged before the band)
+            keys[at : at + len(found)] = found + start
+        return cls(keys, words, before)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -224,6 +233,7 @@ class KeySet:
 
 
 _POSITIONS = 1 << 18  # keys `KeySet.position` looks up at a time: its steps' arrays stay a few MB
+_FLAGS = 1 << 22  # flags `KeySet.of` lists the keys of at a time (a multiple of 64: a word's flags stay together)
 
 
 class PairCache:

@@ -991,9 +991,7 @@ def _costed_slots(
         key: forwards[key].astype(kind)[:, None] * kind(count) + wholes[key].astype(kind)[None, :] for key in groups
     }
     backward_keys = {key: backward.keys(count, kind) for key, backward in backwards.items()}
-    forward_pairs = KeySet.of([keys.reshape(-1) for keys in forward_keys.values()])
-    _too_many_pairs(flow, len(forward_pairs))
-    pairs = KeySet.of([forward_pairs.keys, *(keys.reshape(-1) for keys in backward_keys.values())])
+    pairs = _distinct_keys(flow, list(forward_keys.values()), list(backward_keys.values()))
     unique = pairs.keys
     width = max((len(length) for length, _, _ in rows), default=1) or 1
     lengths = np.zeros((len(rows), width), dtype=np.int64)
@@ -1003,11 +1001,21 @@ def _costed_slots(
         codes[index, : len(code)] = code
     table = LayoutTable(lengths, codes, np.array([partial for _, _, partial in rows], dtype=np.int64))
     numbers = cache.numbers(list(layouts.ids))  # the rows numbered since too (partial rows made whole)
-    where = cache.narrowed(cache.slots_of(numbers, table, *np.divmod(unique, count, dtype=np.int64), flow.cost))
+    where = cache.narrowed(cache.slots_of(numbers, table, *np.divmod(unique, count), flow.cost))
     for key, (src, dst, _, _) in groups.items():
         backward = pairs.position(backward_keys[key], where) if key in backward_keys else None
         found = PairSlots(numbers[src], numbers[dst], pairs.position(forward_keys[key], where), backward)
         slots[key] = cache.keep(names[key], found)
+
+
+def _distinct_keys(flow: Dataflow, forward: Sequence[np.ndarray], backward: Sequence[np.ndarray]) -> KeySet:
+    """The distinct pair keys of the groups' ``forward`` and ``backward`` tables of keys, refused where the
+    forward ones alone are too many (`_too_many_pairs`): a set of them is listed only then, where every pair
+    is too many (a first problem's forward set was a second one of tens of millions of keys, half a GB)."""
+    pairs = KeySet.of([keys.reshape(-1) for keys in (*forward, *backward)])
+    if len(pairs) > MAX_LAYOUT_PAIRS:
+        _too_many_pairs(flow, len(KeySet.of([keys.reshape(-1) for keys in forward])))
+    return pairs
 
 
 def _pair_key_type(layouts: int) -> type[np.signedinteger]:
@@ -1039,7 +1047,7 @@ class _Backward:
         """``accepts``: the source is a fork, whose rows' partial bits are those it takes the gradient
         partial over (any other source's are its forward's, which its gradient never is)."""
         kept, starts = cls.starts(layouts, src_ids, dst_ids, accepts)
-        dst = np.empty((len(dst_ids), len(src_ids)), dtype=np.int64)
+        dst = np.empty((len(dst_ids), len(src_ids)), dtype=np.int32)  # (layout rows: far fewer than 2**31)
         for mask, rows in starts.items():
             dst[:, kept == mask] = rows[:, None]
         return cls(dst, layouts.whole(src_ids))
@@ -1055,7 +1063,10 @@ class _Backward:
 
     def keys(self, count: int, kind: type[np.signedinteger]) -> np.ndarray:
         """The (consumer row, source row) pair keys, numbered as `_edge_costs` numbers pairs, of type ``kind``."""
-        return self.dst.astype(kind) * kind(count) + self.src.astype(kind)[None, :]
+        keys = self.dst.astype(kind)
+        keys *= kind(count)
+        keys += self.src.astype(kind)[None, :]
+        return keys
 
 
 def redistribution_coefficients(cost: CostModel, src: Layout, dst: Layout) -> tuple[float, float]:

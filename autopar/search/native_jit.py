@@ -297,7 +297,6 @@ def pair_coefficients(
     per_byte: np.ndarray,
     out_latency: np.ndarray,
     out_per_byte: np.ndarray,
-    missing: np.ndarray,
     first: int,
     last: int,
 ) -> None:
@@ -305,13 +304,13 @@ def pair_coefficients(
     ``dst[p]`` (rows of a `coefficients.LayoutTable`, with its `places`: ``where`` and ``place``), step for
     step as `redistribute.symbolic_steps` plans it and `redistribute._merge` fuses it, each step priced from
     the tables by kind and bits per link level (`coefficients._Prices`). A dimension's bits stay packed, as
-    in the table, so a step is a few shifts. A pair that meets a price not in the tables stops with its key
-    in ``missing`` (else -1), to be priced and run again. A step never makes a dimension before the one it
-    takes bits from stray from its target, so the first part resumes where it stopped, and once every
-    dimension is a prefix of its target the rest only extends each in turn (half a large model's steps: a
-    third less time than looking for the next step anew each time).
+    in the table, so a step is a few shifts. A pair that meets a price not in the tables stops with a latency
+    of NaN and the price's key for its seconds per byte, to be priced and run again. A step never makes a
+    dimension before the one it takes bits from stray from its target, so the first part resumes where it
+    stopped, and once every dimension is a prefix of its target the rest only extends each in turn (half a
+    large model's steps: a third less time than looking for the next step anew each time).
 
-    Long, and with sixteen parameters, on purpose: numba compiles functions of arrays, not objects, so the
+    Long, and with fifteen parameters, on purpose: numba compiles functions of arrays, not objects, so the
     layout table, its places and the prices pass as the arrays they are, and the planner's rounds for one
     pair stay in one loop body, as `coefficients._chunk_coefficients` writes them for numpy."""
     width = length.shape[1]
@@ -326,7 +325,7 @@ def pair_coefficients(
             total += held[d]
         left = partial[s]
         state, sums = (-1, 0, 0, 0), (0.0, 0.0)  # the step still open (kind, dimension, mask, shift); the sums
-        missing[p] = -1
+        lack = -1  # the key of a price not in the tables
         d = 0
         while d < width:  # 1. a bit where the target does not want it: an AllToAll's run, or gathered
             if _is_prefix(current[d], held[d], code[t, d], length[t, d]):
@@ -359,12 +358,11 @@ def pair_coefficients(
                 held[d] -= 1
                 total -= 1
                 kind, dim, mask, shift = _AG, d, 1 << bit, total
-            state, sums, missing[p] = _fused(
-                state, sums, (kind, dim, mask, shift), level_masks, radix, latency, per_byte
-            )
-            if missing[p] >= 0:
+            state, sums, lack = _fused(state, sums, (kind, dim, mask, shift), level_masks, radix, latency, per_byte)
+            if lack >= 0:
                 break
-        if missing[p] >= 0:
+        if lack >= 0:
+            out_latency[p], out_per_byte[p] = np.nan, float(lack)
             continue
         for grow in range(width):  # 2. every dimension a prefix of its target: extend each in turn
             while held[grow] < length[t, grow]:
@@ -376,19 +374,19 @@ def pair_coefficients(
                 step = (kind, grow, 1 << bit, total)
                 held[grow] += 1
                 total += 1
-                state, sums, missing[p] = _fused(state, sums, step, level_masks, radix, latency, per_byte)
-                if missing[p] >= 0:
+                state, sums, lack = _fused(state, sums, step, level_masks, radix, latency, per_byte)
+                if lack >= 0:
                     break
-            if missing[p] >= 0:
+            if lack >= 0:
                 break
-        if missing[p] >= 0:
+        if lack >= 0:
+            out_latency[p], out_per_byte[p] = np.nan, float(lack)
             continue
         if left:  # 3. the last fused step, then an AllReduce of what is still partial
-            state, sums, missing[p] = _fused(state, sums, (_AR, -1, left, total), level_masks, radix, latency, per_byte)
-        if missing[p] < 0:
-            sums, missing[p] = _closed(state, sums, level_masks, radix, latency, per_byte)
-        if missing[p] < 0:
-            out_latency[p], out_per_byte[p] = sums
+            state, sums, lack = _fused(state, sums, (_AR, -1, left, total), level_masks, radix, latency, per_byte)
+        if lack < 0:
+            sums, lack = _closed(state, sums, level_masks, radix, latency, per_byte)
+        out_latency[p], out_per_byte[p] = sums if lack < 0 else (np.nan, float(lack))
 
 
 @_jit
