@@ -361,11 +361,9 @@ def pair_coefficients(
             state, sums, lack = _fused(state, sums, (kind, dim, mask, shift), level_masks, radix, latency, per_byte)
             if lack >= 0:
                 break
-        if lack >= 0:
-            out_latency[p], out_per_byte[p] = np.nan, float(lack)
-            continue
-        for grow in range(width):  # 2. every dimension a prefix of its target: extend each in turn
-            while held[grow] < length[t, grow]:
+        grow = 0
+        while lack < 0 and grow < width:  # 2. every dimension a prefix of its target: extend each in turn
+            while lack < 0 and held[grow] < length[t, grow]:
                 bit = int(_drop(code[t, grow], length[t, grow] - held[grow] - 1) & np.uint64(15))
                 kind = _SLICE
                 if (left >> bit) & 1:
@@ -375,14 +373,8 @@ def pair_coefficients(
                 held[grow] += 1
                 total += 1
                 state, sums, lack = _fused(state, sums, step, level_masks, radix, latency, per_byte)
-                if lack >= 0:
-                    break
-            if lack >= 0:
-                break
-        if lack >= 0:
-            out_latency[p], out_per_byte[p] = np.nan, float(lack)
-            continue
-        if left:  # 3. the last fused step, then an AllReduce of what is still partial
+            grow += 1
+        if lack < 0 and left:  # 3. the last fused step, then an AllReduce of what is still partial
             state, sums, lack = _fused(state, sums, (_AR, -1, left, total), level_masks, radix, latency, per_byte)
         if lack < 0:
             sums, lack = _closed(state, sums, level_masks, radix, latency, per_byte)
