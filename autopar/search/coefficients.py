@@ -140,7 +140,7 @@ def _compiled_coefficients(
         prices_read = (prices.masks, prices.radix, prices.latency, prices.per_byte)
         ends = [side[start:stop].astype(np.int64, copy=False) for side in (src, dst)]  # (a chunk at a time)
         outputs = [part[start:stop] for part in out]
-        kernel(table.length, table.code, table.partial, where, place, *ends, *prices_read, *outputs, 0, stop - start)
+        kernel(table.length, table.code, table.partial, where, place, *ends, *prices_read, *outputs)
 
     count = len(src)
     found = (np.empty(count), np.empty(count))  # latency, per byte: the kernel writes every pair

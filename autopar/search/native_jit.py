@@ -297,10 +297,8 @@ def pair_coefficients(
     per_byte: np.ndarray,
     out_latency: np.ndarray,
     out_per_byte: np.ndarray,
-    first: int,
-    last: int,
 ) -> None:
-    """Pairs ``first`` .. ``last``: (latency, seconds per byte) of redistributing layout ``src[p]`` to
+    """Each pair p: (latency, seconds per byte) of redistributing layout ``src[p]`` to
     ``dst[p]`` (rows of a `coefficients.LayoutTable`, with its `places`: ``where`` and ``place``), step for
     step as `redistribute.symbolic_steps` plans it and `redistribute._merge` fuses it, each step priced from
     the tables by kind and bits per link level (`coefficients._Prices`). A dimension's bits stay packed, as
@@ -310,13 +308,13 @@ def pair_coefficients(
     stopped, and once every dimension is a prefix of its target the rest only extends each in turn (half a
     large model's steps: a third less time than looking for the next step anew each time).
 
-    Long, and with fifteen parameters, on purpose: numba compiles functions of arrays, not objects, so the
+    Long, and with thirteen parameters, on purpose: numba compiles functions of arrays, not objects, so the
     layout table, its places and the prices pass as the arrays they are, and the planner's rounds for one
     pair stay in one loop body, as `coefficients._chunk_coefficients` writes them for numpy."""
     width = length.shape[1]
     held = np.zeros(width, dtype=np.int64)
     current = np.zeros(width, dtype=np.uint64)
-    for p in range(first, last):
+    for p in range(len(src)):
         s, t = src[p], dst[p]
         total = 0
         for d in range(width):
