@@ -102,11 +102,22 @@ def test_a_pair_cache_gives_what_costing_each_pair_gives(first, second, third):
         dst = np.array([index[b] for _, b in pairs])
         rows = [repr(layout).encode() for layout in layouts]
         slots = cache.slots_of(cache.numbers(rows), table, src, dst, cost)
+        assert slots.dtype == np.int32 and cache.narrowed(slots) is slots  # 32 bits, as groups keep them: no copy
         got = [values[slots] for values in cache.values]
         want = pair_coefficients(table, src, dst, cost)
         assert all(np.array_equal(g, w) for g, w in zip(got, want))
     assert len(cache.keys) == len(np.unique(cache.keys))
     assert (np.diff(cache.keys) > 0).all()  # sorted, as its lookups need
+
+
+def test_held_slots_widen_once_a_slot_passes_32_bits():
+    """Slots past 2**31 - 1 (a cache of more pairs than that) widen the held ones to 64 bits, each beside its key,
+    where writing them into the 32-bit buffer would wrap them."""
+    cache = PairCache()
+    cache.keys, cache.slots = np.array([10, 30], dtype=np.int64), np.array([0, 1], dtype=np.int32)
+    cache._insert(np.array([20, 40], dtype=np.int64), np.array([2**31, 2**31 + 1], dtype=np.int64))
+    assert cache.keys.tolist() == [10, 20, 30, 40]
+    assert cache.slots.dtype == np.int64 and cache.slots.tolist() == [0, 2**31, 1, 2**31 + 1]
 
 
 @settings(max_examples=200, deadline=None)
