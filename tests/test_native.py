@@ -92,6 +92,54 @@ def test_a_two_table_elimination_step_compiled_is_numpy_s_bit_for_bit(
     assert np.array_equal(got, want)
 
 
+def _fractions(rows: int, columns: int, depth: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two tables and a vector over their summed axis of fractions spread over magnitudes (so how a sum of
+    three associates changes its last bits), with some infinite entries."""
+    rng = np.random.default_rng(seed)
+    a, b = (rng.random(shape) * 10.0 ** rng.integers(-3, 4, shape) for shape in ((rows, depth), (columns, depth)))
+    a[rng.random(a.shape) < 0.05] = np.inf
+    b[rng.random(b.shape) < 0.05] = np.inf
+    return a, b, rng.random(depth) * 10.0 ** rng.integers(-3, 4, depth)
+
+
+@pytest.mark.parametrize(("rows", "columns", "depth"), [(19, 23, 7), (9, 300, 33), (21, 260, 9), (2, 2, 1)])
+@pytest.mark.parametrize("on_rows", [True, False])
+def test_the_min_plus_kernel_adding_a_vector_as_it_goes_is_the_kernel_over_the_sum_bit_for_bit(
+    rows, columns, depth, on_rows
+):
+    kernels = native.kernels()
+    a, b, added = _fractions(rows, columns, depth, rows + columns + depth)
+    b_t = np.ascontiguousarray(b.T)
+    summed_a, summed_b_t = (a + added, b_t) if on_rows else (a, np.ascontiguousarray(b_t + added[:, None]))
+    want, got = np.empty((rows, columns)), np.empty((rows, columns))
+    kernels.min_plus_rows(summed_a, summed_b_t, want, 0, rows)
+    kernels.min_plus_rows_added(a, b_t, added, on_rows, got, 0, rows)
+    assert np.array_equal(got, want)
+    other = (a[:, None, :] + (b[None, :, :] + added)) if on_rows else ((a[:, None, :] + added) + b[None, :, :])
+    if depth > 1:  # (the sums associated the other way differ: the test tells the two apart)
+        assert not np.array_equal(other.min(axis=2), want)
+
+
+@pytest.mark.parametrize(("rows", "columns", "depth"), [(19, 23, 7), (40, 12, 30), (12, 40, 30), (13, 13, 5)])
+@pytest.mark.parametrize("rows_first", [True, False])
+def test_a_step_s_own_costs_added_as_the_kernel_goes_give_the_merged_step_s_table_and_rows(
+    monkeypatch, rows, columns, depth, rows_first
+):
+    a, b, added = _fractions(rows, columns, depth, rows * columns + depth)
+    parts = [a[:, None, :], b[None, :, :]]
+    parts = parts if rows_first else parts[::-1]
+    own = added.reshape(1, 1, depth)
+    monkeypatch.setattr(native, "ENTRIES", 1)  # every step compiled, however small
+    merged = dp._merge_parts([*parts, own])
+    table, kept = dp._min_plus_added(parts, own)
+    assert np.array_equal(table, dp._sum_min(merged))
+    assert [part.shape for part in kept] == [part.shape for part in merged]
+    for at in [(0, 0), (rows - 1, columns - 1), (rows // 2, 1)]:  # (a class of each axis: rows, then columns)
+        assert np.array_equal(dp._at(kept[0], at) + dp._at(kept[1], at), dp._at(merged[0], at) + dp._at(merged[1], at))
+    assert dp._min_plus_added([a[:1, None, :], b[None, :, :]], own) is None  # one class over its axis: merged
+    assert dp._min_plus_added([*parts, parts[0]], own) is None  # three tables: not a product
+
+
 def test_a_three_table_or_one_sided_step_keeps_the_numpy_path():
     a, b = _tables(4, 5, 3, 0)
     assert not dp._two_sided([a[:, None, :], b[None, :, :], a[:, None, :]])

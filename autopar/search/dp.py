@@ -397,11 +397,16 @@ class Elimination:
                 records.append((step, [], step.members[_first_best(costs, step)]))
                 continue
             parts = [gather.take(tables.pop(gather.factor)) for gather in step.gathers]
-            parts = _merge_parts([*parts, _best_per_class(costs, step).reshape(step.node_shape)])
-            if step.rest:
-                tables[step.output] = _sum_min(parts)
+            own = _best_per_class(costs, step).reshape(step.node_shape)
+            added = _min_plus_added(parts, own) if step.rest else None
+            if added is not None:
+                tables[step.output], parts = added
             else:
-                value += float(np.min(functools.reduce(np.add, parts)))
+                parts = _merge_parts([*parts, own])
+                if step.rest:
+                    tables[step.output] = _sum_min(parts)
+                else:
+                    value += float(np.min(functools.reduce(np.add, parts)))
             records.append((step, parts, step.members[_first_best(costs, step)]))
         structure = self.leftover_structure()
         leftover = [Factor(*structure[i], tables[fid]) for i, fid in enumerate(self.leftover)]
@@ -686,17 +691,58 @@ def _two_sided(parts: list[np.ndarray]) -> bool:
     return k0 == k1 and ((c0 == 1 and r1 == 1) or (r0 == 1 and c1 == 1))
 
 
-def _min_plus_native(parts: list[np.ndarray]) -> np.ndarray:
+def _min_plus_native(parts: list[np.ndarray], added: np.ndarray | None = None, to: int = 0) -> np.ndarray:
     """`_sum_min` of two tables (`_two_sided`) by the compiled kernel: the same sums, so the same minima.
     The kernel runs along the columns of b, the transpose of the second table: a gathered edge table is most
     often a transposed view, whose transpose is contiguous as it is (a GPT's steps: 328 of 358 at 128 devices),
-    where making the table contiguous first, then its transpose, copied it twice."""
-    rows, columns = (parts[0], parts[1]) if parts[0].shape[1] == 1 and parts[1].shape[0] == 1 else parts[::-1]
+    where making the table contiguous first, then its transpose, copied it twice. ``added``: a vector over the
+    summed axis added first to ``parts[to]`` (`_min_plus_added`)."""
+    swap = not (parts[0].shape[1] == 1 and parts[1].shape[0] == 1)
+    rows, columns = parts[::-1] if swap else parts
     a, b_t = np.ascontiguousarray(rows[:, 0, :]), np.ascontiguousarray(columns[0].T)
     out = np.empty((a.shape[0], b_t.shape[1]))
-    kernel = native.kernels().min_plus_rows
-    over_rows(lambda first, last: kernel(a, b_t, out, first, last), a.shape[0], out.size * a.shape[1])
+    kernels = native.kernels()
+    if added is None:
+        kernel = functools.partial(kernels.min_plus_rows, a, b_t, out)
+    else:
+        kernel = functools.partial(kernels.min_plus_rows_added, a, b_t, added, (to == 1) == swap, out)
+    over_rows(kernel, a.shape[0], out.size * a.shape[1])
     return out
+
+
+@dataclass(frozen=True)
+class _Added:
+    """A table with the eliminated node's own costs added, as `_merge_parts` sums them, kept as its two terms
+    where the kernel added them as it went (`_min_plus_added`): entry by entry ``table + added``."""
+
+    table: np.ndarray
+    added: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.table.shape
+
+
+def _min_plus_added(parts: list[np.ndarray], own: np.ndarray) -> tuple[np.ndarray, list] | None:
+    """`_sum_min` of `_merge_parts` of a min-plus product's two tables (`_two_sided`, each over an axis of
+    its own) and the node's own costs (over the summed axis), by the compiled kernel adding those costs to
+    the larger table's entries as it goes (`min_plus_rows_added`): the same sums in the same order, so the
+    same minima, and the parts as merged (the larger table first, `_Added`). None where the step is not
+    such a product, or is not compiled (`_sum_min` then takes the merged parts).
+
+    `_merge_parts` made the larger table's sum with the costs, a table as large, in fresh memory, held
+    until the run's plan is read back: GPT-3 175B's plan on 1,024 Ascend 910s paged in gigabytes of such
+    sums, its kernel zeroing each page."""
+    if len(parts) != 2 or not _two_sided(parts) or own.shape != (1, 1, parts[0].shape[2]):
+        return None
+    if min(parts[0].shape[0] * parts[0].shape[1], parts[1].shape[0] * parts[1].shape[1]) < 2:
+        return None  # (a table over one class of its own axis: `_merge_parts` adds it into the other)
+    shape = np.broadcast_shapes(parts[0].shape, parts[1].shape)
+    if not native.worth(math.prod(shape), native.ENTRIES):
+        return None
+    to = 0 if parts[0].size >= parts[1].size else 1  # the larger (the first on a tie) takes the costs
+    table = _min_plus_native(parts, np.ascontiguousarray(own.reshape(-1)), to)
+    return table, [_Added(parts[to], own), parts[1 - to]]
 
 
 def _sum_min_native(parts: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -776,8 +822,16 @@ class Solved:
 def _row(step: _Step, parts: Sequence[np.ndarray], choice: Mapping[int, int]) -> np.ndarray:
     """The sum of a step's parts at its other operators' chosen classes, over the node's classes."""
     at = tuple(int(m[choice[u]]) for m, u in zip(step.rest_maps, step.rest))
-    row = sum(part[tuple(a if n > 1 else 0 for a, n in zip(at, part.shape))] for part in parts)
+    row = sum(_at(part, at) for part in parts)
     return np.broadcast_to(row, (len(step.starts),))
+
+
+def _at(part: np.ndarray | _Added, at: tuple[int, ...]) -> np.ndarray:
+    """A part's entries at the other operators' chosen classes (an `_Added` one's sum made here, entry by entry
+    as `_merge_parts` made it)."""
+    if isinstance(part, _Added):
+        return _at(part.table, at) + _at(part.added, at)
+    return part[tuple(a if n > 1 else 0 for a, n in zip(at, part.shape))]
 
 
 @dataclass(frozen=True)
