@@ -140,6 +140,40 @@ def test_a_step_s_own_costs_added_as_the_kernel_goes_give_the_merged_step_s_tabl
     assert dp._min_plus_added([*parts, parts[0]], own) is None  # three tables: not a product
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_chain_eliminated_with_its_costs_added_by_the_kernel_has_numpy_s_value_and_plan(
+    monkeypatch, numpy_path, seed
+):
+    """A whole run and its read-back: each inner operator of a chain is a min-plus step with its own costs."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(n) for n in rng.integers(3, 12, 6)]
+
+    def spread(shape):
+        return rng.random(shape) * 10.0 ** rng.integers(-3, 4, shape)
+
+    factors = [
+        dp.Factor((u, u + 1), (np.arange(sizes[u]), np.arange(sizes[u + 1])), spread((sizes[u], sizes[u + 1])))
+        for u in range(len(sizes) - 1)
+    ]
+    unary = [spread(n) for n in sizes]
+    ends = {0: 1, len(sizes) - 1: 2}  # kept: each inner operator is eliminated between two neighbours
+    want = numpy_path(lambda: dp.Elimination(sizes, factors, keep=tuple(ends)).run(unary))
+    original, added = dp._min_plus_added, []
+
+    def counted(parts, own):
+        found = original(parts, own)
+        added.append(found is not None)
+        return found
+
+    monkeypatch.setattr(native, "ENTRIES", 1)  # every step compiled, however small
+    monkeypatch.setattr(dp, "_min_plus_added", counted)
+    got = dp.Elimination(sizes, factors, keep=tuple(ends)).run(unary)
+    assert any(added)  # (the inner operators' steps took the kernel's sums)
+    assert len(got.leftover) == len(want.leftover) > 0
+    assert all(np.array_equal(g.table, w.table) for g, w in zip(got.leftover, want.leftover))
+    assert got.backtrack(ends) == want.backtrack(ends)
+
+
 def test_a_three_table_or_one_sided_step_keeps_the_numpy_path():
     a, b = _tables(4, 5, 3, 0)
     assert not dp._two_sided([a[:, None, :], b[None, :, :], a[:, None, :]])
@@ -292,6 +326,12 @@ def test_the_min_plus_kernels_give_the_same_rows_wherever_the_rows_are_cut_betwe
     kernels.min_plus_rows(a, b_t, halves, 0, cut)
     kernels.min_plus_rows(a, b_t, halves, cut, 21)
     assert np.array_equal(whole, halves) and np.array_equal(whole, (a[:, None, :] + b[None, :, :]).min(axis=2))
+    for on_rows in (True, False):
+        added = np.arange(9) * 0.1
+        kernels.min_plus_rows_added(a, b_t, added, on_rows, whole, 0, 21)
+        kernels.min_plus_rows_added(a, b_t, added, on_rows, halves, 0, cut)
+        kernels.min_plus_rows_added(a, b_t, added, on_rows, halves, cut, 21)
+        assert np.array_equal(whole, halves)
     kernels.min_plus_argmin(a, b_t, whole, arg_whole, 0, 21)
     kernels.min_plus_argmin(a, b_t, halves, arg_halves, 0, cut)
     kernels.min_plus_argmin(a, b_t, halves, arg_halves, cut, 21)
