@@ -113,7 +113,7 @@ def test_the_min_plus_kernel_adding_a_vector_as_it_goes_is_the_kernel_over_the_s
     summed_a, summed_b_t = (a + added, b_t) if on_rows else (a, np.ascontiguousarray(b_t + added[:, None]))
     want, got = np.empty((rows, columns)), np.empty((rows, columns))
     kernels.min_plus_rows(summed_a, summed_b_t, want, 0, rows)
-    kernels.min_plus_rows_added(a, b_t, added, on_rows, got, 0, rows)
+    kernels.min_plus_rows_summed(a, np.empty((0, 0)), b_t, np.empty((0, 0)), added, on_rows, got, 0, rows)
     assert np.array_equal(got, want)
     other = (a[:, None, :] + (b[None, :, :] + added)) if on_rows else ((a[:, None, :] + added) + b[None, :, :])
     if depth > 1:  # (the sums associated the other way differ: the test tells the two apart)
@@ -122,12 +122,15 @@ def test_the_min_plus_kernel_adding_a_vector_as_it_goes_is_the_kernel_over_the_s
 
 @pytest.mark.parametrize(("rows", "columns", "depth"), [(19, 23, 7), (40, 12, 30), (12, 40, 30), (13, 13, 5)])
 @pytest.mark.parametrize("rows_first", [True, False])
-def test_a_step_s_own_costs_added_as_the_kernel_goes_give_the_merged_step_s_table_and_rows(
-    monkeypatch, rows, columns, depth, rows_first
+@pytest.mark.parametrize("second", [None, "rows", "columns"])
+def test_a_step_s_parts_summed_as_the_kernel_goes_give_the_merged_step_s_table_and_rows(
+    monkeypatch, rows, columns, depth, rows_first, second
 ):
     a, b, added = _fractions(rows, columns, depth, rows * columns + depth)
+    more, other, _ = _fractions(rows, columns, depth, depth)  # a second table over the rows' or the columns' axes
     parts = [a[:, None, :], b[None, :, :]]
     parts = parts if rows_first else parts[::-1]
+    parts += {None: [], "rows": [more[:, None, :]], "columns": [other[None, :, :]]}[second]
     own = added.reshape(1, 1, depth)
     monkeypatch.setattr(native, "ENTRIES", 1)  # every step compiled, however small
     merged = dp._merge_parts([*parts, own])
@@ -137,7 +140,7 @@ def test_a_step_s_own_costs_added_as_the_kernel_goes_give_the_merged_step_s_tabl
     for at in [(0, 0), (rows - 1, columns - 1), (rows // 2, 1)]:  # (a class of each axis: rows, then columns)
         assert np.array_equal(dp._at(kept[0], at) + dp._at(kept[1], at), dp._at(merged[0], at) + dp._at(merged[1], at))
     assert dp._min_plus_added([a[:1, None, :], b[None, :, :]], own) is None  # one class over its axis: merged
-    assert dp._min_plus_added([*parts, parts[0]], own) is None  # three tables: not a product
+    assert dp._min_plus_added([*parts, a[:, None, :1]], own) is None  # a part over fewer axes: merged
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -326,11 +329,12 @@ def test_the_min_plus_kernels_give_the_same_rows_wherever_the_rows_are_cut_betwe
     kernels.min_plus_rows(a, b_t, halves, 0, cut)
     kernels.min_plus_rows(a, b_t, halves, cut, 21)
     assert np.array_equal(whole, halves) and np.array_equal(whole, (a[:, None, :] + b[None, :, :]).min(axis=2))
+    none = np.empty((0, 0))
     for on_rows in (True, False):
         added = np.arange(9) * 0.1
-        kernels.min_plus_rows_added(a, b_t, added, on_rows, whole, 0, 21)
-        kernels.min_plus_rows_added(a, b_t, added, on_rows, halves, 0, cut)
-        kernels.min_plus_rows_added(a, b_t, added, on_rows, halves, cut, 21)
+        kernels.min_plus_rows_summed(a, none, b_t, none, added, on_rows, whole, 0, 21)
+        kernels.min_plus_rows_summed(a, none, b_t, none, added, on_rows, halves, 0, cut)
+        kernels.min_plus_rows_summed(a, none, b_t, none, added, on_rows, halves, cut, 21)
         assert np.array_equal(whole, halves)
     kernels.min_plus_argmin(a, b_t, whole, arg_whole, 0, 21)
     kernels.min_plus_argmin(a, b_t, halves, arg_halves, 0, cut)

@@ -616,21 +616,32 @@ def _split(
 
 
 def _merge_parts(parts: list[np.ndarray]) -> list[np.ndarray]:
-    """Add each part into a larger one whose axes cover it, while they are still small.
+    """Add each part into a larger one whose axes cover it, while they are still small (`_merge_plan`).
 
     The broadcast sum then makes one full-size pass per part left, not per part given. The
     order is fixed here, so backtracking sums the same parts in the same order.
     """
-    merged: list[np.ndarray] = []
-    for part in sorted(parts, key=lambda p: -p.size):
-        axes = [n > 1 for n in part.shape]
-        for index, big in enumerate(merged):
-            if all(b or not a for a, b in zip(axes, (n > 1 for n in big.shape))):
-                merged[index] = big + part
+    return [functools.reduce(np.add, [parts[at] for at in group]) for group in _merge_plan([p.shape for p in parts])]
+
+
+def _merge_plan(shapes: Sequence[tuple[int, ...]]) -> list[list[int]]:
+    """How `_merge_parts` sums parts of these shapes: per part left, the positions of the parts summed into it,
+    in the order they are added, the one they are added into first. The largest is taken first (the first
+    listed on a tie), each added into the first part left whose axes cover its own.
+
+    >>> _merge_plan([(4, 1, 3), (1, 5, 3), (1, 1, 3), (4, 1, 3)])  # the (1, 1, 3) into the largest, (1, 5, 3)
+    [[1, 2], [0, 3]]
+    """
+    groups: list[list[int]] = []
+    for at in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
+        axes = [n > 1 for n in shapes[at]]
+        for group in groups:
+            if all(b or not a for a, b in zip(axes, (n > 1 for n in shapes[group[0]]))):
+                group.append(at)
                 break
         else:
-            merged.append(part)
-    return merged
+            groups.append([at])
+    return groups
 
 
 _SLAB_CELLS = 1 << 18  # entries of the summed table held at once (2 MB): it stays in cache
@@ -691,32 +702,36 @@ def _two_sided(parts: list[np.ndarray]) -> bool:
     return k0 == k1 and ((c0 == 1 and r1 == 1) or (r0 == 1 and c1 == 1))
 
 
-def _min_plus_native(parts: list[np.ndarray], added: np.ndarray | None = None, to: int = 0) -> np.ndarray:
+def _min_plus_native(parts: list[np.ndarray]) -> np.ndarray:
     """`_sum_min` of two tables (`_two_sided`) by the compiled kernel: the same sums, so the same minima.
     The kernel runs along the columns of b, the transpose of the second table: a gathered edge table is most
     often a transposed view, whose transpose is contiguous as it is (a GPT's steps: 328 of 358 at 128 devices),
-    where making the table contiguous first, then its transpose, copied it twice. ``added``: a vector over the
-    summed axis added first to ``parts[to]`` (`_min_plus_added`)."""
-    swap = not (parts[0].shape[1] == 1 and parts[1].shape[0] == 1)
-    rows, columns = parts[::-1] if swap else parts
-    a, b_t = np.ascontiguousarray(rows[:, 0, :]), np.ascontiguousarray(columns[0].T)
+    where making the table contiguous first, then its transpose, copied it twice."""
+    rows, columns = _sides(parts)
+    a, b_t = _side(parts[rows], True), _side(parts[columns], False)
     out = np.empty((a.shape[0], b_t.shape[1]))
-    kernels = native.kernels()
-    if added is None:
-        kernel = functools.partial(kernels.min_plus_rows, a, b_t, out)
-    else:
-        kernel = functools.partial(kernels.min_plus_rows_added, a, b_t, added, (to == 1) == swap, out)
-    over_rows(kernel, a.shape[0], out.size * a.shape[1])
+    over_rows(functools.partial(native.kernels().min_plus_rows, a, b_t, out), a.shape[0], out.size * a.shape[1])
     return out
+
+
+def _sides(parts: Sequence[np.ndarray]) -> tuple[int, int]:
+    """Of a min-plus product's two tables (`_two_sided`), which is over the rows (rows, 1, k) and which over the
+    columns (1, columns, k), by position."""
+    return (0, 1) if parts[0].shape[1] == 1 and parts[1].shape[0] == 1 else (1, 0)
+
+
+def _side(table: np.ndarray, rows: bool) -> np.ndarray:
+    """A min-plus table as the kernels read it: (rows, k) for the rows' side, (k, columns) for the columns'."""
+    return np.ascontiguousarray(table[:, 0, :] if rows else table[0].T)
 
 
 @dataclass(frozen=True)
 class _Added:
-    """A table with the eliminated node's own costs added, as `_merge_parts` sums them, kept as its two terms
-    where the kernel added them as it went (`_min_plus_added`): entry by entry ``table + added``."""
+    """A table with parts added to it, as `_merge_parts` sums them, kept as its terms where the kernel added
+    them as it went (`_min_plus_added`): entry by entry ``table + terms[0] + ...``, in that order."""
 
     table: np.ndarray
-    added: np.ndarray
+    terms: tuple[np.ndarray, ...]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -724,25 +739,46 @@ class _Added:
 
 
 def _min_plus_added(parts: list[np.ndarray], own: np.ndarray) -> tuple[np.ndarray, list] | None:
-    """`_sum_min` of `_merge_parts` of a min-plus product's two tables (`_two_sided`, each over an axis of
-    its own) and the node's own costs (over the summed axis), by the compiled kernel adding those costs to
-    the larger table's entries as it goes (`min_plus_rows_added`): the same sums in the same order, so the
-    same minima, and the parts as merged (the larger table first, `_Added`). None where the step is not
-    such a product, or is not compiled (`_sum_min` then takes the merged parts).
+    """`_sum_min` of `_merge_parts` of a step's tables and the node's own costs (over the summed axis) where
+    they merge into a min-plus product's two tables (`_two_sided`), by the compiled kernel making each merged
+    sum as it goes (`min_plus_rows_summed`: a second table over one side's axes, and the costs): the same sums
+    in the same order, so the same minima, and the parts as merged (`_Added`). None where the step merges
+    into anything else, or is not compiled (`_sum_min` then takes the merged parts).
 
-    `_merge_parts` made the larger table's sum with the costs, a table as large, in fresh memory, held
-    until the run's plan is read back: GPT-3 175B's plan on 1,024 Ascend 910s paged in gigabytes of such
-    sums, its kernel zeroing each page."""
-    if len(parts) != 2 or not _two_sided(parts) or own.shape != (1, 1, parts[0].shape[2]):
+    `_merge_parts` made each merged sum a table as large as its largest part, in fresh memory, held until the
+    run's plan is read back: GPT-3 175B's plan on 1,024 Ascend 910s paged in gigabytes of such sums, its
+    kernel zeroing each page."""
+    every = [*parts, own]
+    groups = _merge_plan([part.shape for part in every])
+    heads = [every[group[0]] for group in groups]
+    if len(groups) != 2 or any(head.ndim != 3 for head in heads) or not _two_sided(heads):
         return None
-    if min(parts[0].shape[0] * parts[0].shape[1], parts[1].shape[0] * parts[1].shape[1]) < 2:
-        return None  # (a table over one class of its own axis: `_merge_parts` adds it into the other)
-    shape = np.broadcast_shapes(parts[0].shape, parts[1].shape)
-    if not native.worth(math.prod(shape), native.ENTRIES):
+    if not native.worth(math.prod(np.broadcast_shapes(*(head.shape for head in heads))), native.ENTRIES):
         return None
-    to = 0 if parts[0].size >= parts[1].size else 1  # the larger (the first on a tie) takes the costs
-    table = _min_plus_native(parts, np.ascontiguousarray(own.reshape(-1)), to)
-    return table, [_Added(parts[to], own), parts[1 - to]]
+    mine = len(parts)  # the own costs' position
+    seconds: list[np.ndarray | None] = [None, None]  # per group, a second table over its axes
+    for index, group in enumerate(groups):
+        tables = [every[at] for at in group[1:] if at != mine]
+        if len(tables) > 1 or any(table.shape != heads[index].shape for table in tables):
+            return None  # (more than a second table over the same axes, or a part over fewer)
+        seconds[index] = tables[0] if tables else None
+    if own.shape != (1, 1, heads[0].shape[2]) or not any(mine in group[1:] for group in groups):
+        return None
+    rows, columns = _sides(heads)
+    none = np.empty((0, 0))
+    a, b_t = _side(heads[rows], True), _side(heads[columns], False)
+    rows_second, columns_second = seconds[rows], seconds[columns]
+    a_plus = none if rows_second is None else _side(rows_second, True)
+    b_plus_t = none if columns_second is None else _side(columns_second, False)
+    costs, on_rows = np.ascontiguousarray(own.reshape(-1)), mine in groups[rows]
+    out = np.empty((a.shape[0], b_t.shape[1]))
+    kernel = functools.partial(native.kernels().min_plus_rows_summed, a, a_plus, b_t, b_plus_t, costs, on_rows, out)
+    over_rows(kernel, a.shape[0], out.size * a.shape[1])
+    merged = [
+        _Added(heads[i], tuple(every[at] for at in group[1:])) if len(group) > 1 else heads[i]
+        for i, group in enumerate(groups)
+    ]
+    return out, merged
 
 
 def _sum_min_native(parts: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -830,7 +866,7 @@ def _at(part: np.ndarray | _Added, at: tuple[int, ...]) -> np.ndarray:
     """A part's entries at the other operators' chosen classes (an `_Added` one's sum made here, entry by entry
     as `_merge_parts` made it)."""
     if isinstance(part, _Added):
-        return _at(part.table, at) + _at(part.added, at)
+        return functools.reduce(np.add, [_at(term, at) for term in (part.table, *part.terms)])
     return part[tuple(a if n > 1 else 0 for a, n in zip(at, part.shape))]
 
 

@@ -7,8 +7,8 @@ do the same arithmetic in one compiled pass, in the same order, so every number 
 last bit (`tests/test_native.py` checks each against the numpy path):
 
 - ``min_plus_rows``: C[i, j] = min_k a[i, k] + b[k, j], an elimination step of two tables (`dp._sum_min`);
-- ``min_plus_rows_added``: the same with a vector over k added to a's rows or b's first, as an elimination
-  step adds the node's own costs into its larger table, without that sum made (`dp._min_plus_added`);
+- ``min_plus_rows_summed``: the same over the sums an elimination step merges its parts into (a second
+  table on one side, the node's own costs), made as it goes, without those sums made (`dp._min_plus_added`);
 - ``min_plus_argmin``: the same with the first k at the minimum (`fold.min_plus`, a folded run's powers);
 - ``pair_coefficients``: `redistribute.symbolic_steps` and its fusing, priced, for many layout pairs
   (`coefficients.pair_coefficients`);

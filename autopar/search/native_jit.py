@@ -135,44 +135,41 @@ def _taken(row: np.ndarray, steps: tuple[int, ...]) -> tuple[float, ...]:
 
 
 @_inlined
-def _taken_added(row: np.ndarray, added: np.ndarray, steps: tuple[int, ...]) -> tuple[float, ...]:
-    """`_taken` of a row with ``added`` added first, entry by entry (a step's own costs merged into ``a``)."""
-    return (
-        row[steps[0]] + added[steps[0]],
-        row[steps[1]] + added[steps[1]],
-        row[steps[2]] + added[steps[2]],
-        row[steps[3]] + added[steps[3]],
-        row[steps[4]] + added[steps[4]],
-        row[steps[5]] + added[steps[5]],
-        row[steps[6]] + added[steps[6]],
-        row[steps[7]] + added[steps[7]],
-    )
+def _plus(x: tuple[float, ...], y: tuple[float, ...]) -> tuple[float, ...]:
+    """Two passes' values added entry by entry."""
+    return (x[0] + y[0], x[1] + y[1], x[2] + y[2], x[3] + y[3], x[4] + y[4], x[5] + y[5], x[6] + y[6], x[7] + y[7])
 
 
 @_inlined
-def _row_added(summed: np.ndarray, row: np.ndarray, added: float) -> np.ndarray:
-    """``summed`` holding ``row + added``."""
+def _row_summed(
+    summed: np.ndarray, row: np.ndarray, plus: np.ndarray, more: bool, added: float, add: bool
+) -> np.ndarray:
+    """``summed`` holding ``row`` plus ``plus`` (where ``more``), then ``added`` (where ``add``), entry by entry."""
     for j in range(summed.size):
-        summed[j] = row[j] + added
+        value = row[j] + plus[j] if more else row[j]
+        summed[j] = value + added if add else value
     return summed
 
 
 @_inlined
-def _band_added(
-    b_t: np.ndarray, added: np.ndarray, steps: tuple[int, ...], left: int, right: int, summed: np.ndarray
+def _band_summed(
+    b_t: np.ndarray,
+    plus: np.ndarray,
+    more: bool,
+    added: np.ndarray,
+    add: bool,
+    steps: tuple[int, ...],
+    left: int,
+    right: int,
+    summed: np.ndarray,
 ) -> tuple[np.ndarray, ...]:
-    """`_band` with ``added`` added to each of its rows, made in ``summed`` (`_STEPS` rows of `_TILE`)."""
+    """`_band` of ``b_t`` plus ``plus`` (where ``more``), then ``added`` (a vector over k, where ``add``), made in
+    ``summed`` (`_STEPS` rows of `_TILE`)."""
     width = right - left
-    return (
-        _row_added(summed[0, :width], b_t[steps[0], left:right], added[steps[0]]),
-        _row_added(summed[1, :width], b_t[steps[1], left:right], added[steps[1]]),
-        _row_added(summed[2, :width], b_t[steps[2], left:right], added[steps[2]]),
-        _row_added(summed[3, :width], b_t[steps[3], left:right], added[steps[3]]),
-        _row_added(summed[4, :width], b_t[steps[4], left:right], added[steps[4]]),
-        _row_added(summed[5, :width], b_t[steps[5], left:right], added[steps[5]]),
-        _row_added(summed[6, :width], b_t[steps[6], left:right], added[steps[6]]),
-        _row_added(summed[7, :width], b_t[steps[7], left:right], added[steps[7]]),
-    )
+    for q in range(_STEPS):
+        step = steps[q]
+        _row_summed(summed[q, :width], b_t[step, left:right], plus[step, left:right], more, added[step], add)
+    return _band(summed, _steps(0, _STEPS - 1), 0, width)
 
 
 @_inlined
@@ -214,16 +211,30 @@ def min_plus_rows(a: np.ndarray, b_t: np.ndarray, out: np.ndarray, first: int, l
 
 
 @_jit
-def min_plus_rows_added(
-    a: np.ndarray, b_t: np.ndarray, added: np.ndarray, on_rows: bool, out: np.ndarray, first: int, last: int
+def min_plus_rows_summed(
+    a: np.ndarray,
+    a_plus: np.ndarray,
+    b_t: np.ndarray,
+    b_plus_t: np.ndarray,
+    added: np.ndarray,
+    on_rows: bool,
+    out: np.ndarray,
+    first: int,
+    last: int,
 ) -> None:
-    """`min_plus_rows` of ``a`` and ``b_t`` with ``added`` (a vector over k) added first to ``a``'s rows
-    (``on_rows``: (a[i, k] + added[k]) + b_t[k, j]) or to ``b_t``'s (a[i, k] + (b_t[k, j] + added[k])), as
-    `dp._merge_parts` adds a step's own costs into its larger table, without that table's sum made: the
-    same additions in the same order, so the same minima. Added to ``b_t``, each band's sums are made once
-    in a band of their own and read by its `_ROWS` rows. The loops are `min_plus_rows`'s, written again:
-    that kernel choosing its band and its row's values on each pass, as this one does, ran 8 % slower."""
+    """`min_plus_rows` of the two tables `dp._merge_parts` makes of an elimination step's parts, made as it goes:
+    ``a`` plus ``a_plus`` (a second table over the same axes; one of no entries: none), then ``added`` (the
+    node's own costs, a vector over k; empty: none) where ``on_rows``; ``b_t`` plus ``b_plus_t``, then ``added``
+    where not. Each sum is the merge's, in its order ((a[i, k] + a_plus[i, k]) + added[k], and so for ``b_t``),
+    so the minima are the same; the merged tables are not made. Where ``b_t`` takes a term, each band's sums are
+    made once in a band of their own and read by its `_ROWS` rows. The loops are `min_plus_rows`'s, written
+    again: that kernel choosing its band and its row's values on each pass, as this one does, ran 8 % slower."""
     depth, columns = b_t.shape
+    rows_more, columns_more = a_plus.size > 0, b_plus_t.size > 0
+    rows_added, columns_added = added.size > 0 and on_rows, added.size > 0 and not on_rows
+    a_plus = a_plus if rows_more else a  # (read only where there is one)
+    b_plus_t = b_plus_t if columns_more else b_t
+    added = added if added.size else np.zeros(depth)  # (read only where there are costs)
     summed = np.empty((_STEPS, _TILE))
     for top in range(first, last, _ROWS):
         bottom = min(last, top + _ROWS)
@@ -233,14 +244,17 @@ def min_plus_rows_added(
                 out[i, left:right] = np.inf
             for k in range(0, depth, _STEPS):
                 steps = _steps(k, depth - 1)
-                if on_rows:
+                if columns_more or columns_added:
+                    band = _band_summed(b_t, b_plus_t, columns_more, added, columns_added, steps, left, right, summed)
+                else:
                     band = _band(b_t, steps, left, right)
-                    for i in range(top, bottom):
-                        _lowered(_taken_added(a[i], added, steps), band, out[i, left:right])
-                    continue
-                band_summed = _band_added(b_t, added, steps, left, right, summed)
                 for i in range(top, bottom):
-                    _lowered(_taken(a[i], steps), band_summed, out[i, left:right])
+                    taken = _taken(a[i], steps)
+                    if rows_more:
+                        taken = _plus(taken, _taken(a_plus[i], steps))
+                    if rows_added:
+                        taken = _plus(taken, _taken(added, steps))
+                    _lowered(taken, band, out[i, left:right])
 
 
 @_jit
