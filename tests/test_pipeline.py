@@ -517,14 +517,19 @@ def test_a_copy_s_bound_between_the_first_and_last_place_is_the_chord_below_its_
 
 
 def test_the_last_stage_s_memory_floor_bounds_a_copy_ending_it_only_at_the_last_point(monkeypatch):
-    """The last stage ends at the last point, where a GPT's head follows its last layer: its place takes no
-    DP run for a copy ending it, its bound stands at the last point alone (the time floor before it, where
-    the cut search never asks), and the shape's floor is still no more than brute force's best plan."""
+    """The last stage ends at the last point, where a GPT's head follows its last layer: its bound stands at
+    the last point alone (the time floor before it, where the cut search never asks), and the shape's floor
+    is still no more than brute force's best plan. A copy's bound ending its stage takes no DP run of its own
+    at any place: it comes from the run of the copy's own bound (`floors.least_below_and_less`)."""
+    from autopar.search import cuts
     from autopar.search.cuts import _StageSearch
-    from autopar.search.floors import MemoryFloors, shape_floors
+    from autopar.search.floors import MemoryFloors, least_below, least_below_and_less, shape_floors
     from tests.test_memory_plan import RC_PEAK, leanest
 
     fold_short(monkeypatch)
+    runs: list[bool] = []  # per DP run over a copy, whether it gave the bound ending the stage too
+    monkeypatch.setattr(cuts, "least_below", lambda *args: runs.append(False) or least_below(*args))
+    monkeypatch.setattr(cuts, "least_below_and_less", lambda *args: runs.append(True) or least_below_and_less(*args))
     model = build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8)
     free = autopar.build(model, 2, profile(peak=RC_PEAK))
     without, with_recompute = leanest(free, False), leanest(free, True)
@@ -542,11 +547,42 @@ def test_the_last_stage_s_memory_floor_bounds_a_copy_ending_it_only_at_the_last_
     for memory_weight in (1e-9, 1e-7, 1e-5):
         assert memory.add([memory_weight] * memory.places) <= (best.time_s if best else math.inf) * (1 + 1e-9)
     ended = {(key[1], key[4]) for key in search._copy_bounds}
-    assert (shape.in_flight(0), True) in ended and (shape.in_flight(1), True) not in ended
+    assert (shape.in_flight(0), True) in ended
+    assert len(runs) == sum(not key[4] for key in search._copy_bounds)  # (none for a bound ending a stage)
+    assert any(runs)
     ending = [at for at, end in enumerate(memory.ends[:-1]) if end is not None]  # a copy ends there
     last = memory.stage(1)
     assert ending and np.array_equal(last[:, ending], memory.base[:, ending])
     assert (last[:, -1] > memory.base[:, -1]).any()  # where it ends, memory counted bounds more
+
+
+@pytest.mark.parametrize("memory_weight", [0.0, 1e-9, 1e-7])
+def test_one_dp_run_keeping_the_sending_operator_gives_a_copy_s_bound_and_its_bound_ending_a_stage(
+    monkeypatch, memory_weight
+):
+    """`least_below_and_less`: a DP run that keeps the operator a GPT layer sends its residual from gives, per
+    candidate of it, the least of every plan taking it, so the copy's bound and its bound with the bytes sent
+    taken off that operator's costs come from it alone, as two exact DP runs give them (up to the summing of
+    plans tied in value)."""
+    from autopar.search.dp import Elimination
+    from autopar.search.floors import least_below, least_below_and_less
+    from autopar.search.pipeline import kept_sent
+
+    fold_short(monkeypatch)
+    model = build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    problem, shape = autopar.build(model, 4), PipelineShape(2, 4)
+    block = next(repeat.block(1) for repeat, _ in problem.folds)
+    copy = stage_problem(problem, block.start, block.stop, shape, 0, {}, boundary=False)
+    ((node, sent),) = ((n - block.start, b) for n, b in kept_sent(problem, {n: block.stop for n in block}).items())
+    unary = copy.lagrangian(memory_weight, False)[0]
+    less = (memory_weight + 1e-9) * shape.in_flight(0) * sent
+    lowered = [*unary[:node], unary[node] - less, *unary[node + 1 :]]
+    sizes = [len(costs) for costs in copy.node_time]
+    both = least_below_and_less(copy, unary, node, less, Elimination(sizes, copy.factors, keep=(node,)))
+    assert both is not None
+    alone = least_below(copy, unary, False), least_below(copy, lowered, False)
+    assert both == pytest.approx(alone, rel=1e-12, abs=0.0)
+    assert alone[1] < alone[0] * (1 - 1e-6)  # (the bytes sent count: the two bounds differ)
 
 
 def test_a_shape_its_first_place_refutes_takes_no_dp_run_for_the_other_places(monkeypatch):
@@ -642,7 +678,8 @@ def test_a_copy_s_bound_at_weight_zero_is_worked_out_once_for_every_place_and_is
         assert [shared._copy_lagrangian(block, i, 0.0, recompute) for i in range(4)] == alone
         assert len(shared._copy_bounds) == 1 and len(set(alone)) == 1
         weighted = [shared._copy_lagrangian(block, i, 1e-9, recompute) for i in range(4)]
-        assert len(shared._copy_bounds) == 5 and len(set(weighted)) == 4  # (more micro-batches held, more bytes)
+        own = [key for key in shared._copy_bounds if not key[4]]  # (not those ending a stage, which come with)
+        assert len(own) == 5 and len(set(weighted)) == 4  # (more micro-batches held, more bytes)
 
 
 @pytest.mark.parametrize("stages", [2, 4])

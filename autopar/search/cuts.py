@@ -20,7 +20,7 @@ import numpy as np
 from autopar.context import planning
 from autopar.errors import InfeasibleError
 from autopar.search.dataflow import TensorUse
-from autopar.search.dp import TieBreak
+from autopar.search.dp import Elimination, TieBreak
 from autopar.search.driver import (
     NothingFaster,
     SearchCache,
@@ -35,6 +35,7 @@ from autopar.search.floors import (
     StageEdges,
     copies_in,
     least_below,
+    least_below_and_less,
     least_fullest,
     shape_floors,
     stage_floor,
@@ -89,6 +90,7 @@ class _StageSearch:
         self._copy_problems: dict[tuple[int, int], SearchProblem] = {}  # (the same's, by copy kind and place)
         self._copy_solvers: dict[int, Solver] = {}  # (their solvers, by copy kind: planned once for every place)
         self._sent_on: dict[int, dict[int, np.ndarray]] = {}  # per copy kind, `kept_sent` past its end, by place
+        self._ending_runs: dict[int, Elimination] = {}  # per copy kind, its DP run keeping what it sends from
         self._stages: dict[tuple, _Kept] = {}  # `_kept`'s
         self._arrays: dict[tuple, tuple] = {}  # the rescaled arrays the stages share (`stage_problem`'s ``made``)
         self._copies = CopyRuns()  # the copy eliminations the stages' searches share (`fold.CopyRuns`)
@@ -191,7 +193,8 @@ class _StageSearch:
         once per copy kind and way: a copy's times are the same in every place (the micro-batches a place holds
         change its bytes alone), and memory then counts nothing. With ``end``, the copy ends its stage: its
         outputs kept for a backward that later operators read are sent on (`pipeline.kept_sent`), their bytes
-        off each micro-batch held (`MemoryFloors`)."""
+        off each micro-batch held (`MemoryFloors`); without recomputation both bounds come from one DP run where
+        one operator sends (`_with_ending`)."""
         kind = (self.classes[block.start], self.shape.in_flight(index))
         key = (kind[0], kind[1] if weight else None, weight, recompute, end and weight > 0.0)
         if key not in self._copy_bounds:
@@ -207,14 +210,39 @@ class _StageSearch:
             if recompute:
                 for node, share in copy.recompute_share.items():
                     unary[node] = unary[node] - weight * share * copy.node_activations[node]
+            sent_on = self._sent_on_of(block) if weight > 0.0 else {}
+            both = None if recompute else self._with_ending(kind[0], copy, unary, sent_on, weight * kind[1])
+            if both is not None:  # (the bound ending its stage too, from the same DP run)
+                self._copy_bounds[key[:4] + (False,)], self._copy_bounds[key[:4] + (True,)] = both
+                return self._copy_bounds[key]
             if end and weight > 0.0:
-                if kind[0] not in self._sent_on:  # (alike for every copy of the kind: by place in the copy)
-                    sent = kept_sent(self.problem, {node: block.stop for node in block})
-                    self._sent_on[kind[0]] = {node - block.start: sent_bytes for node, sent_bytes in sent.items()}
-                for node, sent_bytes in self._sent_on[kind[0]].items():
+                for node, sent_bytes in sent_on.items():
                     unary[node] = unary[node] - weight * kind[1] * sent_bytes
             self._copy_bounds[key] = least_below(copy, unary, recompute, solver)
         return self._copy_bounds[key]
+
+    def _sent_on_of(self, block: range) -> dict[int, np.ndarray]:
+        """Per operator of a copy (its own index), the bytes of its outputs kept for a backward that operators
+        past the copy read (`pipeline.kept_sent`): alike for every copy of its kind."""
+        kind = self.classes[block.start]
+        if kind not in self._sent_on:
+            sent = kept_sent(self.problem, {node: block.stop for node in block})
+            self._sent_on[kind] = {node - block.start: sent_bytes for node, sent_bytes in sent.items()}
+        return self._sent_on[kind]
+
+    def _with_ending(
+        self, kind: int, copy: SearchProblem, unary: list[np.ndarray], sent_on: dict[int, np.ndarray], weight: float
+    ) -> tuple[float, float] | None:
+        """A copy's bound and its bound ending its stage (its kept outputs sent on, their bytes at ``weight``
+        off), from one DP run (`least_below_and_less`), where one operator sends and the copy's factors are
+        all its edges (no folded runs, no twins); None elsewhere."""
+        if len(sent_on) != 1 or copy.folds or copy.ties:
+            return None
+        ((node, sent_bytes),) = sent_on.items()
+        if kind not in self._ending_runs:  # (planned once for every place: the copies' edges are alike)
+            sizes = [len(costs) for costs in copy.node_time]
+            self._ending_runs[kind] = Elimination(sizes, copy.factors, keep=(node,))
+        return least_below_and_less(copy, unary, node, weight * sent_bytes, self._ending_runs[kind])
 
     def copy_time(self, block: range) -> float:
         """`copy_floors`' bound of one copy (`floors.CopyTime`), as `_copy_lagrangian` takes it at weight 0: its copy
