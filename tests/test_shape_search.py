@@ -427,3 +427,33 @@ def test_a_smaller_micro_batch_s_premise_is_checked():
     assert not _sizes_shrink(six, three, 4, 5)  # 3 is less than 4 / 5 of 6
     other = load_model(build_transformer(kind="gpt", layers=1, hidden=64, heads=4, seq=32, vocab=256, batch=3))
     assert not _sizes_shrink(six, other, 4, 8)
+
+
+@pytest.mark.parametrize("memory_raised", [False, True])
+def test_a_larger_micro_batch_s_floor_is_not_tried_where_memory_raised_that_shape_s_bound(monkeypatch, memory_raised):
+    """`_smaller_batch_refutes` leaves memory out, so where memory raised the bound of the shape held for it
+    (`_bounded`: the bound past its stages' floors), it is not tried and the shape is built (a guess about cost:
+    the answer is the same either way); elsewhere it is, and refutes where its floor meets the bound."""
+    import types
+
+    from autopar.search import shape_search
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=24)
+    options = PlanOptions.resolve(8, profile(peak=1e9), None)
+    shapes = ShapeSearch(load_model(model), options, options.costs(), lambda m: load_model(model, batch=24 // m))
+    floors = types.SimpleNamespace(seconds=1.0)
+    bounded = types.SimpleNamespace(seconds=2.0 if memory_raised else 1.0, floors=floors)
+    monkeypatch.setattr(shape_search, "bound_shape", lambda problem, shape, searching: bounded)
+    held = shapes.problem(2, 2)
+    assert held is not None
+    shapes._stages_built[2] = (2, held)
+    assert shapes._bounded(held, PipelineShape(2, 2), 3.0) is bounded
+    tried: list[PipelineShape] = []
+
+    def floor(problem, micro, graph, shape, bound):
+        tried.append(shape)
+        return 4.0
+
+    monkeypatch.setattr(shape_search, "smaller_batch_floor", floor)
+    assert shapes._smaller_batch_refutes(PipelineShape(2, 4), 3.0) is not memory_raised
+    assert tried == ([] if memory_raised else [PipelineShape(2, 4)])
