@@ -457,3 +457,88 @@ def test_a_larger_micro_batch_s_floor_is_not_tried_where_memory_raised_that_shap
     monkeypatch.setattr(shape_search, "smaller_batch_floor", floor)
     assert shapes._smaller_batch_refutes(PipelineShape(2, 4), 3.0) is not memory_raised
     assert tried == ([] if memory_raised else [PipelineShape(2, 4)])
+
+
+@pytest.mark.parametrize("capacity", [0.6e6, 1e12])
+def test_counts_relaxed_together_never_refute_a_stage_shape_that_has_a_plan_as_fast(capacity):
+    """`counts_floor` (the whole batch on one stage's devices relaxed to several micro-batch counts of a stage
+    count) bounds every count's best plan (the exact cut search's) from below, memory binding or not, memory
+    counted at any weight: told that plan's step, it never reaches it; told twice that, no higher. And it bounds
+    most of the step."""
+    from autopar.search.costing import build_problem
+    from autopar.search.cuts import bounded_search_stages
+    from autopar.search.driver import SearchOptions
+    from autopar.search.shape_search import counts_floor
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=24)
+    options = PlanOptions.resolve(8, profile(capacity=capacity, peak=1e9), None)
+    shapes = ShapeSearch(load_model(model), options, options.costs(), lambda m: load_model(model, batch=24 // m))
+    compared = 0
+    for stages, counts in ((2, (2, 3)), (2, (2, 3, 4, 6)), (2, (8, 12, 24)), (4, (4, 6, 8, 12)), (4, (12, 24))):
+        whole = build_problem(shapes.graph, shapes.cost, 8 // stages)
+        latency = build_problem(shapes.graph, shapes.cost, 8 // stages, latency_only=True)
+        best = []
+        for count in counts:
+            shape = PipelineShape(stages, count)
+            found, _ = bounded_search_stages(shapes.problem(stages, count), shape, SearchOptions())
+            best += [found.time_s] if found is not None else []  # (none where nothing fits)
+        if not best:
+            continue
+        compared += 1
+        least = min(best)
+        graphs = {count: shapes._graph(count) for count in counts}
+        for weight in (0.0, 1e-10, 1e-9, 1e-8):
+            for told in (least * (1 + 1e-9), 2 * least):
+                searching = SearchOptions(bound=told, hint=weight)
+                floor = counts_floor(whole, latency, graphs, PipelineShape(stages, counts[0]), searching)
+                assert floor is not None and floor <= least * (1 + 1e-9), (stages, counts, weight)
+        assert floor > 0.5 * least  # it bounds something: most of the step
+    assert compared >= 3
+
+
+def test_counts_relaxed_together_premise_is_checked():
+    """No floor where a count's sizes do not shrink with it (`_sizes_shrink`), nor where the whole batch's forks
+    pass through (a count's meet: their candidates are not among the whole batch's)."""
+    from autopar.search.costing import build_problem
+    from autopar.search.driver import SearchOptions
+    from autopar.search.shape_search import counts_floor
+
+    model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=24)
+    options = PlanOptions.resolve(8, profile(peak=1e9), None)
+    cost, graph = options.costs(), load_model(model)
+    whole, latency = build_problem(graph, cost, 4), build_problem(graph, cost, 4, latency_only=True)
+    shape, searching = PipelineShape(2, 2), SearchOptions(bound=1.0)
+    graphs = {2: load_model(model, batch=12), 3: load_model(model, batch=8)}
+    assert counts_floor(whole, latency, graphs, shape, searching) is not None
+    assert counts_floor(whole, latency, {2: graphs[3], 3: graphs[2]}, shape, searching) is None  # sizes grow
+    passing = build_problem(graph, cost, 4, meet=False)
+    assert not passing.forks_meet
+    assert counts_floor(passing, latency, graphs, shape, searching) is None
+
+
+def test_stage_counts_relaxed_together_are_refuted_unbuilt_and_the_plan_is_the_same(monkeypatch):
+    """Where the groups of a stage count's micro-batch counts left to visit are bounded above the best plan
+    (`ShapeSearch._relax_counts`), those counts are not built, and the plan is the one building every count
+    gives (GPT at batch 24 on 8 devices in 2 stages with 1 MB each; `_relaxes_counts` and `_COUNTS_RELAXED`,
+    guesses about cost, told yes)."""
+    import autopar
+    from autopar.search import shape_search
+
+    model = build_transformer(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=24)
+    options = dict(devices=8, cost_model=profile(capacity=1e6, peak=1e9), pipeline_stages=2)
+    monkeypatch.setattr(shape_search, "_COUNTS_RELAXED", 2)
+    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxes_counts", lambda self, shape, bound: True)
+    refuted: list[int] = []
+    refuting = shape_search.ShapeSearch._counts_refute
+
+    def counted(self, shape, bound):
+        found = refuting(self, shape, bound)
+        refuted.extend([shape.micro_batches] if found else [])
+        return found
+
+    monkeypatch.setattr(shape_search.ShapeSearch, "_counts_refute", counted)
+    built = _counting_builds(monkeypatch)
+    relaxed = autopar.plan(model, **options)
+    assert refuted and not {(2, count) for count in refuted} & set(built)
+    monkeypatch.setattr(shape_search.ShapeSearch, "_counts_refute", lambda self, shape, bound: False)
+    assert _same_but_times(relaxed, autopar.plan(model, **options))

@@ -48,6 +48,7 @@ def build_problem(
     fixed: Mapping[str, Sequence[Sequence[int]]] | None = None,
     twins: bool = True,
     meet: bool = True,
+    latency_only: bool = False,
 ) -> SearchProblem:
     """Cost every candidate of every operator and every edge between them.
 
@@ -59,7 +60,9 @@ def build_problem(
     (`autopar.ops.fork`) take the layouts where their readers meet, unless the search would then go
     over its limits (T5 at 64 devices): they then only pass their tensor through, which is exactly
     the search without them (``forks_meet`` is then False on the problem). Without ``meet`` they pass
-    through from the start.
+    through from the start. With ``latency_only`` every edge costs its collectives' latency alone, its
+    table at zero bytes: each edge table is that plus seconds per byte times its tensor's bytes, so this
+    is the part of each edge that does not shrink with the batch (`SearchProblem.counts_relaxation`).
     """
     bound = _Bound.of(graph, cost, num_devices, fixed)
     planned = _planned(bound, fold, twins, meet)
@@ -76,7 +79,7 @@ def build_problem(
     forwards: list[list[np.ndarray]] = [[] for _ in repeats]
     own: dict[int, np.ndarray] = {}  # operators reading their own output pay that redistribution themselves
     compute = [c.compute for c in costs]
-    edges, layouts_costed, pairs_costed = _edge_costs(flow, costed, layouts, entry_of, compute)
+    edges, layouts_costed, pairs_costed = _edge_costs(flow, costed, layouts, entry_of, compute, latency_only)
     for use, (factor, forward, twin) in zip(costed, edges):
         if factor is None:
             own[use.src_node] = own.get(use.src_node, 0.0) + forward
@@ -767,6 +770,7 @@ def _edge_costs(
     layouts: _Layouts,
     entry_of: Mapping[int, int],
     compute: Sequence[np.ndarray],
+    latency_only: bool = False,
 ) -> tuple[list[tuple[Factor | None, np.ndarray, Factor | None]], int, int]:
     """Each use's cost table, the table of its forward part alone (paid again when the consumer
     is recomputed) and the table's twin for later copies of a run (`fold.RunEdges`), from the
@@ -778,7 +782,8 @@ def _edge_costs(
     the runtime runs for it: from the consumer's layout, partial over the bits its gradient is
     partial on, to the producer's (`lowering.lower.gradient_paths`). A use into the keys or values a
     fused attention kernel passes round a ring is charged what its product's compute (``compute``, per
-    operator and candidate) does not hide (`autopar.search.ring`)."""
+    operator and candidate) does not hide (`autopar.search.ring`). ``latency_only``: every table at zero bytes
+    (`build_problem`)."""
     groups: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, np.ndarray, bool, bool]] = {}
     names: dict[tuple[bytes, bytes, bool, bool], tuple] = {}  # a group's name: its first use and its entry
     sources = [layouts.source(use, entry_of.get(index)) for index, use in enumerate(uses)]
@@ -823,7 +828,7 @@ def _edge_costs(
     for index, (use, (_, src_pos, entry_pos), key) in enumerate(zip(uses, sources, keys)):
         dst_pos = layouts.target(use)[1]
         info = flow.graph.tensor(use.tensor)
-        total_bytes = info.numel * flow.itemsize(info)
+        total_bytes = 0 if latency_only else info.numel * flow.itemsize(info)
         if (key, total_bytes) not in tables:  # uses of one group and size (a layer's q, k and v) share theirs
             if compiled:
                 tables[key, total_bytes] = _compiled_tables(latency, per_byte, found_slots[key], total_bytes)

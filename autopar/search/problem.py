@@ -211,6 +211,79 @@ class SearchProblem(Dataflow):
             one_process=False,
         )
 
+    def counts_relaxation(
+        self, latency: SearchProblem, shares: tuple[float, float], lacking: Sequence[np.ndarray], beyond: float
+    ) -> SearchProblem:
+        """This problem (the whole batch on one stage's devices) as a relaxation of its stages over each of
+        several micro-batch counts M (each dividing the batch), searched as the least of them, M0, over
+        ``shares`` = (slot share, batch share): the slot share is (M1 + S - 1) / (M1 x (M0 + S - 1)) for S
+        stages and M1 the most micro-batches, the batch share 1 / M1. ``latency``: the same problem with every
+        edge at zero bytes (`costing.build_problem`'s ``latency_only``); ``lacking``: candidates no count has,
+        costing ``beyond`` seconds more. The caller gives each stage's cuts the sizes of the M1 count's model.
+
+        A plan over M micro-batches pays each operator's time per micro-batch and each edge in M + S - 1
+        slots, what it pays once a step once. Per micro-batch, an operator's compute is at least 1 / M of its
+        whole batch's (the same candidate: FLOPs and bytes at least that share, a rate no higher), and an
+        edge is its latency plus seconds per byte times bytes at least 1 / M of the whole batch's; so over
+        M + S - 1 slots, the compute and the bytes cost at least (M + S - 1) / M >= (M1 + S - 1) / M1 of the
+        whole batch's, the latency M + S - 1 >= M0 + S - 1 times: the slot share of the whole batch's per slot
+        of M0 + S - 1. Paid once a step, the optimizer update is the same at any batch; the exposed gradient
+        sync is left out (at a smaller micro-batch less of it hides). Bytes that grow with the batch are at
+        least the batch share of the whole batch's, as `micro_batch_relaxation` scales them, and M0 holds no
+        more micro-batches in flight than any M. So no plan of any of the counts that fits is faster than
+        this problem's plans over M0 micro-batches that fit."""
+        slot_share, batch_share = shares
+        grows = [self.node_activations[i] + input_bytes(self, i) for i in range(self.size)]
+        less = [(1.0 - batch_share) * part for part in grows]
+        extra = [np.where(lacks, beyond, 0.0) for lacks in lacking]
+
+        def once(time: np.ndarray, compute: np.ndarray, communication: np.ndarray) -> np.ndarray:
+            # the update, what is left of the time less compute and communication (rounding taken off)
+            return np.maximum(time - compute - communication, 0.0) * (1.0 - 1e-9)
+
+        def per_slot(time: np.ndarray, sync: np.ndarray) -> np.ndarray:
+            return slot_share * (time - sync)
+
+        def mixed(factors: Sequence[Factor], latencies: Sequence[Factor]) -> tuple[Factor, ...]:
+            return tuple(
+                replace(f, table=least.table + slot_share * (f.table - least.table))
+                for f, least in zip(factors, latencies)
+            )
+
+        def runs(
+            folds: Sequence[tuple[Repeat, RunEdges]], latencies: Sequence[tuple[Repeat, RunEdges]]
+        ) -> list[tuple[Repeat, RunEdges]]:
+            return [
+                (repeat, RunEdges(mixed(edges.first, least.first), mixed(edges.later, least.later)))
+                for (repeat, edges), (_, least) in zip(folds, latencies)
+            ]
+
+        paid = [once(*arrays) for arrays in zip(self.node_time, self.node_compute, self.node_communication)]
+        sharded = {}
+        for i, alt in self.sharded.items():
+            update = once(alt.time, self.node_compute[i], alt.communication)
+            time = per_slot(alt.time, alt.sync) + update + extra[i]
+            communication = slot_share * alt.communication
+            sharded[i] = Alternative(time, communication, alt.memory - less[i], np.zeros_like(update), update)
+        return replace(
+            self,
+            node_time=tuple(per_slot(t, y) + u + e for t, y, u, e in zip(self.node_time, self.node_sync, paid, extra)),
+            node_compute=tuple(slot_share * compute for compute in self.node_compute),
+            node_communication=tuple(slot_share * communication for communication in self.node_communication),
+            node_memory=tuple(memory - cut for memory, cut in zip(self.node_memory, less)),
+            node_hidden=tuple(np.zeros_like(u) for u in paid),
+            node_sync=tuple(paid),
+            sharded=MappingProxyType(sharded),
+            recompute_time=MappingProxyType({i: slot_share * t for i, t in self.recompute_time.items()}),
+            recompute_memory=MappingProxyType({i: batch_share * f for i, f in self.recompute_memory.items()}),
+            node_activations=tuple(batch_share * activations for activations in self.node_activations),
+            factors=mixed(self.factors, latency.factors),
+            recompute_factors=mixed(self.recompute_factors, latency.recompute_factors),
+            folds=runs(self.folds, latency.folds),
+            recompute_folds=runs(self.recompute_folds, latency.recompute_folds),
+            one_process=False,
+        )
+
     def main_factors(self, recompute: bool = False) -> tuple[Factor, ...]:
         """The edge factors outside folded runs, with recomputed forwards paid twice if ``recompute``."""
         return self.recompute_factors if recompute and self.recompute_factors else self.factors

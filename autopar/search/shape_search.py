@@ -101,6 +101,10 @@ class ShapeSearch:
         self._fastest: dict[int, float] = {}  # one stage over M micro-batches: no plan is faster, memory aside
         self._stages_built: dict[int, tuple[int, SearchProblem]] = {}  # per stage count, the last shape's problem
         self._memory_bound: dict[int, bool] = {}  # per stage count, whether memory raised that shape's bound
+        self._counts: dict[
+            tuple[int, int], float
+        ] = {}  # per stage shape, a step none of its plans beats (`_relax_counts`)
+        self._counts_relaxed: set[int] = set()  # stage counts whose micro-batch counts were relaxed in pairs
         self._hint = 0.0  # the memory weight the last search that memory bound settled on: the next tries it first
         self._one_stage_s = math.inf  # the fastest one-stage plan found (`_memory_may_refute`)
         self._together: dict[int, float] = {}  # per one-stage count, a step none of its plans beats (`_relax_together`)
@@ -278,6 +282,13 @@ class ShapeSearch:
             return None
         if self._smaller_batch_refutes(shape, bound):
             return None
+        if shape.stages > 1 and shape.stages not in self._counts_relaxed and self._relaxes_counts(shape, bound):
+            counts = [
+                s.micro_batches for s in later if s.stages == shape.stages and self._may_win(s, best, bound, floor)
+            ]
+            self._relax_counts(shape, bound, counts)
+        if self._counts_refute(shape, bound):
+            return None
         problem = self.problem(shape.stages, shape.micro_batches)
         if problem is not None and shape.stages > 1:  # it may refute a shape of as many stages, more micro-batches
             self._stages_built[shape.stages] = (shape.micro_batches, problem)
@@ -314,7 +325,7 @@ class ShapeSearch:
             if sibling in done or sibling.stages == 1 or sibling.micro_batches != shape.micro_batches:
                 continue
             done.add(sibling)
-            built = self._opened(sibling, best, rank, floor)
+            built = self._opened(sibling, best, rank, floor, rest)
             if built is None:
                 continue
             bound = self._bound(sibling, best, rank)
@@ -527,6 +538,74 @@ class ShapeSearch:
         self.lower_s = min(self.lower_s, least)
         return True
 
+    def _relaxes_counts(self, shape: PipelineShape, bound: float) -> bool:
+        """Whether the micro-batch counts of ``shape``'s stage count are relaxed in pairs (`_relax_counts`) before
+        ``shape`` is built: a bound to beat, the DP, memory raising the bound of the shape held for that stage
+        count (so the counts' own floors, memory aside, are too weak to refute them). A guess about cost: a
+        shape not refuted so is built and bounded as any other."""
+        return (
+            not math.isinf(bound) and self.options.search.value == "dp" and self._memory_bound.get(shape.stages, False)
+        )
+
+    def _relax_counts(self, shape: PipelineShape, bound: float, later: Sequence[int]) -> None:
+        """Bound ``shape``'s stage count over its micro-batch count and those of ``later`` (the counts still to
+        visit), before any is built, in groups of four counts in order (`counts_floor`: the whole batch's problem
+        on one stage's devices relaxed to every count of a group), each group not bounded so halved once; once a
+        stage count, where at least `_COUNTS_RELAXED` counts are left (a guess about cost: the whole batch's
+        problem is built twice, once with every edge at zero bytes, and each group's bound takes about a count's
+        own build and bound). Each count's bound is kept for `_counts_refute`. GPT-3 175B on 1,024 Ascend 910s:
+        2 stages over 2 to 64 micro-batches, their own bounds 58.2-75.1 s against the best plan's 57.3 s, bounded
+        in three groups at 57.8-72.5 s, where each count took its build and bound (24 s in all, 6 here)."""
+        self._counts_relaxed.add(shape.stages)
+        counts = sorted({shape.micro_batches, *later} - {m for s, m in self._built if s == shape.stages})
+        if len(counts) < _COUNTS_RELAXED:
+            return
+        devices = self.options.num_devices // shape.stages
+        started = time.perf_counter()
+        try:
+            whole = build_problem(self.graph, self.cost, devices, fixed=self.options.fixed)
+            latency = build_problem(self.graph, self.cost, devices, fixed=self.options.fixed, latency_only=True)
+        except FixedStrategyError:
+            return  # (a fixed strategy does not fit that many devices: each shape's build says so)
+        finally:
+            self.costing_s += time.perf_counter() - started
+        for at in range(0, len(counts), 4):
+            group = counts[at : at + 4]
+            least = self._counts_bound(shape.stages, group, bound, (whole, latency))
+            halves = [group[:2], group[2:]] if least < bound and len(group) > 2 else []
+            for half in halves:
+                self._counts_bound(shape.stages, half, bound, (whole, latency))
+
+    def _counts_bound(
+        self, stages: int, counts: Sequence[int], bound: float, problems: tuple[SearchProblem, SearchProblem]
+    ) -> float:
+        """`counts_floor` of ``stages`` stages over each of ``counts``, timed, told ``bound`` (``problems``: the
+        whole batch's on one stage's devices, and the same with every edge at zero bytes), kept per count for
+        `_counts_refute` (minus infinity where its premise does not hold)."""
+        started = time.perf_counter()
+        try:
+            graphs = {count: self._graph(count) for count in counts}
+        except ModelImportError:
+            return -math.inf  # (the shape's build says why)
+        finally:
+            self.costing_s += time.perf_counter() - started
+        started = time.perf_counter()
+        searching = dataclasses.replace(self.searching, bound=bound * (1 + _TIE), hint=self._hint)
+        least = counts_floor(*problems, graphs, PipelineShape(stages, counts[0]), searching)
+        self.search_s += time.perf_counter() - started
+        if least is None:
+            return -math.inf
+        self._counts.update(((stages, count), least) for count in counts)
+        return least
+
+    def _counts_refute(self, shape: PipelineShape, bound: float) -> bool:
+        """Whether ``shape``'s micro-batch count was bounded at ``bound`` or more with others (`_relax_counts`)."""
+        least = self._counts.get((shape.stages, shape.micro_batches), -math.inf)
+        if least < bound:
+            return False
+        self.lower_s = min(self.lower_s, least)
+        return True
+
     def _micro_batch_counts(self) -> list[int]:
         """The micro-batch counts the search may try: the batch's divisors, up to `MAX_MICRO_BATCHES`."""
         if self.step_batch is None or any(batch_statistics(op) for op in self.graph.ops):
@@ -639,6 +718,12 @@ def _detached(error: _Kept) -> _Kept:
 
 _TIE = 1e-12
 """Plans of two shapes this close in step time (relative) are a tie: the shape listed first wins."""
+
+_COUNTS_RELAXED = 8
+"""The fewest micro-batch counts of a stage count left to visit that `ShapeSearch._relax_counts` relaxes
+together. Measured on GPT-3 175B on 1,024 Ascend 910s: 2 stages have 10 left, whose builds and bounds took 15 s
+and whose groups take 6 s after 1.3 s of the whole batch's builds; 4 stages have 7, whose builds and bounds take
+6 s, and whose relaxations in pairs would take as long with the builds, two of them refuting nothing."""
 
 
 def _wins(searched: ShapeResult, best: ShapeResult, rank: Mapping[PipelineShape, int]) -> bool:
@@ -783,6 +868,44 @@ def smaller_batch_floor(
     relaxed = problem.per_micro_batch_relaxation(lacking, 2.0 * bound)
     points = [0, *cut_points(relaxed), relaxed.size]
     return share * time_floors(relaxed, shape, points, bound / share).seconds * (1 - 1e-9)  # (less, for rounding)
+
+
+def counts_floor(
+    whole: SearchProblem,
+    latency: SearchProblem,
+    graphs: Mapping[int, Graph],
+    shape: PipelineShape,
+    options: SearchOptions,
+) -> float | None:
+    """A step no plan of ``shape``'s stage count over any of the micro-batch counts of ``graphs`` (the model at
+    each count's micro-batch) beats, or ``options.bound`` and more, from ``whole``: the whole batch on one
+    stage's devices, and ``latency`` the same with every edge at zero bytes; ``shape`` has the fewest of the
+    counts. The relaxation is `SearchProblem.counts_relaxation`'s, its stages' cuts sized as the most
+    micro-batches' model (no larger than any count's), bounded as a shape is (`bound_shape`). None where the
+    premise does not hold: a count's splits not among the whole batch's, forks that pass through, sizes that do
+    not shrink with the count (`_sizes_shrink`), or a ring input's transfer hidden under its product (what
+    stays exposed need not shrink)."""
+    if not whole.forks_meet or any(ring.reads_through(whole, use) for use in whole.uses):
+        return None  # (a count's forks meet: where the whole batch's do not, their candidates are not among its)
+    if not _shrinks_with_share(whole):
+        return None
+    most = max(graphs)
+    lacks = [found for found in (lacking_splits(whole, graph) for graph in graphs.values()) if found is not None]
+    if len(lacks) < len(graphs):
+        return None
+    if not all(_sizes_shrink(whole.graph, graph, 1, count) for count, graph in graphs.items()):
+        return None
+    if not all(_sizes_shrink(graph, graphs[most], count, most) for count, graph in graphs.items()):
+        return None
+    every = [np.logical_and.reduce([lacking[node] for lacking in lacks]) for node in range(whole.size)]
+    stages, fewest = shape.stages, shape.micro_batches
+    shares = ((most + stages - 1) / (most * (fewest + stages - 1)), 1.0 / most)
+    relaxed = whole.counts_relaxation(latency, shares, every, 2.0 * options.bound)
+    sized = {name: info for name, info in graphs[most].tensors.items() if name in whole.graph.tensors}
+    relaxed = dataclasses.replace(
+        relaxed, graph=dataclasses.replace(whole.graph, tensors={**whole.graph.tensors, **sized})
+    )
+    return bound_shape(relaxed, shape, options).seconds * (1 - 1e-9)  # (less, for rounding)
 
 
 def _sizes_shrink(larger: Graph, smaller: Graph, micro: int, more: int) -> bool:
