@@ -306,19 +306,20 @@ def test_a_micro_batch_relaxation_s_bytes_fall_with_the_share():
     assert not _shrinks_with_share(wrong) and rises(wrong)
 
 
-def _counting_refutations(monkeypatch) -> list[int]:
-    """The micro-batch counts the relaxation refutes (`ShapeSearch._relaxation_refutes`), listed as it does."""
+def _counting_refutations(monkeypatch, rule: str = "_relaxation_refutes") -> list[int]:
+    """The micro-batch counts a rule of `ShapeSearch` refutes (the relaxation, `_relaxation_refutes`, unless
+    another is named), listed as it does."""
     from autopar.search import shape_search
 
     refuted: list[int] = []
-    relaxing = shape_search.ShapeSearch._relaxation_refutes
+    relaxing = getattr(shape_search.ShapeSearch, rule)
 
     def counted(self, shape, bound):
         found = relaxing(self, shape, bound)
         refuted.extend([shape.micro_batches] if found else [])
         return found
 
-    monkeypatch.setattr(shape_search.ShapeSearch, "_relaxation_refutes", counted)
+    monkeypatch.setattr(shape_search.ShapeSearch, rule, counted)
     return refuted
 
 
@@ -528,15 +529,7 @@ def test_stage_counts_relaxed_together_are_refuted_unbuilt_and_the_plan_is_the_s
     options = dict(devices=8, cost_model=profile(capacity=1e6, peak=1e9), pipeline_stages=2)
     monkeypatch.setattr(shape_search, "_COUNTS_RELAXED", 2)
     monkeypatch.setattr(shape_search.ShapeSearch, "_relaxes_counts", lambda self, shape, bound: True)
-    refuted: list[int] = []
-    refuting = shape_search.ShapeSearch._counts_refute
-
-    def counted(self, shape, bound):
-        found = refuting(self, shape, bound)
-        refuted.extend([shape.micro_batches] if found else [])
-        return found
-
-    monkeypatch.setattr(shape_search.ShapeSearch, "_counts_refute", counted)
+    refuted = _counting_refutations(monkeypatch, "_counts_refute")
     built = _counting_builds(monkeypatch)
     relaxed = autopar.plan(model, **options)
     assert refuted and not {(2, count) for count in refuted} & set(built)
