@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 import autopar
 from autopar.cost import CostModel
 from autopar.graph import load_model
-from autopar.search.costing import build_problem
+from autopar.search.costing import build_problem, build_with_latency
 from autopar.search.dp import Elimination, Factor, TableLimits, tie_break_unary
 from autopar.search.driver import SearchOptions, data_parallel_choice, run_search
 from autopar.search.fold import Solver, minimise
@@ -63,6 +63,23 @@ def test_dp_matches_public_api_brute_force():
     )
     assert plan.objective == pytest.approx(best, rel=1e-9)
     assert plan.objective == pytest.approx(autopar.evaluate(model, 2, plan.strategies, cost_model=prof), rel=1e-12)
+
+
+def test_the_latency_twin_is_the_problem_with_its_edges_at_zero_bytes():
+    """`build_with_latency`: its first problem is `build_problem`'s, table for table; its twin has the same
+    operators, each edge no dearer (its collectives' latency, no bytes), and some edge cheaper (bytes cost)."""
+    model, cost = random_model(11), CostModel(profile())
+    plain = build_problem(load_model(model), cost, 4)
+    problem, latency = build_with_latency(load_model(model), cost, 4)
+    assert len(problem.factors) == len(plain.factors) == len(latency.factors) > 0
+    for ours, theirs, least in zip(problem.factors, plain.factors, latency.factors):
+        assert ours.scope == theirs.scope == least.scope
+        assert np.array_equal(ours.table, theirs.table)
+        assert (least.table <= ours.table).all() and (least.table >= 0.0).all()
+    assert any((least.table < ours.table).any() for ours, least in zip(problem.factors, latency.factors))
+    for name in ("node_time", "node_memory", "node_compute"):
+        for ours, theirs, least in zip(getattr(problem, name), getattr(plain, name), getattr(latency, name)):
+            assert np.array_equal(ours, theirs) and np.array_equal(ours, least)
 
 
 def test_ties_go_to_data_parallel():

@@ -466,7 +466,7 @@ def test_counts_relaxed_together_never_refute_a_stage_shape_that_has_a_plan_as_f
     count) bounds every count's best plan (the exact cut search's) from below, memory binding or not, memory
     counted at any weight: told that plan's step, it never reaches it; told twice that, no higher. And it bounds
     most of the step."""
-    from autopar.search.costing import build_problem
+    from autopar.search.costing import build_with_latency
     from autopar.search.cuts import bounded_search_stages
     from autopar.search.driver import SearchOptions
     from autopar.search.shape_search import counts_floor
@@ -476,8 +476,7 @@ def test_counts_relaxed_together_never_refute_a_stage_shape_that_has_a_plan_as_f
     shapes = ShapeSearch(load_model(model), options, options.costs(), lambda m: load_model(model, batch=24 // m))
     compared = 0
     for stages, counts in ((2, (2, 3)), (2, (2, 3, 4, 6)), (2, (8, 12, 24)), (4, (4, 6, 8, 12)), (4, (12, 24))):
-        whole = build_problem(shapes.graph, shapes.cost, 8 // stages)
-        latency = build_problem(shapes.graph, shapes.cost, 8 // stages, latency_only=True)
+        whole, latency = build_with_latency(shapes.graph, shapes.cost, 8 // stages)
         best = []
         for count in counts:
             shape = PipelineShape(stages, count)
@@ -500,14 +499,14 @@ def test_counts_relaxed_together_never_refute_a_stage_shape_that_has_a_plan_as_f
 def test_counts_relaxed_together_premise_is_checked():
     """No floor where a count's sizes do not shrink with it (`_sizes_shrink`), nor where the whole batch's forks
     pass through (a count's meet: their candidates are not among the whole batch's)."""
-    from autopar.search.costing import build_problem
+    from autopar.search.costing import build_problem, build_with_latency
     from autopar.search.driver import SearchOptions
     from autopar.search.shape_search import counts_floor
 
     model = build_transformer(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=24)
     options = PlanOptions.resolve(8, profile(peak=1e9), None)
     cost, graph = options.costs(), load_model(model)
-    whole, latency = build_problem(graph, cost, 4), build_problem(graph, cost, 4, latency_only=True)
+    whole, latency = build_with_latency(graph, cost, 4)
     shape, searching = PipelineShape(2, 2), SearchOptions(bound=1.0)
     graphs = {2: load_model(model, batch=12), 3: load_model(model, batch=8)}
     assert counts_floor(whole, latency, graphs, shape, searching) is not None

@@ -233,15 +233,16 @@ def check_input_types(proto: onnx.ModelProto) -> None:
     }
     types.update({init.name: init.data_type for init in proto.graph.initializer})
     opset = opset_of(proto)
+    signatures: dict[str, tuple[list, set[str]] | None] = {}  # per operator type (a deep model repeats a few)
     for node in proto.graph.node:
         if node.domain not in ("", "ai.onnx"):
             continue
-        try:
-            schema = onnx.defs.get_schema(node.op_type, opset, "")
-        except onnx.defs.SchemaError:
+        if node.op_type not in signatures:
+            signatures[node.op_type] = _formal_inputs(node.op_type, opset)
+        found = signatures[node.op_type]
+        if found is None:
             continue
-        formals = list(schema.inputs)
-        constrained = {constraint.type_param_str for constraint in schema.type_constraints}
+        formals, constrained = found
         bound: dict[str, tuple[str, int]] = {}
         for position, name in enumerate(node.input):
             if not name or not formals or name not in types:
@@ -258,3 +259,12 @@ def check_input_types(proto: onnx.ModelProto) -> None:
                     f" {_type_name(seen[1])} and {name!r} as {_type_name(types[name])}, but ONNX requires one type"
                     f" for both ({formal.type_str})."
                 )
+
+
+def _formal_inputs(op_type: str, opset: int) -> tuple[list, set[str]] | None:
+    """An ONNX operator's formal inputs and its constrained type parameters at ``opset`` (None: no schema)."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return None
+    return list(schema.inputs), {constraint.type_param_str for constraint in schema.type_constraints}

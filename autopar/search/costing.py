@@ -48,7 +48,6 @@ def build_problem(
     fixed: Mapping[str, Sequence[Sequence[int]]] | None = None,
     twins: bool = True,
     meet: bool = True,
-    latency_only: bool = False,
 ) -> SearchProblem:
     """Cost every candidate of every operator and every edge between them.
 
@@ -60,15 +59,44 @@ def build_problem(
     (`autopar.ops.fork`) take the layouts where their readers meet, unless the search would then go
     over its limits (T5 at 64 devices): they then only pass their tensor through, which is exactly
     the search without them (``forks_meet`` is then False on the problem). Without ``meet`` they pass
-    through from the start. With ``latency_only`` every edge costs its collectives' latency alone, its
-    table at zero bytes: each edge table is that plus seconds per byte times its tensor's bytes, so this
-    is the part of each edge that does not shrink with the batch (`SearchProblem.counts_relaxation`).
+    through from the start.
     """
+    return _costed(_planned_within_limits(graph, cost, num_devices, fold, fixed, twins, meet), cost, num_devices)
+
+
+@planning
+def build_with_latency(
+    graph: Graph, cost: CostModel, num_devices: int, fixed: Mapping[str, Sequence[Sequence[int]]] | None = None
+) -> tuple[SearchProblem, SearchProblem]:
+    """`build_problem`, and the same problem with every edge at its collectives' latency alone, its table at
+    zero bytes: each edge table is that plus seconds per byte times its tensor's bytes, so the second is the
+    part of each edge that does not shrink with the batch (`SearchProblem.counts_relaxation`). Both from one
+    planning of the operators (half of a build of GPT-3 175B's on 512 devices), their edges costed apart."""
+    planned = _planned_within_limits(graph, cost, num_devices, True, fixed, True, True)
+    return _costed(planned, cost, num_devices), _costed(planned, cost, num_devices, latency_only=True)
+
+
+def _planned_within_limits(
+    graph: Graph,
+    cost: CostModel,
+    num_devices: int,
+    fold: bool,
+    fixed: Mapping[str, Sequence[Sequence[int]]] | None,
+    twins: bool,
+    meet: bool,
+) -> _Planned:
+    """`_planned`, its forks passing through where meeting would pass the table limits (`build_problem`)."""
     bound = _Bound.of(graph, cost, num_devices, fixed)
     planned = _planned(bound, fold, twins, meet)
     if meet and not planned.exact():
         # forks are a saving, not a need: where meeting would pass the table limits, they pass through
         planned = _planned(bound, fold, twins, meet=False)
+    return planned
+
+
+def _costed(planned: _Planned, cost: CostModel, num_devices: int, latency_only: bool = False) -> SearchProblem:
+    """The problem of a planning: its edges costed (``latency_only``: each at zero bytes, `build_with_latency`)
+    and its operators' arrays composed."""
     flow, costs, costed, layouts = planned.flow, planned.costs, planned.costed, planned.layouts
     rules = flow.rules
     repeats, blocks, unfolded, ties = planned.repeats, planned.blocks, planned.unfolded, planned.ties
@@ -783,7 +811,7 @@ def _edge_costs(
     partial on, to the producer's (`lowering.lower.gradient_paths`). A use into the keys or values a
     fused attention kernel passes round a ring is charged what its product's compute (``compute``, per
     operator and candidate) does not hide (`autopar.search.ring`). ``latency_only``: every table at zero bytes
-    (`build_problem`)."""
+    (`build_with_latency`)."""
     groups: dict[tuple[bytes, bytes, bool, bool], tuple[np.ndarray, np.ndarray, bool, bool]] = {}
     names: dict[tuple[bytes, bytes, bool, bool], tuple] = {}  # a group's name: its first use and its entry
     sources = [layouts.source(use, entry_of.get(index)) for index, use in enumerate(uses)]

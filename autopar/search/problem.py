@@ -218,7 +218,7 @@ class SearchProblem(Dataflow):
         several micro-batch counts M (each dividing the batch), searched as the least of them, M0, over
         ``shares`` = (slot share, batch share): the slot share is (M1 + S - 1) / (M1 x (M0 + S - 1)) for S
         stages and M1 the most micro-batches, the batch share 1 / M1. ``latency``: the same problem with every
-        edge at zero bytes (`costing.build_problem`'s ``latency_only``); ``lacking``: candidates no count has,
+        edge at zero bytes (`costing.build_with_latency`); ``lacking``: candidates no count has,
         costing ``beyond`` seconds more. The caller gives each stage's cuts the sizes of the M1 count's model.
 
         A plan over M micro-batches pays each operator's time per micro-batch and each edge in M + S - 1
@@ -244,11 +244,18 @@ class SearchProblem(Dataflow):
         def per_slot(time: np.ndarray, sync: np.ndarray) -> np.ndarray:
             return slot_share * (time - sync)
 
+        made: dict[tuple[int, int], np.ndarray] = {}  # per pair of tables (by identity: both held), its mix
+
         def mixed(factors: Sequence[Factor], latencies: Sequence[Factor]) -> tuple[Factor, ...]:
-            return tuple(
-                replace(f, table=least.table + slot_share * (f.table - least.table))
-                for f, least in zip(factors, latencies)
-            )
+            # latency + slot share x (table - latency), made once for the tables a run's copies and the
+            # recomputed forwards share, in place of fresh temporaries (the same sums)
+            for f, least in zip(factors, latencies):
+                if (id(f.table), id(least.table)) not in made:
+                    table = np.subtract(f.table, least.table)
+                    table *= slot_share
+                    table += least.table
+                    made[id(f.table), id(least.table)] = table
+            return tuple(replace(f, table=made[id(f.table), id(least.table)]) for f, least in zip(factors, latencies))
 
         def runs(
             folds: Sequence[tuple[Repeat, RunEdges]], latencies: Sequence[tuple[Repeat, RunEdges]]

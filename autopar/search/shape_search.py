@@ -26,7 +26,7 @@ from autopar.limits import MAX_MICRO_BATCHES
 from autopar.ops.norm import batch_statistics
 from autopar.options import PlanOptions
 from autopar.search import ring
-from autopar.search.costing import build_problem
+from autopar.search.costing import build_problem, build_with_latency
 from autopar.search.cuts import ShapeBound, bound_shape, bounded_search_stages, search_bounded
 from autopar.search.driver import (
     NOTHING_FITS,
@@ -552,8 +552,8 @@ class ShapeSearch:
         visit), before any is built, in groups of four counts in order (`counts_floor`: the whole batch's problem
         on one stage's devices relaxed to every count of a group), each group not bounded so halved once; once a
         stage count, where at least `_COUNTS_RELAXED` counts are left (a guess about cost: the whole batch's
-        problem is built twice, once with every edge at zero bytes, and each group's bound takes about a count's
-        own build and bound). Each count's bound is kept for `_counts_refute`. GPT-3 175B on 1,024 Ascend 910s:
+        problem is built with its twin at zero bytes, `build_with_latency`, and each group's bound takes about a
+        count's own build and bound). Each count's bound is kept for `_counts_refute`. GPT-3 175B on 1,024 Ascend 910s:
         2 stages over 2 to 64 micro-batches, their own bounds 58.2-75.1 s against the best plan's 57.3 s, bounded
         in three groups at 57.8-72.5 s, where each count took its build and bound (24 s in all, 6 here)."""
         self._counts_relaxed.add(shape.stages)
@@ -563,8 +563,7 @@ class ShapeSearch:
         devices = self.options.num_devices // shape.stages
         started = time.perf_counter()
         try:
-            whole = build_problem(self.graph, self.cost, devices, fixed=self.options.fixed)
-            latency = build_problem(self.graph, self.cost, devices, fixed=self.options.fixed, latency_only=True)
+            whole, latency = build_with_latency(self.graph, self.cost, devices, fixed=self.options.fixed)
         except FixedStrategyError:
             return  # (a fixed strategy does not fit that many devices: each shape's build says so)
         finally:
@@ -915,6 +914,7 @@ def _sizes_shrink(larger: Graph, smaller: Graph, micro: int, more: int) -> bool:
     roles and ranks (`ShapeSearch._smaller_batch_refutes`)."""
     if len(larger.ops) != len(smaller.ops):
         return False
+    pairs: set[tuple[str, str]] = set()  # (each tensor is read and written by several operators: checked once)
     for big, small in zip(larger.ops, smaller.ops):
         ends = (len(big.inputs), len(big.outputs))
         if (big.name, big.op_type, ends) != (small.name, small.op_type, (len(small.inputs), len(small.outputs))):
@@ -926,14 +926,16 @@ def _sizes_shrink(larger: Graph, smaller: Graph, micro: int, more: int) -> bool:
                 continue
             if not big_name or not small_name:
                 return False
-            big_tensor, small_tensor = larger.tensor(big_name), smaller.tensor(small_name)
-            if big_name != small_name and not big_tensor.kind == small_tensor.kind == "constant":
-                return False
-            alike = (small_tensor.dtype, small_tensor.kind, small_tensor.trainable, len(small_tensor.shape))
-            if alike != (big_tensor.dtype, big_tensor.kind, big_tensor.trainable, len(big_tensor.shape)):
-                return False
-            if any(s > b or s * more < b * micro for s, b in zip(small_tensor.shape, big_tensor.shape)):
-                return False
+            pairs.add((big_name, small_name))
+    for big_name, small_name in pairs:
+        big_tensor, small_tensor = larger.tensor(big_name), smaller.tensor(small_name)
+        if big_name != small_name and not big_tensor.kind == small_tensor.kind == "constant":
+            return False
+        alike = (small_tensor.dtype, small_tensor.kind, small_tensor.trainable, len(small_tensor.shape))
+        if alike != (big_tensor.dtype, big_tensor.kind, big_tensor.trainable, len(big_tensor.shape)):
+            return False
+        if any(s > b or s * more < b * micro for s, b in zip(small_tensor.shape, big_tensor.shape)):
+            return False
     return True
 
 
