@@ -469,6 +469,34 @@ def test_a_file_imported_at_one_batch_after_another_is_rebatched_as_if_imported_
     assert not plan.file_shapes  # closed with the plan
 
 
+def _sizes(proto: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    from autopar.graph.proto import value_infos
+
+    return {
+        name: tuple(dim.dim_value for dim in info.type.tensor_type.shape.dim)
+        for name, info in value_infos(proto).items()
+        if info.type.HasField("tensor_type")
+    }
+
+
+def test_a_file_sized_without_data_propagation_has_the_sizes_propagation_infers():
+    """`bind._file_shapes` skips data propagation where inference without it sizes every output
+    (`_sized_without_propagation`): the sizes are those propagation infers, and a size that only a shape chain
+    gives (a Reshape's target read from ``Shape``) sends it to propagation."""
+    from autopar.graph.bind import _sized_without_propagation
+    from models.transformer import build_transformer
+
+    gpt = build_transformer(layers=2, hidden=64, heads=4, seq=16, vocab=128, batch=2)
+    for model in (build_resnet50(batch=2), gpt, _hard_coded_reshape(batch=2, target=(2, 48))):
+        quick = _sized_without_propagation(model)
+        assert quick is not None
+        assert _sizes(quick) == _sizes(onnx.shape_inference.infer_shapes(model, data_prop=True))
+    assert _sized_without_propagation(_shape_subgraph_model()) is None
+    declared = _hard_coded_reshape(batch=2, target=(2, 48))
+    declared.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 47  # contradicts the inferred 48
+    assert _sized_without_propagation(declared) is None
+
+
 def test_reshape_that_changes_the_element_count_is_an_import_error():
     # a target that names a feature size, not the batch, cannot be rewritten: say so
     model = _hard_coded_reshape(batch=2, target=(4, 48))

@@ -446,7 +446,7 @@ def _file_shapes(proto: onnx.ModelProto, key: bytes | None) -> dict[str, tuple[i
         return shapes[key]
     found: dict[str, tuple[int, ...]] | None
     try:
-        inferred = shape_inference.infer_shapes(proto, data_prop=True)
+        inferred = _sized_without_propagation(proto) or shape_inference.infer_shapes(proto, data_prop=True)
     except Exception:
         found = None
     else:
@@ -457,6 +457,34 @@ def _file_shapes(proto: onnx.ModelProto, key: bytes | None) -> dict[str, tuple[i
         }
     _remember(shapes, key, found, _FILE_SHAPES_KEPT)
     return found
+
+
+def _sized_without_propagation(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """Strict inference without data propagation where it sizes every operator's every output (None where not):
+    then data propagation, which only refines what inference leaves unknown, infers the same sizes. Strict: no
+    declared size contradicts an inferred one, and none is left out after an error the lenient inference keeps
+    quiet about. Propagation costs a hundred times more (1.5 s of GPT-3 175B's 96 layers, where 0.02 s)."""
+    try:
+        quick = shape_inference.infer_shapes(proto, strict_mode=True, data_prop=False)
+    except Exception:
+        return None
+    infos = value_infos(quick)
+    for node in quick.graph.node:
+        for name in node.output:
+            info = infos.get(name) if name else None
+            if name and (info is None or not _sized(info)):
+                return None
+    return quick
+
+
+def _sized(info: onnx.ValueInfoProto) -> bool:
+    """Whether a value info is a tensor's, with a static size on every axis."""
+    tensor = info.type.tensor_type
+    return (
+        info.type.HasField("tensor_type")
+        and tensor.HasField("shape")
+        and all(dim.HasField("dim_value") for dim in tensor.shape.dim)
+    )
 
 
 # Operators ONNX defines as functions without a shape-inference rule (GroupNormalization): their
@@ -559,13 +587,7 @@ _INFERENCE_FAILED = "ONNX shape inference failed"
 
 def _every_size_known(proto: onnx.ModelProto) -> bool:
     """Whether every tensor inference typed (and every graph output) has a static size on every axis."""
-    for info in (*proto.graph.value_info, *proto.graph.output):
-        tensor = info.type.tensor_type
-        if not info.type.HasField("tensor_type") or not tensor.HasField("shape"):
-            return False
-        if not all(dim.HasField("dim_value") for dim in tensor.shape.dim):
-            return False
-    return True
+    return all(_sized(info) for info in (*proto.graph.value_info, *proto.graph.output))
 
 
 def _type_names(match: re.Match[str]) -> str:
