@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import fnmatch
-import graphlib
 import heapq
 import math
 from collections import Counter
@@ -525,22 +524,26 @@ def _topological(inputs: list[tuple[str, ...]], outputs: list[tuple[str, ...]]) 
 
     >>> _topological([("b",), ("x",)], [("c",), ("b",)])
     [1, 0]
+    >>> _topological([("b",), ("a",)], [("a",), ("b",)])
+    Traceback (most recent call last):
+    autopar.errors.ModelImportError: The model graph has a cycle.
     """
     produced = {out: position for position, outs in enumerate(outputs) for out in outs if out}
-    sorter: graphlib.TopologicalSorter[int] = graphlib.TopologicalSorter()
+    waiting = [0] * len(inputs)  # per operator, how many of its producers have not run
+    successors: list[list[int]] = [[] for _ in inputs]
     for position, ins in enumerate(inputs):
-        sorter.add(position, *(produced[i] for i in ins if i in produced and produced[i] != position))
-    try:
-        sorter.prepare()
-    except graphlib.CycleError:
-        raise ModelImportError("The model graph has a cycle.") from None
-    ready = list(sorter.get_ready())
-    heapq.heapify(ready)
+        for source in {produced[i] for i in ins if i in produced and produced[i] != position}:
+            successors[source].append(position)
+            waiting[position] += 1
+    ready = [position for position, count in enumerate(waiting) if not count]  # (ascending: a heap already)
     order: list[int] = []
     while ready:
         position = heapq.heappop(ready)
         order.append(position)
-        sorter.done(position)
-        for successor in sorter.get_ready():
-            heapq.heappush(ready, successor)
+        for successor in successors[position]:
+            waiting[successor] -= 1
+            if not waiting[successor]:
+                heapq.heappush(ready, successor)
+    if len(order) < len(inputs):
+        raise ModelImportError("The model graph has a cycle.")
     return order
