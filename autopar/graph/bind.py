@@ -465,9 +465,8 @@ def _sized_without_propagation(proto: onnx.ModelProto) -> onnx.ModelProto | None
     then data propagation, which only refines what inference leaves unknown, infers the same sizes. Strict: no
     declared size contradicts an inferred one, and none is left out after an error the lenient inference keeps
     quiet about. Propagation costs a hundred times more (1.5 s of GPT-3 175B's 96 layers, where 0.02 s)."""
-    try:
-        quick = shape_inference.infer_shapes(proto, strict_mode=True, data_prop=False)
-    except Exception:
+    quick = _without_propagation(proto)
+    if quick is None:
         return None
     infos = value_infos(quick)
     for node in quick.graph.node:
@@ -521,9 +520,8 @@ def _refolded_inference(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     and what it checked of the file's shape arithmetic it checked then, the folded chains now constants; what
     it would redo costs more than the rest of an import in a deep export (0.2 s a layer of a Mixtral one, each
     layer's folded constants propagated again)."""
-    try:
-        quick = shape_inference.infer_shapes(proto, strict_mode=True, data_prop=False)
-    except Exception:  # said by the full inference, as it says it
+    quick = _without_propagation(proto)  # (where it fails, the full inference says why, as it says it)
+    if quick is None:
         return None
     if _type_like_first_input(quick):
         return None  # typed by hand: inferred again from there, as the full inference does
@@ -572,10 +570,7 @@ def _strict_inference(proto: onnx.ModelProto, checked: bool = False) -> onnx.Mod
     checkable = checked and not declared and not readers
     unstarted = _no_stored_start(proto)
     if unstarted or checkable:
-        try:
-            quick = shape_inference.infer_shapes(proto, strict_mode=True, data_prop=False)
-        except Exception:  # said below, as the full inference says it
-            quick = None
+        quick = _without_propagation(proto)  # (where it fails, said below, as the full inference says it)
         if quick is not None and unstarted and not _vector_start(quick):
             return quick
         if quick is not None and checkable and _every_size_known(quick):
@@ -675,6 +670,14 @@ def _vector_start(inferred: onnx.ModelProto) -> bool:
                 return True
             read.update(name for name in node.input if name in vectors)
     return any(name in read for node in inferred.graph.node if node.op_type not in PROPAGATING for name in node.input)
+
+
+def _without_propagation(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """Strict inference without data propagation (None where it fails)."""
+    try:
+        return shape_inference.infer_shapes(proto, strict_mode=True, data_prop=False)
+    except Exception:
+        return None
 
 
 def _has_inference_rule(op_type: str, opset: int) -> bool:
